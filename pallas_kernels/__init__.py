@@ -1,0 +1,1 @@
+"""GPU kernels with their pure-jnp references; see each op's folder."""

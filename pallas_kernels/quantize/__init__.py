@@ -1,0 +1,3 @@
+from pallas_kernels.quantize.api import dequantize, quantize
+
+__all__ = ["quantize", "dequantize"]

@@ -1,0 +1,84 @@
+"""Symmetric absmax quantization to int8 and fp8: the definition (pure jnp).
+
+``quantize_reference(x, fmt, reduce_axes, rounding, key)`` returns ``(qvalue, scale)`` with
+``x ≈ qvalue.astype(f32) * scale``; ``scale`` keeps ``x``'s rank (size 1 along
+``reduce_axes``), so per-tensor (reduce every axis), per-row and per-column scales are one
+function. The scale is ``max|x| / qmax`` over ``reduce_axes`` (1 where the max is 0).
+
+Rounding:
+  * ``nearest``: round half to even (int8) / the format's own round-to-nearest (fp8).
+  * ``stochastic``: round up with probability equal to the distance from the lower
+    representable value, so ``E[dequantize(quantize(x))] == x`` (unbiased). Needs ``key``.
+
+This module is the CPU path, the fallback and the test oracle for the Pallas kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+QFORMATS = {
+  # name: (storage dtype, largest representable magnitude, mantissa bits, min normal exponent)
+  "int8": (jnp.int8, 127.0, None, None),
+  "e4m3": (jnp.float8_e4m3fn, 448.0, 3, -6),
+  "e5m2": (jnp.float8_e5m2, 57344.0, 2, -14),
+}
+
+
+def _check(fmt: str, rounding: str, key) -> None:
+  if fmt not in QFORMATS:
+    raise ValueError(f"fmt={fmt!r} is not one of {sorted(QFORMATS)}.")
+  if rounding not in ("nearest", "stochastic"):
+    raise ValueError(f"rounding={rounding!r} must be 'nearest' or 'stochastic'.")
+  if rounding == "stochastic" and key is None:
+    raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...).")
+
+
+def absmax_scale(x: jax.Array, fmt: str, reduce_axes: Sequence[int]) -> jax.Array:
+  """``max|x| / qmax`` over ``reduce_axes`` (kept as size-1 dims), in float32; 1 where 0."""
+  qmax = QFORMATS[fmt][1]
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=tuple(reduce_axes), keepdims=True)
+  return jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
+
+
+def round_to_format(y: jax.Array, fmt: str, rounding: str, key=None) -> jax.Array:
+  """Rounds float32 ``y`` (already scaled into the format's range) and casts to storage."""
+  dtype, qmax, mantissa_bits, min_exp = QFORMATS[fmt]
+  y = y.astype(jnp.float32)
+  if fmt == "int8":
+    if rounding == "stochastic":
+      y = jnp.floor(y + jax.random.uniform(key, y.shape, jnp.float32))
+    else:
+      y = jnp.round(y)
+    return jnp.clip(y, -qmax, qmax).astype(dtype)
+  if rounding == "stochastic":
+    # Spacing of representable values at |y|: 2^(e - mantissa_bits), e = exponent of |y|
+    # (never below the smallest normal exponent: subnormals share its spacing).
+    exponent = jnp.floor(jnp.log2(jnp.maximum(jnp.abs(y), 2.0**min_exp)))
+    ulp = jnp.exp2(exponent - mantissa_bits)
+    lower = jnp.floor(y / ulp) * ulp
+    up = jax.random.uniform(key, y.shape, jnp.float32) < (y - lower) / ulp
+    y = jnp.where(up, lower + ulp, lower)
+  return jnp.clip(y, -qmax, qmax).astype(dtype)
+
+
+def quantize_reference(
+  x: jax.Array,
+  fmt: str,
+  reduce_axes: Sequence[int],
+  rounding: str = "nearest",
+  key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """``(qvalue, scale)``: ``qvalue = round(x / scale)`` in ``fmt``; see the module doc."""
+  _check(fmt, rounding, key)
+  scale = absmax_scale(x, fmt, reduce_axes)
+  qvalue = round_to_format(x.astype(jnp.float32) / scale, fmt, rounding, key)
+  return qvalue, scale
+
+
+def dequantize_reference(qvalue: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """``qvalue * scale`` in ``dtype``."""
+  return (qvalue.astype(jnp.float32) * scale).astype(dtype)

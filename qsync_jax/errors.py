@@ -1,0 +1,29 @@
+"""Errors raised for bad user input.
+
+Every message names the offending input, the constraint it broke and the fix.
+All of them subclass ``ValueError`` so callers that catch ``ValueError`` keep working.
+"""
+
+
+class QsyncError(ValueError):
+  """Base class of qsync-jax input errors."""
+
+
+class PolicyError(QsyncError):
+  """A precision policy (or one of its rules) is malformed."""
+
+
+class UnsupportedPrecisionError(QsyncError):
+  """A policy asks a device type for a precision it cannot run."""
+
+
+class ClusterSpecError(QsyncError):
+  """A cluster spec is malformed."""
+
+
+class PlanError(QsyncError):
+  """A plan is malformed or cannot be executed (e.g. does not fit in memory)."""
+
+
+class CheckpointError(QsyncError):
+  """A checkpoint is corrupted or belongs to a different model or plan."""

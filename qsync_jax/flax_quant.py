@@ -1,0 +1,330 @@
+"""Apply a precision policy to an unmodified ``flax.linen`` model.
+
+``quantize(model, policy)`` returns a ``QuantizedModel`` whose ``init`` / ``apply`` run the
+model under a Flax method interceptor (``nn.intercept_methods``). For each quantizable
+module call the interceptor looks the op up in the policy by its module path and kind, and
+hands the module its quantized op through Flax's own hooks:
+
+===============================  ============================  ===========================
+module                           op kind(s)                    hook
+===============================  ============================  ===========================
+``nn.Dense``                     ``dense``                     ``dot_general=``
+``nn.DenseGeneral``              ``dense_general``             ``dot_general=``
+``nn.Conv``                      ``conv``                      ``conv_general_dilated=``
+``nn.MultiHeadDotProductAttention``  ``attention_qk``, ``attention_pv``  ``*_einsum_cls=``
+``nn.Einsum``                    ``einsum``                    (no hook: its 4-line body)
+``nn.Embed``                     ``embed``, ``embed_attend``   (no hook: its lookup/attend)
+===============================  ============================  ===========================
+
+(The projections of an attention module are ``DenseGeneral`` children, named e.g.
+``Block_0/attn/query``.) The module is re-bound to its own scope with the hook set
+(``module.clone(parent=module.scope, ...)``), so parameters, names and RNG streams are
+those of the plain model. An op no rule matches is not touched: the plain model's code runs,
+bit-identical. Stochastic rounding draws keys from the ``"qsync"`` RNG stream
+(``apply(..., rngs={"qsync": key})``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qsync_jax.policy import PrecisionPolicy, op_name
+from qsync_jax.precision import OpPolicy
+from qsync_jax.qconv import quantized_conv_general_dilated
+from qsync_jax.qdot import quantized_dot_general, quantized_einsum
+
+RNG_COLLECTION = "qsync"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+  """What a tap learns about an op call: its name, kind, module path and operand shapes."""
+
+  name: str
+  path: str
+  kind: str
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  op_policy: OpPolicy
+
+
+Tap = Callable[[OpInfo, jax.Array], jax.Array]
+"""Called with every quantized op's output; returns the (possibly changed) output."""
+
+
+def module_path(module: nn.Module) -> str:
+  return "/".join(str(p) for p in module.scope.path)
+
+
+class _QsyncOp:
+  """Base of the callables handed to Flax hooks; marks a module as already quantized."""
+
+  def __init__(self, info_fn, op_policy: OpPolicy, key, tap: Tap | None):
+    self.info_fn, self.op_policy, self.key, self.tap = info_fn, op_policy, key, tap
+
+  def _tapped(self, lhs, rhs, out):
+    if self.tap is None:
+      return out
+    return self.tap(self.info_fn(tuple(lhs.shape), tuple(rhs.shape)), out)
+
+
+class QuantizedDotGeneral(_QsyncOp):
+  """A ``dot_general`` for Flax's ``dot_general=`` hook."""
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    del precision  # the op policy decides the precision of each leg
+    out = quantized_dot_general(lhs, rhs, dimension_numbers, self.op_policy, self.key, preferred_element_type)
+    return self._tapped(lhs, rhs, out)
+
+
+class QuantizedConv(_QsyncOp):
+  """A ``conv_general_dilated`` for Flax's ``conv_general_dilated=`` hook."""
+
+  def __call__(
+    self,
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count=1,
+    batch_group_count=1,
+    precision=None,
+    preferred_element_type=None,
+  ):
+    del precision
+    if batch_group_count != 1:
+      raise ValueError(f"batch_group_count={batch_group_count} is not supported by quantized convs.")
+    out = quantized_conv_general_dilated(
+      lhs,
+      rhs,
+      window_strides,
+      padding,
+      lhs_dilation,
+      rhs_dilation,
+      dimension_numbers,
+      feature_group_count,
+      op_policy=self.op_policy,
+      key=self.key,
+      out_dtype=preferred_element_type,
+    )
+    return self._tapped(lhs, rhs, out)
+
+
+class QuantizedEinsum(_QsyncOp):
+  """An ``einsum(subscripts, a, b)`` for attention's ``*_einsum_cls`` hooks."""
+
+  def __call__(self, subscripts, lhs, rhs, **kwargs):
+    kwargs.pop("precision", None)
+    out = quantized_einsum(
+      subscripts, lhs, rhs, self.op_policy, self.key, kwargs.pop("preferred_element_type", None)
+    )
+    return self._tapped(lhs, rhs, out)
+
+
+class _Interceptor:
+  def __init__(self, policy: PrecisionPolicy, tap: Tap | None):
+    self.policy, self.tap = policy, tap
+    self.seen: dict[str, OpPolicy | None] = {}
+
+  # -- helpers --------------------------------------------------------------------------
+  def _op(self, module, kind) -> tuple[str, str, OpPolicy | None]:
+    path = module_path(module)
+    name = op_name(path, kind)
+    op_policy = self.policy.lookup(path, kind)
+    self.seen[name] = op_policy
+    return path, name, op_policy
+
+  def _key(self, module, name, op_policy):
+    if not op_policy.needs_rng:
+      return None
+    if module.has_rng(RNG_COLLECTION):
+      return module.make_rng(RNG_COLLECTION)
+    if module.is_initializing():
+      return jax.random.key(0)  # values at init do not depend on rounding noise
+    raise ValueError(
+      f"op {name!r} rounds stochastically ({op_policy}) but no PRNG key was given. "
+      f"Fix: pass rngs={{'{RNG_COLLECTION}': key}} to apply (a fresh key each step)."
+    )
+
+  def _make(self, cls, module, kind):
+    path, name, op_policy = self._op(module, kind)
+    if op_policy is None:
+      return None
+
+    def info_fn(lhs_shape, rhs_shape):
+      return OpInfo(name, path, kind, lhs_shape, rhs_shape, op_policy)
+
+    return cls(info_fn, op_policy, self._key(module, name, op_policy), self.tap)
+
+  def _rebind(self, module, method_name, args, kwargs, **hooks):
+    clone = module.clone(parent=module.scope, **hooks)
+    return getattr(clone, method_name)(*args, **kwargs)
+
+  # -- the interceptor ------------------------------------------------------------------
+  def __call__(self, next_fun, args, kwargs, context):
+    module, method = context.module, context.method_name
+    if isinstance(module, (nn.Dense, nn.DenseGeneral)) and method == "__call__":
+      if isinstance(module.dot_general, _QsyncOp):
+        return next_fun(*args, **kwargs)
+      kind = "dense" if isinstance(module, nn.Dense) else "dense_general"
+      op = self._make(QuantizedDotGeneral, module, kind)
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return self._rebind(module, method, args, kwargs, dot_general=op, dot_general_cls=None)
+    if isinstance(module, nn.Conv) and method == "__call__" and module.shared_weights:
+      if isinstance(module.conv_general_dilated, _QsyncOp):
+        return next_fun(*args, **kwargs)
+      op = self._make(QuantizedConv, module, "conv")
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return self._rebind(
+        module, method, args, kwargs, conv_general_dilated=op, conv_general_dilated_cls=None
+      )
+    if isinstance(module, nn.MultiHeadDotProductAttention) and method == "__call__":
+      if getattr(module.qk_attn_weights_einsum_cls, "_qsync", False):
+        return next_fun(*args, **kwargs)
+      qk = self._make(QuantizedEinsum, module, "attention_qk")
+      pv = self._make(QuantizedEinsum, module, "attention_pv")
+      if qk is None and pv is None:
+        return next_fun(*args, **kwargs)
+      # Flax needs both einsums or neither: an unquantized one keeps jnp.einsum's numerics.
+      return self._rebind(
+        module,
+        method,
+        args,
+        kwargs,
+        qk_attn_weights_einsum_cls=_factory(qk),
+        attn_weights_value_einsum_cls=_factory(pv),
+      )
+    if isinstance(module, nn.Einsum) and method == "__call__":
+      op = self._make(QuantizedEinsum, module, "einsum")
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return _einsum_body(module, op, *args, **kwargs)
+    if isinstance(module, nn.Embed) and method in ("__call__", "attend"):
+      kind = "embed" if method == "__call__" else "embed_attend"
+      op = self._make(QuantizedDotGeneral, module, kind)
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return (_embed_lookup if kind == "embed" else _embed_attend)(module, op, *args, **kwargs)
+    return next_fun(*args, **kwargs)
+
+
+def _factory(op):
+  """An ``*_einsum_cls`` for Flax: returns ``op``, or plain ``jnp.einsum`` when op is None."""
+
+  def make():
+    return jnp.einsum if op is None else op
+
+  make._qsync = True
+  return make
+
+
+def _einsum_body(module: nn.Einsum, op: QuantizedEinsum, inputs, einsum_str=None):
+  """``nn.Einsum.__call__`` with its einsum quantized (nn.Einsum has no dot_general hook)."""
+  einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
+  kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+  bias = None
+  if module.use_bias:
+    bias_shape, broadcasted = module._get_bias_shape(einsum_str, inputs, kernel)
+    bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  y = op(einsum_str, inputs, kernel)
+  if bias is not None:
+    y = y + jnp.reshape(bias, broadcasted)
+  return y
+
+
+def _embed_lookup(module: nn.Embed, op: QuantizedDotGeneral, inputs):
+  """``nn.Embed.__call__`` as the product one_hot(ids) · table at the op's precisions.
+
+  Equivalent to ``jnp.take(table, ids, axis=0)`` computed as a GEMM, so the forward reads a
+  quantized table and the table's gradient (``drhs``) is a GEMM at its own precision.
+  """
+  if not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError(f"Embed {module_path(module)!r}: input dtype {inputs.dtype} must be integer.")
+  (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
+  one_hot = jax.nn.one_hot(inputs, module.num_embeddings, dtype=table.dtype)
+  return op(one_hot, table, (((one_hot.ndim - 1,), (0,)), ((), ())))
+
+
+def _embed_attend(module: nn.Embed, op: QuantizedDotGeneral, query):
+  """``nn.Embed.attend``: ``query · tableᵀ`` at the op's precisions."""
+  query, table = module.promote_dtype(query, module.embedding, dtype=module.dtype)
+  return op(query, table, (((query.ndim - 1,), (1,)), ((), ())))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedModel:
+  """A Flax model run under a precision policy. Mirrors ``nn.Module.init`` / ``apply``."""
+
+  model: nn.Module
+  policy: PrecisionPolicy
+  tap: Tap | None = None
+
+  def _run(self, fn, *args, **kwargs):
+    interceptor = _Interceptor(self.policy, self.tap)
+    with nn.intercept_methods(interceptor):
+      out = fn(*args, **kwargs)
+    return out, interceptor.seen
+
+  def init(self, rngs, *args, **kwargs):
+    return self._run(self.model.init, rngs, *args, **kwargs)[0]
+
+  def apply(self, variables, *args, **kwargs):
+    return self._run(self.model.apply, variables, *args, **kwargs)[0]
+
+  def ops(self, variables, *args, **kwargs) -> dict[str, OpPolicy | None]:
+    """Every quantizable op the model calls (``"path:kind"``) → its op policy (None = float).
+
+    Traces ``apply`` abstractly (``jax.eval_shape``): nothing is computed.
+    """
+    seen = {}
+
+    if self.policy.needs_rng:
+      rngs = dict(kwargs.pop("rngs", None) or {})
+      rngs.setdefault(RNG_COLLECTION, jax.random.key(0))
+      kwargs["rngs"] = rngs
+
+    def run(v, *a):
+      out, s = self._run(self.model.apply, v, *a, **kwargs)
+      seen.update(s)
+      return out
+
+    jax.eval_shape(run, variables, *args)
+    return seen
+
+  def unused_rules(self, variables, *args, **kwargs):
+    return self.policy.unused_rules(self.ops(variables, *args, **kwargs))
+
+
+def quantize(model: nn.Module, policy: PrecisionPolicy | Any, tap: Tap | None = None) -> QuantizedModel:
+  """Runs ``model`` under ``policy`` (a PrecisionPolicy, its JSON object, or a preset name).
+
+  Examples:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp
+    >>> qmodel = quantize(nn.Dense(4), "int8_fwd")
+    >>> x = jnp.ones((2, 3))
+    >>> params = qmodel.init(jax.random.key(0), x)
+    >>> qmodel.apply(params, x).shape
+    (2, 4)
+  """
+  if isinstance(policy, str):
+    policy = PrecisionPolicy.uniform(policy)
+  elif not isinstance(policy, PrecisionPolicy):
+    policy = PrecisionPolicy.from_json(policy)
+  if not isinstance(model, nn.Module):
+    raise TypeError(
+      f"quantize() takes a flax.linen Module, got {type(model).__name__}. "
+      "Fix: pass the model object (e.g. MyModel(...)), not its variables or a function."
+    )
+  return QuantizedModel(model, policy, tap)

@@ -1,0 +1,249 @@
+"""Precision policy: ordered rules that map quantizable ops to op policies.
+
+A rule is a regular expression that must *fully* match an op's module path (e.g.
+``"Block_0/attn/query"``), an optional op kind (``"dense"``, ``"conv"``…) and an
+``OpPolicy``. The first matching rule wins; ``default`` (the JSON key ``"__default__"``)
+applies to ops no rule matches; when there is no default either, the op runs the
+unmodified float op, bit-identical to the plain model.
+
+JSON form::
+
+  {"rules": [{"path": ".*attn.*", "kind": "attention_qk", "policy": "bf16"},
+             {"path": "Dense_.*", "policy": {"fwd": "int8", "dlhs": "fp16", "drhs": "fp16"}}],
+   "__default__": "int8_fwd"}
+
+Examples:
+  >>> policy = PrecisionPolicy.from_json({"rules": [{"path": "Dense_0", "policy": "int8"}]})
+  >>> policy.lookup("Dense_0", "dense").fwd
+  'int8'
+  >>> policy.lookup("Dense_1", "dense") is None
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from qsync_jax.errors import PolicyError
+from qsync_jax.precision import OpPolicy, check_op_policy_on_device, supported_precisions
+
+OP_KINDS = (
+  "dense",
+  "dense_general",
+  "conv",
+  "einsum",
+  "embed",
+  "embed_attend",
+  "attention_qk",
+  "attention_pv",
+)
+"""Kinds of quantizable op. An op's name is ``"<module path>:<kind>"``."""
+
+
+def op_name(path: str, kind: str) -> str:
+  """The stable name of an op: its Flax module path and kind."""
+  return f"{path}:{kind}"
+
+
+def split_op_name(name: str) -> tuple[str, str]:
+  path, _, kind = name.rpartition(":")
+  return path, kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """Ops whose module path fully matches ``path`` (and kind equals ``kind``) get ``policy``."""
+
+  path: str
+  policy: OpPolicy
+  kind: str | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.path, str):
+      raise PolicyError(
+        f"rule path {self.path!r} is a {type(self.path).__name__}, not a string. "
+        "Fix: give a regular expression string, e.g. 'Dense_.*'."
+      )
+    try:
+      re.compile(self.path)
+    except re.error as e:
+      raise PolicyError(
+        f"rule path {self.path!r} is not a valid regular expression ({e}). "
+        "Fix: escape special characters, e.g. 'block\\\\[0\\\\]'."
+      ) from None
+    if self.kind is not None and self.kind not in OP_KINDS:
+      raise PolicyError(
+        f"rule {self.path!r}: kind {self.kind!r} is unknown. Fix: use one of {list(OP_KINDS)} or omit it."
+      )
+    if not isinstance(self.policy, OpPolicy):
+      raise PolicyError(
+        f"rule {self.path!r}: policy must be an OpPolicy, got {type(self.policy).__name__}. "
+        "Fix: use OpPolicy(...) or OpPolicy.preset(name)."
+      )
+
+  def matches(self, path: str, kind: str) -> bool:
+    return (self.kind is None or self.kind == kind) and re.fullmatch(self.path, path) is not None
+
+  def to_json(self) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": self.path, "policy": self.policy.to_json()}
+    if self.kind is not None:
+      out["kind"] = self.kind
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPolicy:
+  """Ordered rules, first match wins, then ``default``; no match → unmodified float op."""
+
+  rules: tuple[Rule, ...] = ()
+  default: OpPolicy | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "rules", tuple(self.rules))
+    for i, rule in enumerate(self.rules):
+      if not isinstance(rule, Rule):
+        raise PolicyError(
+          f"rules[{i}] is a {type(rule).__name__}, not a Rule. Fix: use Rule(path, policy, kind)."
+        )
+
+  # -- lookup ---------------------------------------------------------------------------
+  def match(self, path: str, kind: str) -> tuple[int | None, OpPolicy | None]:
+    """(index of the matching rule or None, the op policy or None)."""
+    for i, rule in enumerate(self.rules):
+      if rule.matches(path, kind):
+        return i, rule.policy
+    return None, self.default
+
+  def lookup(self, path: str, kind: str) -> OpPolicy | None:
+    """The op policy for an op, or None when it must run the unmodified float op."""
+    return self.match(path, kind)[1]
+
+  def lookup_name(self, name: str) -> OpPolicy | None:
+    return self.lookup(*split_op_name(name))
+
+  def unused_rules(self, op_names: Iterable[str]) -> list[Rule]:
+    """Rules that no op of ``op_names`` (``"path:kind"``) resolved to."""
+    used = {self.match(*split_op_name(n))[0] for n in op_names}
+    return [rule for i, rule in enumerate(self.rules) if i not in used]
+
+  def resolve(self, op_names: Iterable[str]) -> dict[str, OpPolicy | None]:
+    """The op policy of every op (None = unmodified float op)."""
+    return {n: self.lookup_name(n) for n in op_names}
+
+  @property
+  def needs_rng(self) -> bool:
+    policies = [r.policy for r in self.rules] + ([self.default] if self.default else [])
+    return any(p.needs_rng for p in policies)
+
+  # -- validation -----------------------------------------------------------------------
+  def validate_for_device(self, device_type: str) -> None:
+    """Raises ``UnsupportedPrecisionError`` naming the first rule ``device_type`` can't run."""
+    supported_precisions(device_type)
+    for i, rule in enumerate(self.rules):
+      check_op_policy_on_device(rule.policy, device_type, f"rules[{i}] (path {rule.path!r})")
+    if self.default is not None:
+      check_op_policy_on_device(self.default, device_type, "__default__")
+
+  # -- construction ---------------------------------------------------------------------
+  @classmethod
+  def uniform(cls, op_policy: OpPolicy | str) -> PrecisionPolicy:
+    """Every quantizable op gets ``op_policy`` (a preset name or an OpPolicy)."""
+    if isinstance(op_policy, str):
+      op_policy = OpPolicy.preset(op_policy)
+    return cls(default=op_policy)
+
+  @classmethod
+  def from_ops(cls, op_policies: Mapping[str, OpPolicy | None]) -> PrecisionPolicy:
+    """One exact rule per op name (``"path:kind"``); ops mapped to None get no rule."""
+    rules = []
+    for name, p in op_policies.items():
+      if p is None:
+        continue
+      path, kind = split_op_name(name)
+      rules.append(Rule(path=re.escape(path), policy=p, kind=kind or None))
+    return cls(rules=tuple(rules))
+
+  # -- JSON -----------------------------------------------------------------------------
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "rules": [r.to_json() for r in self.rules],
+      "__default__": None if self.default is None else self.default.to_json(),
+    }
+
+  def dumps(self) -> str:
+    return json.dumps(self.to_json(), indent=2)
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      f.write(self.dumps() + "\n")
+
+  @classmethod
+  def from_json(cls, obj: Any) -> PrecisionPolicy:
+    if not isinstance(obj, Mapping):
+      raise PolicyError(
+        f"a precision policy must be a JSON object, got {type(obj).__name__}. "
+        'Fix: write {"rules": [...], "__default__": null}.'
+      )
+    unknown = sorted(set(obj) - {"rules", "__default__"})
+    if unknown:
+      raise PolicyError(
+        f"precision policy: unknown key(s) {unknown}. Fix: use only 'rules' and '__default__'."
+      )
+    rules_obj = obj.get("rules", [])
+    if not isinstance(rules_obj, list):
+      raise PolicyError(
+        f"precision policy: 'rules' must be a list, got {type(rules_obj).__name__}. "
+        'Fix: write "rules": [{"path": "...", "policy": "..."}].'
+      )
+    rules = [_rule_from_json(i, r) for i, r in enumerate(rules_obj)]
+    default_obj = obj.get("__default__")
+    default = None if default_obj is None else OpPolicy.from_json(default_obj, "__default__")
+    return cls(rules=tuple(rules), default=default)
+
+  @classmethod
+  def loads(cls, text: str, source: str = "<string>") -> PrecisionPolicy:
+    try:
+      obj = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise PolicyError(
+        f"{source} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}). "
+        "Fix: correct the JSON syntax there."
+      ) from None
+    return cls.from_json(obj)
+
+  @classmethod
+  def load(cls, path: str) -> PrecisionPolicy:
+    with open(path) as f:
+      return cls.loads(f.read(), source=path)
+
+
+def _rule_from_json(i: int, obj: Any) -> Rule:
+  where = f"rules[{i}]"
+  if not isinstance(obj, Mapping):
+    raise PolicyError(
+      f"{where} must be an object, got {type(obj).__name__} {obj!r}. "
+      'Fix: write {"path": "Dense_.*", "policy": "int8"}.'
+    )
+  unknown = sorted(set(obj) - {"path", "kind", "policy"})
+  if unknown:
+    raise PolicyError(f"{where}: unknown key(s) {unknown}. Fix: use only path, kind, policy.")
+  for key in ("path", "policy"):
+    if key not in obj:
+      raise PolicyError(
+        f"{where} has no {key!r}. Fix: every rule needs 'path' (a regex over the module "
+        "path) and 'policy' (a preset name or {fwd, dlhs, drhs})."
+      )
+  kind = obj.get("kind")
+  if kind is not None and not isinstance(kind, str):
+    raise PolicyError(
+      f"{where}: kind must be a string or absent, got {kind!r}. Fix: one of {list(OP_KINDS)}."
+    )
+  policy = OpPolicy.from_json(obj["policy"], f"{where} (path {obj['path']!r})")
+  try:
+    return Rule(path=obj["path"], policy=policy, kind=kind)
+  except PolicyError as e:
+    raise PolicyError(f"{where}: {e}") from None

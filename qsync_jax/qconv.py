@@ -1,0 +1,110 @@
+"""Quantized ``conv_general_dilated``.
+
+* All three legs at one float precision (fp32 / tf32 / bf16 / fp16): the native convolution
+  on operands cast to that precision; autodiff gives both gradients at the same precision.
+* Otherwise (any int8 / fp8 leg, or legs that differ): the convolution is lowered to a GEMM
+  (im2col: ``lax.conv_general_dilated_patches``, then ``quantized_dot_general`` over the
+  flattened ``C·kh·kw`` contraction), so every leg runs at its own precision through the
+  same code as Dense layers. The patch extraction is linear and exact (``HIGHEST``), and its
+  transpose (the scatter back to the input gradient) runs in float32.
+
+Residual memory of the im2col path: the int8 *patches* are saved, i.e. ``prod(kernel)``
+times the input's element count at one byte per element (2.25× the fp32 input for a 3×3
+kernel). Grouped convolutions run quantized legs only at float precisions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qsync_jax.precision import FLOAT_PRECISIONS, OpPolicy
+from qsync_jax.qdot import FLOAT_DTYPES, LAX_PRECISION, quantized_dot_general
+
+_SPATIAL = "DHW"
+
+
+def _nd_specs(n_spatial: int) -> tuple[str, str, str]:
+  spatial = _SPATIAL[-n_spatial:] if n_spatial <= 3 else None
+  if spatial is None:
+    raise NotImplementedError(f"im2col supports 1-3 spatial dims, got {n_spatial}.")
+  return f"N{spatial}C", f"{spatial}IO", f"N{spatial}C"
+
+
+def is_native(op_policy: OpPolicy) -> bool:
+  """Whether the op runs as a native convolution (uniform float legs)."""
+  p = op_policy.fwd
+  return p in FLOAT_PRECISIONS and op_policy.dlhs == p and op_policy.drhs == p
+
+
+def quantized_conv_general_dilated(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  window_strides,
+  padding,
+  lhs_dilation=None,
+  rhs_dilation=None,
+  dimension_numbers=None,
+  feature_group_count: int = 1,
+  *,
+  op_policy: OpPolicy,
+  key: jax.Array | None = None,
+  out_dtype=None,
+) -> jax.Array:
+  """``lax.conv_general_dilated`` with per-leg precisions; see the module docstring."""
+  if out_dtype is None:
+    out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+  n_spatial = lhs.ndim - 2
+  lhs_dilation = lhs_dilation or (1,) * n_spatial
+  rhs_dilation = rhs_dilation or (1,) * n_spatial
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  if is_native(op_policy):
+    dtype = FLOAT_DTYPES.get(op_policy.fwd, jnp.float32)
+    out = lax.conv_general_dilated(
+      lhs.astype(dtype),
+      rhs.astype(dtype),
+      window_strides,
+      padding,
+      lhs_dilation,
+      rhs_dilation,
+      dn,
+      feature_group_count,
+      precision=LAX_PRECISION.get(op_policy.fwd),
+    )
+    return out.astype(out_dtype)
+  if feature_group_count != 1:
+    raise ValueError(
+      f"grouped convolution (feature_group_count={feature_group_count}) cannot run op policy "
+      f"{op_policy}: int8/fp8 and mixed legs use im2col, which needs ungrouped convolutions. "
+      "Fix: give this op a uniform float policy (e.g. 'bf16') with a rule."
+    )
+  lhs_spec, rhs_spec, out_spec = dn
+  x = jnp.transpose(lhs, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))  # N, spatial..., C
+  w = jnp.transpose(rhs, (rhs_spec[1], *rhs_spec[2:], rhs_spec[0]))  # I, spatial..., O
+  filter_shape = w.shape[1:-1]
+  patches = lax.conv_general_dilated_patches(
+    x,
+    filter_shape,
+    window_strides,
+    padding,
+    lhs_dilation,
+    rhs_dilation,
+    _nd_specs(n_spatial),
+    precision=lax.Precision.HIGHEST,
+  )  # N, spatial'..., C·prod(filter) flattened C-major, the same order as w's leading dims
+  w_mat = w.reshape(-1, w.shape[-1])
+  y = quantized_dot_general(
+    patches,
+    w_mat,
+    (((patches.ndim - 1,), (0,)), ((), ())),
+    op_policy,
+    key,
+    out_dtype,
+  )  # N, spatial'..., O
+  # Current axis of each logical output dim (N, O, spatial...).
+  current = (0, y.ndim - 1, *range(1, y.ndim - 1))
+  perm = [0] * y.ndim
+  for logical, axis in enumerate(out_spec):
+    perm[axis] = current[logical]
+  return jnp.transpose(y, perm)
