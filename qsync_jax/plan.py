@@ -1,0 +1,180 @@
+"""Plan: one precision policy per device group, plus what justified it.
+
+The allocator writes a plan, a person may edit it, the trainer executes it. A group the plan
+does not name runs the unmodified float model (an empty policy). ``batch_per_device``
+optionally overrides the cluster spec's per-device batch of some groups (dynamic batch
+sizing, the paper's baseline); ``predictions`` is free-form JSON (predicted step time,
+memory…) that the trainer stores but never reads.
+
+JSON form::
+
+  {"policies": {"infer": {"rules": [...], "__default__": "int8_fwd"}, "train": "fp32"},
+   "batch_per_device": {"infer": 16},
+   "predictions": {"step_time_s": 0.21}}
+
+(a policy may also be given as a preset name, meaning that preset for every op).
+
+Examples:
+  >>> plan = Plan.from_json({"policies": {"infer": "int8_fwd"}})
+  >>> plan.policy_for("infer").default.fwd, plan.policy_for("train").default is None
+  ('int8', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.errors import PlanError, PolicyError, UnsupportedPrecisionError
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import OpPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Precision policy per device group name; optional per-device batch overrides; predictions."""
+
+  policies: Mapping[str, PrecisionPolicy] = dataclasses.field(default_factory=dict)
+  batch_per_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  predictions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    object.__setattr__(self, "policies", dict(self.policies))
+    object.__setattr__(self, "batch_per_device", dict(self.batch_per_device))
+    object.__setattr__(self, "predictions", dict(self.predictions))
+    for group, policy in self.policies.items():
+      if not isinstance(policy, PrecisionPolicy):
+        raise PlanError(
+          f"plan: policy of group {group!r} is a {type(policy).__name__}, not a PrecisionPolicy. "
+          "Fix: use PrecisionPolicy(...) or PrecisionPolicy.uniform(preset)."
+        )
+    for group, b in self.batch_per_device.items():
+      if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+        raise PlanError(
+          f"plan: batch_per_device[{group!r}]={b!r} must be a positive integer. Fix: set it to 1 or more."
+        )
+
+  def policy_for(self, group: str) -> PrecisionPolicy:
+    """The group's policy; an empty policy (unmodified float model) when the plan has none."""
+    return self.policies.get(group, PrecisionPolicy())
+
+  def validate_for(self, cluster: ClusterSpec) -> None:
+    """Raises ``PlanError`` if the plan names unknown groups or a group's device can't run its policy."""
+    names = set(cluster.group_names)
+    for field in ("policies", "batch_per_device"):
+      unknown = sorted(set(getattr(self, field)) - names)
+      if unknown:
+        raise PlanError(
+          f"plan: {field} names group(s) {unknown} that cluster {cluster.name!r} does not have. "
+          f"Fix: use the cluster's group names {list(cluster.group_names)}."
+        )
+    for group in cluster.groups:
+      try:
+        self.policy_for(group.name).validate_for_device(group.device_type)
+      except (UnsupportedPrecisionError, PolicyError) as e:
+        raise PlanError(f"plan: group {group.name!r} ({group.device_type}): {e}") from None
+
+  def apply_to(self, cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster with this plan's per-device batch overrides applied (after validation)."""
+    self.validate_for(cluster)
+    return cluster.with_batch_per_device(self.batch_per_device)
+
+  @property
+  def needs_fp16_loss_scaling(self) -> bool:
+    """True when any group's policy runs some leg in fp16 (the trainer then scales the loss)."""
+    return any(_has_fp16(p) for p in self.policies.values())
+
+  def fingerprint(self) -> str:
+    """Hash of what changes training (policies and batches); predictions excluded."""
+    obj = {
+      "policies": self.to_json()["policies"],
+      "batch_per_device": dict(sorted(self.batch_per_device.items())),
+    }
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+  # -- construction ---------------------------------------------------------------------
+  @classmethod
+  def uniform(cls, cluster: ClusterSpec, policy: PrecisionPolicy | str) -> Plan:
+    """Every group of ``cluster`` runs ``policy`` (a PrecisionPolicy or preset name)."""
+    if isinstance(policy, str):
+      policy = PrecisionPolicy.uniform(policy)
+    return cls(policies={g: policy for g in cluster.group_names})
+
+  # -- JSON -----------------------------------------------------------------------------
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "policies": {g: p.to_json() for g, p in sorted(self.policies.items())},
+      "batch_per_device": dict(self.batch_per_device),
+      "predictions": dict(self.predictions),
+    }
+
+  def dumps(self) -> str:
+    return json.dumps(self.to_json(), indent=2, default=str)
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      f.write(self.dumps() + "\n")
+
+  @classmethod
+  def from_json(cls, obj: Any) -> Plan:
+    if not isinstance(obj, Mapping):
+      raise PlanError(
+        f"a plan must be a JSON object, got {type(obj).__name__}. "
+        'Fix: write {"policies": {"<group>": {...}}, "batch_per_device": {}, "predictions": {}}.'
+      )
+    unknown = sorted(set(obj) - {"policies", "batch_per_device", "predictions"})
+    if unknown:
+      raise PlanError(
+        f"plan: unknown key(s) {unknown}. Fix: use only 'policies', 'batch_per_device', 'predictions'."
+      )
+    for key in ("policies", "batch_per_device", "predictions"):
+      if not isinstance(obj.get(key, {}), Mapping):
+        raise PlanError(
+          f"plan: {key!r} must be an object keyed by group name, got {type(obj[key]).__name__}. "
+          f'Fix: write "{key}": {{"<group>": ...}}.'
+        )
+    policies = {}
+    for group, p in obj.get("policies", {}).items():
+      try:
+        policies[group] = PrecisionPolicy.uniform(p) if isinstance(p, str) else PrecisionPolicy.from_json(p)
+      except PolicyError as e:
+        raise PlanError(f"plan: policy of group {group!r}: {e}") from None
+    return cls(
+      policies=policies,
+      batch_per_device=dict(obj.get("batch_per_device", {})),
+      predictions=dict(obj.get("predictions", {})),
+    )
+
+  @classmethod
+  def loads(cls, text: str, source: str = "<string>") -> Plan:
+    try:
+      obj = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise PlanError(
+        f"{source} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}). "
+        "Fix: correct the JSON syntax there."
+      ) from None
+    try:
+      return cls.from_json(obj)
+    except PlanError as e:
+      raise PlanError(f"{source}: {e}") from None
+
+  @classmethod
+  def load(cls, path: str) -> Plan:
+    try:
+      with open(path) as f:
+        text = f.read()
+    except OSError as e:
+      raise PlanError(
+        f"plan {path!r} cannot be read ({e.strerror}). Fix: pass the path of a plan JSON."
+      ) from None
+    return cls.loads(text, source=str(path))
+
+
+def _has_fp16(policy: PrecisionPolicy) -> bool:
+  ops: list[OpPolicy] = [r.policy for r in policy.rules] + ([policy.default] if policy.default else [])
+  return any("fp16" in op.precisions for op in ops)
