@@ -1,0 +1,1 @@
+"""Unmodified ``flax.linen`` models of the examples."""

@@ -1,0 +1,68 @@
+"""ResNet with BasicBlocks and BatchNorm (He et al., 2016), sized by its config.
+
+The defaults are a tiny 3-stage network for 8×8 digits on a CPU; ResNet-18 is
+``ResNet(stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512), imagenet_stem=True)``.
+Module paths read ``stem``, ``stage1_block0/conv1``, ``stage1_block0/proj``, ``head``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class BasicBlock(nn.Module):
+  """Two 3×3 convs with BatchNorm and a residual (a 1×1 projection when the shape changes)."""
+
+  features: int
+  strides: int = 1
+  dtype: jnp.dtype | None = None
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    norm = lambda name, **kw: nn.BatchNorm(  # noqa: E731
+      use_running_average=not train, momentum=0.9, dtype=self.dtype, name=name, **kw
+    )
+    y = nn.Conv(
+      self.features, (3, 3), self.strides, padding="SAME", use_bias=False, dtype=self.dtype, name="conv1"
+    )(x)
+    y = nn.relu(norm("bn1")(y))
+    y = nn.Conv(self.features, (3, 3), padding="SAME", use_bias=False, dtype=self.dtype, name="conv2")(y)
+    y = norm("bn2", scale_init=nn.initializers.zeros)(y)
+    if x.shape != y.shape:
+      x = nn.Conv(self.features, (1, 1), self.strides, use_bias=False, dtype=self.dtype, name="proj")(x)
+      x = norm("proj_bn")(x)
+    return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+  """Image classifier: NHWC float images → logits (float32)."""
+
+  stage_sizes: tuple[int, ...] = (1, 1, 1)
+  widths: tuple[int, ...] = (16, 32, 64)
+  num_classes: int = 10
+  imagenet_stem: bool = False  # 7×7/2 conv + 3×3/2 max-pool (for 224×224 inputs)
+  dtype: jnp.dtype | None = None
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    if len(self.stage_sizes) != len(self.widths):
+      raise ValueError(
+        f"ResNet: stage_sizes={self.stage_sizes} and widths={self.widths} must have the same length. "
+        "Fix: give one width per stage."
+      )
+    stem_kernel, stem_stride = ((7, 7), 2) if self.imagenet_stem else ((3, 3), 1)
+    x = nn.Conv(
+      self.widths[0], stem_kernel, stem_stride, padding="SAME", use_bias=False, dtype=self.dtype, name="stem"
+    )(x)
+    x = nn.relu(
+      nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype, name="stem_bn")(x)
+    )
+    if self.imagenet_stem:
+      x = nn.max_pool(x, (3, 3), (2, 2), padding="SAME")
+    for i, (blocks, width) in enumerate(zip(self.stage_sizes, self.widths)):
+      for j in range(blocks):
+        strides = 2 if (i > 0 and j == 0) else 1
+        x = BasicBlock(width, strides, self.dtype, name=f"stage{i + 1}_block{j}")(x, train)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x).astype(jnp.float32)

@@ -1,0 +1,1 @@
+"""``qsync_jax.task.Task`` builders for the examples (see ``examples.registry``)."""
