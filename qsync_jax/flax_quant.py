@@ -33,6 +33,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from qsync_jax.policy import PrecisionPolicy, op_name
 from qsync_jax.precision import OpPolicy
@@ -44,7 +45,14 @@ RNG_COLLECTION = "qsync"
 
 @dataclasses.dataclass(frozen=True)
 class OpInfo:
-  """What a tap learns about an op call: its name, kind, module path and operand shapes."""
+  """What a tap learns about an op call: its name, kind, module path and operand shapes.
+
+  ``lhs`` / ``rhs`` are the call's operands (X and W; Q and K, or P and V for attention) and
+  ``rerun(op_policy, lhs, rhs)`` computes the same op (same dimension numbers, strides...) on
+  other operands and/or at another op policy; ``op_policy=None`` runs the plain float op
+  (``lax.dot_general`` / ``lax.conv_general_dilated``, differentiable to any order). Probes
+  and indicators use them; they take no part in equality or hashing.
+  """
 
   name: str
   path: str
@@ -52,6 +60,9 @@ class OpInfo:
   lhs_shape: tuple[int, ...]
   rhs_shape: tuple[int, ...]
   op_policy: OpPolicy
+  lhs: Any = dataclasses.field(default=None, compare=False, repr=False)
+  rhs: Any = dataclasses.field(default=None, compare=False, repr=False)
+  rerun: Callable[..., jax.Array] | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 Tap = Callable[[OpInfo, jax.Array], jax.Array]
@@ -68,10 +79,10 @@ class _QsyncOp:
   def __init__(self, info_fn, op_policy: OpPolicy, key, tap: Tap | None):
     self.info_fn, self.op_policy, self.key, self.tap = info_fn, op_policy, key, tap
 
-  def _tapped(self, lhs, rhs, out):
+  def _tapped(self, lhs, rhs, out, rerun=None):
     if self.tap is None:
       return out
-    return self.tap(self.info_fn(tuple(lhs.shape), tuple(rhs.shape)), out)
+    return self.tap(self.info_fn(lhs, rhs, rerun), out)
 
 
 class QuantizedDotGeneral(_QsyncOp):
@@ -80,7 +91,13 @@ class QuantizedDotGeneral(_QsyncOp):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     del precision  # the op policy decides the precision of each leg
     out = quantized_dot_general(lhs, rhs, dimension_numbers, self.op_policy, self.key, preferred_element_type)
-    return self._tapped(lhs, rhs, out)
+
+    def rerun(op_policy, lhs, rhs, key=None):
+      if op_policy is None:
+        return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type)
+      return quantized_dot_general(lhs, rhs, dimension_numbers, op_policy, key, preferred_element_type)
+
+    return self._tapped(lhs, rhs, out, rerun)
 
 
 class QuantizedConv(_QsyncOp):
@@ -103,20 +120,17 @@ class QuantizedConv(_QsyncOp):
     del precision
     if batch_group_count != 1:
       raise ValueError(f"batch_group_count={batch_group_count} is not supported by quantized convs.")
-    out = quantized_conv_general_dilated(
-      lhs,
-      rhs,
-      window_strides,
-      padding,
-      lhs_dilation,
-      rhs_dilation,
-      dimension_numbers,
-      feature_group_count,
-      op_policy=self.op_policy,
-      key=self.key,
-      out_dtype=preferred_element_type,
-    )
-    return self._tapped(lhs, rhs, out)
+    conv_args = (window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers, feature_group_count)
+
+    def rerun(op_policy, lhs, rhs, key=None):
+      if op_policy is None:
+        return lax.conv_general_dilated(lhs, rhs, *conv_args, preferred_element_type=preferred_element_type)
+      return quantized_conv_general_dilated(
+        lhs, rhs, *conv_args, op_policy=op_policy, key=key, out_dtype=preferred_element_type
+      )
+
+    out = rerun(self.op_policy, lhs, rhs, self.key)
+    return self._tapped(lhs, rhs, out, rerun)
 
 
 class QuantizedEinsum(_QsyncOp):
@@ -124,10 +138,15 @@ class QuantizedEinsum(_QsyncOp):
 
   def __call__(self, subscripts, lhs, rhs, **kwargs):
     kwargs.pop("precision", None)
-    out = quantized_einsum(
-      subscripts, lhs, rhs, self.op_policy, self.key, kwargs.pop("preferred_element_type", None)
-    )
-    return self._tapped(lhs, rhs, out)
+    out_dtype = kwargs.pop("preferred_element_type", None)
+    out = quantized_einsum(subscripts, lhs, rhs, self.op_policy, self.key, out_dtype)
+
+    def rerun(op_policy, lhs, rhs, key=None):
+      if op_policy is None:
+        return jnp.einsum(subscripts, lhs, rhs, preferred_element_type=out_dtype)
+      return quantized_einsum(subscripts, lhs, rhs, op_policy, key, out_dtype)
+
+    return self._tapped(lhs, rhs, out, rerun)
 
 
 class _Interceptor:
@@ -160,8 +179,8 @@ class _Interceptor:
     if op_policy is None:
       return None
 
-    def info_fn(lhs_shape, rhs_shape):
-      return OpInfo(name, path, kind, lhs_shape, rhs_shape, op_policy)
+    def info_fn(lhs, rhs, rerun):
+      return OpInfo(name, path, kind, tuple(lhs.shape), tuple(rhs.shape), op_policy, lhs, rhs, rerun)
 
     return cls(info_fn, op_policy, self._key(module, name, op_policy), self.tap)
 
