@@ -1,0 +1,86 @@
+"""Multi-process runs: ``jax.distributed`` start-up and a step watchdog.
+
+The same trainer runs as N processes (one per host, or several per host on the CPU); each
+calls ``initialize`` first, then builds the trainer over ``jax.devices()`` (all processes'
+devices). Collectives go through the existing engines: NCCL on GPUs, gloo on the CPU.
+
+A dead peer must not hang the others. JAX's coordination service notices a missing heartbeat
+(``heartbeat_timeout_s``) and gloo fails a collective whose peer closed its socket, but a
+peer that stops answering can still leave a collective waiting. ``Watchdog`` bounds that: if
+no step finishes within ``timeout_s`` it prints one clear line to stderr and ends the
+process with ``EXIT_PEER_LOST``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import jax
+
+EXIT_PEER_LOST = 3
+
+
+def initialize(
+  coordinator: str,
+  num_processes: int,
+  process_id: int,
+  *,
+  local_device_count: int | None = None,
+  init_timeout_s: int = 60,
+  heartbeat_timeout_s: int = 10,
+) -> None:
+  """Joins a ``num_processes``-process job coordinated at ``coordinator`` (``host:port``).
+
+  On the CPU, ``local_device_count`` simulated devices per process and gloo collectives.
+  Must run before anything touches a device.
+  """
+  platforms = os.environ.get("JAX_PLATFORMS", "") or str(jax.config.jax_platforms or "")
+  if platforms in ("", "cpu") or local_device_count:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if local_device_count:
+    jax.config.update("jax_num_cpu_devices", int(local_device_count))
+  jax.distributed.initialize(
+    coordinator_address=coordinator,
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=init_timeout_s,
+    heartbeat_timeout_seconds=heartbeat_timeout_s,
+  )
+
+
+class Watchdog:
+  """Ends the process if ``beat()`` is not called for ``timeout_s`` seconds (after ``start()``)."""
+
+  def __init__(self, timeout_s: float, what: str = "a training step"):
+    self.timeout_s, self.what = float(timeout_s), what
+    self._last = time.monotonic()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._watch, name="qsync-watchdog", daemon=True)
+
+  def start(self) -> Watchdog:
+    self._last = time.monotonic()
+    self._thread.start()
+    return self
+
+  def beat(self) -> None:
+    self._last = time.monotonic()
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def _watch(self) -> None:
+    while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+      idle = time.monotonic() - self._last
+      if idle > self.timeout_s:
+        print(
+          f"qsync: error: {self.what} made no progress for {idle:.0f} s (limit {self.timeout_s:.0f} s): "
+          f"a peer process has probably died or hangs (process {jax.process_index()} of "
+          f"{jax.process_count()}). Fix: check the other processes' logs, then restart all of them "
+          "with --resume.",
+          file=sys.stderr,
+          flush=True,
+        )
+        os._exit(EXIT_PEER_LOST)

@@ -1,0 +1,357 @@
+"""One synchronous data-parallel training step over hybrid device groups.
+
+The step is one SPMD program: ``shard_map`` over the ``data`` mesh axis, one device per
+position. Every device runs its group's precision policy: the model is quantized once per
+distinct (policy, per-device batch) pair — a *branch* — and ``lax.switch`` on the device's
+branch index (a constant table indexed by ``lax.axis_index``) picks the branch; a cluster with
+one branch calls it directly.
+
+Semantics, per step, with ``b_i`` the per-device batch of device ``i`` and ``B = Σ b_i``:
+
+* the global batch is cut in device order (``qsync_jax.batching``); each branch slices its
+  static ``b_i`` rows, so padding never reaches the model;
+* device ``i`` computes ``g_i = ∇ mean_loss_i`` of its fp32 master params (under its policy)
+  and hands ``(b_i / B) · g_i`` to the gradient sync, which combines the devices' weighted
+  gradients (default: fp32 ``psum``), so the result equals the full-batch gradient;
+* the loss and metrics reported are the same ``b_i / B``-weighted sums (= full-batch means);
+* mutable collections (BatchNorm statistics) are *synchronized*: every device normalizes with
+  its own batch's statistics (as in DDP without SyncBN), and the running statistics kept in the
+  state are the ``b_i / B``-weighted average of the devices' updated ones, so replicas agree;
+* master params, optimizer state and model state are fp32 and replicated; the optimizer
+  (optax) runs on every device on the same combined gradient;
+* with dynamic loss scaling (plans with an fp16 leg) the local loss is multiplied by the
+  scale before differentiation and the gradient divided by it (fp32) before the sync; a step
+  whose combined gradient is not finite on any device is skipped everywhere.
+
+Gradients of replicated params are taken w.r.t. params cast to *varying* (``pcast``): under
+``check_vma`` the gradient of an invariant input would come back already summed over the
+axis, and the sync would count it twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qsync_jax.batching import pad_shards, put_replicated, put_sharded
+from qsync_jax.cluster import ClusterSpec, assign_devices
+from qsync_jax.flax_quant import RNG_COLLECTION, quantize
+from qsync_jax.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.task import Task
+
+AXIS = "data"
+
+GradSync = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
+"""``(weighted_local_grads, sync_state, key) -> (combined_grads, sync_state)``.
+
+Called inside ``shard_map`` with axis name ``"data"``. ``weighted_local_grads`` is this
+device's fp32 gradient times its share of the global batch; ``combined_grads`` must be the
+same on every device (typed invariant, e.g. the result of a ``psum``). ``sync_state`` is this
+device's own state (error feedback, EMAs…): if the callable has an ``init(params)`` method its
+result is the initial per-device state, else the state is ``()``. ``key`` is one PRNG key per
+step, the same on every device (fold in ``lax.axis_index("data")`` for per-device noise).
+"""
+
+
+def psum_sync(weighted_local_grads, sync_state, key):
+  """Default ``GradSync``: the fp32 sum over ``data`` of the weighted local gradients."""
+  del key
+  return lax.psum(jax.tree.map(lambda g: g.astype(jnp.float32), weighted_local_grads), AXIS), sync_state
+
+
+# -- jax version compatibility ----------------------------------------------------------------
+def shard_map(f, *, mesh, in_specs, out_specs):
+  """``jax.shard_map`` where present, else ``jax.experimental.shard_map.shard_map``."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  from jax.experimental.shard_map import shard_map as _shard_map  # older jax
+
+  return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def to_varying(tree, axis_name: str = AXIS):
+  """Types every leaf as varying over ``axis_name`` without changing its value."""
+
+  def cast(x):
+    if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
+      return x
+    if hasattr(lax, "pcast"):
+      return lax.pcast(x, (axis_name,), to="varying")
+    return lax.pvary(x, (axis_name,))
+
+  return jax.tree.map(cast, tree)
+
+
+# -- state ------------------------------------------------------------------------------------
+class TrainState(NamedTuple):
+  """Everything a step reads and writes. All replicated except ``sync_state`` (one per device,
+  stacked on a leading axis sharded over ``data``)."""
+
+  step: jax.Array  # int32 scalar: steps taken (skipped steps included)
+  params: Any  # fp32 master weights
+  opt_state: Any  # optax state
+  model_state: Any  # non-param collections (e.g. {"batch_stats": ...})
+  rng: jax.Array  # uint32 key data of the training key; step keys fold in ``step``
+  loss_scale: LossScaleState
+  sync_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+  """A distinct (policy, per-device batch) and the device groups that run it."""
+
+  groups: tuple[str, ...]
+  policy: PrecisionPolicy
+  batch_per_device: int
+
+
+def plan_branches(cluster: ClusterSpec, plan: Plan) -> tuple[tuple[Branch, ...], tuple[int, ...]]:
+  """The branches of ``plan`` on ``cluster`` (batches already applied) and each device's branch."""
+  keys: dict[tuple[str, int], int] = {}
+  groups: list[list[str]] = []
+  specs: list[tuple[PrecisionPolicy, int]] = []
+  group_branch = []
+  for g in cluster.groups:
+    policy = plan.policy_for(g.name)
+    key = (json.dumps(policy.to_json(), sort_keys=True), g.batch_per_device)
+    if key not in keys:
+      keys[key] = len(specs)
+      specs.append((policy, g.batch_per_device))
+      groups.append([])
+    groups[keys[key]].append(g.name)
+    group_branch.append(keys[key])
+  branches = tuple(Branch(tuple(n), p, b) for n, (p, b) in zip(groups, specs))
+  return branches, tuple(group_branch[i] for i in cluster.device_group_indices())
+
+
+def _float32(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """A compiled hybrid data-parallel step and what it needs to run.
+
+  ``step(state, sharded_batch) -> (state, metrics)`` (plus the combined gradient when built
+  with ``return_grads=True``); ``init(seed, host_batch)`` makes the first state;
+  ``shard(host_batch)`` cuts a global batch into per-device shards on the mesh.
+  """
+
+  task: Task
+  cluster: ClusterSpec  # plan's batch overrides applied
+  plan: Plan
+  mesh: Mesh
+  branches: tuple[Branch, ...]
+  device_branch: tuple[int, ...]
+  optimizer: optax.GradientTransformation
+  loss_scale: Any
+  sync_init: Callable[[Any], Any]
+  step: Callable
+  state_sharding: Any
+
+  @property
+  def global_batch(self) -> int:
+    return self.cluster.global_batch
+
+  def __call__(self, state: TrainState, batch):
+    return self.step(state, batch)
+
+  def shard(self, host_batch):
+    """Host global batch (``global_batch`` rows) → padded per-device shards on the mesh."""
+    return put_sharded(pad_shards(host_batch, self.cluster.device_batch_sizes()), self.mesh, AXIS)
+
+  def init(self, seed: int, host_batch) -> TrainState:
+    """Initial state: params from ``task.model.init`` (fp32), fresh optimizer/loss-scale/sync state."""
+    task, n = self.task, self.mesh.size
+    sample = jax.tree.map(lambda x: np.asarray(x)[: self.cluster.max_batch_per_device], host_batch)
+    sample = put_replicated(sample, self.mesh)
+    optimizer = self.optimizer
+
+    def init(sample):
+      init_key, train_key = jax.random.split(jax.random.key(seed))
+      keys = jax.random.split(init_key, 2 + len(task.rng_streams))
+      rngs = {"params": keys[0], RNG_COLLECTION: keys[1]}
+      rngs.update({s: k for s, k in zip(task.rng_streams, keys[2:])})
+      variables = task.model.init(rngs, *task.inputs(sample), **task.train_kwargs)
+      variables = _float32(dict(variables))
+      params = variables.pop("params")
+      one = self.sync_init(params)
+      return TrainState(
+        step=jnp.int32(0),
+        params=params,
+        opt_state=_optimizer_init(optimizer, params),
+        model_state=variables,
+        rng=jax.random.key_data(train_key),
+        loss_scale=self.loss_scale.init(),
+        sync_state=jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), one),
+      )
+
+    return jax.jit(init, out_shardings=self.state_sharding)(sample)
+
+
+def _optimizer_init(optimizer, params):
+  with jax.numpy_dtype_promotion("standard"):
+    return optimizer.init(params)
+
+
+def _sync_init(grad_sync) -> Callable[[Any], Any]:
+  init = getattr(grad_sync, "init", None)
+  return init if callable(init) else (lambda params: ())
+
+
+def make_train_step(
+  task: Task,
+  cluster: ClusterSpec,
+  plan: Plan | None,
+  optimizer: optax.GradientTransformation,
+  grad_sync: GradSync | None = None,
+  *,
+  devices: Sequence[Any] | None = None,
+  loss_scale: DynamicLossScale | NoLossScale | None = None,
+  return_grads: bool = False,
+  donate: bool | None = None,
+) -> TrainStep:
+  """Builds the hybrid synchronous data-parallel step of ``task`` on ``cluster`` under ``plan``.
+
+  Args:
+    task: the model, its inputs, loss and data.
+    cluster: device groups; device ``i`` of ``devices`` belongs to ``cluster.device_group_indices()[i]``.
+    plan: one precision policy per group (None: every group runs the float model) and optional
+      per-device batch overrides.
+    optimizer: an optax transformation, applied to the combined fp32 gradient.
+    grad_sync: a ``GradSync`` (default ``psum_sync``).
+    devices: the devices of the job, in order (default ``jax.devices()``: all processes').
+    loss_scale: default ``DynamicLossScale()`` when the plan has an fp16 leg, else ``NoLossScale()``.
+    return_grads: the step also returns the combined (unscaled) gradient.
+    donate: donate the input state's buffers (default: on accelerators, not on the CPU).
+  """
+  plan = plan if plan is not None else Plan()
+  cluster = plan.apply_to(cluster)
+  devices = list(jax.devices() if devices is None else devices)
+  assign_devices(cluster, devices)
+  mesh = Mesh(np.asarray(devices), (AXIS,))
+  grad_sync = grad_sync if grad_sync is not None else psum_sync
+  if loss_scale is None:
+    loss_scale = DynamicLossScale() if plan.needs_fp16_loss_scaling else NoLossScale()
+  branches, device_branch = plan_branches(cluster, plan)
+  global_batch = cluster.global_batch
+  mutable = tuple(task.mutable)
+
+  def branch_fn(branch: Branch):
+    qmodel = quantize(task.model, branch.policy)
+    b, weight = branch.batch_per_device, branch.batch_per_device / global_batch
+
+    def run(params, model_state, batch, rngs, scale):
+      local = jax.tree.map(lambda x: x[:b], batch)
+
+      def loss_fn(p):
+        variables = {"params": p, **model_state}
+        kwargs = dict(task.train_kwargs, rngs=rngs)
+        if mutable:
+          out, updated = qmodel.apply(variables, *task.inputs(local), mutable=list(mutable), **kwargs)
+        else:
+          out, updated = qmodel.apply(variables, *task.inputs(local), **kwargs), {}
+        loss, metrics = task.loss(out, local)
+        loss = loss.astype(jnp.float32)
+        scaled = loss * scale if loss_scale.enabled else loss
+        return scaled, (loss, metrics, updated)
+
+      grads, (loss, metrics, updated) = jax.grad(loss_fn, has_aux=True)(params)
+      factor = weight / scale if loss_scale.enabled else jnp.float32(weight)
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32) * factor, grads)
+      scalars = jnp.stack([loss, *(jnp.asarray(v, jnp.float32) for v in metrics.values())]) * weight
+      new_state = {c: updated.get(c, model_state[c]) for c in model_state}
+      new_state = jax.tree.map(lambda x: x * weight if _is_float(x) else x, new_state)
+      return grads, scalars, new_state, tuple(metrics)
+
+    return run
+
+  runs = [branch_fn(b) for b in branches]
+  table = np.asarray(device_branch, np.int32)
+  metric_names: list[tuple[str, ...]] = []
+
+  def local_step(state: TrainState, batch):
+    index = lax.axis_index(AXIS)
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    sync_key, device_base = jax.random.split(step_key)
+    keys = jax.random.split(jax.random.fold_in(device_base, index), 1 + len(task.rng_streams))
+    rngs = {RNG_COLLECTION: keys[0], **{s: k for s, k in zip(task.rng_streams, keys[1:])}}
+    scale = state.loss_scale.scale
+    operands = (to_varying(state.params), to_varying(state.model_state), batch, rngs, scale)
+
+    def strip(run):
+      def f(*args):
+        grads, scalars, new_state, names = run(*args)
+        metric_names.append(names)
+        return grads, scalars, new_state
+
+      return f
+
+    if len(runs) == 1:
+      grads, scalars, new_state = strip(runs[0])(*operands)
+    else:
+      grads, scalars, new_state = lax.switch(jnp.asarray(table)[index], [strip(r) for r in runs], *operands)
+
+    sync_state = jax.tree.map(lambda x: x[0], state.sync_state)
+    combined, sync_state = grad_sync(grads, sync_state, sync_key)
+    sync_state = jax.tree.map(lambda x: x[None], sync_state)
+    scalars = lax.psum(scalars, AXIS)
+    new_state = jax.tree.map(lambda x: lax.psum(x, AXIS) if _is_float(x) else lax.pmax(x, AXIS), new_state)
+
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
+      updates, opt_state = optimizer.update(combined, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+    names = metric_names[-1]
+    metrics = {"loss": scalars[0], **{k: scalars[1 + i] for i, k in enumerate(names)}}
+    ls_state = state.loss_scale
+    if loss_scale.enabled:
+      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(combined)]))
+      finite = lax.pmin(to_varying(finite.astype(jnp.int32)), AXIS) > 0
+
+      def keep(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+      new_state = keep(new_state, state.model_state)
+      ls_state = loss_scale.update(state.loss_scale, finite)
+      metrics["loss_scale"] = scale
+      metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+    new = TrainState(state.step + 1, params, opt_state, new_state, state.rng, ls_state, sync_state)
+    return (new, metrics, combined) if return_grads else (new, metrics)
+
+  state_specs = TrainState(P(), P(), P(), P(), P(), P(), P(AXIS))
+  out_specs = (state_specs, P(), P()) if return_grads else (state_specs, P())
+  mapped = shard_map(local_step, mesh=mesh, in_specs=(state_specs, P(AXIS)), out_specs=out_specs)
+  if donate is None:
+    donate = devices[0].platform != "cpu"
+  step = jax.jit(mapped, donate_argnums=(0,) if donate else ())
+  state_sharding = TrainState(*(NamedSharding(mesh, s) for s in state_specs))
+  return TrainStep(
+    task=task,
+    cluster=cluster,
+    plan=plan,
+    mesh=mesh,
+    branches=branches,
+    device_branch=device_branch,
+    optimizer=optimizer,
+    loss_scale=loss_scale,
+    sync_init=_sync_init(grad_sync),
+    step=step,
+    state_sharding=state_sharding,
+  )

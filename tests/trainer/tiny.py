@@ -1,0 +1,73 @@
+"""Tiny tasks for the trainer tests: an MLP regression and a BatchNorm classifier.
+
+Importable as ``tests.trainer.tiny:make_task`` (the CLI's ``package.module:attr`` form).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from qsync_jax.task import Task
+
+FEATURES = 6
+
+
+class MLP(nn.Module):
+  hidden: int = 16
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(self.hidden)(x))
+    return nn.Dense(3)(x)
+
+
+class BNNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Dense(8)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+    return nn.Dense(3)(nn.relu(x))
+
+
+def _batches(global_batch, seed, delay_s=0.0):
+  rng = np.random.default_rng(seed)
+  w = rng.normal(size=(FEATURES, 3)).astype(np.float32)
+  while True:
+    if delay_s:
+      time.sleep(delay_s)
+    x = rng.normal(size=(global_batch, FEATURES)).astype(np.float32)
+    yield {"x": x, "y": (x @ w + 0.1 * rng.normal(size=(global_batch, 3))).astype(np.float32)}
+
+
+def _mse(out, batch):
+  err = out - batch["y"]
+  loss = jnp.mean(jnp.square(err))
+  return loss, {"mae": jnp.mean(jnp.abs(err))}
+
+
+def make_task(hidden: int = 16, batchnorm: bool = False) -> Task:
+  """``QSYNC_TEST_BATCH_DELAY_S`` slows data loading (for kill tests)."""
+  delay = float(os.environ.get("QSYNC_TEST_BATCH_DELAY_S", "0"))
+  if batchnorm:
+    return Task(
+      name="tiny_bn",
+      model=BNNet(),
+      inputs=lambda b: (b["x"],),
+      loss=_mse,
+      train_batches=lambda n, seed: _batches(n, seed, delay),
+      train_kwargs={"train": True},
+      eval_kwargs={"train": False},
+      mutable=("batch_stats",),
+    )
+  return Task(
+    name="tiny_mlp",
+    model=MLP(hidden),
+    inputs=lambda b: (b["x"],),
+    loss=_mse,
+    train_batches=lambda n, seed: _batches(n, seed, delay),
+  )
