@@ -1,0 +1,70 @@
+"""Plain all-reduce of a gradient tree in fp32, bf16 or fp16.
+
+``allreduce(tree, axis_name, dtype=...)`` returns the sum over ``axis_name`` of every float
+leaf, in the leaf's own dtype. Low-precision payloads have two accumulation modes:
+
+* ``accumulate="payload"``: one ``psum`` in the payload dtype (the sum itself is rounded to
+  bf16/fp16 at every step of the collective's reduction tree);
+* ``accumulate="fp32"`` (default): a reduce-scatter built from an ``all_to_all`` in the payload dtype,
+  the n partial chunks summed locally in fp32, and an ``all_gather`` of the result in the
+  payload dtype. The same bytes cross the wire as a ring all-reduce, but only the final
+  value is rounded once to the payload dtype. The payload moves as uint16 bits, so the
+  compiled program really sends 2 bytes per value on every backend (XLA:CPU widens a bf16
+  ``psum`` to f32, so the "payload" mode sends fp32 bytes there).
+
+Inputs are expected already weighted by each device's share of the global batch, so the sum
+is the weighted mean gradient. Must run inside ``shard_map`` (or another named-axis context).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qsync_jax.errors import QsyncError
+from qsync_jax.sync.common import AXIS, all_gather_invariant, axis_size, is_float
+
+PAYLOAD_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+ACCUMULATE = ("payload", "fp32")
+
+
+def check_options(dtype: str, accumulate: str) -> None:
+  if dtype not in PAYLOAD_DTYPES:
+    raise QsyncError(f"all-reduce dtype={dtype!r} is not one of {sorted(PAYLOAD_DTYPES)}; pick one of them.")
+  if accumulate not in ACCUMULATE:
+    raise QsyncError(f"all-reduce accumulate={accumulate!r} must be one of {ACCUMULATE}.")
+
+
+def allreduce(tree, axis_name: str = AXIS, *, dtype: str = "fp32", accumulate: str = "fp32"):
+  """Sum of every float leaf of ``tree`` over ``axis_name``, sent as ``dtype``; see module doc."""
+  check_options(dtype, accumulate)
+  payload = PAYLOAD_DTYPES[dtype]
+  leaves, treedef = jax.tree.flatten(tree)
+  floats = [i for i, x in enumerate(leaves) if is_float(x)]
+  if not floats:
+    return tree
+  out = list(leaves)
+  if dtype == "fp32" or accumulate == "payload":
+    summed = lax.psum([leaves[i].astype(payload) for i in floats], axis_name)
+    for i, s in zip(floats, summed):
+      out[i] = s.astype(leaves[i].dtype)
+    return jax.tree.unflatten(treedef, out)
+  # fp32 accumulation: one flat bucket, reduce-scatter by all_to_all, local fp32 sum, all_gather.
+  # The moved values are bitcast to uint16, so no backend can widen the payload (XLA:CPU widens
+  # bf16 collectives to f32); moving bits is exact.
+  n = axis_size(axis_name)
+  flat = jnp.concatenate([leaves[i].astype(payload).reshape(-1) for i in floats])
+  size = flat.shape[0]
+  chunk = -(-size // n)
+  bits = lax.bitcast_convert_type(jnp.pad(flat, (0, n * chunk - size)), jnp.uint16).reshape(n, chunk)
+  parts = lax.bitcast_convert_type(lax.all_to_all(bits, axis_name, 0, 0, tiled=True), payload)
+  mine = jnp.sum(parts.astype(jnp.float32), axis=0).astype(payload)  # row j: device j's copy
+  gathered = all_gather_invariant(lax.bitcast_convert_type(mine, jnp.uint16), axis_name, tiled=True)
+  total = lax.bitcast_convert_type(gathered, payload)[:size]
+  offset = 0
+  for i in floats:
+    x = leaves[i]
+    out[i] = total[offset : offset + x.size].reshape(x.shape).astype(x.dtype)
+    offset += x.size
+  return jax.tree.unflatten(treedef, out)

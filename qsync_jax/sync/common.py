@@ -1,0 +1,68 @@
+"""Small helpers the sync strategies share: shard_map across jax versions, VMA casts, keys.
+
+Every strategy runs inside ``shard_map`` over one mesh axis (``"data"`` by default) with
+``check_vma`` on, so values are typed *varying* (differ per device) or *invariant* (the
+same everywhere); these helpers move between the two without changing any value.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+AXIS = "data"
+
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+  """``jax.shard_map`` where present, else ``jax.experimental.shard_map.shard_map``."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  from jax.experimental.shard_map import shard_map as _shard_map  # jax < 0.7
+
+  return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _vma(x) -> frozenset:
+  return getattr(jax.typeof(x), "vma", frozenset())
+
+
+def to_varying(tree, axis_name: str = AXIS):
+  """Marks every leaf varying over ``axis_name`` (a no-op on leaves that already are)."""
+
+  def cast(x):
+    if axis_name in _vma(x):
+      return x
+    if hasattr(lax, "pcast"):
+      return lax.pcast(x, (axis_name,), to="varying")
+    return lax.pvary(x, (axis_name,))  # older jax
+
+  return jax.tree.map(cast, tree)
+
+
+def all_gather_invariant(x, axis_name: str = AXIS, *, tiled: bool = True):
+  """``all_gather`` whose result is typed invariant (it is the same on every device)."""
+  try:
+    return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+  except TypeError:  # jax without the ``to=`` argument: the result stays typed varying
+    return lax.all_gather(x, axis_name, tiled=tiled)
+
+
+def axis_size(axis_name: str = AXIS) -> int:
+  """Number of devices along ``axis_name`` (a Python int, known at trace time)."""
+  return lax.axis_size(axis_name) if hasattr(lax, "axis_size") else lax.psum(1, axis_name)
+
+
+def device_key(key: jax.Array, axis_name: str = AXIS) -> jax.Array:
+  """A PRNG key distinct on every device: ``key`` folded with the device's axis index."""
+  return jax.random.fold_in(key, lax.axis_index(axis_name))
+
+
+def leaf_keys(key: jax.Array, tree) -> list:
+  """One key per leaf of ``tree`` (in ``jax.tree.leaves`` order)."""
+  n = len(jax.tree.leaves(tree))
+  return list(jax.random.split(key, n)) if n else []
+
+
+def is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)

@@ -1,0 +1,219 @@
+"""Collectives in compiled HLO text: what each sync strategy really sends.
+
+``collectives(text)`` lists every collective (all-reduce, all-gather, reduce-scatter,
+all-to-all, collective-permute, and their async ``-start`` forms) in the computations reachable
+from the entry computation of ``compiled.as_text()``. Each one's ``bytes`` is the size of the
+buffer it covers: ``max(sum of operand bytes, sum of result bytes)`` -- the all-reduced
+tensor, the gathered tensor, the tensor before the scatter. (A ring algorithm sends about
+``2(n-1)/n`` of that per device for an all-reduce and ``(n-1)/n`` for the others.)
+
+``outside_conditionals(text)`` keeps only those that run on every step (not inside a
+``conditional``'s branches); ``conditional_branches(text)`` gives, for each conditional, the
+collectives each branch would execute. Collectives inside a ``while`` body are listed once
+(this counts per program, not per loop trip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+
+COLLECTIVE_OPS = (
+  "all-reduce",
+  "all-gather",
+  "reduce-scatter",
+  "all-to-all",
+  "collective-permute",
+  "collective-broadcast",
+  "ragged-all-to-all",
+)
+_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4}
+_ELEMENT_BYTES |= {"f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1}
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_REF = re.compile(r"%([\w.\-]+)")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,\s]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+
+
+def _group_size(attrs: str) -> int:
+  m = _GROUPS_LIST.search(attrs)
+  if m:
+    return len([d for d in m.group(1).split(",") if d.strip()])
+  m = _GROUPS_IOTA.search(attrs)
+  return int(m.group(2)) if m else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction: ``op`` (e.g. "all-reduce"), element ``dtypes``, buffer ``bytes``."""
+
+  op: str
+  dtypes: tuple[str, ...]
+  bytes: int
+  name: str
+  computation: str
+  group_size: int = 1
+
+  @property
+  def wire_bytes(self) -> float:
+    """Bytes each device sends with a ring algorithm: 2(n-1)/n of the buffer for an
+    all-reduce, (n-1)/n for the others (a collective-permute sends its whole buffer)."""
+    n = self.group_size
+    if self.op.startswith("collective-"):
+      return float(self.bytes)
+    return (2.0 if self.op == "all-reduce" else 1.0) * (n - 1) / n * self.bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+  name: str
+  shape: str
+  opcode: str
+  operands: tuple[str, ...]
+  called: tuple[str, ...]
+  group_size: int
+
+
+def _element_bytes(dtype: str) -> int:
+  if dtype.startswith("f8"):
+    return 1
+  return _ELEMENT_BYTES.get(dtype, 0)
+
+
+def _arrays(shape: str) -> list[tuple[str, int]]:
+  """``[(dtype, bytes)]`` of every array in an HLO shape string (tuples flattened)."""
+  out = []
+  for dtype, dims in _ARRAY.findall(shape):
+    numel = 1
+    for d in filter(None, dims.split(",")):
+      numel *= int(d)
+    out.append((dtype, numel * _element_bytes(dtype)))
+  return out
+
+
+def _split_operands(rest: str) -> tuple[str, str]:
+  """Splits ``"a, b), attr=..."`` at the parenthesis closing the operand list."""
+  depth = 1
+  for i, c in enumerate(rest):
+    depth += c == "("
+    depth -= c == ")"
+    if depth == 0:
+      return rest[:i], rest[i + 1 :]
+  return rest, ""
+
+
+def parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
+  """``({computation name: instructions}, entry name)`` of an HLO module's text."""
+  comps: dict[str, list[_Instr]] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header and not line.startswith(" "):
+      current = header.group(2)
+      comps[current] = []
+      entry = current if header.group(1) else entry
+      continue
+    m = _INSTR.match(line)
+    if m and current is not None:
+      operands, attrs = _split_operands(m.group(4))
+      comps[current].append(
+        _Instr(
+          m.group(1),
+          m.group(2),
+          m.group(3),
+          tuple(_REF.findall(operands)),
+          tuple(_REF.findall(attrs)),
+          _group_size(attrs),
+        )
+      )
+  return comps, entry
+
+
+def _base_op(opcode: str) -> str | None:
+  if opcode.endswith("-done"):
+    return None
+  base = opcode.removesuffix("-start")
+  return base if base in COLLECTIVE_OPS else None
+
+
+def _collect(comps, roots: Iterable[str], skip_branches: bool) -> list[Collective]:
+  shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}  # parameters included
+  seen, order, stack = set(), [], list(roots)
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    order.append(name)
+    for instr in comps[name]:
+      if skip_branches and instr.opcode == "conditional":
+        continue
+      stack.extend(c for c in instr.called if c in comps)
+  found = []
+  for comp in order:
+    for instr in comps[comp]:
+      op = _base_op(instr.opcode)
+      if op is None:
+        continue
+      result = _arrays(instr.shape)
+      operands = [a for o in instr.operands for a in _arrays(shapes.get(o, ""))]
+      if instr.opcode.endswith("-start"):  # async: result tuple also holds the operands
+        nbytes = max([b for _, b in result] + [sum(b for _, b in operands)])
+      else:
+        nbytes = max(sum(b for _, b in result), sum(b for _, b in operands))
+      dtypes = tuple(sorted({d for d, _ in result}))
+      found.append(Collective(op, dtypes, nbytes, instr.name, comp, instr.group_size))
+  return found
+
+
+def collectives(text: str) -> list[Collective]:
+  """Every collective reachable from the entry computation (each listed once)."""
+  comps, entry = parse(text)
+  return _collect(comps, [entry], skip_branches=False)
+
+
+def outside_conditionals(text: str) -> list[Collective]:
+  """The collectives that run on every execution: reachable without entering a conditional."""
+  comps, entry = parse(text)
+  return _collect(comps, [entry], skip_branches=True)
+
+
+def conditional_branches(text: str) -> list[list[list[Collective]]]:
+  """For each ``conditional`` in the module: one list of collectives per branch."""
+  comps, _ = parse(text)
+  out = []
+  for instrs in comps.values():
+    for instr in instrs:
+      if instr.opcode == "conditional":
+        out.append([_collect(comps, [b], skip_branches=False) for b in instr.called if b in comps])
+  return out
+
+
+def summarize(found: Iterable[Collective]) -> dict:
+  """``{"count", "bytes", "wire_bytes", "by_op": {op: bytes}, "by_dtype": {dtype: bytes}}``."""
+  found = list(found)
+  by_op: dict[str, int] = {}
+  by_dtype: dict[str, int] = {}
+  for c in found:
+    by_op[c.op] = by_op.get(c.op, 0) + c.bytes
+    key = ",".join(c.dtypes)
+    by_dtype[key] = by_dtype.get(key, 0) + c.bytes
+  return {
+    "count": len(found),
+    "bytes": sum(c.bytes for c in found),
+    "wire_bytes": sum(c.wire_bytes for c in found),
+    "by_op": by_op,
+    "by_dtype": by_dtype,
+  }
+
+
+def compiled_text(fn, *args, **kwargs) -> str:
+  """The optimized HLO text of ``jax.jit(fn)`` (or of an already jitted ``fn``) on these args."""
+  import jax
+
+  lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower
+  return lower(*args, **kwargs).compile().as_text()

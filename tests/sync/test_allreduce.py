@@ -1,0 +1,156 @@
+"""fp32/bf16/fp16 all-reduce and Global-QSGD under shard_map over 8 CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from qsync_jax.errors import QsyncError
+from qsync_jax.sync import allreduce, global_qsgd_allreduce, hlo, make_grad_sync
+from qsync_jax.sync.common import shard_map
+from qsync_jax.sync.global_qsgd import payload_for
+
+N = 8
+
+
+def _tree(key, scale=1.0):
+  """A gradient-like tree with one row per device (leading axis N)."""
+  k1, k2, k3 = jax.random.split(key, 3)
+  return {
+    "dense": {
+      "kernel": scale * jax.random.normal(k1, (N, 48, 40)),
+      "bias": scale * jax.random.normal(k2, (N, 40)),
+    },
+    "conv": scale * jax.random.normal(k3, (N, 3, 3, 4, 8)),
+  }
+
+
+def _per_device(fn, mesh):
+  """Runs ``fn(local_tree, key) -> tree`` per device on a tree whose leading axis is the device."""
+
+  def local(tree, key):
+    out = fn(jax.tree.map(lambda x: x[0], tree), key)
+    return jax.tree.map(lambda x: x[None], out)
+
+  return jax.jit(shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))
+
+
+@pytest.mark.parametrize(
+  "dtype,accumulate,tol",
+  [("fp32", "payload", 1e-6), ("bf16", "payload", 3e-2), ("bf16", "fp32", 1e-2), ("fp16", "fp32", 1e-3)],
+)
+def test_allreduce_matches_sum(mesh, dtype, accumulate, tol):
+  tree = _tree(jax.random.key(np.random.randint(1 << 30)))
+  out = _per_device(lambda t, k: allreduce(t, "data", dtype=dtype, accumulate=accumulate), mesh)(
+    tree, jax.random.key(0)
+  )
+  for got, x in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+    want = np.asarray(x).sum(0)
+    assert got.dtype == x.dtype
+    for d in range(N):  # every device holds the same sum
+      # tolerance relative to the largest summand: n-way sums of O(1) values, rounded in the payload
+      np.testing.assert_allclose(np.asarray(got[d]), want, atol=tol * N * float(np.abs(x).max()), rtol=0)
+
+
+def _qsgd_draws(mesh, tree, keys, rounding):
+  """``len(keys)`` independent Global-QSGD all-reduces of ``tree`` (vmapped over the keys)."""
+
+  def local(t, ks):
+    t = jax.tree.map(lambda x: x[0], t)
+    out = jax.vmap(lambda k: global_qsgd_allreduce(t, "data", k, rounding=rounding))(ks)
+    return jax.tree.map(lambda x: x[None], out)
+
+  fn = jax.jit(shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))
+  return fn(tree, keys)
+
+
+def _max_z(draws, tree):
+  """Largest |mean of draws - true sum| in standard errors, over every element of every leaf."""
+  worst = 0.0
+  for d, x in zip(jax.tree.leaves(draws), jax.tree.leaves(tree)):
+    d = np.asarray(d[0], np.float64)  # device 0's copy: (draws, ...)
+    bias = d.mean(0) - np.asarray(x, np.float64).sum(0)
+    se = d.std(0, ddof=1) / np.sqrt(d.shape[0])
+    worst = max(worst, float(np.max(np.abs(bias) / (se + 1e-6 * np.abs(x).max()))))
+  return worst
+
+
+def _small_values_tree(key):
+  """Values mostly below half a quantization level, plus one max per leaf: nearest rounding zeroes them."""
+  tree = _tree(key, scale=0.01)
+  return jax.tree.map(lambda x: x.at[(slice(None),) + (0,) * (x.ndim - 1)].set(1.0), tree)
+
+
+def test_global_qsgd_is_unbiased_and_the_test_catches_bias(mesh):
+  tree = _small_values_tree(jax.random.key(np.random.randint(1 << 30)))
+  keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 400)
+  # max over ~2.5k elements of |z|; P(|z| > 5) per element is 6e-7 for an unbiased estimator.
+  assert _max_z(_qsgd_draws(mesh, tree, keys, "stochastic"), tree) < 5.0
+  assert _max_z(_qsgd_draws(mesh, tree, keys, "nearest"), tree) > 5.0  # deterministic and biased
+
+
+def test_global_qsgd_cannot_overflow(mesh):
+  """Every worker at +max (and at -max): the int8 sum n*L = 120 <= 127 and comes back exactly."""
+  gmax = float(np.random.uniform(0.5, 2.0))
+  for sign in (1.0, -1.0):
+    tree = jax.tree.map(lambda x, v=sign * gmax: jnp.full_like(x, v), _tree(jax.random.key(0)))
+    out = _per_device(lambda t, k: global_qsgd_allreduce(t, "data", k), mesh)(tree, jax.random.key(1))
+    for got in jax.tree.leaves(out):
+      np.testing.assert_allclose(np.asarray(got), sign * N * gmax, rtol=1e-6)
+
+
+def test_payload_choice():
+  assert payload_for(8) == ("int8", 15)
+  assert payload_for(127) == ("int8", 1)
+  assert payload_for(128) == ("int16", 255)
+  assert payload_for(8, "int32")[0] == "int32"
+  with pytest.raises(QsyncError, match="wider payload"):
+    payload_for(200, "int8")
+
+
+def _compiled(mesh, reduce_fn, params):
+  def local(t, key):
+    return reduce_fn(jax.tree.map(lambda x: x[0], t), key)
+
+  fn = jax.jit(shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))
+  return hlo.compiled_text(fn, params, jax.random.key(0))
+
+
+def test_hlo_payload_global_qsgd_vs_fp32(mesh):
+  tree = _tree(jax.random.key(3))
+  fp32 = hlo.collectives(_compiled(mesh, lambda t, k: allreduce(t, "data"), tree))
+  qsgd = hlo.collectives(
+    _compiled(mesh, lambda t, k: global_qsgd_allreduce(t, "data", k, bucket_size=512), tree)
+  )
+  bf16 = hlo.collectives(_compiled(mesh, lambda t, k: allreduce(t, "data", dtype="bf16"), tree))
+  fp32_bytes = hlo.summarize(fp32)["bytes"]
+  assert fp32_bytes == 4 * sum(x[0].size for x in jax.tree.leaves(tree))
+  assert hlo.summarize(qsgd)["bytes"] <= 0.26 * fp32_bytes
+  assert {c.dtypes for c in qsgd if c.op == "all-reduce" and c.bytes > 64} == {("s8",)}
+  assert len([c for c in qsgd if "f32" in c.dtypes]) == 1  # the one pmax of all bucket maxima
+  # bf16 (fp32 accumulation): all_to_all + all_gather of uint16 bits, half the ring traffic of fp32
+  assert {c.dtypes for c in bf16} == {("u16",)}
+  assert hlo.summarize(bf16)["wire_bytes"] == pytest.approx(0.5 * hlo.summarize(fp32)["wire_bytes"])
+
+
+def test_make_grad_sync_contract(mesh):
+  tree = _tree(jax.random.key(np.random.randint(1 << 30)))
+  for name in ("fp32", "bf16", "fp16", "global_qsgd"):
+    init, sync = make_grad_sync(name)
+    state = init(jax.tree.map(lambda x: x[0], tree))
+
+    def local(t, s, k, sync=sync):
+      out, s = sync(jax.tree.map(lambda leaf: leaf[0], t), s, k)
+      return out, s
+
+    fn = jax.jit(shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=(P(), P())))
+    out, state = fn(tree, state, jax.random.key(1))
+    assert int(state["steps"]) == 1
+    for got, x in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+      assert got.shape == x.shape[1:] and got.dtype == x.dtype
+      np.testing.assert_allclose(np.asarray(got), np.asarray(x).sum(0), atol=0.5 * float(np.abs(x).max()) * N)
+  with pytest.raises(QsyncError, match="make_selsync_step"):
+    make_grad_sync("selsync")
+  with pytest.raises(QsyncError, match="unknown"):
+    make_grad_sync("int4")

@@ -1,0 +1,53 @@
+"""hlo.py reads collectives, their dtypes and bytes, and conditional branches from compiled HLO."""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from qsync_jax.sync import hlo
+from qsync_jax.sync.common import shard_map, to_varying
+
+
+def _program(mesh):
+  def f(x, y):
+    a = lax.psum(x.astype(jnp.int8), "data")
+    b = lax.all_gather(y.astype(jnp.int8), "data", tiled=True)
+    c = lax.psum_scatter(y, "data", tiled=True)
+    flag = lax.psum(jnp.sum(x), "data")
+    d = lax.cond(flag > 0, lambda v: to_varying(lax.psum(v, "data")), lambda v: v, y)
+    return a.astype(jnp.float32), b[:8].astype(jnp.float32), c, d
+
+  specs = (P("data"), P("data"))
+  return jax.jit(shard_map(f, mesh=mesh, in_specs=specs, out_specs=(P("data"),) * 4))
+
+
+def test_collectives_dtypes_and_bytes(mesh):
+  x = jax.random.normal(jax.random.key(0), (64,))
+  y = jax.random.normal(jax.random.key(1), (8 * 64,))
+  text = hlo.compiled_text(_program(mesh), x, y)
+  found = hlo.collectives(text)
+  kinds = sorted((c.op, c.dtypes, c.bytes) for c in found)
+  assert ("all-gather", ("s8",), 8 * 64) in kinds  # gathered buffer: 512 int8
+  assert ("all-reduce", ("s8",), 8) in kinds
+  assert ("reduce-scatter", ("f32",), 64 * 4) in kinds  # the buffer before the scatter
+  assert ("all-reduce", ("f32",), 4) in kinds  # the scalar flag
+  assert ("all-reduce", ("f32",), 64 * 4) in kinds  # inside the conditional
+  assert all(c.group_size == 8 for c in found)
+  ring = {c.op: c.wire_bytes for c in found if c.dtypes == ("s8",)}
+  assert ring == {"all-gather": 7 / 8 * 512, "all-reduce": 2 * 7 / 8 * 8}
+  summary = hlo.summarize(found)
+  assert summary["count"] == len(found) == 5
+  assert summary["bytes"] == 512 + 8 + 256 + 4 + 256
+
+
+def test_conditional_branches_are_separated(mesh):
+  x = jax.random.normal(jax.random.key(2), (64,))
+  y = jax.random.normal(jax.random.key(3), (8 * 64,))
+  text = hlo.compiled_text(_program(mesh), x, y)
+  always = hlo.outside_conditionals(text)
+  assert len(always) == 4 and all(c.bytes != 64 * 4 or c.op != "all-reduce" for c in always)
+  (branches,) = hlo.conditional_branches(text)
+  assert sorted(len(b) for b in branches) == [0, 1]
+  (inside,) = [b for b in branches if b][0]
+  assert (inside.op, inside.bytes) == ("all-reduce", 256)
