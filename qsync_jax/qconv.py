@@ -1,7 +1,8 @@
 """Quantized ``conv_general_dilated``.
 
 * All three legs at one float precision (fp32 / tf32 / bf16 / fp16): the native convolution
-  on operands cast to that precision; autodiff gives both gradients at the same precision.
+  on operands cast to that precision (its output, too, is rounded to that precision, as
+  cuDNN does); autodiff gives both gradients at the same precision.
 * Otherwise (any int8 / fp8 leg, or legs that differ): the convolution is lowered to a GEMM
   (im2col: ``lax.conv_general_dilated_patches``, then ``quantized_dot_general`` over the
   flattened ``C·kh·kw`` contraction), so every leg runs at its own precision through the

@@ -1,0 +1,240 @@
+"""Numerics of the quantized dot_general and conv: every leg × precision.
+
+Each leg is checked twice: tightly against a fake-quant reference written here from the
+quantize definition (quantize → dequantize → float64-accurate product), and loosely against
+the float32 op.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from pallas_kernels.quantize.reference import dequantize_reference, quantize_reference
+from qsync_jax import OpPolicy, quantized_conv_general_dilated, quantized_dot_general, residual_bytes
+from tests.tolerances import LOOSE, TIGHT, rel_err, rel_tol
+
+PRECISIONS = ["fp32", "tf32", "bf16", "fp16", "int8", "fp8"]
+CAST = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def fake(x, precision, axes, is_grad=False):
+  """What a leg at ``precision`` does to one operand, in float32 (the test oracle)."""
+  if precision in CAST:
+    return x.astype(CAST[precision]).astype(jnp.float32)
+  if precision == "int8":
+    return dequantize_reference(*quantize_reference(x, "int8", axes))
+  if precision == "fp8":
+    return dequantize_reference(*quantize_reference(x, "e5m2" if is_grad else "e4m3", axes))
+  return x
+
+
+def hi(a, b):
+  return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+
+
+def dense_reference(x, w, g, policy):
+  """Y, dX, dW of Y = X·W (X: M×K, W: K×N) for ``policy`` with per-channel scales."""
+  y = hi(fake(x, policy.fwd, (1,)), fake(w, policy.fwd, (0,)))
+  xr = fake(x, policy.fwd, (1,))  # residuals are stored at the forward precision
+  wr = fake(w, policy.fwd, (0,))
+  dx = hi(fake(g, policy.dlhs, (1,), True), fake(wr, policy.dlhs, (1,)).T)
+  dw = hi(fake(xr, policy.drhs, (0,)).T, fake(g, policy.drhs, (0,), True))
+  return y, dx, dw
+
+
+def dense_run(x, w, g, policy):
+  dims = (((1,), (0,)), ((), ()))
+  y, vjp = jax.vjp(lambda a, b: quantized_dot_general(a, b, dims, policy), x, w)
+  return (y, *vjp(g))
+
+
+def draw(shape, seed):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+LEG_CASES = [(leg, p) for leg in ("fwd", "dlhs", "drhs") for p in PRECISIONS]
+
+
+@pytest.mark.parametrize("leg,precision", LEG_CASES)
+def test_each_leg_against_fake_quant_and_float(leg, precision):
+  m, k, n = 24, 48, 40
+  seed = hash((leg, precision)) % 1000
+  x, w, g = draw((m, k), seed), draw((k, n), seed + 1), draw((m, n), seed + 2)
+  policy = OpPolicy(**{"fwd": "fp32", "dlhs": "fp32", "drhs": "fp32", leg: precision})
+  got = dense_run(x, w, g, policy)
+  ref = dense_reference(x, w, g, policy)
+  exact = (hi(x, w), hi(g, w.T), hi(x.T, g))
+  i = ("fwd", "dlhs", "drhs").index(leg)
+  # tf32 is float32 on the CPU, so its fake-quant reference is float32 itself.
+  assert rel_err(got[i], ref[i]) < rel_tol(TIGHT, precision, k), (leg, precision)
+  assert rel_err(got[i], exact[i]) < rel_tol(LOOSE, precision), (leg, precision)
+  for j in {0, 1, 2} - {i}:  # the other legs: float32 products of the stored residuals
+    assert rel_err(got[j], ref[j]) < TIGHT["fp32"], (leg, precision, j)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8", "bf16", "fp16"])
+def test_float_leg_is_really_lossy(precision):
+  """Guards the checks above: the loose bound is not trivially met by a float32 path."""
+  x, w = draw((32, 64), 1), draw((64, 32), 2)
+  policy = OpPolicy.uniform(precision)
+  y = quantized_dot_general(x, w, (((1,), (0,)), ((), ())), policy)
+  assert rel_err(y, hi(x, w)) > 1e-5
+
+
+DIMS_CASES = {
+  # name: (lhs shape, rhs shape, dimension numbers)
+  "dense_3d": ((2, 5, 12), (12, 7), (((2,), (0,)), ((), ()))),
+  "dense_general_2contract": ((3, 4, 6), (4, 6, 5), (((1, 2), (0, 1)), ((), ()))),
+  "attention_qk_batched": ((2, 3, 5, 8), (2, 3, 7, 8), (((3,), (3,)), ((0, 1), (0, 1)))),
+  "contract_first_axes": ((9, 4), (9, 6), (((0,), (0,)), ((), ()))),
+  "swapped_contract_order": ((3, 4, 5), (5, 4, 2), (((1, 2), (1, 0)), ((), ()))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DIMS_CASES))
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_general_dimension_numbers_match_lax(case, granularity):
+  """fp32 legs through the custom_vjp equal lax.dot_general and its autodiff exactly."""
+  ls, rs, dims = DIMS_CASES[case]
+  a, b = draw(ls, 3), draw(rs, 4)
+  policy = OpPolicy(granularity=granularity)
+
+  def ours(a, b):
+    return jnp.sum(jnp.sin(quantized_dot_general(a, b, dims, policy)))
+
+  def theirs(a, b):
+    return jnp.sum(jnp.sin(lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST)))
+
+  np.testing.assert_allclose(ours(a, b), theirs(a, b), rtol=1e-6)
+  for got, want in zip(jax.grad(ours, (0, 1))(a, b), jax.grad(theirs, (0, 1))(a, b)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", sorted(DIMS_CASES))
+@pytest.mark.parametrize("precision", ["int8", "fp8", "bf16"])
+def test_general_dimension_numbers_quantized_close_to_float(case, precision):
+  ls, rs, dims = DIMS_CASES[case]
+  a, b = draw(ls, 5), draw(rs, 6)
+  g = draw(lax.dot_general(a, b, dims).shape, 7)
+  policy = OpPolicy.uniform(precision)
+  y, vjp = jax.vjp(lambda a, b: quantized_dot_general(a, b, dims, policy), a, b)
+  y_ref, vjp_ref = jax.vjp(lambda a, b: lax.dot_general(a, b, dims, precision="highest"), a, b)
+  # Tiny contractions (K=4..12) have few terms to average rounding errors: 3× headroom.
+  assert rel_err(y, y_ref) < 3 * LOOSE[precision]
+  for got, want in zip(vjp(g), vjp_ref(g)):
+    assert got.shape == want.shape
+    assert rel_err(got, want) < 3 * LOOSE[precision]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_output_dtype_and_jit_equals_eager(precision):
+  x, w = draw((8, 16), 8).astype(jnp.bfloat16), draw((16, 4), 9).astype(jnp.bfloat16)
+  policy = OpPolicy.uniform(precision)
+  dims = (((1,), (0,)), ((), ()))
+
+  def f(x, w):
+    return quantized_dot_general(x, w, dims, policy)
+
+  y = f(x, w)
+  assert y.dtype == jnp.bfloat16  # the plain op's result type
+  np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, w), np.float32), np.asarray(y, np.float32))
+  dx, dw = jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(), (0, 1))(x, w)
+  assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+
+
+def conv_fake_reference(x, w, policy, strides, padding):
+  """Per-tensor fake-quant reference of a 2-D NHWC conv (per-tensor scales of the im2col
+  patches equal those of the input, since patches only repeat and zero-pad it)."""
+  dn = ("NHWC", "HWIO", "NHWC")
+  xf, wf = fake(x, policy.fwd, (0, 1, 2, 3)), fake(w, policy.fwd, (0, 1, 2, 3))
+  y = lax.conv_general_dilated(xf, wf, strides, padding, dimension_numbers=dn, precision="highest")
+  return fake(y, policy.fwd, ()) if policy.fwd in CAST else y  # native 16-bit convs round Y
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("strides,padding", [((1, 1), "SAME"), ((2, 2), ((1, 0), (2, 1)))])
+def test_conv_forward_against_fake_quant_and_float(precision, strides, padding):
+  x, w = draw((2, 9, 9, 3), 10), draw((3, 3, 3, 5), 11)
+  policy = OpPolicy.uniform(precision, granularity="per_tensor")
+  dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+  y = quantized_conv_general_dilated(x, w, strides, padding, None, None, dn, op_policy=policy)
+  assert rel_err(y, conv_fake_reference(x, w, policy, strides, padding)) < rel_tol(TIGHT, precision, 27)
+  exact = lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=dn, precision="highest")
+  assert rel_err(y, exact) < rel_tol(LOOSE, precision)
+
+
+@pytest.mark.parametrize(
+  "policy",
+  [
+    OpPolicy.preset("int8"),
+    OpPolicy.preset("int8_fwd"),
+    OpPolicy.preset("fp8"),
+    OpPolicy(fwd="bf16", dlhs="fp32", drhs="fp16"),
+  ],
+)
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_conv_gradients_close_to_float(policy, layout):
+  x, w = draw((2, 8, 8, 4), 12), draw((3, 3, 4, 6), 13)
+  if layout == "NCHW":
+    x, w = jnp.transpose(x, (0, 3, 1, 2)), jnp.transpose(w, (3, 2, 0, 1))
+    spec = ("NCHW", "OIHW", "NCHW")
+  else:
+    spec = ("NHWC", "HWIO", "NHWC")
+  dn = lax.conv_dimension_numbers(x.shape, w.shape, spec)
+  key = jax.random.key(0)
+
+  def ours(x, w):
+    return quantized_conv_general_dilated(x, w, (1, 1), "SAME", None, (1, 2), dn, op_policy=policy, key=key)
+
+  def theirs(x, w):
+    return lax.conv_general_dilated(x, w, (1, 1), "SAME", None, (1, 2), dn, precision="highest")
+
+  y, vjp = jax.vjp(ours, x, w)
+  y_ref, vjp_ref = jax.vjp(theirs, x, w)
+  g = draw(y.shape, 14)
+  worst = max(LOOSE[p] for p in policy.precisions)
+  assert rel_err(y, y_ref) < LOOSE[policy.fwd]
+  for got, want in zip(vjp(g), vjp_ref(g)):
+    # Each gradient passes through two quantized operands (dY and a residual): 2× budget.
+    assert rel_err(got, want) < 2 * worst
+
+
+def test_stochastic_rounding_needs_a_key():
+  x, w = draw((4, 4), 0), draw((4, 4), 1)
+  with pytest.raises(ValueError, match="needs a PRNG key"):
+    quantized_dot_general(x, w, (((1,), (0,)), ((), ())), OpPolicy.preset("int8"))
+
+
+def test_int8_forward_saves_int8_residuals():
+  x, w = draw((64, 128), 0), draw((128, 96), 1)
+  dims = (((1,), (0,)), ((), ()))
+
+  def run(policy):
+    return residual_bytes(lambda x, w: quantized_dot_general(x, w, dims, policy), x, w)
+
+  fp32_bytes = run(OpPolicy.preset("fp32"))
+  int8_bytes = run(OpPolicy.preset("int8_fwd"))
+  bf16_bytes = run(OpPolicy.preset("bf16"))
+  operand_bytes = (x.size + w.size) * 4
+  assert fp32_bytes >= operand_bytes
+  # int8 values (1 byte) plus one float32 scale per row of X and per column of W.
+  assert int8_bytes <= operand_bytes / 4 + (64 + 96) * 4 + 64
+  assert bf16_bytes <= operand_bytes / 2 + 64
+
+
+def test_every_leg_precision_combination_runs():
+  x, w = draw((6, 8), 0), draw((8, 5), 1)
+  key = jax.random.key(1)
+  # Every (fwd, dlhs) pair, with drhs cycling through all precisions too (36 policies).
+  for (i, fwd), (j, dlhs) in itertools.product(enumerate(PRECISIONS), repeat=2):
+    drhs = PRECISIONS[(i + j) % len(PRECISIONS)]
+    policy = OpPolicy(fwd=fwd, dlhs=dlhs, drhs=drhs, grad_rounding="stochastic")
+    dx, dw = jax.grad(
+      lambda x, w: quantized_dot_general(x, w, (((1,), (0,)), ((), ())), policy, key).sum(), (0, 1)
+    )(x, w)
+    assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw)).all()
+    assert rel_err(dw, hi(x.T, jnp.ones((6, 5)))) < 0.25
