@@ -135,7 +135,7 @@ def test_cnn_conv_structure_under_int8_and_fp16():
   )
   for preset, key, count in cases:
     qmodel = quantize(model, PrecisionPolicy(rules=(Rule("Conv_.*", OpPolicy.preset(preset)),)))
-    fn = jax.grad(lambda v: cnn_loss(qmodel, v, x, y, jax.random.key(0))[0])
+    fn = jax.grad(lambda v, qmodel=qmodel: cnn_loss(qmodel, v, x, y, jax.random.key(0))[0])
     counts = dot_dtypes(jax.make_jaxpr(fn)(variables))
     assert counts[key] == count, counts
 

@@ -234,7 +234,8 @@ def test_every_leg_precision_combination_runs():
     drhs = PRECISIONS[(i + j) % len(PRECISIONS)]
     policy = OpPolicy(fwd=fwd, dlhs=dlhs, drhs=drhs, grad_rounding="stochastic")
     dx, dw = jax.grad(
-      lambda x, w: quantized_dot_general(x, w, (((1,), (0,)), ((), ())), policy, key).sum(), (0, 1)
+      lambda x, w, policy=policy: quantized_dot_general(x, w, (((1,), (0,)), ((), ())), policy, key).sum(),
+      (0, 1),
     )(x, w)
     assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw)).all()
     assert rel_err(dw, hi(x.T, jnp.ones((6, 5)))) < 0.25
