@@ -1,0 +1,376 @@
+"""Allocator: one precision per op on each inference group (DESIGN §5.4, fixed).
+
+Inputs: the cluster, the cost profiles, a sensitivity table ``Ω[op][precision]`` (the
+indicator's JSON) and which groups are *training* groups (they keep ``train_policy``).
+
+For every op of an inference group, its *ladder* is the precisions the table scores and the
+device supports, one per bit width (the least sensitive of a width), ordered 8 → 16 → 19 →
+32 bits; fp32 is always the top with Ω = 0. A precision becomes an op policy through
+``LEVEL_POLICIES`` (int8 → QSync's int8 op: int8 forward, fp16 backward).
+
+1. ``start``: each op at its fastest ladder level (predicted time of its legs and casts).
+   If that plan does not fit a group's memory, ops move to their least-memory level (largest
+   saving first) until it fits; if even the least-memory plan does not fit, ``PlanError``
+   names the least memory the group needs.
+2. ``T*``: the predicted synchronous step of the training groups alone (with the all-reduce
+   over the whole cluster); if the inference groups are slower even at ``start``, T* is the
+   step of ``start`` (they cannot keep pace; the plan says so).
+3. A max-heap keyed by ``Ω(level) − Ω(next level)`` recovers the most sensitive op first:
+   pop, build the candidate plan with that op one level up, accept it only if every group's
+   memory fits and the predicted synchronous step is ≤ T*, then push the op's next level.
+   Plans are immutable tuples, so a rejected move leaves no trace.
+
+``exhaustive`` searches every combination of ladder levels for the plan of least total Ω
+under the same constraints (small graphs only); ``dynamic_batch`` is the baseline that
+gives each group a batch proportional to its predicted speed at the training precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from planners import catalog
+from planners.graph import DEFAULT_BUCKET_BYTES, GroupCost, op_costs
+from planners.profiler import Profile, residual_bytes
+from planners.replay import comm_for, memory_bytes, profile_for, sync_step_ms
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.errors import PlanError
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import PRECISION_BITS, OpPolicy, supported_precisions
+
+LEVEL_POLICIES: dict[str, str] = {
+  "int8": "int8_fwd",
+  "fp8": "fp8",
+  "fp16": "fp16",
+  "bf16": "bf16",
+  "tf32": "tf32",
+  "fp32": "fp32",
+}
+"""Op policy (preset) an allocator level stands for."""
+
+
+def omega_table(indicator: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+  """``{op: {precision: Ω}}`` from an indicator JSON (``{"omega": …}``) or the bare table."""
+  table = indicator.get("omega", indicator) if isinstance(indicator, Mapping) else None
+  if not isinstance(table, Mapping):
+    raise PlanError(
+      "the indicator must be a JSON object {op: {precision: omega}} (or `qsync indicator` output). "
+      "Fix: pass the file `qsync indicator` wrote."
+    )
+  return {op: {p: float(v) for p, v in row.items()} for op, row in table.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Everything the search needs, precomputed. ``ladders[g][i]`` lists (precision, OpPolicy)."""
+
+  cluster: ClusterSpec
+  groups: tuple[GroupCost, ...]  # training groups carry their fixed policies
+  inference: tuple[int, ...]  # indices into groups
+  op_names: tuple[str, ...]
+  ladders: tuple[tuple[tuple[tuple[str, OpPolicy], ...], ...], ...]  # [inference j][op i]
+  omega: tuple[tuple[tuple[float, ...], ...], ...]  # [inference j][op i][level]
+  limits: tuple[int, ...]  # memory per inference group, bytes
+  bucket_bytes: int
+
+
+Assignment = tuple[tuple[int, ...], ...]
+"""Ladder level of every op, per inference group."""
+
+
+def _ladder(ops_omega: Mapping[str, float], device_type: str) -> list[tuple[str, float]]:
+  supported = supported_precisions(device_type)
+  best: dict[int, tuple[str, float]] = {}
+  for p, w in ops_omega.items():
+    if p not in LEVEL_POLICIES or p == "fp32":
+      continue
+    preset = OpPolicy.preset(LEVEL_POLICIES[p])
+    if not all(leg in supported for leg in preset.precisions):
+      continue
+    bits = PRECISION_BITS[p]
+    if bits not in best or w < best[bits][1]:
+      best[bits] = (p, w)
+  return [best[b] for b in sorted(best)] + [("fp32", 0.0)]
+
+
+def make_problem(
+  cluster: ClusterSpec,
+  profiles: Mapping[str, Profile],
+  indicator: Mapping[str, Any],
+  training_groups: Sequence[str] | None = None,
+  train_policy: str = "fp32",
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Problem:
+  """Resolves profiles, ladders and Ω for every inference group of ``cluster``."""
+  omega = omega_table(indicator)
+  training = tuple(training_groups) if training_groups is not None else default_training_groups(cluster)
+  for name in training:
+    cluster.group(name)
+  groups, inference, ladders, omegas, limits = [], [], [], [], []
+  op_names = None
+  for g in cluster.groups:
+    prof = profile_for(profiles, g.device_type)
+    op_names = op_names or prof.op_names
+    if g.name in training:
+      policy = PrecisionPolicy.uniform(train_policy)
+      groups.append(GroupCost(g.name, prof, policy.resolve(prof.op_names), g.batch_per_device))
+      continue
+    missing = [o for o in prof.op_names if o not in omega]
+    if missing:
+      raise PlanError(
+        f"the indicator has no Ω for op(s) {missing[:3]}{'…' if len(missing) > 3 else ''} of model "
+        f"{prof.model!r}. Fix: run `qsync indicator` on the same model as `qsync profile`."
+      )
+    rows = [_ladder(omega[o], g.device_type) for o in prof.op_names]
+    ladders.append(tuple(tuple((p, OpPolicy.preset(LEVEL_POLICIES[p])) for p, _ in row) for row in rows))
+    omegas.append(tuple(tuple(w for _, w in row) for row in rows))
+    inference.append(len(groups))
+    limits.append(int(g.memory_gb * 1e9))
+    groups.append(GroupCost(g.name, prof, {}, g.batch_per_device))
+  return Problem(
+    cluster,
+    tuple(groups),
+    tuple(inference),
+    tuple(op_names),
+    tuple(ladders),
+    tuple(omegas),
+    tuple(limits),
+    bucket_bytes,
+  )
+
+
+def default_training_groups(cluster: ClusterSpec) -> tuple[str, ...]:
+  """Groups whose device type has the highest catalog peak (all groups if they tie)."""
+
+  def peak(g):
+    return max(catalog.device_spec(g.device_type).peak_tflops.values())
+
+  best = max(peak(g) for g in cluster.groups)
+  return tuple(g.name for g in cluster.groups if peak(g) == best)
+
+
+class Evaluator:
+  """Predicts candidate assignments; counts replays."""
+
+  def __init__(self, problem: Problem):
+    self.problem = problem
+    self.comm = comm_for(problem.cluster, problem.bucket_bytes)
+    self.replays = 0
+
+  def groups(self, assignment: Assignment) -> list[GroupCost]:
+    p = self.problem
+    out = list(p.groups)
+    for j, gi in enumerate(p.inference):
+      pols = {name: p.ladders[j][i][lvl][1] for i, (name, lvl) in enumerate(zip(p.op_names, assignment[j]))}
+      out[gi] = dataclasses.replace(out[gi], op_policies=pols)
+    return out
+
+  def step_ms(self, assignment: Assignment) -> float:
+    self.replays += 1
+    return sync_step_ms(self.groups(assignment), self.comm)
+
+  def memory(self, assignment: Assignment) -> list[int]:
+    groups = self.groups(assignment)
+    return [memory_bytes(groups[gi]) for gi in self.problem.inference]
+
+  def fits(self, assignment: Assignment) -> bool:
+    return all(m <= lim for m, lim in zip(self.memory(assignment), self.problem.limits))
+
+  def training_step_ms(self) -> float:
+    p = self.problem
+    training = [g for i, g in enumerate(p.groups) if i not in p.inference]
+    return sync_step_ms(training, self.comm) if training else 0.0
+
+  def omega(self, assignment: Assignment) -> float:
+    return sum(self.problem.omega[j][i][lvl] for j, row in enumerate(assignment) for i, lvl in enumerate(row))
+
+
+def _op_time(group: GroupCost, op_index: int) -> float:
+  return sum(ms for ms, _ in op_costs(group, op_index).values())
+
+
+def start_assignment(problem: Problem) -> Assignment:
+  """Fastest level per op; memory-reducing moves if it does not fit (PlanError if impossible)."""
+  out = []
+  for j, gi in enumerate(problem.inference):
+    g = problem.groups[gi]
+    prof = g.profile
+    levels, mem_levels, savings = [], [], []
+    for i, name in enumerate(problem.op_names):
+      ladder = problem.ladders[j][i]
+      times = [_op_time(dataclasses.replace(g, op_policies={name: pol}), i) for _, pol in ladder]
+      fastest = min(range(len(ladder)), key=lambda lv: (times[lv], -lv))
+      op = prof.ops[i].scaled(g.batch_per_device / prof.batch_per_device)
+      mems = [residual_bytes(op, pol) for _, pol in ladder]
+      least = min(range(len(ladder)), key=lambda lv: (mems[lv], times[lv]))
+      levels.append(fastest)
+      mem_levels.append(least)
+      savings.append(mems[fastest] - mems[least])
+
+    def mem(lv, j=j, g=g):
+      pols = {n: problem.ladders[j][i][lv[i]][1] for i, n in enumerate(problem.op_names)}
+      return memory_bytes(dataclasses.replace(g, op_policies=pols))
+
+    limit = problem.limits[j]
+    for i in sorted(range(len(levels)), key=lambda i: -savings[i]):
+      if mem(levels) <= limit:
+        break
+      levels[i] = mem_levels[i]
+    if mem(levels) > limit:
+      need = mem(mem_levels)
+      raise PlanError(
+        f"device group {g.name!r} ({g.device_type}, {g.batch_per_device} per device) needs at least "
+        f"{need / 1e9:.3f} GB per device even with every op at its least-memory precision, but has "
+        f"memory_gb={limit / 1e9:g}. Fix: set memory_gb ≥ {math.ceil(need / 1e7) / 100:.2f}, lower its "
+        "batch_per_device, or move it to a bigger device."
+      )
+    out.append(tuple(levels))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+  """The allocator's result: an assignment, its plan, and how it was found."""
+
+  assignment: Assignment
+  plan: Plan
+  step_ms: float
+  target_ms: float
+  omega: float
+  replays: int
+  straggles: bool
+
+
+def to_plan(problem: Problem, assignment: Assignment, predictions: Mapping[str, Any] | None = None) -> Plan:
+  """The ``Plan``: exact per-op rules on inference groups, the fixed policy on the others."""
+  policies = {}
+  inference = dict(zip(problem.inference, range(len(problem.inference))))
+  for gi, g in enumerate(problem.groups):
+    if gi in inference:
+      j = inference[gi]
+      ops = {
+        n: problem.ladders[j][i][lv][1] for i, (n, lv) in enumerate(zip(problem.op_names, assignment[j]))
+      }
+      policies[g.name] = PrecisionPolicy.from_ops(ops)
+    else:
+      policies[g.name] = PrecisionPolicy.from_ops(dict(g.op_policies))
+  return Plan(policies=policies, predictions=dict(predictions or {}))
+
+
+def _finish(problem, ev, assignment, target, straggles) -> Allocation:
+  step = ev.step_ms(assignment)
+  preds = {
+    "step_ms": step,
+    "target_ms": target,
+    "omega": ev.omega(assignment),
+    "memory_bytes": dict(zip((problem.groups[i].name for i in problem.inference), ev.memory(assignment))),
+    "straggles": straggles,
+    "levels": {
+      problem.groups[gi].name: {
+        n: problem.ladders[j][i][lv][0] for i, (n, lv) in enumerate(zip(problem.op_names, assignment[j]))
+      }
+      for j, gi in enumerate(problem.inference)
+    },
+  }
+  plan = to_plan(problem, assignment, preds)
+  return Allocation(assignment, plan, step, target, ev.omega(assignment), ev.replays, straggles)
+
+
+def greedy(problem: Problem, rel_tol: float = 1e-9) -> Allocation:
+  """DESIGN §5.4 with the fixes; see the module docstring."""
+  ev = Evaluator(problem)
+  plan = start_assignment(problem)
+  target = ev.training_step_ms()
+  start_step = ev.step_ms(plan)
+  straggles = start_step > target * (1 + rel_tol)
+  if straggles or not problem.inference:
+    target = max(target, start_step)
+  limit = target * (1 + rel_tol)
+  heap: list[tuple[float, int, int, int, int]] = []
+  counter = itertools.count()
+
+  def push(j, i, lvl):
+    if lvl + 1 < len(problem.ladders[j][i]):
+      key = problem.omega[j][i][lvl] - problem.omega[j][i][lvl + 1]
+      heapq.heappush(heap, (-key, next(counter), j, i, lvl))
+
+  for j, row in enumerate(plan):
+    for i, lvl in enumerate(row):
+      push(j, i, lvl)
+  while heap:
+    _, _, j, i, lvl = heapq.heappop(heap)
+    if plan[j][i] != lvl:
+      continue
+    row = list(plan[j])
+    row[i] = lvl + 1
+    cand = plan[:j] + (tuple(row),) + plan[j + 1 :]
+    if not ev.fits(cand) or ev.step_ms(cand) > limit:
+      continue  # rejected: ``plan`` is untouched
+    plan = cand
+    push(j, i, lvl + 1)
+  return _finish(problem, ev, plan, target, straggles)
+
+
+def exhaustive(problem: Problem, max_combinations: int = 200_000, rel_tol: float = 1e-9) -> Allocation:
+  """The least-Ω assignment over every ladder combination that fits and keeps pace with T*."""
+  ev = Evaluator(problem)
+  start = start_assignment(problem)
+  target = ev.training_step_ms()
+  start_step = ev.step_ms(start)
+  straggles = start_step > target * (1 + rel_tol)
+  if straggles or not problem.inference:
+    target = max(target, start_step)
+  limit = target * (1 + rel_tol)
+  choices = [range(len(lad)) for ladders in problem.ladders for lad in ladders]
+  if math.prod(len(c) for c in choices) > max_combinations:
+    raise PlanError(
+      f"exhaustive search over {math.prod(len(c) for c in choices)} plans exceeds "
+      f"max_combinations={max_combinations}. Fix: use the greedy allocator for graphs this size."
+    )
+  n = len(problem.op_names)
+  best, best_omega = start, ev.omega(start)
+  for flat in itertools.product(*choices):
+    cand = tuple(tuple(flat[j * n : (j + 1) * n]) for j in range(len(problem.inference)))
+    w = ev.omega(cand)
+    if w >= best_omega or not ev.fits(cand) or ev.step_ms(cand) > limit:
+      continue
+    best, best_omega = cand, w
+  return _finish(problem, ev, best, target, straggles)
+
+
+def dynamic_batch(
+  cluster: ClusterSpec,
+  profiles: Mapping[str, Profile],
+  train_policy: str = "fp32",
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> tuple[dict[str, int], float]:
+  """Baseline: per-device batches proportional to each group's predicted speed, same global batch.
+
+  Returns ``(batch_per_device by group, predicted synchronous step ms)``.
+  """
+  plan = Plan.uniform(cluster, train_policy)
+  comm = comm_for(cluster, bucket_bytes)
+  speed = {}
+  for g in cluster.groups:
+    prof = profile_for(profiles, g.device_type)
+    cost = GroupCost(g.name, prof, plan.policy_for(g.name).resolve(prof.op_names), g.batch_per_device)
+    speed[g.name] = g.batch_per_device / sync_step_ms([cost], dataclasses.replace(comm, n_devices=1))
+  total = cluster.global_batch
+  weight = sum(speed[g.name] * g.count for g in cluster.groups)
+  batches = {g.name: max(1, round(total * speed[g.name] / weight)) for g in cluster.groups}
+  # fix rounding so the global batch is unchanged (adjust the fastest group)
+  fastest = max(cluster.groups, key=lambda g: speed[g.name])
+  rest = total - sum(batches[g.name] * g.count for g in cluster.groups if g is not fastest)
+  batches[fastest.name] = max(1, rest // fastest.count)
+  resized = cluster.with_batch_per_device(batches)
+  groups = []
+  for g in resized.groups:
+    prof = profile_for(profiles, g.device_type)
+    groups.append(GroupCost(g.name, prof, plan.policy_for(g.name).resolve(prof.op_names), g.batch_per_device))
+  return batches, sync_step_ms(groups, comm)

@@ -1,0 +1,470 @@
+"""Cost profiles: time of every op × leg × precision, the remainder of the step, casts, memory.
+
+A ``Profile`` is plain data (JSON round trip) tagged with the device and software versions:
+
+* ``op_ms[op][leg][precision]`` — ms of one call of the op's GEMM leg (``fwd``, ``dlhs``,
+  ``drhs``) at that precision, *including* the conversion of its fp32 operands (what
+  ``qsync_jax.qdot.leg_dot`` runs). ``"<precision>:sr"`` is a gradient leg whose gradient
+  operand is rounded stochastically.
+* ``remainder_ms`` — the rest of the step at fp32 (elementwise ops, norms, loss): the
+  measured fp32 step minus the ops and the optimizer; split 1 : 2 between forward and
+  backward. It is a fitted correction and may be negative when standalone op timings exceed
+  their cost inside the fused step.
+* ``optimizer_ms`` — the optax update.
+* ``cast`` — per cast type (``"fp32->bf16"``, ``"fp32->int8"``, …) ``ms = a·numel + b``
+  fitted by least squares, with its relative RMS fit error.
+* ``memory`` — parameter, optimizer-state and batch bytes, and ``other_bytes``: the XLA peak
+  of the fp32 step minus what the replay model accounts for (a fitted correction).
+
+``measure_profile`` measures all of it on the local device; ``modeled_profile`` derives a
+profile for a device not at hand from the catalog (roofline), labelled ``"modeled"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.quantize import dequantize, quantize
+from planners import catalog, step
+from planners.ops import OpShape, collect_ops
+from qsync_jax.errors import PlanError
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import LEGS, QUANTIZED_PRECISIONS, OpPolicy, supported_precisions
+from qsync_jax.qdot import FLOAT_DTYPES, Operand, leg_dot
+
+FORMAT = "qsync-profile/1"
+CAST_TYPES = (
+  "fp32->bf16",
+  "fp32->fp16",
+  "fp32->int8",
+  "fp32->fp8",
+  "bf16->fp32",
+  "fp16->fp32",
+  "int8->fp32",
+  "fp8->fp32",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CastModel:
+  """``ms = a · numel + b`` for one cast type; ``rel_error`` is the RMS relative fit error."""
+
+  a: float
+  b: float
+  rel_error: float
+  source: str = "measured"
+
+  def ms(self, numel: float) -> float:
+    return self.a * numel + self.b
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """Cost of one model's training step on one device type; see the module docstring."""
+
+  model: str
+  device_type: str
+  source: str
+  batch_per_device: int
+  ops: tuple[OpShape, ...]
+  op_ms: dict[str, dict[str, dict[str, float]]]
+  remainder_ms: dict[str, float]
+  optimizer_ms: float
+  cast: dict[str, CastModel]
+  memory: dict[str, int]
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def leg_ms(self, op: str, leg: str, precision: str, stochastic: bool = False) -> float:
+    """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch)."""
+    table = self.op_ms[op][leg]
+    key = (
+      f"{precision}:sr" if stochastic and leg != "fwd" and precision in QUANTIZED_PRECISIONS else precision
+    )
+    if key in table:
+      return table[key]
+    if precision in table:
+      return table[precision]
+    raise PlanError(
+      f"profile of {self.model!r} on {self.device_type} has no {leg} time for op {op!r} at "
+      f"{precision!r} (it has {sorted(table)}). Fix: profile with --precisions including {precision}."
+    )
+
+  @property
+  def op_names(self) -> tuple[str, ...]:
+    return tuple(o.name for o in self.ops)
+
+  # -- JSON -----------------------------------------------------------------------------
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "format": FORMAT,
+      "model": self.model,
+      "device_type": self.device_type,
+      "source": self.source,
+      "batch_per_device": self.batch_per_device,
+      "ops": [o.to_json() for o in self.ops],
+      "op_ms": self.op_ms,
+      "remainder_ms": self.remainder_ms,
+      "optimizer_ms": self.optimizer_ms,
+      "cast": {k: dataclasses.asdict(v) for k, v in self.cast.items()},
+      "memory": self.memory,
+      "meta": self.meta,
+    }
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=1)
+      f.write("\n")
+
+  @classmethod
+  def from_json(cls, obj: Any, source: str = "<profile>") -> Profile:
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+      raise PlanError(
+        f'{source} is not a qsync profile (no "format": "{FORMAT}"). '
+        "Fix: pass a file written by `qsync profile`."
+      )
+    try:
+      return cls(
+        model=obj["model"],
+        device_type=obj["device_type"],
+        source=obj["source"],
+        batch_per_device=int(obj["batch_per_device"]),
+        ops=tuple(OpShape.from_json(o) for o in obj["ops"]),
+        op_ms=obj["op_ms"],
+        remainder_ms=obj["remainder_ms"],
+        optimizer_ms=float(obj["optimizer_ms"]),
+        cast={k: CastModel(**v) for k, v in obj["cast"].items()},
+        memory=obj["memory"],
+        meta=obj.get("meta", {}),
+      )
+    except (KeyError, TypeError) as e:
+      raise PlanError(f"{source}: malformed profile ({e!r}). Fix: re-run `qsync profile`.") from None
+
+  @classmethod
+  def load(cls, path: str) -> Profile:
+    try:
+      with open(path) as f:
+        obj = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise PlanError(
+        f"profile {path!r} cannot be read ({e}). Fix: pass a file from `qsync profile`."
+      ) from None
+    return cls.from_json(obj, source=path)
+
+
+# -- residual memory ------------------------------------------------------------------------
+
+
+def residual_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
+  """Bytes one op saves for its backward pass under ``op_policy`` (None = fp32).
+
+  fp32/tf32 forward: the fp32 activation operand(s) (a weight is the parameter itself);
+  bf16/fp16: 2-byte copies of both operands; int8/fp8: 1-byte quantized operands plus fp32
+  scales (per channel: one per row / column). A conv that does not run natively (any
+  quantized or mixed leg) saves its im2col patches (``m·k`` elements) instead of its input.
+  """
+  p = "fp32" if op_policy is None else op_policy.fwd
+  im2col = op.kind == "conv" and op_policy is not None and not _native_conv(op_policy)
+  lhs = op.batch * op.m * op.k if im2col else op.lhs_elems
+  rhs = op.rhs_elems
+  if p in QUANTIZED_PRECISIONS:
+    if op_policy.granularity == "per_channel":
+      scales = 4 * op.batch * (op.m + op.n)
+    else:
+      scales = 8
+    total = lhs + rhs + scales
+  elif p in FLOAT_DTYPES:
+    total = 2 * (lhs + rhs)
+  else:
+    total = 4 * lhs + (0 if op.has_weight else 4 * rhs)
+  return int(total * op.calls)
+
+
+def _native_conv(op_policy: OpPolicy) -> bool:
+  p = op_policy.fwd
+  return p not in QUANTIZED_PRECISIONS and op_policy.dlhs == p and op_policy.drhs == p
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+def leg_operands(leg: str, batch: int, m: int, k: int, n: int):
+  """``(lhs shape, rhs shape, dimension_numbers, lhs role, rhs role)`` of one GEMM leg."""
+  shapes = {
+    "fwd": ((m, k), (k, n), (1, 0)),
+    "dlhs": ((m, n), (k, n), (1, 1)),
+    "drhs": ((m, k), (m, n), (0, 0)),
+  }
+  (ls, rs, (lc, rc)) = shapes[leg]
+  roles = {"fwd": (False, False), "dlhs": (True, False), "drhs": (False, True)}[leg]
+  if batch > 1:
+    return (batch, *ls), (batch, *rs), (((lc + 1,), (rc + 1,)), ((0,), (0,))), *roles
+  return ls, rs, (((lc,), (rc,)), ((), ())), *roles
+
+
+def leg_fn(precision: str, leg: str, batch: int, m: int, k: int, n: int, stochastic: bool = False):
+  """A jitted ``f(lhs, rhs, key)`` running one leg as the runtime does, and its operand shapes."""
+  ls, rs, dims, lgrad, rgrad = leg_operands(leg, batch, m, k, n)
+
+  def role(is_grad):
+    return Operand("stochastic" if (stochastic and is_grad) else "nearest", is_grad)
+
+  def f(lhs, rhs, key):
+    lk, rk = jax.random.split(key)
+    return leg_dot(precision, "per_channel", lhs, rhs, dims, role(lgrad), role(rgrad), lk, rk)
+
+  return jax.jit(f), ls, rs
+
+
+def dispatch_overhead_ms(repeats: int = 50) -> float:
+  """ms to dispatch and wait for a trivial jitted program (subtracted from standalone timings)."""
+  f = jax.jit(lambda x: x + 1)
+  x = jnp.zeros((), jnp.float32)
+  return step.median_ms(lambda: f(x), repeats)[0]
+
+
+def measure_leg(precision, leg, batch, m, k, n, stochastic=False, repeats=10, overhead=0.0, seed=0) -> float:
+  """Median ms of one leg (dispatch overhead removed, floored at 1 µs)."""
+  f, ls, rs = leg_fn(precision, leg, batch, m, k, n, stochastic)
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
+  key = jax.random.key(seed + 1)
+  return max(step.median_ms(lambda: f(lhs, rhs, key), repeats)[0] - overhead, 1e-3)
+
+
+def fit_cast_model(numels: Sequence[float], times_ms: Sequence[float], source: str = "measured") -> CastModel:
+  """Least-squares ``ms = a·numel + b`` and its relative RMS error."""
+  x, y = np.asarray(numels, np.float64), np.asarray(times_ms, np.float64)
+  design = np.stack([x, np.ones_like(x)], axis=1)
+  (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+  rel = np.sqrt(np.mean(((design @ np.array([a, b]) - y) / y) ** 2))
+  return CastModel(float(a), float(b), float(rel), source)
+
+
+def _cast_fn(cast_type: str):
+  src, dst = cast_type.split("->")
+  if dst in QUANTIZED_PRECISIONS:  # two passes: absmax, then scale and round
+    fmt = "int8" if dst == "int8" else "e4m3"
+    return lambda x: quantize(x, fmt, tuple(range(x.ndim)), "nearest", None), jnp.float32
+  if src in QUANTIZED_PRECISIONS:
+    dtype = jnp.int8 if src == "int8" else jnp.float8_e4m3fn
+    scale = jnp.ones((1,), jnp.float32)
+    return lambda x: dequantize(x, scale), dtype
+  src_dtype = FLOAT_DTYPES.get(src, jnp.float32)
+  dst_dtype = FLOAT_DTYPES.get(dst, jnp.float32)
+  return lambda x: x.astype(dst_dtype), src_dtype
+
+
+def measure_casts(sizes=(2**14, 2**16, 2**18, 2**20), repeats=10, overhead=0.0) -> dict[str, CastModel]:
+  """A fitted ``CastModel`` per cast type, from standalone jitted casts of ``sizes`` elements."""
+  models = {}
+  for cast_type in CAST_TYPES:
+    fn, dtype = _cast_fn(cast_type)
+    f = jax.jit(fn)
+    times = []
+    for size in sizes:
+      x = jax.random.normal(jax.random.key(size), (size,), jnp.float32).astype(dtype)
+      times.append(max(step.median_ms(lambda f=f, x=x: f(x), repeats)[0] - overhead, 1e-4))
+    models[cast_type] = fit_cast_model(sizes, times)
+  return models
+
+
+def versions() -> dict[str, str]:
+  import jaxlib
+
+  dev = jax.devices()[0]
+  return {
+    "jax_version": jax.__version__,
+    "jaxlib_version": jaxlib.__version__,
+    "device_kind": dev.device_kind,
+    "platform": dev.platform,
+    "python": platform.python_version(),
+  }
+
+
+def local_device_type() -> str:
+  """The catalog type of the local device (``cpu`` on hosts without accelerators)."""
+  kind = jax.devices()[0].device_kind
+  if jax.devices()[0].platform == "cpu":
+    return "cpu"
+  for name in sorted(catalog.CATALOG, key=len, reverse=True):
+    if name.replace("-", " ").lower() in kind.lower():
+      return name
+  return "H100" if "H100" in kind else "cpu"
+
+
+def measure_profile(
+  task,
+  batch_per_device: int,
+  precisions: Sequence[str] | None = None,
+  repeats: int = 10,
+  step_repeats: int = 20,
+  progress: Callable[[str], None] | None = None,
+  seed: int = 0,
+) -> Profile:
+  """Measures the profile of ``task`` at ``batch_per_device`` on the local device."""
+  say = progress or (lambda msg: None)
+  device_type = local_device_type()
+  precisions = tuple(precisions or supported_precisions(device_type))
+  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_per_device, seed)))
+  variables = step.init_variables(task, batch, seed)
+  ops = collect_ops(task.model, variables, *task.inputs(batch), **task.train_kwargs)
+  overhead = dispatch_overhead_ms()
+  say(f"{len(ops)} quantizable ops; dispatch overhead {overhead:.3f} ms")
+
+  cache: dict[tuple, float] = {}
+  op_ms = {}
+  for i, op in enumerate(ops):
+    say(f"[{i + 1}/{len(ops)}] {op.name}  ({op.batch}x{op.m}x{op.k}x{op.n})")
+    table = {}
+    for leg in LEGS:
+      row = {}
+      for p in precisions:
+        variants = [False] + ([True] if leg != "fwd" and p in QUANTIZED_PRECISIONS else [])
+        for sr in variants:
+          key = (p, leg, op.batch, op.m, op.k, op.n, sr)
+          if key not in cache:
+            cache[key] = measure_leg(p, leg, op.batch, op.m, op.k, op.n, sr, repeats, overhead, seed)
+          row[f"{p}:sr" if sr else p] = cache[key]
+      table[leg] = row
+    op_ms[op.name] = table
+
+  say("optimizer update")
+  optimizer = step.default_optimizer()
+  params = variables["params"]
+  opt_state = optimizer.init(params)
+
+  @jax.jit
+  def update(params, grads, opt_state):
+    import optax
+
+    deltas, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, deltas), opt_state
+
+  optimizer_ms = max(step.median_ms(lambda: update(params, params, opt_state), repeats)[0] - overhead, 0.0)
+
+  say("cast models")
+  cast = measure_casts(repeats=repeats, overhead=overhead)
+
+  say("fp32 training step")
+  step_ms, samples, peak = step.time_train_step(task, PrecisionPolicy.uniform("fp32"), batch, step_repeats)
+  memory = {
+    "param_bytes": step.tree_bytes(params),
+    "opt_state_bytes": step.tree_bytes(opt_state),
+    "batch_bytes": step.tree_bytes(batch),
+    "other_bytes": 0,
+  }
+  draft = Profile(
+    task.name,
+    device_type,
+    "measured",
+    batch_per_device,
+    tuple(ops),
+    op_ms,
+    {"fwd": 0.0, "bwd": 0.0},
+    optimizer_ms,
+    cast,
+    memory,
+  )
+  rest, other = fit_remainder(draft, step_ms, peak)
+  memory["other_bytes"] = other
+  meta = {
+    **versions(),
+    "precisions": list(precisions),
+    "dispatch_overhead_ms": overhead,
+    "fp32_step_ms": step_ms,
+    "fp32_step_ms_samples": samples,
+    "fp32_xla_peak_bytes": peak,
+    "repeats": repeats,
+  }
+  return Profile(
+    model=task.name,
+    device_type=device_type,
+    source="measured",
+    batch_per_device=batch_per_device,
+    ops=tuple(ops),
+    op_ms=op_ms,
+    remainder_ms={"fwd": rest / 3, "bwd": 2 * rest / 3},
+    optimizer_ms=optimizer_ms,
+    cast=cast,
+    memory=memory,
+    meta=meta,
+  )
+
+
+def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tuple[float, int]:
+  """``(remainder ms, other bytes)``: the measured fp32 step (time, XLA peak) minus what the
+  replay of ``draft`` (a profile without remainder) predicts for the same fp32 step."""
+  from planners.graph import Comm, GroupCost
+  from planners.replay import memory_bytes, sync_step_ms
+
+  fp32 = {o.name: OpPolicy.uniform("fp32") for o in draft.ops}
+  group = GroupCost("local", draft, fp32, draft.batch_per_device)
+  rest = step_ms - sync_step_ms([group], Comm(1, 1.0))
+  other = 0 if peak_bytes is None else int(peak_bytes - memory_bytes(group))
+  return rest, other
+
+
+# -- modeled profiles -------------------------------------------------------------------------
+
+ELEMENTWISE_PASSES = 12
+"""Modeled remainder: fp32 passes over every op output per step (≈ 4 forward, 8 backward)."""
+
+
+def modeled_cast(spec: catalog.DeviceSpec, cast_type: str) -> CastModel:
+  """Roofline cast model: bytes read + written over bandwidth, plus one launch."""
+  src, dst = cast_type.split("->")
+  nbytes = (
+    catalog.BYTES[src] + catalog.BYTES[dst] + (catalog.BYTES[src] if dst in QUANTIZED_PRECISIONS else 0)
+  )
+  return CastModel(
+    nbytes / (spec.mem_bw_gbps * 1e9 * spec.derate) * 1e3, spec.launch_us * 1e-3, 0.0, "modeled"
+  )
+
+
+def modeled_profile(base: Profile, device_type: str) -> Profile:
+  """The profile of ``base``'s model on ``device_type`` from the catalog (roofline)."""
+  spec = catalog.device_spec(device_type)
+  casts = {c: modeled_cast(spec, c) for c in CAST_TYPES}
+  op_ms = {}
+  for op in base.ops:
+    table = {}
+    for leg in LEGS:
+      b, m, k, n = (
+        op.batch,
+        *{"fwd": (op.m, op.k, op.n), "dlhs": (op.m, op.n, op.k), "drhs": (op.k, op.m, op.n)}[leg],
+      )
+      row = {}
+      for p in spec.peak_tflops:
+        t = catalog.gemm_roofline_ms(spec, p, m, k, n, b)
+        if p != "fp32" and p != "tf32":  # the leg converts its two fp32 operands
+          kind = f"fp32->{p}"
+          t += casts[kind].ms(b * m * k) + casts[kind].ms(b * k * n)
+        row[p] = t
+      table[leg] = row
+    op_ms[op.name] = table
+  out_bytes = sum(4 * o.out_elems * o.calls for o in base.ops)
+  rest = ELEMENTWISE_PASSES * out_bytes / (spec.mem_bw_gbps * 1e9 * spec.derate) * 1e3
+  opt_bytes = 7 * base.memory["param_bytes"]  # adam reads p, g, m, v and writes p, m, v
+  optimizer_ms = opt_bytes / (spec.mem_bw_gbps * 1e9 * spec.derate) * 1e3 + spec.launch_us * 1e-3
+  memory = dict(base.memory)
+  return Profile(
+    model=base.model,
+    device_type=device_type,
+    source="modeled",
+    batch_per_device=base.batch_per_device,
+    ops=base.ops,
+    op_ms=op_ms,
+    remainder_ms={"fwd": rest / 3, "bwd": 2 * rest / 3},
+    optimizer_ms=optimizer_ms,
+    cast=casts,
+    memory=memory,
+    meta={"derived_from": base.device_type, "catalog": dataclasses.asdict(spec)},
+  )

@@ -1,0 +1,128 @@
+"""Replay simulator: predicted step time and peak memory of a plan on a cluster.
+
+``predict(cluster, profiles, plan)`` costs the step graph of ``planners.graph`` for every
+device group (its profile, its policy, its batch), takes the longest path, and returns a
+``Prediction``:
+
+* ``step_ms`` — the synchronous step: every group's forward and backward, the shared
+  bucketed all-reduce (overlapping the backward), then the optimizer;
+* ``group_step_ms`` — each group's step if every device were like it (its own graph with the
+  same all-reduce), which tells the straggler;
+* ``group_compute_ms`` — forward + backward + optimizer of each group, no communication;
+* ``memory_bytes`` — peak memory per device of each group: parameters + optimizer state +
+  gradients + batch + activations saved for the backward at their stored precision
+  (``planners.profiler.residual_bytes``) + the profile's fitted ``other_bytes``.
+
+Profiles are keyed by device type; a group whose type has no profile gets one modeled from
+the catalog (``planners.profiler.modeled_profile``), and its numbers are labelled so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from planners.graph import DEFAULT_BUCKET_BYTES, Comm, GroupCost, Node, build_graph, longest_path
+from planners.profiler import Profile, modeled_profile, residual_bytes
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.errors import PlanError
+from qsync_jax.plan import Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """Predicted step of a plan; see the module docstring. Times in ms, memory in bytes."""
+
+  step_ms: float
+  group_step_ms: dict[str, float]
+  group_compute_ms: dict[str, float]
+  memory_bytes: dict[str, int]
+  memory_limit_bytes: dict[str, int]
+  comm_ms: float
+  sources: dict[str, str]
+  nodes: tuple[Node, ...] = ()
+  times: tuple[tuple[float, float], ...] = ()
+
+  @property
+  def fits(self) -> bool:
+    return all(self.memory_bytes[g] <= self.memory_limit_bytes[g] for g in self.memory_bytes)
+
+  def to_json(self) -> dict:
+    return {
+      "step_ms": self.step_ms,
+      "group_step_ms": self.group_step_ms,
+      "group_compute_ms": self.group_compute_ms,
+      "memory_bytes": self.memory_bytes,
+      "memory_limit_bytes": self.memory_limit_bytes,
+      "comm_ms": self.comm_ms,
+      "cost_source": self.sources,
+    }
+
+
+def profile_for(profiles: Mapping[str, Profile], device_type: str) -> Profile:
+  """The profile of ``device_type``, else one modeled from a measured profile of the model."""
+  if device_type in profiles:
+    return profiles[device_type]
+  if not profiles:
+    raise PlanError("no cost profile given. Fix: pass at least one file from `qsync profile`.")
+  base = sorted(profiles.values(), key=lambda p: p.source != "measured")[0]
+  return modeled_profile(base, device_type)
+
+
+def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Plan) -> list[GroupCost]:
+  """One ``GroupCost`` per group of ``cluster``, with the plan's policies and batches."""
+  plan.validate_for(cluster)
+  cluster = plan.apply_to(cluster)
+  out = []
+  for g in cluster.groups:
+    prof = profile_for(profiles, g.device_type)
+    policy = plan.policy_for(g.name)
+    out.append(GroupCost(g.name, prof, policy.resolve(prof.op_names), g.batch_per_device))
+  return out
+
+
+def comm_for(cluster: ClusterSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Comm:
+  """The all-reduce of ``cluster``: all its devices, in a ring limited by the slowest link."""
+  return Comm(cluster.num_devices, min(g.link_gbps for g in cluster.groups), bucket_bytes)
+
+
+def memory_bytes(group: GroupCost) -> int:
+  """Peak bytes on one device of ``group``; see the module docstring."""
+  prof = group.profile
+  scale = group.batch_per_device / prof.batch_per_device
+  mem = prof.memory
+  residuals = sum(residual_bytes(op.scaled(scale), group.op_policies.get(op.name)) for op in prof.ops)
+  fixed = 2 * mem["param_bytes"] + mem["opt_state_bytes"]
+  return int(fixed + scale * (mem["batch_bytes"] + mem["other_bytes"]) + residuals)
+
+
+def sync_step_ms(groups: Sequence[GroupCost], comm: Comm) -> float:
+  """The synchronous step time (ms) of ``groups`` sharing ``comm``: the longest path."""
+  return max(end for _, end in longest_path(build_graph(groups, comm)))
+
+
+def predict(
+  cluster: ClusterSpec,
+  profiles: Mapping[str, Profile],
+  plan: Plan,
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Prediction:
+  """Predicted step time and memory of ``plan`` on ``cluster``; see the module docstring."""
+  groups = group_costs(cluster, profiles, plan)
+  comm = comm_for(cluster, bucket_bytes)
+  nodes = build_graph(groups, comm)
+  times = longest_path(nodes)
+  limits = {g.name: int(g.memory_gb * 1e9) for g in cluster.groups}
+  return Prediction(
+    step_ms=max(end for _, end in times),
+    group_step_ms={g.name: sync_step_ms([g], comm) for g in groups},
+    group_compute_ms={
+      g.name: sum(n.ms for n in nodes if n.group == g.name and n.stream == "compute") for g in groups
+    },
+    memory_bytes={g.name: memory_bytes(g) for g in groups},
+    memory_limit_bytes=limits,
+    comm_ms=sum(n.ms for n in nodes if n.stream == "comm"),
+    sources={g.name: f"{g.profile.source} ({g.profile.device_type})" for g in groups},
+    nodes=tuple(nodes),
+    times=tuple(times),
+  )

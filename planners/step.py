@@ -1,0 +1,112 @@
+"""The single-device training step the profiler and the predictor benchmark measure.
+
+``make_train_step(task, policy, optimizer)`` returns a jitted
+``step(variables, opt_state, batch, key) -> (variables, opt_state, loss)`` that runs the
+task's model under ``policy`` (``qsync_jax.quantize``), takes ``jax.value_and_grad`` of the
+task's loss with respect to ``variables["params"]`` and applies the optax update. The
+variables and optimizer state are donated, so XLA updates them in place.
+
+``xla_peak_bytes(compiled)`` is the peak XLA reports for a compiled program:
+arguments + outputs − aliased (donated) bytes + temporaries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import optax
+
+from qsync_jax.flax_quant import RNG_COLLECTION, quantize
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.task import Task
+
+
+def default_optimizer() -> optax.GradientTransformation:
+  return optax.adam(1e-3)
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of every array leaf of ``tree``."""
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")))
+
+
+def init_variables(task: Task, batch, seed: int = 0):
+  """The task's model variables, initialised on ``batch``."""
+  return task.model.init(jax.random.key(seed), *task.inputs(batch), **task.train_kwargs)
+
+
+def make_train_step(task: Task, policy: PrecisionPolicy, optimizer: optax.GradientTransformation):
+  """A jitted single-device training step of ``task`` under ``policy``; see the module doc."""
+  qmodel = quantize(task.model, policy)
+
+  def loss_fn(params, others, batch, key):
+    keys = jax.random.split(key, 1 + len(task.rng_streams))
+    rngs = {RNG_COLLECTION: keys[0], **dict(zip(task.rng_streams, keys[1:]))}
+    variables = {"params": params, **others}
+    if task.mutable:
+      outputs, updates = qmodel.apply(
+        variables, *task.inputs(batch), **task.train_kwargs, mutable=list(task.mutable), rngs=rngs
+      )
+    else:
+      outputs, updates = qmodel.apply(variables, *task.inputs(batch), **task.train_kwargs, rngs=rngs), {}
+    loss, _ = task.loss(outputs, batch)
+    return loss, updates
+
+  def step(variables, opt_state, batch, key):
+    params = variables["params"]
+    others = {k: v for k, v in variables.items() if k != "params"}
+    (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, others, batch, key)
+    deltas, opt_state = optimizer.update(grads, opt_state, params)
+    new_variables = {**others, **dict(updates), "params": optax.apply_updates(params, deltas)}
+    return new_variables, opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def xla_peak_bytes(compiled) -> int | None:
+  """Peak bytes of a compiled program per ``memory_analysis()`` (None if unavailable)."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  return int(
+    stats.argument_size_in_bytes
+    + stats.output_size_in_bytes
+    - stats.alias_size_in_bytes
+    + stats.temp_size_in_bytes
+  )
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> tuple[float, list[float]]:
+  """``(median, all samples)`` of the wall time of ``fn()`` in ms, blocking on its result."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    samples.append(1e3 * (time.perf_counter() - t0))
+  return float(np.median(samples)), samples
+
+
+def time_train_step(task: Task, policy: PrecisionPolicy, batch, repeats: int, optimizer=None, seed: int = 0):
+  """``(median ms, samples, xla peak bytes)`` of the jitted training step on ``batch``.
+
+  The step is fed its own outputs (donated buffers), as in training.
+  """
+  optimizer = optimizer or default_optimizer()
+  variables = init_variables(task, batch, seed)
+  opt_state = optimizer.init(variables["params"])
+  step = make_train_step(task, policy, optimizer)
+  key = jax.random.key(seed)
+  compiled = step.lower(variables, opt_state, batch, key).compile()
+  state = [variables, opt_state]
+
+  def run():
+    state[0], state[1], loss = compiled(state[0], state[1], batch, key)
+    return loss
+
+  med, samples = median_ms(run, repeats)
+  return med, samples, xla_peak_bytes(compiled)

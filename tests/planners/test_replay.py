@@ -1,0 +1,110 @@
+"""Replay predictor on hand-built graphs with a known longest path and overlap."""
+
+import json
+
+import numpy as np
+import pytest
+
+from planners.catalog import allreduce_ms
+from planners.graph import Comm, GroupCost, build_graph, buckets, longest_path
+from planners.replay import predict, sync_step_ms
+from planners.trace import chrome_trace, save_png
+from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.plan import Plan
+from qsync_jax.precision import OpPolicy
+from tests.planners.fakes import fake_profile
+
+# 156250 fp32 weights = 625000 bytes; 2 devices over 1 Gbit/s: 2·(1/2)·625000·8/1e9 s = 5 ms.
+ELEMS = 156250
+
+
+def _fp32(prof):
+  return {n: OpPolicy.uniform("fp32") for n in prof.op_names}
+
+
+def test_allreduce_formula():
+  assert allreduce_ms(625000, 2, 1.0, latency_us=0.0) == pytest.approx(5.0)
+  assert allreduce_ms(1e9, 1, 1.0) == 0.0
+  # 2(n-1)/n grows towards 2 with n
+  assert allreduce_ms(1e6, 8, 8.0, 0.0) == pytest.approx(1e3 * 2 * 7 / 8 * 1e6 / 1e9)
+
+
+def test_known_longest_path_and_overlap():
+  # ops A (first: no dlhs) and B, each fwd 1, dlhs 2, drhs 3 ms; one bucket per op.
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, optimizer_ms=1.0)
+  group = GroupCost("g", prof, _fp32(prof), prof.batch_per_device)
+  comm = Comm(n_devices=2, link_gbps=1.0, bucket_bytes=1, latency_us=0.0)
+  nodes = build_graph([group], comm)
+  times = dict(zip((n.name for n in nodes), longest_path(nodes)))
+  # forward A [0,1], B [1,2]; backward B dlhs [2,4], B drhs [4,7]; A drhs [7,10]
+  assert times["Dense_1:dense drhs"] == (4.0, 7.0)
+  assert times["Dense_0:dense drhs"] == (7.0, 10.0)
+  assert "Dense_0:dense dlhs" not in times
+  comm_times = [t for name, t in times.items() if name.startswith("all-reduce")]
+  # bucket 0 (B's gradient) overlaps A's drhs: [7, 12]; bucket 1 waits for the end: [12, 17]
+  assert comm_times == [(7.0, 12.0), (12.0, 17.0)]
+  assert times["optimizer"] == (17.0, 18.0)
+  assert sync_step_ms([group], comm) == 18.0  # without overlap it would be 10 + 5 + 5 + 1 = 21
+
+
+def test_sync_step_is_slowest_group_plus_shared_tail():
+  fast = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS)
+  slow = fake_profile([(2, 4, 6), (2, 4, 6)], rhs_elems=ELEMS)
+  comm = Comm(2, 1.0, bucket_bytes=1, latency_us=0.0)
+  g1, g2 = GroupCost("fast", fast, _fp32(fast), 8), GroupCost("slow", slow, _fp32(slow), 8)
+  # slow alone: backward ends at 20 (B drhs ends 14), buckets [14,19], [20,25]
+  assert sync_step_ms([g2], comm) == 25.0
+  assert sync_step_ms([g1, g2], comm) == 25.0
+  # batch scaling: the fast group at double batch takes as long as the slow one
+  assert sync_step_ms([GroupCost("fast", fast, _fp32(fast), 16)], comm) == 25.0
+
+
+def test_buckets_cover_all_parameters():
+  prof = fake_profile([(1, 1, 1)] * 5, rhs_elems=1000, extra_param_bytes=123)
+  plan = buckets(prof, bucket_bytes=8000)
+  assert sum(b for _, b in plan) == prof.memory["param_bytes"]
+  assert [i for i, _ in plan] == [3, 1, 0]
+
+
+def test_cast_nodes_only_after_quantized_forward():
+  prof = fake_profile([(1, 1, 1), (1, 1, 1)], cast_a=1e-3)
+  int8_fwd = {n: OpPolicy.preset("int8_fwd") for n in prof.op_names}
+  bf16 = {n: OpPolicy.preset("bf16") for n in prof.op_names}
+  comm = Comm(1, 1.0)
+  casts = [n for n in build_graph([GroupCost("g", prof, int8_fwd, 8)], comm) if n.kind == "cast"]
+  assert len(casts) == 2
+  # dequantize lhs (1000) + rhs (1000) elements at 1e-3 ms each
+  assert casts[0].ms == pytest.approx(2.0)
+  assert not [n for n in build_graph([GroupCost("g", prof, bf16, 8)], comm) if n.kind == "cast"]
+
+
+def _cluster(memory_gb=1.0, n=2):
+  return ClusterSpec((DeviceGroup("a", "cpu", n, memory_gb, 8, 1.0), DeviceGroup("b", "cpu", n, memory_gb, 8, 1.0)))
+
+
+def test_predict_memory_counts_residuals_at_stored_precision():
+  rng = np.random.default_rng()
+  lhs = int(rng.integers(1000, 5000))
+  prof = fake_profile([(1, 1, 1)] * 3, lhs_elems=lhs)
+  cluster = _cluster()
+  fp32 = predict(cluster, {"cpu": prof}, Plan.uniform(cluster, "fp32"))
+  int8 = predict(cluster, {"cpu": prof}, Plan.uniform(cluster, "int8_fwd"))
+  params = prof.memory["param_bytes"]
+  # fp32 forward saves the fp32 activation (the weight is the parameter itself)
+  assert fp32.memory_bytes["a"] == 4 * params + 3 * 4 * lhs
+  # int8 forward saves 1-byte activations and weights plus per-channel fp32 scales
+  scales = 3 * 4 * (8 + 100)
+  assert int8.memory_bytes["a"] == 4 * params + 3 * (lhs + 1000) + scales
+  assert fp32.fits
+
+
+def test_trace_exports(tmp_path):
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, optimizer_ms=1.0)
+  cluster = _cluster()
+  pred = predict(cluster, {"cpu": prof}, Plan.uniform(cluster, "fp32"))
+  trace = json.loads(json.dumps(chrome_trace(pred)))
+  events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+  assert len(events) == len(pred.nodes)
+  assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(1e3 * pred.step_ms)
+  save_png(pred, str(tmp_path / "t.png"))
+  assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
