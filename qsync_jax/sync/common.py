@@ -66,3 +66,9 @@ def leaf_keys(key: jax.Array, tree) -> list:
 
 def is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def optimizer_init(optimizer, params):
+  """``optimizer.init(params)`` under standard dtype promotion (optax mixes Python floats and ints)."""
+  with jax.numpy_dtype_promotion("standard"):
+    return optimizer.init(params)

@@ -22,6 +22,7 @@ norm scales) are gathered and reduce-scattered in fp32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,15 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.quantize.api import dequantize, quantize
 from qsync_jax.errors import QsyncError
-from qsync_jax.sync.common import AXIS, all_gather_invariant, device_key, leaf_keys, shard_map
+from qsync_jax.sync.common import (
+  AXIS,
+  all_gather_invariant,
+  device_key,
+  leaf_keys,
+  optimizer_init,
+  shard_map,
+  to_varying,
+)
 from qsync_jax.sync.global_qsgd import INT_PAYLOADS, dither, payload_for
 from qsync_jax.sync.selsync import _shares
 
@@ -126,7 +135,8 @@ def make_qsdp_step(
     treedef, [jax.ShapeDtypeStruct((n * lay.shard,), lay.dtype) for lay in layouts]
   )
   opt_specs = jax.tree.map(
-    lambda a: P(axis_name) if a.ndim else P(), jax.eval_shape(optimizer.init, abstract_shards)
+    lambda a: P(axis_name) if a.ndim else P(),
+    jax.eval_shape(functools.partial(optimizer_init, optimizer), abstract_shards),
   )
 
   def init(params):
@@ -136,7 +146,7 @@ def make_qsdp_step(
 
     shards = jax.tree.unflatten(treedef, [shard(x, lay) for x, lay in zip(jax.tree.leaves(params), layouts)])
     out = jax.tree.map(lambda p: NamedSharding(mesh, p), opt_specs, is_leaf=lambda x: isinstance(x, P))
-    opt_state = jax.jit(optimizer.init, out_shardings=out)(shards)
+    opt_state = jax.jit(functools.partial(optimizer_init, optimizer), out_shardings=out)(shards)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     return {"params": shards, "opt_state": opt_state, "step": step}
 
@@ -183,13 +193,15 @@ def make_qsdp_step(
     key = device_key(key, axis_name)
     k_weights, k_loss, k_grads = jax.random.split(key, 3)
     shards = jax.tree.leaves(state["params"])
-    full = jax.tree.unflatten(treedef, gather_weights(shards, k_weights))
+    # Typed varying: the gradient w.r.t. an invariant value would come back already psum-ed (in fp32).
+    full = to_varying(jax.tree.unflatten(treedef, gather_weights(shards, k_weights)), axis_name)
     share = share_table[lax.axis_index(axis_name)]
     loss, grads = jax.value_and_grad(loss_fn)(full, batch, k_loss)
     weighted = [share.astype(g.dtype) * g for g in jax.tree.leaves(grads)]
     grad_shards = jax.tree.unflatten(treedef, scatter_grads(weighted, k_grads))
-    updates, opt_state = optimizer.update(grad_shards, state["opt_state"], state["params"])
-    new_params = optax.apply_updates(state["params"], updates)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
+      updates, opt_state = optimizer.update(grad_shards, state["opt_state"], state["params"])
+      new_params = optax.apply_updates(state["params"], updates)
     total_loss = lax.psum(share * loss.astype(jnp.float32), axis_name)
     return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, {"loss": total_loss}
 

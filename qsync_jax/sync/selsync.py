@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qsync_jax.errors import QsyncError
-from qsync_jax.sync.common import AXIS, device_key, shard_map, to_varying
+from qsync_jax.sync.common import AXIS, device_key, optimizer_init, shard_map, to_varying
 
 MODES = ("params", "grads")
 
@@ -103,7 +103,7 @@ def make_selsync_step(
     stack = lambda x: jax.device_put(jnp.broadcast_to(x, (n, *jnp.shape(x))), per_device)  # noqa: E731
     return {
       "params": jax.tree.map(stack, params),
-      "opt_state": jax.tree.map(stack, optimizer.init(params)),
+      "opt_state": jax.tree.map(stack, optimizer_init(optimizer, params)),
       "ema": jax.device_put(jnp.zeros((n,), jnp.float32), per_device),
       "step": jax.device_put(jnp.zeros((), jnp.int32), replicated),
       "syncs": jax.device_put(jnp.zeros((), jnp.int32), replicated),
@@ -130,8 +130,9 @@ def make_selsync_step(
 
     if config.mode == "grads":
       grads = lax.cond(sync, average, lambda g: g, grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
     if config.mode == "params":
       if config.sync_opt_state:
         params, opt_state = lax.cond(
