@@ -210,9 +210,16 @@ def _optimizer_init(optimizer, params):
     return optimizer.init(params)
 
 
-def _sync_init(grad_sync) -> Callable[[Any], Any]:
+def _split_sync(grad_sync) -> tuple[Callable, Callable[[Any], Any]]:
+  """(sync function, per-device state init) of a ``GradSync`` callable or an ``(init, sync)`` object."""
+  sync = getattr(grad_sync, "sync", grad_sync)
+  if not callable(sync):
+    raise TypeError(
+      f"grad_sync must be a callable (grads, state, key) -> (grads, state) or have .init and .sync, "
+      f"got {type(grad_sync).__name__}. Fix: pass e.g. qsync_jax.sync.make_grad_sync('fp32')."
+    )
   init = getattr(grad_sync, "init", None)
-  return init if callable(init) else (lambda params: ())
+  return sync, (init if callable(init) else (lambda params: ()))
 
 
 def make_train_step(
@@ -235,7 +242,8 @@ def make_train_step(
     plan: one precision policy per group (None: every group runs the float model) and optional
       per-device batch overrides.
     optimizer: an optax transformation, applied to the combined fp32 gradient.
-    grad_sync: a ``GradSync`` (default ``psum_sync``).
+    grad_sync: a ``GradSync`` callable (default ``psum_sync``), or an object with ``init`` and
+      ``sync`` such as ``qsync_jax.sync.make_grad_sync(name)``.
     devices: the devices of the job, in order (default ``jax.devices()``: all processes').
     loss_scale: default ``DynamicLossScale()`` when the plan has an fp16 leg, else ``NoLossScale()``.
     return_grads: the step also returns the combined (unscaled) gradient.
@@ -246,7 +254,7 @@ def make_train_step(
   devices = list(jax.devices() if devices is None else devices)
   assign_devices(cluster, devices)
   mesh = Mesh(np.asarray(devices), (AXIS,))
-  grad_sync = grad_sync if grad_sync is not None else psum_sync
+  grad_sync, sync_init = _split_sync(grad_sync if grad_sync is not None else psum_sync)
   if loss_scale is None:
     loss_scale = DynamicLossScale() if plan.needs_fp16_loss_scaling else NoLossScale()
   branches, device_branch = plan_branches(cluster, plan)
@@ -351,7 +359,7 @@ def make_train_step(
     device_branch=device_branch,
     optimizer=optimizer,
     loss_scale=loss_scale,
-    sync_init=_sync_init(grad_sync),
+    sync_init=sync_init,
     step=step,
     state_sharding=state_sharding,
   )

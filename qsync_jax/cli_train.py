@@ -1,0 +1,196 @@
+"""``qsync train``: run a plan on a cluster (hybrid synchronous data parallel).
+
+  qsync train --model resnet --cluster cluster.json --plan plan.json --steps 200 --out runs/a
+  qsync train --model mypkg.tasks:make_task --cluster c.yaml --steps 50 --out runs/b --resume
+
+``--model`` is a registered example (``examples.registry``) or ``package.module:attr`` naming
+a ``Task`` or a function returning one. Without ``--cluster`` every local device forms one
+``cpu`` group. Progress (steps/s, loss, ETA) goes to stderr; metrics to ``OUT/metrics.jsonl``;
+checkpoints to ``OUT/checkpoints``. Multi-process: start one process per host (or several on
+one CPU host) with the same arguments plus ``--coordinator HOST:PORT --num-processes N
+--process-id I``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from qsync_jax.errors import QsyncError
+
+HELP = "train a model on a hybrid cluster under a plan (synchronous data parallel)"
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+    "--model", required=True, help="registered example name, or package.module:attr (a Task factory)"
+  )
+  parser.add_argument(
+    "--cluster", help="cluster spec (JSON, or YAML); default: all local devices, one 'cpu' group"
+  )
+  parser.add_argument(
+    "--batch-per-device", type=int, default=8, help="per-device batch without --cluster (default 8)"
+  )
+  parser.add_argument("--plan", help="plan JSON (one precision policy per group); default: fp32 everywhere")
+  parser.add_argument("--steps", type=int, required=True, help="train until this many steps in total")
+  parser.add_argument("--out", required=True, help="run directory: metrics.jsonl and checkpoints/")
+  parser.add_argument(
+    "--sync", default=None, help="gradient sync strategy (qsync_jax.sync), default fp32 psum"
+  )
+  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+  parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+  parser.add_argument(
+    "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
+  )
+  parser.add_argument("--log-every", type=int, default=1, help="steps between metrics lines (default 1)")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="task config override (JSON value), repeatable",
+  )
+  dist = parser.add_argument_group("multi-process")
+  dist.add_argument("--coordinator", help="HOST:PORT of process 0 (enables jax.distributed)")
+  dist.add_argument("--num-processes", type=int, default=1)
+  dist.add_argument("--process-id", type=int, default=0)
+  dist.add_argument("--local-devices", type=int, help="simulated CPU devices per process")
+  dist.add_argument(
+    "--step-timeout", type=float, help="seconds a step may take before a process gives up (default 120)"
+  )
+
+
+def _overrides(items: list[str]) -> dict:
+  out = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise QsyncError(f"--set {item!r} is not KEY=VALUE. Fix: write e.g. --set hidden=64.")
+    try:
+      out[key] = json.loads(value)
+    except json.JSONDecodeError:
+      out[key] = value
+  return out
+
+
+def load_task(spec: str, **overrides):
+  """A ``Task`` from a registered example name or ``package.module:attr``."""
+  from qsync_jax.task import Task
+
+  if ":" in spec:
+    module_name, _, attr = spec.partition(":")
+    try:
+      module = importlib.import_module(module_name)
+    except ImportError as e:
+      raise QsyncError(
+        f"--model {spec!r}: cannot import {module_name!r} ({e}). Fix: make it importable (PYTHONPATH) or fix the name."
+      ) from None
+    if not hasattr(module, attr):
+      raise QsyncError(
+        f"--model {spec!r}: module {module_name!r} has no attribute {attr!r}. Fix: name an existing one."
+      )
+    obj = getattr(module, attr)
+    task = obj if isinstance(obj, Task) else obj(**overrides)
+  else:
+    try:
+      registry = importlib.import_module("examples.registry")
+    except ImportError:
+      raise QsyncError(
+        f"--model {spec!r}: the example registry (examples.registry) is not available here. "
+        "Fix: pass your own task as package.module:make_task."
+      ) from None
+    task = registry.get_task(spec, **overrides)
+  if not isinstance(task, Task):
+    raise QsyncError(
+      f"--model {spec!r} gave a {type(task).__name__}, not a qsync_jax.task.Task. Fix: return a Task from the factory."
+    )
+  return task
+
+
+def _optimizer(name: str, lr: float):
+  import optax
+
+  return {
+    "adam": lambda: optax.adam(lr),
+    "adamw": lambda: optax.adamw(lr),
+    "sgd": lambda: optax.sgd(lr),
+    "momentum": lambda: optax.sgd(lr, momentum=0.9),
+  }[name]()
+
+
+def _grad_sync(name: str | None):
+  if name is None or name in ("psum", "fp32"):
+    return None
+  try:
+    sync = importlib.import_module("qsync_jax.sync")
+  except ImportError:
+    raise QsyncError(
+      f"--sync {name!r}: qsync_jax.sync is not available here. Fix: omit --sync (fp32 psum)."
+    ) from None
+  return sync.make_grad_sync(name)
+
+
+def run(args: argparse.Namespace) -> int:
+  if args.coordinator:
+    from qsync_jax.distributed import initialize
+
+    initialize(args.coordinator, args.num_processes, args.process_id, local_device_count=args.local_devices)
+  elif args.local_devices:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.local_devices)
+
+  import jax
+
+  from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.plan import Plan
+  from qsync_jax.trainer import Trainer
+
+  if args.steps <= 0:
+    raise QsyncError(f"--steps {args.steps} must be positive. Fix: pass --steps 1 or more.")
+  task = load_task(args.model, **_overrides(args.set))
+  if args.cluster:
+    cluster = ClusterSpec.load(args.cluster)
+  else:
+    cluster = ClusterSpec.uniform(
+      "cpu" if jax.default_backend() == "cpu" else "H100", jax.device_count(), args.batch_per_device
+    )
+  plan = Plan.load(args.plan) if args.plan else Plan()
+  if (
+    not args.resume
+    and os.path.isdir(os.path.join(args.out, "checkpoints"))
+    and os.listdir(os.path.join(args.out, "checkpoints"))
+  ):
+    raise QsyncError(
+      f"--out {args.out!r} already holds checkpoints. Fix: pass --resume to continue that run, or choose a new --out."
+    )
+  trainer = Trainer(
+    task,
+    cluster,
+    plan,
+    _optimizer(args.optimizer, args.lr),
+    grad_sync=_grad_sync(args.sync),
+    seed=args.seed,
+    out_dir=args.out,
+    checkpoint_every=args.checkpoint_every,
+    resume=args.resume,
+    log_every=args.log_every,
+    progress=sys.stderr,
+    step_timeout_s=args.step_timeout,
+  )
+  if trainer.step and jax.process_index() == 0:
+    print(f"resumed {args.out} at step {trainer.step}", file=sys.stderr)
+  try:
+    last = trainer.run(args.steps)
+  finally:
+    trainer.close()
+  if jax.process_index() == 0:
+    print(json.dumps({"step": trainer.step, **last}))
+  return 0
