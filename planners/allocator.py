@@ -225,7 +225,7 @@ def start_assignment(problem: Problem) -> Assignment:
     if mem(levels) > limit:
       need = mem(mem_levels)
       raise PlanError(
-        f"device group {g.name!r} ({g.device_type}, {g.batch_per_device} per device) needs at least "
+        f"device group {g.name!r} ({prof.device_type}, {g.batch_per_device} per device) needs at least "
         f"{need / 1e9:.3f} GB per device even with every op at its least-memory precision, but has "
         f"memory_gb={limit / 1e9:g}. Fix: set memory_gb ≥ {math.ceil(need / 1e7) / 100:.2f}, lower its "
         "batch_per_device, or move it to a bigger device."

@@ -23,6 +23,7 @@ profile for a device not at hand from the catalog (roofline), labelled ``"modele
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import platform
 from collections.abc import Callable, Sequence
@@ -308,6 +309,7 @@ def measure_profile(
   step_repeats: int = 20,
   progress: Callable[[str], None] | None = None,
   seed: int = 0,
+  cast_sizes: Sequence[int] = (2**14, 2**16, 2**18, 2**20),
 ) -> Profile:
   """Measures the profile of ``task`` at ``batch_per_device`` on the local device."""
   say = progress or (lambda msg: None)
@@ -341,17 +343,11 @@ def measure_profile(
   params = variables["params"]
   opt_state = optimizer.init(params)
 
-  @jax.jit
-  def update(params, grads, opt_state):
-    import optax
-
-    deltas, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, deltas), opt_state
-
+  update = jax.jit(functools.partial(step.apply_optimizer, optimizer))
   optimizer_ms = max(step.median_ms(lambda: update(params, params, opt_state), repeats)[0] - overhead, 0.0)
 
   say("cast models")
-  cast = measure_casts(repeats=repeats, overhead=overhead)
+  cast = measure_casts(cast_sizes, repeats=repeats, overhead=overhead)
 
   say("fp32 training step")
   step_ms, samples, peak = step.time_train_step(task, PrecisionPolicy.uniform("fp32"), batch, step_repeats)
@@ -410,6 +406,32 @@ def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tup
   rest = step_ms - sync_step_ms([group], Comm(1, 1.0))
   other = 0 if peak_bytes is None else int(peak_bytes - memory_bytes(group))
   return rest, other
+
+
+def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
+  """A profile with the ops and memory of ``task`` but no timings (``source="traced"``):
+  the base ``modeled_profile`` costs. Compiles the fp32 step once (nothing is timed)."""
+  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_per_device, seed)))
+  variables = step.init_variables(task, batch, seed)
+  ops = tuple(collect_ops(task.model, variables, *task.inputs(batch), **task.train_kwargs))
+  optimizer = step.default_optimizer()
+  opt_state = optimizer.init(variables["params"])
+  memory = {
+    "param_bytes": step.tree_bytes(variables["params"]),
+    "opt_state_bytes": step.tree_bytes(opt_state),
+    "batch_bytes": step.tree_bytes(batch),
+    "other_bytes": 0,
+  }
+  train_step = step.make_train_step(task, PrecisionPolicy.uniform("fp32"), optimizer)
+  peak = step.xla_peak_bytes(train_step.lower(variables, opt_state, batch, jax.random.key(seed)).compile())
+  skeleton = Profile(task.name, local_device_type(), "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory)
+  if peak is not None:
+    from planners.graph import GroupCost
+    from planners.replay import memory_bytes
+
+    fp32 = {o.name: OpPolicy.uniform("fp32") for o in ops}
+    memory["other_bytes"] = int(peak - memory_bytes(GroupCost("local", skeleton, fp32, batch_per_device)))
+  return dataclasses.replace(skeleton, meta={**versions(), "fp32_xla_peak_bytes": peak})
 
 
 # -- modeled profiles -------------------------------------------------------------------------

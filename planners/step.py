@@ -38,6 +38,14 @@ def init_variables(task: Task, batch, seed: int = 0):
   return task.model.init(jax.random.key(seed), *task.inputs(batch), **task.train_kwargs)
 
 
+def apply_optimizer(optimizer: optax.GradientTransformation, params, grads, opt_state):
+  """``(new params, new opt_state)``. Traced under standard dtype promotion: optax mixes
+  Python floats with int32 step counts, which strict promotion (the tests' setting) rejects."""
+  with jax.numpy_dtype_promotion("standard"):
+    deltas, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, deltas), opt_state
+
+
 def make_train_step(task: Task, policy: PrecisionPolicy, optimizer: optax.GradientTransformation):
   """A jitted single-device training step of ``task`` under ``policy``; see the module doc."""
   qmodel = quantize(task.model, policy)
@@ -59,8 +67,8 @@ def make_train_step(task: Task, policy: PrecisionPolicy, optimizer: optax.Gradie
     params = variables["params"]
     others = {k: v for k, v in variables.items() if k != "params"}
     (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, others, batch, key)
-    deltas, opt_state = optimizer.update(grads, opt_state, params)
-    new_variables = {**others, **dict(updates), "params": optax.apply_updates(params, deltas)}
+    new_params, opt_state = apply_optimizer(optimizer, params, grads, opt_state)
+    new_variables = {**others, **dict(updates), "params": new_params}
     return new_variables, opt_state, loss
 
   return jax.jit(step, donate_argnums=(0, 1))

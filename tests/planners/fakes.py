@@ -42,7 +42,12 @@ def fake_profile(
     remainder_ms={"fwd": remainder_ms / 3, "bwd": 2 * remainder_ms / 3},
     optimizer_ms=optimizer_ms,
     cast={c: CastModel(cast_a, 0.0, 0.0) for c in CAST_TYPES},
-    memory={"param_bytes": param_bytes, "opt_state_bytes": 2 * param_bytes, "batch_bytes": 0, "other_bytes": other_bytes},
+    memory={
+      "param_bytes": param_bytes,
+      "opt_state_bytes": 2 * param_bytes,
+      "batch_bytes": 0,
+      "other_bytes": other_bytes,
+    },
   )
 
 
@@ -50,6 +55,7 @@ def fake_indicator(op_names, sensitivities):
   """Ω: op i at int8 = s_i, fp16 / bf16 = s_i / 10, fp8 = s_i / 2, fp32 = 0."""
   return {
     "omega": {
-      n: {"int8": s, "fp8": s / 2, "fp16": s / 10, "bf16": s / 10, "fp32": 0.0} for n, s in zip(op_names, sensitivities)
+      n: {"int8": s, "fp8": s / 2, "fp16": s / 10, "bf16": s / 10, "fp32": 0.0}
+      for n, s in zip(op_names, sensitivities)
     }
   }

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from planners.catalog import allreduce_ms
-from planners.graph import Comm, GroupCost, build_graph, buckets, longest_path
+from planners.graph import Comm, GroupCost, buckets, build_graph, longest_path
 from planners.replay import predict, sync_step_ms
 from planners.trace import chrome_trace, save_png
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
@@ -79,7 +79,9 @@ def test_cast_nodes_only_after_quantized_forward():
 
 
 def _cluster(memory_gb=1.0, n=2):
-  return ClusterSpec((DeviceGroup("a", "cpu", n, memory_gb, 8, 1.0), DeviceGroup("b", "cpu", n, memory_gb, 8, 1.0)))
+  return ClusterSpec(
+    (DeviceGroup("a", "cpu", n, memory_gb, 8, 1.0), DeviceGroup("b", "cpu", n, memory_gb, 8, 1.0))
+  )
 
 
 def test_predict_memory_counts_residuals_at_stored_precision():

@@ -1,0 +1,68 @@
+"""``qsync profile``: cost profile of a model on the local device (or modeled for another)."""
+
+from __future__ import annotations
+
+from planners.cli_common import progress, table
+from planners.profiler import local_device_type, measure_profile, modeled_profile, traced_profile
+from qsync_jax.cli_train import load_task
+from qsync_jax.errors import UnsupportedPrecisionError
+from qsync_jax.precision import LEGS, supported_precisions
+
+HELP = "Measure op × leg × precision costs, casts and memory of a model's training step (JSON)."
+
+
+def add_arguments(parser) -> None:
+  parser.add_argument(
+    "--model", required=True, help="example name (e.g. mlp, lm) or package.module:make_task"
+  )
+  parser.add_argument(
+    "--device-type",
+    help="device type to profile for; a type other than the local one is modeled from the catalog",
+  )
+  parser.add_argument("--batch", type=int, default=32, help="per-device batch to profile at (default 32)")
+  parser.add_argument(
+    "--precisions", help="comma-separated precisions to time (default: all the device runs)"
+  )
+  parser.add_argument("--repeats", type=int, default=10, help="timed repeats per measurement (median)")
+  parser.add_argument(
+    "--cast-sizes",
+    default="16384,65536,262144,1048576",
+    help="comma-separated element counts the cast models are fitted on",
+  )
+  parser.add_argument("--out", required=True, help="output JSON file")
+
+
+def run(args) -> int:
+  task = load_task(args.model)
+  local = local_device_type()
+  precisions = args.precisions.split(",") if args.precisions else None
+  bad = [p for p in precisions or () if p not in supported_precisions(local)]
+  if bad:
+    raise UnsupportedPrecisionError(
+      f"--precisions {args.precisions!r}: {bad} cannot run on {local}. "
+      f"Fix: choose from {list(supported_precisions(local))}."
+    )
+  if args.device_type and args.device_type != local:
+    progress(f"tracing {task.name}; {args.device_type} costs are modeled from the catalog (roofline)")
+    prof = modeled_profile(traced_profile(task, args.batch), args.device_type)
+  else:
+    sizes = [int(x) for x in args.cast_sizes.split(",")]
+    prof = measure_profile(task, args.batch, precisions, args.repeats, progress=progress, cast_sizes=sizes)
+  prof.save(args.out)
+  rows = []
+  for op in prof.ops:
+    times = prof.op_ms[op.name]
+    row = [op.name, f"{op.batch}x{op.m}x{op.k}x{op.n}"]
+    for p in ("fp32", "bf16", "fp16", "int8", "fp8"):
+      row.append(sum(times[leg][p] for leg in LEGS) if p in times["fwd"] else "-")
+    rows.append(row)
+  print(
+    f"{prof.model} on {prof.device_type} ({prof.source}), batch {prof.batch_per_device}; fwd+dlhs+drhs ms:"
+  )
+  print(table(["op", "gemm b×m×k×n", "fp32", "bf16", "fp16", "int8", "fp8"], rows))
+  print(
+    f"remainder {sum(prof.remainder_ms.values()):.3f} ms, optimizer {prof.optimizer_ms:.3f} ms"
+    + (f", measured fp32 step {prof.meta['fp32_step_ms']:.3f} ms" if "fp32_step_ms" in prof.meta else "")
+  )
+  print(f"wrote {args.out}")
+  return 0

@@ -1,0 +1,165 @@
+"""CLI round trip on a tiny model: profile (measured + modeled) → plan → predict."""
+
+import json
+
+import pytest
+
+from planners.profiler import Profile
+from qsync_jax.cli import main
+from qsync_jax.plan import Plan
+from tests.planners.fakes import fake_indicator
+
+MODEL = "tests.planners.tiny:mlp"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  d = tmp_path_factory.mktemp("cli")
+  cpu, t4 = str(d / "cpu.json"), str(d / "t4.json")
+  assert (
+    main(
+      [
+        "profile",
+        "--model",
+        MODEL,
+        "--batch",
+        "16",
+        "--precisions",
+        "fp32,bf16,int8",
+        "--repeats",
+        "2",
+        "--cast-sizes",
+        "4096,65536",
+        "--out",
+        cpu,
+      ]
+    )
+    == 0
+  )
+  assert main(["profile", "--model", MODEL, "--batch", "16", "--device-type", "T4", "--out", t4]) == 0
+  cluster = d / "cluster.json"
+  cluster.write_text(
+    json.dumps(
+      {
+        "groups": [
+          {"name": "train", "device_type": "A100", "count": 2, "memory_gb": 40, "batch_per_device": 16},
+          {"name": "infer", "device_type": "T4", "count": 2, "memory_gb": 16, "batch_per_device": 16},
+        ]
+      }
+    )
+  )
+  ops = Profile.load(cpu).op_names
+  indicator = d / "omega.json"
+  indicator.write_text(json.dumps(fake_indicator(ops, [3.0, 1.0, 2.0])))
+  return d, cpu, t4, str(cluster), str(indicator)
+
+
+def test_profile_files(files):
+  _, cpu, t4, _, _ = files
+  measured, modeled = Profile.load(cpu), Profile.load(t4)
+  assert measured.source == "measured" and modeled.source == "modeled"
+  assert measured.op_names == ("Dense_0:dense", "Dense_1:dense", "Dense_2:dense")
+  assert set(measured.op_ms["Dense_1:dense"]["dlhs"]) == {"fp32", "bf16", "int8", "int8:sr"}
+  assert all(t > 0 for t in measured.op_ms["Dense_1:dense"]["fwd"].values())
+  assert measured.meta["jax_version"] and measured.meta["fp32_step_ms"] > 0
+  assert set(modeled.op_ms["Dense_1:dense"]["fwd"]) == {"fp32", "fp16", "int8"}  # what a T4 runs
+
+
+def test_plan_then_predict(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  plan_path, trace, png = str(d / "plan.json"), str(d / "trace.json"), str(d / "t.png")
+  assert (
+    main(
+      [
+        "plan",
+        "--model",
+        MODEL,
+        "--cluster",
+        cluster,
+        "--indicator",
+        indicator,
+        "--profile",
+        cpu,
+        t4,
+        "--out",
+        plan_path,
+      ]
+    )
+    == 0
+  )
+  out = capsys.readouterr().out
+  assert "synchronous step" in out and "replays" in out and "dynamic batch" in out
+  plan = Plan.load(plan_path)
+  assert set(plan.policies) == {"train", "infer"}
+  assert plan.predictions["step_ms"] <= plan.predictions["target_ms"] * (1 + 1e-9)
+  assert (
+    main(
+      [
+        "predict",
+        "--model",
+        MODEL,
+        "--cluster",
+        cluster,
+        "--plan",
+        plan_path,
+        "--profile",
+        cpu,
+        t4,
+        "--trace",
+        trace,
+        "--png",
+        png,
+      ]
+    )
+    == 0
+  )
+  out = capsys.readouterr().out
+  assert "synchronous step" in out and "modeled (A100)" in out
+  assert json.load(open(trace))["traceEvents"]
+
+
+def test_bad_inputs_exit_2_with_fix(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  assert main(["predict", "--model", MODEL, "--cluster", cluster, "--plan", indicator, "--profile", cpu]) == 2
+  assert "Fix:" in capsys.readouterr().err
+  small = d / "small.json"
+  small.write_text(
+    json.dumps(
+      {
+        "groups": [
+          {"name": "train", "device_type": "A100", "count": 1, "memory_gb": 40, "batch_per_device": 16},
+          {"name": "infer", "device_type": "T4", "count": 1, "memory_gb": 1e-6, "batch_per_device": 16},
+        ]
+      }
+    )
+  )
+  assert (
+    main(
+      [
+        "plan",
+        "--model",
+        MODEL,
+        "--cluster",
+        str(small),
+        "--indicator",
+        indicator,
+        "--profile",
+        cpu,
+        "--out",
+        str(d / "p.json"),
+      ]
+    )
+    == 2
+  )
+  err = capsys.readouterr().err
+  assert "needs at least" in err and "Fix: set memory_gb" in err
+  assert main(["profile", "--model", MODEL, "--device-type", "TPU", "--out", str(d / "x.json")]) == 2
+  assert "catalog" in capsys.readouterr().err
+
+
+def test_help_on_each(capsys):
+  for cmd in ("profile", "predict", "plan"):
+    with pytest.raises(SystemExit) as e:
+      main([cmd, "--help"])
+    assert e.value.code == 0
+    assert "--model" in capsys.readouterr().out
