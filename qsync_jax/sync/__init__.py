@@ -38,6 +38,7 @@ from qsync_jax.sync.common import AXIS
 from qsync_jax.sync.global_qsgd import global_qsgd_allreduce
 from qsync_jax.sync.qsdp import QSDPTrainer, make_qsdp_step
 from qsync_jax.sync.selsync import SelSyncConfig, SelSyncTrainer, make_selsync_step
+from qsync_jax.sync.task_loss import task_loss_fn
 
 
 class GradSync(NamedTuple):
@@ -117,9 +118,11 @@ def make_grad_sync(name: str, **options) -> GradSync:
   """``GradSync`` for a ``grad_sync`` strategy; ``options`` go to its reduce function."""
   strategy = get_strategy(name)
   if strategy.kind != "grad_sync":
+    hooks = [k for k, s in STRATEGIES.items() if s.kind == "grad_sync"]
     raise QsyncError(
-      f"sync strategy {name!r} changes how parameters are stored, so it is not a gradient hook; "
-      f"build its own step with qsync_jax.sync.{strategy.build.__name__}(...)."
+      f"sync strategy {name!r} changes how parameters are stored, so it is not a gradient hook of the "
+      f"hybrid trainer. Fix: pick one of {hooks}, or build its own step with "
+      f"qsync_jax.sync.{strategy.build.__name__}(...)."
     )
   return strategy.build(**options)
 
@@ -137,4 +140,5 @@ __all__ = [
   "make_grad_sync",
   "make_qsdp_step",
   "make_selsync_step",
+  "task_loss_fn",
 ]

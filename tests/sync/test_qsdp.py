@@ -46,7 +46,9 @@ def test_quantized_qsdp_step_is_close_to_sgd(mesh):
   loss, want = _sgd_reference(params, batch, 0.5)
   # int8 weights (absmax/127 per 64-value bucket): the loss moves by well under 1 %
   np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-2)
-  for got, w, p in zip(jax.tree.leaves(trainer.gather(state)), jax.tree.leaves(want), jax.tree.leaves(params)):
+  for got, w, p in zip(
+    jax.tree.leaves(trainer.gather(state)), jax.tree.leaves(want), jax.tree.leaves(params)
+  ):
     step = np.abs(np.asarray(w) - np.asarray(p)).max()
     # error of the update: int8 weight noise through the gradient plus integer gradient levels (L = 15)
     assert np.abs(np.asarray(got) - np.asarray(w)).max() < 0.35 * step + 1e-6
@@ -63,7 +65,10 @@ def test_hlo_all_gather_moves_int8(mesh):
   gathers = [c for c in found if c.op == "all-gather"]
   assert sum(c.bytes for c in gathers if c.dtypes == ("s8",)) == padded  # one byte per kernel weight
   fp32_gathered = sum(c.bytes for c in gathers if c.dtypes == ("f32",))  # bucket scales and biases
-  assert fp32_gathered <= 4 * (padded // BUCKET) + 4 * sum(x.size for x in jax.tree.leaves(params) if x.ndim <= 1) + 64
+  assert (
+    fp32_gathered
+    <= 4 * (padded // BUCKET) + 4 * sum(x.size for x in jax.tree.leaves(params) if x.ndim <= 1) + 64
+  )
   scatters = [c for c in found if c.op == "reduce-scatter"]
   assert sum(c.bytes for c in scatters if c.dtypes == ("s8",)) == padded
   # all-reduces: only the pmax of the gradient bucket maxima and the loss (no fp32 gradient sum)

@@ -9,7 +9,10 @@ FEATURES, HIDDEN, CLASSES = 24, 64, 5
 def init_params(key):
   k1, k2 = jax.random.split(key)
   return {
-    "hidden": {"kernel": jax.random.normal(k1, (FEATURES, HIDDEN)) / FEATURES**0.5, "bias": jnp.zeros((HIDDEN,))},
+    "hidden": {
+      "kernel": jax.random.normal(k1, (FEATURES, HIDDEN)) / FEATURES**0.5,
+      "bias": jnp.zeros((HIDDEN,)),
+    },
     "out": {"kernel": jax.random.normal(k2, (HIDDEN, CLASSES)) / HIDDEN**0.5, "bias": jnp.zeros((CLASSES,))},
   }
 

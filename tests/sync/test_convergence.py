@@ -1,0 +1,91 @@
+"""Every strategy trains a small CNN on scikit-learn digits to within 1 accuracy point of fp32.
+
+Setup (all strategies): the same initial parameters and batch order (seed 0), global batch 64
+over 8 devices, Adam(3e-3), 200 steps; accuracy on the 359-image held-out split. Gradient-hook
+strategies run in the hybrid trainer (``qsync_jax.trainer.Trainer``); SelSync (defaults:
+delta 0.3, window 25, warm-up 25) and QSDP (buckets of 256) run their own steps.
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from examples.data import digits
+from examples.tasks.vision import classification_task
+from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step, task_loss_fn
+from qsync_jax.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+SEED, STEPS, BATCH, LR = 0, 200, 64, 3e-3
+
+
+class TinyCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    del train
+    x = nn.relu(nn.Conv(8, (3, 3))(x))
+    x = nn.relu(nn.Conv(16, (3, 3), strides=(2, 2))(x))
+    return nn.Dense(10)(x.reshape((x.shape[0], -1)))
+
+
+@pytest.fixture(scope="module")
+def task():
+  train, test = digits.load(0.2, 0)
+  return dataclasses.replace(classification_task("tiny_cnn", TinyCNN(), train, test), mutable=())
+
+
+def _cluster():
+  return ClusterSpec((DeviceGroup("cpu", "cpu", 8, 16, BATCH // 8),))
+
+
+def accuracy(task, params) -> float:
+  right = total = 0
+  for batch in task.eval_batches(359):
+    logits = task.model.apply({"params": params}, *task.inputs(batch), **task.eval_kwargs)
+    right += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(batch["label"])))
+    total += len(batch["label"])
+  return right / total
+
+
+def _hook_run(task, name):
+  trainer = Trainer(task, _cluster(), None, optax.adam(LR), grad_sync=make_grad_sync(name), seed=SEED)
+  initial = trainer.params
+  trainer.run(STEPS)
+  return accuracy(task, trainer.params), initial
+
+
+def _own_run(task, trainer, finish, params):
+  state = trainer.init(params)
+  batches = task.train_batches(BATCH, SEED)
+  key = jax.random.key(SEED)
+  for i in range(STEPS):
+    state, _ = trainer.step(state, next(batches), jax.random.fold_in(key, i))
+  return accuracy(task, finish(state)), state
+
+
+@pytest.fixture(scope="module")
+def fp32(task):
+  return _hook_run(task, "fp32")
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "global_qsgd", "selsync", "qsdp"])
+def test_within_one_point_of_fp32(task, fp32, name):
+  want, initial = fp32
+  assert want > 0.9  # the baseline itself learned
+  if name == "selsync":
+    trainer = make_selsync_step(task_loss_fn(task), optax.adam(LR))
+    got, state = _own_run(task, trainer, trainer.consolidate, initial)
+    assert 0 < int(state["syncs"]) < STEPS  # it did skip synchronizations
+  elif name == "qsdp":
+    trainer = make_qsdp_step(task_loss_fn(task), optax.adam(LR), initial, bucket_size=256)
+    got, _ = _own_run(task, trainer, trainer.gather, initial)
+  else:
+    got, _ = _hook_run(task, name)
+  print(f"{name}: accuracy {got:.4f} vs fp32 {want:.4f}")
+  assert abs(got - want) <= 0.01, (name, got, want)
