@@ -1,0 +1,37 @@
+"""Helpers to run ``qsync train`` in subprocesses (kill-and-resume, multi-process tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+  """The test's environment without its 8-device XLA flag (processes pass --local-devices)."""
+  out = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  flags = [f for f in out.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  out["XLA_FLAGS"] = " ".join(flags)
+  out.update(extra)
+  return out
+
+
+def train(args: list[str], log_path: str, **extra_env: str) -> subprocess.Popen:
+  """Starts ``python -m qsync_jax train ARGS`` with stdout and stderr to ``log_path``."""
+  log = open(log_path, "w")  # noqa: SIM115 - closed when the process object is collected
+  return subprocess.Popen(
+    [sys.executable, "-m", "qsync_jax", "train", *args],
+    cwd=ROOT,
+    env=env(**extra_env),
+    stdout=log,
+    stderr=subprocess.STDOUT,
+  )
