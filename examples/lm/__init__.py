@@ -1,0 +1,1 @@
+"""Causal language-model example on the Python standard library's source."""

@@ -1,0 +1,1 @@
+"""Image classification example: ResNet / VGG on digits, ResNet on CIFAR-10."""

@@ -1,0 +1,89 @@
+"""The task registry: names, overrides, deterministic batches, held-out splits."""
+
+import jax
+import numpy as np
+import pytest
+
+from examples.data import digits, stdlib_text
+from examples.registry import TASKS, get_task
+from qsync_jax.errors import QsyncError
+from qsync_jax.task import Task
+
+
+def test_unknown_task_lists_the_names():
+  with pytest.raises(QsyncError, match="unknown task 'resnet50'.*'lm'.*'resnet'.*'vgg'"):
+    get_task("resnet50")
+
+
+def test_unknown_override_lists_the_fields():
+  with pytest.raises(QsyncError, match="no option.*'depth'.*stage_sizes"):
+    get_task("resnet", depth=18)
+
+
+def test_registry_names():
+  assert {"resnet", "vgg", "lm", "resnet_cifar10"} <= set(TASKS)
+
+
+@pytest.mark.parametrize("name", ["resnet", "vgg", "lm"])
+def test_train_batches_are_deterministic_given_the_seed(name):
+  task = get_task(name)
+  assert isinstance(task, Task)
+  first = [next(task.train_batches(16, 7)) for _ in range(2)]
+  a, b = first
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key])
+  it_same, it_other = task.train_batches(16, 7), task.train_batches(16, 8)
+  next(it_same), next(it_other)
+  x, y = next(it_same), next(it_other)
+  key = next(iter(x))
+  assert x[key].shape[0] == 16
+  assert not np.array_equal(x[key], y[key])
+
+
+def test_digits_split_is_disjoint_and_complete():
+  train, test = digits.load(holdout_fraction=0.2)
+  full = digits._load()
+  assert len(train["label"]) + len(test["label"]) == len(full["label"])
+  assert len(test["label"]) == round(0.2 * len(full["label"]))
+  # No held-out image occurs in the training split (compare raw bytes of each image).
+  train_rows = {row.tobytes() for row in train["image"].reshape(len(train["image"]), -1)}
+  dupes = sum(row.tobytes() in train_rows for row in test["image"].reshape(len(test["image"]), -1))
+  assert dupes <= 2  # digits holds a couple of identical images under different indices
+  assert 0.0 <= train["image"].min() and train["image"].max() <= 1.0
+
+
+def test_eval_batches_cover_the_held_out_split_once():
+  task = get_task("vgg")
+  _, test = digits.load()
+  labels = np.concatenate([b["label"] for b in task.eval_batches(100)])
+  np.testing.assert_array_equal(labels, test["label"])
+
+
+def test_stdlib_corpus_split_is_the_tail_and_is_deterministic():
+  train, test = stdlib_text.load(max_bytes=100_000, holdout_fraction=0.1)
+  corpus = stdlib_text.corpus(100_000)
+  assert len(corpus) == 100_000
+  np.testing.assert_array_equal(np.concatenate([train, test]), corpus.astype(np.int32))
+  assert len(test) == 10_000
+  windows = np.concatenate([b["tokens"] for b in stdlib_text.eval_windows(test, 50, 64)])
+  assert windows.shape == ((len(test) - 1) // 50, 51)
+  np.testing.assert_array_equal(windows[1, :], test[50:101])
+
+
+def test_lm_task_shapes_and_loss_is_near_uniform_at_init():
+  task = get_task("lm", d_model=16, num_heads=2, num_layers=1, seq_len=12)
+  batch = next(task.train_batches(4, 0))
+  assert batch["tokens"].shape == (4, 13)
+  (tokens,) = task.inputs(batch)
+  variables = jax.jit(task.model.init)(jax.random.key(np.random.randint(1 << 30)), tokens)
+  logits = jax.jit(task.model.apply)(variables, tokens)
+  assert logits.shape == (4, 12, stdlib_text.VOCAB_SIZE)
+  loss, metrics = task.loss(logits, batch)
+  assert abs(float(loss) - np.log(256)) < 1.0  # small random init: close to uniform
+  assert 0.0 <= float(metrics["accuracy"]) <= 1.0
+
+
+def test_bad_batch_size_names_the_fix():
+  task = get_task("resnet")
+  with pytest.raises(QsyncError, match="global_batch=100000 exceeds"):
+    next(task.train_batches(100_000, 0))
