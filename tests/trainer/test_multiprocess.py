@@ -1,0 +1,85 @@
+"""The trainer as 2 processes × 2 CPU devices (jax.distributed, gloo): equal to one process;
+a dead peer ends the survivor with a clear error in bounded time."""
+
+import signal
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.plan import Plan
+from qsync_jax.trainer import Trainer
+from tests.trainer import procs
+from tests.trainer.tiny import make_task
+
+CLUSTER = ClusterSpec((DeviceGroup("a", "A100", 2, 40, 4), DeviceGroup("t", "T4", 2, 16, 2)))
+PLAN = Plan.from_json({"policies": {"t": "int8_fwd"}})
+
+
+def _launch(tmp_path, steps, **env):
+  CLUSTER.save(str(tmp_path / "cluster.json"))
+  PLAN.save(str(tmp_path / "plan.json"))
+  port = procs.free_port()
+  common = ["--model", "tests.trainer.tiny:make_task", "--cluster", str(tmp_path / "cluster.json")]
+  common += ["--plan", str(tmp_path / "plan.json"), "--steps", str(steps), "--out", str(tmp_path / "run")]
+  common += ["--optimizer", "adam", "--lr", "0.01", "--seed", "3", "--coordinator", f"localhost:{port}"]
+  common += ["--num-processes", "2", "--local-devices", "2", "--step-timeout", "30"]
+  return [
+    procs.train([*common, "--process-id", str(i)], str(tmp_path / f"log{i}.txt"), **env) for i in range(2)
+  ]
+
+
+def _finish(processes, timeout):
+  deadline = time.monotonic() + timeout
+  try:
+    for p in processes:
+      p.wait(timeout=max(1.0, deadline - time.monotonic()))
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process(tmp_path):
+  processes = _launch(tmp_path, steps=3)
+  _finish(processes, timeout=240)
+  logs = [(tmp_path / f"log{i}.txt").read_text() for i in range(2)]
+  assert [p.returncode for p in processes] == [0, 0], logs
+  # The checkpoint both processes wrote, read back here on 4 local devices.
+  task = make_task()
+  devices = jax.devices()[:4]
+  restored = Trainer(
+    task, CLUSTER, PLAN, optax.adam(0.01), seed=3, devices=devices, out_dir=str(tmp_path / "run")
+  )
+  assert restored.resume() and restored.step == 3
+  single = Trainer(task, CLUSTER, PLAN, optax.adam(0.01), seed=3, devices=devices)
+  single.run(3)
+  # fp32 tolerance: gloo sums across processes in another order than one process's all-reduce.
+  for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(single.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_dead_peer_stops_the_other_process_with_a_clear_error(tmp_path):
+  processes = _launch(tmp_path, steps=200, QSYNC_TEST_BATCH_DELAY_S="0.2")
+  try:
+    deadline = time.monotonic() + 180
+    while "step 2/" not in (tmp_path / "log0.txt").read_text():
+      assert all(p.poll() is None for p in processes), (tmp_path / "log0.txt").read_text()
+      assert time.monotonic() < deadline, "training did not start within 180 s"
+      time.sleep(0.2)
+    processes[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    processes[0].wait(timeout=90)  # heartbeat timeout 10 s, step watchdog 30 s: well within 90 s
+    waited = time.monotonic() - killed
+  finally:
+    _finish(processes, timeout=1)
+  log = (tmp_path / "log0.txt").read_text()
+  assert processes[0].returncode != 0
+  assert "step 200/200" not in log and waited < 90
+  assert "another task died" in log or "peer process has probably died" in log, log[-2000:]
