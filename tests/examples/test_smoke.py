@@ -10,7 +10,7 @@ from examples.vision.train import Config as VisionConfig
 from examples.vision.train import train_and_evaluate as train_vision
 from qsync_jax.policy import PrecisionPolicy
 
-TINY_VGG = {"stages": ((4,), (8,)), "hidden": 8}
+TINY_VGG = {"stages": ((8,), (16,)), "hidden": 16}
 
 
 def test_vision_one_step_under_int8_policy():
@@ -29,10 +29,10 @@ def test_vision_one_step_under_int8_policy():
 
 def test_vision_learns_digits():
   config = VisionConfig(
-    model="vgg", steps=40, batch_size=32, learning_rate=1e-2, seed=int(np.random.randint(1 << 16))
+    model="vgg", steps=80, batch_size=32, learning_rate=3e-3, seed=int(np.random.randint(1 << 16))
   )
   result = train_vision(config, log=None, **TINY_VGG)
-  assert result["eval"]["accuracy"] > 0.5  # chance is 0.1
+  assert result["eval"]["accuracy"] > 0.5  # chance is 0.1; 8 seeds of this setting gave 0.66 to 0.89
 
 
 def test_vision_main_resnet_one_step(capsys):
