@@ -281,11 +281,14 @@ def make_train_step(
         return scaled, (loss, metrics, updated)
 
       grads, (loss, metrics, updated) = jax.grad(loss_fn, has_aux=True)(params)
-      factor = weight / scale if loss_scale.enabled else jnp.float32(weight)
-      grads = jax.tree.map(lambda g: g.astype(jnp.float32) * factor, grads)
-      scalars = jnp.stack([loss, *(jnp.asarray(v, jnp.float32) for v in metrics.values())]) * weight
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+      scalars = jnp.stack([loss, *(jnp.asarray(v, jnp.float32) for v in metrics.values())])
       new_state = {c: updated.get(c, model_state[c]) for c in model_state}
-      new_state = jax.tree.map(lambda x: x * weight if _is_float(x) else x, new_state)
+      if loss_scale.enabled or weight != 1.0:  # one device with the whole batch: nothing to weight
+        factor = weight / scale if loss_scale.enabled else jnp.float32(weight)
+        grads = jax.tree.map(lambda g: g * factor, grads)
+        scalars = scalars * jnp.float32(weight)
+        new_state = jax.tree.map(lambda x: x * jnp.float32(weight) if _is_float(x) else x, new_state)
       return grads, scalars, new_state, tuple(metrics)
 
     return run

@@ -1,0 +1,211 @@
+"""Overhead of the hybrid data-parallel trainer against a plain ``jax.jit`` training step.
+
+Same model, same optimizer, same batch, one device, uniform (unquantized) policy:
+
+* ``step``: the trainer's compiled step (``make_train_step``: shard_map over a 1-device
+  mesh, step RNG, loss/metric packing) on a batch already on the device, against a plain
+  ``jax.jit`` step (value_and_grad + optax update) on the same batch;
+* ``loop``: ``Trainer.run`` (host batches cut and placed each step, metrics read one step
+  late) against a plain loop that places each host batch and reads the loss one step late.
+
+Each case is timed ``--repeats`` times (``--steps`` steps each, after a warm-up), trainer and
+plain interleaved; the table shows median and min–max in ms/step and the overhead
+``trainer / plain - 1`` of the medians (target ≤ 3 %). Rows are appended to
+``benchmarks/results/trainer.jsonl`` (benchmark, case, device, jax_version, date, metric,
+value, baseline, ratio).
+
+  python benchmarks/trainer.py                 # CPU or the first GPU
+  python benchmarks/trainer.py --width 2048 --batch 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from qsync_jax.cluster import ClusterSpec  # noqa: E402
+from qsync_jax.task import Task  # noqa: E402
+from qsync_jax.train_step import make_train_step  # noqa: E402
+from qsync_jax.trainer import Trainer  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "trainer.jsonl")
+
+
+class MLP(nn.Module):
+  width: int
+  depth: int
+  classes: int = 10
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.depth):
+      x = nn.relu(nn.Dense(self.width)(x))
+    return nn.Dense(self.classes)(x)
+
+
+def make_task(width: int, depth: int, features: int) -> Task:
+  def batches(n, seed):
+    rng = np.random.default_rng(seed)
+    while True:
+      yield {
+        "x": rng.normal(size=(n, features)).astype(np.float32),
+        "y": rng.integers(0, 10, size=(n,)).astype(np.int32),
+      }
+
+  def loss(logits, batch):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return ce, {"accuracy": jnp.mean((jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32))}
+
+  return Task("mlp", MLP(width, depth), lambda b: (b["x"],), loss, batches)
+
+
+def plain_step(task: Task, optimizer):
+  """The reference: what a user writes without qsync-jax."""
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    def loss_fn(p):
+      return task.loss(task.model.apply({"params": p}, *task.inputs(batch)), batch)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
+
+  return step
+
+
+def _time(fn, steps: int) -> float:
+  t0 = time.perf_counter()
+  fn(steps)
+  return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--width", type=int, default=512)
+  parser.add_argument("--depth", type=int, default=3)
+  parser.add_argument("--features", type=int, default=256)
+  parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--no-save", action="store_true")
+  args = parser.parse_args(argv)
+
+  device = jax.devices()[0]
+  device_type = "cpu" if device.platform == "cpu" else "H100"
+  task = make_task(args.width, args.depth, args.features)
+  optimizer = optax.adam(1e-3)
+  cluster = ClusterSpec.uniform(device_type, 1, args.batch)
+  host = task.train_batches(args.batch, 0)
+  host_batches = [next(host) for _ in range(8)]
+
+  # -- step: compiled step on a resident batch -----------------------------------------------
+  ts = make_train_step(task, cluster, None, optimizer, devices=[device])
+  state = ts.init(0, host_batches[0])
+  t_batch = ts.shard(host_batches[0])
+  step = plain_step(task, optimizer)
+  p_params = jax.device_put(state.params, device)
+  p_opt = jax.device_put(state.opt_state, device)
+  p_batch = jax.device_put(host_batches[0], device)
+  holder = {"t": state, "p": (p_params, p_opt)}
+
+  def run_trainer_step(n):
+    s = holder["t"]
+    for _ in range(n):
+      s, _ = ts(s, t_batch)
+    jax.block_until_ready(s)
+    holder["t"] = s
+
+  def run_plain_step(n):
+    p, o = holder["p"]
+    for _ in range(n):
+      p, o, _ = step(p, o, p_batch)
+    jax.block_until_ready((p, o))
+    holder["p"] = (p, o)
+
+  # -- loop: host data feeding and metrics read-back -----------------------------------------
+  trainer = Trainer(task, cluster, None, optimizer, devices=[device])
+
+  def run_trainer_loop(n):
+    trainer.run(trainer.step + n)
+    jax.block_until_ready(trainer.state)
+
+  def run_plain_loop(n):
+    p, o = holder["p"]
+    pending = None
+    for _ in range(n):
+      p, o, m = step(p, o, jax.device_put(next(host), device))
+      if pending is not None:
+        float(pending["loss"])
+      pending = m
+    float(pending["loss"])
+    jax.block_until_ready((p, o))
+    holder["p"] = (p, o)
+
+  cases = {"step": (run_trainer_step, run_plain_step), "loop": (run_trainer_loop, run_plain_loop)}
+  # The trainer's loop draws its own host batches from the task (same generator, same cost).
+  rows = []
+  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  kind = f"{device.platform}:{device.device_kind}" + (
+    f" ({os.cpu_count()} cores)" if device.platform == "cpu" else ""
+  )
+  print(
+    f"\ntrainer overhead: MLP {args.depth}x{args.width}, batch {args.batch}, {args.steps} steps x "
+    f"{args.repeats} repeats, {kind}, jax {jax.__version__}\n"
+  )
+  print(f"{'case':<6} {'plain ms/step':>22} {'trainer ms/step':>22} {'overhead':>9}")
+  for case, (trainer_fn, plain_fn) in cases.items():
+    trainer_fn(3)  # warm-up (compiles)
+    plain_fn(3)
+    t_times, p_times = [], []
+    for _ in range(args.repeats):
+      t_times.append(_time(trainer_fn, args.steps))
+      p_times.append(_time(plain_fn, args.steps))
+    t_med, p_med = statistics.median(t_times), statistics.median(p_times)
+    ratio = t_med / p_med
+    print(
+      f"{case:<6} {p_med:>9.3f} ({min(p_times):.3f}–{max(p_times):.3f}) "
+      f"{t_med:>9.3f} ({min(t_times):.3f}–{max(t_times):.3f}) {100 * (ratio - 1):>+8.1f}%"
+    )
+    rows.append(
+      {
+        "benchmark": "trainer",
+        "case": f"{case}/mlp{args.depth}x{args.width}/b{args.batch}",
+        "device": kind,
+        "jax_version": jax.__version__,
+        "date": date,
+        "metric": "ms_per_step_median",
+        "value": t_med,
+        "baseline": p_med,
+        "ratio": ratio,
+        "trainer_min_max": [min(t_times), max(t_times)],
+        "baseline_min_max": [min(p_times), max(p_times)],
+        "repeats": args.repeats,
+        "steps": args.steps,
+      }
+    )
+  print("\noverhead = trainer median / plain median - 1 (target <= +3%)")
+  if not args.no_save:
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "a") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+    print(f"appended {len(rows)} rows to {os.path.relpath(RESULTS)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
