@@ -1,0 +1,197 @@
+"""How well each sensitivity indicator ranks ops by the loss increase of quantizing them.
+
+For each example task (``vgg``: a CNN with BatchNorm; ``lm``: a transformer LM with stock
+``nn.MultiHeadDotProductAttention``): train briefly in fp32, compute every indicator's
+Ω[op][int8] on ``--batches`` training batches, then measure the ground truth: for each op
+alone quantized to int8 *in the forward product only* (``OpPolicy(fwd="int8")``: per-channel
+absmax scales, nearest rounding, backward legs fp32) through ``qsync_jax.quantize`` with a
+one-op policy, the training-mode loss increase over the fp32 model, averaged over
+``--truth-batches`` *other* batches. Reports the Spearman ρ of each indicator with it; the
+baseline of the ratio column is QSync's GVAR measured in the same run.
+
+  python benchmarks/indicator.py [--tasks vgg lm] [--steps 40] [--batches 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from scipy.stats import spearmanr
+
+from examples.registry import get_task
+from examples.train_loop import LoopConfig, train_and_evaluate
+from planners.indicator.gradient import gradient_omega
+from planners.indicator.gvar import gvar_omega
+from planners.indicator.hessian import hessian_omega, hutchinson_traces
+from planners.indicator.probes import collect, mean_over_batches, op_order, rngs_for
+from planners.indicator.random_ind import random_omega
+from planners.indicator.wvar import wvar_omega
+from qsync_jax.flax_quant import quantize
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import OpPolicy
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "indicator.jsonl")
+TRUTH_POLICY = OpPolicy(fwd="int8")
+METHODS = ("gradient", "gvar", "wvar", "hessian", "random")
+OMEGA_FNS = {"gradient": gradient_omega, "gvar": gvar_omega, "wvar": wvar_omega, "random": random_omega}
+
+
+def take(iterator, n):
+  return [next(iterator) for _ in range(n)]
+
+
+def loss_fn(task, policy):
+  """jit (variables, batch, key) → training-mode loss, all ops under ``policy`` (None: plain)."""
+  model = task.model if policy is None else quantize(task.model, policy)
+
+  def fn(variables, batch, key):
+    kwargs = dict(task.train_kwargs, rngs=rngs_for(task, key))
+    if task.mutable:
+      outputs, _ = model.apply(variables, *task.inputs(batch), mutable=list(task.mutable), **kwargs)
+    else:
+      outputs = model.apply(variables, *task.inputs(batch), **kwargs)
+    return task.loss(outputs, batch)[0]
+
+  return jax.jit(fn)
+
+
+def ground_truth(task, variables, ops, batches, seed):
+  """{op: mean over batches of loss(op alone int8 fwd) − loss(fp32)}."""
+  keys = [jax.random.fold_in(jax.random.key(seed), i) for i in range(len(batches))]
+  base_fn = loss_fn(task, None)
+  base = np.array([float(base_fn(variables, b, k)) for b, k in zip(batches, keys)])
+  deltas = {}
+  for op in ops:
+    fn = loss_fn(task, PrecisionPolicy.from_ops({op: TRUTH_POLICY}))
+    deltas[op] = np.array([float(fn(variables, b, k)) for b, k in zip(batches, keys)]) - base
+  return deltas, float(base.mean())
+
+
+def run_task(name, args):
+  task = get_task(name)
+  t0 = time.perf_counter()
+  trained = train_and_evaluate(
+    task, LoopConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed), log=None
+  )
+  variables = {"params": trained["variables"]["params"], **trained["variables"]["state"]}
+  train_s = time.perf_counter() - t0
+  stream = task.train_batches(args.batch_size, args.seed + 1000)
+  ind_batches, truth_batches = take(stream, args.batches), take(stream, args.truth_batches)
+  timings, omega = {}, {}
+  t = time.perf_counter()
+  calls, per_batch = collect(task, variables, ind_batches, ("int8",), seed=args.seed)
+  probe_s = time.perf_counter() - t
+  for method in METHODS + ("gradient_batch", "gradient_signed"):
+    t = time.perf_counter()
+    if method == "hessian":
+      traces = hutchinson_traces(task, variables, ind_batches, calls, 2, args.seed)
+      table = hessian_omega(calls, traces, mean_over_batches(per_batch), ("int8",))
+    elif method.startswith("gradient_"):
+      table = gradient_omega(calls, per_batch, ("int8",), estimator=method.split("_")[1])
+    else:
+      table = OMEGA_FNS[method](calls, per_batch, ("int8",))
+    omega[method] = {op: v["int8"] for op, v in table.items()}
+    timings[method] = probe_s + time.perf_counter() - t
+  ops = op_order(calls)
+  t = time.perf_counter()
+  deltas, base_loss = ground_truth(task, variables, ops, truth_batches, args.seed)
+  truth_s = time.perf_counter() - t
+  truths = {
+    "mean": {op: float(np.mean(d)) for op, d in deltas.items()},
+    "mean_abs": {op: float(np.mean(np.abs(d))) for op, d in deltas.items()},
+  }
+  rho = {
+    kind: {
+      m: float(spearmanr([omega[m][op] for op in ops], [truth[op] for op in ops]).statistic) for m in omega
+    }
+    for kind, truth in truths.items()
+  }
+  return {
+    "task": name,
+    "ops": ops,
+    "truth": truths["mean"],
+    "truth_abs": truths["mean_abs"],
+    "truth_std": {op: float(np.std(d) / np.sqrt(len(d))) for op, d in deltas.items()},
+    "base_loss": base_loss,
+    "final_train_loss": trained["train"]["loss"],
+    "rho": rho,
+    "seconds": timings,
+    "train_s": train_s,
+    "truth_s": truth_s,
+    "omega": omega,
+  }
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--tasks", nargs="+", default=["vgg", "lm"])
+  parser.add_argument("--steps", type=int, default=40, help="fp32 training steps before probing")
+  parser.add_argument("--batch-size", type=int, default=32)
+  parser.add_argument("--batches", type=int, default=6, help="batches the indicators average over")
+  parser.add_argument("--truth-batches", type=int, default=8, help="other batches for the ground truth")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--no-save", action="store_true", help="do not append to benchmarks/results")
+  parser.add_argument("--verbose", action="store_true", help="print per-op values")
+  args = parser.parse_args(argv)
+  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  device = f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"
+  rows = []
+  print(f"indicator benchmark: Spearman rho with the int8-fwd loss change ({device}, jax {jax.__version__})")
+  print("  truth 'mean' = mean over batches of the loss increase; 'mean_abs' = mean of its magnitude")
+  print(
+    f"{'task':6} {'ops':>4} {'method':15} {'rho mean':>9} {'vs gvar':>8} {'rho |.|':>8} {'vs gvar':>8} {'sec':>6}"
+  )
+  for name in args.tasks:
+    res = run_task(name, args)
+    if args.verbose:
+      for op in res["ops"]:
+        vals = "  ".join(f"{m}={res['omega'][m][op]:.3g}" for m in res["omega"])
+        print(
+          f"  {op:48s} truth={res['truth'][op]:+.2e}±{res['truth_std'][op]:.1e} "
+          f"|truth|={res['truth_abs'][op]:.2e}  {vals}"
+        )
+    for method in res["omega"]:
+      cells = []
+      for kind in ("mean", "mean_abs"):
+        r, base = res["rho"][kind][method], res["rho"][kind]["gvar"]
+        ratio = r / base if base else float("nan")
+        cells.append(f"{r:9.3f} {ratio:8.2f}")
+        rows.append(
+          {
+            "benchmark": "indicator",
+            "case": f"{name}/{method}",
+            "device": device,
+            "jax_version": jax.__version__,
+            "date": date,
+            "metric": f"spearman_rho_int8_fwd_{kind}",
+            "value": r,
+            "baseline": base,
+            "ratio": ratio,
+            "ops": len(res["ops"]),
+            "seconds": res["seconds"][method],
+            "steps": args.steps,
+            "batches": args.batches,
+            "truth_batches": args.truth_batches,
+          }
+        )
+      print(f"{name:6} {len(res['ops']):4d} {method:15} {cells[0]} {cells[1]} {res['seconds'][method]:6.1f}")
+    print(
+      f"{name:6} fp32 loss {res['base_loss']:.3f} after {args.steps} steps ({res['train_s']:.0f} s); "
+      f"ground truth {res['truth_s']:.0f} s"
+    )
+  if not args.no_save:
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "a") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

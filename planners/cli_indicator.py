@@ -1,0 +1,88 @@
+"""``qsync indicator``: the sensitivity table Ω[op][precision] of a model, as JSON.
+
+  qsync indicator --model vgg --out omega.json [--batches 8] [--method gradient]
+                  [--train-steps 40] [--batch-size 32] [--precisions int8 fp16]
+
+``--model`` is a registered example task (``examples.registry``) or ``package.module:fn``
+returning a ``qsync_jax.task.Task``. With ``--train-steps N`` the model is first trained N
+steps in fp32 (a fresh init's gradients say little about a trained model's sensitivity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from qsync_jax.errors import QsyncError
+
+HELP = "Score every quantizable op's sensitivity to each precision (Ω table, JSON)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  from planners.indicator import METHODS, PROBED_PRECISIONS
+
+  parser.add_argument(
+    "--model", required=True, help="example task name (e.g. vgg, lm) or package.module:make_task"
+  )
+  parser.add_argument("--out", required=True, help="where to write the JSON table")
+  parser.add_argument("--batches", type=int, default=8, help="training batches to average over (default 8)")
+  parser.add_argument(
+    "--method", choices=METHODS, default="gradient", help="indicator (default: gradient, ours)"
+  )
+  parser.add_argument("--precisions", nargs="+", default=list(PROBED_PRECISIONS), help="precisions to score")
+  parser.add_argument("--batch-size", type=int, default=32)
+  parser.add_argument(
+    "--train-steps", type=int, default=0, help="fp32 training steps before probing (default 0)"
+  )
+  parser.add_argument("--seed", type=int, default=0)
+
+
+def resolve_task(spec: str):
+  """A Task from a registered example name or ``package.module:function``."""
+  if ":" in spec:
+    module_name, _, fn_name = spec.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+      raise QsyncError(
+        f"--model {spec!r} cannot be loaded ({e}). Fix: give package.module:function."
+      ) from None
+    return fn()
+  from examples.registry import get_task
+
+  return get_task(spec)
+
+
+def initial_variables(task, batch, seed: int, train_steps: int, batch_size: int):
+  """The model's variables: a fresh init, or after ``train_steps`` fp32 steps."""
+  import jax
+
+  if train_steps > 0:
+    from examples.train_loop import LoopConfig, train_and_evaluate
+
+    config = LoopConfig(steps=train_steps, batch_size=batch_size, seed=seed, eval_max_batches=1)
+    carry = train_and_evaluate(task, config, log=None)["variables"]
+    return {"params": carry["params"], **carry["state"]}
+  return task.model.init({"params": jax.random.key(seed)}, *task.inputs(batch), **task.eval_kwargs)
+
+
+def run(args: argparse.Namespace) -> int:
+  from planners.indicator import compute, save
+
+  if args.batches < 1:
+    raise QsyncError(f"--batches {args.batches} must be at least 1. Fix: pass e.g. --batches 8.")
+  task = resolve_task(args.model)
+  stream = task.train_batches(args.batch_size, args.seed + 1)
+  batches = [next(stream) for _ in range(args.batches)]
+  variables = initial_variables(task, batches[0], args.seed, args.train_steps, args.batch_size)
+  print(f"qsync indicator: {args.method} on {task.name}, {args.batches} batches of {args.batch_size}")
+  table = compute(task, variables, batches, [args.method], tuple(args.precisions), seed=args.seed)[
+    args.method
+  ]
+  save(table, args.out)
+  precisions = table["precisions"]
+  print(f"{'op':50s} " + " ".join(f"{p:>10s}" for p in precisions))
+  for op in table["ops"]:
+    print(f"{op:50s} " + " ".join(f"{table['omega'][op][p]:10.3g}" for p in precisions))
+  print(f"wrote {args.out} ({len(table['ops'])} ops)")
+  return 0

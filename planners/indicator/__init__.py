@@ -1,0 +1,25 @@
+"""Sensitivity indicators: Ω[op][precision], the expected loss change of quantizing one op.
+
+``compute(task, variables, batches, methods)`` probes the training step once (``probes``)
+and returns one JSON table per method: ``gradient`` (ours), ``gvar`` (QSync), ``wvar``,
+``hessian`` (HAWQ-v2 style) and ``random``. See DESIGN §5.1.
+"""
+
+from planners.indicator.api import FORMAT, METHODS, compute, load, make_table, save
+from planners.indicator.gvar import GvarConfig
+from planners.indicator.probes import PROBED_PRECISIONS, OpCall, collect, forward_op_policy, trace_calls
+
+__all__ = [
+  "FORMAT",
+  "METHODS",
+  "PROBED_PRECISIONS",
+  "GvarConfig",
+  "OpCall",
+  "collect",
+  "compute",
+  "forward_op_policy",
+  "load",
+  "make_table",
+  "save",
+  "trace_calls",
+]

@@ -1,0 +1,142 @@
+"""Sensitivity tables Ω[op][precision]: compute with any method, save / load as JSON.
+
+A table is plain JSON::
+
+  {"format": "qsync-indicator/1", "method": "gradient",
+   "precisions": ["fp32", "int8", "fp8", "fp16", "bf16"],
+   "ops": ["Dense_0:dense", ...],                  # forward order
+   "omega": {"Dense_0:dense": {"fp32": 0.0, "int8": 1.2e-4, ...}, ...},
+   "metadata": {"task": ..., "batches": ..., "depth": {op: d}, "jax_version": ..., "date": ...}}
+
+Larger Ω = more sensitive (a bigger expected loss change). Values of different methods are
+in different units: compare rankings, not numbers, across methods.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+
+from planners.indicator.gradient import gradient_omega
+from planners.indicator.gvar import GvarConfig, gvar_omega
+from planners.indicator.hessian import hessian_omega, hutchinson_traces
+from planners.indicator.probes import (
+  PROBED_PRECISIONS,
+  collect,
+  forward_op_policy,
+  mean_over_batches,
+  op_order,
+)
+from planners.indicator.random_ind import random_omega
+from planners.indicator.wvar import wvar_omega
+from qsync_jax.errors import QsyncError
+from qsync_jax.precision import OpPolicy
+from qsync_jax.task import Task
+
+FORMAT = "qsync-indicator/1"
+METHODS = ("gradient", "gvar", "wvar", "hessian", "random")
+"""``gradient`` is ours (``gradient.py``); the others are QSync's GVAR and the baselines."""
+
+
+def _check(methods: Sequence[str], precisions: Sequence[str]) -> None:
+  for m in methods:
+    if m not in METHODS:
+      raise QsyncError(f"indicator method {m!r} is unknown. Fix: use one of {list(METHODS)}.")
+  for p in precisions:
+    if p not in PROBED_PRECISIONS:
+      raise QsyncError(
+        f"indicator precision {p!r} cannot be scored. Fix: use some of {list(PROBED_PRECISIONS)} (fp32 is 0)."
+      )
+
+
+def compute(
+  task: Task,
+  variables,
+  batches: Iterable[Any],
+  methods: Sequence[str] = ("gradient",),
+  precisions: Sequence[str] = PROBED_PRECISIONS,
+  seed: int = 0,
+  hutchinson_samples: int = 2,
+  op_policy_for: Callable[[str], OpPolicy] = forward_op_policy,
+  gvar_config: GvarConfig = GvarConfig(),
+) -> dict[str, dict[str, Any]]:
+  """``{method: table}`` for each of ``methods`` from one probing pass over ``batches``.
+
+  Args:
+    task: the training task (its model runs unmodified; its training loss is probed).
+    variables: the model's variables (``{"params": ..., "batch_stats": ...}``), ideally of a
+      model trained for a while in fp32 (gradients of a fresh init say little).
+    batches: training batches (~4-10); every method averages over them.
+    methods: names from ``METHODS``.
+    precisions: precisions to score (fp32 is always 0).
+    seed: seeds the Hessian's Rademacher vectors, the training RNG streams and ``random``.
+    hutchinson_samples: Hessian-vector products per batch for ``hessian``.
+    op_policy_for: precision → the op policy whose measured δY ``gradient`` scores
+      (default: that precision in the forward product only).
+  """
+  precisions = tuple(precisions)
+  _check(methods, precisions)
+  batches = list(batches)
+  calls, per_batch = collect(task, variables, batches, precisions, op_policy_for, seed)
+  order = op_order(calls)
+  tables = {}
+  for method in methods:
+    if method == "gradient":
+      omega = gradient_omega(calls, per_batch, precisions)
+    elif method == "gvar":
+      omega = gvar_omega(calls, per_batch, precisions, gvar_config)
+    elif method == "wvar":
+      omega = wvar_omega(calls, per_batch, precisions)
+    elif method == "hessian":
+      traces = hutchinson_traces(task, variables, batches, calls, hutchinson_samples, seed)
+      omega = hessian_omega(calls, traces, mean_over_batches(per_batch), precisions)
+    else:
+      omega = random_omega(calls, per_batch, precisions, seed)
+    tables[method] = make_table(method, omega, order, precisions, task.name, len(batches))
+  return tables
+
+
+def make_table(method: str, omega, order: Sequence[str], precisions, task_name: str, n_batches: int) -> dict:
+  """The JSON table of ``omega`` ({op: {precision: value}}), fp32 = 0 added, ops in ``order``."""
+  return {
+    "format": FORMAT,
+    "method": method,
+    "precisions": ["fp32", *precisions],
+    "ops": list(order),
+    "omega": {op: {"fp32": 0.0, **{p: float(omega[op][p]) for p in precisions}} for op in order},
+    "metadata": {
+      "task": task_name,
+      "batches": n_batches,
+      "depth": {op: i for i, op in enumerate(order)},
+      "jax_version": jax.__version__,
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    },
+  }
+
+
+def save(table: dict, path: str | os.PathLike) -> None:
+  with open(path, "w") as f:
+    json.dump(table, f, indent=1)
+    f.write("\n")
+
+
+def load(path: str | os.PathLike) -> dict:
+  """A table saved by ``save``; raises ``QsyncError`` naming what is wrong with the file."""
+  try:
+    with open(path) as f:
+      table = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise QsyncError(
+      f"indicator table {str(path)!r} cannot be read ({e}). Fix: run `qsync indicator`."
+    ) from None
+  if not isinstance(table, dict) or table.get("format") != FORMAT or not isinstance(table.get("omega"), dict):
+    raise QsyncError(
+      f"indicator table {str(path)!r} is not a {FORMAT} table (needs keys format, omega). "
+      "Fix: write it with `qsync indicator --out FILE`."
+    )
+  return table
