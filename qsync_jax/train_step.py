@@ -49,9 +49,8 @@ from qsync_jax.flax_quant import RNG_COLLECTION, quantize
 from qsync_jax.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.sync.common import AXIS, is_float, optimizer_init, shard_map, to_varying
 from qsync_jax.task import Task
-
-AXIS = "data"
 
 GradSync = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
 """``(weighted_local_grads, sync_state, key) -> (combined_grads, sync_state)``.
@@ -69,29 +68,6 @@ def psum_sync(weighted_local_grads, sync_state, key):
   """Default ``GradSync``: the fp32 sum over ``data`` of the weighted local gradients."""
   del key
   return lax.psum(jax.tree.map(lambda g: g.astype(jnp.float32), weighted_local_grads), AXIS), sync_state
-
-
-# -- jax version compatibility ----------------------------------------------------------------
-def shard_map(f, *, mesh, in_specs, out_specs):
-  """``jax.shard_map`` where present, else ``jax.experimental.shard_map.shard_map``."""
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-  from jax.experimental.shard_map import shard_map as _shard_map  # older jax
-
-  return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-
-
-def to_varying(tree, axis_name: str = AXIS):
-  """Types every leaf as varying over ``axis_name`` without changing its value."""
-
-  def cast(x):
-    if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
-      return x
-    if hasattr(lax, "pcast"):
-      return lax.pcast(x, (axis_name,), to="varying")
-    return lax.pvary(x, (axis_name,))
-
-  return jax.tree.map(cast, tree)
 
 
 # -- state ------------------------------------------------------------------------------------
@@ -138,10 +114,6 @@ def plan_branches(cluster: ClusterSpec, plan: Plan) -> tuple[tuple[Branch, ...],
 
 def _float32(tree):
   return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
-def _is_float(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +167,7 @@ class TrainStep:
       return TrainState(
         step=jnp.int32(0),
         params=params,
-        opt_state=_optimizer_init(optimizer, params),
+        opt_state=optimizer_init(optimizer, params),
         model_state=variables,
         rng=jax.random.key_data(train_key),
         loss_scale=self.loss_scale.init(),
@@ -203,11 +175,6 @@ class TrainStep:
       )
 
     return jax.jit(init, out_shardings=self.state_sharding)(sample)
-
-
-def _optimizer_init(optimizer, params):
-  with jax.numpy_dtype_promotion("standard"):
-    return optimizer.init(params)
 
 
 def _split_sync(grad_sync) -> tuple[Callable, Callable[[Any], Any]]:
@@ -288,7 +255,7 @@ def make_train_step(
         factor = weight / scale if loss_scale.enabled else jnp.float32(weight)
         grads = jax.tree.map(lambda g: g * factor, grads)
         scalars = scalars * jnp.float32(weight)
-        new_state = jax.tree.map(lambda x: x * jnp.float32(weight) if _is_float(x) else x, new_state)
+        new_state = jax.tree.map(lambda x: x * jnp.float32(weight) if is_float(x) else x, new_state)
       return grads, scalars, new_state, tuple(metrics)
 
     return run
@@ -323,7 +290,7 @@ def make_train_step(
     combined, sync_state = grad_sync(grads, sync_state, sync_key)
     sync_state = jax.tree.map(lambda x: x[None], sync_state)
     scalars = lax.psum(scalars, AXIS)
-    new_state = jax.tree.map(lambda x: lax.psum(x, AXIS) if _is_float(x) else lax.pmax(x, AXIS), new_state)
+    new_state = jax.tree.map(lambda x: lax.psum(x, AXIS) if is_float(x) else lax.pmax(x, AXIS), new_state)
 
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
       updates, opt_state = optimizer.update(combined, state.opt_state, state.params)
