@@ -174,6 +174,8 @@ class Trainer:
           if pending is not None:
             last, pending = self._log(*pending, start_step, steps, t0, callback), None
           self.save()
+          if watchdog is not None:
+            watchdog.beat()
         if watchdog is None and self.step_timeout_s:  # after the first step, which compiles
           jax.block_until_ready(self.state.step)
           watchdog = Watchdog(self.step_timeout_s).start()

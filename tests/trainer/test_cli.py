@@ -1,0 +1,58 @@
+"""``qsync train`` rejects bad input with one clear line and exit status 2 (before any step)."""
+
+import json
+
+import pytest
+
+from qsync_jax import cli
+from qsync_jax.cluster import ClusterSpec, DeviceGroup
+
+
+@pytest.fixture
+def cluster8(tmp_path):
+  path = tmp_path / "c8.json"
+  ClusterSpec((DeviceGroup("a", "A100", 4, 40, 2), DeviceGroup("t", "T4", 4, 16, 1))).save(str(path))
+  return str(path)
+
+
+def _train(tmp_path, *extra):
+  return cli.main(["train", "--steps", "2", "--out", str(tmp_path / "run"), *extra])
+
+
+@pytest.mark.parametrize(
+  "args, needle",
+  [
+    (["--model", "no_such_task"], "unknown task"),
+    (["--model", "tests.trainer.tiny:nope"], "has no attribute 'nope'"),
+    (["--model", "no_such_pkg.mod:make"], "cannot import 'no_such_pkg.mod'"),
+    (["--model", "tests.trainer.tiny:make_task", "--set", "hidden"], "is not KEY=VALUE"),
+  ],
+)
+def test_bad_model_argument(tmp_path, capsys, cluster8, args, needle):
+  assert _train(tmp_path, *args, "--cluster", cluster8) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("qsync train: error:") and needle in err and "Fix" in err
+
+
+def test_cluster_with_other_device_count(tmp_path, capsys):
+  path = tmp_path / "c4.json"
+  ClusterSpec.uniform("T4", 4, 2).save(str(path))
+  assert _train(tmp_path, "--model", "tests.trainer.tiny:make_task", "--cluster", str(path)) == 2
+  assert "has 4 devices (all=4) but the job has 8" in capsys.readouterr().err
+
+
+def test_plan_for_unknown_group_and_existing_run(tmp_path, capsys, cluster8):
+  plan = tmp_path / "plan.json"
+  plan.write_text(json.dumps({"policies": {"gpu": "int8_fwd"}}))
+  model = ["--model", "tests.trainer.tiny:make_task", "--cluster", cluster8]
+  assert _train(tmp_path, *model, "--plan", str(plan)) == 2
+  assert "names group(s) ['gpu']" in capsys.readouterr().err
+  (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
+  assert _train(tmp_path, *model) == 2
+  assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_train_is_registered():
+  parser = cli.build_parser()
+  args = parser.parse_args(["train", "--model", "m", "--steps", "3", "--out", "o", "--resume"])
+  assert args.resume and args.steps == 3 and args.command == "train"
