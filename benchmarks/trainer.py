@@ -117,8 +117,9 @@ def main(argv=None) -> int:
   state = ts.init(0, host_batches[0])
   t_batch = ts.shard(host_batches[0])
   step = plain_step(task, optimizer)
-  p_params = jax.device_put(state.params, device)
-  p_opt = jax.device_put(state.opt_state, device)
+  # Own copies: on accelerators the trainer's step donates its input state.
+  p_params = jax.tree.map(lambda x: jnp.array(x, copy=True), state.params)
+  p_opt = jax.tree.map(lambda x: jnp.array(x, copy=True), state.opt_state)
   p_batch = jax.device_put(host_batches[0], device)
   holder = {"t": state, "p": (p_params, p_opt)}
 

@@ -19,6 +19,10 @@ Semantics, per step, with ``b_i`` the per-device batch of device ``i`` and ``B =
   state are the ``b_i / B``-weighted average of the devices' updated ones, so replicas agree;
 * master params, optimizer state and model state are fp32 and replicated; the optimizer
   (optax) runs on every device on the same combined gradient;
+* randomness: the step key is ``fold_in(train key, step)``; it is split into one key for the
+  gradient sync (the same on every device) and a device base folded with the device index,
+  from which the ``"qsync"`` stream (stochastic rounding) and the task's ``rng_streams``
+  (dropout…) are drawn, so a run is a pure function of the seed and the data;
 * with dynamic loss scaling (plans with an fp16 leg) the local loss is multiplied by the
   scale before differentiation and the gradient divided by it (fp32) before the sync; a step
   whose combined gradient is not finite on any device is skipped everywhere.
