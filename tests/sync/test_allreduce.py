@@ -129,6 +129,10 @@ def test_hlo_payload_global_qsgd_vs_fp32(mesh):
   assert hlo.summarize(qsgd)["bytes"] <= 0.26 * fp32_bytes
   assert {c.dtypes for c in qsgd if c.op == "all-reduce" and c.bytes > 64} == {("s8",)}
   assert len([c for c in qsgd if "f32" in c.dtypes]) == 1  # the one pmax of all bucket maxima
+  wide = hlo.collectives(
+    _compiled(mesh, lambda t, k: global_qsgd_allreduce(t, "data", k, payload="int16"), tree)
+  )
+  assert {c.dtypes for c in wide if c.op == "all-reduce" and c.bytes > 64} == {("s16",)}
   # bf16 (fp32 accumulation): all_to_all + all_gather of uint16 bits, half the ring traffic of fp32
   assert {c.dtypes for c in bf16} == {("u16",)}
   assert hlo.summarize(bf16)["wire_bytes"] == pytest.approx(0.5 * hlo.summarize(fp32)["wire_bytes"])

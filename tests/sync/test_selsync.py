@@ -16,11 +16,13 @@ def _seed():
   return np.random.randint(1 << 30)
 
 
-def test_synchronous_selsync_equals_full_batch_sgd(mesh):
-  """During warm-up every step averages parameters: with SGD that is full-batch SGD."""
+@pytest.mark.parametrize("mode,sync_opt_state", [("params", False), ("params", True), ("grads", False)])
+def test_synchronous_selsync_equals_full_batch_sgd(mesh, mode, sync_opt_state):
+  """During warm-up every step synchronizes: with momentum SGD, one step is full-batch SGD."""
   params = toy.init_params(jax.random.key(_seed()))
   batch = toy.make_batch(jax.random.key(_seed()), 8 * N)
-  trainer = make_selsync_step(toy.loss_fn, optax.sgd(0.5), mesh, warmup=10)
+  opt = optax.sgd(0.5, momentum=0.9)
+  trainer = make_selsync_step(toy.loss_fn, opt, mesh, warmup=10, mode=mode, sync_opt_state=sync_opt_state)
   state, metrics = trainer.step(trainer.init(params), batch, jax.random.key(0))
   assert bool(metrics["synced"]) and int(state["syncs"]) == 1 and float(metrics["flags"]) == N
   loss, grads = jax.value_and_grad(toy.loss_fn)(params, batch, None)
@@ -29,6 +31,9 @@ def test_synchronous_selsync_equals_full_batch_sgd(mesh):
   for got, w in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(want)):
     for d in range(N):  # every device holds the averaged model
       np.testing.assert_allclose(np.asarray(got[d]), np.asarray(w), atol=1e-5)
+  trace = np.asarray(jax.tree.leaves(state["opt_state"])[0])  # momentum of the first leaf
+  same = all(np.allclose(trace[d], trace[0], atol=1e-6) for d in range(N))
+  assert same == (mode == "grads" or sync_opt_state)  # local optimizer state unless synchronized
 
 
 def test_non_sync_steps_update_locally(mesh):
