@@ -21,6 +21,8 @@ import jax
 import numpy as np
 import optax
 
+from qsync_jax.batching import batch_size as batch_size_of
+from qsync_jax.batching import put_replicated
 from qsync_jax.checkpoint import CheckpointStore, signature
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.distributed import Watchdog
@@ -87,6 +89,7 @@ class Trainer:
     self.state: TrainState = self.program.init(self.seed, sample)
     self.data_position = 0
     self._batches = None
+    self._eval_fn = None
     if step_timeout_s is None and jax.process_count() > 1:
       step_timeout_s = 120.0
     self.step_timeout_s = step_timeout_s
@@ -206,6 +209,36 @@ class Trainer:
     if callback is not None:
       callback(step, values)
     return values
+
+  # -- evaluation ---------------------------------------------------------------------------
+  def evaluate(self, batch_size: int = 256, max_batches: int | None = None) -> dict[str, float]:
+    """Held-out loss and metrics of the float model at the current params (means over examples).
+
+    Runs ``task.eval_batches(batch_size)`` with ``task.eval_kwargs`` on every device of the
+    job (replicated); {} when the task has no held-out set.
+    """
+    if self.task.eval_batches is None:
+      return {}
+    if self._eval_fn is None:
+      task = self.task
+
+      def eval_fn(variables, batch):
+        loss, metrics = task.loss(task.model.apply(variables, *task.inputs(batch), **task.eval_kwargs), batch)
+        return {"loss": loss, **metrics}
+
+      self._eval_fn = jax.jit(eval_fn)
+    variables = {"params": self.state.params, **self.state.model_state}
+    totals: dict[str, float] = {}
+    count = 0
+    for i, batch in enumerate(self.task.eval_batches(batch_size)):
+      if max_batches is not None and i >= max_batches:
+        break
+      n = batch_size_of(batch)
+      metrics = self._eval_fn(variables, put_replicated(batch, self.program.mesh))
+      for k, v in metrics.items():
+        totals[k] = totals.get(k, 0.0) + float(v) * n
+      count += n
+    return {k: v / count for k, v in totals.items()} if count else {}
 
   def close(self) -> None:
     if self.checkpoints is not None:

@@ -1,6 +1,8 @@
 """The hybrid data-parallel step: full-batch equivalence, per-group precision by structure,
 determinism, BatchNorm synchronization, dynamic loss scaling."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,3 +201,18 @@ def test_dynamic_loss_scale_schedule():
     s = ls.update(s, jnp.bool_(finite))
     scales.append(float(s.scale))
   assert scales == [16.0, 16.0, 32.0, 16.0, 8.0, 4.0, 2.0, 2.0]
+
+
+def test_evaluate_matches_float_model_on_held_out_batches():
+  base = make_task(batchnorm=True)
+  rng = np.random.default_rng()
+  held_out = [next(base.train_batches(n, int(rng.integers(1 << 30)))) for n in (5, 3)]
+  task = dataclasses.replace(base, eval_batches=lambda batch_size: iter(held_out))
+  trainer = Trainer(task, _cluster(2, 2, 2, 1), None, optax.sgd(0.1), devices=jax.devices()[:4])
+  trainer.run(1)
+  got = trainer.evaluate(batch_size=8)
+  variables = {"params": trainer.params, **trainer.state.model_state}
+  losses = [task.loss(task.model.apply(variables, b["x"], train=False), b)[0] for b in held_out]
+  np.testing.assert_allclose(got["loss"], (5 * losses[0] + 3 * losses[1]) / 8, rtol=1e-6)
+  assert set(got) == {"loss", "mae"}
+  assert trainer.evaluate(max_batches=1)["loss"] == pytest.approx(float(losses[0]), rel=1e-6)
