@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
   )
   parser.add_argument("--log-every", type=int, default=1, help="steps between metrics lines (default 1)")
+  parser.add_argument("--eval", action="store_true", help="evaluate on the task's held-out set at the end")
   parser.add_argument(
     "--set",
     action="append",
@@ -191,6 +192,12 @@ def run(args: argparse.Namespace) -> int:
     last = trainer.run(args.steps)
   finally:
     trainer.close()
+  record = {"step": trainer.step, **last}
+  if args.eval:
+    record["eval"] = trainer.evaluate()
+    if jax.process_index() == 0:
+      with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": trainer.step, "eval": record["eval"]}) + "\n")
   if jax.process_index() == 0:
-    print(json.dumps({"step": trainer.step, **last}))
+    print(json.dumps(record))
   return 0
