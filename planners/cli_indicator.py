@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from qsync_jax.errors import QsyncError
 
@@ -64,6 +65,11 @@ def initial_variables(task, batch, seed: int, train_steps: int, batch_size: int)
     carry = train_and_evaluate(task, config, log=None)["variables"]
     return {"params": carry["params"], **carry["state"]}
   return task.model.init({"params": jax.random.key(seed)}, *task.inputs(batch), **task.eval_kwargs)
+
+
+def _progress(done: int, total: int) -> None:
+  bar = "#" * (20 * done // total)
+  print(f"\r  probing [{bar:20s}] {done}/{total} batches", end="\n" if done == total else "", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -64,6 +64,7 @@ def compute(
   hutchinson_samples: int = 2,
   op_policy_for: Callable[[str], OpPolicy] = forward_op_policy,
   gvar_config: GvarConfig = GvarConfig(),
+  progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
   """``{method: table}`` for each of ``methods`` from one probing pass over ``batches``.
 
@@ -78,11 +79,13 @@ def compute(
     hutchinson_samples: Hessian-vector products per batch for ``hessian``.
     op_policy_for: precision → the op policy whose measured δY ``gradient`` scores
       (default: that precision in the forward product only).
+    gvar_config: GVAR's constants and documented choices.
+    progress: ``progress(done, total)`` after each probed batch.
   """
   precisions = tuple(precisions)
   _check(methods, precisions)
   batches = list(batches)
-  calls, per_batch = collect(task, variables, batches, precisions, op_policy_for, seed)
+  calls, per_batch = collect(task, variables, batches, precisions, op_policy_for, seed, progress)
   order = op_order(calls)
   tables = {}
   for method in methods:

@@ -11,8 +11,9 @@ with two zero probes, so one ``jax.grad`` w.r.t. the probes gives ∂L/∂Y and 
 weight gradient ∇W for ops with weights) of every op at once, attention matmuls included.
 ``rerun(None, ...)`` is the plain float op, so second derivatives (Hessian-vector products)
 go through ordinary ``lax`` ops. In the same pass the tap recomputes each op's output on the
-same operands at every probed precision: δY_p = op_p(X, W) − Y, the *measured* error of
-that op alone at precision p (its inputs are those of the fp32 model).
+same operands at every probed precision: δY_p = op_p(X, W) − op_fp32(X, W) (the reference at
+``Precision.HIGHEST``, so no tf32 creeps in on GPUs), the *measured* error of that op alone
+at precision p (its inputs are those of the fp32 model).
 
 An op called more than once (a shared module) gets one call key per call: its name for the
 first call, ``name#k`` for the k-th repeat. Indicators sum over the calls of an op.
@@ -162,9 +163,13 @@ def batch_stats(
   """
   policies = {p: op_policy_for(p) for p in precisions}
 
+  reference = OpPolicy.uniform("fp32")  # Precision.HIGHEST: no tf32 in the reference on GPUs
+
   def measure(info, lhs, rhs, y):
-    lhs_c, rhs_c, y_c = (jax.lax.stop_gradient(a) for a in (lhs, rhs, y))
-    deltas = {p: info.rerun(pol, lhs_c, rhs_c) - y_c for p, pol in policies.items()}
+    del y
+    lhs_c, rhs_c = jax.lax.stop_gradient(lhs), jax.lax.stop_gradient(rhs)
+    y_ref = info.rerun(reference, lhs_c, rhs_c)
+    deltas = {p: info.rerun(pol, lhs_c, rhs_c) - y_ref for p, pol in policies.items()}
     return {"lhs": lhs_c, "rhs": rhs_c, "deltas": deltas}
 
   def fn(variables, batch, key):
@@ -217,8 +222,12 @@ def collect(
   precisions: tuple[str, ...] = PROBED_PRECISIONS,
   op_policy_for: Callable[[str], OpPolicy] = forward_op_policy,
   seed: int = 0,
+  progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[OpCall], list[dict[str, dict[str, float]]]]:
-  """``(calls, per-batch stats)``: ``batch_stats`` of every batch, as plain floats."""
+  """``(calls, per-batch stats)``: ``batch_stats`` of every batch, as plain floats.
+
+  ``progress(done, total)`` is called after each batch (e.g. to draw a progress bar).
+  """
   batches = list(batches)
   if not batches:
     raise ValueError("collect() needs at least one batch. Fix: pass a non-empty list of batches.")
@@ -229,6 +238,8 @@ def collect(
   for i, batch in enumerate(batches):
     stats = jax.device_get(fn(variables, batch, jax.random.fold_in(key, i)))
     per_batch.append({k: {s: float(v) for s, v in d.items()} for k, d in stats.items()})
+    if progress is not None:
+      progress(i + 1, len(batches))
   return calls, per_batch
 
 
