@@ -181,6 +181,16 @@ class TrainStep:
     return jax.jit(init, out_shardings=self.state_sharding)(sample)
 
 
+def _shard_map(f, mesh, in_specs, out_specs, check_vma: bool):
+  if check_vma:
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  from jax.experimental.shard_map import shard_map as legacy  # older jax
+
+  return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
 def _split_sync(grad_sync) -> tuple[Callable, Callable[[Any], Any]]:
   """(sync function, per-device state init) of a ``GradSync`` callable or an ``(init, sync)`` object."""
   sync = getattr(grad_sync, "sync", grad_sync)
@@ -266,6 +276,9 @@ def make_train_step(
 
   runs = [branch_fn(b) for b in branches]
   table = np.asarray(device_branch, np.int32)
+  # One device with the default sync: every collective is the identity, so emit none (a
+  # 1-device all-reduce still copies every gradient) and skip the varying/invariant typing.
+  alone = mesh.size == 1 and grad_sync is psum_sync
   metric_names: list[tuple[str, ...]] = []
 
   def local_step(state: TrainState, batch):
@@ -275,7 +288,8 @@ def make_train_step(
     keys = jax.random.split(jax.random.fold_in(device_base, index), 1 + len(task.rng_streams))
     rngs = {RNG_COLLECTION: keys[0], **{s: k for s, k in zip(task.rng_streams, keys[1:])}}
     scale = state.loss_scale.scale
-    operands = (to_varying(state.params), to_varying(state.model_state), batch, rngs, scale)
+    varying = (lambda t: t) if alone else to_varying
+    operands = (varying(state.params), varying(state.model_state), batch, rngs, scale)
 
     def strip(run):
       def f(*args):
@@ -291,10 +305,11 @@ def make_train_step(
       grads, scalars, new_state = lax.switch(jnp.asarray(table)[index], [strip(r) for r in runs], *operands)
 
     sync_state = jax.tree.map(lambda x: x[0], state.sync_state)
-    combined, sync_state = grad_sync(grads, sync_state, sync_key)
+    combined, sync_state = (grads, sync_state) if alone else grad_sync(grads, sync_state, sync_key)
     sync_state = jax.tree.map(lambda x: x[None], sync_state)
-    scalars = lax.psum(scalars, AXIS)
-    new_state = jax.tree.map(lambda x: lax.psum(x, AXIS) if is_float(x) else lax.pmax(x, AXIS), new_state)
+    if not alone:
+      scalars = lax.psum(scalars, AXIS)
+      new_state = jax.tree.map(lambda x: lax.psum(x, AXIS) if is_float(x) else lax.pmax(x, AXIS), new_state)
 
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
       updates, opt_state = optimizer.update(combined, state.opt_state, state.params)
@@ -304,7 +319,8 @@ def make_train_step(
     ls_state = state.loss_scale
     if loss_scale.enabled:
       finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(combined)]))
-      finite = lax.pmin(to_varying(finite.astype(jnp.int32)), AXIS) > 0
+      if not alone:
+        finite = lax.pmin(to_varying(finite.astype(jnp.int32)), AXIS) > 0
 
       def keep(new, old):
         return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -319,7 +335,7 @@ def make_train_step(
 
   state_specs = TrainState(P(), P(), P(), P(), P(), P(), P(AXIS))
   out_specs = (state_specs, P(), P()) if return_grads else (state_specs, P())
-  mapped = shard_map(local_step, mesh=mesh, in_specs=(state_specs, P(AXIS)), out_specs=out_specs)
+  mapped = _shard_map(local_step, mesh, (state_specs, P(AXIS)), out_specs, check_vma=not alone)
   if donate is None:
     donate = devices[0].platform != "cpu"
   step = jax.jit(mapped, donate_argnums=(0,) if donate else ())

@@ -41,12 +41,14 @@ def test_pad_shards_round_trip():
   [
     (_cluster(4, 3, 4, 3), None),  # equal batches: one branch
     (_cluster(5, 3, 3, 3), Plan(batch_per_device={"a": 4, "t": 1})),  # dynamic batch sizing: two branches
+    (ClusterSpec.uniform("cpu", 1, 6), None),  # one device: no collectives at all
   ],
 )
 def test_fp32_step_equals_single_device_grad(cluster, plan):
   """Loss and combined gradient equal ``jax.grad`` of the full-batch loss (catches a stray psum/pmean)."""
   task = make_task()
-  ts = make_train_step(task, cluster, plan, optax.sgd(0.1), return_grads=True)
+  devices = jax.devices()[: cluster.num_devices]
+  ts = make_train_step(task, cluster, plan, optax.sgd(0.1), devices=devices, return_grads=True)
   batch = _fresh_batch(task, ts.global_batch)
   state = ts.init(int(np.random.default_rng().integers(1 << 30)), batch)
   _, metrics, grads = ts(state, ts.shard(batch))
