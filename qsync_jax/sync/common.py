@@ -7,9 +7,14 @@ same everywhere); these helpers move between the two without changing any value.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from qsync_jax.errors import QsyncError
 
 AXIS = "data"
 
@@ -72,3 +77,13 @@ def optimizer_init(optimizer, params):
   """``optimizer.init(params)`` under standard dtype promotion (optax mixes Python floats and ints)."""
   with jax.numpy_dtype_promotion("standard"):
     return optimizer.init(params)
+
+
+def batch_shares(n: int, shares: Sequence[float] | None) -> np.ndarray:
+  """Per-device shares of the global batch as float32 ``(n,)`` (default: equal), validated."""
+  if shares is None:
+    return np.full((n,), 1.0 / n, np.float32)
+  s = np.asarray(shares, np.float32)
+  if s.shape != (n,) or np.any(s < 0) or not np.isclose(s.sum(), 1.0, atol=1e-5):
+    raise QsyncError(f"shares={list(shares)!r} must be {n} non-negative batch shares summing to 1.")
+  return s

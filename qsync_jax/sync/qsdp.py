@@ -39,6 +39,7 @@ from qsync_jax.errors import QsyncError
 from qsync_jax.sync.common import (
   AXIS,
   all_gather_invariant,
+  batch_shares,
   device_key,
   leaf_keys,
   optimizer_init,
@@ -46,7 +47,6 @@ from qsync_jax.sync.common import (
   to_varying,
 )
 from qsync_jax.sync.global_qsgd import INT_PAYLOADS, dither, payload_for
-from qsync_jax.sync.selsync import _shares
 
 
 def small_leaf(path: str, leaf) -> bool:
@@ -127,7 +127,7 @@ def make_qsdp_step(
     raise QsyncError(f"QSDP bucket_size={bucket_size!r} must be a positive int.")
   mesh = mesh or Mesh(np.array(jax.devices()), (axis_name,))
   n = mesh.shape[axis_name]
-  share_table = jnp.asarray(_shares(n, shares))
+  share_table = jnp.asarray(batch_shares(n, shares))
   layout = make_layout(params, n, bucket_size, full_precision)
   layouts, treedef = jax.tree.flatten(layout, is_leaf=_is_layout)
   sharded = NamedSharding(mesh, P(axis_name))

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qsync_jax.errors import QsyncError
-from qsync_jax.sync.common import AXIS, device_key, optimizer_init, shard_map, to_varying
+from qsync_jax.sync.common import AXIS, batch_shares, device_key, optimizer_init, shard_map, to_varying
 
 MODES = ("params", "grads")
 
@@ -68,15 +68,6 @@ class SelSyncTrainer:
   config: SelSyncConfig
 
 
-def _shares(n: int, shares: Sequence[float] | None) -> np.ndarray:
-  if shares is None:
-    return np.full((n,), 1.0 / n, np.float32)
-  s = np.asarray(shares, np.float32)
-  if s.shape != (n,) or np.any(s < 0) or not np.isclose(s.sum(), 1.0, atol=1e-5):
-    raise QsyncError(f"shares={list(shares)!r} must be {n} non-negative batch shares summing to 1.")
-  return s
-
-
 def make_selsync_step(
   loss_fn: Callable[[Any, Any, jax.Array], jax.Array],
   optimizer: optax.GradientTransformation,
@@ -94,7 +85,7 @@ def make_selsync_step(
   config = config or SelSyncConfig(**options)
   mesh = mesh or Mesh(np.array(jax.devices()), (axis_name,))
   n = mesh.shape[axis_name]
-  share_table = jnp.asarray(_shares(n, shares))
+  share_table = jnp.asarray(batch_shares(n, shares))
   alpha = 2.0 / (config.window + 1.0)
   per_device = NamedSharding(mesh, P(axis_name))
   replicated = NamedSharding(mesh, P())
