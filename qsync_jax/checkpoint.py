@@ -153,7 +153,7 @@ _WHAT = {
   "task": ("a different task", "--model"),
   "params": ("a different model (parameter paths/shapes differ)", "--model"),
   "plan_fingerprint": ("a different plan", "--plan"),
-  "cluster": ("a different cluster", "--cluster"),
+  "cluster": ("a different cluster (groups, device counts or per-device batches differ)", "--cluster"),
   "seed": ("a different seed", "--seed"),
 }
 

@@ -125,7 +125,8 @@ class Trainer:
       "task": self.task.name,
       "params": signature(self.state.params),
       "plan_fingerprint": self.program.plan.fingerprint(),
-      "cluster": self.program.cluster.to_json(),
+      # What shapes the training (not memory or link speeds, which only the planner reads).
+      "cluster": [[g.name, g.count, g.batch_per_device] for g in self.program.cluster.groups],
       "seed": self.seed,
     }
 

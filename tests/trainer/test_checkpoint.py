@@ -121,3 +121,12 @@ def test_corrupted_checkpoint_is_refused_and_nothing_changes(saved_run, tmp_path
   assert _tree_digest(out) == before
   trainer.close()
   gc.collect()  # let the stray callbacks fire inside this test
+
+
+def test_checkpoint_of_other_cluster_layout_is_refused_but_link_speed_may_change(saved_run):
+  faster_links = ClusterSpec(tuple(g.replace(link_gbps=400.0, memory_gb=80.0) for g in CLUSTER.groups))
+  trainer = Trainer(make_task(), faster_links, PLAN, optax.sgd(0.1), seed=1, out_dir=saved_run, resume=True)
+  assert trainer.step == 2
+  other = CLUSTER.with_batch_per_device({"t": 2}).with_batch_per_device({"a": 2})
+  with pytest.raises(CheckpointError, match="different cluster"):
+    Trainer(make_task(), other, PLAN, optax.sgd(0.1), seed=1, out_dir=saved_run, resume=True)
