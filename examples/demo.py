@@ -1,0 +1,359 @@
+"""``qsync demo``: the whole QSync pipeline on a simulated hybrid cluster, end to end.
+
+  qsync demo --out demo_out          # ≈ 3-5 minutes on a 2-core CPU
+
+Four simulated CPU devices form two groups: ``training`` (2 devices modeled as V100) and
+``inference`` (2 devices modeled as T4, which has half the V100's memory). The demo runs
+
+1. **indicator** — trains the model briefly in fp32, then scores every op's sensitivity to
+   int8 and fp16 (``planners.indicator``, gradient method);
+2. **profile** — measures the op costs on the local CPU, and models V100 and T4 costs from
+   the device catalog (roofline; labelled *modeled*);
+3. **plan** — predicts (replay) four configurations and allocates the QSync plan (greedy):
+   ``fp32`` everywhere, ``uniform int8`` on the inference group, ``dynamic batch`` sizing
+   (fp32, batch proportional to predicted speed) and the ``qsync`` plan;
+4. **train** — trains each configuration on the 4 CPU devices with the hybrid trainer and
+   evaluates held-out loss and accuracy (fp32 master weights);
+
+then prints one table and writes to ``--out``: ``plan.json`` (the QSync plan),
+``plans/<config>.json``, ``cluster.json``, ``indicator.json``, ``profile_*.json``,
+``trace.json`` (Chrome trace of the QSync plan's predicted step; open in ui.perfetto.dev),
+``timeline.png``, ``sensitivity.png`` and ``results.json``. Times are the replay's
+predictions for the modeled V100/T4 devices, not CPU times; the CPU only runs the numerics.
+A stage whose module is missing from this checkout is reported as unavailable, never faked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from qsync_jax.errors import QsyncError
+
+HELP = "End-to-end demo: indicator → profile → plan → train on a simulated V100 + T4 cluster."
+
+NUM_DEVICES = 4
+CONFIGS = ("fp32", "uniform int8", "dynamic batch", "qsync")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--out", default="qsync_demo", help="output directory (default: qsync_demo)")
+  parser.add_argument("--model", default="vgg", help="registered example task (default: vgg on digits)")
+  parser.add_argument("--batch-per-device", type=int, default=16, help="per-device batch (default 16)")
+  parser.add_argument("--steps", type=int, default=150, help="training steps per configuration (default 150)")
+  parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--pretrain-steps", type=int, default=40, help="fp32 steps before the indicator probes (default 40)"
+  )
+  parser.add_argument("--indicator-batches", type=int, default=4, help="batches the indicator averages")
+  parser.add_argument(
+    "--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}"
+  )
+
+
+# -- setup ----------------------------------------------------------------------------------
+
+
+class Progress:
+  """Stage lines with elapsed time on stderr."""
+
+  def __init__(self, stream=sys.stderr):
+    self.stream, self.t0 = stream, time.perf_counter()
+
+  def __call__(self, msg: str) -> None:
+    print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=self.stream, flush=True)
+
+
+def simulated_devices(n: int = NUM_DEVICES):
+  """``n`` CPU devices: asks JAX for ``n`` host devices if no JAX computation has run yet."""
+  import jax
+
+  try:
+    jax.config.update("jax_num_cpu_devices", max(n, 1))
+  except RuntimeError:
+    pass  # JAX already started (e.g. under pytest with 8 devices): use what it has
+  devices = jax.devices()
+  if len(devices) < n:
+    raise QsyncError(
+      f"the demo needs {n} devices but JAX has {len(devices)}. Fix: run it in a fresh process, or set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts."
+    )
+  return devices[:n]
+
+
+def demo_cluster(batch_per_device: int):
+  """2 × V100 (training, 32 GB) + 2 × T4 (inference, 16 GB), on 4 simulated devices."""
+  from qsync_jax.cluster import ClusterSpec, DeviceGroup
+
+  return ClusterSpec(
+    (
+      DeviceGroup("training", "V100", 2, 32.0, batch_per_device, link_gbps=100.0),
+      DeviceGroup("inference", "T4", 2, 16.0, batch_per_device, link_gbps=32.0),
+    ),
+    name="demo-v100-t4",
+  )
+
+
+def _unavailable(stage: str, error: Exception, say) -> None:
+  say(f"{stage}: UNAVAILABLE in this checkout ({type(error).__name__}: {error})")
+
+
+# -- stages ---------------------------------------------------------------------------------
+
+
+def stage_indicator(task, args, say) -> dict | None:
+  """fp32 pre-training, then the gradient indicator's Ω table (or None if unavailable)."""
+  try:
+    from planners.indicator import compute
+  except ImportError as e:
+    _unavailable("indicator", e, say)
+    return None
+  from examples.train_loop import LoopConfig, train_and_evaluate
+
+  say(f"indicator: {args.pretrain_steps} fp32 pre-training steps of {task.name}")
+  config = LoopConfig(steps=args.pretrain_steps, batch_size=32, seed=args.seed, eval_max_batches=1)
+  carry = train_and_evaluate(task, config, log=None)["variables"]
+  variables = {"params": carry["params"], **carry["state"]}
+  stream = task.train_batches(32, args.seed + 1)
+  batches = [next(stream) for _ in range(args.indicator_batches)]
+  say(f"indicator: probing every op at int8 and fp16 on {len(batches)} batches")
+  return compute(task, variables, batches, ("gradient",), ("int8", "fp16"), seed=args.seed)["gradient"]
+
+
+def stage_profile(task, batch_per_device: int, say) -> dict | None:
+  """``{device type: Profile}``: measured on the local CPU, modeled for V100 and T4."""
+  try:
+    from planners.profiler import measure_profile, modeled_profile
+  except ImportError as e:
+    _unavailable("profile", e, say)
+    return None
+  # The profiler traces the model's ops with ``train_kwargs`` but without ``mutable``, which
+  # BatchNorm in training mode needs; the op shapes are the same in eval mode.
+  probe_task = dataclasses.replace(task, train_kwargs=task.eval_kwargs) if task.mutable else task
+  say("profile: measuring op × leg × precision costs on the local CPU (fp32, int8)")
+  local = measure_profile(
+    probe_task,
+    batch_per_device,
+    ("fp32", "int8"),
+    repeats=3,
+    step_repeats=5,
+    cast_sizes=(2**14, 2**17),
+    progress=lambda m: say(f"profile: {m}") if not m.startswith("[") else None,
+  )
+  say("profile: modeling V100 and T4 from the device catalog (roofline)")
+  return {"cpu": local, "V100": modeled_profile(local, "V100"), "T4": modeled_profile(local, "T4")}
+
+
+def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any] | None:
+  """The four configurations' plans and predictions: ``{config: (Plan, Prediction)}``."""
+  try:
+    from planners.allocator import dynamic_batch, greedy, make_problem
+    from planners.replay import predict
+  except ImportError as e:
+    _unavailable("plan", e, say)
+    return None
+  from qsync_jax.plan import Plan
+  from qsync_jax.policy import PrecisionPolicy
+
+  plans = {
+    "fp32": Plan(),
+    "uniform int8": Plan(policies={"inference": PrecisionPolicy.uniform("int8_fwd")}),
+  }
+  batches, _ = dynamic_batch(cluster, profiles)
+  plans["dynamic batch"] = Plan(batch_per_device=batches)
+  if indicator is not None:
+    say("plan: greedy allocation on the inference group (T* = the V100 group's step)")
+    alloc = greedy(make_problem(cluster, profiles, indicator, ["training"]))
+    plans["qsync"] = alloc.plan
+    if alloc.straggles:
+      say("plan: NOTE the T4 group is slower than the V100 group even at its fastest plan (it straggles)")
+  else:
+    say("plan: qsync plan UNAVAILABLE (no indicator)")
+  return {name: (plan, predict(cluster, profiles, plan)) for name, plan in plans.items()}
+
+
+def stage_train(task, cluster, plans, devices, args, say) -> dict[str, dict[str, float]]:
+  """Trains each plan with the hybrid trainer; held-out metrics of the fp32 master weights."""
+  import optax
+
+  from examples.train_loop import Runner
+  from qsync_jax.trainer import Trainer
+
+  evaluator = Runner(task, None, optax.adam(args.lr))
+  results = {}
+  for name, plan in plans.items():
+    say(f"train [{name}]: {args.steps} steps on {len(devices)} devices (compiling first)")
+    t0 = time.perf_counter()
+    trainer = Trainer(task, cluster, plan, optax.adam(args.lr), seed=args.seed, devices=devices, log_every=50)
+    try:
+      last = trainer.run(args.steps)
+      carry = {"params": trainer.state.params, "state": trainer.state.model_state}
+    finally:
+      trainer.close()
+    held_out = evaluator.evaluate(carry, 256)
+    results[name] = {
+      "train_loss": last.get("loss", float("nan")),
+      "eval_loss": held_out.get("loss", float("nan")),
+      "eval_accuracy": held_out.get("accuracy", float("nan")),
+      "cpu_seconds": time.perf_counter() - t0,
+    }
+    say(
+      f"train [{name}]: loss {results[name]['train_loss']:.4f}, held-out accuracy "
+      f"{results[name]['eval_accuracy']:.4f} ({results[name]['cpu_seconds']:.0f}s)"
+    )
+  return results
+
+
+# -- outputs --------------------------------------------------------------------------------
+
+
+def save_sensitivity_png(indicator: dict, path: str) -> None:
+  """Horizontal bars of Ω per op (log scale), one colour per precision, ops in forward order."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  ops = indicator["ops"]
+  precisions = [p for p in indicator["precisions"] if p != "fp32"]
+  fig, ax = plt.subplots(figsize=(9, 1 + 0.35 * len(ops)))
+  height = 0.8 / max(len(precisions), 1)
+  y = np.arange(len(ops))
+  for i, p in enumerate(precisions):
+    values = [max(indicator["omega"][op][p], 1e-30) for op in ops]
+    ax.barh(y + i * height, values, height, label=p)
+  ax.set_yticks(y + 0.4 - height / 2, ops, fontsize="small")
+  ax.invert_yaxis()
+  ax.set_xscale("log")
+  ax.set_xlabel(f"Ω ({indicator['method']} indicator): expected loss change when the op alone is quantized")
+  ax.legend()
+  ax.set_title("per-op sensitivity (larger = more sensitive)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def precision_mix(plan, group: str, op_names) -> str:
+  """``"int8×5, fp32×4"``: how many of ``op_names`` run their forward at each precision."""
+  counts: dict[str, int] = {}
+  policy = plan.policy_for(group)
+  for op in policy.resolve(op_names).values():
+    p = "fp32" if op is None else op.fwd
+    counts[p] = counts.get(p, 0) + 1
+  return ", ".join(f"{p}×{n}" for p, n in sorted(counts.items()))
+
+
+def results_table(cluster, planned, trained, op_names) -> str:
+  from planners.cli_common import table
+
+  rows = []
+  for name in planned or trained:
+    plan, pred = planned[name] if planned else (None, None)
+    metrics = trained.get(name, {})
+    batches = plan.apply_to(cluster) if plan is not None else cluster
+    rows.append(
+      [
+        name,
+        precision_mix(plan, "inference", op_names) if plan is not None else "-",
+        "/".join(str(g.batch_per_device) for g in batches.groups),
+        pred.group_step_ms["training"] if pred else "-",
+        pred.group_step_ms["inference"] if pred else "-",
+        pred.step_ms if pred else "-",
+        f"{pred.memory_bytes['inference'] / 1e6:.1f}" if pred else "-",
+        metrics.get("train_loss", "-"),
+        metrics.get("eval_loss", "-"),
+        metrics.get("eval_accuracy", "-"),
+      ]
+    )
+  headers = [
+    "config",
+    "T4 fwd precisions",
+    "batch V100/T4",
+    "V100 ms",
+    "T4 ms",
+    "sync step ms",
+    "T4 peak MB",
+    "train loss",
+    "held-out loss",
+    "held-out acc",
+  ]
+  return table(headers, rows)
+
+
+def write_outputs(out, cluster, indicator, profiles, planned, trained, say) -> None:
+  os.makedirs(os.path.join(out, "plans"), exist_ok=True)
+  cluster.save(os.path.join(out, "cluster.json"))
+  if indicator is not None:
+    from planners.indicator import save
+
+    save(indicator, os.path.join(out, "indicator.json"))
+    save_sensitivity_png(indicator, os.path.join(out, "sensitivity.png"))
+  for device_type, prof in (profiles or {}).items():
+    prof.save(os.path.join(out, f"profile_{device_type}.json"))
+  if planned:
+    from planners.trace import save_chrome_trace, save_png
+
+    for name, (plan, pred) in planned.items():
+      plan = dataclasses.replace(plan, predictions={**plan.predictions, **pred.to_json()})
+      plan.save(os.path.join(out, "plans", name.replace(" ", "_") + ".json"))
+      if name == "qsync":
+        plan.save(os.path.join(out, "plan.json"))
+    shown = planned.get("qsync", planned["fp32"])[1]
+    save_chrome_trace(shown, os.path.join(out, "trace.json"))
+    save_png(shown, os.path.join(out, "timeline.png"))
+  summary = {
+    name: {
+      **({"predicted": planned[name][1].to_json()} if planned and name in planned else {}),
+      **trained.get(name, {}),
+    }
+    for name in (planned or trained)
+  }
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(summary, f, indent=1, default=float)
+  say(f"wrote {out}/: plan.json, plans/, cluster.json, indicator.json, profile_*.json, trace.json, PNGs")
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+  say = Progress()
+  configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+  unknown = [c for c in configs if c not in CONFIGS]
+  if unknown:
+    raise QsyncError(f"--configs: unknown configuration(s) {unknown}. Fix: choose from {list(CONFIGS)}.")
+  devices = simulated_devices(NUM_DEVICES)
+  from examples.registry import get_task
+
+  task = get_task(args.model)
+  cluster = demo_cluster(args.batch_per_device)
+  say(f"{task.name} on {len(devices)} simulated devices: 2 × V100 (training) + 2 × T4 (inference)")
+  indicator = stage_indicator(task, args, say)
+  profiles = stage_profile(task, args.batch_per_device, say)
+  planned = stage_plan(cluster, profiles, indicator, say) if profiles else None
+  if planned is None:
+    from qsync_jax.plan import Plan
+    from qsync_jax.policy import PrecisionPolicy
+
+    planned_plans = {
+      "fp32": Plan(),
+      "uniform int8": Plan(policies={"inference": PrecisionPolicy.uniform("int8_fwd")}),
+    }
+  else:
+    planned_plans = {k: v[0] for k, v in planned.items()}
+  to_train = {k: v for k, v in planned_plans.items() if k in configs}
+  trained = stage_train(task, cluster, to_train, devices, args, say)
+  op_names = profiles["cpu"].op_names if profiles else ()
+  print(results_table(cluster, planned, trained, op_names))
+  print(
+    "times: replay predictions for the modeled V100 / T4 groups (not CPU times); accuracy: held-out digits"
+  )
+  write_outputs(args.out, cluster, indicator, profiles, planned, trained, say)
+  return 0
