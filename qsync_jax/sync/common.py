@@ -46,11 +46,19 @@ def to_varying(tree, axis_name: str = AXIS):
 
 
 def all_gather_invariant(x, axis_name: str = AXIS, *, tiled: bool = True):
-  """``all_gather`` whose result is typed invariant (it is the same on every device)."""
+  """``all_gather`` whose result is typed invariant (it is the same on every device).
+
+  Where ``lax.all_gather`` has no ``to="invarying"`` (other jax versions), falls back to a
+  ``psum`` of zero buffers each holding one device's block: the same values, typed invariant,
+  at twice an all-gather's traffic.
+  """
   try:
     return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
-  except TypeError:  # jax without the ``to=`` argument: the result stays typed varying
-    return lax.all_gather(x, axis_name, tiled=tiled)
+  except (TypeError, ValueError):
+    n = axis_size(axis_name)
+    blocks = jnp.zeros((n, *x.shape), x.dtype).at[lax.axis_index(axis_name)].set(x)
+    out = lax.psum(blocks, axis_name)
+    return out.reshape((n * x.shape[0], *x.shape[1:])) if tiled else out
 
 
 def axis_size(axis_name: str = AXIS) -> int:

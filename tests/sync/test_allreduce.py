@@ -158,3 +158,26 @@ def test_make_grad_sync_contract(mesh):
     make_grad_sync("selsync")
   with pytest.raises(QsyncError, match="unknown"):
     make_grad_sync("int4")
+
+
+def test_all_gather_invariant_fallback(mesh, monkeypatch):
+  """On a jax whose all_gather lacks ``to="invarying"``, the psum fallback gathers the same values."""
+  from jax import lax
+
+  from qsync_jax.sync.common import all_gather_invariant
+
+  x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (N * 4, 3))
+  fn = lambda: jax.jit(shard_map(all_gather_invariant, mesh=mesh, in_specs=P("data"), out_specs=P()))  # noqa: E731
+  native = fn()(x)
+  plain = lax.all_gather
+
+  def old_all_gather(x, axis_name, *, tiled=False, to="varying", **kwargs):
+    if to != "varying":
+      raise TypeError("all_gather() got an unexpected keyword argument 'to'")
+    return plain(x, axis_name, tiled=tiled, **kwargs)
+
+  monkeypatch.setattr(lax, "all_gather", old_all_gather)
+  fallback = fn()(x)
+  assert [c.op for c in hlo.collectives(hlo.compiled_text(fn(), x))] == ["all-reduce"]  # the fallback ran
+  np.testing.assert_array_equal(np.asarray(native), np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(fallback), np.asarray(x))
