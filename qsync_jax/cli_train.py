@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   dist.add_argument(
     "--step-timeout", type=float, help="seconds a step may take before a process gives up (default 120)"
   )
+  dist.add_argument(
+    "--heartbeat-timeout",
+    type=int,
+    default=30,
+    help="seconds without a peer's heartbeat before all stop (default 30)",
+  )
 
 
 def _overrides(items: list[str]) -> dict:
@@ -142,7 +148,13 @@ def run(args: argparse.Namespace) -> int:
   if args.coordinator:
     from qsync_jax.distributed import initialize
 
-    initialize(args.coordinator, args.num_processes, args.process_id, local_device_count=args.local_devices)
+    initialize(
+      args.coordinator,
+      args.num_processes,
+      args.process_id,
+      local_device_count=args.local_devices,
+      heartbeat_timeout_s=args.heartbeat_timeout,
+    )
   elif args.local_devices:
     import jax
 

@@ -30,7 +30,7 @@ def initialize(
   *,
   local_device_count: int | None = None,
   init_timeout_s: int = 60,
-  heartbeat_timeout_s: int = 10,
+  heartbeat_timeout_s: int = 30,
 ) -> None:
   """Joins a ``num_processes``-process job coordinated at ``coordinator`` (``host:port``).
 

@@ -27,6 +27,7 @@ def _launch(tmp_path, steps, **env):
   common += ["--plan", str(tmp_path / "plan.json"), "--steps", str(steps), "--out", str(tmp_path / "run")]
   common += ["--optimizer", "adam", "--lr", "0.01", "--seed", "3", "--coordinator", f"localhost:{port}"]
   common += ["--num-processes", "2", "--local-devices", "2", "--step-timeout", "30"]
+  common += ["--heartbeat-timeout", "10"]
   return [
     procs.train([*common, "--process-id", str(i)], str(tmp_path / f"log{i}.txt"), **env) for i in range(2)
   ]
