@@ -218,3 +218,35 @@ def test_evaluate_matches_float_model_on_held_out_batches():
   np.testing.assert_allclose(got["loss"], (5 * losses[0] + 3 * losses[1]) / 8, rtol=1e-6)
   assert set(got) == {"loss", "mae"}
   assert trainer.evaluate(max_batches=1)["loss"] == pytest.approx(float(losses[0]), rel=1e-6)
+
+
+class _NormRecordingSync:
+  """A GradSync with per-device state: records the norm of what each device hands in."""
+
+  def init(self, params):
+    return {"norm": jnp.zeros((), jnp.float32), "calls": jnp.zeros((), jnp.int32)}
+
+  def sync(self, weighted_local_grads, state, key):
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(weighted_local_grads)))
+    combined = jax.lax.psum(weighted_local_grads, "data")
+    return combined, {"norm": norm, "calls": state["calls"] + 1}
+
+
+def test_grad_sync_gets_share_weighted_local_grads_and_keeps_per_device_state():
+  task = make_task()
+  cluster = _cluster(2, 3, 2, 1)
+  ts = make_train_step(task, cluster, None, optax.sgd(0.1), _NormRecordingSync(), devices=jax.devices()[:4])
+  batch = _fresh_batch(task, ts.global_batch)
+  state = ts.init(2, batch)
+  assert state.sync_state["norm"].shape == (4,)
+  new, _ = ts(state, ts.shard(batch))
+  expected, start = [], 0
+  for b in cluster.device_batch_sizes():
+    chunk = jax.tree.map(lambda x, s=start, b=b: x[s : s + b], batch)
+    grads = jax.grad(lambda p, c=chunk: task.loss(task.model.apply({"params": p}, c["x"]), c)[0])(
+      state.params
+    )
+    expected.append(b / ts.global_batch * np.sqrt(sum(float(jnp.sum(g**2)) for g in jax.tree.leaves(grads))))
+    start += b
+  np.testing.assert_allclose(new.sync_state["norm"], expected, rtol=1e-5)
+  np.testing.assert_array_equal(new.sync_state["calls"], [1, 1, 1, 1])
