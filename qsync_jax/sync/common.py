@@ -15,6 +15,7 @@ import numpy as np
 from jax import lax
 
 from qsync_jax.errors import QsyncError
+from qsync_jax.vma import pvary
 
 AXIS = "data"
 
@@ -28,21 +29,9 @@ def shard_map(f, *, mesh, in_specs, out_specs):
   return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
-def _vma(x) -> frozenset:
-  return getattr(jax.typeof(x), "vma", frozenset())
-
-
 def to_varying(tree, axis_name: str = AXIS):
   """Marks every leaf varying over ``axis_name`` (a no-op on leaves that already are)."""
-
-  def cast(x):
-    if axis_name in _vma(x):
-      return x
-    if hasattr(lax, "pcast"):
-      return lax.pcast(x, (axis_name,), to="varying")
-    return lax.pvary(x, (axis_name,))  # older jax
-
-  return jax.tree.map(cast, tree)
+  return jax.tree.map(lambda x: pvary(x, (axis_name,)), tree)
 
 
 def all_gather_invariant(x, axis_name: str = AXIS, *, tiled: bool = True):
