@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any
 
-from qsync_jax.errors import QsyncError
+from qsync_jax.errors import PlanError, QsyncError
 
 HELP = "End-to-end demo: indicator → profile → plan → train on a simulated V100 + T4 cluster."
 
@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "--pretrain-steps", type=int, default=40, help="fp32 steps before the indicator probes (default 40)"
   )
   parser.add_argument("--indicator-batches", type=int, default=4, help="batches the indicator averages")
+  parser.add_argument(
+    "--t4-memory",
+    type=float,
+    default=0.5,
+    help="T4 memory between the least any plan needs (0) and the fp32 step's need (1); default 0.5, "
+    "so the fp32 step does not fit, as a large model overflows a 16 GB T4; negative: the catalog's 16 GB",
+  )
   parser.add_argument(
     "--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}"
   )
@@ -78,6 +85,13 @@ def simulated_devices(n: int = NUM_DEVICES):
     jax.config.update("jax_num_cpu_devices", max(n, 1))
   except RuntimeError:
     pass  # JAX already started (e.g. under pytest with 8 devices): use what it has
+  else:
+    # XLA:CPU runs a device's all-reduce on its intra-op (Eigen) pool; with fewer cores than
+    # devices, participants blocked there can starve the last one's matmul (seen on 2 cores:
+    # "Termination timeout for all reduce"). Single-threaded Eigen avoids the deadlock.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_multi_thread_eigen" not in flags:
+      os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
   devices = jax.devices()
   if len(devices) < n:
     raise QsyncError(
@@ -98,6 +112,35 @@ def demo_cluster(batch_per_device: int):
     ),
     name="demo-v100-t4",
   )
+
+
+def least_memory_policy(profile, device_type: str):
+  """Per op, the op policy (of fp32, fp16, QSync's int8) that stores the least for backward."""
+  from planners.profiler import residual_bytes
+  from qsync_jax.policy import PrecisionPolicy
+  from qsync_jax.precision import OpPolicy, supported_precisions
+
+  supported = supported_precisions(device_type)
+  candidates = [OpPolicy.preset(p) for p in ("fp32", "fp16", "int8_fwd")]
+  candidates = [c for c in candidates if all(leg in supported for leg in c.precisions)]
+  return PrecisionPolicy.from_ops(
+    {op.name: min(candidates, key=lambda c, op=op: residual_bytes(op, c)) for op in profile.ops}
+  )
+
+
+def scale_inference_memory(cluster, profiles, position: float):
+  """The cluster with the T4 group's memory at ``position`` between the least any plan needs
+  (0) and what the fp32 step needs (1), as predicted by the replay."""
+  from planners.replay import predict, profile_for
+  from qsync_jax.plan import Plan
+
+  group = cluster.group("inference")
+  least_policy = least_memory_policy(profile_for(profiles, group.device_type), group.device_type)
+  fp32 = predict(cluster, profiles, Plan()).memory_bytes["inference"]
+  least = predict(cluster, profiles, Plan(policies={"inference": least_policy})).memory_bytes["inference"]
+  memory = least + position * (fp32 - least)
+  groups = tuple(g.replace(memory_gb=memory / 1e9) if g.name == "inference" else g for g in cluster.groups)
+  return dataclasses.replace(cluster, groups=groups), least, fp32
 
 
 def _unavailable(stage: str, error: Exception, say) -> None:
@@ -169,44 +212,56 @@ def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any] | None:
   plans["dynamic batch"] = Plan(batch_per_device=batches)
   if indicator is not None:
     say("plan: greedy allocation on the inference group (T* = the V100 group's step)")
-    alloc = greedy(make_problem(cluster, profiles, indicator, ["training"]))
-    plans["qsync"] = alloc.plan
-    if alloc.straggles:
-      say("plan: NOTE the T4 group is slower than the V100 group even at its fastest plan (it straggles)")
+    try:
+      alloc = greedy(make_problem(cluster, profiles, indicator, ["training"]))
+    except PlanError as e:
+      say(f"plan: no QSync plan fits ({e})")
+    else:
+      plans["qsync"] = alloc.plan
+      if alloc.straggles:
+        say("plan: NOTE the T4 group is slower than the V100 group even at its fastest plan (it straggles)")
   else:
     say("plan: qsync plan UNAVAILABLE (no indicator)")
   return {name: (plan, predict(cluster, profiles, plan)) for name, plan in plans.items()}
 
 
-def stage_train(task, cluster, plans, devices, args, say) -> dict[str, dict[str, float]]:
-  """Trains each plan with the hybrid trainer; held-out metrics of the fp32 master weights."""
+def stage_train(task, cluster, plans, devices, steps, lr, seeds, say, eval_max_batches=None):
+  """Trains each plan with the hybrid data-parallel step (``qsync_jax.train_step``) once per
+  seed; returns ``{config: [metrics per seed]}`` with held-out metrics of the fp32 weights.
+
+  One compiled step per configuration serves every seed (only the state is re-initialized).
+  """
   import optax
 
   from examples.train_loop import Runner
-  from qsync_jax.trainer import Trainer
+  from qsync_jax.train_step import make_train_step
 
-  evaluator = Runner(task, None, optax.adam(args.lr))
-  results = {}
+  evaluator = Runner(task, None, optax.adam(lr))
+  results: dict[str, list[dict[str, float]]] = {}
   for name, plan in plans.items():
-    say(f"train [{name}]: {args.steps} steps on {len(devices)} devices (compiling first)")
-    t0 = time.perf_counter()
-    trainer = Trainer(task, cluster, plan, optax.adam(args.lr), seed=args.seed, devices=devices, log_every=50)
-    try:
-      last = trainer.run(args.steps)
-      carry = {"params": trainer.state.params, "state": trainer.state.model_state}
-    finally:
-      trainer.close()
-    held_out = evaluator.evaluate(carry, 256)
-    results[name] = {
-      "train_loss": last.get("loss", float("nan")),
-      "eval_loss": held_out.get("loss", float("nan")),
-      "eval_accuracy": held_out.get("accuracy", float("nan")),
-      "cpu_seconds": time.perf_counter() - t0,
-    }
-    say(
-      f"train [{name}]: loss {results[name]['train_loss']:.4f}, held-out accuracy "
-      f"{results[name]['eval_accuracy']:.4f} ({results[name]['cpu_seconds']:.0f}s)"
-    )
+    program = make_train_step(task, cluster, plan, optax.adam(lr), devices=devices)
+    results[name] = []
+    for seed in seeds:
+      say(f"train [{name}] seed {seed}: {steps} steps on {len(devices)} devices")
+      t0 = time.perf_counter()
+      batches = task.train_batches(program.global_batch, seed)
+      state = program.init(seed, next(task.train_batches(program.global_batch, seed)))
+      for _ in range(steps):
+        state, metrics = program(state, program.shard(next(batches)))
+      carry = {"params": state.params, "state": state.model_state}
+      held_out = evaluator.evaluate(carry, 256, eval_max_batches)
+      row = {
+        "seed": seed,
+        "train_loss": float(metrics["loss"]),
+        "eval_loss": held_out.get("loss", float("nan")),
+        "eval_accuracy": held_out.get("accuracy", float("nan")),
+        "cpu_seconds": time.perf_counter() - t0,
+      }
+      results[name].append(row)
+      say(
+        f"train [{name}] seed {seed}: loss {row['train_loss']:.4f}, held-out loss {row['eval_loss']:.4f}, "
+        f"accuracy {row['eval_accuracy']:.4f} ({row['cpu_seconds']:.0f}s)"
+      )
   return results
 
 
@@ -266,7 +321,8 @@ def results_table(cluster, planned, trained, op_names) -> str:
         pred.group_step_ms["training"] if pred else "-",
         pred.group_step_ms["inference"] if pred else "-",
         pred.step_ms if pred else "-",
-        f"{pred.memory_bytes['inference'] / 1e6:.1f}" if pred else "-",
+        f"{pred.memory_bytes['inference'] / 1e6:.2f}" if pred else "-",
+        ("yes" if pred.fits else "NO") if pred else "-",
         metrics.get("train_loss", "-"),
         metrics.get("eval_loss", "-"),
         metrics.get("eval_accuracy", "-"),
@@ -280,6 +336,7 @@ def results_table(cluster, planned, trained, op_names) -> str:
     "T4 ms",
     "sync step ms",
     "T4 peak MB",
+    "fits",
     "train loss",
     "held-out loss",
     "held-out acc",
@@ -337,6 +394,12 @@ def run(args: argparse.Namespace) -> int:
   say(f"{task.name} on {len(devices)} simulated devices: 2 × V100 (training) + 2 × T4 (inference)")
   indicator = stage_indicator(task, args, say)
   profiles = stage_profile(task, args.batch_per_device, say)
+  if profiles and args.t4_memory >= 0:
+    cluster, least, fp32 = scale_inference_memory(cluster, profiles, args.t4_memory)
+    say(
+      f"plan: T4 memory {cluster.group('inference').memory_gb * 1e3:.3f} MB, between the least any plan "
+      f"needs ({least / 1e6:.3f} MB) and the fp32 step's need ({fp32 / 1e6:.3f} MB)"
+    )
   planned = stage_plan(cluster, profiles, indicator, say) if profiles else None
   if planned is None:
     from qsync_jax.plan import Plan
@@ -349,7 +412,10 @@ def run(args: argparse.Namespace) -> int:
   else:
     planned_plans = {k: v[0] for k, v in planned.items()}
   to_train = {k: v for k, v in planned_plans.items() if k in configs}
-  trained = stage_train(task, cluster, to_train, devices, args, say)
+  trained = {
+    k: v[0]
+    for k, v in stage_train(task, cluster, to_train, devices, args.steps, args.lr, [args.seed], say).items()
+  }
   op_names = profiles["cpu"].op_names if profiles else ()
   print(results_table(cluster, planned, trained, op_names))
   print(

@@ -58,7 +58,7 @@ def test_results_table_and_outputs(tmp_path):
   trained = {name: {"train_loss": 0.5, "eval_loss": 0.6, "eval_accuracy": 0.9} for name in planned}
   text = demo.results_table(cluster, planned, trained, profiles["T4"].op_names)
   lines = text.splitlines()
-  assert "sync step ms" in lines[0] and len(lines) == 2 + 4
+  assert "sync step ms" in lines[0] and "fits" in lines[0] and len(lines) == 2 + 4
   assert lines[2].startswith("fp32") and lines[5].startswith("qsync")
   demo.write_outputs(str(tmp_path), cluster, indicator, None, planned, trained, lambda m: None)
   plan = Plan.load(str(tmp_path / "plan.json"))
@@ -97,3 +97,18 @@ def test_demo_is_a_cli_subcommand():
 
   args = build_parser().parse_args(["demo", "--out", "x", "--steps", "3"])
   assert args.steps == 3 and args._run is demo.run
+
+
+def test_scaled_t4_memory_excludes_fp32_but_admits_a_plan():
+  rng = np.random.default_rng()
+  profiles, ops = _profiles(rng)
+  indicator = fake_indicator(ops, rng.uniform(0.1, 1.0, size=N_OPS))
+  position = float(rng.uniform(0.2, 0.8))
+  cluster, least, fp32 = demo.scale_inference_memory(demo.demo_cluster(8), profiles, position)
+  assert least < fp32
+  assert cluster.group("inference").memory_gb * 1e9 == pytest.approx(least + position * (fp32 - least))
+  assert cluster.group("training").memory_gb == 32.0
+  planned = demo.stage_plan(cluster, profiles, indicator, lambda m: None)
+  assert not planned["fp32"][1].fits
+  assert planned["qsync"][1].fits
+  assert planned["dynamic batch"][0].batch_per_device  # a real batch split

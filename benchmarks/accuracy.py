@@ -1,0 +1,219 @@
+"""Accuracy of the four demo configurations over several seeds → ``docs/results.md``.
+
+  python benchmarks/accuracy.py                       # vgg (digits) and lm (stdlib), seeds 0 1 2
+  python benchmarks/accuracy.py --tasks vgg --seeds 0 1 2 3 4 --steps 300
+
+For each task it runs the ``qsync demo`` pipeline once (fp32 pre-training → gradient
+indicator → local profile + modeled V100/T4 → replay → greedy plan; T4 memory scaled so the
+fp32 step does not fit), then trains every configuration — fp32, uniform int8 on the T4
+group, dynamic batch sizing, the QSync plan — on 4 simulated CPU devices with the hybrid
+trainer, once per seed, and evaluates the fp32 master weights on the held-out split.
+
+Prints a table (mean ± std over seeds; ratio against fp32 of the same run), appends JSON
+lines to ``benchmarks/results/accuracy.jsonl`` and rewrites ``docs/results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from examples import demo  # noqa: E402  (sets up the simulated devices before JAX starts)
+
+TARGET_POINTS = 0.3
+"""QSync's target: ≥ uniform int8 + 0.3 points and within 0.3 points of fp32."""
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--tasks", nargs="+", default=["vgg", "lm"])
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  parser.add_argument("--steps", type=int, default=150)
+  parser.add_argument("--batch-per-device", type=int, default=16)
+  parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--pretrain-steps", type=int, default=40)
+  parser.add_argument("--indicator-batches", type=int, default=4)
+  parser.add_argument("--t4-memory", type=float, default=0.5, help="as `qsync demo --t4-memory`")
+  parser.add_argument("--eval-max-batches", type=int, default=8, help="held-out batches of 256 (LM)")
+  parser.add_argument("--jsonl", default=os.path.join(ROOT, "benchmarks", "results", "accuracy.jsonl"))
+  parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "results.md"))
+  return parser.parse_args(argv)
+
+
+def mean_std(values):
+  n = len(values)
+  mean = sum(values) / n
+  std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+  return mean, std
+
+
+def run_task(name, args, devices, say):
+  """Plans once, trains every configuration for every seed; returns (planned, trained, cluster)."""
+  from examples.registry import get_task
+
+  task = get_task(name)
+  cluster = demo.demo_cluster(args.batch_per_device)
+  stage_args = argparse.Namespace(
+    pretrain_steps=args.pretrain_steps, seed=args.seeds[0], indicator_batches=args.indicator_batches
+  )
+  indicator = demo.stage_indicator(task, stage_args, say)
+  profiles = demo.stage_profile(task, args.batch_per_device, say)
+  if args.t4_memory >= 0:
+    cluster = demo.scale_inference_memory(cluster, profiles, args.t4_memory)[0]
+  planned = demo.stage_plan(cluster, profiles, indicator, say)
+  plans = {k: plan for k, (plan, _) in planned.items()}
+  eval_max = args.eval_max_batches if name == "lm" else None
+  trained = demo.stage_train(task, cluster, plans, devices, args.steps, args.lr, args.seeds, say, eval_max)
+  return planned, trained, cluster, profiles
+
+
+def summarize(trained):
+  """``{config: {metric: (mean, std)}}`` over seeds; accuracies in points (×100)."""
+  out = {}
+  for config, rows in trained.items():
+    out[config] = {
+      "accuracy": mean_std([100 * r["eval_accuracy"] for r in rows]),
+      "loss": mean_std([r["eval_loss"] for r in rows]),
+      "perplexity": mean_std([math.exp(r["eval_loss"]) for r in rows]),
+    }
+  return out
+
+
+def jsonl_rows(task, summary, device, date):
+  import jax
+
+  rows = []
+  for config, metrics in summary.items():
+    for metric, (mean, std) in metrics.items():
+      base = summary["fp32"][metric][0]
+      rows.append(
+        {
+          "benchmark": "accuracy",
+          "case": f"{task}/{config}",
+          "device": device,
+          "jax_version": jax.__version__,
+          "date": date,
+          "metric": f"held-out {metric}",
+          "value": mean,
+          "std": std,
+          "baseline": base,
+          "ratio": mean / base if base else float("nan"),
+        }
+      )
+  return rows
+
+
+def verdict(summary) -> str:
+  if "qsync" not in summary or "uniform int8" not in summary:
+    return "not evaluated (a configuration is missing)"
+  q, u, f = (summary[c]["accuracy"][0] for c in ("qsync", "uniform int8", "fp32"))
+  over_uniform, gap = q - u, q - f
+  ok = over_uniform >= TARGET_POINTS and abs(gap) <= TARGET_POINTS
+  return (
+    f"{'MET' if ok else 'MISSED'}: QSync − uniform int8 = {over_uniform:+.2f} points "
+    f"(target ≥ +{TARGET_POINTS}), QSync − fp32 = {gap:+.2f} points (target within ±{TARGET_POINTS})"
+  )
+
+
+def markdown(results, args, device, date, command) -> str:
+  lines = [
+    "## Accuracy of the QSync plan vs. uniform int8, dynamic batch sizing and fp32",
+    "",
+    f"Generated by `benchmarks/accuracy.py` on {date} ({device}); command:",
+    "",
+    "```",
+    command,
+    "```",
+    "",
+    "Setup (the `qsync demo` pipeline): 4 simulated CPU devices in two groups, 2 × V100 (`training`)",
+    "and 2 × T4 (`inference`), per-device batch "
+    f"{args.batch_per_device}, {args.steps} Adam steps (lr {args.lr}), seeds {args.seeds}. "
+    "The plan is made once per task (seed "
+    f"{args.seeds[0]}): {args.pretrain_steps} fp32 pre-training steps, the gradient indicator on "
+    f"{args.indicator_batches} batches, a local CPU profile with V100/T4 costs modeled from the catalog, "
+    f"the T4 memory set {args.t4_memory:g} of the way from the least any plan needs to the fp32 step's "
+    "need (so the fp32 step does not fit there), and the greedy allocator. Numerics run on the CPU exactly as planned per group "
+    "(the T4 group's ops at their planned precision); the held-out metrics are of the fp32 master weights. "
+    "`uniform int8` is QSync's int8 op (int8 forward, fp16 backward) on every op of the T4 group.",
+    "",
+  ]
+  for task, (summary, planned, op_names) in results.items():
+    kind = "held-out accuracy (%)" if task != "lm" else "held-out token accuracy (%)"
+    lines += [
+      f"### `{task}`",
+      "",
+      f"| config | T4 fwd precisions | predicted sync step ms | T4 fits | {kind} "
+      "| held-out loss | perplexity |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    for config, m in summary.items():
+      plan, pred = planned[config]
+      mix = demo.precision_mix(plan, "inference", op_names)
+      lines.append(
+        f"| {config} | {mix} | {pred.step_ms:.3f} | {'yes' if pred.fits else 'no'} | "
+        f"{m['accuracy'][0]:.2f} ± {m['accuracy'][1]:.2f} | {m['loss'][0]:.4f} ± {m['loss'][1]:.4f} | "
+        f"{m['perplexity'][0]:.3f} ± {m['perplexity'][1]:.3f} |"
+      )
+    lines += ["", f"Target: {verdict(summary)}.", ""]
+  return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- accuracy.py: begin -->", "<!-- accuracy.py: end -->"
+
+
+def write_section(path: str, section: str) -> None:
+  """Replaces this script's section of ``path`` (between its markers), keeping the rest."""
+  text = open(path).read() if os.path.exists(path) else "# Results\n\n"
+  block = f"{BEGIN}\n{section}{END}\n"
+  if BEGIN in text and END in text:
+    head, rest = text.split(BEGIN, 1)
+    text = head + block + rest.split(END, 1)[1].lstrip("\n")
+  else:
+    text = text.rstrip("\n") + "\n\n" + block
+  with open(path, "w") as f:
+    f.write(text)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  devices = demo.simulated_devices(demo.NUM_DEVICES)
+  say = demo.Progress()
+  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  device = "this machine's CPU (2 cores, shared), 4 simulated devices"
+  command = "python benchmarks/accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  results, rows = {}, []
+  t0 = time.perf_counter()
+  for name in args.tasks:
+    planned, trained, cluster, profiles = run_task(name, args, devices, say)
+    summary = summarize(trained)
+    results[name] = (summary, planned, profiles["cpu"].op_names)
+    rows += jsonl_rows(name, summary, device, date)
+    print(f"\n{name}: mean ± std over seeds {args.seeds}")
+    for config, m in summary.items():
+      ratio = m["accuracy"][0] / summary["fp32"]["accuracy"][0]
+      print(
+        f"  {config:14s} accuracy {m['accuracy'][0]:6.2f} ± {m['accuracy'][1]:.2f}  (×{ratio:.4f} of fp32)  "
+        f"loss {m['loss'][0]:.4f} ± {m['loss'][1]:.4f}  perplexity {m['perplexity'][0]:.3f}"
+      )
+    print(f"  {verdict(summary)}")
+  os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
+  with open(args.jsonl, "a") as f:
+    for row in rows:
+      f.write(json.dumps(row) + "\n")
+  os.makedirs(os.path.dirname(args.doc), exist_ok=True)
+  write_section(args.doc, markdown(results, args, device, date, command))
+  say(f"done in {time.perf_counter() - t0:.0f}s; wrote {args.doc} and appended to {args.jsonl}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
