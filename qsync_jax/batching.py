@@ -34,6 +34,8 @@ def pad_shards(batch: Any, sizes: Sequence[int]) -> Any:
       f"{total} ({list(sizes)} per device). Fix: make train_batches(global_batch, seed) yield "
       "exactly global_batch examples."
     )
+  if len(set(sizes)) == 1:  # equal shards: the batch already has the padded layout
+    return batch
   offsets = np.cumsum([0, *sizes])
 
   def pad(x):

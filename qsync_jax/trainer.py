@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import jax
-import numpy as np
 import optax
 
 from qsync_jax.batching import batch_size as batch_size_of
@@ -193,7 +192,7 @@ class Trainer:
     return last
 
   def _log(self, step, metrics, start_step, steps, t0, callback) -> dict[str, float]:
-    values = {k: float(np.asarray(v)) for k, v in metrics.items()}
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer
     elapsed = time.perf_counter() - t0
     rate = (step - start_step) / elapsed if elapsed > 0 else 0.0
     record = {"step": step, **values, "steps_per_s": rate, "time_s": elapsed}
