@@ -45,6 +45,7 @@ class Trainer:
     progress: stream for progress lines (None: silent).
     step_timeout_s: multi-process watchdog: end the process if a step takes longer (after the
       first, which compiles). Default 120 s when there are several processes, else off.
+    donate: let each step reuse the previous state's buffers (default: on accelerators).
   """
 
   def __init__(
@@ -65,6 +66,7 @@ class Trainer:
     log_every: int = 1,
     progress: TextIO | None = None,
     step_timeout_s: float | None = None,
+    donate: bool | None = None,
   ):
     self.task, self.seed = task, int(seed)
     self.program = make_train_step(
@@ -75,6 +77,7 @@ class Trainer:
       grad_sync,
       devices=devices,
       loss_scale=loss_scale,
+      donate=donate,
     )
     self.out_dir = out_dir
     self.checkpoint_every, self.log_every, self.progress = checkpoint_every, max(1, log_every), progress
