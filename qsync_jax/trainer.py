@@ -4,9 +4,12 @@
 steps: the ``TrainState``, the training data iterator and its position, the metrics log
 (``metrics.jsonl``), progress on stderr and checkpoints (``checkpoints/``) in ``out_dir``.
 
-Examples:
-  >>> trainer = Trainer(task, cluster, plan, optax.adam(1e-3), out_dir="run")  # doctest: +SKIP
-  >>> trainer.run(100)                                                        # doctest: +SKIP
+Example::
+
+  trainer = Trainer(task, ClusterSpec.load("cluster.json"), Plan.load("plan.json"),
+                    optax.adam(1e-3), out_dir="runs/a", checkpoint_every=100, resume=True)
+  last = trainer.run(1000)          # trains until step 1000 in total
+  held_out = trainer.evaluate()
 """
 
 from __future__ import annotations
