@@ -84,3 +84,23 @@ def test_dead_peer_stops_the_other_process_with_a_clear_error(tmp_path):
   assert processes[0].returncode != 0
   assert "step 200/200" not in log and waited < 90
   assert "another task died" in log or "peer process has probably died" in log, log[-2000:]
+
+
+def test_watchdog_ends_a_hung_process():
+  """A peer that hangs instead of dying: the watchdog ends the process with a clear line."""
+  import subprocess
+  import sys
+
+  code = (
+    "import time\n"
+    "from qsync_jax.distributed import Watchdog\n"
+    "w = Watchdog(1.0).start()\n"
+    "w.beat()\n"
+    "time.sleep(30)\n"
+  )
+  t0 = time.monotonic()
+  done = subprocess.run(
+    [sys.executable, "-c", code], env=procs.env(), capture_output=True, text=True, timeout=60
+  )
+  assert done.returncode == 3 and time.monotonic() - t0 < 25
+  assert "made no progress" in done.stderr and "--resume" in done.stderr
