@@ -37,7 +37,7 @@ from typing import Any
 from planners import catalog
 from planners.graph import DEFAULT_BUCKET_BYTES, GroupCost, op_costs
 from planners.profiler import Profile, residual_bytes
-from planners.replay import comm_for, memory_bytes, profile_for, sync_step_ms
+from planners.replay import comm_for, memory_bytes, op_memory, profile_for, sync_step_ms
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -146,10 +146,14 @@ def make_problem(
 
 
 def default_training_groups(cluster: ClusterSpec) -> tuple[str, ...]:
-  """Groups whose device type has the highest catalog peak (all groups if they tie)."""
+  """Groups whose device type has the highest catalog fp16 peak (all groups if they tie).
+
+  (fp16 is the one tensor-core precision every catalogued GPU runs; int8 peaks would rank a
+  T4 above a V100.)"""
 
   def peak(g):
-    return max(catalog.device_spec(g.device_type).peak_tflops.values())
+    spec = catalog.device_spec(g.device_type)
+    return spec.peak_tflops.get("fp16", spec.peak_tflops["fp32"])
 
   best = max(peak(g) for g in cluster.groups)
   return tuple(g.name for g in cluster.groups if peak(g) == best)
@@ -162,6 +166,21 @@ class Evaluator:
     self.problem = problem
     self.comm = comm_for(problem.cluster, problem.bucket_bytes)
     self.replays = 0
+    self._costs: dict = {}
+
+  def cost(self, group: GroupCost, op_index: int):
+    """``graph.op_costs``, memoized on (group, op, its policy)."""
+    key = ("t", group.name, op_index, group.op_policies.get(self.problem.op_names[op_index]))
+    if key not in self._costs:
+      self._costs[key] = op_costs(group, op_index)
+    return self._costs[key]
+
+  def op_memory(self, group: GroupCost, op_index: int):
+    """``replay.op_memory``, memoized likewise."""
+    key = ("m", group.name, op_index, group.op_policies.get(self.problem.op_names[op_index]))
+    if key not in self._costs:
+      self._costs[key] = op_memory(group, op_index)
+    return self._costs[key]
 
   def groups(self, assignment: Assignment) -> list[GroupCost]:
     p = self.problem
@@ -173,11 +192,11 @@ class Evaluator:
 
   def step_ms(self, assignment: Assignment) -> float:
     self.replays += 1
-    return sync_step_ms(self.groups(assignment), self.comm)
+    return sync_step_ms(self.groups(assignment), self.comm, self.cost)
 
   def memory(self, assignment: Assignment) -> list[int]:
     groups = self.groups(assignment)
-    return [memory_bytes(groups[gi]) for gi in self.problem.inference]
+    return [memory_bytes(groups[gi], self.op_memory) for gi in self.problem.inference]
 
   def fits(self, assignment: Assignment) -> bool:
     return all(m <= lim for m, lim in zip(self.memory(assignment), self.problem.limits))
@@ -185,7 +204,7 @@ class Evaluator:
   def training_step_ms(self) -> float:
     p = self.problem
     training = [g for i, g in enumerate(p.groups) if i not in p.inference]
-    return sync_step_ms(training, self.comm) if training else 0.0
+    return sync_step_ms(training, self.comm, self.cost) if training else 0.0
 
   def omega(self, assignment: Assignment) -> float:
     return sum(self.problem.omega[j][i][lvl] for j, row in enumerate(assignment) for i, lvl in enumerate(row))

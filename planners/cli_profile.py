@@ -29,6 +29,12 @@ def add_arguments(parser) -> None:
     default="16384,65536,262144,1048576",
     help="comma-separated element counts the cast models are fitted on",
   )
+  parser.add_argument(
+    "--clock",
+    choices=["wall", "cpu"],
+    default="wall",
+    help="wall time (default), or process CPU time: steadier on a CPU host shared with other work",
+  )
   parser.add_argument("--out", required=True, help="output JSON file")
 
 
@@ -47,7 +53,9 @@ def run(args) -> int:
     prof = modeled_profile(traced_profile(task, args.batch), args.device_type)
   else:
     sizes = [int(x) for x in args.cast_sizes.split(",")]
-    prof = measure_profile(task, args.batch, precisions, args.repeats, progress=progress, cast_sizes=sizes)
+    prof = measure_profile(
+      task, args.batch, precisions, args.repeats, progress=progress, cast_sizes=sizes, clock=args.clock
+    )
   prof.save(args.out)
   rows = []
   for op in prof.ops:

@@ -4,13 +4,14 @@
 ``GroupCost`` (one device group: its profile, its op policies, its batch) contributes a chain
 on its own ``compute`` stream:
 
-  forward ops in order → forward remainder → backward remainder → for each op in reverse:
-  [restore cast] → dlhs → drhs → … → optimizer
+  forward ops in order → forward remainder → backward remainder → for each op
+  in reverse: [cast] → dlhs → drhs → … → optimizer
 
-* A *restore cast* node sits before an op's gradient legs when its forward ran int8/fp8: the
-  backward dequantizes the saved 1-byte operands back to fp32 (the ``"int8->fp32"`` /
-  ``"fp8->fp32"`` cast model). Conversions of fp32 operands into a leg's own precision are
-  part of that leg's profiled time (``qsync_jax.qdot.leg_dot`` runs them).
+* Activations flow between ops in the model's dtype (fp32), as the runtime's ops return it;
+  each leg converts its operands into its precision, and that conversion is part of the
+  leg's profiled time (XLA fuses it with the product). The one conversion outside any leg is
+  a cast node before an op's gradient legs when its forward ran int8/fp8: the saved 1-byte
+  operands are dequantized to fp32 (the profile's ``"int8->fp32"`` / ``"fp8->fp32"`` model).
 * The first op takes the model input, which is not differentiated: it has no dlhs leg.
 * Gradients are all-reduced in buckets (``bucket_bytes``, e.g. 25 MB of fp32 weight
   gradients, in backward order): one ``comm`` node per bucket, shared by all groups, starts
@@ -27,16 +28,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from planners.catalog import allreduce_ms
 from planners.profiler import Profile
-from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
+from qsync_jax.precision import PRESETS, QUANTIZED_PRECISIONS, OpPolicy
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+PRESET_NAMES = {pol: name for name, pol in PRESETS.items()}
+LEG_NAMES = ("dlhs", "drhs")
 
 
-@dataclasses.dataclass(frozen=True)
-class Node:
+class Node(NamedTuple):
   """One timed step of the graph. ``deps`` are indices of earlier nodes."""
 
   name: str
@@ -81,27 +84,70 @@ def float_precision(profile: Profile) -> str:
   return "tf32" if "tf32" in profile.op_ms[profile.ops[0].name]["fwd"] else "fp32"
 
 
+FP32_LIKE = ("fp32", "tf32")
+
+
+def cast_ms(profile: Profile, src: str, dst: str, numel: float, stochastic: bool = False) -> float:
+  """ms to convert ``numel`` elements from ``src`` to ``dst`` precision (0 if they agree).
+
+  fp32 and tf32 share storage; between two non-fp32 types the value goes through fp32.
+  """
+  src, dst = ("fp32" if x in FP32_LIKE else x for x in (src, dst))
+  if src == dst or numel <= 0:
+    return 0.0
+  if src != "fp32" and dst != "fp32":
+    return cast_ms(profile, src, "fp32", numel) + cast_ms(profile, "fp32", dst, numel, stochastic)
+  sr = ":sr" if stochastic and dst in QUANTIZED_PRECISIONS else ""
+  return profile.cast[f"{src}->{dst}{sr}"].ms(numel)
+
+
 def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
-  """``{fwd|cast|dlhs|drhs: (ms, precision)}`` of one op of one group (cast absent if none)."""
+  """``{node kind: (ms, precision)}`` of one op of one group: ``fwd``, ``cast_bwd``, ``dlhs``
+  (not for the first op), ``drhs``.
+
+  A leg's own operand conversions are inside its profiled time. A gradient leg at the
+  forward's precision uses the ``:saved`` time (bf16/fp16: the saved operand needs no cast;
+  int8/fp8: the leg dequantizes it itself). ``cast_bwd`` — the saved int8/fp8 operands
+  dequantized to fp32 — appears when some gradient leg runs at another precision.
+
+  When the profile timed the op under its whole policy (``"policy:<preset>"``), that is used
+  instead: the forward as timed, the backward split between dlhs and drhs in proportion to
+  their leg times (the first op, which has no dlhs, keeps only the drhs share)."""
   prof = group.profile
-  op = prof.ops[op_index]
   scale = group.batch_per_device / prof.batch_per_device
-  pol = group.op_policies.get(op.name)
-  if pol is None:
-    p = float_precision(prof)
-    legs, sr = {"fwd": p, "dlhs": p, "drhs": p}, False
-  else:
-    legs, sr = {"fwd": pol.fwd, "dlhs": pol.dlhs, "drhs": pol.drhs}, pol.grad_rounding == "stochastic"
-  out = {}
-  out["fwd"] = (op.calls * scale * prof.leg_ms(op.name, "fwd", legs["fwd"]), legs["fwd"])
-  if legs["fwd"] in QUANTIZED_PRECISIONS:
-    lhs = op.batch * op.m * op.k if op.kind == "conv" else op.lhs_elems
-    cast = prof.cast[f"{legs['fwd']}->fp32"]
-    out["cast"] = (op.calls * (cast.ms(lhs * scale) + cast.ms(op.rhs_elems)), legs["fwd"])
-  if op_index > 0:
-    out["dlhs"] = (op.calls * scale * prof.leg_ms(op.name, "dlhs", legs["dlhs"], sr), legs["dlhs"])
-  out["drhs"] = (op.calls * scale * prof.leg_ms(op.name, "drhs", legs["drhs"], sr), legs["drhs"])
-  return out
+  op = prof.ops[op_index].scaled(scale)
+  pol = group.op_policies.get(op.name) or OpPolicy.uniform(float_precision(prof))
+  p = pol.fwd
+  sr = pol.grad_rounding == "stochastic"
+  legs = {"dlhs": pol.dlhs, "drhs": pol.drhs} if op_index > 0 else {"drhs": pol.drhs}
+
+  def leg(name, q):
+    saved = name != "fwd" and q == p and q not in FP32_LIKE
+    variant = ":".join(["saved"] * saved + ["sr"] * (name != "fwd" and sr and q in QUANTIZED_PRECISIONS))
+    return op.calls * scale * prof.leg_ms(op.name, name, q, variant)
+
+  preset = PRESET_NAMES.get(pol)
+  whole = prof.op_ms[op.name].get(f"policy:{preset}") if preset else None
+  if whole is not None:  # the op timed under its whole policy: split bwd by the legs' shares
+    shares = {
+      name: prof.leg_ms(op.name, name, pol.dlhs if name == "dlhs" else pol.drhs) for name in LEG_NAMES
+    }
+    total = sum(shares.values())
+    costs = {"fwd": (op.calls * scale * whole["fwd"], p)}
+    for name, q in legs.items():
+      costs[name] = (op.calls * scale * whole["bwd"] * shares[name] / total, q)
+    return costs
+  costs = {"fwd": (leg("fwd", p), p)}
+  if p in QUANTIZED_PRECISIONS and any(q != p for q in legs.values()):
+    im2col = op.kind == "conv"  # a quantized conv saved its im2col patches
+    lhs = op.batch * op.m * op.k if im2col else op.lhs_elems
+    costs["cast_bwd"] = (
+      op.calls * (cast_ms(prof, p, "fp32", lhs) + cast_ms(prof, p, "fp32", op.rhs_elems)),
+      p,
+    )
+  for name, q in legs.items():
+    costs[name] = (leg(name, q), q)
+  return costs
 
 
 def buckets(profile: Profile, bucket_bytes: int) -> list[tuple[int, int]]:
@@ -123,8 +169,12 @@ def buckets(profile: Profile, bucket_bytes: int) -> list[tuple[int, int]]:
   return out
 
 
-def build_graph(groups: Sequence[GroupCost], comm: Comm) -> list[Node]:
-  """The step graph of all ``groups`` with their shared all-reduce; see the module docstring."""
+def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[Node]:
+  """The step graph of all ``groups`` with their shared all-reduce; see the module docstring.
+
+  ``cost_fn(group, op_index)`` defaults to ``op_costs`` (a caller replaying many plans may
+  pass a memoized one)."""
+  cost_fn = cost_fn or op_costs
   nodes: list[Node] = []
 
   def add(node: Node) -> int:
@@ -138,19 +188,23 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm) -> list[Node]:
     scale = g.batch_per_device / prof.batch_per_device
     prev: tuple[int, ...] = ()
     drhs_nodes = {}
-    costs = [op_costs(g, i) for i in range(len(prof.ops))]
+    costs = [cost_fn(g, i) for i in range(len(prof.ops))]
     for op, c in zip(prof.ops, costs):
-      ms, p = c["fwd"]
-      prev = (add(Node(f"{op.name} fwd", "fwd", g.name, "compute", ms, prev, op.name, p)),)
+      for kind in ("cast_in", "fwd"):
+        if kind in c:
+          ms, p = c[kind]
+          node_kind = "cast" if kind.startswith("cast") else kind
+          prev = (add(Node(f"{op.name} {kind}", node_kind, g.name, "compute", ms, prev, op.name, p)),)
     for part in ("fwd", "bwd"):
       ms = scale * prof.remainder_ms[part]
       prev = (add(Node(f"remainder {part}", "remainder", g.name, "compute", ms, prev)),)
     for i in reversed(range(len(prof.ops))):
       op, c = prof.ops[i], costs[i]
-      for leg in ("cast", "dlhs", "drhs"):
-        if leg in c:
-          ms, p = c[leg]
-          prev = (add(Node(f"{op.name} {leg}", leg, g.name, "compute", ms, prev, op.name, p)),)
+      for kind in ("cast_bwd", "dlhs", "drhs"):
+        if kind in c:
+          ms, p = c[kind]
+          node_kind = "cast" if kind.startswith("cast") else kind
+          prev = (add(Node(f"{op.name} {kind}", node_kind, g.name, "compute", ms, prev, op.name, p)),)
       drhs_nodes[i] = prev[0]
     closing.append(drhs_nodes)
     last.append(prev[0])
@@ -184,6 +238,10 @@ def longest_path(nodes: Sequence[Node]) -> list[tuple[float, float]]:
   """``(start, end)`` ms of every node: it starts when all its deps have ended."""
   times: list[tuple[float, float]] = []
   for node in nodes:
-    start = max((times[d][1] for d in node.deps), default=0.0)
+    start = 0.0
+    for d in node.deps:
+      end = times[d][1]
+      if end > start:
+        start = end
     times.append((start, start + node.ms))
   return times

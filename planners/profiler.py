@@ -3,16 +3,26 @@
 A ``Profile`` is plain data (JSON round trip) tagged with the device and software versions:
 
 * ``op_ms[op][leg][precision]`` — ms of one call of the op's GEMM leg (``fwd``, ``dlhs``,
-  ``drhs``) at that precision, *including* the conversion of its fp32 operands (what
-  ``qsync_jax.qdot.leg_dot`` runs). ``"<precision>:sr"`` is a gradient leg whose gradient
-  operand is rounded stochastically.
+  ``drhs``) at that precision as the runtime runs it (``qsync_jax.qdot.leg_dot``), *including*
+  the conversion of its fp32 operands: XLA fuses those conversions with the product, and
+  standalone cast timings do not predict the fused cost (measured: an int8 step predicted
+  from pure GEMMs + standalone casts came out at half its measured time). Variants:
+  ``"<p>:sr"`` — the gradient operand rounds stochastically; ``"<p>:saved"`` — the forward
+  ran at ``p`` too and saved the operand so (bf16/fp16: no conversion; int8/fp8: the leg
+  dequantizes and re-quantizes it in one program); ``"<p>:saved:sr"`` — both.
+  ``op_ms[op]["policy:<preset>"] = {"fwd": ms, "bwd": ms}`` — the op under a whole preset
+  op policy, timed as one forward program and one forward + backward program
+  (``measure_policy``); the replay prefers it for ops whose policy is that preset.
 * ``remainder_ms`` — the rest of the step at fp32 (elementwise ops, norms, loss): the
   measured fp32 step minus the ops and the optimizer; split 1 : 2 between forward and
   backward. It is a fitted correction and may be negative when standalone op timings exceed
   their cost inside the fused step.
 * ``optimizer_ms`` — the optax update.
-* ``cast`` — per cast type (``"fp32->bf16"``, ``"fp32->int8"``, …) ``ms = a·numel + b``
-  fitted by least squares, with its relative RMS fit error.
+* ``cast`` — per cast type (``"fp32->bf16"``, ``"fp32->int8"``, ``"int8->fp32"``, and
+  ``"fp32->int8:sr"`` for stochastic rounding, …) ``ms = a·numel + b`` fitted by least squares
+  on standalone jitted casts, with its relative RMS fit error. The replay adds a cast node
+  for what no leg converts: int8/fp8 residuals dequantized for the backward
+  (``planners.graph``), and the conversions of modeled devices.
 * ``memory`` — parameter, optimizer-state and batch bytes, and ``other_bytes``: the XLA peak
   of the fp32 step minus what the replay model accounts for (a fitted correction).
 
@@ -38,8 +48,8 @@ from planners import catalog, step
 from planners.ops import OpShape, collect_ops
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import LEGS, QUANTIZED_PRECISIONS, OpPolicy, supported_precisions
-from qsync_jax.qdot import FLOAT_DTYPES, Operand, leg_dot
+from qsync_jax.precision import LEGS, PRESETS, QUANTIZED_PRECISIONS, OpPolicy, supported_precisions
+from qsync_jax.qdot import FLOAT_DTYPES, Operand, leg_dot, qformat, quantized_dot_general
 
 FORMAT = "qsync-profile/1"
 CAST_TYPES = (
@@ -47,6 +57,8 @@ CAST_TYPES = (
   "fp32->fp16",
   "fp32->int8",
   "fp32->fp8",
+  "fp32->int8:sr",
+  "fp32->fp8:sr",
   "bf16->fp32",
   "fp16->fp32",
   "int8->fp32",
@@ -83,14 +95,14 @@ class Profile:
   memory: dict[str, int]
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-  def leg_ms(self, op: str, leg: str, precision: str, stochastic: bool = False) -> float:
-    """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch)."""
+  def leg_ms(self, op: str, leg: str, precision: str, variant: str = "") -> float:
+    """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch); a
+    ``variant`` (``"saved"``, ``"sr"``, ``"saved:sr"``; see ``leg_variants``) falls back to
+    the plain entry when the profile lacks it (modeled profiles)."""
     table = self.op_ms[op][leg]
-    key = (
-      f"{precision}:sr" if stochastic and leg != "fwd" and precision in QUANTIZED_PRECISIONS else precision
-    )
-    if key in table:
-      return table[key]
+    for key in (f"{precision}:{variant}", f"{precision}:{variant.split(':')[-1]}") if variant else ():
+      if key in table:
+        return table[key]
     if precision in table:
       return table[precision]
     raise PlanError(
@@ -167,7 +179,8 @@ def residual_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
   """Bytes one op saves for its backward pass under ``op_policy`` (None = fp32).
 
   fp32/tf32 forward: the fp32 activation operand(s) (a weight is the parameter itself);
-  bf16/fp16: 2-byte copies of both operands; int8/fp8: 1-byte quantized operands plus fp32
+  bf16/fp16: 2-byte copies of the activation operand(s) (XLA re-derives a weight's copy from
+  the live parameter rather than keeping it); int8/fp8: 1-byte quantized operands plus fp32
   scales (per channel: one per row / column). A conv that does not run natively (any
   quantized or mixed leg) saves its im2col patches (``m·k`` elements) instead of its input.
   """
@@ -182,10 +195,18 @@ def residual_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
       scales = 8
     total = lhs + rhs + scales
   elif p in FLOAT_DTYPES:
-    total = 2 * (lhs + rhs)
+    total = 2 * lhs + (0 if op.has_weight else 2 * rhs)
   else:
     total = 4 * lhs + (0 if op.has_weight else 4 * rhs)
   return int(total * op.calls)
+
+
+def transient_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
+  """Bytes live only while the op's backward runs: its int8/fp8 residuals dequantized to fp32."""
+  if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
+    return 0
+  lhs = op.batch * op.m * op.k if op.kind == "conv" else op.lhs_elems
+  return 4 * (lhs + op.rhs_elems)
 
 
 def _native_conv(op_policy: OpPolicy) -> bool:
@@ -197,7 +218,7 @@ def _native_conv(op_policy: OpPolicy) -> bool:
 
 
 def leg_operands(leg: str, batch: int, m: int, k: int, n: int):
-  """``(lhs shape, rhs shape, dimension_numbers, lhs role, rhs role)`` of one GEMM leg."""
+  """``(lhs shape, rhs shape, dimension_numbers, lhs is grad, rhs is grad)`` of one GEMM leg."""
   shapes = {
     "fwd": ((m, k), (k, n), (1, 0)),
     "dlhs": ((m, n), (k, n), (1, 1)),
@@ -210,34 +231,92 @@ def leg_operands(leg: str, batch: int, m: int, k: int, n: int):
   return ls, rs, (((lc,), (rc,)), ((), ())), *roles
 
 
-def leg_fn(precision: str, leg: str, batch: int, m: int, k: int, n: int, stochastic: bool = False):
-  """A jitted ``f(lhs, rhs, key)`` running one leg as the runtime does, and its operand shapes."""
+def leg_fn(
+  precision: str, leg: str, batch: int, m: int, k: int, n: int, stochastic=False, saved=False, seed: int = 0
+):
+  """``(jitted f, args)``: one GEMM leg as the runtime runs it (``leg_dot`` on fp32 operands,
+  converting them into ``precision`` inside the same program, where XLA fuses the
+  conversions with the product). ``stochastic``: the gradient operand rounds stochastically;
+  ``saved``: the saved operand of a gradient leg (dlhs: the weight, drhs: the input) is
+  already in ``precision`` (a bf16/fp16 forward saved it so)."""
   ls, rs, dims, lgrad, rgrad = leg_operands(leg, batch, m, k, n)
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
+  saved_is_lhs = leg == "drhs"
+  if saved and precision in QUANTIZED_PRECISIONS:
+    # the forward saved this operand quantized (per channel over its forward contraction
+    # axis); the leg dequantizes it and quantizes it again, in one program
+    x = lhs if saved_is_lhs else rhs
+    qvalue, scale = quantize(
+      x, qformat(precision, False), (x.ndim - 1 if saved_is_lhs else x.ndim - 2,), "nearest"
+    )
+    x = (qvalue, scale)
+  elif saved:
+    x = (lhs if saved_is_lhs else rhs).astype(FLOAT_DTYPES[precision])
+  if saved:
+    lhs, rhs = (x, rhs) if saved_is_lhs else (lhs, x)
+
+  def restore(x):
+    return dequantize(*x) if isinstance(x, tuple) else x
 
   def role(is_grad):
     return Operand("stochastic" if (stochastic and is_grad) else "nearest", is_grad)
 
-  def f(lhs, rhs, key):
+  def f(a, b, key):
     lk, rk = jax.random.split(key)
-    return leg_dot(precision, "per_channel", lhs, rhs, dims, role(lgrad), role(rgrad), lk, rk)
+    return leg_dot(precision, "per_channel", restore(a), restore(b), dims, role(lgrad), role(rgrad), lk, rk)
 
-  return jax.jit(f), ls, rs
+  return jax.jit(f), (lhs, rhs, jax.random.key(seed + 1))
 
 
-def dispatch_overhead_ms(repeats: int = 50) -> float:
+def leg_variants(precision: str, leg: str) -> list[tuple[str, dict]]:
+  """``[(table key, leg_fn options)]`` timed for one leg at one precision."""
+  out = [(precision, {})]
+  if leg == "fwd" or precision not in (*FLOAT_DTYPES, *QUANTIZED_PRECISIONS):
+    return out
+  out.append((f"{precision}:saved", {"saved": True}))
+  if precision in QUANTIZED_PRECISIONS:
+    out.append((f"{precision}:sr", {"stochastic": True}))
+    out.append((f"{precision}:saved:sr", {"saved": True, "stochastic": True}))
+  return out
+
+
+def dispatch_overhead_ms(repeats: int = 50, clock: str = "wall") -> float:
   """ms to dispatch and wait for a trivial jitted program (subtracted from standalone timings)."""
   f = jax.jit(lambda x: x + 1)
   x = jnp.zeros((), jnp.float32)
-  return step.median_ms(lambda: f(x), repeats)[0]
+  return step.timed_ms(lambda: f(x), repeats, clock=clock)[0]
 
 
-def measure_leg(precision, leg, batch, m, k, n, stochastic=False, repeats=10, overhead=0.0, seed=0) -> float:
-  """Median ms of one leg (dispatch overhead removed, floored at 1 µs)."""
-  f, ls, rs = leg_fn(precision, leg, batch, m, k, n, stochastic)
-  k1, k2 = jax.random.split(jax.random.key(seed))
+def measure_leg(precision, leg, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", **options):
+  """Median ms of one leg on ``clock`` (dispatch overhead removed, floored at 1 µs)."""
+  f, args = leg_fn(precision, leg, batch, m, k, n, seed=seed, **options)
+  return max(step.timed_ms(lambda: f(*args), repeats, clock=clock)[0] - overhead, 1e-3)
+
+
+def measure_policy(op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall"):
+  """``{"fwd": ms, "bwd": ms}`` of one op under a whole op policy, as one program each: the
+  forward alone, and forward + both gradients (``jax.vjp`` of ``quantized_dot_general``);
+  bwd = their difference. Captures what XLA does across legs (layouts, fusing a
+  dequantized residual into the next product), which standalone legs miss."""
+  ls, rs, dims, _, _ = leg_operands("fwd", batch, m, k, n)
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
   key = jax.random.key(seed + 1)
-  return max(step.median_ms(lambda: f(lhs, rhs, key), repeats)[0] - overhead, 1e-3)
+  g = jax.random.normal(
+    k3, jax.eval_shape(lambda: quantized_dot_general(lhs, rhs, dims, op_policy, key)).shape
+  )
+
+  def fwd(a, b, key):
+    return quantized_dot_general(a, b, dims, op_policy, key)
+
+  def fwd_bwd(a, b, key, g):
+    y, vjp = jax.vjp(lambda a, b: fwd(a, b, key), a, b)
+    return y, vjp(g)
+
+  t_fwd = step.timed_ms(functools.partial(jax.jit(fwd), lhs, rhs, key), repeats, clock=clock)[0]
+  t_all = step.timed_ms(functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, g), repeats, clock=clock)[0]
+  return {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
 
 
 def fit_cast_model(numels: Sequence[float], times_ms: Sequence[float], source: str = "measured") -> CastModel:
@@ -251,9 +330,12 @@ def fit_cast_model(numels: Sequence[float], times_ms: Sequence[float], source: s
 
 def _cast_fn(cast_type: str):
   src, dst = cast_type.split("->")
+  dst, _, sr = dst.partition(":")
   if dst in QUANTIZED_PRECISIONS:  # two passes: absmax, then scale and round
-    fmt = "int8" if dst == "int8" else "e4m3"
-    return lambda x: quantize(x, fmt, tuple(range(x.ndim)), "nearest", None), jnp.float32
+    fmt = qformat(dst, bool(sr))  # stochastic rounding is for gradients (e5m2 in fp8)
+    key = jax.random.key(0) if sr else None
+    rounding = "stochastic" if sr else "nearest"
+    return lambda x: quantize(x, fmt, tuple(range(x.ndim)), rounding, key), jnp.float32
   if src in QUANTIZED_PRECISIONS:
     dtype = jnp.int8 if src == "int8" else jnp.float8_e4m3fn
     scale = jnp.ones((1,), jnp.float32)
@@ -263,16 +345,27 @@ def _cast_fn(cast_type: str):
   return lambda x: x.astype(dst_dtype), src_dtype
 
 
-def measure_casts(sizes=(2**14, 2**16, 2**18, 2**20), repeats=10, overhead=0.0) -> dict[str, CastModel]:
-  """A fitted ``CastModel`` per cast type, from standalone jitted casts of ``sizes`` elements."""
+def cast_precisions(cast_type: str) -> tuple[str, str]:
+  """``(source, destination)`` precision of a cast type such as ``"fp32->int8:sr"``."""
+  src, dst = cast_type.split(":")[0].split("->")
+  return src, dst
+
+
+def measure_casts(
+  sizes=(2**14, 2**16, 2**18, 2**20), repeats=10, overhead=0.0, clock="wall", precisions=None
+) -> dict[str, CastModel]:
+  """A fitted ``CastModel`` per cast type (those between ``precisions``, default all), from
+  standalone jitted casts of ``sizes`` elements."""
   models = {}
   for cast_type in CAST_TYPES:
+    if precisions is not None and not set(cast_precisions(cast_type)) <= {"fp32", *precisions}:
+      continue
     fn, dtype = _cast_fn(cast_type)
     f = jax.jit(fn)
     times = []
     for size in sizes:
       x = jax.random.normal(jax.random.key(size), (size,), jnp.float32).astype(dtype)
-      times.append(max(step.median_ms(lambda f=f, x=x: f(x), repeats)[0] - overhead, 1e-4))
+      times.append(max(step.timed_ms(lambda f=f, x=x: f(x), repeats, clock=clock)[0] - overhead, 1e-4))
     models[cast_type] = fit_cast_model(sizes, times)
   return models
 
@@ -310,15 +403,20 @@ def measure_profile(
   progress: Callable[[str], None] | None = None,
   seed: int = 0,
   cast_sizes: Sequence[int] = (2**14, 2**16, 2**18, 2**20),
+  clock: str = "wall",
 ) -> Profile:
-  """Measures the profile of ``task`` at ``batch_per_device`` on the local device."""
+  """Measures the profile of ``task`` at ``batch_per_device`` on the local device.
+
+  Every timing warms up, then takes the median of its repeats on ``clock`` (``wall``, or
+  ``cpu``: process CPU time, steadier on a CPU host shared with other work).
+  """
   say = progress or (lambda msg: None)
   device_type = local_device_type()
   precisions = tuple(precisions or supported_precisions(device_type))
   batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_per_device, seed)))
   variables = step.init_variables(task, batch, seed)
   ops = collect_ops(task.model, variables, *task.inputs(batch), **task.train_kwargs)
-  overhead = dispatch_overhead_ms()
+  overhead = dispatch_overhead_ms(clock=clock)
   say(f"{len(ops)} quantizable ops; dispatch overhead {overhead:.3f} ms")
 
   cache: dict[tuple, float] = {}
@@ -329,13 +427,20 @@ def measure_profile(
     for leg in LEGS:
       row = {}
       for p in precisions:
-        variants = [False] + ([True] if leg != "fwd" and p in QUANTIZED_PRECISIONS else [])
-        for sr in variants:
-          key = (p, leg, op.batch, op.m, op.k, op.n, sr)
+        for name, options in leg_variants(p, leg):
+          key = (name, leg, op.batch, op.m, op.k, op.n)
           if key not in cache:
-            cache[key] = measure_leg(p, leg, op.batch, op.m, op.k, op.n, sr, repeats, overhead, seed)
-          row[f"{p}:sr" if sr else p] = cache[key]
+            cache[key] = measure_leg(
+              p, leg, op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, **options
+            )
+          row[name] = cache[key]
       table[leg] = row
+    for name, pol in PRESETS.items():
+      if all(q in precisions for q in pol.precisions):
+        key = (name, op.batch, op.m, op.k, op.n)
+        if key not in cache:
+          cache[key] = measure_policy(pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock)
+        table[f"policy:{name}"] = cache[key]
     op_ms[op.name] = table
 
   say("optimizer update")
@@ -344,13 +449,17 @@ def measure_profile(
   opt_state = optimizer.init(params)
 
   update = jax.jit(functools.partial(step.apply_optimizer, optimizer))
-  optimizer_ms = max(step.median_ms(lambda: update(params, params, opt_state), repeats)[0] - overhead, 0.0)
+  optimizer_ms = max(
+    step.timed_ms(lambda: update(params, params, opt_state), repeats, clock=clock)[0] - overhead, 0.0
+  )
 
   say("cast models")
-  cast = measure_casts(cast_sizes, repeats=repeats, overhead=overhead)
+  cast = measure_casts(cast_sizes, repeats=repeats, overhead=overhead, clock=clock, precisions=precisions)
 
   say("fp32 training step")
-  step_ms, samples, peak = step.time_train_step(task, PrecisionPolicy.uniform("fp32"), batch, step_repeats)
+  step_ms, samples, peak = step.time_train_step(
+    task, PrecisionPolicy.uniform("fp32"), batch, step_repeats, clock=clock
+  )
   memory = {
     "param_bytes": step.tree_bytes(params),
     "opt_state_bytes": step.tree_bytes(opt_state),
@@ -379,6 +488,7 @@ def measure_profile(
     "fp32_step_ms_samples": samples,
     "fp32_xla_peak_bytes": peak,
     "repeats": repeats,
+    "clock": clock,
   }
   return Profile(
     model=task.name,
@@ -442,7 +552,7 @@ ELEMENTWISE_PASSES = 12
 
 def modeled_cast(spec: catalog.DeviceSpec, cast_type: str) -> CastModel:
   """Roofline cast model: bytes read + written over bandwidth, plus one launch."""
-  src, dst = cast_type.split("->")
+  src, dst = cast_type.split(":")[0].split("->")
   nbytes = (
     catalog.BYTES[src] + catalog.BYTES[dst] + (catalog.BYTES[src] if dst in QUANTIZED_PRECISIONS else 0)
   )
@@ -466,9 +576,8 @@ def modeled_profile(base: Profile, device_type: str) -> Profile:
       row = {}
       for p in spec.peak_tflops:
         t = catalog.gemm_roofline_ms(spec, p, m, k, n, b)
-        if p != "fp32" and p != "tf32":  # the leg converts its two fp32 operands
-          kind = f"fp32->{p}"
-          t += casts[kind].ms(b * m * k) + casts[kind].ms(b * k * n)
+        if p not in ("fp32", "tf32"):  # the leg converts its two fp32 operands
+          t += casts[f"fp32->{p}"].ms(b * m * k) + casts[f"fp32->{p}"].ms(b * k * n)
         row[p] = t
       table[leg] = row
     op_ms[op.name] = table

@@ -11,7 +11,9 @@ device group (its profile, its policy, its batch), takes the longest path, and r
 * ``group_compute_ms`` — forward + backward + optimizer of each group, no communication;
 * ``memory_bytes`` — peak memory per device of each group: parameters + optimizer state +
   gradients + batch + activations saved for the backward at their stored precision
-  (``planners.profiler.residual_bytes``) + the profile's fitted ``other_bytes``.
+  (``planners.profiler.residual_bytes``) + the largest backward transient (an int8/fp8
+  op's residuals dequantized to fp32, ``transient_bytes``) + the profile's fitted
+  ``other_bytes``.
 
 Profiles are keyed by device type; a group whose type has no profile gets one modeled from
 the catalog (``planners.profiler.modeled_profile``), and its numbers are labelled so.
@@ -23,7 +25,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from planners.graph import DEFAULT_BUCKET_BYTES, Comm, GroupCost, Node, build_graph, longest_path
-from planners.profiler import Profile, modeled_profile, residual_bytes
+from planners.profiler import Profile, modeled_profile, residual_bytes, transient_bytes
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -86,19 +88,31 @@ def comm_for(cluster: ClusterSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
   return Comm(cluster.num_devices, min(g.link_gbps for g in cluster.groups), bucket_bytes)
 
 
-def memory_bytes(group: GroupCost) -> int:
-  """Peak bytes on one device of ``group``; see the module docstring."""
+def op_memory(group: GroupCost, op_index: int) -> tuple[int, int]:
+  """``(residual bytes, backward transient bytes)`` of one op of ``group`` at its batch."""
+  prof = group.profile
+  op = prof.ops[op_index].scaled(group.batch_per_device / prof.batch_per_device)
+  pol = group.op_policies.get(op.name)
+  return residual_bytes(op, pol), transient_bytes(op, pol)
+
+
+def memory_bytes(group: GroupCost, memory_fn=None) -> int:
+  """Peak bytes on one device of ``group``; see the module docstring. ``memory_fn`` defaults
+  to ``op_memory`` (a caller evaluating many plans may pass a memoized one)."""
+  memory_fn = memory_fn or op_memory
   prof = group.profile
   scale = group.batch_per_device / prof.batch_per_device
   mem = prof.memory
-  residuals = sum(residual_bytes(op.scaled(scale), group.op_policies.get(op.name)) for op in prof.ops)
+  terms = [memory_fn(group, i) for i in range(len(prof.ops))]
+  residuals = sum(r for r, _ in terms)
+  transient = max((t for _, t in terms), default=0)
   fixed = 2 * mem["param_bytes"] + mem["opt_state_bytes"]
-  return int(fixed + scale * (mem["batch_bytes"] + mem["other_bytes"]) + residuals)
+  return int(fixed + scale * (mem["batch_bytes"] + mem["other_bytes"]) + residuals + transient)
 
 
-def sync_step_ms(groups: Sequence[GroupCost], comm: Comm) -> float:
+def sync_step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:
   """The synchronous step time (ms) of ``groups`` sharing ``comm``: the longest path."""
-  return max(end for _, end in longest_path(build_graph(groups, comm)))
+  return max(end for _, end in longest_path(build_graph(groups, comm, cost_fn)))
 
 
 def predict(

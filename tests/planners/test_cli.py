@@ -25,7 +25,7 @@ def files(tmp_path_factory):
         "--batch",
         "16",
         "--precisions",
-        "fp32,bf16,int8",
+        "fp32,int8",
         "--repeats",
         "2",
         "--cast-sizes",
@@ -59,7 +59,14 @@ def test_profile_files(files):
   measured, modeled = Profile.load(cpu), Profile.load(t4)
   assert measured.source == "measured" and modeled.source == "modeled"
   assert measured.op_names == ("Dense_0:dense", "Dense_1:dense", "Dense_2:dense")
-  assert set(measured.op_ms["Dense_1:dense"]["dlhs"]) == {"fp32", "bf16", "int8", "int8:sr"}
+  assert set(measured.op_ms["Dense_1:dense"]["dlhs"]) == {
+    "fp32",
+    "int8",
+    "int8:sr",
+    "int8:saved",
+    "int8:saved:sr",
+  }
+  assert set(measured.op_ms["Dense_1:dense"]) == {"fwd", "dlhs", "drhs", "policy:fp32", "policy:int8"}
   assert all(t > 0 for t in measured.op_ms["Dense_1:dense"]["fwd"].values())
   assert measured.meta["jax_version"] and measured.meta["fp32_step_ms"] > 0
   assert set(modeled.op_ms["Dense_1:dense"]["fwd"]) == {"fp32", "fp16", "int8"}  # what a T4 runs

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from planners.indicator import METHODS, PROBED_PRECISIONS, collect, compute
+from planners.indicator.gradient import gradient_omega
 from planners.indicator.gvar import GvarConfig, gvar_omega, sigmas, typical_exponent
 from planners.indicator.probes import OpCall
 from planners.indicator.wvar import wvar
@@ -163,6 +164,24 @@ def test_gvar_depth_weighting():
   # L = 2 ops, depths 0 and 1, γ = 4.
   assert omega["op0:dense"]["int8"] == pytest.approx(4 * 2 * fwd)
   assert omega["op1:dense"]["int8"] == pytest.approx(4 * 1 * fwd + 1 * bwd)
+
+
+def test_gradient_estimators_on_hand_made_stats():
+  calls = [OpCall("a:dense", "a:dense", "dense", 0, (), (), (), jnp.float32, jnp.float32)]
+  rng = np.random.default_rng()
+  first, rows = rng.normal(size=2), rng.uniform(size=2)
+  per_batch = [
+    {"a:dense": {"first:int8": f, "first2:int8": f * f, "rows:int8": r}} for f, r in zip(first, rows)
+  ]
+  est = {
+    e: gradient_omega(calls, per_batch, ("int8",), e)["a:dense"]["int8"]
+    for e in ("sample", "batch", "signed")
+  }
+  assert est["sample"] == pytest.approx(rows.mean())
+  assert est["batch"] == pytest.approx(np.mean(first**2))
+  assert est["signed"] == pytest.approx(first.mean() + 0.5 * rows.mean())
+  with pytest.raises(ValueError, match="estimator"):
+    gradient_omega(calls, per_batch, ("int8",), "nope")
 
 
 def test_wvar_formula():

@@ -66,16 +66,21 @@ def test_buckets_cover_all_parameters():
   assert [i for i, _ in plan] == [3, 1, 0]
 
 
-def test_cast_nodes_only_after_quantized_forward():
-  prof = fake_profile([(1, 1, 1), (1, 1, 1)], cast_a=1e-3)
-  int8_fwd = {n: OpPolicy.preset("int8_fwd") for n in prof.op_names}
-  bf16 = {n: OpPolicy.preset("bf16") for n in prof.op_names}
-  comm = Comm(1, 1.0)
-  casts = [n for n in build_graph([GroupCost("g", prof, int8_fwd, 8)], comm) if n.kind == "cast"]
-  assert len(casts) == 2
-  # dequantize lhs (1000) + rhs (1000) elements at 1e-3 ms each
-  assert casts[0].ms == pytest.approx(2.0)
-  assert not [n for n in build_graph([GroupCost("g", prof, bf16, 8)], comm) if n.kind == "cast"]
+@pytest.mark.parametrize(
+  "preset, casts",
+  [
+    ("fp32", {}),
+    ("bf16", {}),  # conversions into bf16 are inside the legs' profiled times
+    # the backward dequantizes the saved int8 input (1000) and weight (1000)
+    ("int8_fwd", {"Dense_1:dense cast_bwd": 2.0, "Dense_0:dense cast_bwd": 2.0}),
+  ],
+)
+def test_cast_nodes_where_precisions_change(preset, casts):
+  prof = fake_profile([(1, 1, 1), (1, 1, 1)], cast_a=1e-3)  # every cast: 1e-3 ms per element
+  policies = {n: OpPolicy.preset(preset) for n in prof.op_names}
+  nodes = build_graph([GroupCost("g", prof, policies, 8)], Comm(1, 1.0))
+  got = {n.name: n.ms for n in nodes if n.kind == "cast"}
+  assert got == pytest.approx(casts)
 
 
 def _cluster(memory_gb=1.0, n=2):
@@ -94,9 +99,12 @@ def test_predict_memory_counts_residuals_at_stored_precision():
   params = prof.memory["param_bytes"]
   # fp32 forward saves the fp32 activation (the weight is the parameter itself)
   assert fp32.memory_bytes["a"] == 4 * params + 3 * 4 * lhs
-  # int8 forward saves 1-byte activations and weights plus per-channel fp32 scales
+  # int8 forward saves 1-byte activations and weights plus per-channel fp32 scales, and one
+  # op's residuals are dequantized to fp32 at a time in the backward
   scales = 3 * 4 * (8 + 100)
-  assert int8.memory_bytes["a"] == 4 * params + 3 * (lhs + 1000) + scales
+  assert int8.memory_bytes["a"] == 4 * params + 3 * (lhs + 1000) + scales + 4 * (lhs + 1000)
+  bf16 = predict(cluster, {"cpu": prof}, Plan.uniform(cluster, "bf16"))
+  assert bf16.memory_bytes["a"] == 4 * params + 3 * 2 * lhs
   assert fp32.fits
 
 

@@ -1,0 +1,195 @@
+"""Predictor error: predicted vs measured step time and memory on plans not used to fit anything.
+
+For each model: measure its profile on the local device (op legs standalone, casts, the
+optimizer, and the fp32 step — the *only* plan used to fit the remainder and memory
+correction), then for every evaluation plan (uniform and mixed, never fp32) compare
+
+* the replay's predicted step time with the measured median of the jitted single-device
+  training step (the step is fed its own donated outputs, as in training), and
+* the predicted peak memory with XLA's ``compiled.memory_analysis()`` (arguments + outputs
+  − aliased + temporaries).
+
+The baseline of the ratio column is the measured step time (ratio = predicted / measured).
+Targets (DESIGN §5.3): mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), memory within 10 %.
+
+  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from planners import step
+from planners.profiler import measure_profile
+from planners.replay import predict
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import OpPolicy
+from qsync_jax.task import Task
+
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
+"""Profiled precisions: those the evaluation plans use."""
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "predictor.jsonl")
+
+
+class MLP(nn.Module):
+  hidden: int = 1024
+  layers: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.layers):
+      x = nn.relu(nn.Dense(self.hidden)(x))
+    return nn.Dense(10)(x)
+
+
+def mlp_task(features: int = 512) -> Task:
+  def batches(n, seed):
+    rng = np.random.default_rng(seed)
+    while True:
+      yield {
+        "x": rng.normal(size=(n, features)).astype(np.float32),
+        "label": rng.integers(0, 10, n).astype(np.int32),
+      }
+
+  def loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), {}
+
+  return Task("mlp", MLP(), lambda b: (b["x"],), loss, batches)
+
+
+def get_model(name: str) -> tuple[Task, int]:
+  """(task, per-device batch) of the benchmark models, sized for a CPU step of tens of ms."""
+  if name == "mlp":
+    return mlp_task(), 128
+  from examples.registry import get_task
+
+  if name == "lm":
+    return get_task("lm", d_model=128, num_heads=4, num_layers=2, seq_len=64, max_bytes=200_000), 16
+  if name == "vgg":
+    return get_task("vgg"), 64
+  if name == "resnet":
+    return get_task("resnet"), 64
+  raise SystemExit(f"unknown model {name!r}")
+
+
+def mixed(op_names, pattern) -> PrecisionPolicy:
+  """Op i gets ``pattern[i % len(pattern)]`` (a preset name)."""
+  return PrecisionPolicy.from_ops(
+    {n: OpPolicy.preset(pattern[i % len(pattern)]) for i, n in enumerate(op_names)}
+  )
+
+
+def plans(op_names) -> dict[str, PrecisionPolicy]:
+  """Evaluation plans: uniform presets and mixed per-op assignments (fp32 is the fit plan)."""
+  half = len(op_names) // 2
+  return {
+    "bf16": PrecisionPolicy.uniform("bf16"),
+    "fp16": PrecisionPolicy.uniform("fp16"),
+    "int8_fwd": PrecisionPolicy.uniform("int8_fwd"),
+    "int8": PrecisionPolicy.uniform("int8"),
+    "mixed int8_fwd/bf16": mixed(op_names, ["int8_fwd", "bf16"]),
+    "mixed fp32/fp16/int8_fwd": mixed(op_names, ["fp32", "fp16", "int8_fwd"]),
+    "first half fp8": PrecisionPolicy.from_ops({n: OpPolicy.preset("fp8") for n in op_names[:half]}),
+  }
+
+
+def row_json(model, case, metric, value, baseline, device):
+  return {
+    "benchmark": "predictor",
+    "case": f"{model}/{case}",
+    "device": device,
+    "jax_version": jax.__version__,
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "metric": metric,
+    "value": value,
+    "baseline": baseline,
+    "ratio": value / baseline if baseline else None,
+  }
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--models", nargs="+", default=["mlp", "lm", "vgg"])
+  ap.add_argument("--repeats", type=int, default=20, help="timed repeats of each step (median)")
+  ap.add_argument("--profile-repeats", type=int, default=10)
+  ap.add_argument(
+    "--clock",
+    choices=["wall", "cpu"],
+    help="clock of every timing, profile and measured steps alike (default: cpu — process CPU "
+    "time — on a CPU host shared with other work, wall on accelerators)",
+  )
+  ap.add_argument("--no-save", action="store_true")
+  args = ap.parse_args()
+  device = jax.devices()[0].device_kind
+  clock = args.clock or ("cpu" if jax.devices()[0].platform == "cpu" else "wall")
+  rows, out = [], []
+  for model in args.models:
+    task, batch_size = get_model(model)
+    t0 = time.perf_counter()
+    prof = measure_profile(
+      task, batch_size, repeats=args.profile_repeats, step_repeats=args.repeats, clock=clock
+    )
+    print(f"# {model}: profiled {len(prof.ops)} ops in {time.perf_counter() - t0:.0f} s", flush=True)
+    cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
+    batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+    for case, policy in {"fp32 (fit)": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}.items():
+      pred = predict(cluster, {prof.device_type: prof}, Plan(policies={"all": policy}))
+      try:
+        meas, samples, peak = step.time_train_step(task, policy, batch, args.repeats, clock=clock)
+      except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 x bf16 -> f32 dot
+        print(f"{model:5s} {case:26s} cannot run on this backend: {str(e).splitlines()[0][:100]}", flush=True)
+        continue
+      spread = (np.percentile(samples, 75) - np.percentile(samples, 25)) / np.median(samples)
+      mem = pred.memory_bytes["all"]
+      err_t, err_m = (pred.step_ms - meas) / meas, (mem - peak) / peak if peak else float("nan")
+      rows.append((model, case, pred.step_ms, meas, spread, err_t, mem / 1e6, (peak or 0) / 1e6, err_m))
+      print(
+        f"{model:5s} {case:26s} pred {pred.step_ms:8.2f} ms  meas {meas:8.2f} ms (IQR {100 * spread:4.1f} %)  "
+        f"err {100 * err_t:+6.1f} %   mem pred {mem / 1e6:7.2f} MB  xla {(peak or 0) / 1e6:7.2f} MB  "
+        f"err {100 * err_m:+6.1f} %",
+        flush=True,
+      )
+      if "(fit)" not in case:
+        out.append(row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device))
+        out.append(row_json(model, case, "peak_bytes", mem, peak, device))
+  evals = [r for r in rows if "(fit)" not in r[1]]
+  t_err = np.abs([r[5] for r in evals])
+  m_err = np.abs([r[8] for r in evals])
+  print(
+    f"\n{'model':6s} {'plan':26s} {'pred ms':>9s} {'meas ms':>9s} {'ratio':>6s} {'pred MB':>8s} {'xla MB':>8s} {'ratio':>6s}"
+  )
+  for r in rows:
+    print(
+      f"{r[0]:6s} {r[1]:26s} {r[2]:9.2f} {r[3]:9.2f} {r[2] / r[3]:6.3f} {r[6]:8.2f} {r[7]:8.2f} {r[6] / r[7]:6.3f}"
+    )
+  print(
+    f"\n{len(evals)} evaluation plans on {device}: step-time |error| mean {100 * t_err.mean():.1f} %, "
+    f"median {100 * np.median(t_err):.1f} %, max {100 * t_err.max():.1f} %; memory |error| mean "
+    f"{100 * m_err.mean():.1f} %, max {100 * m_err.max():.1f} %"
+  )
+  if not args.no_save:
+    summary = [
+      row_json("all", "mean_abs_step_error", "abs_rel_error", float(t_err.mean()), None, device),
+      row_json("all", "mean_abs_memory_error", "abs_rel_error", float(m_err.mean()), None, device),
+    ]
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "a") as f:
+      for r in out + summary:
+        f.write(json.dumps(r) + "\n")
+    print(f"appended {len(out) + len(summary)} rows to {RESULTS}")
+
+
+if __name__ == "__main__":
+  main()
