@@ -2,6 +2,7 @@
 
   qsync indicator --model vgg --out omega.json [--batches 8] [--method gradient]
                   [--train-steps 40] [--batch-size 32] [--precisions int8 fp16]
+                  [--estimator sample|batch|signed]
 
 ``--model`` is a registered example task (``examples.registry``) or ``package.module:fn``
 returning a ``qsync_jax.task.Task``. With ``--train-steps N`` the model is first trained N
@@ -29,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--batches", type=int, default=8, help="training batches to average over (default 8)")
   parser.add_argument(
     "--method", choices=METHODS, default="gradient", help="indicator (default: gradient, ours)"
+  )
+  parser.add_argument(
+    "--estimator",
+    choices=("sample", "batch", "signed"),
+    default="sample",
+    help="gradient method only: per-sample mean square (default), batch-level square, or signed loss change",
   )
   parser.add_argument("--precisions", nargs="+", default=list(PROBED_PRECISIONS), help="precisions to score")
   parser.add_argument("--batch-size", type=int, default=32)
@@ -82,9 +89,17 @@ def run(args: argparse.Namespace) -> int:
   batches = [next(stream) for _ in range(args.batches)]
   variables = initial_variables(task, batches[0], args.seed, args.train_steps, args.batch_size)
   print(f"qsync indicator: {args.method} on {task.name}, {args.batches} batches of {args.batch_size}")
-  table = compute(task, variables, batches, [args.method], tuple(args.precisions), seed=args.seed)[
-    args.method
-  ]
+  tables = compute(
+    task,
+    variables,
+    batches,
+    [args.method],
+    tuple(args.precisions),
+    seed=args.seed,
+    gradient_estimator=args.estimator,
+    progress=_progress,
+  )
+  table = tables[args.method]
   save(table, args.out)
   precisions = table["precisions"]
   print(f"{'op':50s} " + " ".join(f"{p:>10s}" for p in precisions))

@@ -64,6 +64,7 @@ def compute(
   hutchinson_samples: int = 2,
   op_policy_for: Callable[[str], OpPolicy] = forward_op_policy,
   gvar_config: GvarConfig = GvarConfig(),
+  gradient_estimator: str = "sample",
   progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
   """``{method: table}`` for each of ``methods`` from one probing pass over ``batches``.
@@ -80,6 +81,7 @@ def compute(
     op_policy_for: precision → the op policy whose measured δY ``gradient`` scores
       (default: that precision in the forward product only).
     gvar_config: GVAR's constants and documented choices.
+    gradient_estimator: ``sample`` (default), ``batch`` or ``signed``; see ``gradient.py``.
     progress: ``progress(done, total)`` after each probed batch.
   """
   precisions = tuple(precisions)
@@ -90,7 +92,7 @@ def compute(
   tables = {}
   for method in methods:
     if method == "gradient":
-      omega = gradient_omega(calls, per_batch, precisions)
+      omega = gradient_omega(calls, per_batch, precisions, gradient_estimator)
     elif method == "gvar":
       omega = gvar_omega(calls, per_batch, precisions, gvar_config)
     elif method == "wvar":
@@ -101,6 +103,8 @@ def compute(
     else:
       omega = random_omega(calls, per_batch, precisions, seed)
     tables[method] = make_table(method, omega, order, precisions, task.name, len(batches))
+    if method == "gradient":
+      tables[method]["metadata"]["estimator"] = gradient_estimator
   return tables
 
 
