@@ -3,6 +3,7 @@
 Public surface of the runtime; see README.md for a tour.
 """
 
+from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import (
   CheckpointError,
   ClusterSpecError,
@@ -12,6 +13,7 @@ from qsync_jax.errors import (
   UnsupportedPrecisionError,
 )
 from qsync_jax.flax_quant import OpInfo, QuantizedModel, quantize
+from qsync_jax.plan import Plan
 from qsync_jax.policy import OP_KINDS, PrecisionPolicy, Rule, op_name, split_op_name
 from qsync_jax.precision import (
   DEVICE_PRECISIONS,
@@ -23,12 +25,27 @@ from qsync_jax.precision import (
 )
 from qsync_jax.qconv import quantized_conv_general_dilated
 from qsync_jax.qdot import quantized_dot_general, quantized_einsum, residual_bytes
+from qsync_jax.task import Task
 
 __version__ = "0.1.0"
 
+_LAZY = {"Trainer": "qsync_jax.trainer", "make_train_step": "qsync_jax.train_step"}
+
+
+def __getattr__(name):
+  """The trainer (and orbax behind it) loads on first use, keeping ``import qsync_jax`` light."""
+  if name in _LAZY:
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'qsync_jax' has no attribute {name!r}")
+
+
 __all__ = [
   "CheckpointError",
+  "ClusterSpec",
   "ClusterSpecError",
+  "DeviceGroup",
   "DEVICE_PRECISIONS",
   "LEGS",
   "OP_KINDS",
@@ -36,14 +53,18 @@ __all__ = [
   "OpPolicy",
   "PRECISIONS",
   "PRESETS",
+  "Plan",
   "PlanError",
   "PolicyError",
   "PrecisionPolicy",
   "QsyncError",
   "QuantizedModel",
   "Rule",
+  "Task",
+  "Trainer",
   "UnsupportedPrecisionError",
   "op_name",
+  "make_train_step",
   "quantize",
   "quantized_conv_general_dilated",
   "quantized_dot_general",
