@@ -226,6 +226,7 @@ def collect(
 ) -> tuple[list[OpCall], list[dict[str, dict[str, float]]]]:
   """``(calls, per-batch stats)``: ``batch_stats`` of every batch, as plain floats.
 
+  All batches must have the first batch's shapes (the probes are shaped from it).
   ``progress(done, total)`` is called after each batch (e.g. to draw a progress bar).
   """
   batches = list(batches)
