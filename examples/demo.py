@@ -85,13 +85,6 @@ def simulated_devices(n: int = NUM_DEVICES):
     jax.config.update("jax_num_cpu_devices", max(n, 1))
   except RuntimeError:
     pass  # JAX already started (e.g. under pytest with 8 devices): use what it has
-  else:
-    # XLA:CPU runs a device's all-reduce on its intra-op (Eigen) pool; with fewer cores than
-    # devices, participants blocked there can starve the last one's matmul (seen on 2 cores:
-    # "Termination timeout for all reduce"). Single-threaded Eigen avoids the deadlock.
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_multi_thread_eigen" not in flags:
-      os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
   devices = jax.devices()
   if len(devices) < n:
     raise QsyncError(
@@ -231,6 +224,7 @@ def stage_train(task, cluster, plans, devices, steps, lr, seeds, say, eval_max_b
 
   One compiled step per configuration serves every seed (only the state is re-initialized).
   """
+  import jax
   import optax
 
   from examples.train_loop import Runner
@@ -248,6 +242,10 @@ def stage_train(task, cluster, plans, devices, steps, lr, seeds, say, eval_max_b
       state = program.init(seed, next(task.train_batches(program.global_batch, seed)))
       for _ in range(steps):
         state, metrics = program(state, program.shard(next(batches)))
+        # One step in flight at a time: on a host with fewer cores than simulated devices, a
+        # second step dispatched early can take the XLA:CPU pool threads that the first one's
+        # all-reduce still needs (seen on 2 cores: "Termination timeout for all reduce").
+        jax.block_until_ready(metrics)
       carry = {"params": state.params, "state": state.model_state}
       held_out = evaluator.evaluate(carry, 256, eval_max_batches)
       row = {
