@@ -78,6 +78,7 @@ class Problem:
   omega: tuple[tuple[tuple[float, ...], ...], ...]  # [inference j][op i][level]
   limits: tuple[int, ...]  # memory per inference group, bytes
   bucket_bytes: int
+  train_policy: str = "fp32"
 
 
 Assignment = tuple[tuple[int, ...], ...]
@@ -142,6 +143,7 @@ def make_problem(
     tuple(omegas),
     tuple(limits),
     bucket_bytes,
+    train_policy,
   )
 
 
@@ -278,7 +280,7 @@ def to_plan(problem: Problem, assignment: Assignment, predictions: Mapping[str, 
       }
       policies[g.name] = PrecisionPolicy.from_ops(ops)
     else:
-      policies[g.name] = PrecisionPolicy.from_ops(dict(g.op_policies))
+      policies[g.name] = PrecisionPolicy.uniform(problem.train_policy)
   return Plan(policies=policies, predictions=dict(predictions or {}))
 
 

@@ -41,6 +41,8 @@ class OpShape:
     lhs_elems: elements of the actual left operand (conv: the input, not its patches).
     rhs_elems: elements of the right operand (the weight for weight ops).
     out_elems: elements of the output.
+    lhs_shape, rhs_shape: the operands' shapes at the profiled batch (attention products
+      are timed with their real einsum layout, which decides int8 speed on some backends).
   """
 
   name: str
@@ -53,6 +55,8 @@ class OpShape:
   lhs_elems: int = 0
   rhs_elems: int = 0
   out_elems: int = 0
+  lhs_shape: tuple[int, ...] = ()
+  rhs_shape: tuple[int, ...] = ()
 
   @property
   def flops(self) -> float:
@@ -89,6 +93,9 @@ class OpShape:
 
   @classmethod
   def from_json(cls, obj) -> OpShape:
+    obj = dict(obj)
+    for key in ("lhs_shape", "rhs_shape"):
+      obj[key] = tuple(obj.get(key, ()))
     return cls(**obj)
 
 
@@ -128,6 +135,8 @@ def collect_ops(model, variables, *args, **kwargs) -> list[OpShape]:
       math.prod(info.lhs_shape),
       math.prod(info.rhs_shape),
       math.prod(y.shape),
+      tuple(info.lhs_shape),
+      tuple(info.rhs_shape),
     )
     return y
 

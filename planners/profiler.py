@@ -49,7 +49,7 @@ from planners.ops import OpShape, collect_ops
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import LEGS, PRESETS, QUANTIZED_PRECISIONS, OpPolicy, supported_precisions
-from qsync_jax.qdot import FLOAT_DTYPES, Operand, leg_dot, qformat, quantized_dot_general
+from qsync_jax.qdot import FLOAT_DTYPES, Operand, leg_dot, qformat, quantized_dot_general, quantized_einsum
 
 FORMAT = "qsync-profile/1"
 CAST_TYPES = (
@@ -294,21 +294,32 @@ def measure_leg(precision, leg, batch, m, k, n, repeats=10, overhead=0.0, seed=0
   return max(step.timed_ms(lambda: f(*args), repeats, clock=clock)[0] - overhead, 1e-3)
 
 
-def measure_policy(op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall"):
+ATTENTION_EINSUMS = {"attention_qk": "...qhd,...khd->...hqk", "attention_pv": "...hqk,...khd->...qhd"}
+"""The products of ``flax.linen.dot_product_attention`` (their real operand layouts)."""
+
+
+def measure_policy(
+  op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", op=None
+):
   """``{"fwd": ms, "bwd": ms}`` of one op under a whole op policy, as one program each: the
   forward alone, and forward + both gradients (``jax.vjp`` of ``quantized_dot_general``);
   bwd = their difference. Captures what XLA does across legs (layouts, fusing a
-  dequantized residual into the next product), which standalone legs miss."""
+  dequantized residual into the next product), which standalone legs miss. An attention
+  ``op`` (an ``OpShape`` with its operand shapes) runs its real einsum."""
   ls, rs, dims, _, _ = leg_operands("fwd", batch, m, k, n)
+  einsum = ATTENTION_EINSUMS.get(op.kind) if op is not None and op.lhs_shape else None
+  if einsum:
+    ls, rs = op.lhs_shape, op.rhs_shape
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
   key = jax.random.key(seed + 1)
-  g = jax.random.normal(
-    k3, jax.eval_shape(lambda: quantized_dot_general(lhs, rhs, dims, op_policy, key)).shape
-  )
 
   def fwd(a, b, key):
+    if einsum:
+      return quantized_einsum(einsum, a, b, op_policy, key)
     return quantized_dot_general(a, b, dims, op_policy, key)
+
+  g = jax.random.normal(k3, jax.eval_shape(fwd, lhs, rhs, key).shape)
 
   def fwd_bwd(a, b, key, g):
     y, vjp = jax.vjp(lambda a, b: fwd(a, b, key), a, b)
@@ -394,6 +405,11 @@ def local_device_type() -> str:
   return "H100" if "H100" in kind else "cpu"
 
 
+def _train_kwargs(task) -> dict:
+  """Keyword arguments of the task's training-mode ``apply`` (mutable collections included)."""
+  return {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
+
+
 def measure_profile(
   task,
   batch_per_device: int,
@@ -415,7 +431,7 @@ def measure_profile(
   precisions = tuple(precisions or supported_precisions(device_type))
   batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_per_device, seed)))
   variables = step.init_variables(task, batch, seed)
-  ops = collect_ops(task.model, variables, *task.inputs(batch), **task.train_kwargs)
+  ops = collect_ops(task.model, variables, *task.inputs(batch), **_train_kwargs(task))
   overhead = dispatch_overhead_ms(clock=clock)
   say(f"{len(ops)} quantizable ops; dispatch overhead {overhead:.3f} ms")
 
@@ -437,9 +453,9 @@ def measure_profile(
       table[leg] = row
     for name, pol in PRESETS.items():
       if all(q in precisions for q in pol.precisions):
-        key = (name, op.batch, op.m, op.k, op.n)
+        key = (name, op.kind in ATTENTION_EINSUMS, op.batch, op.m, op.k, op.n)
         if key not in cache:
-          cache[key] = measure_policy(pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock)
+          cache[key] = measure_policy(pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op)
         table[f"policy:{name}"] = cache[key]
     op_ms[op.name] = table
 
@@ -523,7 +539,7 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
   the base ``modeled_profile`` costs. Compiles the fp32 step once (nothing is timed)."""
   batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_per_device, seed)))
   variables = step.init_variables(task, batch, seed)
-  ops = tuple(collect_ops(task.model, variables, *task.inputs(batch), **task.train_kwargs))
+  ops = tuple(collect_ops(task.model, variables, *task.inputs(batch), **_train_kwargs(task)))
   optimizer = step.default_optimizer()
   opt_state = optimizer.init(variables["params"])
   memory = {
