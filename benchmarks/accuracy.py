@@ -76,15 +76,19 @@ def run_task(name, args, devices, say):
   return planned, trained, cluster, profiles
 
 
+def _metric(row, metric: str) -> float:
+  return {
+    "accuracy": 100 * row["eval_accuracy"],
+    "loss": row["eval_loss"],
+    "perplexity": math.exp(row["eval_loss"]),
+  }[metric]
+
+
 def summarize(trained):
   """``{config: {metric: (mean, std)}}`` over seeds; accuracies in points (×100)."""
   out = {}
   for config, rows in trained.items():
-    out[config] = {
-      "accuracy": mean_std([100 * r["eval_accuracy"] for r in rows]),
-      "loss": mean_std([r["eval_loss"] for r in rows]),
-      "perplexity": mean_std([math.exp(r["eval_loss"]) for r in rows]),
-    }
+    out[config] = {m: mean_std([_metric(r, m) for r in rows]) for m in ("accuracy", "loss", "perplexity")}
   return out
 
 
@@ -203,13 +207,17 @@ def main(argv=None) -> int:
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   device = "this machine's CPU (2 cores, shared), 4 simulated devices"
   command = "python benchmarks/accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv)
-  results, rows = {}, []
+  results = {}
   t0 = time.perf_counter()
   for name in args.tasks:
     planned, trained, cluster, profiles = run_task(name, args, devices, say)
     summary = summarize(trained)
     results[name] = (summary, planned, profiles["cpu"].op_names)
-    rows += jsonl_rows(name, summary, device, date)
+    rows = jsonl_rows(name, summary, device, date)
+    for row in rows:  # the per-seed values behind each mean
+      config, metric = row["case"].split("/", 1)[1], row["metric"].split()[-1]
+      row["seeds"] = list(args.seeds)
+      row["values"] = [_metric(r, metric) for r in trained[config]]
     print(f"\n{name}: mean ± std over seeds {args.seeds}")
     for config, m in summary.items():
       ratio = m["accuracy"][0] / summary["fp32"]["accuracy"][0]
@@ -218,12 +226,13 @@ def main(argv=None) -> int:
         f"loss {m['loss'][0]:.4f} ± {m['loss'][1]:.4f}  perplexity {m['perplexity'][0]:.3f}"
       )
     print(f"  {verdict(summary)}")
-  os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
-  with open(args.jsonl, "a") as f:
-    for row in rows:
-      f.write(json.dumps(row) + "\n")
-  os.makedirs(os.path.dirname(args.doc), exist_ok=True)
-  write_section(args.doc, markdown(results, args, device, date, command))
+    # Written after every task, so a later task's failure keeps the earlier results.
+    os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
+    with open(args.jsonl, "a") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+    os.makedirs(os.path.dirname(args.doc), exist_ok=True)
+    write_section(args.doc, markdown(results, args, device, date, command))
   say(f"done in {time.perf_counter() - t0:.0f}s; wrote {args.doc} and appended to {args.jsonl}")
   return 0
 

@@ -417,7 +417,8 @@ def run(args: argparse.Namespace) -> int:
   op_names = profiles["cpu"].op_names if profiles else ()
   print(results_table(cluster, planned, trained, op_names))
   print(
-    "times: replay predictions for the modeled V100 / T4 groups (not CPU times); accuracy: held-out digits"
+    "times and memory: replay predictions for the modeled V100 / T4 groups (not CPU times); "
+    f"loss and accuracy: trained on the CPU devices, evaluated on {task.name}'s held-out split"
   )
   write_outputs(args.out, cluster, indicator, profiles, planned, trained, say)
   return 0
