@@ -120,7 +120,15 @@ def make_problem(
     op_names = op_names or prof.op_names
     if g.name in training:
       policy = PrecisionPolicy.uniform(train_policy)
-      groups.append(GroupCost(g.name, prof, policy.resolve(prof.op_names), g.batch_per_device))
+      cost = GroupCost(g.name, prof, policy.resolve(prof.op_names), g.batch_per_device)
+      need = memory_bytes(cost)
+      if need > g.memory_gb * 1e9:
+        raise PlanError(
+          f"training group {g.name!r} ({g.device_type}, {g.batch_per_device} per device, {train_policy}) "
+          f"needs {need / 1e9:.3f} GB per device but has memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ "
+          f"{math.ceil(need / 1e7) / 100:.2f}, lower its batch_per_device, or plan it as an inference group."
+        )
+      groups.append(cost)
       continue
     missing = [o for o in prof.op_names if o not in omega]
     if missing:

@@ -435,7 +435,8 @@ def measure_profile(
   overhead = dispatch_overhead_ms(clock=clock)
   say(f"{len(ops)} quantizable ops; dispatch overhead {overhead:.3f} ms")
 
-  cache: dict[tuple, float] = {}
+  cache: dict[tuple, Any] = {}
+  unrunnable: list[str] = []
   op_ms = {}
   for i, op in enumerate(ops):
     say(f"[{i + 1}/{len(ops)}] {op.name}  ({op.batch}x{op.m}x{op.k}x{op.n})")
@@ -455,8 +456,14 @@ def measure_profile(
       if all(q in precisions for q in pol.precisions):
         key = (name, op.kind in ATTENTION_EINSUMS, op.batch, op.m, op.k, op.n)
         if key not in cache:
-          cache[key] = measure_policy(pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op)
-        table[f"policy:{name}"] = cache[key]
+          try:
+            cache[key] = measure_policy(pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op)
+          except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 dot
+            cache[key] = None
+            unrunnable.append(f"{op.name} under {name}: {str(e).splitlines()[0][:120]}")
+            say(f"  cannot time {op.name} under {name} here; its legs will be used")
+        if cache[key] is not None:
+          table[f"policy:{name}"] = cache[key]
     op_ms[op.name] = table
 
   say("optimizer update")
@@ -505,6 +512,7 @@ def measure_profile(
     "fp32_xla_peak_bytes": peak,
     "repeats": repeats,
     "clock": clock,
+    "unrunnable": unrunnable,
   }
   return Profile(
     model=task.name,
