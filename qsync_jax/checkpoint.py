@@ -155,6 +155,7 @@ _WHAT = {
   "plan_fingerprint": ("a different plan", "--plan"),
   "cluster": ("a different cluster (groups, device counts or per-device batches differ)", "--cluster"),
   "seed": ("a different seed", "--seed"),
+  "sync": ("a different sync strategy or options", "--sync and --sync-option"),
 }
 
 

@@ -3,6 +3,10 @@
   qsync train --model resnet --cluster cluster.json --plan plan.json --steps 200 --out runs/a
   qsync train --model mypkg.tasks:make_task --cluster c.yaml --steps 50 --out runs/b --resume
 
+``--sync NAME`` picks a strategy of ``qsync_jax.sync`` (fp32, bf16, fp16, global_qsgd, selsync,
+qsdp), ``--sync-option KEY=VALUE`` (repeatable, JSON values) sets its options, e.g.
+``--sync selsync --sync-option delta=0.2 --sync-option warmup=10``.
+
 ``--model`` is a registered example (``examples.registry``) or ``package.module:attr`` naming
 a ``Task`` or a function returning one. Without ``--cluster`` every local device forms one
 ``cpu`` group. Progress (steps/s, loss, ETA) goes to stderr; metrics to ``OUT/metrics.jsonl``;
@@ -40,7 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--steps", type=int, required=True, help="train until this many steps in total")
   parser.add_argument("--out", required=True, help="run directory: metrics.jsonl and checkpoints/")
   parser.add_argument(
-    "--sync", default=None, help="gradient sync strategy (qsync_jax.sync), default fp32 psum"
+    "--sync",
+    default=None,
+    help="sync strategy (qsync_jax.sync: fp32, bf16, fp16, global_qsgd, selsync, qsdp), default fp32 psum",
+  )
+  parser.add_argument(
+    "--sync-option",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="option of the --sync strategy (JSON value, e.g. delta=0.2, bucket_size=256), repeatable",
   )
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
   parser.add_argument("--seed", type=int, default=0)
@@ -74,12 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   )
 
 
-def _overrides(items: list[str]) -> dict:
+def _overrides(items: list[str], flag: str = "--set", example: str = "hidden=64") -> dict:
   out = {}
   for item in items:
     key, sep, value = item.partition("=")
     if not sep or not key:
-      raise QsyncError(f"--set {item!r} is not KEY=VALUE. Fix: write e.g. --set hidden=64.")
+      raise QsyncError(f"{flag} {item!r} is not KEY=VALUE. Fix: write e.g. {flag} {example}.")
     try:
       out[key] = json.loads(value)
     except json.JSONDecodeError:
@@ -132,16 +145,14 @@ def _optimizer(name: str, lr: float):
   }[name]()
 
 
-def _grad_sync(name: str | None):
-  if name is None or name in ("psum", "fp32"):
-    return None
-  try:
-    sync = importlib.import_module("qsync_jax.sync")
-  except ImportError:
-    raise QsyncError(
-      f"--sync {name!r}: qsync_jax.sync is not available here. Fix: omit --sync (fp32 psum)."
-    ) from None
-  return sync.make_grad_sync(name)
+def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
+  """(strategy name or None for the default fp32 psum, its options) from --sync / --sync-option."""
+  options = _overrides(items, "--sync-option", "delta=0.2")
+  if name is None and options:
+    raise QsyncError("--sync-option needs a --sync strategy. Fix: add e.g. --sync selsync.")
+  if name in (None, "psum", "fp32") and not options:
+    return None, {}
+  return ("fp32" if name == "psum" else name), options
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
       "cpu" if jax.default_backend() == "cpu" else "H100", jax.device_count(), args.batch_per_device
     )
   plan = Plan.load(args.plan) if args.plan else Plan()
+  sync, sync_options = _sync(args.sync, args.sync_option)
   if (
     not args.resume
     and os.path.isdir(os.path.join(args.out, "checkpoints"))
@@ -189,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     cluster,
     plan,
     _optimizer(args.optimizer, args.lr),
-    grad_sync=_grad_sync(args.sync),
+    grad_sync=sync,
+    sync_options=sync_options,
     seed=args.seed,
     out_dir=args.out,
     checkpoint_every=args.checkpoint_every,

@@ -150,22 +150,15 @@ class TrainStep:
 
   def shard(self, host_batch):
     """Host global batch (``global_batch`` rows) → padded per-device shards on the mesh."""
-    return put_sharded(pad_shards(host_batch, self.cluster.device_batch_sizes()), self.mesh, AXIS)
+    return shard_batch(host_batch, self.cluster, self.mesh)
 
   def init(self, seed: int, host_batch) -> TrainState:
-    """Initial state: params from ``task.model.init`` (fp32), fresh optimizer/loss-scale/sync state."""
+    """Initial state: params from ``init_variables`` (fp32), fresh optimizer/loss-scale/sync state."""
     task, n = self.task, self.mesh.size
-    sample = jax.tree.map(lambda x: np.asarray(x)[: self.cluster.max_batch_per_device], host_batch)
-    sample = put_replicated(sample, self.mesh)
     optimizer = self.optimizer
 
     def init(sample):
-      init_key, train_key = jax.random.split(jax.random.key(seed))
-      keys = jax.random.split(init_key, 2 + len(task.rng_streams))
-      rngs = {"params": keys[0], RNG_COLLECTION: keys[1]}
-      rngs.update({s: k for s, k in zip(task.rng_streams, keys[2:])})
-      variables = task.model.init(rngs, *task.inputs(sample), **task.train_kwargs)
-      variables = _float32(dict(variables))
+      variables, rng = init_variables(task, seed, sample)
       params = variables.pop("params")
       one = self.sync_init(params)
       return TrainState(
@@ -173,12 +166,49 @@ class TrainStep:
         params=params,
         opt_state=optimizer_init(optimizer, params),
         model_state=variables,
-        rng=jax.random.key_data(train_key),
+        rng=rng,
         loss_scale=self.loss_scale.init(),
         sync_state=jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), one),
       )
 
-    return jax.jit(init, out_shardings=self.state_sharding)(sample)
+    return jax.jit(init, out_shardings=self.state_sharding)(init_sample(host_batch, self.cluster, self.mesh))
+
+  # -- what the trainer reads from a state (a step-builder strategy's program answers the same) --
+  def step_count(self, state: TrainState) -> jax.Array:
+    """Steps taken (int32 scalar)."""
+    return state.step
+
+  def params_of(self, state: TrainState):
+    """The model's parameters (fp32 master weights)."""
+    return state.params
+
+  def variables_of(self, state: TrainState) -> dict:
+    """``{"params": ..., **model_state}``: what ``task.model.apply`` takes for evaluation."""
+    return {"params": state.params, **state.model_state}
+
+
+def shard_batch(host_batch, cluster: ClusterSpec, mesh: Mesh):
+  """Host global batch (``cluster.global_batch`` rows) → padded per-device shards on ``mesh``."""
+  return put_sharded(pad_shards(host_batch, cluster.device_batch_sizes()), mesh, AXIS)
+
+
+def init_sample(host_batch, cluster: ClusterSpec, mesh: Mesh):
+  """The first ``max_batch_per_device`` rows of a host batch, replicated: the input of ``init_variables``."""
+  return put_replicated(
+    jax.tree.map(lambda x: np.asarray(x)[: cluster.max_batch_per_device], host_batch), mesh
+  )
+
+
+def init_variables(task: Task, seed: int, sample) -> tuple[dict, jax.Array]:
+  """``(variables, rng)``: the fp32 variables of ``task.model.init`` and the key data of the
+  training key, both derived from ``seed`` (traceable; every program of the trainer starts here,
+  so one seed gives the same initial parameters whatever the sync strategy)."""
+  init_key, train_key = jax.random.split(jax.random.key(seed))
+  keys = jax.random.split(init_key, 2 + len(task.rng_streams))
+  rngs = {"params": keys[0], RNG_COLLECTION: keys[1]}
+  rngs.update({s: k for s, k in zip(task.rng_streams, keys[2:])})
+  variables = task.model.init(rngs, *task.inputs(sample), **task.train_kwargs)
+  return _float32(dict(variables)), jax.random.key_data(train_key)
 
 
 def _shard_map(f, mesh, in_specs, out_specs, check_vma: bool):

@@ -10,6 +10,11 @@ Example::
                     optax.adam(1e-3), out_dir="runs/a", checkpoint_every=100, resume=True)
   last = trainer.run(1000)          # trains until step 1000 in total
   held_out = trainer.evaluate()
+
+``grad_sync`` may name any strategy of ``qsync_jax.sync`` (options in ``sync_options``): a
+gradient hook (fp32, bf16, fp16, global_qsgd) runs in the hybrid step; a step builder
+(selsync, qsdp) runs as ``qsync_jax.strategy_step.StrategyStep``, with the same data,
+metrics, progress, checkpoints and evaluation (at its consolidated / gathered parameters).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import jax
@@ -28,18 +33,23 @@ from qsync_jax.batching import put_replicated
 from qsync_jax.checkpoint import CheckpointStore, signature
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.distributed import Watchdog
-from qsync_jax.errors import CheckpointError
+from qsync_jax.errors import CheckpointError, QsyncError
 from qsync_jax.plan import Plan
+from qsync_jax.strategy_step import make_strategy_step
+from qsync_jax.sync import get_strategy, make_grad_sync
 from qsync_jax.task import Task
-from qsync_jax.train_step import GradSync, TrainState, make_train_step
+from qsync_jax.train_step import GradSync, make_train_step
 
 
 class Trainer:
   """Trains ``task`` on ``cluster`` under ``plan``; see ``make_train_step`` for the step.
 
   Args:
-    task, cluster, plan, optimizer, grad_sync, devices, loss_scale: as ``make_train_step``
+    task, cluster, plan, optimizer, devices, loss_scale: as ``make_train_step``
       (optimizer default ``optax.adam(1e-3)``).
+    grad_sync: a ``GradSync`` as ``make_train_step``, or the name of a ``qsync_jax.sync``
+      strategy (gradient hook or step builder, see the module doc).
+    sync_options: options of the named strategy (its ``Strategy.options``).
     seed: seeds the parameters, the step RNG and the data order.
     out_dir: where ``metrics.jsonl`` and ``checkpoints/`` go (None: nothing is written).
     checkpoint_every: save every this many steps (0: only at the end of ``run``).
@@ -58,7 +68,8 @@ class Trainer:
     plan: Plan | None = None,
     optimizer: optax.GradientTransformation | None = None,
     *,
-    grad_sync: GradSync | None = None,
+    grad_sync: GradSync | str | None = None,
+    sync_options: Mapping[str, Any] | None = None,
     seed: int = 0,
     out_dir: str | None = None,
     devices: Sequence[Any] | None = None,
@@ -72,16 +83,24 @@ class Trainer:
     donate: bool | None = None,
   ):
     self.task, self.seed = task, int(seed)
-    self.program = make_train_step(
-      task,
-      cluster,
-      plan,
-      optimizer if optimizer is not None else optax.adam(1e-3),
-      grad_sync,
-      devices=devices,
-      loss_scale=loss_scale,
-      donate=donate,
-    )
+    optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
+    self.sync = _sync_meta(grad_sync, sync_options)
+    sample = next(iter(task.train_batches((plan or Plan()).apply_to(cluster).global_batch, self.seed)))
+    if isinstance(grad_sync, str) and get_strategy(grad_sync).kind == "train_step":
+      if loss_scale is not None:
+        raise QsyncError(
+          f"loss_scale: sync strategy {grad_sync!r} builds its own step, which has no loss scaling. "
+          "Fix: drop loss_scale, or use a gradient-hook strategy."
+        )
+      self.program = make_strategy_step(
+        task, cluster, plan, optimizer, grad_sync, sync_options, sample, devices=devices
+      )
+    else:
+      if isinstance(grad_sync, str):
+        grad_sync = make_grad_sync(grad_sync, **(sync_options or {}))
+      self.program = make_train_step(
+        task, cluster, plan, optimizer, grad_sync, devices=devices, loss_scale=loss_scale, donate=donate
+      )
     self.out_dir = out_dir
     self.checkpoint_every, self.log_every, self.progress = checkpoint_every, max(1, log_every), progress
     self.is_primary = jax.process_index() == 0
@@ -90,8 +109,7 @@ class Trainer:
     )
     if out_dir and self.is_primary:
       os.makedirs(out_dir, exist_ok=True)
-    sample = next(iter(task.train_batches(self.global_batch, self.seed)))
-    self.state: TrainState = self.program.init(self.seed, sample)
+    self.state = self.program.init(self.seed, sample)
     self.data_position = 0
     self._batches = None
     self._eval_fn = None
@@ -108,11 +126,12 @@ class Trainer:
 
   @property
   def step(self) -> int:
-    return int(self.state.step)
+    return int(self.program.step_count(self.state))
 
   @property
   def params(self):
-    return self.state.params
+    """The model's parameters (a step-builder strategy's consolidated / gathered ones)."""
+    return self.program.params_of(self.state)
 
   # -- data ---------------------------------------------------------------------------------
   def _next_batch(self):
@@ -128,8 +147,9 @@ class Trainer:
   def _meta(self) -> dict[str, Any]:
     return {
       "task": self.task.name,
-      "params": signature(self.state.params),
+      "params": signature(jax.eval_shape(self.program.params_of, self.state)),
       "plan_fingerprint": self.program.plan.fingerprint(),
+      **self.sync,
       # What shapes the training (not memory or link speeds, which only the planner reads).
       "cluster": [[g.name, g.count, g.batch_per_device] for g in self.program.cluster.groups],
       "seed": self.seed,
@@ -186,7 +206,7 @@ class Trainer:
           if watchdog is not None:
             watchdog.beat()
         if watchdog is None and self.step_timeout_s:  # after the first step, which compiles
-          jax.block_until_ready(self.state.step)
+          jax.block_until_ready(self.program.step_count(self.state))
           watchdog = Watchdog(self.step_timeout_s).start()
       if pending is not None:
         last = self._log(*pending, start_step, steps, t0, callback)
@@ -233,7 +253,7 @@ class Trainer:
         return {"loss": loss, **metrics}
 
       self._eval_fn = jax.jit(eval_fn)
-    variables = {"params": self.state.params, **self.state.model_state}
+    variables = self.program.variables_of(self.state)
     totals: dict[str, float] = {}
     count = 0
     for i, batch in enumerate(self.task.eval_batches(batch_size)):
@@ -249,3 +269,21 @@ class Trainer:
   def close(self) -> None:
     if self.checkpoints is not None:
       self.checkpoints.close()
+
+
+def _sync_meta(grad_sync, options) -> dict[str, Any]:
+  """What a checkpoint records of a step-builder strategy (its name and options must match
+  on resume); {} for gradient hooks (their state's layout is checked instead)."""
+  if isinstance(grad_sync, str) and get_strategy(grad_sync).kind == "train_step":
+    return {
+      "sync": json.loads(json.dumps({"name": grad_sync, **(options or {})}, sort_keys=True, default=_name))
+    }
+  if options and not isinstance(grad_sync, str):
+    raise QsyncError(
+      "sync_options apply to a strategy given by name. Fix: pass grad_sync='<name>', or drop sync_options."
+    )
+  return {}
+
+
+def _name(obj) -> str:
+  return getattr(obj, "__qualname__", type(obj).__name__)

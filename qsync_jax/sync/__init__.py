@@ -11,7 +11,13 @@ Two kinds, one registry (``STRATEGIES``, ``get_strategy(name)``):
 * ``train_step`` strategies (SelSync, QSDP) change what each device stores (per-device or
   sharded parameters and optimizer state), so they build their own step:
   ``make_selsync_step(loss_fn, optimizer, mesh, ...)``,
-  ``make_qsdp_step(loss_fn, optimizer, params, mesh, ...)``.
+  ``make_qsdp_step(loss_fn, optimizer, params, mesh, ...)``, or by name
+  ``make_step_strategy(name, loss_fn, optimizer, params, mesh, **options)``; each returns
+  ``init(params) -> state``, ``step(state, batch, key) -> (state, metrics)`` and
+  ``params_of(state)`` (the model's parameters). The trainer takes either kind by name
+  (``Trainer(..., grad_sync="selsync")``, ``qsync train --sync selsync``).
+
+``Strategy.options`` lists the options a strategy takes by name (``--sync-option KEY=VALUE``).
 
 Every strategy's state is a pytree of arrays (orbax checkpoints it as is).
 ``qsync_jax.sync.hlo`` counts the bytes each one really sends, in the compiled HLO.
@@ -50,12 +56,17 @@ class GradSync(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-  """A registered strategy: ``kind`` is "grad_sync" or "train_step"; ``build`` makes it."""
+  """A registered strategy: ``kind`` is "grad_sync" or "train_step"; ``build`` makes it.
+
+  ``build(**options)`` for "grad_sync"; ``build(loss_fn, optimizer, params, mesh, **options)``
+  for "train_step". ``options``: the option names it takes (checked by name before building).
+  """
 
   name: str
   kind: str
   description: str
   build: Callable[..., Any]
+  options: tuple[str, ...] = ()
 
 
 def _grad_sync_from(reduce_fn: Callable[..., Any]) -> Callable[..., GradSync]:
@@ -81,28 +92,49 @@ def _allreduce(dtype: str):
   return reduce_fn
 
 
+def _selsync(loss_fn, optimizer, params, mesh, **options):
+  """``make_selsync_step`` in the uniform train_step signature (SelSync needs no parameter layout)."""
+  del params
+  return make_selsync_step(loss_fn, optimizer, mesh, **options)
+
+
+_ACCUMULATE = ("accumulate",)
 STRATEGIES: dict[str, Strategy] = {
   "fp32": Strategy("fp32", "grad_sync", "fp32 all-reduce (the default)", _grad_sync_from(_allreduce("fp32"))),
   "bf16": Strategy(
-    "bf16", "grad_sync", "bf16 all-reduce (accumulate='payload'|'fp32')", _grad_sync_from(_allreduce("bf16"))
+    "bf16",
+    "grad_sync",
+    "bf16 all-reduce (accumulate='payload'|'fp32')",
+    _grad_sync_from(_allreduce("bf16")),
+    _ACCUMULATE,
   ),
   "fp16": Strategy(
-    "fp16", "grad_sync", "fp16 all-reduce (accumulate='payload'|'fp32')", _grad_sync_from(_allreduce("fp16"))
+    "fp16",
+    "grad_sync",
+    "fp16 all-reduce (accumulate='payload'|'fp32')",
+    _grad_sync_from(_allreduce("fp16")),
+    _ACCUMULATE,
   ),
   "global_qsgd": Strategy(
     "global_qsgd",
     "grad_sync",
     "Global-QSGD: global pmax scale, unbiased integer all-reduce (payload, bucket_size)",
     _grad_sync_from(global_qsgd_allreduce),
+    ("payload", "bucket_size", "rounding"),
   ),
   "selsync": Strategy(
     "selsync",
     "train_step",
-    "SelSync: sync only when a gradient norm changes (delta, window)",
-    make_selsync_step,
+    "SelSync: sync only when a gradient norm changes (delta, window, warmup, mode)",
+    _selsync,
+    tuple(f.name for f in dataclasses.fields(SelSyncConfig)),
   ),
   "qsdp": Strategy(
-    "qsdp", "train_step", "QSDP: sharded params, int8 all-gather and reduce-scatter", make_qsdp_step
+    "qsdp",
+    "train_step",
+    "QSDP: sharded params, int8 all-gather and reduce-scatter (bucket_size, weight/grad_payload)",
+    make_qsdp_step,
+    ("bucket_size", "weight_payload", "grad_payload", "full_precision"),
   ),
 }
 
@@ -114,17 +146,45 @@ def get_strategy(name: str) -> Strategy:
   return STRATEGIES[name]
 
 
-def make_grad_sync(name: str, **options) -> GradSync:
+def check_options(name: str, options) -> None:
+  """``QsyncError`` naming any of ``options`` that strategy ``name`` does not take."""
+  strategy = get_strategy(name)
+  unknown = sorted(set(options) - set(strategy.options))
+  if unknown:
+    raise QsyncError(
+      f"sync strategy {name!r} has no option {', '.join(map(repr, unknown))}; its options are "
+      f"{list(strategy.options)}. Fix: drop it or use one of those (--sync-option KEY=VALUE)."
+    )
+
+
+def make_grad_sync(name: str, *, axis_name: str = AXIS, **options) -> GradSync:
   """``GradSync`` for a ``grad_sync`` strategy; ``options`` go to its reduce function."""
   strategy = get_strategy(name)
   if strategy.kind != "grad_sync":
     hooks = [k for k, s in STRATEGIES.items() if s.kind == "grad_sync"]
     raise QsyncError(
       f"sync strategy {name!r} changes how parameters are stored, so it is not a gradient hook of the "
-      f"hybrid trainer. Fix: pick one of {hooks}, or build its own step with "
-      f"qsync_jax.sync.{strategy.build.__name__}(...)."
+      f"hybrid trainer. Fix: pick one of {hooks}, select it by name in the trainer "
+      f"(Trainer(..., grad_sync={name!r}), qsync train --sync {name}), which builds its own step, or "
+      f"build that step yourself with qsync_jax.sync.make_{name}_step(...)."
     )
-  return strategy.build(**options)
+  check_options(name, options)
+  return strategy.build(axis_name=axis_name, **options)
+
+
+def make_step_strategy(name: str, loss_fn, optimizer, params, mesh=None, **options):
+  """The trainer (``init``, ``step``, ``params_of``) of the ``train_step`` strategy ``name``.
+
+  ``params``: the parameters (or their shapes, e.g. from ``jax.eval_shape``); ``options``: the
+  strategy's ``options`` plus ``shares`` (per-device batch shares) and ``axis_name``.
+  """
+  strategy = get_strategy(name)
+  if strategy.kind != "train_step":
+    raise QsyncError(
+      f"sync strategy {name!r} is a gradient hook, not a step builder. Fix: use make_grad_sync({name!r})."
+    )
+  check_options(name, {k: v for k, v in options.items() if k not in ("shares", "axis_name")})
+  return strategy.build(loss_fn, optimizer, params, mesh, **options)
 
 
 __all__ = [
@@ -135,10 +195,12 @@ __all__ = [
   "SelSyncTrainer",
   "Strategy",
   "allreduce",
+  "check_options",
   "get_strategy",
   "global_qsgd_allreduce",
   "make_grad_sync",
   "make_qsdp_step",
   "make_selsync_step",
+  "make_step_strategy",
   "task_loss_fn",
 ]

@@ -80,6 +80,10 @@ class QSDPTrainer:
   layout: Any
   mesh: Mesh
 
+  def params_of(self, state: dict):
+    """The model's parameters: ``gather(state)`` (what evaluation and export use)."""
+    return self.gather(state)
+
 
 def make_layout(params, n: int, bucket_size: int, full_precision=small_leaf):
   """The ``LeafLayout`` tree of ``params`` sharded over ``n`` devices."""

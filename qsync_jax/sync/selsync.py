@@ -67,6 +67,10 @@ class SelSyncTrainer:
   mesh: Mesh
   config: SelSyncConfig
 
+  def params_of(self, state: dict):
+    """The model's parameters: ``consolidate(state)`` (what evaluation and export use)."""
+    return self.consolidate(state)
+
 
 def make_selsync_step(
   loss_fn: Callable[[Any, Any, jax.Array], jax.Array],
