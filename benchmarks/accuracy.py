@@ -117,15 +117,23 @@ def jsonl_rows(task, summary, device, date):
 
 
 def verdict(summary) -> str:
+  """Whether the QSync plan met the target, and whether seeds can resolve the differences."""
   if "qsync" not in summary or "uniform int8" not in summary:
     return "not evaluated (a configuration is missing)"
-  q, u, f = (summary[c]["accuracy"][0] for c in ("qsync", "uniform int8", "fp32"))
+  (q, q_sd), (u, u_sd), (f, f_sd) = (summary[c]["accuracy"] for c in ("qsync", "uniform int8", "fp32"))
   over_uniform, gap = q - u, q - f
   ok = over_uniform >= TARGET_POINTS and abs(gap) <= TARGET_POINTS
-  return (
+  text = (
     f"{'MET' if ok else 'MISSED'}: QSync − uniform int8 = {over_uniform:+.2f} points "
     f"(target ≥ +{TARGET_POINTS}), QSync − fp32 = {gap:+.2f} points (target within ±{TARGET_POINTS})"
   )
+  spread = max(q_sd, u_sd, f_sd)
+  if spread > TARGET_POINTS:
+    text += (
+      f". The seed-to-seed std (up to {spread:.2f} points) exceeds the {TARGET_POINTS}-point margins, so "
+      "these seeds cannot resolve the target either way"
+    )
+  return text
 
 
 def source_commit() -> str:
