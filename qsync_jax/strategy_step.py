@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -67,7 +68,7 @@ def branch_loss_fn(
   table = np.asarray(device_branch, np.int32)
 
   def loss_fn(params, batch, key):
-    return lax.switch(jax.numpy.asarray(table)[lax.axis_index(axis_name)], fns, params, batch, key)
+    return lax.switch(jnp.asarray(table)[lax.axis_index(axis_name)], fns, params, batch, key)
 
   return loss_fn
 

@@ -58,7 +58,8 @@ class Trainer:
     progress: stream for progress lines (None: silent).
     step_timeout_s: multi-process watchdog: end the process if a step takes longer (after the
       first, which compiles). Default 120 s when there are several processes, else off.
-    donate: let each step reuse the previous state's buffers (default: on accelerators).
+    donate: let each step reuse the previous state's buffers (default: on accelerators; hybrid
+      step only, a step-builder strategy's step keeps its input).
   """
 
   def __init__(

@@ -1,15 +1,14 @@
 """Every strategy trains a small CNN on scikit-learn digits to within 1 accuracy point of fp32.
 
 Setup (all strategies): the same initial parameters and batch order (seed 0), global batch 64
-over 8 devices, Adam(3e-3), 200 steps; accuracy on the 359-image held-out split. Gradient-hook
-strategies run in the hybrid trainer (``qsync_jax.trainer.Trainer``); SelSync (defaults:
-delta 0.3, window 25, warm-up 25) and QSDP (buckets of 256) run their own steps.
+over 8 devices, Adam(3e-3), 200 steps; accuracy on the 359-image held-out split. Every
+strategy runs in ``qsync_jax.trainer.Trainer``, selected by name; SelSync with its defaults
+(delta 0.3, window 25, warm-up 25), QSDP with buckets of 256.
 """
 
 import dataclasses
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -17,7 +16,6 @@ import pytest
 from examples.data import digits
 from examples.tasks.vision import classification_task
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
-from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step, task_loss_fn
 from qsync_jax.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -53,39 +51,23 @@ def accuracy(task, params) -> float:
   return right / total
 
 
-def _hook_run(task, name):
-  trainer = Trainer(task, _cluster(), None, optax.adam(LR), grad_sync=make_grad_sync(name), seed=SEED)
-  initial = trainer.params
+def _run(task, name, **options):
+  trainer = Trainer(task, _cluster(), None, optax.adam(LR), grad_sync=name, sync_options=options, seed=SEED)
   trainer.run(STEPS)
-  return accuracy(task, trainer.params), initial
-
-
-def _own_run(task, trainer, finish, params):
-  state = trainer.init(params)
-  batches = task.train_batches(BATCH, SEED)
-  key = jax.random.key(SEED)
-  for i in range(STEPS):
-    state, _ = trainer.step(state, next(batches), jax.random.fold_in(key, i))
-  return accuracy(task, finish(state)), state
+  return accuracy(task, trainer.params), trainer
 
 
 @pytest.fixture(scope="module")
 def fp32(task):
-  return _hook_run(task, "fp32")
+  return _run(task, "fp32")[0]
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16", "global_qsgd", "selsync", "qsdp"])
 def test_within_one_point_of_fp32(task, fp32, name):
-  want, initial = fp32
+  want = fp32
   assert want > 0.9  # the baseline itself learned
+  got, trainer = _run(task, name, **({"bucket_size": 256} if name == "qsdp" else {}))
   if name == "selsync":
-    trainer = make_selsync_step(task_loss_fn(task), optax.adam(LR))
-    got, state = _own_run(task, trainer, trainer.consolidate, initial)
-    assert 0 < int(state["syncs"]) < STEPS  # it did skip synchronizations
-  elif name == "qsdp":
-    trainer = make_qsdp_step(task_loss_fn(task), optax.adam(LR), initial, bucket_size=256)
-    got, _ = _own_run(task, trainer, trainer.gather, initial)
-  else:
-    got, _ = _hook_run(task, name)
+    assert 0 < int(trainer.state.strategy["syncs"]) < STEPS  # it did skip synchronizations
   print(f"{name}: accuracy {got:.4f} vs fp32 {want:.4f}")
   assert abs(got - want) <= 0.01, (name, got, want)
