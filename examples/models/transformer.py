@@ -50,7 +50,10 @@ class TransformerLM(nn.Module):
         "Fix: raise max_len or shorten the sequences."
       )
     x = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens)
-    x = x + nn.Embed(self.max_len, self.d_model, name="pos_embed")(jnp.arange(seq_len))[None]
+    # Positions per example (0..T-1 of each row), derived from the tokens so that, inside a
+    # data-parallel shard_map, they vary over the data axis like every other activation.
+    positions = jnp.cumsum(jnp.ones_like(tokens), axis=-1) - 1
+    x = x + nn.Embed(self.max_len, self.d_model, name="pos_embed")(positions)
     mask = nn.make_causal_mask(tokens)
     for i in range(self.num_layers):
       x = Block(self.d_model, self.num_heads, dtype=self.dtype, name=f"block{i}")(x, mask)
