@@ -172,22 +172,25 @@ def markdown(results, args, device, date, command) -> str:
     "",
   ]
   for task, (summary, planned, op_names) in results.items():
-    kind = "held-out accuracy (%)" if task != "lm" else "held-out token accuracy (%)"
+    lm = task == "lm"
+    kind = "held-out token accuracy (%)" if lm else "held-out accuracy (%)"
+    extra = " perplexity |" if lm else ""
     lines += [
       f"### `{task}`",
       "",
-      f"| config | T4 fwd precisions | predicted sync step ms | T4 fits | {kind} "
-      "| held-out loss | perplexity |",
-      "|---|---|---|---|---|---|---|",
+      f"| config | T4 fwd precisions | predicted sync step ms | T4 fits | {kind} | held-out loss |{extra}",
+      "|---|---|---|---|---|---|" + ("---|" if lm else ""),
     ]
     for config, m in summary.items():
       plan, pred = planned[config]
       mix = demo.precision_mix(plan, "inference", op_names)
-      lines.append(
+      row = (
         f"| {config} | {mix} | {pred.step_ms:.3f} | {'yes' if pred.fits else 'no'} | "
-        f"{m['accuracy'][0]:.2f} ± {m['accuracy'][1]:.2f} | {m['loss'][0]:.4f} ± {m['loss'][1]:.4f} | "
-        f"{m['perplexity'][0]:.3f} ± {m['perplexity'][1]:.3f} |"
+        f"{m['accuracy'][0]:.2f} ± {m['accuracy'][1]:.2f} | {m['loss'][0]:.4f} ± {m['loss'][1]:.4f} |"
       )
+      if lm:
+        row += f" {m['perplexity'][0]:.3f} ± {m['perplexity'][1]:.3f} |"
+      lines.append(row)
     lines += ["", f"Target: {verdict(summary)}.", ""]
   return "\n".join(lines) + "\n"
 
