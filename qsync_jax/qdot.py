@@ -58,45 +58,115 @@ def _reduce_axes(ndim: int, contract, granularity: str) -> tuple[int, ...]:
   return tuple(range(ndim)) if granularity == "per_tensor" else tuple(contract)
 
 
+def _contract_last(ndim: int, contract) -> tuple[int, ...]:
+  """The permutation that moves ``contract`` last (in that order), the rest kept in order."""
+  return tuple(a for a in range(ndim) if a not in contract) + tuple(contract)
+
+
+def _is_quantized(x) -> bool:
+  return isinstance(x, tuple)
+
+
+def _logical(x, axes):
+  """A float operand in its logical layout, from an array or a quantized residual.
+
+  ``axes[i]`` is the logical axis that physical axis ``i`` of ``x`` holds (None: the same).
+  """
+  if _is_quantized(x):
+    x = dequantize(*x)
+  if axes is None or tuple(axes) == tuple(range(x.ndim)):
+    return x
+  return jnp.transpose(x, tuple(sorted(range(x.ndim), key=lambda i: axes[i])))
+
+
+def quantize_operand(x, axes, precision: str, granularity: str, operand: Operand, contract, key=None):
+  """``(qvalue, scale, axes)``: one GEMM operand quantized, contraction axes moved last.
+
+  ``x`` is a float array or a quantized residual ``(qvalue, scale)`` (re-quantized without
+  a float copy); ``axes[i]`` is the logical axis its physical axis ``i`` holds, ``contract``
+  the logical contraction axes. The result's contraction axes come last (the layout the
+  8-bit GEMM kernels read fastest), ``axes`` updated to match. Same values as quantizing
+  the logical float operand.
+  """
+  value, in_scale = x if _is_quantized(x) else (x, None)
+  axes = tuple(range(value.ndim)) if axes is None else tuple(axes)
+  phys = tuple(axes.index(a) for a in contract)
+  qvalue, scale = quantize(
+    value,
+    qformat(precision, operand.is_grad),
+    _reduce_axes(value.ndim, phys, granularity),
+    operand.rounding,
+    key,
+    in_scale=in_scale,
+    contract_axes=phys,
+  )
+  return qvalue, scale, tuple(axes[p] for p in _contract_last(value.ndim, phys))
+
+
+def _physical_dims(dims, lhs_axes, rhs_axes):
+  """``dims`` (over logical axes) over operands whose axis ``i`` holds logical ``*_axes[i]``."""
+  (lc, rc), (lb, rb) = dims
+  return (
+    (tuple(lhs_axes.index(a) for a in lc), tuple(rhs_axes.index(a) for a in rc)),
+    (tuple(lhs_axes.index(a) for a in lb), tuple(rhs_axes.index(a) for a in rb)),
+  )
+
+
+def _free_axes_in_logical_order(out, dims, lhs_axes, rhs_axes):
+  """dot_general puts each operand's free axes in its physical order: restore the logical
+  order (a residual's free axes may have been moved; a no-op for 2-D operands)."""
+  (lc, rc), (lb, rb) = dims
+  lf = [a for a in lhs_axes if a not in lc and a not in lb]
+  rf = [a for a in rhs_axes if a not in rc and a not in rb]
+  nb = len(lb)
+  perm = list(range(nb))
+  perm += [nb + lf.index(a) for a in sorted(lf)]
+  perm += [nb + len(lf) + rf.index(a) for a in sorted(rf)]
+  return out if perm == list(range(out.ndim)) else jnp.transpose(out, perm)
+
+
 def leg_dot(
   precision: str,
   granularity: str,
-  lhs: jax.Array,
-  rhs: jax.Array,
+  lhs,
+  rhs,
   dims,
   lhs_operand: Operand,
   rhs_operand: Operand,
   lhs_key=None,
   rhs_key=None,
+  *,
+  lhs_axes=None,
+  rhs_axes=None,
+  out_dtype=jnp.float32,
 ) -> jax.Array:
-  """One GEMM ``dot_general(lhs, rhs, dims)`` at ``precision``; float32 result."""
+  """One GEMM ``dot_general(lhs, rhs, dims)`` at ``precision``; ``out_dtype`` result.
+
+  ``lhs`` / ``rhs`` are float arrays or quantized residuals ``(qvalue, scale)``, whose
+  physical axis ``i`` holds logical axis ``*_axes[i]`` (None: the logical layout).
+  """
   (lc, rc), _ = dims
   if precision in QUANTIZED_PRECISIONS:
-    lq, ls = quantize(
-      lhs,
-      qformat(precision, lhs_operand.is_grad),
-      _reduce_axes(lhs.ndim, lc, granularity),
-      lhs_operand.rounding,
-      lhs_key,
-    )
-    rq, rs = quantize(
-      rhs,
-      qformat(precision, rhs_operand.is_grad),
-      _reduce_axes(rhs.ndim, rc, granularity),
-      rhs_operand.rounding,
-      rhs_key,
-    )
-    return scaled_dot_general(lq, rq, ls, rs, dims, jnp.float32)
+    lq, ls, la = quantize_operand(lhs, lhs_axes, precision, granularity, lhs_operand, lc, lhs_key)
+    rq, rs, ra = quantize_operand(rhs, rhs_axes, precision, granularity, rhs_operand, rc, rhs_key)
+    out = scaled_dot_general(lq, rq, ls, rs, _physical_dims(dims, la, ra), out_dtype)
+    return _free_axes_in_logical_order(out, dims, la, ra)
+  lhs, rhs = _logical(lhs, lhs_axes), _logical(rhs, rhs_axes)
   if precision in FLOAT_DTYPES:
     dtype = FLOAT_DTYPES[precision]
-    return lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims, preferred_element_type=jnp.float32)
+    # float32 accumulation either way; a 16-bit result of the leg's own dtype comes straight
+    # out of the GEMM (one rounding, as the cast of the float32 result) instead of a float32
+    # copy in memory and a second pass to cast it.
+    acc = dtype if jnp.dtype(out_dtype) == jnp.dtype(dtype) else jnp.float32
+    out = lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims, preferred_element_type=acc)
+    return out.astype(out_dtype)
   return lax.dot_general(
     lhs.astype(jnp.float32),
     rhs.astype(jnp.float32),
     dims,
     precision=LAX_PRECISION[precision],
     preferred_element_type=jnp.float32,
-  )
+  ).astype(out_dtype)
 
 
 # -- dimension bookkeeping for the two gradient GEMMs -------------------------------------
@@ -143,24 +213,11 @@ def drhs_dims(lhs_ndim: int, rhs_ndim: int, dims):
 
 
 # -- residuals ----------------------------------------------------------------------------
-
-
-def _save(x, fmt_precision: str, op_policy: OpPolicy, contract, key, fwd_dtype):
-  """Residual of one operand: (qvalue, scale) for int8/fp8 forward, else a cast copy."""
-  if fmt_precision in QUANTIZED_PRECISIONS:
-    return quantize(
-      x,
-      qformat(fmt_precision, False),
-      _reduce_axes(x.ndim, contract, op_policy.granularity),
-      op_policy.rounding,
-      key,
-    )
-  return (x.astype(fwd_dtype), None)
-
-
-def _restore(residual):
-  value, scale = residual
-  return value if scale is None else dequantize(value, scale)
+#
+# An int8 / fp8 forward saves its quantized operands as residuals, contraction axes moved
+# last (the layout its GEMM read): ``(qvalue, scale)``, whose physical axes hold the logical
+# axes ``_contract_last(ndim, contract)``. The backward legs re-quantize them from there
+# (``in_scale``) or dequantize them (float legs).
 
 
 def _keys(key, n):
@@ -178,30 +235,40 @@ def _qdot_fwd(lhs, rhs, dims, op_policy, key, out_dtype):
   value = Operand(op_policy.rounding, False)
   p = op_policy.fwd
   if p in QUANTIZED_PRECISIONS:
-    lres = _save(lhs, p, op_policy, lc, k[0], None)
-    rres = _save(rhs, p, op_policy, rc, k[1], None)
-    (lq, ls), (rq, rs) = lres, rres
-    out = scaled_dot_general(lq, rq, ls, rs, dims, jnp.float32)
+    gran = op_policy.granularity
+    lq, ls, la = quantize_operand(lhs, None, p, gran, value, lc, k[0])
+    rq, rs, ra = quantize_operand(rhs, None, p, gran, value, rc, k[1])
+    out = scaled_dot_general(lq, rq, ls, rs, _physical_dims(dims, la, ra), out_dtype)
+    lres, rres = (lq, ls), (rq, rs)
   else:
-    out = leg_dot(p, op_policy.granularity, lhs, rhs, dims, value, value)
+    out = leg_dot(p, op_policy.granularity, lhs, rhs, dims, value, value, out_dtype=out_dtype)
     fwd_dtype = FLOAT_DTYPES.get(p)
-    lres = (lhs if fwd_dtype is None else lhs.astype(fwd_dtype), None)
-    rres = (rhs if fwd_dtype is None else rhs.astype(fwd_dtype), None)
+    lres = lhs if fwd_dtype is None else lhs.astype(fwd_dtype)
+    rres = rhs if fwd_dtype is None else rhs.astype(fwd_dtype)
   residuals = (lres, rres, k[2:], jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
   return out.astype(out_dtype), residuals
 
 
 def _qdot_bwd(dims, op_policy, out_dtype, residuals, g):
   lres, rres, k, lhs_proto, rhs_proto = residuals
-  lhs, rhs = _restore(lres), _restore(rres)
+  (lc, rc), _ = dims
+  nl = (lres[0] if _is_quantized(lres) else lres).ndim
+  nr = (rres[0] if _is_quantized(rres) else rres).ndim
+  la = _contract_last(nl, lc) if _is_quantized(lres) else None
+  ra = _contract_last(nr, rc) if _is_quantized(rres) else None
   value = Operand(op_policy.rounding, False)
   grad = Operand(op_policy.grad_rounding, True)
-  g_dims, perm = dlhs_dims(lhs.ndim, rhs.ndim, dims)
-  dlhs = leg_dot(op_policy.dlhs, op_policy.granularity, g, rhs, g_dims, grad, value, k[0], k[1])
-  dlhs = jnp.transpose(dlhs, perm).astype(lhs_proto.dtype)
-  g_dims, perm = drhs_dims(lhs.ndim, rhs.ndim, dims)
-  drhs = leg_dot(op_policy.drhs, op_policy.granularity, lhs, g, g_dims, value, grad, k[2], k[3])
-  drhs = jnp.transpose(drhs, perm).astype(rhs_proto.dtype)
+  gran = op_policy.granularity
+  g_dims, perm = dlhs_dims(nl, nr, dims)
+  dlhs = leg_dot(
+    op_policy.dlhs, gran, g, rres, g_dims, grad, value, k[0], k[1], rhs_axes=ra, out_dtype=lhs_proto.dtype
+  )
+  dlhs = jnp.transpose(dlhs, perm)
+  g_dims, perm = drhs_dims(nl, nr, dims)
+  drhs = leg_dot(
+    op_policy.drhs, gran, lres, g, g_dims, value, grad, k[2], k[3], lhs_axes=la, out_dtype=rhs_proto.dtype
+  )
+  drhs = jnp.transpose(drhs, perm)
   return dlhs, drhs, None
 
 

@@ -1,12 +1,237 @@
-"""Picks the implementation of the scaled low-precision GEMM: the jnp reference for now."""
+"""Picks the implementation of the scaled low-precision GEMM.
+
+``scaled_dot_general(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, out_dtype)`` is
+``reference.scaled_dot_general_reference``. Implementations:
+
+* ``reference``: the jnp definition (CPU, fallback, oracle).
+* ``xla``: the same arithmetic, with both operands handed to XLA's 8-bit ``dot_general``
+  contraction-major ("NT": ``[M, K]·[N, K]ᵀ``), the layout Hopper's 8-bit tensor cores read
+  (int8 about 1.2–1.5× faster than the row-major right operand); XLA fuses the scale
+  epilogue into one elementwise pass over the accumulator.
+* ``pallas``: ``kernel.scaled_matmul``, the epilogue fused into the GEMM.
+
+``impl='auto'`` uses ``DEFAULT_IMPL`` on a GPU (the faster one as measured by
+``benchmarks/kernels.py``, see ``docs/kernels.md``; the Pallas kernel for contractions of at
+most ``SHORT_K``) and the reference elsewhere. General
+dimension numbers are flattened to one 2-D product when the operands allow it (no batch
+dims); otherwise the reference runs (XLA's own dot_general).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
+from jax import lax
 
-from pallas_kernels.gemm.reference import scaled_dot_general_reference
+from pallas_kernels._platform import on_gpu
+from pallas_kernels.gemm import kernel as _kernel
+from pallas_kernels.gemm.config import GemmConfig
+from pallas_kernels.gemm.reference import accumulator_dtype, free_axes, scaled_dot_general_reference
+
+IMPLS = ("auto", "pallas", "xla", "reference")
+
+# What 'auto' runs on a GPU, per operand kind (set from benchmarks/kernels.py's table):
+# XLA's NT dot + fused epilogue is the faster GEMM for long contractions (H100, 16384x8192x8192:
+# 1226 vs 1075 TOP/s for our kernel). For short ones the accumulator round trip dominates
+# (int32/float32 out, read back, bf16 written: 10 bytes an output element against the
+# fused kernel's 2), so at K <= SHORT_K the Pallas kernel with its in-register epilogue runs.
+DEFAULT_IMPL = {"int8": "xla", "fp8": "xla"}
+SHORT_K = 256
+
+_override: list[str] = []
 
 
-def scaled_dot_general(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, out_dtype=jnp.float32):
-  """See ``reference.scaled_dot_general_reference``."""
-  return scaled_dot_general_reference(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, out_dtype)
+@contextlib.contextmanager
+def use_impl(impl: str):
+  """Within the block, ``impl='auto'`` calls (traced there) use ``impl``: for benchmarks."""
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
+  _override.append(impl)
+  try:
+    yield
+  finally:
+    _override.pop()
+
+
+class Canonical(NamedTuple):
+  """The GEMM as ``out[M, N] = A·Bᵀ`` over 2-D views of the operands."""
+
+  a: jax.Array  # [M, K] if a_kmajor else [K, M]
+  b: jax.Array  # [N, K] if b_kmajor else [K, N]
+  a_kmajor: bool
+  b_kmajor: bool
+  a_scale: jax.Array  # [M] float32
+  b_scale: jax.Array  # [N] float32
+  bias: jax.Array | None  # [N]
+  out_shape: tuple[int, ...]
+
+
+def _scale_vector(scale, ndim, contract, free, shape, name):
+  if scale.ndim != ndim:
+    raise ValueError(f"{name} of shape {scale.shape} must have its operand's rank {ndim}.")
+  for a in contract:
+    if scale.shape[a] != 1:
+      raise ValueError(
+        f"{name} of shape {scale.shape} varies along contracting axis {a}; scales must be "
+        "per tensor or per channel over the non-contracting axes."
+      )
+  free_shape = tuple(shape[a] for a in free)
+  s = jnp.transpose(scale, tuple(free) + tuple(contract)).reshape(tuple(scale.shape[a] for a in free))
+  return jnp.broadcast_to(s.astype(jnp.float32), free_shape).reshape(math.prod(free_shape))
+
+
+def _view(x, free, contract):
+  """``(2-D array, kmajor)`` of ``x`` as ``[free, contract]``, in place when possible."""
+  nf, nk = math.prod(x.shape[a] for a in free), math.prod(x.shape[a] for a in contract)
+  axes = list(range(x.ndim))
+  if axes == list(free) + list(contract):
+    return x.reshape(nf, nk), True
+  if axes == list(contract) + list(free):
+    return x.reshape(nk, nf), False
+  return jnp.transpose(x, tuple(free) + tuple(contract)).reshape(nf, nk), True
+
+
+def canonicalize(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, bias=None) -> Canonical:
+  """The 2-D form of a dot_general with no batch dims; ``NotImplementedError`` otherwise."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  if lb or rb:
+    raise NotImplementedError("batch dimensions: the reference (XLA dot_general) runs them")
+  lf, rf = free_axes(lhs_q.ndim, lc, lb), free_axes(rhs_q.ndim, rc, rb)
+  order = sorted(range(len(lc)), key=lambda i: lc[i])  # pair the K axes in lhs memory order
+  lk, rk = [lc[i] for i in order], [rc[i] for i in order]
+  a, a_kmajor = _view(lhs_q, lf, lk)
+  b, b_kmajor = _view(rhs_q, rf, rk)
+  sa = _scale_vector(lhs_scale, lhs_q.ndim, lc, lf, lhs_q.shape, "lhs_scale")
+  sb = _scale_vector(rhs_scale, rhs_q.ndim, rc, rf, rhs_q.shape, "rhs_scale")
+  rf_shape = tuple(rhs_q.shape[x] for x in rf)
+  if bias is not None:
+    if tuple(bias.shape) != rf_shape:
+      raise ValueError(f"bias of shape {bias.shape} must have the rhs free shape {rf_shape}.")
+    bias = bias.reshape(math.prod(rf_shape))
+  out_shape = tuple(lhs_q.shape[x] for x in lf) + rf_shape
+  return Canonical(a, b, a_kmajor, b_kmajor, sa, sb, bias, out_shape)
+
+
+def xla_nt(c: Canonical, out_dtype) -> jax.Array:
+  """XLA's dot_general on contraction-major operands, then the scale epilogue (fused by XLA)."""
+  a = c.a if c.a_kmajor else c.a.T
+  b = c.b if c.b_kmajor else c.b.T
+  acc = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=accumulator_dtype(a.dtype))
+  out = acc.astype(jnp.float32) * c.a_scale[:, None]
+  out = out * c.b_scale[None, :]
+  if c.bias is not None:
+    out = out + c.bias.astype(jnp.float32)[None, :]
+  return out.astype(out_dtype)
+
+
+def pallas_nt(c: Canonical, out_dtype, config=None, interpret=False, kmajor=True) -> jax.Array:
+  """The Pallas kernel; with ``kmajor`` non-contraction-major 8-bit operands are transposed
+  first (by XLA, one byte per element), since Hopper's 8-bit MMA path wants that layout."""
+  a, a_km, b, b_km = c.a, c.a_kmajor, c.b, c.b_kmajor
+  if kmajor and not a_km:
+    a, a_km = a.T, True
+  if kmajor and not b_km:
+    b, b_km = b.T, True
+  return _kernel.scaled_matmul(
+    a,
+    b,
+    c.a_scale,
+    c.b_scale,
+    a_kmajor=a_km,
+    b_kmajor=b_km,
+    bias=c.bias,
+    out_dtype=out_dtype,
+    config=config,
+    interpret=interpret,
+  )
+
+
+def _validate(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, impl):
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+    dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+  except (TypeError, ValueError):
+    raise ValueError(
+      f"dimension_numbers={dimension_numbers!r} must be ((lhs_contract, rhs_contract), "
+      "(lhs_batch, rhs_batch))."
+    ) from None
+  (lc, rc), (lb, rb) = dims
+  for name, x, axes in (("lhs_q", lhs_q, lc + lb), ("rhs_q", rhs_q, rc + rb)):
+    if any(a < 0 or a >= x.ndim for a in axes) or len(set(axes)) != len(axes):
+      raise ValueError(f"dimension_numbers={dims} name invalid axes of {name} (rank {x.ndim}).")
+  if len(lc) != len(rc) or len(lb) != len(rb):
+    raise ValueError(f"dimension_numbers={dims}: lhs and rhs need as many contract and batch axes.")
+  for a, b in zip(lc + lb, rc + rb):
+    if lhs_q.shape[a] != rhs_q.shape[b]:
+      raise ValueError(f"lhs_q axis {a} ({lhs_q.shape[a]}) and rhs_q axis {b} ({rhs_q.shape[b]}) differ.")
+  for name, s in (("lhs_scale", lhs_scale), ("rhs_scale", rhs_scale)):
+    if not hasattr(s, "ndim"):
+      raise ValueError(f"{name} must be an array, got {type(s).__name__}.")
+  return dims
+
+
+def _auto(kind, lhs_q, dims) -> str:
+  if kind is None:
+    return "reference"
+  k = math.prod(lhs_q.shape[a] for a in dims[0][0])
+  return "pallas" if k <= SHORT_K else DEFAULT_IMPL[kind]
+
+
+def _kind(dtype) -> str | None:
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.int8:
+    return "int8"
+  if dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+    return "fp8"
+  return None
+
+
+def scaled_dot_general(
+  lhs_q,
+  rhs_q,
+  lhs_scale,
+  rhs_scale,
+  dimension_numbers,
+  out_dtype=jnp.float32,
+  *,
+  bias=None,
+  impl: str = "auto",
+  config: GemmConfig | None = None,
+  interpret: bool = False,
+):
+  """See ``reference.scaled_dot_general_reference``; ``impl`` picks who computes it.
+
+  Args:
+    lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, out_dtype: as for the reference.
+    bias: optional, shaped like the rhs free dims; added in float32 before the cast.
+    impl: 'auto' (``DEFAULT_IMPL`` on a GPU, Pallas for K <= ``SHORT_K``; the reference
+      elsewhere), 'pallas', 'xla' or
+      'reference'. A case an implementation cannot take falls back (pallas → xla → reference).
+    config: the Pallas kernel's block sizes (default: ``config.default_config``).
+    interpret: run the Pallas kernel in interpret mode (CPU tests).
+  """
+  dims = _validate(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, impl)
+  kind = _kind(lhs_q.dtype)
+  if impl == "auto":
+    impl = _override[-1] if _override else (_auto(kind, lhs_q, dims) if on_gpu() else "reference")
+  if impl == "reference" or kind is None or _kind(rhs_q.dtype) is None:
+    return scaled_dot_general_reference(lhs_q, rhs_q, lhs_scale, rhs_scale, dims, out_dtype, bias)
+  try:
+    c = canonicalize(lhs_q, rhs_q, lhs_scale, rhs_scale, dims, bias)
+  except NotImplementedError:
+    return scaled_dot_general_reference(lhs_q, rhs_q, lhs_scale, rhs_scale, dims, out_dtype, bias)
+  out = None
+  if impl == "pallas":
+    try:
+      out = pallas_nt(c, out_dtype, config, interpret)
+    except NotImplementedError:
+      out = None
+  if out is None:
+    out = xla_nt(c, out_dtype)
+  return out.reshape(c.out_shape)

@@ -8,8 +8,9 @@ equivalent to::
     out = acc.astype(float32) * lhs_scale_in_output_layout * rhs_scale_in_output_layout
 
 i.e. ``dot_general(dequantize(lhs), dequantize(rhs))`` with the scales factored out of the
-contraction. Scales keep their operand's rank and must have size 1 along the contracting
-dims (per tensor, or per channel over the non-contracting dims).
+contraction (then ``+ bias``, if given, in float32, before the cast to ``out_dtype``).
+Scales keep their operand's rank and must have size 1 along the contracting dims (per
+tensor, or per channel over the non-contracting dims).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def scaled_dot_general_reference(
   rhs_scale: jax.Array,
   dimension_numbers: DimensionNumbers,
   out_dtype=jnp.float32,
+  bias: jax.Array | None = None,
 ) -> jax.Array:
-  """See the module docstring."""
+  """See the module docstring; ``bias`` (shaped like the rhs free dims) is added last."""
   (lc, rc), (lb, rb) = dimension_numbers
   acc = lax.dot_general(
     lhs_q, rhs_q, dimension_numbers, preferred_element_type=accumulator_dtype(lhs_q.dtype)
@@ -70,4 +72,6 @@ def scaled_dot_general_reference(
   out = acc.astype(jnp.float32)
   out = out * scale_in_output_layout(lhs_scale, lc, lb, "lhs", n_rhs_free)
   out = out * scale_in_output_layout(rhs_scale, rc, rb, "rhs", n_lhs_free)
+  if bias is not None:
+    out = out + bias.astype(jnp.float32).reshape((1,) * (out.ndim - bias.ndim) + bias.shape)
   return out.astype(out_dtype)

@@ -1,16 +1,221 @@
-"""Picks the implementation of quantize: the jnp reference for now (CPU and fallback)."""
+"""Picks the implementation of quantize: the Pallas kernels on a GPU, the jnp reference elsewhere.
+
+``quantize(x, fmt, reduce_axes, rounding, key)`` is ``reference.quantize_reference`` (same
+arguments, same result layout) with two optional extras the training GEMMs use:
+
+* ``in_scale``: ``x`` is a quantized value, re-quantized as ``x * in_scale`` (no float copy).
+* ``contract_axes``: return ``qvalue`` and ``scale`` with these axes moved last (in this
+  order), i.e. laid out contraction-major for the GEMM that reads them. The kernels write
+  that layout directly; the reference path lets XLA transpose.
+
+On a GPU the kernels take 2-D-flattenable cases: scales per row (``reduce_axes`` a suffix
+of the axes), per column (a prefix) or per tensor; other cases, and any shape a kernel
+cannot tile, run the reference. Stochastic rounding in the kernels uses in-kernel random
+numbers (``kernel.hash_uniform`` seeded from ``key``), so its draws differ from the
+reference's ``jax.random.uniform`` stream; both are unbiased.
+"""
 
 from __future__ import annotations
 
-from pallas_kernels.quantize.reference import dequantize_reference, quantize_reference
+import contextlib
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from pallas_kernels._platform import on_gpu
+from pallas_kernels.quantize import kernel as _kernel
+from pallas_kernels.quantize.config import QuantizeConfig
+from pallas_kernels.quantize.reference import (
+  QFORMATS,
+  absmax_scale,
+  dequantize_reference,
+  quantize_reference,
+)
+
+IMPLS = ("auto", "pallas", "reference")
+
+_override: list[str] = []
 
 
-def quantize(x, fmt, reduce_axes, rounding="nearest", key=None):
-  """``(qvalue, scale)`` with ``x ≈ qvalue * scale``; see ``reference.quantize_reference``."""
-  return quantize_reference(x, fmt, reduce_axes, rounding, key)
+@contextlib.contextmanager
+def use_impl(impl: str):
+  """Within the block, ``impl='auto'`` calls (traced there) use ``impl``: for benchmarks."""
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
+  _override.append(impl)
+  try:
+    yield
+  finally:
+    _override.pop()
+
+
+def _normalize_axes(axes, ndim: int, name: str) -> tuple[int, ...]:
+  try:
+    out = tuple(int(a) + ndim if int(a) < 0 else int(a) for a in axes)
+  except TypeError:
+    raise ValueError(f"{name}={axes!r} must be a sequence of axis indices.") from None
+  if any(a < 0 or a >= ndim for a in out) or len(set(out)) != len(out):
+    raise ValueError(f"{name}={tuple(axes)!r} must be distinct axes of an array of rank {ndim}.")
+  return out
+
+
+def _moved_perm(ndim: int, contract: tuple[int, ...]) -> tuple[int, ...]:
+  return tuple(a for a in range(ndim) if a not in contract) + tuple(contract)
+
+
+def _validate(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, impl):
+  if not hasattr(x, "ndim"):
+    raise ValueError(f"x must be an array, got {type(x).__name__}.")
+  if fmt not in QFORMATS:
+    raise ValueError(f"fmt={fmt!r} is not one of {sorted(QFORMATS)}.")
+  if rounding not in ("nearest", "stochastic"):
+    raise ValueError(f"rounding={rounding!r} must be 'nearest' or 'stochastic'.")
+  if rounding == "stochastic" and key is None:
+    raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...).")
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
+  reduce_axes = _normalize_axes(reduce_axes, x.ndim, "reduce_axes")
+  if contract_axes is not None:
+    contract_axes = _normalize_axes(contract_axes, x.ndim, "contract_axes")
+  if in_scale is not None:
+    if getattr(in_scale, "ndim", None) != x.ndim or any(
+      s not in (1, d) for s, d in zip(in_scale.shape, x.shape)
+    ):
+      raise ValueError(
+        f"in_scale of shape {getattr(in_scale, 'shape', None)} must have x's rank {x.ndim} and "
+        f"broadcast against x's shape {x.shape}."
+      )
+  return reduce_axes, contract_axes
+
+
+def _reference(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes):
+  qvalue, scale = quantize_reference(x, fmt, reduce_axes, rounding, key, in_scale)
+  if contract_axes is not None:
+    perm = _moved_perm(x.ndim, contract_axes)
+    qvalue, scale = jnp.transpose(qvalue, perm), jnp.transpose(scale, perm)
+  return qvalue, scale
+
+
+def _in_scale_vector(in_scale, k: int, shape):
+  """``(vector, 'rows'|'cols')`` for a 2-D view split at axis ``k``, or raises."""
+  if in_scale is None:
+    return None, None
+  varying = [a for a, s in enumerate(in_scale.shape) if s != 1]
+  rows, cols = math.prod(shape[:k]), math.prod(shape[k:])
+  f32 = in_scale.astype(jnp.float32)
+  if all(a >= k for a in varying):
+    return jnp.broadcast_to(f32, (1,) * k + tuple(shape[k:])).reshape(cols), "cols"
+  if all(a < k for a in varying):
+    return jnp.broadcast_to(f32, tuple(shape[:k]) + (1,) * (len(shape) - k)).reshape(rows), "rows"
+  raise NotImplementedError("in_scale varies along both sides of the 2-D view")
+
+
+def _pallas(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, config, interpret):
+  """The kernel path; raises ``NotImplementedError`` for what the kernels do not take."""
+  ndim, shape = x.ndim, x.shape
+  red = tuple(sorted(reduce_axes))
+  if ndim == 0 or not red:
+    raise NotImplementedError("quantize kernel needs at least one reduced axis")
+  if not (jnp.issubdtype(x.dtype, jnp.floating) or in_scale is not None):
+    raise NotImplementedError(f"quantize kernel takes float input (or in_scale), got {x.dtype}")
+  n = len(red)
+  if red == tuple(range(ndim - n, ndim)) and n < ndim:
+    mode, k = "rows", ndim - n
+  elif red == tuple(range(n)) and n < ndim:
+    mode, k = "cols", n
+  elif n == ndim:
+    mode, k = "tensor", None
+  else:
+    raise NotImplementedError(f"reduce_axes={reduce_axes} is neither a prefix nor a suffix")
+
+  # Where the 2-D view is split, and whether the output is its transpose.
+  contract = None if contract_axes is None else tuple(contract_axes)
+  transpose = False
+  if contract is not None and contract != tuple(range(ndim - len(contract), ndim)):
+    if contract != tuple(range(len(contract))):
+      raise NotImplementedError(f"contract_axes={contract} is neither a prefix nor a suffix")
+    transpose = True
+    if mode == "rows":
+      raise NotImplementedError("per-row scales with a leading contraction")
+    k = len(contract) if mode == "tensor" else k
+    if mode == "cols" and k != len(contract):
+      raise NotImplementedError("contract_axes differ from reduce_axes")
+  if k is None:
+    k = max(ndim - 1, 1) if ndim > 1 else 0
+  rows, cols = math.prod(shape[:k]), math.prod(shape[k:])
+  x2 = x.reshape(rows, cols)
+  in_vec, in_axis = _in_scale_vector(in_scale, k, shape)
+  seed = _kernel.seed_words(key) if rounding == "stochastic" else None
+  scale_shape = tuple(1 if a in red else d for a, d in enumerate(shape))
+
+  if mode == "rows":
+    q2, s = _kernel.quantize_rows(
+      x2, fmt, in_scale=in_vec, in_scale_axis=in_axis, seed=seed, config=config, interpret=interpret
+    )
+    return q2.reshape(shape), s.reshape(scale_shape)
+
+  # Known scale: an XLA reduction for the absmax, then one kernel pass.
+  value = x if in_scale is None else dequantize_reference(x, in_scale)
+  scale = absmax_scale(value, fmt, red)
+  scale_cols = jnp.broadcast_to(scale.reshape(-1) if mode == "cols" else scale.reshape(1), (cols,))
+  q2 = _kernel.quantize_tiled(
+    x2,
+    fmt,
+    scale_cols,
+    in_scale=in_vec,
+    in_scale_axis=in_axis,
+    seed=seed,
+    transpose=transpose,
+    config=config,
+    interpret=interpret,
+  )
+  if transpose:
+    perm = _moved_perm(ndim, contract)
+    return q2.reshape(tuple(shape[a] for a in perm)), jnp.transpose(scale, perm)
+  return q2.reshape(shape), scale
+
+
+def quantize(
+  x,
+  fmt,
+  reduce_axes,
+  rounding="nearest",
+  key=None,
+  *,
+  in_scale=None,
+  contract_axes: Sequence[int] | None = None,
+  impl: str = "auto",
+  config: QuantizeConfig | None = None,
+  interpret: bool = False,
+):
+  """``(qvalue, scale)`` with ``x ≈ qvalue * scale``; see ``reference.quantize_reference``.
+
+  Args:
+    x, fmt, reduce_axes, rounding, key: as for ``quantize_reference``.
+    in_scale: ``x`` is a quantized value and ``x * in_scale`` is quantized.
+    contract_axes: move these axes last in ``qvalue`` and ``scale`` (contraction-major).
+    impl: 'auto' (the kernels on a GPU where they apply, else the reference), 'pallas'
+      (the kernels wherever they apply, e.g. on the CPU with ``interpret=True``) or
+      'reference'.
+    config: the kernels' block sizes (default: ``config.default_config``).
+    interpret: run the Pallas kernels in interpret mode (CPU tests).
+  """
+  reduce_axes, contract_axes = _validate(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, impl)
+  if impl == "auto" and _override:
+    impl = _override[-1]
+  use_kernel = impl == "pallas" or (impl == "auto" and on_gpu())
+  if use_kernel:
+    try:
+      return _pallas(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, config, interpret)
+    except NotImplementedError:
+      pass
+  return _reference(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes)
 
 
 def dequantize(qvalue, scale, dtype=None):
-  import jax.numpy as jnp
-
+  """``qvalue * scale`` in ``dtype`` (float32 by default); XLA fuses it into its consumer."""
   return dequantize_reference(qvalue, scale, jnp.float32 if dtype is None else dtype)
+
+
+__all__ = ["quantize", "dequantize", "IMPLS"]

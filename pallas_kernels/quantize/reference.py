@@ -10,6 +10,10 @@ Rounding:
   * ``stochastic``: round up with probability equal to the distance from the lower
     representable value, so ``E[dequantize(quantize(x))] == x`` (unbiased). Needs ``key``.
 
+``in_scale`` (optional) makes ``x`` a quantized value: the tensor quantized is then
+``dequantize_reference(x, in_scale)``. That is how a quantized residual is re-quantized
+along other axes without a float copy in memory (the kernels read ``x`` and ``in_scale``).
+
 This module is the CPU path, the fallback and the test oracle for the Pallas kernels.
 """
 
@@ -44,23 +48,31 @@ def absmax_scale(x: jax.Array, fmt: str, reduce_axes: Sequence[int]) -> jax.Arra
   return jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
 
 
-def round_to_format(y: jax.Array, fmt: str, rounding: str, key=None) -> jax.Array:
-  """Rounds float32 ``y`` (already scaled into the format's range) and casts to storage."""
+def round_to_format(y: jax.Array, fmt: str, rounding: str, key=None, noise=None) -> jax.Array:
+  """Rounds float32 ``y`` (already scaled into the format's range) and casts to storage.
+
+  Stochastic rounding draws its uniform [0, 1) numbers from ``key``, or takes them as
+  ``noise`` (an array shaped like ``y``): the kernels draw theirs in-kernel from a
+  counter-based hash, and tests replay that stream here through ``noise``.
+  """
   dtype, qmax, mantissa_bits, min_exp = QFORMATS[fmt]
   y = y.astype(jnp.float32)
+  if rounding == "stochastic" and noise is None:
+    noise = jax.random.uniform(key, y.shape, jnp.float32)
   if fmt == "int8":
     if rounding == "stochastic":
-      y = jnp.floor(y + jax.random.uniform(key, y.shape, jnp.float32))
+      y = jnp.floor(y + noise)
     else:
       y = jnp.round(y)
     return jnp.clip(y, -qmax, qmax).astype(dtype)
   if rounding == "stochastic":
     # Spacing of representable values at |y|: 2^(e - mantissa_bits), e = exponent of |y|
-    # (never below the smallest normal exponent: subnormals share its spacing).
-    exponent = jnp.floor(jnp.log2(jnp.maximum(jnp.abs(y), 2.0**min_exp)))
-    ulp = jnp.exp2(exponent - mantissa_bits)
+    # (never below the smallest normal exponent: subnormals share its spacing). frexp is
+    # exact, where floor(log2(.)) can round up just below a power of two.
+    _, e = jnp.frexp(jnp.maximum(jnp.abs(y), 2.0**min_exp))
+    ulp = jnp.ldexp(jnp.ones_like(y), e - 1 - mantissa_bits)
     lower = jnp.floor(y / ulp) * ulp
-    up = jax.random.uniform(key, y.shape, jnp.float32) < (y - lower) / ulp
+    up = noise < (y - lower) / ulp
     y = jnp.where(up, lower + ulp, lower)
   return jnp.clip(y, -qmax, qmax).astype(dtype)
 
@@ -71,11 +83,15 @@ def quantize_reference(
   reduce_axes: Sequence[int],
   rounding: str = "nearest",
   key: jax.Array | None = None,
+  in_scale: jax.Array | None = None,
+  noise: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(qvalue, scale)``: ``qvalue = round(x / scale)`` in ``fmt``; see the module doc."""
-  _check(fmt, rounding, key)
+  _check(fmt, rounding, key if noise is None else noise)
+  if in_scale is not None:
+    x = dequantize_reference(x, in_scale)
   scale = absmax_scale(x, fmt, reduce_axes)
-  qvalue = round_to_format(x.astype(jnp.float32) / scale, fmt, rounding, key)
+  qvalue = round_to_format(x.astype(jnp.float32) / scale, fmt, rounding, key, noise)
   return qvalue, scale
 
 

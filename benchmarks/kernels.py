@@ -1,0 +1,504 @@
+#!/usr/bin/env python3
+"""int8 / fp8 GEMMs and Dense training steps against XLA bf16, on the GPU.
+
+  PYTHONPATH=. python3 benchmarks/kernels.py [--out DIR] [--shapes NAME,...] [--sweep]
+                                            [--variants] [--reps 15]
+
+Cases, per GEMM shape M×K×N, all against XLA bf16 measured in the same run:
+  * raw GEMM rates: XLA bf16; XLA int8 / fp8 ``dot_general`` (contraction-major "NT" and,
+    for int8, the row-major right operand "NN"); our Pallas int8 / fp8 kernels (dequantize
+    epilogue included, bf16 out); the api's XLA path (NT dot + XLA-fused epilogue).
+  * quantize passes (bandwidth): the Pallas kernels against the jnp reference under XLA.
+  * one Dense training step (forward + dlhs + drhs, every quantization included) through
+    ``qsync_jax.quantized_dot_general`` with ``OpPolicy``s — all-int8 with stochastic
+    rounding on gradients, int8 forward + bf16 backward (QSync style), fp8 — against the
+    same step with ``lax.dot_general`` in bf16. ``--variants`` adds the step under each
+    (GEMM impl × quantize impl) pair, not only the product default.
+
+Timing: jitted calls issued back to back (``inner`` per sample, so launch gaps hide behind
+device work), synchronized once per sample, warm-up first, inputs rotated among enough
+sets to overflow L2; median of ``--reps`` samples, with min and max as the spread.
+Prints a table; appends one JSON object per case to DIR/kernels.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.gemm import api as gemm_api
+from pallas_kernels.gemm import kernel as gemm_kernel
+from pallas_kernels.gemm.config import GemmConfig
+from pallas_kernels.quantize import api as quant_api
+from pallas_kernels.quantize.reference import quantize_reference
+from qsync_jax import OpPolicy, quantized_dot_general
+
+SHAPES = {  # name: (M, K, N) of Y[M, N] = X[M, K] · W[K, N]
+  "big": (16384, 8192, 8192),
+  "mid": (16384, 4096, 4096),
+  "small": (4096, 1024, 4096),
+  "resnet_conv": (100352, 1152, 128),  # ResNet-50 3x3 conv, 128 ch at 28x28, batch 128 (im2col)
+  "bert_ffn": (4096, 768, 3072),  # BERT-base FFN up-projection, 8 x 512 tokens
+}
+POLICIES = {
+  "int8_sr": OpPolicy.preset("int8"),  # all legs int8, stochastic rounding on gradients
+  "qsync_int8_bf16": OpPolicy(fwd="int8", dlhs="bf16", drhs="bf16"),
+  "fp8": OpPolicy.preset("fp8"),
+}
+# --variants (big shape): what stochastic rounding costs, and the fused-epilogue GEMM.
+VARIANT_POLICIES = {"int8_nearest": OpPolicy.uniform("int8")}
+SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages)
+  (128, 256, 128, 8, 3),
+  (128, 256, 128, 8, 4),
+  (256, 128, 128, 8, 3),
+  (128, 128, 128, 4, 4),
+  (128, 128, 128, 8, 5),
+  (128, 256, 64, 8, 5),
+  (64, 256, 128, 4, 4),
+  (256, 256, 64, 8, 3),
+]
+DIMS_NN = (((1,), (0,)), ((), ()))
+DIMS_NT = (((1,), (1,)), ((), ()))
+
+RESULTS: list[dict] = []
+
+
+T0 = time.perf_counter()
+DEADLINE = [float("inf")]
+
+
+def log(*a):
+  print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+class OutOfTime(Exception):
+  pass
+
+
+def check_deadline():
+  if time.perf_counter() - T0 > DEADLINE[0]:
+    raise OutOfTime(f"past --deadline {DEADLINE[0]:.0f}s: skipping the remaining cases")
+
+
+def device_name() -> str:
+  d = jax.devices()[0]
+  return getattr(d, "device_kind", str(d))
+
+
+def n_sets(bytes_per_set: int) -> int:
+  """Input sets to rotate so that they overflow a 50-60 MB L2."""
+  return int(min(8, max(1, math.ceil(160e6 / max(bytes_per_set, 1)))))
+
+
+def timeit(fn, arg_sets, reps: int, min_sample_s: float = 0.02):
+  """(median, min, max) seconds per call of jitted ``fn`` over rotating ``arg_sets``."""
+  check_deadline()
+  t0 = time.perf_counter()
+  out = fn(*arg_sets[0])
+  jax.block_until_ready(out)
+  first = time.perf_counter() - t0
+  if first > 5:
+    log(f"  (first call, compile included: {first:.1f}s)")
+  t0 = time.perf_counter()
+  for i in range(3):
+    out = fn(*arg_sets[i % len(arg_sets)])
+  jax.block_until_ready(out)
+  est = (time.perf_counter() - t0) / 3
+  inner = int(min(200, max(3, math.ceil(min_sample_s / max(est, 1e-6)))))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for i in range(inner):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / inner)
+  del out
+  return statistics.median(samples), min(samples), max(samples)
+
+
+def record(section, case, shape, metric, per_s, t, work, baseline=None, **extra):
+  """One JSON line; ``work`` (ops or bytes) / time gives the rate in ``metric`` units."""
+  med, lo, hi = t
+  scale = {"TFLOP/s": 1e12, "TOP/s": 1e12, "GB/s": 1e9}[metric]
+  value = work / med / scale
+  row = {
+    "benchmark": "kernels",
+    "section": section,
+    "case": case,
+    "shape": "x".join(map(str, shape)),
+    "device": DEVICE,
+    "jax": jax.__version__,
+    "date": datetime.date.today().isoformat(),
+    "metric": metric,
+    "value": round(value, 2),
+    "time_ms": round(med * 1e3, 4),
+    "time_ms_min": round(lo * 1e3, 4),
+    "time_ms_max": round(hi * 1e3, 4),
+  }
+  if baseline is not None:
+    row["baseline"] = baseline[0]
+    row["baseline_value"] = round(baseline[1], 2)
+    row["ratio"] = round(value / baseline[1], 3)
+  row.update(extra)
+  RESULTS.append(row)
+  with open(OUT_JSONL, "a") as f:
+    f.write(json.dumps(row) + "\n")
+  ratio = f"{row['ratio']:.2f}x" if "ratio" in row else ""
+  log(
+    f"  {section:8s} {case:34s} {row['shape']:>18s} {value:9.1f} {metric:7s} "
+    f"{med * 1e3:9.3f} ms [{lo * 1e3:.3f}-{hi * 1e3:.3f}] {ratio}"
+  )
+  return value
+
+
+def guarded(fn):
+  @functools.wraps(fn)
+  def wrapper(*a, **k):
+    try:
+      return fn(*a, **k)
+    except OutOfTime as e:
+      log(f"  !! {e}")
+      return None
+    except Exception as e:  # a failing case is reported and the run goes on
+      log(f"  !! {fn.__name__}{a[:1]}: {type(e).__name__}: {str(e)[:800]}")
+      traceback.print_exc(limit=3)
+      return None
+
+  return wrapper
+
+
+def rand(key, shape, dtype):
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def qrand(key, shape, fmt, contract):
+  return quantize_reference(jax.random.normal(key, shape, jnp.float32), fmt, contract)
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# -- raw GEMMs --------------------------------------------------------------------------------
+
+
+@guarded
+def bench_gemms(name, shape, reps, sweep):
+  m, k, n = shape
+  ops = 2 * m * k * n
+  keys = jax.random.split(jax.random.key(0), 8)
+  ns = n_sets(2 * (m * k + k * n))
+  log(f"[gemm] {name} {shape} ({ns} input sets)")
+
+  sets = [(rand(keys[0], (m, k), jnp.bfloat16), rand(keys[1], (k, n), jnp.bfloat16))]
+  sets += [(rand(jax.random.fold_in(keys[0], i), (m, k), jnp.bfloat16), sets[0][1]) for i in range(1, ns)]
+  bf16 = jax.jit(lambda x, w: x @ w)
+  base = record("gemm", "xla_bf16_nn", shape, "TFLOP/s", 1, timeit(bf16, sets, reps), ops)
+  baseline = ("xla_bf16_nn", base)
+  # what a float leg of qdot runs: float32 output (preferred_element_type), then a cast
+  f32out = jax.jit(
+    lambda x, w: lax.dot_general(x, w, DIMS_NN, preferred_element_type=jnp.float32).astype(x.dtype)
+  )
+  record("gemm", "xla_bf16_nn_f32out_cast", shape, "TFLOP/s", 1, timeit(f32out, sets, reps), ops, baseline)
+  del sets
+
+  int8_sets = []
+  for i in range(ns):
+    kk = jax.random.fold_in(keys[2], i)
+    xq, xs = qrand(kk, (m, k), "int8", (1,))
+    int8_sets.append((xq, xs))
+  wq, ws = qrand(keys[3], (k, n), "int8", (0,))
+  wq_t, ws_t = wq.T, ws.T  # [N, K], [N, 1]: contraction-major right operand
+  raw_nt = jax.jit(lambda a, b: lax.dot_general(a, b, DIMS_NT, preferred_element_type=jnp.int32))
+  raw_nn = jax.jit(lambda a, b: lax.dot_general(a, b, DIMS_NN, preferred_element_type=jnp.int32))
+  record(
+    "gemm",
+    "xla_int8_nt_dot_int32",
+    shape,
+    "TOP/s",
+    1,
+    timeit(raw_nt, [(s[0], wq_t) for s in int8_sets], reps),
+    ops,
+    baseline,
+  )
+  record(
+    "gemm",
+    "xla_int8_nn_dot_int32",
+    shape,
+    "TOP/s",
+    1,
+    timeit(raw_nn, [(s[0], wq) for s in int8_sets], reps),
+    ops,
+    baseline,
+  )
+
+  def api_fn(impl, config=None):
+    return jax.jit(
+      lambda a, sa, b, sb: gemm_api.scaled_dot_general(
+        a, b, sa, sb, DIMS_NT, jnp.bfloat16, impl=impl, config=config
+      )
+    )
+
+  ref = jax.jit(
+    lambda a, sa, b, sb: gemm_api.scaled_dot_general(a, b, sa, sb, DIMS_NT, jnp.float32, impl="reference")
+  )
+  xq, xs = int8_sets[0]
+  want = ref(xq, xs, wq_t, ws_t)
+  args = [(s[0], s[1], wq_t, ws_t) for s in int8_sets]
+  for impl in ("xla", "pallas"):
+    f = api_fn(impl)
+    err = rel_err(f(*args[0]).astype(jnp.float32), want)
+    record(
+      "gemm",
+      f"{impl}_int8_nt_scaled_bf16",
+      shape,
+      "TOP/s",
+      1,
+      timeit(f, args, reps),
+      ops,
+      baseline,
+      rel_err=err,
+    )
+  # our kernel on the row-major right operand (no transpose anywhere): the layout penalty
+  nn = (
+    None
+    if name != "big"
+    else jax.jit(
+      lambda a, sa, b, sb: gemm_kernel.scaled_matmul(
+        a, b, sa.reshape(-1), sb.reshape(-1), b_kmajor=False, out_dtype=jnp.bfloat16
+      )
+    )
+  )
+  nn and record(
+    "gemm",
+    "pallas_int8_nn_scaled_bf16",
+    shape,
+    "TOP/s",
+    1,
+    timeit(nn, [(s[0], s[1], wq, ws) for s in int8_sets], reps),
+    ops,
+    baseline,
+  )
+  if sweep:
+    best = None
+    for bm, bn, bk, warps, stages in SWEEP:
+      cfg = GemmConfig(bm, bn, bk, 8, warps, stages)
+      try:
+        f = api_fn("pallas", cfg)
+        err = rel_err(f(*args[0]).astype(jnp.float32), want)
+        v = record(
+          "sweep",
+          f"pallas_int8_nt_{bm}x{bn}x{bk}_w{warps}_s{stages}",
+          shape,
+          "TOP/s",
+          1,
+          timeit(f, args, reps),
+          ops,
+          baseline,
+          rel_err=err,
+        )
+        best = max(best or (0, None), (v, cfg), key=lambda t: t[0])
+      except Exception as e:
+        log(f"  sweep {bm}x{bn}x{bk} w{warps} s{stages}: {type(e).__name__}: {str(e)[:300]}")
+    log(f"  best int8 config: {best}")
+  del int8_sets, args
+
+  # fp8: e4m3 x e4m3 (forward) and e5m2 x e4m3 (gradients)
+  for lfmt, case in (("e4m3", "e4m3"), ("e5m2", "e5m2_e4m3")):
+    fsets = [qrand(jax.random.fold_in(keys[4], i), (m, k), lfmt, (1,)) for i in range(ns)]
+    bq, bs = qrand(keys[5], (n, k), "e4m3", (1,))
+    raw = jax.jit(lambda a, b: lax.dot_general(a, b, DIMS_NT, preferred_element_type=jnp.float32))
+    record(
+      "gemm",
+      f"xla_fp8_{case}_nt_dot_f32",
+      shape,
+      "TFLOP/s",
+      1,
+      timeit(raw, [(s[0], bq) for s in fsets], reps),
+      ops,
+      baseline,
+    )
+    want = ref(fsets[0][0], fsets[0][1], bq, bs)
+    args = [(s[0], s[1], bq, bs) for s in fsets]
+    for impl in ("xla", "pallas"):
+      f = api_fn(impl)
+      err = rel_err(f(*args[0]).astype(jnp.float32), want)
+      record(
+        "gemm",
+        f"{impl}_fp8_{case}_nt_scaled_bf16",
+        shape,
+        "TFLOP/s",
+        1,
+        timeit(f, args, reps),
+        ops,
+        baseline,
+        rel_err=err,
+      )
+    del fsets, args
+
+
+# -- quantize passes --------------------------------------------------------------------------
+
+
+@guarded
+def bench_quantize(name, shape, reps):
+  m, k, n = shape
+  keys = jax.random.split(jax.random.key(1), 4)
+  ns = n_sets(2 * m * k)
+  xs = [(rand(jax.random.fold_in(keys[0], i), (m, k), jnp.bfloat16),) for i in range(ns)]
+  key = keys[1]
+  log(f"[quantize] {name} {shape}")
+  cases = {
+    # case: (fn(x, impl), bytes moved at the minimum)
+    "x_int8_per_row": (lambda x, impl: quant_api.quantize(x, "int8", (1,), impl=impl), 3 * m * k),
+    "x_int8_per_row_sr": (
+      lambda x, impl: quant_api.quantize(x, "int8", (1,), "stochastic", key, impl=impl),
+      3 * m * k,
+    ),
+    "x_int8_per_col_sr_transposed": (
+      lambda x, impl: quant_api.quantize(x, "int8", (0,), "stochastic", key, contract_axes=(0,), impl=impl),
+      3 * m * k,
+    ),
+    "x_e4m3_per_col_transposed": (
+      lambda x, impl: quant_api.quantize(x, "e4m3", (0,), contract_axes=(0,), impl=impl),
+      3 * m * k,
+    ),
+  }
+  for case, (fn, nbytes) in cases.items():
+    ref = jax.jit(functools.partial(fn, impl="reference"))
+    base = record("quantize", f"{case}_xla", shape, "GB/s", 1, timeit(ref, xs, reps), nbytes)
+    ker = jax.jit(functools.partial(fn, impl="pallas"))
+    q, q_ref = ker(*xs[0])[0], ref(*xs[0])[0]
+    diff = float(np.mean(np.asarray(q.astype(jnp.float32)) != np.asarray(q_ref.astype(jnp.float32))))
+    record(
+      "quantize",
+      f"{case}_pallas",
+      shape,
+      "GB/s",
+      1,
+      timeit(ker, xs, reps),
+      nbytes,
+      (f"{case}_xla", base),
+      frac_codes_differ=diff,
+    )
+
+
+# -- Dense training steps ---------------------------------------------------------------------
+
+
+def bf16_step(x, w, dy, key):
+  del key
+  y, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, DIMS_NN), x, w)
+  return (y, *vjp(dy))
+
+
+def q_step(policy, x, w, dy, key):
+  y, vjp = jax.vjp(lambda a, b: quantized_dot_general(a, b, DIMS_NN, policy, key), x, w)
+  return (y, *vjp(dy))
+
+
+def jit_under(fn, gemm_impl, quant_impl, args):
+  """A fresh jitted ``fn``, traced (and compiled) while the impl overrides are active."""
+  f = jax.jit(lambda *a: fn(*a))
+  with gemm_api.use_impl(gemm_impl), quant_api.use_impl(quant_impl):
+    jax.block_until_ready(f(*args))
+  return f
+
+
+@guarded
+def bench_steps(name, shape, reps, variants):
+  m, k, n = shape
+  ops = 6 * m * k * n
+  keys = jax.random.split(jax.random.key(2), 4)
+  ns = n_sets(2 * (2 * m * k + k * n + m * n))
+  sets = []
+  for i in range(ns):
+    kk = jax.random.fold_in(keys[0], i)
+    sets.append(
+      (
+        rand(jax.random.fold_in(kk, 0), (m, k), jnp.bfloat16),
+        rand(keys[1], (k, n), jnp.bfloat16) * (1 / math.sqrt(k)),
+        rand(jax.random.fold_in(kk, 1), (m, n), jnp.bfloat16),
+        jax.random.fold_in(keys[2], i),
+      )
+    )
+  log(f"[step] {name} {shape} ({ns} input sets)")
+  f = jax.jit(bf16_step)
+  want = [np.asarray(o, np.float32) for o in f(*sets[0])]
+  base = record("step", "xla_bf16", shape, "TFLOP/s", 1, timeit(f, sets, reps), ops)
+  baseline = ("xla_bf16", base)
+  cases = [(p, "auto", "auto") for p in POLICIES if f"{name}:{p}" not in SKIP]
+  if variants:
+    cases += [("int8_sr", "pallas", "auto"), ("int8_nearest", "auto", "auto")]
+  for pname, gi, qi in cases:
+    policy = {**POLICIES, **VARIANT_POLICIES}[pname]
+    case = f"{pname}" + ("" if gi == "auto" else f"[gemm={gi},quantize={qi}]")
+    try:
+      fn = jit_under(functools.partial(q_step, policy), gi, qi, sets[0])
+      got = fn(*sets[0])
+      errs = {f"rel_err_{o}": round(rel_err(g, w), 4) for o, g, w in zip(("y", "dx", "dw"), got, want)}
+      del got
+      record("step", case, shape, "TFLOP/s", 1, timeit(fn, sets, reps), ops, baseline, **errs)
+    except OutOfTime:
+      raise
+    except Exception as e:
+      log(f"  !! step {case}: {type(e).__name__}: {str(e)[:600]}")
+
+
+def main(argv=None):
+  global DEVICE, OUT_JSONL
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+  p.add_argument("--shapes", default=",".join(SHAPES))
+  p.add_argument("--sections", default="gemm,quantize,step")
+  p.add_argument("--reps", type=int, default=15)
+  p.add_argument("--sweep", action="store_true", help="time Pallas int8 tile configs on the first shape")
+  p.add_argument("--variants", action="store_true", help="steps of the big shape under other impls too")
+  p.add_argument("--deadline", type=float, default=float("inf"), help="seconds; later cases are skipped")
+  p.add_argument("--skip", default="", help="shape:policy step cases to skip, comma-separated")
+  args = p.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    sys.exit("benchmarks/kernels.py times GPU kernels: run it on the lent GPU (see docs/kernels.md).")
+  DEVICE = device_name()
+  os.makedirs(args.out, exist_ok=True)
+  OUT_JSONL = os.path.join(args.out, "kernels.jsonl")
+  log(f"device {DEVICE}, jax {jax.__version__}, gemm auto={gemm_api.DEFAULT_IMPL}")
+  DEADLINE[0] = args.deadline
+  SKIP.update(args.skip.split(","))
+  sections = args.sections.split(",")
+  for i, name in enumerate(args.shapes.split(",")):
+    shape = SHAPES[name]
+    if "step" in sections:
+      bench_steps(name, shape, args.reps, args.variants and name == "big")
+    if "gemm" in sections:
+      bench_gemms(name, shape, args.reps, args.sweep and i == 0)
+    if "quantize" in sections and name in ("big", "resnet_conv"):
+      bench_quantize(name, shape, args.reps)
+  log("\nsummary (value, ratio to the XLA bf16 baseline of the same run)")
+  for r in RESULTS:
+    if r["section"] in ("gemm", "step"):
+      log(
+        f"{r['section']:6s} {r['case']:44s} {r['shape']:>18s} {r['value']:8.1f} {r['metric']:7s} {r.get('ratio', 1.0):5.2f}x"
+      )
+
+
+DEVICE = ""
+OUT_JSONL = ""
+SKIP: set[str] = set()
+
+if __name__ == "__main__":
+  main()

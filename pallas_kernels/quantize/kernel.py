@@ -1,0 +1,291 @@
+"""Pallas (Triton backend) kernels for absmax quantization of a 2-D view ``[rows, cols]``.
+
+Two kernels, each ``interpret``-able on the CPU:
+
+* ``quantize_rows``: one scale per row (absmax over the contiguous axis), fused into one
+  launch: each program reads its rows once to find the absmax, then again (from L2) to
+  scale, round and store. One pass over HBM where the scale is not known beforehand.
+* ``quantize_tiled``: the scale is known (one per column, or one for the tensor, computed
+  by an XLA reduction beforehand); one pass over the tensor, optionally writing the
+  transposed ``[cols, rows]`` int8/fp8 copy, so that the GEMM consuming it reads its
+  contraction axis contiguously (Hopper's 8-bit tensor cores need that layout).
+
+Both can re-quantize a quantized input (``in_scale``: the value is ``x * in_scale``) and
+round stochastically with random numbers made in-kernel: a counter-based hash of
+(seed, element index), ``hash_uniform``, so the stream depends on the element, never on
+the tiling. A kernel that cannot take a shape raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.quantize.config import QuantizeConfig, default_config
+from pallas_kernels.quantize.reference import QFORMATS
+
+# -- in-kernel random numbers -------------------------------------------------------------
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+  """A 32-bit integer finaliser (lowbias32, C. Wellons): good avalanche, 2 multiplies."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x7FEB352D)
+  h = h ^ (h >> 15)
+  h = h * jnp.uint32(0x846CA68B)
+  return h ^ (h >> 16)
+
+
+def hash_uniform(seed0, seed1, index: jax.Array) -> jax.Array:
+  """Uniform float32 in [0, 1) (24 random bits) from a uint32 element ``index``.
+
+  Counter-based: two rounds of ``_mix32`` keyed by the two uint32 seed words. Runs inside
+  kernels and in plain jnp (tests replay the kernels' stream with it).
+  """
+  h = _mix32(index * jnp.uint32(0x9E3779B9) ^ seed0)
+  h = _mix32(h ^ seed1)
+  return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def seed_words(key: jax.Array) -> jax.Array:
+  """Two uint32 words from a PRNG key (new-style or raw uint32 key data)."""
+  return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def element_index(rows: jax.Array, cols: jax.Array, n_cols: int) -> jax.Array:
+  """Row-major linear index of ``(rows, cols)`` in a ``[*, n_cols]`` view, as uint32."""
+  return rows.astype(jnp.uint32) * jnp.uint32(n_cols) + cols.astype(jnp.uint32)
+
+
+# -- rounding (the same arithmetic as ``reference.round_to_format``) -----------------------
+
+
+def _fp8_ulp(y: jax.Array, mantissa_bits: int, min_exp: int):
+  """``(ulp, 1/ulp)``: spacing of the fp8 grid at ``|y|``, exact, from float32 bits."""
+  e = lax.bitcast_convert_type(jnp.abs(y), jnp.int32) >> 23  # biased exponent of |y|
+  e = jnp.maximum(e, min_exp + 127) - mantissa_bits
+  ulp = lax.bitcast_convert_type(e << 23, jnp.float32)
+  inv_ulp = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)
+  return ulp, inv_ulp
+
+
+def round_half_even(y: jax.Array) -> jax.Array:
+  """``jnp.round`` (half to even) from floor and exact compares, for |y| < 2**23.
+
+  The Triton lowering has no round primitive; ``y - floor(y)`` is exact in that range.
+  """
+  r = jnp.floor(y)
+  d = y - r
+  odd = r * 0.5 != jnp.floor(r * 0.5)
+  return jnp.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
+
+
+def round_in_kernel(y: jax.Array, fmt: str, noise: jax.Array | None) -> jax.Array:
+  """Rounds scaled float32 ``y`` to ``fmt`` (nearest-even, or stochastic with ``noise``)."""
+  dtype, qmax, mantissa_bits, min_exp = QFORMATS[fmt]
+  if fmt == "int8":
+    r = jnp.floor(y + noise) if noise is not None else round_half_even(y)
+    return jnp.minimum(jnp.maximum(r, -qmax), qmax).astype(dtype)
+  if noise is not None:
+    ulp, inv_ulp = _fp8_ulp(y, mantissa_bits, min_exp)
+    lower = jnp.floor(y * inv_ulp) * ulp
+    y = jnp.where(noise < (y - lower) * inv_ulp, lower + ulp, lower)
+  return jnp.minimum(jnp.maximum(y, -qmax), qmax).astype(dtype)
+
+
+def _noise(seed_ref, rows, cols, n_cols):
+  return hash_uniform(seed_ref[0], seed_ref[1], element_index(rows, cols, n_cols))
+
+
+def _check_tile(rows: int, cols: int, cfg: QuantizeConfig) -> None:
+  for name, n, b in (("rows", rows, cfg.block_rows), ("cols", cols, cfg.block_cols)):
+    if b <= 0 or b & (b - 1) or n % b:
+      raise NotImplementedError(
+        f"quantize kernel: {name}={n} is not a multiple of the power-of-two block {b}; "
+        "the api falls back to the jnp reference for such shapes."
+      )
+
+
+# -- per-row scales, fused absmax -----------------------------------------------------------
+
+
+def _rows_kernel(*refs, fmt, stochastic, in_kind, n_cols, bc, br):
+  x_ref, *refs = refs
+  in_ref = refs.pop(0) if in_kind else None
+  seed_ref = refs.pop(0) if stochastic else None
+  q_ref, s_ref = refs
+  qmax = QFORMATS[fmt][1]
+  row0 = pl.program_id(0) * br
+  n_chunks = n_cols // bc
+  in_rows = in_ref[...][:, None] if in_kind == "rows" else None
+
+  def value(j):
+    v = x_ref[:, pl.ds(j * bc, bc)].astype(jnp.float32)
+    if in_kind == "rows":
+      v = v * in_rows
+    elif in_kind == "cols":
+      v = v * in_ref[pl.ds(j * bc, bc)][None, :]
+    return v
+
+  def absmax(j, m):
+    return jnp.maximum(m, jnp.max(jnp.abs(value(j)), axis=1))
+
+  amax = lax.fori_loop(0, n_chunks, absmax, jnp.zeros((br,), jnp.float32))
+  scale = jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
+  s_ref[...] = scale
+
+  def write(j, carry):
+    y = value(j) / scale[:, None]
+    noise = None
+    if stochastic:
+      rows = row0 + lax.broadcasted_iota(jnp.int32, (br, bc), 0)
+      cols = j * bc + lax.broadcasted_iota(jnp.int32, (br, bc), 1)
+      noise = _noise(seed_ref, rows, cols, n_cols)
+    q_ref[:, pl.ds(j * bc, bc)] = round_in_kernel(y, fmt, noise)
+    return carry
+
+  lax.fori_loop(0, n_chunks, write, 0)
+
+
+def quantize_rows(
+  x: jax.Array,
+  fmt: str,
+  *,
+  in_scale: jax.Array | None = None,
+  in_scale_axis: str | None = None,
+  seed: jax.Array | None = None,
+  config: QuantizeConfig | None = None,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """``(qvalue [R, C], scale [R])``: one absmax scale per row of the 2-D ``x``.
+
+  ``in_scale`` (float32, ``[R]`` if ``in_scale_axis == 'rows'`` else ``[C]``) multiplies
+  ``x`` first; ``seed`` (2 uint32 words) turns on stochastic rounding.
+  """
+  rows, cols = x.shape
+  cfg = config or default_config(rows, cols, "rows")
+  _check_tile(rows, cols, cfg)
+  br, bc = cfg.block_rows, cfg.block_cols
+  in_kind = in_scale_axis if in_scale is not None else None
+  in_specs = [pl.BlockSpec((br, cols), lambda i: (i, 0))]
+  args = [x]
+  if in_kind == "rows":
+    in_specs.append(pl.BlockSpec((br,), lambda i: (i,)))
+    args.append(in_scale)
+  elif in_kind == "cols":
+    in_specs.append(pl.BlockSpec((cols,), lambda i: (0,)))
+    args.append(in_scale)
+  elif in_kind is not None:
+    raise ValueError(f"in_scale_axis={in_scale_axis!r} must be 'rows' or 'cols'.")
+  if seed is not None:
+    in_specs.append(pl.BlockSpec((2,), lambda i: (0,)))
+    args.append(seed)
+  kernel = functools.partial(
+    _rows_kernel, fmt=fmt, stochastic=seed is not None, in_kind=in_kind, n_cols=cols, bc=bc, br=br
+  )
+  return pl.pallas_call(
+    kernel,
+    out_shape=(
+      jax.ShapeDtypeStruct((rows, cols), QFORMATS[fmt][0]),
+      jax.ShapeDtypeStruct((rows,), jnp.float32),
+    ),
+    grid=(rows // br,),
+    in_specs=in_specs,
+    out_specs=(pl.BlockSpec((br, cols), lambda i: (i, 0)), pl.BlockSpec((br,), lambda i: (i,))),
+    compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+    interpret=interpret,
+    name=f"quantize_rows_{fmt}",
+  )(*args)
+
+
+# -- known scale, one pass, optional transposed output --------------------------------------
+
+
+def _tiled_kernel(*refs, fmt, stochastic, in_kind, transpose, n_cols, br, bc):
+  x_ref, *refs = refs
+  in_ref = refs.pop(0) if in_kind else None
+  scale_ref = refs.pop(0)
+  seed_ref = refs.pop(0) if stochastic else None
+  (q_ref,) = refs
+  v = x_ref[...].astype(jnp.float32)
+  if in_kind == "rows":
+    v = v * in_ref[...][:, None]
+  elif in_kind == "cols":
+    v = v * in_ref[...][None, :]
+  y = v / scale_ref[...][None, :]
+  noise = None
+  if stochastic:
+    rows = pl.program_id(0) * br + lax.broadcasted_iota(jnp.int32, (br, bc), 0)
+    cols = pl.program_id(1) * bc + lax.broadcasted_iota(jnp.int32, (br, bc), 1)
+    noise = _noise(seed_ref, rows, cols, n_cols)
+  q = round_in_kernel(y, fmt, noise)
+  q_ref[...] = q.T if transpose else q
+
+
+def quantize_tiled(
+  x: jax.Array,
+  fmt: str,
+  scale: jax.Array,
+  *,
+  in_scale: jax.Array | None = None,
+  in_scale_axis: str | None = None,
+  seed: jax.Array | None = None,
+  transpose: bool = False,
+  config: QuantizeConfig | None = None,
+  interpret: bool = False,
+) -> jax.Array:
+  """``round(x * in_scale / scale)`` of the 2-D ``x`` with a known per-column ``scale [C]``.
+
+  Returns ``[R, C]``, or ``[C, R]`` when ``transpose`` (each tile transposed in registers).
+  """
+  rows, cols = x.shape
+  cfg = config or default_config(rows, cols, "tiled")
+  _check_tile(rows, cols, cfg)
+  br, bc = cfg.block_rows, cfg.block_cols
+  in_kind = in_scale_axis if in_scale is not None else None
+  in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))]
+  args = [x]
+  if in_kind == "rows":
+    in_specs.append(pl.BlockSpec((br,), lambda i, j: (i,)))
+    args.append(in_scale)
+  elif in_kind == "cols":
+    in_specs.append(pl.BlockSpec((bc,), lambda i, j: (j,)))
+    args.append(in_scale)
+  elif in_kind is not None:
+    raise ValueError(f"in_scale_axis={in_scale_axis!r} must be 'rows' or 'cols'.")
+  in_specs.append(pl.BlockSpec((bc,), lambda i, j: (j,)))
+  args.append(scale)
+  if seed is not None:
+    in_specs.append(pl.BlockSpec((2,), lambda i, j: (0,)))
+    args.append(seed)
+  if transpose:
+    out_shape = jax.ShapeDtypeStruct((cols, rows), QFORMATS[fmt][0])
+    out_spec = pl.BlockSpec((bc, br), lambda i, j: (j, i))
+  else:
+    out_shape = jax.ShapeDtypeStruct((rows, cols), QFORMATS[fmt][0])
+    out_spec = pl.BlockSpec((br, bc), lambda i, j: (i, j))
+  kernel = functools.partial(
+    _tiled_kernel,
+    fmt=fmt,
+    stochastic=seed is not None,
+    in_kind=in_kind,
+    transpose=transpose,
+    n_cols=cols,
+    br=br,
+    bc=bc,
+  )
+  return pl.pallas_call(
+    kernel,
+    out_shape=out_shape,
+    grid=(rows // br, cols // bc),
+    in_specs=in_specs,
+    out_specs=out_spec,
+    compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+    interpret=interpret,
+    name=f"quantize_tiled_{fmt}{'_t' if transpose else ''}",
+  )(*args)
