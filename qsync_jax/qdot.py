@@ -35,6 +35,7 @@ from pallas_kernels.gemm import scaled_dot_general
 from pallas_kernels.gemm.reference import free_axes
 from pallas_kernels.quantize import dequantize, quantize
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
+from qsync_jax.vma import match_vma
 
 FLOAT_DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 LAX_PRECISION = {"fp32": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}
@@ -158,7 +159,16 @@ def leg_dot(
     # out of the GEMM (one rounding, as the cast of the float32 result) instead of a float32
     # copy in memory and a second pass to cast it.
     acc = dtype if jnp.dtype(out_dtype) == jnp.dtype(dtype) else jnp.float32
-    out = lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims, preferred_element_type=acc)
+    lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
+    if jax.default_backend() == "cpu" and acc == jnp.float32:
+      # XLA's CPU runtime cannot run some 16-bit products with a float32 result ("DotThunk:
+      # BF16 x BF16 = F32" once it folds a transpose into the dot). The CPU therefore runs the
+      # product of the 16-bit-rounded values in float32: the same numbers (16-bit products
+      # are exact in float32, accumulation is float32), at the CPU's float32 speed.
+      lhs, rhs, precision_ = lhs.astype(jnp.float32), rhs.astype(jnp.float32), lax.Precision.HIGHEST
+    else:
+      precision_ = None
+    out = lax.dot_general(lhs, rhs, dims, precision=precision_, preferred_element_type=acc)
     return out.astype(out_dtype)
   return lax.dot_general(
     lhs.astype(jnp.float32),
@@ -305,6 +315,7 @@ def quantized_dot_general(
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   if not op_policy.needs_rng:
     key = None
+  lhs, rhs = match_vma(lhs, rhs)  # under shard_map: cotangents must be typed like the inputs
   return _qdot(lhs, rhs, _canonical_dims(dimension_numbers), op_policy, key, jnp.dtype(out_dtype))
 
 

@@ -1,7 +1,5 @@
 """Policies applied to unmodified Flax models: structure, training, bit-identity."""
 
-import collections
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -10,6 +8,7 @@ import optax
 import pytest
 
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantize
+from tests.jaxpr_dtypes import gemm_dtypes
 from tests.qsync_jax.models import SmallCNN, SmallTransformer, cnn_data, lm_data
 
 
@@ -28,22 +27,8 @@ def lm_loss(qmodel, variables, seq, key):
 
 
 def dot_dtypes(closed_jaxpr):
-  """Operand dtypes of every dot_general / conv in a jaxpr, nested jaxprs included."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-        found.append((eqn.primitive.name, *(str(v.aval.dtype) for v in eqn.invars)))
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (list, tuple)) else (value,):
-          if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-            walk(sub.jaxpr)
-          elif hasattr(sub, "eqns"):
-            walk(sub)
-
-  walk(closed_jaxpr.jaxpr)
-  return collections.Counter(found)
+  """Operand precisions of every dot_general / conv in a jaxpr, nested jaxprs included."""
+  return gemm_dtypes(closed_jaxpr)
 
 
 def transformer_setup():

@@ -15,6 +15,7 @@ from qsync_jax.loss_scale import DynamicLossScale, LossScaleState
 from qsync_jax.plan import Plan
 from qsync_jax.train_step import make_train_step
 from qsync_jax.trainer import Trainer
+from tests.jaxpr_dtypes import gemm_dtypes
 from tests.trainer.tiny import make_task
 
 
@@ -66,14 +67,7 @@ def test_fp32_step_equals_single_device_grad(cluster, plan):
 
 
 def _dot_dtypes(jaxpr, found):
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      found.add(tuple(str(v.aval.dtype) for v in eqn.invars))
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          _dot_dtypes(inner, found)
+  found.update((lhs, rhs) for _, lhs, rhs in gemm_dtypes(jaxpr, ("dot_general",)))
   return found
 
 

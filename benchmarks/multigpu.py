@@ -1,0 +1,239 @@
+"""Multi-GPU validation: trainer scaling, gradient-sync payloads and times, SelSync, QSDP.
+
+One process drives all local devices (``jax.devices()``); with ``--processes N`` the script
+also relaunches itself as N ``jax.distributed`` processes, one device each, and compares their
+step time with the single-process run. On a CPU it runs on simulated devices (a smoke test).
+
+Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
+
+* scaling: uniform bf16 policy and a mixed plan (MLP Dense layers ``int8_fwd``, the rest
+  bf16) on 1, 2, 4… devices with a fixed per-device batch (weak scaling): step time and
+  efficiency t(1) / t(n);
+* sync: fp32, bf16 and Global-QSGD all-reduce on all devices: step time, bytes per step in
+  the compiled HLO's collectives, and the collectives' dtypes (Global-QSGD must stay s8);
+* SelSync: step time and bytes on a local (non-sync) step vs a sync step; QSDP: step time
+  and bytes (int8 all-gathers).
+
+  python benchmarks/multigpu.py [--d-model 768 --layers 12 --seq 256 --batch 8] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from examples.registry import get_task
+from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy, Rule
+from qsync_jax.precision import OpPolicy
+from qsync_jax.sync import hlo, make_grad_sync, make_qsdp_step, make_selsync_step, task_loss_fn
+from qsync_jax.train_step import make_train_step
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "multigpu.jsonl")
+
+
+def device_type() -> str:
+  kind = jax.devices()[0].device_kind
+  if "H200" in kind:
+    return "H200"
+  if "H100" in kind:
+    return "H100"
+  return "cpu"
+
+
+def policies() -> dict[str, PrecisionPolicy]:
+  mixed = PrecisionPolicy(
+    rules=(Rule(r".*mlp.*|.*Dense.*", OpPolicy.preset("int8_fwd"), kind="dense"),),
+    default=OpPolicy.preset("bf16"),
+  )
+  return {"bf16": PrecisionPolicy.uniform("bf16"), "mixed": mixed}
+
+
+def time_steps(step, state, batches, steps: int, key=None):
+  """Median and IQR (s) of ``steps`` steps after two warm-up steps; returns the last state."""
+  times = []
+  for i in range(steps + 2):
+    args = (state, batches[i % len(batches)]) + (() if key is None else (jax.random.fold_in(key, i),))
+    t0 = time.perf_counter()
+    state, _ = step(*args)
+    jax.block_until_ready(state)
+    if i >= 2:
+      times.append(time.perf_counter() - t0)
+  q1, med, q3 = np.percentile(times, [25, 50, 75])
+  return float(med), float(q3 - q1), state
+
+
+def trainer_case(task, n, batch, policy, sync_name, steps):
+  devices = jax.devices()[:n]
+  cluster = ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
+  plan = Plan(policies={"gpus": policy})
+  ts = make_train_step(task, cluster, plan, optax.adam(1e-4), make_grad_sync(sync_name), devices=devices)
+  host = task.train_batches(cluster.global_batch, 0)
+  batches = [ts.shard(next(host)) for _ in range(3)]
+  state = ts.init(0, next(task.train_batches(cluster.global_batch, 0)))
+  text = hlo.compiled_text(ts.step, state, batches[0])
+  med, iqr, _ = time_steps(ts.step, state, batches, steps)
+  return med, iqr, hlo.summarize(hlo.collectives(text))
+
+
+def builder_case(task, n, batch, name, steps):
+  devices = jax.devices()[:n]
+  cluster = ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
+  ts = make_train_step(task, cluster, None, optax.adam(1e-4), devices=devices)
+  initial = ts.init(0, next(task.train_batches(cluster.global_batch, 0))).params
+  loss_fn = task_loss_fn(task, PrecisionPolicy.uniform("bf16"))
+  if name == "selsync":
+    trainer = make_selsync_step(loss_fn, optax.adam(1e-4), ts.mesh)
+  else:
+    trainer = make_qsdp_step(loss_fn, optax.adam(1e-4), initial, ts.mesh)
+  sharding = NamedSharding(ts.mesh, P("data"))
+  host = task.train_batches(cluster.global_batch, 0)
+  batches = [jax.device_put(next(host), sharding) for _ in range(3)]
+  state = trainer.init(initial)
+  key = jax.random.key(0)
+  text = hlo.compiled_text(trainer.step, state, batches[0], key)
+  med, iqr, _ = time_steps(trainer.step, state, batches, steps, key)
+  if name == "qsdp":
+    return med, iqr, hlo.summarize(hlo.collectives(text)), ""
+  always = hlo.summarize(hlo.outside_conditionals(text))
+  (branches,) = hlo.conditional_branches(text)
+  synced = hlo.summarize(max(branches, key=len))
+  return med, iqr, always, f"sync step adds {synced['bytes']} B in {synced['count']} collectives"
+
+
+def row(case, metric, value, baseline, device, **extra):
+  return {
+    "benchmark": "multigpu",
+    "case": case,
+    "device": device,
+    "jax_version": jax.__version__,
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "metric": metric,
+    "value": value,
+    "baseline": baseline,
+    "ratio": (value / baseline) if baseline else None,
+    **extra,
+  }
+
+
+def run_worker(args) -> int:
+  """One ``jax.distributed`` process of a multi-process run: prints its median step time."""
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.processes, process_id=args.process_id
+  )
+  task = make_lm(args)
+  n = jax.device_count()
+  med, iqr, coll = trainer_case(task, n, args.batch, policies()["bf16"], "fp32", args.steps)
+  if jax.process_index() == 0:
+    print(json.dumps({"median_s": med, "iqr_s": iqr, "devices": n, "bytes": coll["bytes"]}), flush=True)
+  jax.distributed.shutdown()
+  return 0
+
+
+def make_lm(args):
+  return get_task("lm", d_model=args.d_model, num_heads=args.heads, num_layers=args.layers, seq_len=args.seq)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--d-model", type=int, default=768)
+  parser.add_argument("--heads", type=int, default=12)
+  parser.add_argument("--layers", type=int, default=12)
+  parser.add_argument("--seq", type=int, default=256)
+  parser.add_argument("--batch", type=int, default=8, help="per-device batch")
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--processes", type=int, default=0, help="also run N jax.distributed processes")
+  parser.add_argument("--process-id", type=int, default=-1, help=argparse.SUPPRESS)
+  parser.add_argument("--port", type=int, default=12355, help=argparse.SUPPRESS)
+  parser.add_argument("--no-save", action="store_true")
+  args = parser.parse_args(argv)
+  if args.process_id >= 0:
+    return run_worker(args)
+
+  task = make_lm(args)
+  total = jax.device_count()
+  device = f"{jax.devices()[0].device_kind} x{total}"
+  rows = []
+  print(f"\nmultigpu: LM d={args.d_model} L={args.layers} seq={args.seq} batch/device={args.batch}, {device}")
+
+  # 1. weak scaling per policy
+  counts = [n for n in (1, 2, 4, 8) if n <= total]
+  print(f"{'policy':<8} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
+  for name, policy in policies().items():
+    base = None
+    for n in counts:
+      med, iqr, _ = trainer_case(task, n, args.batch, policy, "fp32", args.steps)
+      base = med if base is None else base
+      print(f"{name:<8} {n:>7} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {base / med:>10.3f}")
+      rows.append(row(f"scaling/{name}/n{n}", "step_time_ms_median", med * 1e3, base * 1e3, device, iqr_ms=iqr * 1e3))
+      rows.append(row(f"scaling/{name}/n{n}", "weak_scaling_efficiency", base / med, 1.0, device))
+
+  # 2. gradient sync strategies on all devices
+  print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'bytes/step':>12} {'ratio':>6}  dtypes")
+  base_t = base_b = None
+  for sync in ("fp32", "bf16", "global_qsgd"):
+    med, iqr, coll = trainer_case(task, total, args.batch, policies()["bf16"], sync, args.steps)
+    base_t, base_b = base_t or med, base_b or coll["bytes"]
+    dtypes = ",".join(sorted(coll["by_dtype"]))
+    print(f"{sync:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['bytes']:>12} "
+          f"{coll['bytes'] / base_b:>6.3f}  {dtypes}")
+    rows.append(row(f"sync/{sync}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
+    rows.append(row(f"sync/{sync}", "bytes_per_step", coll["bytes"], base_b, device, dtypes=dtypes))
+
+  # 3. SelSync and QSDP
+  for name in ("selsync", "qsdp"):
+    try:
+      med, iqr, coll, note = builder_case(task, total, args.batch, name, args.steps)
+    except Exception as e:  # noqa: BLE001 - report and go on: the other cases still count
+      print(f"{name:<12} failed: {type(e).__name__}: {e}")
+      continue
+    dtypes = ",".join(sorted(coll["by_dtype"]))
+    print(f"{name:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['bytes']:>12} "
+          f"{coll['bytes'] / base_b:>6.3f}  {dtypes} {note}")
+    rows.append(row(f"sync/{name}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
+    rows.append(row(f"sync/{name}", "bytes_per_step", coll["bytes"], base_b, device, dtypes=dtypes, note=note))
+
+  # 4. one process per device through jax.distributed
+  if args.processes:
+    procs = []
+    for pid in range(args.processes):
+      env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(pid))
+      cmd = [sys.executable, __file__, "--process-id", str(pid), "--processes", str(args.processes),
+             "--d-model", str(args.d_model), "--heads", str(args.heads), "--layers", str(args.layers),
+             "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps)]
+      procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    lines = [line for line in outs[0].splitlines() if line.startswith("{")]
+    if lines and all(p.returncode == 0 for p in procs):
+      got = json.loads(lines[-1])
+      single = [r for r in rows if r["case"] == f"scaling/bf16/n{args.processes}"][0]["value"]
+      print(f"\n{args.processes} processes x 1 device: {got['median_s'] * 1e3:.2f} ms/step "
+            f"(single process, {args.processes} devices: {single:.2f} ms)")
+      rows.append(row(f"multiprocess/bf16/p{args.processes}", "step_time_ms_median", got["median_s"] * 1e3,
+                      single, device))
+    else:
+      print(f"multi-process run failed: return codes {[p.returncode for p in procs]}")
+
+  if not args.no_save:
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "a") as f:
+      for r in rows:
+        f.write(json.dumps(r) + "\n")
+    print(f"appended {len(rows)} rows to {RESULTS}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
