@@ -110,7 +110,12 @@ def builder_case(task, n, batch, name, steps):
   always = hlo.summarize(hlo.outside_conditionals(text))
   (branches,) = hlo.conditional_branches(text)
   synced = hlo.summarize(max(branches, key=len))
-  return med, iqr, always, f"sync step adds {synced['bytes']} B in {synced['count']} collectives"
+  return (
+    med,
+    iqr,
+    always,
+    f"sync step adds {synced['wire_bytes']:.0f} ring B in {synced['count']} collectives",
+  )
 
 
 def row(case, metric, value, baseline, device, **extra):
@@ -177,20 +182,24 @@ def main(argv=None) -> int:
       med, iqr, _ = trainer_case(task, n, args.batch, policy, "fp32", args.steps)
       base = med if base is None else base
       print(f"{name:<8} {n:>7} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {base / med:>10.3f}")
-      rows.append(row(f"scaling/{name}/n{n}", "step_time_ms_median", med * 1e3, base * 1e3, device, iqr_ms=iqr * 1e3))
+      rows.append(
+        row(f"scaling/{name}/n{n}", "step_time_ms_median", med * 1e3, base * 1e3, device, iqr_ms=iqr * 1e3)
+      )
       rows.append(row(f"scaling/{name}/n{n}", "weak_scaling_efficiency", base / med, 1.0, device))
 
   # 2. gradient sync strategies on all devices
-  print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'bytes/step':>12} {'ratio':>6}  dtypes")
+  print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")
   base_t = base_b = None
   for sync in ("fp32", "bf16", "global_qsgd"):
     med, iqr, coll = trainer_case(task, total, args.batch, policies()["bf16"], sync, args.steps)
-    base_t, base_b = base_t or med, base_b or coll["bytes"]
+    base_t, base_b = base_t or med, base_b or coll["wire_bytes"]
     dtypes = ",".join(sorted(coll["by_dtype"]))
-    print(f"{sync:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['bytes']:>12} "
-          f"{coll['bytes'] / base_b:>6.3f}  {dtypes}")
+    print(
+      f"{sync:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['wire_bytes']:>12.0f} "
+      f"{coll['wire_bytes'] / base_b:>6.3f}  {dtypes}"
+    )
     rows.append(row(f"sync/{sync}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
-    rows.append(row(f"sync/{sync}", "bytes_per_step", coll["bytes"], base_b, device, dtypes=dtypes))
+    rows.append(row(f"sync/{sync}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes))
 
   # 3. SelSync and QSDP
   for name in ("selsync", "qsdp"):
@@ -200,29 +209,55 @@ def main(argv=None) -> int:
       print(f"{name:<12} failed: {type(e).__name__}: {e}")
       continue
     dtypes = ",".join(sorted(coll["by_dtype"]))
-    print(f"{name:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['bytes']:>12} "
-          f"{coll['bytes'] / base_b:>6.3f}  {dtypes} {note}")
+    print(
+      f"{name:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['wire_bytes']:>12.0f} "
+      f"{coll['wire_bytes'] / base_b:>6.3f}  {dtypes} {note}"
+    )
     rows.append(row(f"sync/{name}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
-    rows.append(row(f"sync/{name}", "bytes_per_step", coll["bytes"], base_b, device, dtypes=dtypes, note=note))
+    rows.append(
+      row(f"sync/{name}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes, note=note)
+    )
 
   # 4. one process per device through jax.distributed
   if args.processes:
     procs = []
     for pid in range(args.processes):
       env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(pid))
-      cmd = [sys.executable, __file__, "--process-id", str(pid), "--processes", str(args.processes),
-             "--d-model", str(args.d_model), "--heads", str(args.heads), "--layers", str(args.layers),
-             "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps)]
+      cmd = [
+        sys.executable,
+        __file__,
+        "--process-id",
+        str(pid),
+        "--processes",
+        str(args.processes),
+        "--d-model",
+        str(args.d_model),
+        "--heads",
+        str(args.heads),
+        "--layers",
+        str(args.layers),
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+      ]
       procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     lines = [line for line in outs[0].splitlines() if line.startswith("{")]
     if lines and all(p.returncode == 0 for p in procs):
       got = json.loads(lines[-1])
       single = [r for r in rows if r["case"] == f"scaling/bf16/n{args.processes}"][0]["value"]
-      print(f"\n{args.processes} processes x 1 device: {got['median_s'] * 1e3:.2f} ms/step "
-            f"(single process, {args.processes} devices: {single:.2f} ms)")
-      rows.append(row(f"multiprocess/bf16/p{args.processes}", "step_time_ms_median", got["median_s"] * 1e3,
-                      single, device))
+      print(
+        f"\n{args.processes} processes x 1 device: {got['median_s'] * 1e3:.2f} ms/step "
+        f"(single process, {args.processes} devices: {single:.2f} ms)"
+      )
+      rows.append(
+        row(
+          f"multiprocess/bf16/p{args.processes}", "step_time_ms_median", got["median_s"] * 1e3, single, device
+        )
+      )
     else:
       print(f"multi-process run failed: return codes {[p.returncode for p in procs]}")
 
