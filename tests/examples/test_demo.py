@@ -112,3 +112,23 @@ def test_scaled_t4_memory_excludes_fp32_but_admits_a_plan():
   assert not planned["fp32"][1].fits
   assert planned["qsync"][1].fits
   assert planned["dynamic batch"][0].batch_per_device  # a real batch split
+
+
+def test_stage_train_runs_each_plan_per_seed_and_evaluates():
+  from examples.registry import get_task
+  from qsync_jax.policy import PrecisionPolicy
+
+  task = get_task("vgg", stages=((4,), (8,)), hidden=8)
+  cluster = demo.demo_cluster(4)
+  plans = {
+    "fp32": Plan(),
+    "uniform int8": Plan(policies={"inference": PrecisionPolicy.uniform("int8_fwd")}),
+  }
+  seeds = [int(s) for s in np.random.default_rng().choice(1000, size=2, replace=False)]
+  trained = demo.stage_train(task, cluster, plans, jax.devices()[:4], 2, 1e-3, seeds, lambda m: None, 1)
+  assert list(trained) == ["fp32", "uniform int8"]
+  for rows in trained.values():
+    assert [r["seed"] for r in rows] == seeds
+    assert all(np.isfinite(r["train_loss"]) and 0.0 <= r["eval_accuracy"] <= 1.0 for r in rows)
+  # Different seeds start from different parameters, so their losses differ.
+  assert trained["fp32"][0]["train_loss"] != trained["fp32"][1]["train_loss"]
