@@ -26,3 +26,26 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
   while d * 2 <= cap and n % (d * 2) == 0:
     d *= 2
   return d
+
+
+def vma(x) -> frozenset:
+  """The ``shard_map`` mesh axes ``x`` is typed varying over (empty outside ``shard_map``)."""
+  aval = jax.typeof(x)
+  if hasattr(aval, "manual_axis_type"):  # jax >= 0.10
+    return frozenset(aval.manual_axis_type.varying)
+  return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+  """A ``pallas_call`` output typed like its most-varying input.
+
+  Under ``shard_map(check_vma=True)`` Pallas needs each output's varying axes; a kernel's
+  output varies wherever its inputs do.
+  """
+  like = max(inputs, key=lambda x: len(vma(x)))
+  aval = jax.typeof(like)
+  if hasattr(aval, "manual_axis_type"):
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+  if vma(like):  # older jax
+    return jax.ShapeDtypeStruct(shape, dtype, vma=vma(like))
+  return jax.ShapeDtypeStruct(shape, dtype)

@@ -8,16 +8,11 @@ on values, and its transpose (a ``psum``) gives an invariant input its summed gr
 
 from __future__ import annotations
 
-import jax
 from jax import lax
 
+from pallas_kernels._platform import vma
 
-def vma(x) -> frozenset:
-  """The mesh axes ``x`` varies over (empty outside ``shard_map``)."""
-  aval = jax.typeof(x)
-  if hasattr(aval, "manual_axis_type"):  # jax >= 0.10
-    return frozenset(aval.manual_axis_type.varying)
-  return frozenset(getattr(aval, "vma", frozenset()))
+__all__ = ["match_vma", "pvary", "vma"]
 
 
 def pvary(x, axes):

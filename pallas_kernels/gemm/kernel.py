@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._platform import out_struct
 from pallas_kernels.gemm.config import GemmConfig, default_config
 
 EIGHT_BIT = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -155,7 +156,7 @@ def scaled_matmul(
   layout = ("t" if a_kmajor else "n") + ("t" if b_kmajor else "n")
   return pl.pallas_call(
     kernel,
-    out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+    out_shape=out_struct((m, n), out_dtype, *args),
     grid=(n_m * n_n,),
     in_specs=in_specs,
     out_specs=pl.BlockSpec((bm, bn), lambda p: mn(p)),

@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._platform import out_struct
 from pallas_kernels.quantize.config import QuantizeConfig, default_config
 from pallas_kernels.quantize.reference import QFORMATS
 
@@ -191,8 +192,8 @@ def quantize_rows(
   return pl.pallas_call(
     kernel,
     out_shape=(
-      jax.ShapeDtypeStruct((rows, cols), QFORMATS[fmt][0]),
-      jax.ShapeDtypeStruct((rows,), jnp.float32),
+      out_struct((rows, cols), QFORMATS[fmt][0], *args),
+      out_struct((rows,), jnp.float32, *args),
     ),
     grid=(rows // br,),
     in_specs=in_specs,
@@ -264,10 +265,10 @@ def quantize_tiled(
     in_specs.append(pl.BlockSpec((2,), lambda i, j: (0,)))
     args.append(seed)
   if transpose:
-    out_shape = jax.ShapeDtypeStruct((cols, rows), QFORMATS[fmt][0])
+    out_shape = out_struct((cols, rows), QFORMATS[fmt][0], *args)
     out_spec = pl.BlockSpec((bc, br), lambda i, j: (j, i))
   else:
-    out_shape = jax.ShapeDtypeStruct((rows, cols), QFORMATS[fmt][0])
+    out_shape = out_struct((rows, cols), QFORMATS[fmt][0], *args)
     out_spec = pl.BlockSpec((br, bc), lambda i, j: (i, j))
   kernel = functools.partial(
     _tiled_kernel,
