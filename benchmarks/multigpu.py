@@ -179,7 +179,11 @@ def main(argv=None) -> int:
   for name, policy in policies().items():
     base = None
     for n in counts:
-      med, iqr, _ = trainer_case(task, n, args.batch, policy, "fp32", args.steps)
+      try:
+        med, iqr, _ = trainer_case(task, n, args.batch, policy, "fp32", args.steps)
+      except Exception as e:  # noqa: BLE001 - report it; the other cases still count
+        print(f"{name:<8} {n:>7} failed: {type(e).__name__}: {str(e)[:300]}")
+        continue
       base = med if base is None else base
       print(f"{name:<8} {n:>7} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {base / med:>10.3f}")
       rows.append(

@@ -81,6 +81,11 @@ def get_model(name: str) -> tuple[Task, int]:
     return get_task("vgg"), 64
   if name == "resnet":
     return get_task("resnet"), 64
+  # GPU sizes: a BERT-base-wide LM (4 layers) and ResNet-18 on digits.
+  if name == "lm_base":
+    return get_task("lm", d_model=768, num_heads=12, num_layers=4, seq_len=256, max_bytes=2_000_000), 16
+  if name == "resnet18":
+    return get_task("resnet", stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512)), 256
   raise SystemExit(f"unknown model {name!r}")
 
 

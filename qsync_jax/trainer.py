@@ -105,6 +105,9 @@ class Trainer:
     self.out_dir = out_dir
     self.checkpoint_every, self.log_every, self.progress = checkpoint_every, max(1, log_every), progress
     self.is_primary = jax.process_index() == 0
+    # XLA's CPU collectives can deadlock with two multi-device steps in flight on a small host
+    # (seen on 2 cores: "Termination timeout for all reduce"); accelerators pipeline steps.
+    self._one_step_in_flight = jax.default_backend() == "cpu" and jax.device_count() > 1
     self.checkpoints = (
       CheckpointStore(os.path.join(out_dir, "checkpoints"), keep_checkpoints) if out_dir else None
     )
@@ -194,6 +197,8 @@ class Trainer:
     try:
       while step < steps:
         self.state, metrics = self.program(self.state, self._next_batch())
+        if self._one_step_in_flight:
+          jax.block_until_ready(metrics)
         step += 1
         if pending is not None:
           last = self._log(*pending, start_step, steps, t0, callback)
