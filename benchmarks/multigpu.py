@@ -75,7 +75,24 @@ def time_steps(step, state, batches, steps: int, key=None):
   return float(med), float(q3 - q1), state
 
 
-def trainer_case(task, n, batch, policy, sync_name, steps):
+def collective_summary(step, *args, dump: str | None = None):
+  """Collectives of the compiled step; falls back to the pre-optimization HLO (marked) when
+  the compiled text hides them (e.g. inside async wrappers this parser does not follow)."""
+  lowered = step.lower(*args)
+  text = lowered.compile().as_text()
+  if dump:
+    with open(dump, "w") as f:
+      f.write(text)
+  found = hlo.summarize(hlo.collectives(text))
+  if found["count"] == 0:
+    found = hlo.summarize(hlo.collectives(lowered.compiler_ir("hlo").as_hlo_text()))
+    found["source"] = "pre-optimization HLO"
+  else:
+    found["source"] = "compiled HLO"
+  return found
+
+
+def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
   devices = jax.devices()[:n]
   cluster = ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
   plan = Plan(policies={"gpus": policy})
@@ -83,9 +100,9 @@ def trainer_case(task, n, batch, policy, sync_name, steps):
   host = task.train_batches(cluster.global_batch, 0)
   batches = [ts.shard(next(host)) for _ in range(3)]
   state = ts.init(0, next(task.train_batches(cluster.global_batch, 0)))
-  text = hlo.compiled_text(ts.step, state, batches[0])
+  coll = collective_summary(ts.step, state, batches[0], dump=dump)
   med, iqr, _ = time_steps(ts.step, state, batches, steps)
-  return med, iqr, hlo.summarize(hlo.collectives(text))
+  return med, iqr, coll
 
 
 def builder_case(task, n, batch, name, steps):
@@ -163,6 +180,8 @@ def main(argv=None) -> int:
   parser.add_argument("--process-id", type=int, default=-1, help=argparse.SUPPRESS)
   parser.add_argument("--port", type=int, default=12355, help=argparse.SUPPRESS)
   parser.add_argument("--no-save", action="store_true")
+  parser.add_argument("--skip-scaling", action="store_true")
+  parser.add_argument("--dump-dir", help="write each sync case's compiled HLO here")
   args = parser.parse_args(argv)
   if args.process_id >= 0:
     return run_worker(args)
@@ -176,7 +195,7 @@ def main(argv=None) -> int:
   # 1. weak scaling per policy
   counts = [n for n in (1, 2, 4, 8) if n <= total]
   print(f"{'policy':<8} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
-  for name, policy in policies().items():
+  for name, policy in policies().items() if not args.skip_scaling else ():
     base = None
     for n in counts:
       try:
@@ -195,12 +214,13 @@ def main(argv=None) -> int:
   print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")
   base_t = base_b = None
   for sync in ("fp32", "bf16", "global_qsgd"):
-    med, iqr, coll = trainer_case(task, total, args.batch, policies()["bf16"], sync, args.steps)
+    dump = os.path.join(args.dump_dir, f"{sync}.hlo.txt") if args.dump_dir else None
+    med, iqr, coll = trainer_case(task, total, args.batch, policies()["bf16"], sync, args.steps, dump)
     base_t, base_b = base_t or med, base_b or coll["wire_bytes"]
     dtypes = ",".join(sorted(coll["by_dtype"]))
     print(
       f"{sync:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['wire_bytes']:>12.0f} "
-      f"{coll['wire_bytes'] / base_b:>6.3f}  {dtypes}"
+      f"{coll['wire_bytes'] / max(base_b, 1):>6.3f}  {dtypes} ({coll['source']})"
     )
     rows.append(row(f"sync/{sync}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
     rows.append(row(f"sync/{sync}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes))
