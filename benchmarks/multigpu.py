@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     dtypes = ",".join(sorted(coll["by_dtype"]))
     print(
       f"{name:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['wire_bytes']:>12.0f} "
-      f"{coll['wire_bytes'] / base_b:>6.3f}  {dtypes} {note}"
+      f"{coll['wire_bytes'] / max(base_b, 1):>6.3f}  {dtypes} {note}"
     )
     rows.append(row(f"sync/{name}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
     rows.append(

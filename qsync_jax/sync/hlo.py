@@ -19,6 +19,8 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
+import numpy as np
+
 COLLECTIVE_OPS = (
   "all-reduce",
   "all-gather",
@@ -39,7 +41,14 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,\s]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 
 
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")  # mesh['data'=2] {'data'}
+
+
 def _group_size(attrs: str) -> int:
+  m = _GROUPS_MESH.search(attrs)
+  if m:  # newer XLA (seen on GPU, jax 0.11): the named mesh axes the collective spans
+    sizes = dict(re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1)))
+    return int(np.prod([int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2))] or [1]))
   m = _GROUPS_LIST.search(attrs)
   if m:
     return len([d for d in m.group(1).split(",") if d.strip()])

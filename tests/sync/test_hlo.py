@@ -51,3 +51,12 @@ def test_conditional_branches_are_separated(mesh):
   assert sorted(len(b) for b in branches) == [0, 1]
   (inside,) = [b for b in branches if b][0]
   assert (inside.op, inside.bytes) == ("all-reduce", 256)
+
+
+def test_mesh_replica_groups_format_counts_the_group():
+  """XLA on GPU (jax 0.11) writes ``replica_groups=mesh['data'=2] {'data'}`` (seen in the
+  compiled step on 2 H200s): the group is the product of the named axes' sizes."""
+  assert hlo._group_size("replica_groups=mesh['data'=2] {'data'}, use_global_device_ids=true") == 2
+  assert hlo._group_size("replica_groups=mesh['data'=2,'model'=4] {'model'}, x") == 4
+  assert hlo._group_size("replica_groups=mesh['data'=2,'model'=4] {'data','model'}, x") == 8
+  assert hlo._group_size("replica_groups={{0,1,2}}, x") == 3
