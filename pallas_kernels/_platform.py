@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -49,3 +50,28 @@ def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
   if vma(like):  # older jax
     return jax.ShapeDtypeStruct(shape, dtype, vma=vma(like))
   return jax.ShapeDtypeStruct(shape, dtype)
+
+
+class ImplOverride:
+  """A stack of forced implementations for an op's ``impl='auto'`` calls (benchmarks use it).
+
+  ``with override.use("xla"): ...`` makes calls traced inside the block pick ``"xla"``;
+  ``override.current`` is the innermost forced choice, or None.
+  """
+
+  def __init__(self, impls: tuple[str, ...]):
+    self.impls, self._stack = impls, []
+
+  @contextlib.contextmanager
+  def use(self, impl: str):
+    if impl not in self.impls:
+      raise ValueError(f"impl={impl!r} is not one of {self.impls}.")
+    self._stack.append(impl)
+    try:
+      yield
+    finally:
+      self._stack.pop()
+
+  @property
+  def current(self) -> str | None:
+    return self._stack[-1] if self._stack else None

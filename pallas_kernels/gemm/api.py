@@ -19,7 +19,6 @@ dims); otherwise the reference runs (XLA's own dot_general).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
@@ -27,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._platform import on_gpu
+from pallas_kernels._platform import ImplOverride, on_gpu
 from pallas_kernels.gemm import kernel as _kernel
 from pallas_kernels.gemm.config import GemmConfig
 from pallas_kernels.gemm.reference import accumulator_dtype, free_axes, scaled_dot_general_reference
@@ -42,19 +41,9 @@ IMPLS = ("auto", "pallas", "xla", "reference")
 DEFAULT_IMPL = {"int8": "xla", "fp8": "xla"}
 SHORT_K = 256
 
-_override: list[str] = []
-
-
-@contextlib.contextmanager
-def use_impl(impl: str):
-  """Within the block, ``impl='auto'`` calls (traced there) use ``impl``: for benchmarks."""
-  if impl not in IMPLS:
-    raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
-  _override.append(impl)
-  try:
-    yield
-  finally:
-    _override.pop()
+_override = ImplOverride(IMPLS)
+use_impl = _override.use
+"""``with use_impl("reference"): ...``: calls traced in the block use that implementation."""
 
 
 class Canonical(NamedTuple):
@@ -219,7 +208,7 @@ def scaled_dot_general(
   dims = _validate(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, impl)
   kind = _kind(lhs_q.dtype)
   if impl == "auto":
-    impl = _override[-1] if _override else (_auto(kind, lhs_q, dims) if on_gpu() else "reference")
+    impl = _override.current or (_auto(kind, lhs_q, dims) if on_gpu() else "reference")
   if impl == "reference" or kind is None or _kind(rhs_q.dtype) is None:
     return scaled_dot_general_reference(lhs_q, rhs_q, lhs_scale, rhs_scale, dims, out_dtype, bias)
   try:

@@ -17,13 +17,12 @@ reference's ``jax.random.uniform`` stream; both are unbiased.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from pallas_kernels._platform import on_gpu
+from pallas_kernels._platform import ImplOverride, on_gpu
 from pallas_kernels.quantize import kernel as _kernel
 from pallas_kernels.quantize.config import QuantizeConfig
 from pallas_kernels.quantize.reference import (
@@ -35,19 +34,9 @@ from pallas_kernels.quantize.reference import (
 
 IMPLS = ("auto", "pallas", "reference")
 
-_override: list[str] = []
-
-
-@contextlib.contextmanager
-def use_impl(impl: str):
-  """Within the block, ``impl='auto'`` calls (traced there) use ``impl``: for benchmarks."""
-  if impl not in IMPLS:
-    raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
-  _override.append(impl)
-  try:
-    yield
-  finally:
-    _override.pop()
+_override = ImplOverride(IMPLS)
+use_impl = _override.use
+"""``with use_impl("reference"): ...``: calls traced in the block use that implementation."""
 
 
 def _normalize_axes(axes, ndim: int, name: str) -> tuple[int, ...]:
@@ -202,8 +191,8 @@ def quantize(
     interpret: run the Pallas kernels in interpret mode (CPU tests).
   """
   reduce_axes, contract_axes = _validate(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, impl)
-  if impl == "auto" and _override:
-    impl = _override[-1]
+  if impl == "auto" and _override.current:
+    impl = _override.current
   use_kernel = impl == "pallas" or (impl == "auto" and on_gpu())
   if use_kernel:
     try:
