@@ -42,7 +42,7 @@ from qsync_jax.plan import Plan
 from qsync_jax.sync import get_strategy, make_step_strategy, task_loss_fn
 from qsync_jax.sync.common import AXIS
 from qsync_jax.task import Task
-from qsync_jax.train_step import Branch, init_sample, init_variables, plan_branches, shard_batch
+from qsync_jax.train_step import Branch, StepProgram, init_sample, init_variables, plan_branches
 
 
 class StrategyState(NamedTuple):
@@ -74,7 +74,7 @@ def branch_loss_fn(
 
 
 @dataclasses.dataclass(frozen=True)
-class StrategyStep:
+class StrategyStep(StepProgram):
   """A compiled step-builder strategy and what the trainer needs to run it."""
 
   task: Task
@@ -86,16 +86,6 @@ class StrategyStep:
   name: str
   strategy: Any  # SelSyncTrainer / QSDPTrainer: init, step, params_of
   step: Any
-
-  @property
-  def global_batch(self) -> int:
-    return self.cluster.global_batch
-
-  def __call__(self, state: StrategyState, batch):
-    return self.step(state, batch)
-
-  def shard(self, host_batch):
-    return shard_batch(host_batch, self.cluster, self.mesh)
 
   def init(self, seed: int, host_batch) -> StrategyState:
     """The strategy's initial state at the hybrid trainer's initial parameters for ``seed``."""

@@ -120,8 +120,24 @@ def _float32(tree):
   return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+class StepProgram:
+  """What every compiled training program (``TrainStep``, ``StrategyStep``) offers the trainer;
+  subclasses are dataclasses with ``cluster``, ``mesh`` and ``step`` fields."""
+
+  @property
+  def global_batch(self) -> int:
+    return self.cluster.global_batch
+
+  def __call__(self, state, batch):
+    return self.step(state, batch)
+
+  def shard(self, host_batch):
+    """Host global batch (``global_batch`` rows) → padded per-device shards on the mesh."""
+    return shard_batch(host_batch, self.cluster, self.mesh)
+
+
 @dataclasses.dataclass(frozen=True)
-class TrainStep:
+class TrainStep(StepProgram):
   """A compiled hybrid data-parallel step and what it needs to run.
 
   ``step(state, sharded_batch) -> (state, metrics)`` (plus the combined gradient when built
@@ -140,17 +156,6 @@ class TrainStep:
   sync_init: Callable[[Any], Any]
   step: Callable
   state_sharding: Any
-
-  @property
-  def global_batch(self) -> int:
-    return self.cluster.global_batch
-
-  def __call__(self, state: TrainState, batch):
-    return self.step(state, batch)
-
-  def shard(self, host_batch):
-    """Host global batch (``global_batch`` rows) → padded per-device shards on the mesh."""
-    return shard_batch(host_batch, self.cluster, self.mesh)
 
   def init(self, seed: int, host_batch) -> TrainState:
     """Initial state: params from ``init_variables`` (fp32), fresh optimizer/loss-scale/sync state."""
