@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qsync_jax.errors import ClusterSpecError
+from qsync_jax.jsonio import parse_json, read_text
 from qsync_jax.precision import DEVICE_PRECISIONS
 
 DEFAULT_LINK_GBPS = 100.0
@@ -228,13 +229,7 @@ class ClusterSpec:
       except yaml.YAMLError as e:
         raise ClusterSpecError(f"{source} is not valid YAML ({e}). Fix: correct the YAML syntax.") from None
     else:
-      try:
-        obj = json.loads(text)
-      except json.JSONDecodeError as e:
-        raise ClusterSpecError(
-          f"{source} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}). "
-          "Fix: correct the JSON syntax there."
-        ) from None
+      obj = parse_json(text, source, ClusterSpecError)
     try:
       return cls.from_json(obj)
     except ClusterSpecError as e:
@@ -242,14 +237,7 @@ class ClusterSpec:
 
   @classmethod
   def load(cls, path: str) -> ClusterSpec:
-    try:
-      with open(path) as f:
-        text = f.read()
-    except OSError as e:
-      raise ClusterSpecError(
-        f"cluster spec {path!r} cannot be read ({e.strerror}). Fix: pass the path of a JSON/YAML spec."
-      ) from None
-    return cls.loads(text, source=str(path))
+    return cls.loads(read_text(path, "cluster spec", ClusterSpecError), source=str(path))
 
   @classmethod
   def uniform(

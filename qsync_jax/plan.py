@@ -30,6 +30,7 @@ from typing import Any
 
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError, PolicyError, UnsupportedPrecisionError
+from qsync_jax.jsonio import parse_json, read_text
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
@@ -151,13 +152,7 @@ class Plan:
 
   @classmethod
   def loads(cls, text: str, source: str = "<string>") -> Plan:
-    try:
-      obj = json.loads(text)
-    except json.JSONDecodeError as e:
-      raise PlanError(
-        f"{source} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}). "
-        "Fix: correct the JSON syntax there."
-      ) from None
+    obj = parse_json(text, source, PlanError)
     try:
       return cls.from_json(obj)
     except PlanError as e:
@@ -165,14 +160,7 @@ class Plan:
 
   @classmethod
   def load(cls, path: str) -> Plan:
-    try:
-      with open(path) as f:
-        text = f.read()
-    except OSError as e:
-      raise PlanError(
-        f"plan {path!r} cannot be read ({e.strerror}). Fix: pass the path of a plan JSON."
-      ) from None
-    return cls.loads(text, source=str(path))
+    return cls.loads(read_text(path, "plan", PlanError), source=str(path))
 
 
 def _has_fp16(policy: PrecisionPolicy) -> bool:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from qsync_jax.errors import PolicyError
+from qsync_jax.jsonio import parse_json, read_text
 from qsync_jax.precision import OpPolicy, check_op_policy_on_device, supported_precisions
 
 OP_KINDS = (
@@ -206,19 +207,11 @@ class PrecisionPolicy:
 
   @classmethod
   def loads(cls, text: str, source: str = "<string>") -> PrecisionPolicy:
-    try:
-      obj = json.loads(text)
-    except json.JSONDecodeError as e:
-      raise PolicyError(
-        f"{source} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}). "
-        "Fix: correct the JSON syntax there."
-      ) from None
-    return cls.from_json(obj)
+    return cls.from_json(parse_json(text, source, PolicyError))
 
   @classmethod
   def load(cls, path: str) -> PrecisionPolicy:
-    with open(path) as f:
-      return cls.loads(f.read(), source=path)
+    return cls.loads(read_text(path, "precision policy", PolicyError), source=path)
 
 
 def _rule_from_json(i: int, obj: Any) -> Rule:

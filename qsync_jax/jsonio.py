@@ -1,0 +1,28 @@
+"""Reading user JSON files with errors that name the file, the position and the fix."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def parse_json(text: str, source: str, error: type[Exception]) -> Any:
+  """``json.loads(text)``; bad syntax raises ``error`` naming ``source`` and the position."""
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise error(
+      f"{source} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}). "
+      "Fix: correct the JSON syntax there."
+    ) from None
+
+
+def read_text(path: str, what: str, error: type[Exception]) -> str:
+  """The text of ``path``; an unreadable file raises ``error`` naming it as ``what``."""
+  try:
+    with open(path) as f:
+      return f.read()
+  except OSError as e:
+    raise error(
+      f"{what} {str(path)!r} cannot be read ({e.strerror}). Fix: pass the path of a {what} file."
+    ) from None
