@@ -96,9 +96,10 @@ def test_resume_is_bit_identical(tmp_path, name):
   resumed.run(5, callback=lambda step, m: metrics.append(m))
   first.run(5)  # uninterrupted
   _same(resumed.state, first.state)
-  if name == "selsync":  # synchronized warm-up steps 1-3 (across the resume), then local steps
-    assert [m["synced"] for m in metrics][:1] == [1.0] and 0.0 in {m["synced"] for m in metrics}
-    assert int(resumed.state.strategy["syncs"]) == 3
+  if name == "selsync":  # warm-up steps 1-3 synchronize (across the resume); after that only
+    # steps whose gradient-norm change exceeds δ do, which depends on the random seed.
+    assert metrics[0]["synced"] == 1.0
+    assert int(resumed.state.strategy["syncs"]) == 2 + sum(int(m["synced"]) for m in metrics)
   other = "window" if name == "selsync" else "bucket_size"
   with pytest.raises(CheckpointError, match="different sync strategy or options.*Fix:"):
     trainer(str(tmp_path / "b"), resume=True, **{other: 32})
