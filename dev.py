@@ -32,6 +32,21 @@ def _run(cmd: list[str], **kwargs) -> int:
   return subprocess.call([str(c) for c in cmd], cwd=ROOT, **kwargs)
 
 
+def _create_venv() -> None:
+  """``python3 -m venv``; where the interpreter lacks ``ensurepip`` (e.g. Debian without
+  python3-venv), fall back to the ``virtualenv`` package installed with pip."""
+  try:
+    venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+    return
+  except Exception as e:  # noqa: BLE001 - any failure here means: try virtualenv
+    print(f"venv could not bootstrap pip ({e}); trying virtualenv", flush=True)
+  pip = [sys.executable, "-m", "pip", "install", "-q", "--user", "virtualenv"]
+  if _run(pip) != 0 and _run([*pip, "--break-system-packages"]) != 0:
+    sys.exit("could not create .venv: install python3-venv (or virtualenv) and try again")
+  if _run([sys.executable, "-m", "virtualenv", "--clear", str(VENV)]) != 0:
+    sys.exit("virtualenv failed: see the messages above")
+
+
 def ensure_env() -> Path:
   """Creates the virtual environment and installs the project; returns its python."""
   stamp = VENV / ".qsync-installed"
@@ -40,7 +55,7 @@ def ensure_env() -> Path:
     return _python()
   if not _python().exists():
     print(f"creating {VENV}", flush=True)
-    venv.EnvBuilder(with_pip=True).create(VENV)
+    _create_venv()
   py = _python()
   if _run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"]) != 0:
     sys.exit("could not upgrade pip in .venv")
