@@ -86,6 +86,9 @@ def get_model(name: str) -> tuple[Task, int]:
     return get_task("lm", d_model=768, num_heads=12, num_layers=4, seq_len=256, max_bytes=2_000_000), 16
   if name == "resnet18":
     return get_task("resnet", stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512)), 256
+  if name == "resnet18_224":  # issue 7's GPU model: ResNet-18 on synthetic 224×224 images
+    full = dict(stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512), num_classes=1000)
+    return get_task("resnet_synthetic", image_size=224, imagenet_stem=True, **full), 64
   raise SystemExit(f"unknown model {name!r}")
 
 

@@ -7,6 +7,7 @@ name               model / data                                                 
 ``vgg``            VGG-BN on scikit-learn digits                                ``VGGDigitsConfig``
 ``lm``             causal transformer LM on the Python stdlib source (bytes)    ``LMConfig``
 ``resnet_cifar10`` ResNet on CIFAR-10 from ``data_dir`` (python-pickle batches)  ``ResNetCifar10Config``
+``resnet_synthetic`` ResNet on random images (step timing; ResNet-18 at 224×224)  ``ResNetSyntheticConfig``
 =================  ===========================================================  ==========
 
 Defaults are tiny (a 4-device CPU training step well under a second); overrides give the
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from examples.tasks.language import stdlib_lm
-from examples.tasks.vision import resnet_cifar10, resnet_digits, vgg_digits
+from examples.tasks.vision import resnet_cifar10, resnet_digits, resnet_synthetic, vgg_digits
 from qsync_jax.errors import QsyncError
 from qsync_jax.task import Task
 
@@ -35,6 +36,7 @@ TASKS: dict[str, Callable[..., Task]] = {
   "vgg": vgg_digits,
   "lm": stdlib_lm,
   "resnet_cifar10": resnet_cifar10,
+  "resnet_synthetic": resnet_synthetic,
 }
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from examples.data import batches, cifar10, digits
@@ -92,3 +93,50 @@ def resnet_cifar10(**overrides) -> Task:
   train, test = cifar10.load(cfg.data_dir, cfg.train_files)
   model = ResNet(stage_sizes=cfg.stage_sizes, widths=cfg.widths, num_classes=cifar10.NUM_CLASSES)
   return classification_task("resnet_cifar10", model, train, test)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResNetSyntheticConfig:
+  """ResNet on random images, for step timing (no held-out split: the labels are noise).
+
+  ResNet-18 at ImageNet size: ``image_size=224, stage_sizes=(2, 2, 2, 2),
+  widths=(64, 128, 256, 512), num_classes=1000, imagenet_stem=True``.
+  """
+
+  image_size: int = 16
+  channels: int = 3
+  num_classes: int = 10
+  stage_sizes: tuple[int, ...] = (1, 1)
+  widths: tuple[int, ...] = (8, 16)
+  imagenet_stem: bool = False
+
+
+def synthetic_image_batches(cfg: ResNetSyntheticConfig, batch_size: int, seed: int):
+  """Standard-normal images and uniform labels, deterministic given ``seed``, forever."""
+  rng = np.random.default_rng(seed)
+  shape = (batch_size, cfg.image_size, cfg.image_size, cfg.channels)
+  while True:
+    yield {
+      "image": rng.standard_normal(shape, dtype=np.float32),
+      "label": rng.integers(0, cfg.num_classes, batch_size).astype(np.int32),
+    }
+
+
+def resnet_synthetic(**overrides) -> Task:
+  cfg = make_config(ResNetSyntheticConfig, overrides, "resnet_synthetic")
+  model = ResNet(
+    stage_sizes=cfg.stage_sizes,
+    widths=cfg.widths,
+    num_classes=cfg.num_classes,
+    imagenet_stem=cfg.imagenet_stem,
+  )
+  return Task(
+    name="resnet_synthetic",
+    model=model,
+    inputs=image_inputs,
+    loss=classification_loss,
+    train_batches=functools.partial(synthetic_image_batches, cfg),
+    train_kwargs={"train": True},
+    eval_kwargs={"train": False},
+    mutable=("batch_stats",),
+  )

@@ -87,3 +87,21 @@ def test_bad_batch_size_names_the_fix():
   task = get_task("resnet")
   with pytest.raises(QsyncError, match="global_batch=100000 exceeds"):
     next(task.train_batches(100_000, 0))
+
+
+@pytest.mark.standard_promotion  # the trainer's optimizer (optax) as users run it
+def test_resnet_synthetic_batches_are_deterministic_and_train_one_step():
+  task = get_task("resnet_synthetic")
+  a, b = next(task.train_batches(4, 3)), next(task.train_batches(4, 3))
+  np.testing.assert_array_equal(a["image"], b["image"])
+  assert a["image"].shape == (4, 16, 16, 3) and a["label"].max() < 10
+  assert not np.array_equal(a["image"], next(task.train_batches(4, 4))["image"])
+  variables = task.model.init(jax.random.key(0), *task.inputs(a), train=False)
+  (loss, metrics), _ = jax.value_and_grad(
+    lambda p: task.loss(
+      task.model.apply({**variables, "params": p}, *task.inputs(a), mutable=["batch_stats"], train=True)[0], a
+    ),
+    has_aux=True,
+  )(variables["params"])
+  assert np.isfinite(float(loss)) and 0.0 <= float(metrics["accuracy"]) <= 1.0
+  assert get_task("resnet_synthetic", image_size=224, imagenet_stem=True).model.imagenet_stem
