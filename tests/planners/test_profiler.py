@@ -18,8 +18,10 @@ from tests.planners import tiny
 from tests.planners.fakes import fake_profile
 
 
-def test_cast_model_fit_recovers_synthetic_line():
-  rng = np.random.default_rng()
+@pytest.mark.parametrize("seed", range(5))
+def test_cast_model_fit_recovers_synthetic_line(seed):
+  # Fixed seeds: an unseeded draw failed 1 CI run in ~5 (the 3 % bounds sit near 3σ of 1 % noise).
+  rng = np.random.default_rng(seed)
   a, b = rng.uniform(1e-8, 1e-6), rng.uniform(1e-3, 1e-1)
   n = np.array([2**12, 2**14, 2**16, 2**18, 2**20], np.float64)
   t = (a * n + b) * (1 + rng.normal(0, 0.01, n.shape))  # 1 % noise
