@@ -12,7 +12,11 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 * sync: fp32, bf16 and Global-QSGD all-reduce on all devices: step time, bytes per step in
   the compiled HLO's collectives, and the collectives' dtypes (Global-QSGD must stay s8);
 * SelSync: step time and bytes on a local (non-sync) step vs a sync step; QSDP: step time
-  and bytes (int8 all-gathers).
+  and bytes (int8 all-gathers);
+* predictor: the replay's step time for every scaling case against the measured one. Its
+  inputs are measured apart from the steps it predicts: the op profile on one device
+  (``measure_profile``) and, per device count, the all-reduce line of a ``psum``
+  microbenchmark (``planners.link``); the baseline of the ratio is the measured step.
 
   python benchmarks/multigpu.py [--d-model 768 --layers 12 --seq 256 --batch 8] [--steps 20]
 """
@@ -20,6 +24,7 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -34,6 +39,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.registry import get_task
+from planners.link import measure_link
+from planners.profiler import measure_profile
+from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy, Rule
@@ -150,6 +158,49 @@ def row(case, metric, value, baseline, device, **extra):
   }
 
 
+def predictor_rows(task, args, measured, device) -> list[dict]:
+  """Predicted vs measured step of every scaling case; prints a table, returns JSON rows."""
+  t0 = time.perf_counter()
+  prof = measure_profile(
+    task,
+    args.batch,
+    precisions=("fp32", "bf16", "fp16", "int8"),
+    repeats=args.profile_repeats,
+    step_repeats=args.steps,
+  )
+  links = {n: measure_link(jax.devices()[:n]) for n in sorted({n for _, n in measured}) if n > 1}
+  print(f"\npredictor: profiled {len(prof.ops)} ops on one device in {time.perf_counter() - t0:.0f} s")
+  for n, link in links.items():
+    print(
+      f"  link fit on {n} devices: {link.link_gbps / 8:.0f} GB/s, {link.latency_us:.0f} us per all-reduce "
+      f"(fit rel. RMS {100 * link.rel_rms:.1f} %)"
+    )
+  print(f"{'policy':<8} {'devices':>7} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'comm ms':>8}")
+  rows, errors = [], []
+  for (name, n), meas in sorted(measured.items()):
+    link = links.get(n)
+    group = DeviceGroup("gpus", prof.device_type, n, 1e3, args.batch)
+    if link:
+      group = dataclasses.replace(group, link_gbps=link.link_gbps)
+    pred = predict(
+      ClusterSpec((group,)),
+      {prof.device_type: prof},
+      Plan(policies={"gpus": policies()[name]}),
+      **({"latency_us": link.latency_us} if link else {}),
+    )
+    err = (pred.step_ms - meas * 1e3) / (meas * 1e3)
+    errors.append(abs(err))
+    print(
+      f"{name:<8} {n:>7} {pred.step_ms:>9.2f} {meas * 1e3:>9.2f} {100 * err:>+6.1f}% {pred.comm_ms:>8.2f}"
+    )
+    rows.append(row(f"predictor/{name}/n{n}", "step_time_ms", pred.step_ms, meas * 1e3, device))
+  print(
+    f"predictor mean |error| {100 * np.mean(errors):.1f} % over {len(errors)} cases (max {100 * max(errors):.1f} %)"
+  )
+  rows.append(row("predictor/all", "mean_abs_step_error", float(np.mean(errors)), None, device))
+  return rows
+
+
 def run_worker(args) -> int:
   """One ``jax.distributed`` process of a multi-process run: prints its median step time."""
   jax.distributed.initialize(
@@ -182,6 +233,12 @@ def main(argv=None) -> int:
   parser.add_argument("--no-save", action="store_true")
   parser.add_argument("--skip-scaling", action="store_true")
   parser.add_argument("--dump-dir", help="write each sync case's compiled HLO here")
+  parser.add_argument("--profile-repeats", type=int, default=10, help="repeats of each profiled op")
+  parser.add_argument("--skip-predictor", action="store_true")
+  parser.add_argument("--process-timeout", type=int, default=240, help="seconds for the multi-process run")
+  parser.add_argument(
+    "--skip-sync", action="store_true", help="skip the gradient-sync, SelSync and QSDP cases"
+  )
   args = parser.parse_args(argv)
   if args.process_id >= 0:
     return run_worker(args)
@@ -195,6 +252,7 @@ def main(argv=None) -> int:
   # 1. weak scaling per policy
   counts = [n for n in (1, 2, 4, 8) if n <= total]
   print(f"{'policy':<8} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
+  measured = {}  # (policy, devices) -> median step s
   for name, policy in policies().items() if not args.skip_scaling else ():
     base = None
     for n in counts:
@@ -204,6 +262,7 @@ def main(argv=None) -> int:
         print(f"{name:<8} {n:>7} failed: {type(e).__name__}: {str(e)[:300]}")
         continue
       base = med if base is None else base
+      measured[(name, n)] = med
       print(f"{name:<8} {n:>7} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {base / med:>10.3f}")
       rows.append(
         row(f"scaling/{name}/n{n}", "step_time_ms_median", med * 1e3, base * 1e3, device, iqr_ms=iqr * 1e3)
@@ -213,7 +272,7 @@ def main(argv=None) -> int:
   # 2. gradient sync strategies on all devices
   print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")
   base_t = base_b = None
-  for sync in ("fp32", "bf16", "global_qsgd"):
+  for sync in ("fp32", "bf16", "global_qsgd") if not args.skip_sync else ():
     dump = os.path.join(args.dump_dir, f"{sync}.hlo.txt") if args.dump_dir else None
     med, iqr, coll = trainer_case(task, total, args.batch, policies()["bf16"], sync, args.steps, dump)
     base_t, base_b = base_t or med, base_b or coll["wire_bytes"]
@@ -226,7 +285,7 @@ def main(argv=None) -> int:
     rows.append(row(f"sync/{sync}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes))
 
   # 3. SelSync and QSDP
-  for name in ("selsync", "qsdp"):
+  for name in ("selsync", "qsdp") if not args.skip_sync else ():
     try:
       med, iqr, coll, note = builder_case(task, total, args.batch, name, args.steps)
     except Exception as e:  # noqa: BLE001 - report and go on: the other cases still count
@@ -241,6 +300,9 @@ def main(argv=None) -> int:
     rows.append(
       row(f"sync/{name}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes, note=note)
     )
+
+  if measured and not args.skip_predictor:
+    rows += predictor_rows(task, args, measured, device)
 
   # 4. one process per device through jax.distributed
   if args.processes:
@@ -268,7 +330,13 @@ def main(argv=None) -> int:
         str(args.steps),
       ]
       procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+      outs = [p.communicate(timeout=args.process_timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      outs = [""] * len(procs)
+      print(f"multi-process run killed after {args.process_timeout} s")
     lines = [line for line in outs[0].splitlines() if line.startswith("{")]
     if lines and all(p.returncode == 0 for p in procs):
       got = json.loads(lines[-1])

@@ -35,6 +35,8 @@ from planners.profiler import Profile
 from qsync_jax.precision import PRESETS, QUANTIZED_PRECISIONS, OpPolicy
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_LATENCY_US = 10.0
+"""Fixed cost of one all-reduce collective when no link microbenchmark measured it."""
 PRESET_NAMES = {pol: name for name, pol in PRESETS.items()}
 LEG_NAMES = ("dlhs", "drhs")
 
@@ -76,7 +78,7 @@ class Comm:
   n_devices: int
   link_gbps: float
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
-  latency_us: float = 10.0
+  latency_us: float = DEFAULT_LATENCY_US
 
 
 def float_precision(profile: Profile) -> str:

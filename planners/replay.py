@@ -24,7 +24,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from planners.graph import DEFAULT_BUCKET_BYTES, Comm, GroupCost, Node, build_graph, longest_path
+from planners.graph import (
+  DEFAULT_BUCKET_BYTES,
+  DEFAULT_LATENCY_US,
+  Comm,
+  GroupCost,
+  Node,
+  build_graph,
+  longest_path,
+)
 from planners.profiler import Profile, modeled_profile, residual_bytes, transient_bytes
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
@@ -83,9 +91,12 @@ def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Pla
   return out
 
 
-def comm_for(cluster: ClusterSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Comm:
-  """The all-reduce of ``cluster``: all its devices, in a ring limited by the slowest link."""
-  return Comm(cluster.num_devices, min(g.link_gbps for g in cluster.groups), bucket_bytes)
+def comm_for(
+  cluster: ClusterSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES, latency_us: float = DEFAULT_LATENCY_US
+) -> Comm:
+  """The all-reduce of ``cluster``: all its devices, in a ring limited by the slowest link,
+  each collective paying ``latency_us`` (e.g. fitted by a link microbenchmark)."""
+  return Comm(cluster.num_devices, min(g.link_gbps for g in cluster.groups), bucket_bytes, latency_us)
 
 
 def op_memory(group: GroupCost, op_index: int) -> tuple[int, int]:
@@ -120,10 +131,12 @@ def predict(
   profiles: Mapping[str, Profile],
   plan: Plan,
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+  latency_us: float = DEFAULT_LATENCY_US,
 ) -> Prediction:
-  """Predicted step time and memory of ``plan`` on ``cluster``; see the module docstring."""
+  """Predicted step time and memory of ``plan`` on ``cluster``; see the module docstring.
+  ``latency_us`` is the fixed cost of each all-reduce bucket."""
   groups = group_costs(cluster, profiles, plan)
-  comm = comm_for(cluster, bucket_bytes)
+  comm = comm_for(cluster, bucket_bytes, latency_us)
   nodes = build_graph(groups, comm)
   times = longest_path(nodes)
   limits = {g.name: int(g.memory_gb * 1e9) for g in cluster.groups}
