@@ -231,6 +231,7 @@ def main(argv=None) -> int:
   parser.add_argument("--process-id", type=int, default=-1, help=argparse.SUPPRESS)
   parser.add_argument("--port", type=int, default=12355, help=argparse.SUPPRESS)
   parser.add_argument("--no-save", action="store_true")
+  parser.add_argument("--results", default=RESULTS, help=f"JSON lines file to append to (default {RESULTS})")
   parser.add_argument("--skip-scaling", action="store_true")
   parser.add_argument("--dump-dir", help="write each sync case's compiled HLO here")
   parser.add_argument("--profile-repeats", type=int, default=10, help="repeats of each profiled op")
@@ -247,6 +248,16 @@ def main(argv=None) -> int:
   total = jax.device_count()
   device = f"{jax.devices()[0].device_kind} x{total}"
   rows = []
+
+  def emit(r: dict) -> None:
+    """Keeps a row and appends it to the results file at once (a run cut short keeps its rows)."""
+    r = {**r, "model": f"LM d={args.d_model} L={args.layers} seq={args.seq}, batch {args.batch}/device"}
+    rows.append(r)
+    if not args.no_save:
+      os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+      with open(args.results, "a") as f:
+        f.write(json.dumps(r) + "\n")
+
   print(f"\nmultigpu: LM d={args.d_model} L={args.layers} seq={args.seq} batch/device={args.batch}, {device}")
 
   # 1. weak scaling per policy
@@ -264,10 +275,10 @@ def main(argv=None) -> int:
       base = med if base is None else base
       measured[(name, n)] = med
       print(f"{name:<8} {n:>7} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {base / med:>10.3f}")
-      rows.append(
+      emit(
         row(f"scaling/{name}/n{n}", "step_time_ms_median", med * 1e3, base * 1e3, device, iqr_ms=iqr * 1e3)
       )
-      rows.append(row(f"scaling/{name}/n{n}", "weak_scaling_efficiency", base / med, 1.0, device))
+      emit(row(f"scaling/{name}/n{n}", "weak_scaling_efficiency", base / med, 1.0, device))
 
   # 2. gradient sync strategies on all devices
   print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")
@@ -281,8 +292,8 @@ def main(argv=None) -> int:
       f"{sync:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['wire_bytes']:>12.0f} "
       f"{coll['wire_bytes'] / max(base_b, 1):>6.3f}  {dtypes} ({coll['source']})"
     )
-    rows.append(row(f"sync/{sync}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
-    rows.append(row(f"sync/{sync}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes))
+    emit(row(f"sync/{sync}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
+    emit(row(f"sync/{sync}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes))
 
   # 3. SelSync and QSDP
   for name in ("selsync", "qsdp") if not args.skip_sync else ():
@@ -296,13 +307,14 @@ def main(argv=None) -> int:
       f"{name:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['wire_bytes']:>12.0f} "
       f"{coll['wire_bytes'] / max(base_b, 1):>6.3f}  {dtypes} {note}"
     )
-    rows.append(row(f"sync/{name}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
-    rows.append(
+    emit(row(f"sync/{name}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
+    emit(
       row(f"sync/{name}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes, note=note)
     )
 
   if measured and not args.skip_predictor:
-    rows += predictor_rows(task, args, measured, device)
+    for r in predictor_rows(task, args, measured, device):
+      emit(r)
 
   # 4. one process per device through jax.distributed
   if args.processes:
@@ -345,7 +357,7 @@ def main(argv=None) -> int:
         f"\n{args.processes} processes x 1 device: {got['median_s'] * 1e3:.2f} ms/step "
         f"(single process, {args.processes} devices: {single:.2f} ms)"
       )
-      rows.append(
+      emit(
         row(
           f"multiprocess/bf16/p{args.processes}", "step_time_ms_median", got["median_s"] * 1e3, single, device
         )
@@ -354,11 +366,7 @@ def main(argv=None) -> int:
       print(f"multi-process run failed: return codes {[p.returncode for p in procs]}")
 
   if not args.no_save:
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as f:
-      for r in rows:
-        f.write(json.dumps(r) + "\n")
-    print(f"appended {len(rows)} rows to {RESULTS}")
+    print(f"appended {len(rows)} rows to {args.results}")
   return 0
 
 
