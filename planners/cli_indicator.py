@@ -1,8 +1,8 @@
 """``qsync indicator``: the sensitivity table Ω[op][precision] of a model, as JSON.
 
-  qsync indicator --model vgg --out omega.json [--batches 8] [--method gradient]
+  qsync indicator --model vgg --out omega.json [--batches 16] [--method gradient]
                   [--train-steps 40] [--batch-size 32] [--precisions int8 fp16]
-                  [--estimator sample|batch|signed]
+                  [--estimator moments|sample|batch|signed]
 
 ``--model`` is a registered example task (``examples.registry``) or ``package.module:fn``
 returning a ``qsync_jax.task.Task``. With ``--train-steps N`` the model is first trained N
@@ -22,20 +22,22 @@ HELP = "Score every quantizable op's sensitivity to each precision (Ω table, JS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   from planners.indicator import METHODS, PROBED_PRECISIONS
+  from planners.indicator.gradient import ESTIMATORS
 
   parser.add_argument(
     "--model", required=True, help="example task name (e.g. vgg, lm) or package.module:make_task"
   )
   parser.add_argument("--out", required=True, help="where to write the JSON table")
-  parser.add_argument("--batches", type=int, default=8, help="training batches to average over (default 8)")
+  parser.add_argument("--batches", type=int, default=16, help="training batches to average over (default 16)")
   parser.add_argument(
     "--method", choices=METHODS, default="gradient", help="indicator (default: gradient, ours)"
   )
   parser.add_argument(
     "--estimator",
-    choices=("sample", "batch", "signed"),
-    default="sample",
-    help="gradient method only: per-sample mean square (default), batch-level square, or signed loss change",
+    choices=ESTIMATORS,
+    default="moments",
+    help="gradient method only: mean square of a batch's loss change (moments, default), per-sample "
+    "mean square, squared change per probed batch, or signed mean loss change",
   )
   parser.add_argument("--precisions", nargs="+", default=list(PROBED_PRECISIONS), help="precisions to score")
   parser.add_argument("--batch-size", type=int, default=32)

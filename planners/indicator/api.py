@@ -64,7 +64,8 @@ def compute(
   hutchinson_samples: int = 2,
   op_policy_for: Callable[[str], OpPolicy] = forward_op_policy,
   gvar_config: GvarConfig = GvarConfig(),
-  gradient_estimator: str = "sample",
+  gradient_estimator: str = "moments",
+  loss_batch_size: int | None = None,
   progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
   """``{method: table}`` for each of ``methods`` from one probing pass over ``batches``.
@@ -81,7 +82,11 @@ def compute(
     op_policy_for: precision → the op policy whose measured δY ``gradient`` scores
       (default: that precision in the forward product only).
     gvar_config: GVAR's constants and documented choices.
-    gradient_estimator: ``sample`` (default), ``batch`` or ``signed``; see ``gradient.py``.
+    gradient_estimator: ``moments`` (default: E[ΔL²] of a batch), ``sample``, ``batch`` or
+      ``signed``; see ``gradient.py``.
+    loss_batch_size: for ``moments``, the batch size B whose loss change Ω predicts
+      (default: the size of ``batches``). Use many batches (~16-32): the mean loss change is
+      estimated from all probed samples together, and its noise falls as 1/√samples.
     progress: ``progress(done, total)`` after each probed batch.
   """
   precisions = tuple(precisions)
@@ -92,7 +97,7 @@ def compute(
   tables = {}
   for method in methods:
     if method == "gradient":
-      omega = gradient_omega(calls, per_batch, precisions, gradient_estimator)
+      omega = gradient_omega(calls, per_batch, precisions, gradient_estimator, loss_batch_size)
     elif method == "gvar":
       omega = gvar_omega(calls, per_batch, precisions, gvar_config)
     elif method == "wvar":
@@ -105,6 +110,7 @@ def compute(
     tables[method] = make_table(method, omega, order, precisions, task.name, len(batches))
     if method == "gradient":
       tables[method]["metadata"]["estimator"] = gradient_estimator
+      tables[method]["metadata"]["loss_batch_size"] = loss_batch_size
   return tables
 
 
