@@ -15,7 +15,8 @@ Reports the Spearman ρ of each indicator with each truth; the ratio column's ba
 QSync's GVAR measured in the same run (a ratio against a negative ρ is negative). Ours
 (``gradient``) is the ``moments`` estimator judged at the truth's batch size (``gradient.py``:
 E[ΔL_B²] with B = ``--truth-batch-size``, the batch on which the truth measures the change).
-Three variants of ours: ``gradient_sample`` (per-sample mean square E[s²], the earlier
+Variants of ours: ``gradient_moments`` (the same at the probed batches' own size, 32: how
+much the choice of B matters), ``gradient_sample`` (per-sample mean square E[s²], the earlier
 default), ``gradient_batch`` (⟨∂L/∂Y, δY⟩² of each probed batch) and ``gradient_signed`` (a
 signed prediction of the mean loss change: first + ½ second order; it ranks the ``mean``
 truth, not a sensitivity).
@@ -55,7 +56,7 @@ from qsync_jax.precision import OpPolicy
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "indicator.jsonl")
 TRUTH_POLICY = OpPolicy(fwd="int8")
 METHODS = ("gradient", "gvar", "wvar", "hessian", "random")
-VARIANTS = ("gradient_sample", "gradient_batch", "gradient_signed")
+VARIANTS = ("gradient_moments", "gradient_sample", "gradient_batch", "gradient_signed")
 OMEGA_FNS = {"gvar": gvar_omega, "wvar": wvar_omega, "random": random_omega}
 
 
@@ -216,6 +217,7 @@ def main(argv=None):
             "ops": len(res["ops"]),
             "seconds": res["seconds"][method],
             "steps": args.steps,
+            "seed": args.seed,
             "batches": args.batches,
             "hutchinson_samples": args.hutchinson_samples,
             "truth_batches": args.truth_batches,

@@ -24,6 +24,12 @@ batch the loss change is judged on (default: the probed batches' R). Two regimes
 * the spread Var[s]/B: over batches the first-order term fluctuates around μ. Neither
   term alone ranks ops well (E[s²] alone — B = 1, ``sample`` — over-weights the spread).
 
+BatchNorm in training mode couples the samples of a batch: ∂L/∂Y is taken through the batch
+statistics, so s_i already excludes the parts of δY that BN normalizes away, but the s_i of
+one batch are not independent. Measured on the VGG example, Var[s]/B overestimates the batch
+spread of a BN'd conv by up to 1.4× in standard deviation; the variance across probed batches
+would be unbiased there but ranks worse (far fewer degrees of freedom).
+
 Estimating μ needs many samples where Var[s] is large (its standard error is √(v̂/N)): use
 more probed batches rather than larger ones when the ranking of small ops matters. An op
 called several times sums its calls' Ω (cross terms between calls are ignored). Only the
