@@ -247,6 +247,8 @@ def main(argv=None) -> int:
   task = make_lm(args)
   total = jax.device_count()
   device = f"{jax.devices()[0].device_kind} x{total}"
+  if args.dump_dir:
+    os.makedirs(args.dump_dir, exist_ok=True)
   rows = []
 
   def emit(r: dict) -> None:
@@ -352,10 +354,11 @@ def main(argv=None) -> int:
     lines = [line for line in outs[0].splitlines() if line.startswith("{")]
     if lines and all(p.returncode == 0 for p in procs):
       got = json.loads(lines[-1])
-      single = [r for r in rows if r["case"] == f"scaling/bf16/n{args.processes}"][0]["value"]
+      same = [r["value"] for r in rows if r["case"] == f"scaling/bf16/n{args.processes}"]
+      single = same[0] if same else None
       print(
         f"\n{args.processes} processes x 1 device: {got['median_s'] * 1e3:.2f} ms/step "
-        f"(single process, {args.processes} devices: {single:.2f} ms)"
+        f"(single process, {args.processes} devices: {single if single is None else round(single, 2)} ms)"
       )
       emit(
         row(
