@@ -1,0 +1,158 @@
+"""Realistic models on the lent GPU: step time per precision policy and the predictor's error.
+
+Models (``benchmarks/predictor.get_model``): ``resnet18_224`` — ResNet-18 on synthetic
+224×224 images, batch 64 — and ``lm_base`` — a BERT-base-wide causal LM (d=768, 12 heads, 4
+layers, seq 256, batch 16) on the Python standard-library corpus. Policies:
+
+* ``fp32``, ``bf16``: uniform;
+* ``int8``: every op all-int8 (int8 forward and backward, stochastic rounding on gradients);
+* ``int8_fwd``: every op QSync's int8 op (int8 forward, fp16 backward);
+* ``qsync``: the greedy allocator's plan for this GPU as the *inference* group of a hybrid
+  cluster whose training group is the same GPU type running bf16 — the most precise plan
+  predicted to keep pace with bf16 (T* = the bf16 step). Its Ω comes from the gradient
+  indicator at the model's initial weights (enough to rank ops for a timing run; the
+  accuracy results in ``docs/results.md`` use trained weights).
+
+For each policy: the measured median step (jitted single-device training step fed its own
+donated outputs) with its IQR, its ratio to bf16 measured in the same run, and the replay's
+predicted step from a profile measured first in the same run (op legs standalone, casts,
+optimizer; the fp32 step is the only plan the profile fits anything to). Rows go to
+``benchmarks/results/models.jsonl``.
+
+  python -u benchmarks/models.py [--models resnet18_224 lm_base] [--repeats 20] [--results PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
+from planners import step  # noqa: E402
+from planners.allocator import greedy, make_problem  # noqa: E402
+from planners.indicator import compute  # noqa: E402
+from planners.profiler import measure_profile  # noqa: E402
+from planners.replay import predict  # noqa: E402
+from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
+from qsync_jax.plan import Plan  # noqa: E402
+from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "models.jsonl")
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+"""Profiled precisions: those the policies below use (int8_fwd's backward is fp16)."""
+UNIFORM = ("fp32", "bf16", "int8", "int8_fwd")
+
+
+def qsync_policy(task, prof, batch_size: int, say) -> PrecisionPolicy:
+  """The allocator's plan for an inference group next to a bf16 training group (same GPU)."""
+  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+  variables = step.init_variables(task, batch, 0)
+  stream = task.train_batches(batch_size, 2)
+  t0 = time.perf_counter()
+  omega = compute(task, variables, [next(stream) for _ in range(2)], ("gradient",), ("int8", "bf16"))
+  say(f"indicator: {len(omega['gradient']['omega'])} ops in {time.perf_counter() - t0:.0f} s")
+  t = prof.device_type
+  cluster = ClusterSpec(
+    (DeviceGroup("training", t, 1, 1e3, batch_size), DeviceGroup("inference", t, 1, 1e3, batch_size))
+  )
+  problem = make_problem(cluster, {t: prof}, omega["gradient"], ["training"], train_policy="bf16")
+  alloc = greedy(problem)
+  return alloc.plan.policies["inference"]
+
+
+def row(model, case, metric, value, baseline, device, **extra):
+  return {
+    "benchmark": "models",
+    "case": f"{model}/{case}",
+    "device": device,
+    "jax_version": jax.__version__,
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "metric": metric,
+    "value": value,
+    "baseline": baseline,
+    "ratio": value / baseline if baseline else None,
+    **extra,
+  }
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--models", nargs="+", default=["resnet18_224", "lm_base"])
+  ap.add_argument("--repeats", type=int, default=20, help="timed steps per policy (median)")
+  ap.add_argument("--profile-repeats", type=int, default=5)
+  ap.add_argument("--batch", type=int, help="override the model's per-device batch")
+  ap.add_argument("--results", default=RESULTS)
+  ap.add_argument("--no-save", action="store_true")
+  args = ap.parse_args(argv)
+  device = jax.devices()[0].device_kind
+  t_start = time.perf_counter()
+
+  def say(msg):
+    print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", flush=True)
+
+  def emit(r):
+    if not args.no_save:
+      with open(args.results, "a") as f:
+        f.write(json.dumps(r) + "\n")
+
+  table = []
+  for model in args.models:
+    task, batch_size = get_model(model)
+    batch_size = args.batch or batch_size
+    prof = measure_profile(
+      task, batch_size, PRECISIONS, repeats=args.profile_repeats, step_repeats=args.repeats
+    )
+    say(f"{model}: profiled {len(prof.ops)} ops (batch {batch_size})")
+    policies = {name: PrecisionPolicy.uniform(name) for name in UNIFORM}
+    try:
+      policies["qsync"] = qsync_policy(task, prof, batch_size, say)
+    except Exception as e:  # noqa: BLE001 - report it; the uniform policies still count
+      say(f"{model}: no qsync plan: {type(e).__name__}: {str(e)[:300]}")
+    batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+    cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
+    measured = {}
+    for name, policy in policies.items():
+      meas, samples, peak = step.time_train_step(task, policy, batch, args.repeats)
+      pred = predict(cluster, {prof.device_type: prof}, Plan(policies={"all": policy}))
+      iqr = float(np.percentile(samples, 75) - np.percentile(samples, 25))
+      measured[name] = meas
+      err = (pred.step_ms - meas) / meas
+      mem = pred.memory_bytes["all"]
+      table.append((model, name, meas, iqr, pred.step_ms, err, mem, peak))
+      say(
+        f"{model} {name}: meas {meas:.2f} ms (IQR {iqr:.2f}), pred {pred.step_ms:.2f} ms ({100 * err:+.1f} %)"
+      )
+      extra = {"iqr_ms": iqr, "batch": batch_size, "policy": policy.to_json() if name == "qsync" else name}
+      emit(row(model, name, "step_ms_median", meas, measured.get("bf16"), device, **extra))
+      emit(row(model, name, "predicted_step_ms", pred.step_ms, meas, device))
+      emit(row(model, name, "predicted_peak_bytes", mem, peak, device))
+
+  print(
+    f"\n{'model':13s} {'policy':9s} {'meas ms':>8s} {'IQR':>6s} {'bf16/x':>7s} {'pred ms':>8s} {'error':>7s} {'mem err':>7s}"
+  )
+  for model, name, meas, iqr, pms, err, mem, peak in table:
+    bf16 = next(m for mo, n, m, *_ in table if mo == model and n == "bf16")
+    merr = f"{100 * (mem - peak) / peak:+6.1f}%" if peak else "   n/a"
+    print(
+      f"{model:13s} {name:9s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f} {pms:8.2f} {100 * err:+6.1f}% {merr}"
+    )
+  errs = np.abs([r[5] for r in table])
+  print(
+    f"\npredictor on {device}: mean |error| {100 * errs.mean():.1f} %, max {100 * errs.max():.1f} % over {len(errs)} runs"
+  )
+  emit(row("all", "mean_abs_step_error", "abs_rel_error", float(errs.mean()), None, device))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
