@@ -203,6 +203,46 @@ def residual_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
   return int(total * op.calls)
 
 
+def upcasts_16bit_products(device_type: str) -> bool:
+  """Whether the runtime runs bf16/fp16 legs on ``device_type`` as fp32 products of 16-bit-rounded
+  values (``qsync_jax.qdot.leg_dot`` does so on XLA:CPU, which lacks some 16-bit products)."""
+  return device_type == "cpu"
+
+
+def kept_bytes(
+  op: OpShape, op_policy: OpPolicy | None, upcast_16bit: bool = False, lhs_differentiated: bool = True
+) -> int:
+  """Bytes the compiled training step keeps live for one op's backward pass.
+
+  ``residual_bytes`` (what the op's ``custom_vjp`` saves) with two corrections for what XLA
+  does with it inside a whole step:
+
+  * ``upcast_16bit`` (``upcasts_16bit_products``): a bf16/fp16 forward's backward legs read
+    its 16-bit residual as fp32; XLA fuses that conversion into the residual's producer and
+    keeps the fp32 values, so the residual costs 4 bytes per element, as an fp32 forward's.
+    Likewise an int8/fp8 activation residual read by a float drhs leg is kept dequantized.
+  * stochastic rounding: the random bits of every stochastically rounded int8/fp8 gradient
+    operand (4 bytes per element of dY, per leg) depend only on the key, so XLA generates
+    them ahead of the backward pass and they are live together. The first op's dlhs
+    (``lhs_differentiated=False``: the model input) is never computed.
+  """
+  kept = residual_bytes(op, op_policy)
+  if op_policy is None:
+    return kept
+  if upcast_16bit and op_policy.fwd in FLOAT_DTYPES:
+    kept = residual_bytes(op, OpPolicy.uniform("fp32"))
+  elif upcast_16bit and op_policy.fwd in QUANTIZED_PRECISIONS:
+    # a float drhs leg reads the 8-bit activation residual dequantized, as fp32 (XLA hoists
+    # that elementwise dequantization into the forward as well): 4 bytes instead of 1 per
+    # element. (A weight residual is dequantized where the dlhs leg reads it.)
+    kept += 3 * op.lhs_elems * op.calls * (op_policy.drhs not in QUANTIZED_PRECISIONS)
+  if op_policy.grad_rounding == "stochastic":
+    legs = (op_policy.dlhs,) * lhs_differentiated + (op_policy.drhs,)
+    stochastic = sum(q in QUANTIZED_PRECISIONS for q in legs)
+    kept += 4 * op.out_elems * op.calls * stochastic
+  return int(kept)
+
+
 def transient_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
   """Bytes live only while the op's backward runs: its int8/fp8 residuals dequantized to fp32."""
   if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
@@ -371,14 +411,30 @@ def measure_policy(
     return quantized_dot_general(a, b, dims, op_policy, key)
 
   g = jax.random.normal(k3, jax.eval_shape(fwd, lhs, rhs, key).shape)
+  rhs_is_activation = op is None or not op.has_weight
 
-  def fwd_bwd(a, b, key, g):
-    y, vjp = jax.vjp(lambda a, b: fwd(a, b, key), a, b)
+  def produce(a, b, shift):
+    """The activation operand(s) as computed values, as in a training step (see the doc)."""
+    return a + shift, (b + shift if rhs_is_activation else b)
+
+  def produced_fwd(a, b, key, shift):
+    return fwd(*produce(a, b, shift), key)
+
+  def fwd_bwd(a, b, key, shift, g):
+    y, vjp = jax.vjp(lambda a, b: produced_fwd(a, b, key, shift), a, b)
     return y, vjp(g)
 
-  t_fwd = step.timed_ms(functools.partial(jax.jit(fwd), lhs, rhs, key), repeats, clock=clock)[0]
-  t_all = step.timed_ms(functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, g), repeats, clock=clock)[0]
-  return {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
+  def produce_only(a, b, shift):
+    a, b = produce(a, b, shift)
+    return (a, b) if rhs_is_activation else a
+
+  shift = jnp.zeros((), jnp.float32)
+  t_prod = step.timed_ms(functools.partial(jax.jit(produce_only), lhs, rhs, shift), repeats, clock=clock)[0]
+  t_fwd = step.timed_ms(functools.partial(jax.jit(produced_fwd), lhs, rhs, key, shift), repeats, clock=clock)[
+    0
+  ]
+  t_all = step.timed_ms(functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, shift, g), repeats, clock=clock)[0]
+  return {"fwd": max(t_fwd - t_prod, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
 
 
 def fit_cast_model(numels: Sequence[float], times_ms: Sequence[float], source: str = "measured") -> CastModel:

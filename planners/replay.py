@@ -10,8 +10,9 @@ device group (its profile, its policy, its batch), takes the longest path, and r
   same all-reduce), which tells the straggler;
 * ``group_compute_ms`` — forward + backward + optimizer of each group, no communication;
 * ``memory_bytes`` — peak memory per device of each group: parameters + optimizer state +
-  gradients + batch + activations saved for the backward at their stored precision
-  (``planners.profiler.residual_bytes``) + the largest backward transient (an int8/fp8
+  gradients + batch + activations saved for the backward as the compiled step keeps them
+  (``planners.profiler.kept_bytes``: the stored precision, fp32 for 16-bit residuals on
+  backends that upcast 16-bit products, plus stochastic rounding's random bits) + the largest backward transient (an int8/fp8
   op's residuals dequantized to fp32, ``transient_bytes``) + the profile's fitted
   ``other_bytes``.
 
@@ -33,7 +34,7 @@ from planners.graph import (
   build_graph,
   longest_path,
 )
-from planners.profiler import Profile, modeled_profile, residual_bytes, transient_bytes
+from planners.profiler import Profile, kept_bytes, modeled_profile, transient_bytes, upcasts_16bit_products
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -104,7 +105,8 @@ def op_memory(group: GroupCost, op_index: int) -> tuple[int, int]:
   prof = group.profile
   op = prof.ops[op_index].scaled(group.batch_per_device / prof.batch_per_device)
   pol = group.op_policies.get(op.name)
-  return residual_bytes(op, pol), transient_bytes(op, pol)
+  kept = kept_bytes(op, pol, upcasts_16bit_products(prof.device_type), op_index > 0)
+  return kept, transient_bytes(op, pol)
 
 
 def memory_bytes(group: GroupCost, memory_fn=None) -> int:

@@ -83,29 +83,58 @@ def test_cast_nodes_where_precisions_change(preset, casts):
   assert got == pytest.approx(casts)
 
 
-def _cluster(memory_gb=1.0, n=2):
+def _cluster(memory_gb=1.0, n=2, device_type="cpu"):
   return ClusterSpec(
-    (DeviceGroup("a", "cpu", n, memory_gb, 8, 1.0), DeviceGroup("b", "cpu", n, memory_gb, 8, 1.0))
+    (
+      DeviceGroup("a", device_type, n, memory_gb, 8, 1.0),
+      DeviceGroup("b", device_type, n, memory_gb, 8, 1.0),
+    )
   )
 
 
+def _memory(device_type, lhs, preset):
+  prof = fake_profile([(1, 1, 1)] * 3, lhs_elems=lhs, device_type=device_type)
+  cluster = _cluster(device_type=device_type)
+  return predict(cluster, {device_type: prof}, Plan.uniform(cluster, preset)).memory_bytes["a"], prof
+
+
 def test_predict_memory_counts_residuals_at_stored_precision():
-  rng = np.random.default_rng()
-  lhs = int(rng.integers(1000, 5000))
-  prof = fake_profile([(1, 1, 1)] * 3, lhs_elems=lhs)
-  cluster = _cluster()
-  fp32 = predict(cluster, {"cpu": prof}, Plan.uniform(cluster, "fp32"))
-  int8 = predict(cluster, {"cpu": prof}, Plan.uniform(cluster, "int8_fwd"))
+  # a device whose 16-bit products run natively: residuals are kept as the ops store them
+  lhs = int(np.random.default_rng().integers(1000, 5000))
+  fp32, prof = _memory("A100", lhs, "fp32")
   params = prof.memory["param_bytes"]
   # fp32 forward saves the fp32 activation (the weight is the parameter itself)
-  assert fp32.memory_bytes["a"] == 4 * params + 3 * 4 * lhs
+  assert fp32 == 4 * params + 3 * 4 * lhs
   # int8 forward saves 1-byte activations and weights plus per-channel fp32 scales, and one
   # op's residuals are dequantized to fp32 at a time in the backward
   scales = 3 * 4 * (8 + 100)
-  assert int8.memory_bytes["a"] == 4 * params + 3 * (lhs + 1000) + scales + 4 * (lhs + 1000)
-  bf16 = predict(cluster, {"cpu": prof}, Plan.uniform(cluster, "bf16"))
-  assert bf16.memory_bytes["a"] == 4 * params + 3 * 2 * lhs
-  assert fp32.fits
+  assert _memory("A100", lhs, "int8_fwd")[0] == 4 * params + 3 * (lhs + 1000) + scales + 4 * (lhs + 1000)
+  assert _memory("A100", lhs, "bf16")[0] == 4 * params + 3 * 2 * lhs
+
+
+def test_predict_memory_on_cpu_keeps_fp32_copies_of_upcast_residuals():
+  # XLA:CPU runs 16-bit legs as fp32 products: a bf16 residual is kept as fp32, and an int8
+  # activation residual read by an fp16 drhs leg is kept dequantized (4 bytes, not 1)
+  lhs = int(np.random.default_rng().integers(1000, 5000))
+  fp32, prof = _memory("cpu", lhs, "fp32")
+  params = prof.memory["param_bytes"]
+  assert _memory("cpu", lhs, "bf16")[0] == fp32 == 4 * params + 3 * 4 * lhs
+  scales = 3 * 4 * (8 + 100)
+  int8_fwd = 4 * params + 3 * (4 * lhs + 1000) + scales + 4 * (lhs + 1000)
+  assert _memory("cpu", lhs, "int8_fwd")[0] == int8_fwd
+
+
+def test_predict_memory_counts_stochastic_rounding_bits():
+  # int8 with stochastic gradient rounding: 4 random bytes per element of dY for each
+  # stochastic leg (dlhs and drhs; the first op has no dlhs), live together
+  lhs = int(np.random.default_rng().integers(1000, 5000))
+  int8, prof = _memory("A100", lhs, "int8")
+  params = prof.memory["param_bytes"]
+  out = prof.ops[0].out_elems
+  scales = 3 * 4 * (8 + 100)
+  residuals = 3 * (lhs + 1000) + scales
+  transient = 4 * (lhs + 1000)  # one op's residuals dequantized in the backward
+  assert int8 == 4 * params + residuals + transient + 4 * out * (1 + 2 + 2)
 
 
 def test_trace_exports(tmp_path):
