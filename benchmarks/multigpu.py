@@ -11,8 +11,9 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
   efficiency t(1) / t(n);
 * sync: fp32, bf16 and Global-QSGD all-reduce on all devices: step time, bytes per step in
   the compiled HLO's collectives, and the collectives' dtypes (Global-QSGD must stay s8);
-* SelSync: step time and bytes on a local (non-sync) step vs a sync step; QSDP: step time
-  and bytes (int8 all-gathers);
+* SelSync: step time and bytes of a local (never-sync) step and of a sync step (its warm-up
+  and flagged steps: a parameter average after the update, which cannot overlap the
+  backward pass); QSDP: step time and bytes (int8 all-gathers);
 * predictor: the replay's step time for every scaling case against the measured one. Its
   inputs are measured apart from the steps it predicts: the op profile on one device
   (``measure_profile``) and, per device count, the all-reduce line of a ``psum``
@@ -113,14 +114,21 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
   return med, iqr, coll
 
 
+SELSYNC_CASES = {
+  "selsync_local": {"warmup": 0, "delta": 1e30},  # never synchronizes: the local step
+  "selsync_sync": {"warmup": 10**9},  # synchronizes every step (as during its warm-up)
+}
+"""SelSync timed at both ends: a training run's step time is a mix set by its sync fraction."""
+
+
 def builder_case(task, n, batch, name, steps):
   devices = jax.devices()[:n]
   cluster = ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
   ts = make_train_step(task, cluster, None, optax.adam(1e-4), devices=devices)
   initial = ts.init(0, next(task.train_batches(cluster.global_batch, 0))).params
   loss_fn = task_loss_fn(task, PrecisionPolicy.uniform("bf16"))
-  if name == "selsync":
-    trainer = make_selsync_step(loss_fn, optax.adam(1e-4), ts.mesh)
+  if name in SELSYNC_CASES:
+    trainer = make_selsync_step(loss_fn, optax.adam(1e-4), ts.mesh, **SELSYNC_CASES[name])
   else:
     trainer = make_qsdp_step(loss_fn, optax.adam(1e-4), initial, ts.mesh)
   sharding = NamedSharding(ts.mesh, P("data"))
@@ -161,12 +169,15 @@ def row(case, metric, value, baseline, device, **extra):
 def predictor_rows(task, args, measured, device) -> list[dict]:
   """Predicted vs measured step of every scaling case; prints a table, returns JSON rows."""
   t0 = time.perf_counter()
+  profiled = set(args.profile_precisions)
+  say = lambda msg: print(f"  [{time.perf_counter() - t0:5.0f} s] profile: {msg}", flush=True)  # noqa: E731
   prof = measure_profile(
     task,
     args.batch,
-    precisions=("fp32", "bf16", "fp16", "int8"),
+    precisions=tuple(profiled),
     repeats=args.profile_repeats,
     step_repeats=args.steps,
+    progress=say,
   )
   links = {n: measure_link(jax.devices()[:n]) for n in sorted({n for _, n in measured}) if n > 1}
   print(f"\npredictor: profiled {len(prof.ops)} ops on one device in {time.perf_counter() - t0:.0f} s")
@@ -178,6 +189,11 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
   print(f"{'policy':<8} {'devices':>7} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'comm ms':>8}")
   rows, errors = [], []
   for (name, n), meas in sorted(measured.items()):
+    policy = policies()[name]
+    if (
+      not {q for r in policy.rules for q in r.policy.precisions} | set(policy.default.precisions) <= profiled
+    ):
+      continue  # a policy using precisions the profile skipped (to save profiling time)
     link = links.get(n)
     group = DeviceGroup("gpus", prof.device_type, n, 1e3, args.batch)
     if link:
@@ -185,7 +201,7 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
     pred = predict(
       ClusterSpec((group,)),
       {prof.device_type: prof},
-      Plan(policies={"gpus": policies()[name]}),
+      Plan(policies={"gpus": policy}),
       **({"latency_us": link.latency_us} if link else {}),
     )
     err = (pred.step_ms - meas * 1e3) / (meas * 1e3)
@@ -233,8 +249,17 @@ def main(argv=None) -> int:
   parser.add_argument("--no-save", action="store_true")
   parser.add_argument("--results", default=RESULTS, help=f"JSON lines file to append to (default {RESULTS})")
   parser.add_argument("--skip-scaling", action="store_true")
+  parser.add_argument(
+    "--policies", nargs="+", default=["bf16", "mixed"], help="policies of the scaling cases"
+  )
   parser.add_argument("--dump-dir", help="write each sync case's compiled HLO here")
   parser.add_argument("--profile-repeats", type=int, default=10, help="repeats of each profiled op")
+  parser.add_argument(
+    "--profile-precisions",
+    nargs="+",
+    default=["fp32", "bf16", "fp16", "int8"],
+    help="precisions the predictor's profile measures; it predicts the policies within them",
+  )
   parser.add_argument("--skip-predictor", action="store_true")
   parser.add_argument("--process-timeout", type=int, default=240, help="seconds for the multi-process run")
   parser.add_argument(
@@ -266,7 +291,8 @@ def main(argv=None) -> int:
   counts = [n for n in (1, 2, 4, 8) if n <= total]
   print(f"{'policy':<8} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
   measured = {}  # (policy, devices) -> median step s
-  for name, policy in policies().items() if not args.skip_scaling else ():
+  scaling = {k: v for k, v in policies().items() if k in args.policies and not args.skip_scaling}
+  for name, policy in scaling.items():
     base = None
     for n in counts:
       try:
@@ -298,7 +324,7 @@ def main(argv=None) -> int:
     emit(row(f"sync/{sync}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes))
 
   # 3. SelSync and QSDP
-  for name in ("selsync", "qsdp") if not args.skip_sync else ():
+  for name in (*SELSYNC_CASES, "qsdp") if not args.skip_sync else ():
     try:
       med, iqr, coll, note = builder_case(task, total, args.batch, name, args.steps)
     except Exception as e:  # noqa: BLE001 - report and go on: the other cases still count
