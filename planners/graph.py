@@ -112,6 +112,9 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
   int8/fp8: the leg dequantizes it itself). ``cast_bwd`` — the saved int8/fp8 operands
   dequantized to fp32 — appears when some gradient leg runs at another precision.
 
+  The drhs leg also carries the op's relayout (``Profile.relayout_ms``) when its policy makes
+  XLA re-run the producer of its saved activation (fp32; see ``planners.steptrace``).
+
   When the profile timed the op under its whole policy (``"policy:<preset>"``), that is used
   instead: the forward as timed, the backward split between dlhs and drhs in proportion to
   their leg times (the first op, which has no dlhs, keeps only the drhs share)."""
@@ -130,6 +133,11 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
 
   preset = PRESET_NAMES.get(pol)
   whole = prof.op_ms[op.name].get(f"policy:{preset}") if preset else None
+  # the step-time relayout of the saved activation for the drhs leg (measured in the fp32
+  # step, ``planners.steptrace``): paid by an fp32 op, and by any op whose policy also
+  # leaves XLA re-running the activation's producer (``profiler.refuses_producer``)
+  refuses = p in FP32_LIKE or bool(whole is not None and whole.get("refuses_producer"))
+  relayout = scale * prof.relayout_ms.get(op.name, 0.0) if refuses else 0.0
   if whole is not None:  # the op timed under its whole policy: split bwd by the legs' shares
     shares = {
       name: prof.leg_ms(op.name, name, pol.dlhs if name == "dlhs" else pol.drhs) for name in LEG_NAMES
@@ -138,6 +146,7 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
     costs = {"fwd": (op.calls * scale * whole["fwd"], p)}
     for name, q in legs.items():
       costs[name] = (op.calls * scale * whole["bwd"] * shares[name] / total, q)
+    costs["drhs"] = (costs["drhs"][0] + relayout, pol.drhs)
     return costs
   costs = {"fwd": (leg("fwd", p), p)}
   if p in QUANTIZED_PRECISIONS and any(q != p for q in legs.values()):
@@ -149,6 +158,7 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
     )
   for name, q in legs.items():
     costs[name] = (leg(name, q), q)
+  costs["drhs"] = (costs["drhs"][0] + relayout, pol.drhs)
   return costs
 
 

@@ -25,6 +25,10 @@ import jax
 from qsync_jax.flax_quant import OpInfo, quantize
 from qsync_jax.policy import PrecisionPolicy
 
+ATTENTION_EINSUMS = {"attention_qk": "...qhd,...khd->...hqk", "attention_pv": "...hqk,...khd->...qhd"}
+"""The products of ``flax.linen.dot_product_attention`` (their real operand layouts; also
+how they are named in a step's JAX name stack)."""
+
 WEIGHT_KINDS = ("dense", "dense_general", "conv", "einsum", "embed", "embed_attend")
 """Op kinds whose right operand is a parameter (its gradient is all-reduced)."""
 

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.quantize import dequantize, quantize
-from planners import catalog, step
-from planners.ops import OpShape, collect_ops
+from planners import catalog, step, steptrace
+from planners.ops import ATTENTION_EINSUMS, OpShape, collect_ops
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import LEGS, PRESETS, QUANTIZED_PRECISIONS, OpPolicy, supported_precisions
@@ -96,6 +96,7 @@ class Profile:
   cast: dict[str, CastModel]
   memory: dict[str, int]
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+  relayout_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def leg_ms(self, op: str, leg: str, precision: str, variant: str = "") -> float:
     """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch); a
@@ -131,6 +132,7 @@ class Profile:
       "cast": {k: dataclasses.asdict(v) for k, v in self.cast.items()},
       "memory": self.memory,
       "meta": self.meta,
+      "relayout_ms": self.relayout_ms,
     }
 
   def save(self, path: str) -> None:
@@ -158,6 +160,7 @@ class Profile:
         cast={k: CastModel(**v) for k, v in obj["cast"].items()},
         memory=obj["memory"],
         meta=obj.get("meta", {}),
+        relayout_ms={k: float(v) for k, v in obj.get("relayout_ms", {}).items()},
       )
     except (KeyError, TypeError) as e:
       raise PlanError(f"{source}: malformed profile ({e!r}). Fix: re-run `qsync profile`.") from None
@@ -336,10 +339,6 @@ def measure_leg(precision, leg, batch, m, k, n, repeats=10, overhead=0.0, seed=0
   return max(step.timed_ms(lambda: f(*args), repeats, clock=clock)[0] - overhead, 1e-3)
 
 
-ATTENTION_EINSUMS = {"attention_qk": "...qhd,...khd->...hqk", "attention_pv": "...hqk,...khd->...qhd"}
-"""The products of ``flax.linen.dot_product_attention`` (their real operand layouts)."""
-
-
 def real_dims(op: OpShape):
   """The ``dot_general`` dimension numbers of a weight op on its real operand shapes: Dense,
   DenseGeneral and Embed contract the trailing axes of the input with the leading axes of the
@@ -411,30 +410,36 @@ def measure_policy(
     return quantized_dot_general(a, b, dims, op_policy, key)
 
   g = jax.random.normal(k3, jax.eval_shape(fwd, lhs, rhs, key).shape)
-  rhs_is_activation = op is None or not op.has_weight
 
-  def produce(a, b, shift):
-    """The activation operand(s) as computed values, as in a training step (see the doc)."""
-    return a + shift, (b + shift if rhs_is_activation else b)
-
-  def produced_fwd(a, b, key, shift):
-    return fwd(*produce(a, b, shift), key)
-
-  def fwd_bwd(a, b, key, shift, g):
-    y, vjp = jax.vjp(lambda a, b: produced_fwd(a, b, key, shift), a, b)
+  def fwd_bwd(a, b, key, g):
+    y, vjp = jax.vjp(lambda a, b: fwd(a, b, key), a, b)
     return y, vjp(g)
 
-  def produce_only(a, b, shift):
-    a, b = produce(a, b, shift)
-    return (a, b) if rhs_is_activation else a
+  t_fwd = step.timed_ms(functools.partial(jax.jit(fwd), lhs, rhs, key), repeats, clock=clock)[0]
+  t_all = step.timed_ms(functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, g), repeats, clock=clock)[0]
+  out = {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
+  if jax.devices()[0].platform == "cpu":
+    out["refuses_producer"] = float(refuses_producer(fwd, lhs, rhs, key, g))
+  return out
 
-  shift = jnp.zeros((), jnp.float32)
-  t_prod = step.timed_ms(functools.partial(jax.jit(produce_only), lhs, rhs, shift), repeats, clock=clock)[0]
-  t_fwd = step.timed_ms(functools.partial(jax.jit(produced_fwd), lhs, rhs, key, shift), repeats, clock=clock)[
-    0
-  ]
-  t_all = step.timed_ms(functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, shift, g), repeats, clock=clock)[0]
-  return {"fwd": max(t_fwd - t_prod, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
+
+def refuses_producer(fwd, lhs, rhs, key, g) -> bool:
+  """Whether XLA, in a training step, re-runs the producer of the op's activation operand to
+  lay the saved activation out for the gradient legs (``planners.steptrace``), judged on the
+  compiled forward + backward of ``fwd`` whose activation is produced in the program from
+  two inputs (``(x + c) · t``, like an activation function of a product and its bias): True
+  when a relayout fusion reads the producer's inputs instead of a saved copy. An fp32 op saves
+  the producer's output itself, so XLA re-runs the producer; a bf16 copy or an int8 residual
+  is materialized and relaid out cheaply."""
+  t = jnp.ones_like(lhs)
+
+  def produced(a, b, c, t, key, g):
+    y, vjp = jax.vjp(lambda a, b: fwd((a + c) * t, b, key), a, b)
+    return y, vjp(g)
+
+  args = (lhs, rhs, jnp.zeros((), lhs.dtype), t, key, g)
+  hlo = jax.jit(produced).lower(*args).compile().as_text()
+  return any(0 in fusion.operand_params for fusion in steptrace.relayout_fusions(hlo))
 
 
 def fit_cast_model(numels: Sequence[float], times_ms: Sequence[float], source: str = "measured") -> CastModel:
@@ -587,9 +592,10 @@ def measure_profile(
   cast = measure_casts(cast_sizes, repeats=repeats, overhead=overhead, clock=clock, precisions=precisions)
 
   say("fp32 training step")
-  step_ms, samples, peak = step.time_train_step(
-    task, PrecisionPolicy.uniform("fp32"), batch, step_repeats, clock=clock
-  )
+  fp32 = PrecisionPolicy.uniform("fp32")
+  step_ms, samples, peak = step.time_train_step(task, fp32, batch, step_repeats, clock=clock)
+  hlo, instruction_ms = steptrace.step_instruction_ms(task, fp32, batch, max(step_repeats // 2, 3), seed=seed)
+  relayout = steptrace.relayout_ms(hlo, instruction_ms, ops)
   memory = {
     "param_bytes": step.tree_bytes(params),
     "opt_state_bytes": step.tree_bytes(opt_state),
@@ -607,6 +613,7 @@ def measure_profile(
     optimizer_ms,
     cast,
     memory,
+    relayout_ms=relayout,
   )
   rest, other = fit_remainder(draft, step_ms, peak)
   memory["other_bytes"] = other
@@ -633,6 +640,7 @@ def measure_profile(
     cast=cast,
     memory=memory,
     meta=meta,
+    relayout_ms=relayout,
   )
 
 

@@ -1,0 +1,200 @@
+"""Relayouts of saved activations in a compiled training step, and what they cost in it.
+
+A gradient leg contracts a saved activation over another axis than the forward did (drhs:
+Xᵀ·dY contracts the tokens / pixels), so XLA lays the activation out anew for it: a
+*relayout* fusion (a transposing copy). When the op saved the producer's output itself (an
+fp32 op) XLA re-runs the producer inside that fusion, reading the producer's inputs with a
+stride; on XLA:CPU this cost 7 ms of a 65 ms transformer step (a GELU re-run twice), ~20×
+a standalone copy, and it disappears when the op saves a bf16 copy or an int8 residual
+instead. Standalone op timings cannot see it (there the operand is a program input), so the
+profiler measures it inside the fp32 step — the plan it fits — from XLA's per-instruction
+trace, and attributes each relayout to the op whose gradient product reads it:
+
+* ``entry_instructions(hlo)`` / ``relayout_fusions(hlo)`` — the ENTRY instructions of a
+  compiled module's text and its relayout fusions;
+* ``step_instruction_ms(task, policy, batch, repeats)`` — ``(hlo text, {instruction: ms per
+  step})`` of the jitted training step (``planners.step``), from a ``jax.profiler`` trace with
+  XLA:CPU's per-instruction trace events (CPU only);
+* ``relayout_ms(hlo, instruction_ms, ops)`` — ``{op name: ms}`` of the relayouts each op's
+  gradient products read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import json
+import re
+import tempfile
+from collections import defaultdict
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from planners import step
+from planners.ops import ATTENTION_EINSUMS, OpShape
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One instruction of a module's ENTRY computation.
+
+  Attributes:
+    name: instruction name (also the name of its trace events on XLA:CPU).
+    opcode: e.g. ``fusion``, ``parameter``.
+    operands: names of its operands.
+    calls: the computation it calls (fusions), else None.
+    op_name: its ``metadata`` op_name (the JAX name stack), else "".
+    operand_params: parameter numbers of the ENTRY parameters among its operands.
+  """
+
+  name: str
+  opcode: str
+  operands: tuple[str, ...]
+  calls: str | None
+  op_name: str
+  operand_params: tuple[int, ...] = ()
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*)$")
+
+
+def _computations(hlo: str) -> dict[str, str]:
+  """``{computation name: body text}``; the ENTRY computation under ``"ENTRY"``."""
+  out, name, body = {}, None, []
+  for line in hlo.splitlines():
+    head = re.match(r"^(ENTRY )?%(\S+) .*\{\s*$", line)
+    if head and name is None:
+      name, body = ("ENTRY" if head.group(1) else head.group(2)), []
+    elif line.startswith("}") and name is not None:
+      out[name] = "\n".join(body)
+      name = None
+    elif name is not None:
+      body.append(line)
+  return out
+
+
+def _operand_text(rest: str) -> str:
+  depth = 1
+  for i, ch in enumerate(rest):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      return rest[:i]
+  return rest
+
+
+def entry_instructions(hlo: str) -> list[Instruction]:
+  """The ENTRY instructions of the text of a compiled HLO module, in order."""
+  body = _computations(hlo).get("ENTRY", "")
+  parsed, params = [], {}
+  for line in body.splitlines():
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, _, opcode, rest = m.groups()
+    operand_text = _operand_text(rest)
+    if opcode == "parameter":
+      params[name] = int(operand_text)
+    calls = re.search(r"calls=%([\w.\-]+)", rest)
+    meta = re.search(r'op_name="([^"]*)"', rest)
+    operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
+    parsed.append((name, opcode, operands, calls.group(1) if calls else None, meta.group(1) if meta else ""))
+  return [
+    Instruction(n, o, ops, c, m, tuple(params[x] for x in ops if x in params)) for n, o, ops, c, m in parsed
+  ]
+
+
+def relayout_fusions(hlo: str) -> list[Instruction]:
+  """Loop fusions of the ENTRY computation that write a transposed copy (a relayout)."""
+  bodies = _computations(hlo)
+  out = []
+  for ins in entry_instructions(hlo):
+    body = bodies.get(ins.calls or "", "")
+    if ins.opcode == "fusion" and " transpose(" in body and " copy(" in body:
+      out.append(ins)
+  return out
+
+
+def _is_subsequence(parts: Sequence[str], of: Sequence[str]) -> bool:
+  it = iter(of)
+  return all(p in it for p in parts)
+
+
+def op_of(op_name: str, ops: Sequence[OpShape]) -> OpShape | None:
+  """The op whose product an instruction's JAX name stack ``op_name`` belongs to: its module
+  path's components appear in it in order (Flax repeats a module's name for its method) and
+  attention products name their einsum; the longest path wins."""
+  parts = op_name.split("/")
+  attention = any(e in op_name for e in ATTENTION_EINSUMS.values())
+  best = None
+  for op in ops:
+    path = op.name.split(":")[0].split("/")
+    einsum = ATTENTION_EINSUMS.get(op.kind)
+    if (einsum in op_name if einsum else not attention) and _is_subsequence(path, parts):
+      if best is None or len(path) > len(best.name.split(":")[0].split("/")):
+        best = op
+  return best
+
+
+def relayout_ms(hlo: str, instruction_ms: dict[str, float], ops: Sequence[OpShape]) -> dict[str, float]:
+  """``{op name: ms}``: the step time of the relayout fusions whose result a gradient product
+  of the op reads (each relayout counted once, for its first such reader)."""
+  instructions = entry_instructions(hlo)
+  readers = defaultdict(list)
+  for ins in instructions:
+    for operand in ins.operands:
+      readers[operand].append(ins)
+  out: dict[str, float] = {}
+  for fusion in relayout_fusions(hlo):
+    for reader in readers[fusion.name]:
+      if "transpose(jvp" not in reader.op_name or "dot_general" not in reader.op_name:
+        continue
+      op = op_of(reader.op_name, ops)
+      if op is not None:
+        out[op.name] = out.get(op.name, 0.0) + instruction_ms.get(fusion.name, 0.0)
+        break
+  return out
+
+
+TRACE_OPTIONS = {"xla_cpu_enable_xprof_traceme": True}
+"""XLA:CPU compile option: one trace event per executed instruction."""
+
+
+def step_instruction_ms(task, policy, batch, repeats: int = 10, optimizer=None, seed: int = 0):
+  """``(hlo text, {instruction name: median ms per step})`` of the jitted training step of
+  ``task`` under ``policy`` (XLA:CPU only: other backends return an empty table).
+
+  The step is compiled with per-instruction trace events and run ``repeats`` times under
+  ``jax.profiler.trace``; an instruction's time is the median of its events (wall clock)
+  times its events per step.
+  """
+  optimizer = optimizer or step.default_optimizer()
+  variables = step.init_variables(task, batch, seed)
+  opt_state = optimizer.init(variables["params"])
+  key = jax.random.key(seed)
+  lowered = step.make_train_step(task, policy, optimizer).lower(variables, opt_state, batch, key)
+  if jax.devices()[0].platform != "cpu":
+    return lowered.compile().as_text(), {}
+  compiled = lowered.compile(compiler_options=TRACE_OPTIONS)
+  hlo = compiled.as_text()
+  names = {ins.name for ins in entry_instructions(hlo)}
+  state = [variables, opt_state]
+
+  def run():
+    state[0], state[1], loss = compiled(state[0], state[1], batch, key)
+    jax.block_until_ready(loss)
+
+  run()
+  durations = defaultdict(list)
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+      for _ in range(repeats):
+        run()
+    for path in glob.glob(f"{log_dir}/**/*.trace.json.gz", recursive=True):
+      with gzip.open(path) as f:
+        for event in json.load(f).get("traceEvents", []):
+          if event.get("ph") == "X" and event.get("name") in names:
+            durations[event["name"]].append(event["dur"] / 1e3)
+  return hlo, {n: float(np.median(d)) * len(d) / repeats for n, d in durations.items()}

@@ -1,0 +1,124 @@
+"""Relayouts of saved activations: parsing, attribution to ops, tracing a step, replay cost."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from planners import steptrace
+from planners.graph import GroupCost, op_costs
+from planners.ops import OpShape, collect_ops
+from planners.profiler import Profile
+from planners.step import init_variables
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import OpPolicy
+from tests.planners import tiny
+from tests.planners.fakes import fake_profile
+
+HLO = """HloModule jit_step
+
+%fused_relayout (param_0: f32[4,8], param_1: f32[4,8]) -> f32[8,4] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %param_1 = f32[4,8]{1,0} parameter(1)
+  %add.1 = f32[4,8]{1,0} add(%param_0, %param_1)
+  %transpose.1 = f32[8,4]{0,1} transpose(%add.1), dimensions={1,0}
+  ROOT %copy.1 = f32[8,4]{1,0} copy(%transpose.1)
+}
+
+%fused_plain (param_0: f32[4,8]) -> f32[4,8] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  ROOT %negate.1 = f32[4,8]{1,0} negate(%param_0)
+}
+
+ENTRY %main (x.1: f32[4,8], t.1: f32[4,8], g.1: f32[4,3]) -> f32[8,3] {
+  %x.1 = f32[4,8]{1,0} parameter(0), metadata={op_name="x"}
+  %t.1 = f32[4,8]{1,0} parameter(1), metadata={op_name="t"}
+  %g.1 = f32[4,3]{1,0} parameter(2), metadata={op_name="g"}
+  %relayout = f32[8,4]{1,0} fusion(%x.1, %t.1), kind=kLoop, calls=%fused_relayout, metadata={op_name="jit(step)/jvp(M)/block0/mul"}
+  %plain = f32[4,8]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_plain, metadata={op_name="jit(step)/jvp(M)/neg"}
+  ROOT %dot.1 = f32[8,3]{1,0} dot(%relayout, %g.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/transpose(jvp(M))/block0/mlp_out/mlp_out/dot_general"}
+}
+"""
+
+
+def _op(name, kind="dense"):
+  return OpShape(name, kind, 1, 4, 8, 3)
+
+
+def test_entry_instructions_and_relayout_fusions():
+  instructions = {ins.name: ins for ins in steptrace.entry_instructions(HLO)}
+  assert set(instructions) == {"x.1", "t.1", "g.1", "relayout", "plain", "dot.1"}
+  assert instructions["relayout"].operand_params == (0, 1)
+  assert instructions["dot.1"].operands == ("relayout", "g.1")
+  assert instructions["dot.1"].op_name.endswith("mlp_out/mlp_out/dot_general")
+  assert [f.name for f in steptrace.relayout_fusions(HLO)] == ["relayout"]
+
+
+def test_relayout_is_attributed_to_the_op_whose_gradient_product_reads_it():
+  ms = float(np.random.default_rng().uniform(0.5, 5.0))
+  ops = [_op("block0/mlp_in:dense"), _op("block0/mlp_out:dense"), _op("mlp_out:dense")]
+  got = steptrace.relayout_ms(HLO, {"relayout": ms, "plain": 9.0}, ops)
+  assert got == {"block0/mlp_out:dense": pytest.approx(ms)}
+  # a forward reader does not count
+  forward = HLO.replace("transpose(jvp(M))/block0/mlp_out", "jvp(M)/block0/mlp_out")
+  assert steptrace.relayout_ms(forward, {"relayout": ms}, ops) == {}
+
+
+def test_op_of_follows_flax_name_stacks():
+  ops = [
+    _op("embed:embed", "embed"),
+    _op("pos_embed:embed", "embed"),
+    _op("block0/attn/query:dense_general", "dense_general"),
+    _op("block0/attn:attention_qk", "attention_qk"),
+    _op("block0/attn:attention_pv", "attention_pv"),
+  ]
+  stack = "jit(step)/transpose(jvp(LM))/"
+
+  def name(s):
+    op = steptrace.op_of(stack + s, ops)
+    return op and op.name
+
+  assert name("block0/attn/attn/query/query/dot_general") == "block0/attn/query:dense_general"
+  assert name("block0/attn/attn/...qhd,...khd->...hqk/dot_general") == "block0/attn:attention_qk"
+  assert name("block0/attn/attn/...hqk,...khd->...qhd/dot_general") == "block0/attn:attention_pv"
+  assert name("pos_embed/dot_general") == "pos_embed:embed"
+  assert name("embed/dot_general") == "embed:embed"
+  assert name("block1/attn/attn/query/query/dot_general") is None
+
+
+def test_step_instruction_ms_times_the_steps_instructions():
+  task = tiny.attn()
+  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(8, 0)))
+  hlo, ms = steptrace.step_instruction_ms(task, PrecisionPolicy.uniform("fp32"), batch, repeats=3)
+  names = {ins.name for ins in steptrace.entry_instructions(hlo)}
+  assert ms and set(ms) <= names
+  assert all(v > 0 for v in ms.values())
+  variables = init_variables(task, batch)
+  ops = collect_ops(task.model, variables, *task.inputs(batch))
+  relayout = steptrace.relayout_ms(hlo, ms, ops)
+  assert set(relayout) <= {op.name for op in ops}
+
+
+def test_replay_adds_the_relayout_where_the_policy_reruns_the_producer():
+  relayout = float(np.random.default_rng().uniform(1.0, 10.0))
+  base = fake_profile([(1.0, 1.0, 1.0)] * 2)
+  name = base.ops[1].name
+  op_ms = {n: dict(t) for n, t in base.op_ms.items()}
+  op_ms[name]["policy:bf16"] = {"fwd": 1.0, "bwd": 2.0, "refuses_producer": 0.0}
+  op_ms[name]["policy:fp16"] = {"fwd": 1.0, "bwd": 2.0, "refuses_producer": 1.0}
+  prof: Profile = dataclasses.replace(base, op_ms=op_ms, relayout_ms={name: relayout})
+
+  def drhs(preset):
+    pol = None if preset is None else OpPolicy.preset(preset)
+    return op_costs(GroupCost("g", prof, {name: pol}, prof.batch_per_device), 1)["drhs"][0]
+
+  bare = dataclasses.replace(prof, relayout_ms={})
+  assert drhs(None) == pytest.approx(
+    op_costs(GroupCost("g", bare, {}, prof.batch_per_device), 1)["drhs"][0] + relayout
+  )
+  assert drhs("fp16") == pytest.approx(1.0 + relayout)  # bwd 2.0 split evenly over dlhs, drhs
+  assert drhs("bf16") == pytest.approx(1.0)
