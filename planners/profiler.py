@@ -12,11 +12,18 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   dequantizes and re-quantizes it in one program); ``"<p>:saved:sr"`` — both.
   ``op_ms[op]["policy:<preset>"] = {"fwd": ms, "bwd": ms}`` — the op under a whole preset
   op policy, timed as one forward program and one forward + backward program
-  (``measure_policy``); the replay prefers it for ops whose policy is that preset.
+  (``measure_policy``); the replay prefers it for ops whose policy is that preset. On XLA:CPU
+  it also records ``"refuses_producer"`` (1.0 / 0.0): whether, under that policy, XLA re-runs
+  the producer of the op's activation to lay the saved activation out for the gradient legs
+  (``refuses_producer``).
+* ``relayout_ms`` — per op, the step time of those relayouts of its saved activation,
+  measured inside the fp32 step from XLA's per-instruction trace (``planners.steptrace``;
+  XLA:CPU only). The replay charges it to the op's drhs leg under fp32 and under policies
+  that re-run the producer; standalone timings cannot see it (their operands are inputs).
 * ``remainder_ms`` — the rest of the step at fp32 (elementwise ops, norms, loss): the
-  measured fp32 step minus the ops and the optimizer; split 1 : 2 between forward and
-  backward. It is a fitted correction and may be negative when standalone op timings exceed
-  their cost inside the fused step.
+  measured fp32 step minus the ops (with their relayouts) and the optimizer; split 1 : 2
+  between forward and backward. It is a fitted correction and may be negative when
+  standalone op timings exceed their cost inside the fused step.
 * ``optimizer_ms`` — the optax update.
 * ``cast`` — per cast type (``"fp32->bf16"``, ``"fp32->int8"``, ``"int8->fp32"``, and
   ``"fp32->int8:sr"`` for stochastic rounding, …) ``ms = a·numel + b`` fitted by least squares
@@ -24,7 +31,8 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   for what no leg converts: int8/fp8 residuals dequantized for the backward
   (``planners.graph``), and the conversions of modeled devices.
 * ``memory`` — parameter, optimizer-state and batch bytes, and ``other_bytes``: the XLA peak
-  of the fp32 step minus what the replay model accounts for (a fitted correction).
+  of the fp32 step minus what the replay model accounts for (a fitted correction). What an
+  op keeps for its backward inside the step is ``kept_bytes``.
 
 ``measure_profile`` measures all of it on the local device; ``modeled_profile`` derives a
 profile for a device not at hand from the catalog (roofline), labelled ``"modeled"``.

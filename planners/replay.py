@@ -12,9 +12,9 @@ device group (its profile, its policy, its batch), takes the longest path, and r
 * ``memory_bytes`` — peak memory per device of each group: parameters + optimizer state +
   gradients + batch + activations saved for the backward as the compiled step keeps them
   (``planners.profiler.kept_bytes``: the stored precision, fp32 for 16-bit residuals on
-  backends that upcast 16-bit products, plus stochastic rounding's random bits) + the largest backward transient (an int8/fp8
-  op's residuals dequantized to fp32, ``transient_bytes``) + the profile's fitted
-  ``other_bytes``.
+  backends that upcast 16-bit products, plus stochastic rounding's random bits) + the
+  largest backward transient (an int8/fp8 op's residuals dequantized to fp32,
+  ``transient_bytes``) + the profile's fitted ``other_bytes``.
 
 Profiles are keyed by device type; a group whose type has no profile gets one modeled from
 the catalog (``planners.profiler.modeled_profile``), and its numbers are labelled so.
