@@ -220,8 +220,23 @@ def upcasts_16bit_products(device_type: str) -> bool:
   return device_type == "cpu"
 
 
+def random_bits_bytes(device_type: str) -> int:
+  """Bytes per element that stochastic rounding's random bits keep live on ``device_type``.
+
+  ``jax.random.uniform`` draws through the partitionable threefry: two 32-bit words per
+  element, XORed where the noise is used. XLA:CPU runs threefry's rounds as a while loop, so
+  the two words are materialized; they depend only on the key, so the step computes them
+  ahead of the backward pass and keeps them until the rounding reads them: 8 bytes per
+  element. Elsewhere (fused generation) they are not counted: 0."""
+  return 8 if device_type == "cpu" else 0
+
+
 def kept_bytes(
-  op: OpShape, op_policy: OpPolicy | None, upcast_16bit: bool = False, lhs_differentiated: bool = True
+  op: OpShape,
+  op_policy: OpPolicy | None,
+  upcast_16bit: bool = False,
+  lhs_differentiated: bool = True,
+  random_bits: int = 0,
 ) -> int:
   """Bytes the compiled training step keeps live for one op's backward pass.
 
@@ -232,10 +247,9 @@ def kept_bytes(
     its 16-bit residual as fp32; XLA fuses that conversion into the residual's producer and
     keeps the fp32 values, so the residual costs 4 bytes per element, as an fp32 forward's.
     Likewise an int8/fp8 activation residual read by a float drhs leg is kept dequantized.
-  * stochastic rounding: the random bits of every stochastically rounded int8/fp8 gradient
-    operand (4 bytes per element of dY, per leg) depend only on the key, so XLA generates
-    them ahead of the backward pass and they are live together. The first op's dlhs
-    (``lhs_differentiated=False``: the model input) is never computed.
+  * stochastic rounding: ``random_bits`` bytes (``random_bits_bytes``) per element of dY for
+    every leg that rounds its gradient operand stochastically to int8/fp8, all live together.
+    The first op's dlhs (``lhs_differentiated=False``: the model input) is never computed.
   """
   kept = residual_bytes(op, op_policy)
   if op_policy is None:
@@ -250,7 +264,7 @@ def kept_bytes(
   if op_policy.grad_rounding == "stochastic":
     legs = (op_policy.dlhs,) * lhs_differentiated + (op_policy.drhs,)
     stochastic = sum(q in QUANTIZED_PRECISIONS for q in legs)
-    kept += 4 * op.out_elems * op.calls * stochastic
+    kept += random_bits * op.out_elems * op.calls * stochastic
   return int(kept)
 
 

@@ -34,7 +34,14 @@ from planners.graph import (
   build_graph,
   longest_path,
 )
-from planners.profiler import Profile, kept_bytes, modeled_profile, transient_bytes, upcasts_16bit_products
+from planners.profiler import (
+  Profile,
+  kept_bytes,
+  modeled_profile,
+  random_bits_bytes,
+  transient_bytes,
+  upcasts_16bit_products,
+)
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -105,7 +112,8 @@ def op_memory(group: GroupCost, op_index: int) -> tuple[int, int]:
   prof = group.profile
   op = prof.ops[op_index].scaled(group.batch_per_device / prof.batch_per_device)
   pol = group.op_policies.get(op.name)
-  kept = kept_bytes(op, pol, upcasts_16bit_products(prof.device_type), op_index > 0)
+  device = prof.device_type
+  kept = kept_bytes(op, pol, upcasts_16bit_products(device), op_index > 0, random_bits_bytes(device))
   return kept, transient_bytes(op, pol)
 
 
