@@ -122,3 +122,24 @@ def test_replay_adds_the_relayout_where_the_policy_reruns_the_producer():
   )
   assert drhs("fp16") == pytest.approx(1.0 + relayout)  # bwd 2.0 split evenly over dlhs, drhs
   assert drhs("bf16") == pytest.approx(1.0)
+
+
+def test_refuses_producer_on_this_stack():
+  # the behaviour the relayout charge rests on (XLA:CPU): an fp32 op saves its produced input
+  # itself, so the relayout for its drhs re-runs the producer; a bf16 op's saved copy is
+  # materialized and relaid out instead
+  from planners.profiler import refuses_producer
+  from qsync_jax.qdot import quantized_dot_general
+
+  rng = np.random.default_rng()
+  batch, tokens = (int(x) for x in rng.integers(2, 5, size=2))
+  lhs = jnp.asarray(rng.normal(size=(batch, 8 * tokens, 64)), jnp.float32)
+  rhs = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(batch, 8 * tokens, 16)), jnp.float32)
+  dims = (((2,), (0,)), ((), ()))
+
+  def under(preset):
+    return lambda a, b, key: quantized_dot_general(a, b, dims, OpPolicy.preset(preset), key)
+
+  assert refuses_producer(under("fp32"), lhs, rhs, None, g)
+  assert not refuses_producer(under("bf16"), lhs, rhs, None, g)
