@@ -41,7 +41,7 @@ def parse_args(argv=None):
   parser.add_argument("--batch-per-device", type=int, default=16)
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--pretrain-steps", type=int, default=40)
-  parser.add_argument("--indicator-batches", type=int, default=4)
+  parser.add_argument("--indicator-batches", type=int, default=16)
   parser.add_argument("--t4-memory", type=float, default=0.5, help="as `qsync demo --t4-memory`")
   parser.add_argument("--eval-max-batches", type=int, default=8, help="held-out batches of 256 (LM)")
   parser.add_argument("--jsonl", default=os.path.join(ROOT, "benchmarks", "results", "accuracy.jsonl"))

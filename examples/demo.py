@@ -51,7 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--pretrain-steps", type=int, default=40, help="fp32 steps before the indicator probes (default 40)"
   )
-  parser.add_argument("--indicator-batches", type=int, default=4, help="batches the indicator averages")
+  parser.add_argument(
+    "--indicator-batches",
+    type=int,
+    default=16,
+    help="batches the indicator averages (default 16, as `qsync indicator`)",
+  )
   parser.add_argument(
     "--t4-memory",
     type=float,
