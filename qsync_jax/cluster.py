@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qsync_jax.errors import ClusterSpecError
-from qsync_jax.jsonio import parse_json, read_text
+from qsync_jax.jsonio import parse_json, read_text, reject_unknown_keys
 from qsync_jax.precision import DEVICE_PRECISIONS
 
 DEFAULT_LINK_GBPS = 100.0
@@ -206,9 +206,7 @@ class ClusterSpec:
         f"a cluster spec must be an object, got {type(obj).__name__}. "
         'Fix: write {"name": "...", "groups": [{"name": ..., "device_type": ..., ...}]}.'
       )
-    unknown = sorted(set(obj) - {"name", "groups"})
-    if unknown:
-      raise ClusterSpecError(f"cluster spec: unknown key(s) {unknown}. Fix: use only 'name' and 'groups'.")
+    reject_unknown_keys(obj, ("name", "groups"), "cluster spec", ClusterSpecError, "'name' and 'groups'")
     groups = obj.get("groups")
     if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)):
       raise ClusterSpecError(
@@ -254,9 +252,7 @@ def _group_from_json(i: int, obj: Any) -> DeviceGroup:
       f"{where} must be an object, got {type(obj).__name__}. Fix: write "
       '{"name": "infer", "device_type": "T4", "count": 4, "memory_gb": 16, "batch_per_device": 32}.'
     )
-  unknown = sorted(set(obj) - set(_GROUP_FIELDS))
-  if unknown:
-    raise ClusterSpecError(f"{where}: unknown key(s) {unknown}. Fix: use only {list(_GROUP_FIELDS)}.")
+  reject_unknown_keys(obj, _GROUP_FIELDS, where, ClusterSpecError, str(list(_GROUP_FIELDS)))
   missing = [k for k in _REQUIRED_GROUP_FIELDS if k not in obj]
   if missing:
     raise ClusterSpecError(

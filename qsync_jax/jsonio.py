@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -26,3 +27,14 @@ def read_text(path: str, what: str, error: type[Exception]) -> str:
     raise error(
       f"{what} {str(path)!r} cannot be read ({e.strerror}). Fix: pass the path of a {what} file."
     ) from None
+
+
+def reject_unknown_keys(
+  obj: Mapping[str, Any], allowed: Iterable[str], where: str, error: type[Exception], allowed_text: str = ""
+) -> None:
+  """Raises ``error`` naming ``where`` and every key of ``obj`` outside ``allowed`` (sorted),
+  with the fix: use only ``allowed_text`` (default: the sorted allowed keys)."""
+  allowed = list(allowed)
+  unknown = sorted(set(obj) - set(allowed))
+  if unknown:
+    raise error(f"{where}: unknown key(s) {unknown}. Fix: use only {allowed_text or sorted(allowed)}.")

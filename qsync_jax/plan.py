@@ -30,7 +30,7 @@ from typing import Any
 
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError, PolicyError, UnsupportedPrecisionError
-from qsync_jax.jsonio import parse_json, read_text
+from qsync_jax.jsonio import parse_json, read_text, reject_unknown_keys
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
@@ -127,11 +127,8 @@ class Plan:
         f"a plan must be a JSON object, got {type(obj).__name__}. "
         'Fix: write {"policies": {"<group>": {...}}, "batch_per_device": {}, "predictions": {}}.'
       )
-    unknown = sorted(set(obj) - {"policies", "batch_per_device", "predictions"})
-    if unknown:
-      raise PlanError(
-        f"plan: unknown key(s) {unknown}. Fix: use only 'policies', 'batch_per_device', 'predictions'."
-      )
+    keys = ("policies", "batch_per_device", "predictions")
+    reject_unknown_keys(obj, keys, "plan", PlanError, "'policies', 'batch_per_device', 'predictions'")
     for key in ("policies", "batch_per_device", "predictions"):
       if not isinstance(obj.get(key, {}), Mapping):
         raise PlanError(

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from qsync_jax.errors import PolicyError
-from qsync_jax.jsonio import parse_json, read_text
+from qsync_jax.jsonio import parse_json, read_text, reject_unknown_keys
 from qsync_jax.precision import OpPolicy, check_op_policy_on_device, supported_precisions
 
 OP_KINDS = (
@@ -189,11 +189,9 @@ class PrecisionPolicy:
         f"a precision policy must be a JSON object, got {type(obj).__name__}. "
         'Fix: write {"rules": [...], "__default__": null}.'
       )
-    unknown = sorted(set(obj) - {"rules", "__default__"})
-    if unknown:
-      raise PolicyError(
-        f"precision policy: unknown key(s) {unknown}. Fix: use only 'rules' and '__default__'."
-      )
+    reject_unknown_keys(
+      obj, ("rules", "__default__"), "precision policy", PolicyError, "'rules' and '__default__'"
+    )
     rules_obj = obj.get("rules", [])
     if not isinstance(rules_obj, list):
       raise PolicyError(
@@ -221,9 +219,7 @@ def _rule_from_json(i: int, obj: Any) -> Rule:
       f"{where} must be an object, got {type(obj).__name__} {obj!r}. "
       'Fix: write {"path": "Dense_.*", "policy": "int8"}.'
     )
-  unknown = sorted(set(obj) - {"path", "kind", "policy"})
-  if unknown:
-    raise PolicyError(f"{where}: unknown key(s) {unknown}. Fix: use only path, kind, policy.")
+  reject_unknown_keys(obj, ("path", "kind", "policy"), where, PolicyError, "path, kind, policy")
   for key in ("path", "policy"):
     if key not in obj:
       raise PolicyError(

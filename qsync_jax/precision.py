@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qsync_jax.errors import PolicyError, UnsupportedPrecisionError
+from qsync_jax.jsonio import reject_unknown_keys
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "int8", "fp8")
 """Every precision a GEMM leg may run at, from most to least precise (roughly)."""
@@ -137,9 +138,7 @@ class OpPolicy:
         f'{obj!r}. Fix: write e.g. {{"fwd": "int8", "dlhs": "fp16", "drhs": "fp16"}}.'
       )
     fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(obj) - fields)
-    if unknown:
-      raise PolicyError(f"{context}: unknown key(s) {unknown}. Fix: use only {sorted(fields)}.")
+    reject_unknown_keys(obj, fields, context, PolicyError)
     missing = [leg for leg in LEGS if leg not in obj]
     if missing:
       raise PolicyError(
