@@ -8,10 +8,16 @@ device supports, one per bit width (the least sensitive of a width), ordered 8 �
 32 bits; fp32 is always the top with Ω = 0. A precision becomes an op policy through
 ``LEVEL_POLICIES`` (int8 → QSync's int8 op: int8 forward, fp16 backward).
 
-1. ``start``: each op at its fastest ladder level (predicted time of its legs and casts).
-   If that plan does not fit a group's memory, ops move to their least-memory level (largest
-   saving first) until it fits; if even the least-memory plan does not fit, ``PlanError``
-   names the least memory the group needs.
+1. ``start``: the predicted-fastest plan that fits memory, by the synchronous step (the
+   quantity step 3 checks), among a handful of candidates per inference group: every op at its
+   own fastest ladder level (the predicted time of its legs and casts), and each *uniform*
+   plan (every op at the level of one precision name, or the op's nearest level above where
+   its ladder lacks it). Per-op-fastest alone can be slower as a whole (it may move time
+   into the backward pass and delay the overlapped all-reduce). Groups are improved one at a
+   time, keeping a candidate only if it is strictly faster, until nothing changes; ties keep
+   per-op-fastest. If per-op-fastest does not fit a group's memory, ops move to their
+   least-memory level (largest saving first) until it fits; if even the least-memory plan
+   does not fit, ``PlanError`` names the least memory the group needs.
 2. ``T*``: the predicted synchronous step of the training groups alone (with the all-reduce
    over the whole cluster); if the inference groups are slower even at ``start``, T* is the
    step of ``start`` (they cannot keep pace; the plan says so).
@@ -170,13 +176,14 @@ def default_training_groups(cluster: ClusterSpec) -> tuple[str, ...]:
 
 
 class Evaluator:
-  """Predicts candidate assignments; counts replays."""
+  """Predicts candidate assignments; counts replays (an assignment is replayed once)."""
 
   def __init__(self, problem: Problem):
     self.problem = problem
     self.comm = comm_for(problem.cluster, problem.bucket_bytes)
     self.replays = 0
     self._costs: dict = {}
+    self._steps: dict[Assignment, float] = {}
 
   def cost(self, group: GroupCost, op_index: int):
     """``graph.op_costs``, memoized on (group, op, its policy)."""
@@ -201,8 +208,11 @@ class Evaluator:
     return out
 
   def step_ms(self, assignment: Assignment) -> float:
-    self.replays += 1
-    return sync_step_ms(self.groups(assignment), self.comm, self.cost)
+    """The predicted synchronous step (ms), memoized on the assignment."""
+    if assignment not in self._steps:
+      self.replays += 1
+      self._steps[assignment] = sync_step_ms(self.groups(assignment), self.comm, self.cost)
+    return self._steps[assignment]
 
   def memory(self, assignment: Assignment) -> list[int]:
     groups = self.groups(assignment)
@@ -224,8 +234,9 @@ def _op_time(group: GroupCost, op_index: int) -> float:
   return sum(ms for ms, _ in op_costs(group, op_index).values())
 
 
-def start_assignment(problem: Problem) -> Assignment:
-  """Fastest level per op; memory-reducing moves if it does not fit (PlanError if impossible)."""
+def fastest_levels(problem: Problem) -> Assignment:
+  """Each op at its own fastest level; memory-reducing moves if that does not fit (PlanError
+  if impossible)."""
   out = []
   for j, gi in enumerate(problem.inference):
     g = problem.groups[gi]
@@ -261,6 +272,47 @@ def start_assignment(problem: Problem) -> Assignment:
       )
     out.append(tuple(levels))
   return tuple(out)
+
+
+def uniform_levels(problem: Problem, j: int, precision: str) -> tuple[int, ...]:
+  """Inference group ``j`` with every op at ``precision``'s ladder level, or, where an op's
+  ladder lacks it, at the op's lowest level of at least as many bits."""
+  bits = PRECISION_BITS[precision]
+  out = []
+  for ladder in problem.ladders[j]:
+    names = [p for p, _ in ladder]
+    if precision in names:
+      out.append(names.index(precision))
+    else:
+      out.append(next(lv for lv, p in enumerate(names) if PRECISION_BITS[p] >= bits))
+  return tuple(out)
+
+
+def start_assignment(problem: Problem, ev: Evaluator | None = None) -> Assignment:
+  """The predicted-fastest plan that fits memory among per-op-fastest (``fastest_levels``) and
+  the uniform plans of every ladder precision; see the module docstring, step 1.
+
+  Candidates are replayed through ``ev`` (its replay count includes them)."""
+  ev = ev or Evaluator(problem)
+  plan = fastest_levels(problem)
+  candidates = []
+  for j in range(len(problem.inference)):
+    names = {p for ladder in problem.ladders[j] for p, _ in ladder}
+    ordered = sorted(names, key=lambda p: (PRECISION_BITS[p], p))
+    candidates.append([uniform_levels(problem, j, p) for p in ordered])
+  best = ev.step_ms(plan)
+  changed = True
+  while changed:
+    changed = False
+    for j, group_candidates in enumerate(candidates):
+      for levels in group_candidates:
+        cand = plan[:j] + (levels,) + plan[j + 1 :]
+        if cand == plan or not ev.fits(cand):
+          continue
+        step = ev.step_ms(cand)
+        if step < best:
+          plan, best, changed = cand, step, True
+  return plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +366,7 @@ def _finish(problem, ev, assignment, target, straggles) -> Allocation:
 def greedy(problem: Problem, rel_tol: float = 1e-9) -> Allocation:
   """DESIGN §5.4 with the fixes; see the module docstring."""
   ev = Evaluator(problem)
-  plan = start_assignment(problem)
+  plan = start_assignment(problem, ev)
   target = ev.training_step_ms()
   start_step = ev.step_ms(plan)
   straggles = start_step > target * (1 + rel_tol)
@@ -349,7 +401,7 @@ def greedy(problem: Problem, rel_tol: float = 1e-9) -> Allocation:
 def exhaustive(problem: Problem, max_combinations: int = 200_000, rel_tol: float = 1e-9) -> Allocation:
   """The least-Ω assignment over every ladder combination that fits and keeps pace with T*."""
   ev = Evaluator(problem)
-  start = start_assignment(problem)
+  start = start_assignment(problem, ev)
   target = ev.training_step_ms()
   start_step = ev.step_ms(start)
   straggles = start_step > target * (1 + rel_tol)

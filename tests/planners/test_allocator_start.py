@@ -1,0 +1,128 @@
+"""Allocator start plan: the predicted-fastest of per-op-fastest and the uniform plans."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from planners.allocator import (
+  Evaluator,
+  fastest_levels,
+  greedy,
+  make_problem,
+  start_assignment,
+  uniform_levels,
+)
+from planners.catalog import allreduce_ms
+from planners.replay import predict
+from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from tests.planners.fakes import fake_indicator, fake_profile
+
+OPS = ("Dense_0:dense", "Dense_1:dense")
+
+
+def _profile(device_type, op_ms):
+  return dataclasses.replace(
+    fake_profile([(1.0, 1.0, 1.0)] * len(op_ms), device_type=device_type), op_ms=op_ms
+  )
+
+
+def _legs(fwd, dlhs, drhs):
+  return {"fwd": fwd, "dlhs": dlhs, "drhs": drhs}
+
+
+def _problem(jitter, link_gbps=0.0064):
+  """1 fp32 training device + 1 T4 inference device. On the default slow link each op's
+  gradient is one all-reduce bucket of ~5 ms, so the step is ``(the later group's first
+  bucket) + 2 buckets``.
+
+  On the T4, op 0 (last in the backward) is fastest at fp16 (slow forward, fast saved-operand
+  drhs) and op 1 at int8. Per-op-fastest therefore has the longer forward, readies the first
+  bucket later than the training group and straggles; uniform int8 readies it earlier and keeps
+  pace (``jitter`` moves every time by a few percent without changing that)."""
+  j = iter(jitter)
+  train = _profile(
+    "A100",
+    {
+      OPS[0]: _legs({"fp32": 1.0 * next(j)}, {"fp32": 1.0}, {"fp32": 1.0 * next(j)}),
+      OPS[1]: _legs({"fp32": 0.75 * next(j)}, {"fp32": 0.75 * next(j)}, {"fp32": 0.75 * next(j)}),
+    },
+  )
+  int8_fwd, fp16_fwd = 0.5 * next(j), 1.0 * next(j)
+  infer = _profile(
+    "T4",
+    {
+      OPS[0]: _legs(
+        {"int8": int8_fwd, "fp16": fp16_fwd, "fp32": 2.0},
+        {"int8": 0.3, "fp16": 1.0, "fp32": 2.0},
+        {"int8": 0.9, "fp16": 3.0 * next(j), "fp16:saved": 1.0 * next(j), "fp32": 4.0},
+      ),
+      OPS[1]: _legs(
+        {"int8": int8_fwd, "fp16": fp16_fwd, "fp32": 2.0},
+        {"int8": 0.3, "fp16": 1.0 * next(j), "fp32": 2.0},
+        {"int8": 0.3, "fp16": 1.0 * next(j), "fp32": 2.0},
+      ),
+    },
+  )
+  cluster = ClusterSpec(
+    (
+      DeviceGroup("train", "A100", 1, 1.0, 8, link_gbps),
+      DeviceGroup("infer", "T4", 1, 1.0, 8, link_gbps),
+    )
+  )
+  profiles = {"A100": train, "T4": infer}
+  indicator = fake_indicator(OPS, np.random.default_rng().exponential(size=2).tolist())
+  return cluster, profiles, make_problem(cluster, profiles, indicator, ["train"], bucket_bytes=4000)
+
+
+def test_start_is_uniform_when_per_op_fastest_is_slower_as_a_whole():
+  jitter = np.random.default_rng().uniform(0.97, 1.03, size=12)
+  cluster, profiles, problem = _problem(jitter)
+  ev = Evaluator(problem)
+  # the ladders are int8 (0), fp16 (1), fp32 (2); per-op-fastest mixes fp16 and int8
+  assert fastest_levels(problem) == ((1, 0),)
+  # T*: the training group's first bucket (forward + op 1's backward), then both buckets
+  legs = profiles["A100"].op_ms
+  first_bucket = (
+    sum(legs[o]["fwd"]["fp32"] for o in OPS) + legs[OPS[1]]["dlhs"]["fp32"] + legs[OPS[1]]["drhs"]["fp32"]
+  )
+  train_only = first_bucket + 2 * allreduce_ms(4000, 2, 0.0064)
+  assert ev.training_step_ms() == pytest.approx(train_only)
+  assert ev.step_ms(fastest_levels(problem)) > train_only * 1.01  # the old start straggled
+  assert start_assignment(problem, ev) == ((0, 0),)  # uniform int8
+  assert ev.step_ms(((0, 0),)) <= train_only * (1 + 1e-9)
+
+  alloc = greedy(problem)
+  assert not alloc.straggles
+  assert alloc.target_ms == pytest.approx(train_only)  # T* not inflated to the old start's step
+  pred = predict(cluster, profiles, alloc.plan, bucket_bytes=4000)
+  assert pred.fits
+  assert pred.step_ms == pytest.approx(alloc.step_ms)
+  assert pred.step_ms <= alloc.target_ms * (1 + 1e-9)
+
+
+def test_start_keeps_per_op_fastest_when_it_is_fastest():
+  # on a fast link the step is the T4's compute: per-op-fastest (fp16, int8) has the least sum
+  jitter = np.random.default_rng().uniform(0.97, 1.03, size=12)
+  _, _, problem = _problem(jitter, link_gbps=1e4)
+  ev = Evaluator(problem)
+  fastest = fastest_levels(problem)
+  assert fastest == ((1, 0),)
+  assert start_assignment(problem, ev) == fastest
+  for p in ("int8", "fp16", "fp32"):
+    assert ev.step_ms((uniform_levels(problem, 0, p),)) > ev.step_ms(fastest)
+  assert ev.step_ms(fastest) > ev.training_step_ms()  # the T4 straggles: T* becomes its step
+  alloc = greedy(problem)
+  assert alloc.straggles and alloc.target_ms == pytest.approx(ev.step_ms(fastest))
+
+
+def test_uniform_levels_use_the_nearest_level_above():
+  cluster, profiles, _ = _problem(np.ones(12))
+  # op 0 is scored only at int8 and fp32: its ladder has no 16-bit level
+  indicator = {"omega": {OPS[0]: {"int8": 1.0, "fp32": 0.0}, OPS[1]: {"int8": 2.0, "fp16": 0.1, "fp32": 0.0}}}
+  problem = make_problem(cluster, profiles, indicator, ["train"], bucket_bytes=4000)
+  assert [[p for p, _ in lad] for lad in problem.ladders[0]] == [["int8", "fp32"], ["int8", "fp16", "fp32"]]
+  assert uniform_levels(problem, 0, "int8") == (0, 0)
+  assert uniform_levels(problem, 0, "fp16") == (1, 1)  # op 0: fp32, its nearest level above
+  assert uniform_levels(problem, 0, "bf16") == (1, 1)  # not on a T4 ladder: the 16-bit level
+  assert uniform_levels(problem, 0, "fp32") == (1, 2)
