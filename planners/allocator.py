@@ -13,11 +13,12 @@ device supports, one per bit width (the least sensitive of a width), ordered 8 â
    own fastest ladder level (the predicted time of its legs and casts), and each *uniform*
    plan (every op at the level of one precision name, or the op's nearest level above where
    its ladder lacks it). Per-op-fastest alone can be slower as a whole (it may move time
-   into the backward pass and delay the overlapped all-reduce). Groups are improved one at a
-   time, keeping a candidate only if it is strictly faster, until nothing changes; ties keep
-   per-op-fastest. If per-op-fastest does not fit a group's memory, ops move to their
-   least-memory level (largest saving first) until it fits; if even the least-memory plan
-   does not fit, ``PlanError`` names the least memory the group needs.
+   into the backward pass and delay the overlapped all-reduce). With several inference
+   groups the candidates are every group at one precision and one group changed at a time,
+   repeated until no candidate is strictly faster; ties keep per-op-fastest. If
+   per-op-fastest does not fit a group's memory, ops move to their least-memory level
+   (largest saving first) until it fits; if even the least-memory plan does not fit,
+   ``PlanError`` names the least memory the group needs.
 2. ``T*``: the predicted synchronous step of the training groups alone (with the all-reduce
    over the whole cluster); if the inference groups are slower even at ``start``, T* is the
    step of ``start`` (they cannot keep pace; the plan says so).
@@ -294,24 +295,28 @@ def start_assignment(problem: Problem, ev: Evaluator | None = None) -> Assignmen
 
   Candidates are replayed through ``ev`` (its replay count includes them)."""
   ev = ev or Evaluator(problem)
-  plan = fastest_levels(problem)
-  candidates = []
-  for j in range(len(problem.inference)):
-    names = {p for ladder in problem.ladders[j] for p, _ in ladder}
-    ordered = sorted(names, key=lambda p: (PRECISION_BITS[p], p))
-    candidates.append([uniform_levels(problem, j, p) for p in ordered])
-  best = ev.step_ms(plan)
+  fastest = fastest_levels(problem)
+  names = sorted(
+    {p for ladders in problem.ladders for lad in ladders for p, _ in lad},
+    key=lambda p: (PRECISION_BITS[p], p),
+  )
+  groups = range(len(problem.inference))
+  rows = [[fastest[j]] + [uniform_levels(problem, j, p) for p in names] for j in groups]
+  joint = [tuple(rows[j][k] for j in groups) for k in range(1, len(names) + 1)]
+  plan, best = fastest, ev.step_ms(fastest)
+
+  def moves():  # every group at one precision, then one group at a time (the others kept)
+    yield from joint
+    for j in groups:
+      for row in rows[j]:
+        yield plan[:j] + (row,) + plan[j + 1 :]
+
   changed = True
   while changed:
     changed = False
-    for j, group_candidates in enumerate(candidates):
-      for levels in group_candidates:
-        cand = plan[:j] + (levels,) + plan[j + 1 :]
-        if cand == plan or not ev.fits(cand):
-          continue
-        step = ev.step_ms(cand)
-        if step < best:
-          plan, best, changed = cand, step, True
+    for cand in moves():
+      if cand != plan and ev.fits(cand) and (step := ev.step_ms(cand)) < best:
+        plan, best, changed = cand, step, True
   return plan
 
 

@@ -31,8 +31,8 @@ def _legs(fwd, dlhs, drhs):
   return {"fwd": fwd, "dlhs": dlhs, "drhs": drhs}
 
 
-def _problem(jitter, link_gbps=0.0064):
-  """1 fp32 training device + 1 T4 inference device. On the default slow link each op's
+def _problem(jitter, link_gbps=0.0064, n_infer=1):
+  """1 fp32 training device + ``n_infer`` T4 inference groups of 1 device. On the default slow link each op's
   gradient is one all-reduce bucket of ~5 ms, so the step is ``(the later group's first
   bucket) + 2 buckets``.
 
@@ -67,7 +67,7 @@ def _problem(jitter, link_gbps=0.0064):
   cluster = ClusterSpec(
     (
       DeviceGroup("train", "A100", 1, 1.0, 8, link_gbps),
-      DeviceGroup("infer", "T4", 1, 1.0, 8, link_gbps),
+      *(DeviceGroup(f"infer{k}", "T4", 1, 1.0, 8, link_gbps) for k in range(n_infer)),
     )
   )
   profiles = {"A100": train, "T4": infer}
@@ -75,22 +75,24 @@ def _problem(jitter, link_gbps=0.0064):
   return cluster, profiles, make_problem(cluster, profiles, indicator, ["train"], bucket_bytes=4000)
 
 
-def test_start_is_uniform_when_per_op_fastest_is_slower_as_a_whole():
+@pytest.mark.parametrize("n_infer", [1, 2])
+def test_start_is_uniform_when_per_op_fastest_is_slower_as_a_whole(n_infer):
+  # with 2 inference groups, moving one group alone cannot help: the other still straggles
   jitter = np.random.default_rng().uniform(0.97, 1.03, size=12)
-  cluster, profiles, problem = _problem(jitter)
+  cluster, profiles, problem = _problem(jitter, n_infer=n_infer)
   ev = Evaluator(problem)
   # the ladders are int8 (0), fp16 (1), fp32 (2); per-op-fastest mixes fp16 and int8
-  assert fastest_levels(problem) == ((1, 0),)
+  assert fastest_levels(problem) == ((1, 0),) * n_infer
   # T*: the training group's first bucket (forward + op 1's backward), then both buckets
   legs = profiles["A100"].op_ms
   first_bucket = (
     sum(legs[o]["fwd"]["fp32"] for o in OPS) + legs[OPS[1]]["dlhs"]["fp32"] + legs[OPS[1]]["drhs"]["fp32"]
   )
-  train_only = first_bucket + 2 * allreduce_ms(4000, 2, 0.0064)
+  train_only = first_bucket + 2 * allreduce_ms(4000, 1 + n_infer, 0.0064)
   assert ev.training_step_ms() == pytest.approx(train_only)
   assert ev.step_ms(fastest_levels(problem)) > train_only * 1.01  # the old start straggled
-  assert start_assignment(problem, ev) == ((0, 0),)  # uniform int8
-  assert ev.step_ms(((0, 0),)) <= train_only * (1 + 1e-9)
+  assert start_assignment(problem, ev) == ((0, 0),) * n_infer  # uniform int8
+  assert ev.step_ms(((0, 0),) * n_infer) <= train_only * (1 + 1e-9)
 
   alloc = greedy(problem)
   assert not alloc.straggles
