@@ -15,13 +15,13 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import time
 
 import jax
 import numpy as np
+from result_rows import result_row
 
 from planners.allocator import dynamic_batch, exhaustive, greedy, make_problem
 from planners.ops import OpShape
@@ -70,17 +70,7 @@ def bert_profile(batch=12) -> Profile:
 
 
 def row_json(case, metric, value, baseline):
-  return {
-    "benchmark": "allocator",
-    "case": case,
-    "device": jax.devices()[0].device_kind,
-    "jax_version": jax.__version__,
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "metric": metric,
-    "value": value,
-    "baseline": baseline,
-    "ratio": value / baseline if baseline else None,
-  }
+  return result_row("allocator", case, metric, value, baseline, jax.devices()[0].device_kind)
 
 
 def bert_case(rows):

@@ -25,7 +25,6 @@ optimizer; the fp32 step is the only plan the profile fits anything to). Rows go
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -36,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from result_rows import result_row
 
 from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
 from planners import step  # noqa: E402
@@ -77,18 +78,7 @@ def measure_step(task, policy, batch, repeats) -> tuple[float, float, int | None
 
 
 def row(model, case, metric, value, baseline, device, **extra):
-  return {
-    "benchmark": "models",
-    "case": f"{model}/{case}",
-    "device": device,
-    "jax_version": jax.__version__,
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "metric": metric,
-    "value": value,
-    "baseline": baseline,
-    "ratio": value / baseline if baseline else None,
-    **extra,
-  }
+  return result_row("models", f"{model}/{case}", metric, value, baseline, device, **extra)
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import subprocess
@@ -38,6 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from result_rows import result_row
 
 from examples.registry import get_task
 from planners.link import measure_link
@@ -152,18 +152,7 @@ def builder_case(task, n, batch, name, steps):
 
 
 def row(case, metric, value, baseline, device, **extra):
-  return {
-    "benchmark": "multigpu",
-    "case": case,
-    "device": device,
-    "jax_version": jax.__version__,
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "metric": metric,
-    "value": value,
-    "baseline": baseline,
-    "ratio": (value / baseline) if baseline else None,
-    **extra,
-  }
+  return result_row("multigpu", case, metric, value, baseline, device, **extra)
 
 
 def predictor_rows(task, args, measured, device) -> list[dict]:

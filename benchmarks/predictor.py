@@ -18,7 +18,6 @@ Targets (DESIGN §5.3): mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), me
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import time
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from result_rows import result_row
 
 from planners import step
 from planners.profiler import measure_profile
@@ -114,17 +114,7 @@ def plans(op_names) -> dict[str, PrecisionPolicy]:
 
 
 def row_json(model, case, metric, value, baseline, device):
-  return {
-    "benchmark": "predictor",
-    "case": f"{model}/{case}",
-    "device": device,
-    "jax_version": jax.__version__,
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "metric": metric,
-    "value": value,
-    "baseline": baseline,
-    "ratio": value / baseline if baseline else None,
-  }
+  return result_row("predictor", f"{model}/{case}", metric, value, baseline, device)
 
 
 def main():
