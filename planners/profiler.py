@@ -32,7 +32,11 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   (``planners.graph``), and the conversions of modeled devices.
 * ``memory`` — parameter, optimizer-state and batch bytes, and ``other_bytes``: the XLA peak
   of the fp32 step minus what the replay model accounts for (a fitted correction). What an
-  op keeps for its backward inside the step is ``kept_bytes``.
+  op keeps for its backward inside the step is ``kept_bytes``; what its forward holds beyond
+  the fp32 op's, ``forward_extra_bytes``.
+* ``forward_headroom`` — per op, how many bytes below its peak the fp32 step is while the
+  op's forward runs (``planners.memtrace``, from the compiled fp32 step's schedule): the
+  replay puts a plan's forward transients on top of it.
 
 ``measure_profile`` measures all of it on the local device; ``modeled_profile`` derives a
 profile for a device not at hand from the catalog (roofline), labelled ``"modeled"``.
@@ -53,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.quantize import dequantize, quantize
-from planners import catalog, step, steptrace
+from planners import catalog, memtrace, step, steptrace
 from planners.ops import ATTENTION_EINSUMS, OpShape, collect_ops
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
@@ -105,6 +109,7 @@ class Profile:
   memory: dict[str, int]
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   relayout_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+  forward_headroom: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def leg_ms(self, op: str, leg: str, precision: str, variant: str = "") -> float:
     """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch); a
@@ -141,6 +146,7 @@ class Profile:
       "memory": self.memory,
       "meta": self.meta,
       "relayout_ms": self.relayout_ms,
+      "forward_headroom": self.forward_headroom,
     }
 
   def save(self, path: str) -> None:
@@ -169,6 +175,7 @@ class Profile:
         memory=obj["memory"],
         meta=obj.get("meta", {}),
         relayout_ms={k: float(v) for k, v in obj.get("relayout_ms", {}).items()},
+        forward_headroom={k: int(v) for k, v in obj.get("forward_headroom", {}).items()},
       )
     except (KeyError, TypeError) as e:
       raise PlanError(f"{source}: malformed profile ({e!r}). Fix: re-run `qsync profile`.") from None
@@ -188,18 +195,24 @@ class Profile:
 # -- residual memory ------------------------------------------------------------------------
 
 
+def saved_activation_elems(op: OpShape, op_policy: OpPolicy | None) -> int:
+  """Elements of one call's activation residual: the input, or the im2col patches
+  (``batch·m·k``) of a conv that does not run natively (any quantized or mixed leg)."""
+  im2col = op.kind == "conv" and op_policy is not None and not _native_conv(op_policy)
+  return op.batch * op.m * op.k if im2col else op.lhs_elems
+
+
 def residual_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
   """Bytes one op saves for its backward pass under ``op_policy`` (None = fp32).
 
   fp32/tf32 forward: the fp32 activation operand(s) (a weight is the parameter itself);
   bf16/fp16: 2-byte copies of the activation operand(s) (XLA re-derives a weight's copy from
   the live parameter rather than keeping it); int8/fp8: 1-byte quantized operands plus fp32
-  scales (per channel: one per row / column). A conv that does not run natively (any
-  quantized or mixed leg) saves its im2col patches (``m·k`` elements) instead of its input.
+  scales (per channel: one per row / column). A conv that does not run natively saves its
+  im2col patches instead of its input (``saved_activation_elems``).
   """
   p = "fp32" if op_policy is None else op_policy.fwd
-  im2col = op.kind == "conv" and op_policy is not None and not _native_conv(op_policy)
-  lhs = op.batch * op.m * op.k if im2col else op.lhs_elems
+  lhs = saved_activation_elems(op, op_policy)
   rhs = op.rhs_elems
   if p in QUANTIZED_PRECISIONS:
     if op_policy.granularity == "per_channel":
@@ -220,6 +233,17 @@ def upcasts_16bit_products(device_type: str) -> bool:
   return device_type == "cpu"
 
 
+def dequantizes_fp8_residuals(device_type: str) -> bool:
+  """Whether the compiled step on ``device_type`` keeps an fp8 forward's residuals as fp32.
+
+  XLA:CPU has no fp8 arithmetic: it runs an fp8 GEMM on fp32 copies of the fp8-rounded
+  operands, and converts a saved fp8 residual back to fp32 (times its scale) as soon as the
+  forward made it, keeping that fp32 copy, laid out for the backward leg that reads it,
+  instead of the 1-byte one (buffer assignment of the VGG and MLP steps; fp8 with nearest or
+  stochastic gradient rounding alike). An int8 residual stays 1-byte there."""
+  return device_type == "cpu"
+
+
 def random_bits_bytes(device_type: str) -> int:
   """Bytes per element that stochastic rounding's random bits keep live on ``device_type``.
 
@@ -237,16 +261,20 @@ def kept_bytes(
   upcast_16bit: bool = False,
   lhs_differentiated: bool = True,
   random_bits: int = 0,
+  dequantized_fp8: bool = False,
 ) -> int:
   """Bytes the compiled training step keeps live for one op's backward pass.
 
-  ``residual_bytes`` (what the op's ``custom_vjp`` saves) with two corrections for what XLA
+  ``residual_bytes`` (what the op's ``custom_vjp`` saves) with corrections for what XLA
   does with it inside a whole step:
 
   * ``upcast_16bit`` (``upcasts_16bit_products``): a bf16/fp16 forward's backward legs read
     its 16-bit residual as fp32; XLA fuses that conversion into the residual's producer and
     keeps the fp32 values, so the residual costs 4 bytes per element, as an fp32 forward's.
-    Likewise an int8/fp8 activation residual read by a float drhs leg is kept dequantized.
+    Likewise an int8/fp8 activation residual (a conv's patches) read by a float drhs leg is
+    kept dequantized.
+  * ``dequantized_fp8`` (``dequantizes_fp8_residuals``): an fp8 forward's residuals are kept
+    as fp32 — the activation (read by drhs) and, when the dlhs leg runs, the right operand.
   * stochastic rounding: ``random_bits`` bytes (``random_bits_bytes``) per element of dY for
     every leg that rounds its gradient operand stochastically to int8/fp8, all live together.
     The first op's dlhs (``lhs_differentiated=False``: the model input) is never computed.
@@ -254,13 +282,17 @@ def kept_bytes(
   kept = residual_bytes(op, op_policy)
   if op_policy is None:
     return kept
+  act = saved_activation_elems(op, op_policy) * op.calls
   if upcast_16bit and op_policy.fwd in FLOAT_DTYPES:
     kept = residual_bytes(op, OpPolicy.uniform("fp32"))
+  elif dequantized_fp8 and op_policy.fwd == "fp8":
+    rhs = op.rhs_elems * op.calls
+    kept += 3 * act - rhs + 4 * rhs * lhs_differentiated
   elif upcast_16bit and op_policy.fwd in QUANTIZED_PRECISIONS:
     # a float drhs leg reads the 8-bit activation residual dequantized, as fp32 (XLA hoists
     # that elementwise dequantization into the forward as well): 4 bytes instead of 1 per
     # element. (A weight residual is dequantized where the dlhs leg reads it.)
-    kept += 3 * op.lhs_elems * op.calls * (op_policy.drhs not in QUANTIZED_PRECISIONS)
+    kept += 3 * act * (op_policy.drhs not in QUANTIZED_PRECISIONS)
   if op_policy.grad_rounding == "stochastic":
     legs = (op_policy.dlhs,) * lhs_differentiated + (op_policy.drhs,)
     stochastic = sum(q in QUANTIZED_PRECISIONS for q in legs)
@@ -268,12 +300,52 @@ def kept_bytes(
   return int(kept)
 
 
-def transient_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
-  """Bytes live only while the op's backward runs: its int8/fp8 residuals dequantized to fp32."""
+def transient_bytes(
+  op: OpShape, op_policy: OpPolicy | None, upcast_16bit: bool = False, dequantized_fp8: bool = False
+) -> int:
+  """Bytes live only while the op's backward runs: its int8/fp8 residuals dequantized to fp32
+  — those ``kept_bytes`` does not already keep as fp32 (with ``upcast_16bit``, an activation
+  a float drhs leg reads; with ``dequantized_fp8``, all of an fp8 forward's)."""
   if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
     return 0
-  lhs = op.batch * op.m * op.k if op.kind == "conv" else op.lhs_elems
-  return 4 * (lhs + op.rhs_elems)
+  if dequantized_fp8 and op_policy.fwd == "fp8":
+    return 0
+  act = saved_activation_elems(op, op_policy)
+  if upcast_16bit and op_policy.drhs not in QUANTIZED_PRECISIONS:
+    act = 0
+  return 4 * (act + op.rhs_elems)
+
+
+def forward_extra_bytes(
+  op: OpShape,
+  op_policy: OpPolicy | None,
+  upcast_16bit: bool = False,
+  lhs_differentiated: bool = True,
+  dequantized_fp8: bool = False,
+) -> int:
+  """Bytes one op's forward holds at its busiest beyond what the fp32 op's forward holds.
+
+  A float op: what it keeps beyond the fp32 op (``kept_bytes`` minus the fp32 residual,
+  random bits aside). An int8/fp8 forward, all live at once (buffer assignment of the VGG
+  step on XLA:CPU: the peak sits in a quantized conv's forward):
+
+  * an im2col conv's fp32 patch matrix (4 bytes per patch element);
+  * its GEMM operands: 1 byte per element, or 4 where the backend runs fp8 GEMMs on fp32
+    copies (``dequantized_fp8``);
+  * the activation residual in its kept form, at least fp32 where XLA computes the
+    dequantized residual in the forward (``upcast_16bit``; an int8 one is re-quantized from
+    there for a quantized drhs leg).
+
+  The residuals earlier ops keep are live too: the replay adds their excess over fp32.
+  """
+  kept = kept_bytes(op, op_policy, upcast_16bit, lhs_differentiated, 0, dequantized_fp8)
+  delta = kept - residual_bytes(op, None)
+  if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
+    return int(delta)
+  act = saved_activation_elems(op, op_policy) * op.calls
+  patches = 4 * act if op.kind == "conv" else 0
+  gemm = (4 if dequantized_fp8 and op_policy.fwd == "fp8" else 1) * (act + op.rhs_elems * op.calls)
+  return int(patches + gemm + max(delta, 4 * act * upcast_16bit))
 
 
 def _native_conv(op_policy: OpPolicy) -> bool:
@@ -618,6 +690,7 @@ def measure_profile(
   step_ms, samples, peak = step.time_train_step(task, fp32, batch, step_repeats, clock=clock)
   hlo, instruction_ms = steptrace.step_instruction_ms(task, fp32, batch, max(step_repeats // 2, 3), seed=seed)
   relayout = steptrace.relayout_ms(hlo, instruction_ms, ops)
+  headroom = memtrace.forward_headroom(hlo, ops)
   memory = {
     "param_bytes": step.tree_bytes(params),
     "opt_state_bytes": step.tree_bytes(opt_state),
@@ -636,6 +709,7 @@ def measure_profile(
     cast,
     memory,
     relayout_ms=relayout,
+    forward_headroom=headroom,
   )
   rest, other = fit_remainder(draft, step_ms, peak)
   memory["other_bytes"] = other
@@ -663,6 +737,7 @@ def measure_profile(
     memory=memory,
     meta=meta,
     relayout_ms=relayout,
+    forward_headroom=headroom,
   )
 
 
@@ -694,8 +769,22 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
     "other_bytes": 0,
   }
   train_step = step.make_train_step(task, PrecisionPolicy.uniform("fp32"), optimizer)
-  peak = step.xla_peak_bytes(train_step.lower(variables, opt_state, batch, jax.random.key(seed)).compile())
-  skeleton = Profile(task.name, local_device_type(), "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory)
+  compiled = train_step.lower(variables, opt_state, batch, jax.random.key(seed)).compile()
+  peak = step.xla_peak_bytes(compiled)
+  headroom = memtrace.forward_headroom(compiled.as_text(), ops)
+  skeleton = Profile(
+    task.name,
+    local_device_type(),
+    "traced",
+    batch_per_device,
+    ops,
+    {},
+    {},
+    0.0,
+    {},
+    memory,
+    forward_headroom=headroom,
+  )
   if peak is not None:
     from planners.graph import GroupCost
     from planners.replay import memory_bytes

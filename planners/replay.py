@@ -9,12 +9,20 @@ device group (its profile, its policy, its batch), takes the longest path, and r
 * ``group_step_ms`` — each group's step if every device were like it (its own graph with the
   same all-reduce), which tells the straggler;
 * ``group_compute_ms`` — forward + backward + optimizer of each group, no communication;
-* ``memory_bytes`` — peak memory per device of each group: parameters + optimizer state +
-  gradients + batch + activations saved for the backward as the compiled step keeps them
-  (``planners.profiler.kept_bytes``: the stored precision, fp32 for 16-bit residuals on
-  backends that upcast 16-bit products, plus stochastic rounding's random bits) + the
-  largest backward transient (an int8/fp8 op's residuals dequantized to fp32,
-  ``transient_bytes``) + the profile's fitted ``other_bytes``.
+* ``memory_bytes`` — peak memory per device of each group, the larger of two moments:
+
+  - where the backward starts: parameters + optimizer state + gradients + batch +
+    activations saved for the backward as the compiled step keeps them
+    (``planners.profiler.kept_bytes``: the stored precision, fp32 for 16-bit residuals on
+    backends that upcast 16-bit products and for fp8 residuals on backends without fp8
+    arithmetic, plus stochastic rounding's random bits) + the largest backward transient
+    (int8/fp8 residuals dequantized to fp32, ``transient_bytes``) + the profile's fitted
+    ``other_bytes``;
+  - during each op's forward: the fp32 step's peak less its headroom there
+    (``Profile.forward_headroom``; where unmeasured, the fp32 residuals of the later ops),
+    plus what the plan keeps beyond fp32 for the earlier ops, plus the op's own forward
+    extra (``forward_extra_bytes``: an int8/fp8 conv's fp32 patches, GEMM operands and
+    dequantized residual at once).
 
 Profiles are keyed by device type; a group whose type has no profile gets one modeled from
 the catalog (``planners.profiler.modeled_profile``), and its numbers are labelled so.
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from planners.graph import (
   DEFAULT_BUCKET_BYTES,
@@ -36,9 +45,12 @@ from planners.graph import (
 )
 from planners.profiler import (
   Profile,
+  dequantizes_fp8_residuals,
+  forward_extra_bytes,
   kept_bytes,
   modeled_profile,
   random_bits_bytes,
+  residual_bytes,
   transient_bytes,
   upcasts_16bit_products,
 )
@@ -107,14 +119,44 @@ def comm_for(
   return Comm(cluster.num_devices, min(g.link_gbps for g in cluster.groups), bucket_bytes, latency_us)
 
 
-def op_memory(group: GroupCost, op_index: int) -> tuple[int, int]:
-  """``(residual bytes, backward transient bytes)`` of one op of ``group`` at its batch."""
+class OpMemory(NamedTuple):
+  """Bytes of one op of a group at its batch (see ``memory_bytes``).
+
+  Attributes:
+    kept: what the step keeps for its backward (``kept_bytes``).
+    transient: live only while its backward runs (``transient_bytes``).
+    fp32_kept: what it would keep as an fp32 op.
+    forward_delta: kept beyond ``fp32_kept`` while later forwards run (random bits aside).
+    forward_extra: its forward's busiest bytes beyond the fp32 op's (``forward_extra_bytes``).
+  """
+
+  kept: int
+  transient: int
+  fp32_kept: int
+  forward_delta: int
+  forward_extra: int
+
+
+def op_memory(group: GroupCost, op_index: int) -> OpMemory:
+  """The ``OpMemory`` of one op of ``group`` at its batch."""
   prof = group.profile
   op = prof.ops[op_index].scaled(group.batch_per_device / prof.batch_per_device)
   pol = group.op_policies.get(op.name)
   device = prof.device_type
-  kept = kept_bytes(op, pol, upcasts_16bit_products(device), op_index > 0, random_bits_bytes(device))
-  return kept, transient_bytes(op, pol)
+  upcast, fp8, differentiated = (
+    upcasts_16bit_products(device),
+    dequantizes_fp8_residuals(device),
+    op_index > 0,
+  )
+  kept = kept_bytes(op, pol, upcast, differentiated, random_bits_bytes(device), fp8)
+  fp32_kept = residual_bytes(op, None)
+  return OpMemory(
+    kept,
+    transient_bytes(op, pol, upcast, fp8),
+    fp32_kept,
+    kept_bytes(op, pol, upcast, differentiated, 0, fp8) - fp32_kept,
+    forward_extra_bytes(op, pol, upcast, differentiated, fp8),
+  )
 
 
 def memory_bytes(group: GroupCost, memory_fn=None) -> int:
@@ -125,10 +167,17 @@ def memory_bytes(group: GroupCost, memory_fn=None) -> int:
   scale = group.batch_per_device / prof.batch_per_device
   mem = prof.memory
   terms = [memory_fn(group, i) for i in range(len(prof.ops))]
-  residuals = sum(r for r, _ in terms)
-  transient = max((t for _, t in terms), default=0)
-  fixed = 2 * mem["param_bytes"] + mem["opt_state_bytes"]
-  return int(fixed + scale * (mem["batch_bytes"] + mem["other_bytes"]) + residuals + transient)
+  base = 2 * mem["param_bytes"] + mem["opt_state_bytes"] + scale * (mem["batch_bytes"] + mem["other_bytes"])
+  backward = base + sum(t.kept for t in terms) + max((t.transient for t in terms), default=0)
+  fp32_peak = base + sum(t.fp32_kept for t in terms)
+  forward, before, later = 0.0, 0, sum(t.fp32_kept for t in terms)
+  for op, t in zip(prof.ops, terms):
+    later -= t.fp32_kept
+    # unmeasured: the fp32 step holds all but the residuals of the ops still to run
+    headroom = scale * prof.forward_headroom[op.name] if op.name in prof.forward_headroom else later
+    forward = max(forward, fp32_peak - headroom + before + t.forward_extra)
+    before += t.forward_delta
+  return int(max(backward, forward))
 
 
 def sync_step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:

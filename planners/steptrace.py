@@ -48,6 +48,7 @@ class Instruction:
     calls: the computation it calls (fusions), else None.
     op_name: its ``metadata`` op_name (the JAX name stack), else "".
     operand_params: parameter numbers of the ENTRY parameters among its operands.
+    shape: its result shape as the text writes it (e.g. ``f32[64,8,8,16]{3,2,1,0}``).
   """
 
   name: str
@@ -56,6 +57,7 @@ class Instruction:
   calls: str | None
   op_name: str
   operand_params: tuple[int, ...] = ()
+  shape: str = ""
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*)$")
@@ -93,16 +95,19 @@ def entry_instructions(hlo: str) -> list[Instruction]:
     m = _INSTR.match(line)
     if not m:
       continue
-    name, _, opcode, rest = m.groups()
+    name, shape, opcode, rest = m.groups()
     operand_text = _operand_text(rest)
     if opcode == "parameter":
       params[name] = int(operand_text)
     calls = re.search(r"calls=%([\w.\-]+)", rest)
     meta = re.search(r'op_name="([^"]*)"', rest)
     operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
-    parsed.append((name, opcode, operands, calls.group(1) if calls else None, meta.group(1) if meta else ""))
+    parsed.append(
+      (name, opcode, operands, calls.group(1) if calls else None, meta.group(1) if meta else "", shape)
+    )
   return [
-    Instruction(n, o, ops, c, m, tuple(params[x] for x in ops if x in params)) for n, o, ops, c, m in parsed
+    Instruction(n, o, ops, c, m, tuple(params[x] for x in ops if x in params), s)
+    for n, o, ops, c, m, s in parsed
   ]
 
 
