@@ -114,7 +114,7 @@ def demo_cluster(batch_per_device: int):
 
 def least_memory_policy(profile, device_type: str):
   """Per op, the op policy (of fp32, fp16, QSync's int8) that stores the least for backward."""
-  from planners.profiler import residual_bytes
+  from planners.op_memory import residual_bytes
   from qsync_jax.policy import PrecisionPolicy
   from qsync_jax.precision import OpPolicy, supported_precisions
 

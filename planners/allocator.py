@@ -43,7 +43,8 @@ from typing import Any
 
 from planners import catalog
 from planners.graph import DEFAULT_BUCKET_BYTES, GroupCost, op_costs
-from planners.profiler import Profile, residual_bytes
+from planners.op_memory import residual_bytes
+from planners.profiler import Profile
 from planners.replay import comm_for, memory_bytes, op_memory, profile_for, sync_step_ms
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError

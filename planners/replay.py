@@ -13,7 +13,7 @@ device group (its profile, its policy, its batch), takes the longest path, and r
 
   - where the backward starts: parameters + optimizer state + gradients + batch +
     activations saved for the backward as the compiled step keeps them
-    (``planners.profiler.kept_bytes``: the stored precision, fp32 for 16-bit residuals on
+    (``planners.op_memory.kept_bytes``: the stored precision, fp32 for 16-bit residuals on
     backends that upcast 16-bit products and for fp8 residuals on backends without fp8
     arithmetic, plus stochastic rounding's random bits) + the largest backward transient
     (int8/fp8 residuals dequantized to fp32, ``transient_bytes``) + the profile's fitted
@@ -43,17 +43,16 @@ from planners.graph import (
   build_graph,
   longest_path,
 )
-from planners.profiler import (
-  Profile,
+from planners.op_memory import (
   dequantizes_fp8_residuals,
   forward_extra_bytes,
   kept_bytes,
-  modeled_profile,
   random_bits_bytes,
   residual_bytes,
   transient_bytes,
   upcasts_16bit_products,
 )
+from planners.profiler import Profile, modeled_profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan

@@ -7,14 +7,9 @@ import pytest
 
 from planners import memtrace, step
 from planners.graph import GroupCost
+from planners.op_memory import forward_extra_bytes, kept_bytes, residual_bytes, transient_bytes
 from planners.ops import OpShape
-from planners.profiler import (
-  forward_extra_bytes,
-  kept_bytes,
-  residual_bytes,
-  traced_profile,
-  transient_bytes,
-)
+from planners.profiler import traced_profile
 from planners.replay import memory_bytes
 from planners.steptrace import entry_instructions
 from qsync_jax.policy import PrecisionPolicy

@@ -1,0 +1,178 @@
+"""Op memory model: what each quantizable op keeps between its forward and backward.
+
+Plain functions of an op's shape (``planners.ops.OpShape``) and its policy:
+
+* ``residual_bytes`` — what the op itself saves (inputs at their stored precision, scales);
+* ``kept_bytes`` — what the compiled step really keeps for it (backend effects: XLA:CPU
+  keeps fp32 copies where its products upcast 16-bit operands, fp8 residuals as fp32, and the
+  threefry words of stochastic rounding);
+* ``transient_bytes`` — what its backward materializes on top (dequantized residuals);
+* ``forward_extra_bytes`` — what its forward holds beyond the fp32 op's at its busiest.
+
+Each rule names the buffer-assignment evidence it rests on. ``planners.replay`` sums them
+into a group's peak.
+"""
+
+from __future__ import annotations
+
+from planners.ops import OpShape
+from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
+from qsync_jax.qdot import FLOAT_DTYPES
+
+
+def saved_activation_elems(op: OpShape, op_policy: OpPolicy | None) -> int:
+  """Elements of one call's activation residual: the input, or the im2col patches
+  (``batch·m·k``) of a conv that does not run natively (any quantized or mixed leg)."""
+  im2col = op.kind == "conv" and op_policy is not None and not _native_conv(op_policy)
+  return op.batch * op.m * op.k if im2col else op.lhs_elems
+
+
+def residual_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
+  """Bytes one op saves for its backward pass under ``op_policy`` (None = fp32).
+
+  fp32/tf32 forward: the fp32 activation operand(s) (a weight is the parameter itself);
+  bf16/fp16: 2-byte copies of the activation operand(s) (XLA re-derives a weight's copy from
+  the live parameter rather than keeping it); int8/fp8: 1-byte quantized operands plus fp32
+  scales (per channel: one per row / column). A conv that does not run natively saves its
+  im2col patches instead of its input (``saved_activation_elems``).
+  """
+  p = "fp32" if op_policy is None else op_policy.fwd
+  lhs = saved_activation_elems(op, op_policy)
+  rhs = op.rhs_elems
+  if p in QUANTIZED_PRECISIONS:
+    if op_policy.granularity == "per_channel":
+      scales = 4 * op.batch * (op.m + op.n)
+    else:
+      scales = 8
+    total = lhs + rhs + scales
+  elif p in FLOAT_DTYPES:
+    total = 2 * lhs + (0 if op.has_weight else 2 * rhs)
+  else:
+    total = 4 * lhs + (0 if op.has_weight else 4 * rhs)
+  return int(total * op.calls)
+
+
+def upcasts_16bit_products(device_type: str) -> bool:
+  """Whether the runtime runs bf16/fp16 legs on ``device_type`` as fp32 products of 16-bit-rounded
+  values (``qsync_jax.qdot.leg_dot`` does so on XLA:CPU, which lacks some 16-bit products)."""
+  return device_type == "cpu"
+
+
+def dequantizes_fp8_residuals(device_type: str) -> bool:
+  """Whether the compiled step on ``device_type`` keeps an fp8 forward's residuals as fp32.
+
+  XLA:CPU has no fp8 arithmetic: it runs an fp8 GEMM on fp32 copies of the fp8-rounded
+  operands, and converts a saved fp8 residual back to fp32 (times its scale) as soon as the
+  forward made it, keeping that fp32 copy, laid out for the backward leg that reads it,
+  instead of the 1-byte one (buffer assignment of the VGG and MLP steps; fp8 with nearest or
+  stochastic gradient rounding alike). An int8 residual stays 1-byte there."""
+  return device_type == "cpu"
+
+
+def random_bits_bytes(device_type: str) -> int:
+  """Bytes per element that stochastic rounding's random bits keep live on ``device_type``.
+
+  ``jax.random.uniform`` draws through the partitionable threefry: two 32-bit words per
+  element, XORed where the noise is used. XLA:CPU runs threefry's rounds as a while loop, so
+  the two words are materialized; they depend only on the key, so the step computes them
+  ahead of the backward pass and keeps them until the rounding reads them: 8 bytes per
+  element. Elsewhere (fused generation) they are not counted: 0."""
+  return 8 if device_type == "cpu" else 0
+
+
+def kept_bytes(
+  op: OpShape,
+  op_policy: OpPolicy | None,
+  upcast_16bit: bool = False,
+  lhs_differentiated: bool = True,
+  random_bits: int = 0,
+  dequantized_fp8: bool = False,
+) -> int:
+  """Bytes the compiled training step keeps live for one op's backward pass.
+
+  ``residual_bytes`` (what the op's ``custom_vjp`` saves) with corrections for what XLA
+  does with it inside a whole step:
+
+  * ``upcast_16bit`` (``upcasts_16bit_products``): a bf16/fp16 forward's backward legs read
+    its 16-bit residual as fp32; XLA fuses that conversion into the residual's producer and
+    keeps the fp32 values, so the residual costs 4 bytes per element, as an fp32 forward's.
+    Likewise an int8/fp8 activation residual (a conv's patches) read by a float drhs leg is
+    kept dequantized.
+  * ``dequantized_fp8`` (``dequantizes_fp8_residuals``): an fp8 forward's residuals are kept
+    as fp32 — the activation (read by drhs) and, when the dlhs leg runs, the right operand.
+  * stochastic rounding: ``random_bits`` bytes (``random_bits_bytes``) per element of dY for
+    every leg that rounds its gradient operand stochastically to int8/fp8, all live together.
+    The first op's dlhs (``lhs_differentiated=False``: the model input) is never computed.
+  """
+  kept = residual_bytes(op, op_policy)
+  if op_policy is None:
+    return kept
+  act = saved_activation_elems(op, op_policy) * op.calls
+  if upcast_16bit and op_policy.fwd in FLOAT_DTYPES:
+    kept = residual_bytes(op, OpPolicy.uniform("fp32"))
+  elif dequantized_fp8 and op_policy.fwd == "fp8":
+    rhs = op.rhs_elems * op.calls
+    kept += 3 * act - rhs + 4 * rhs * lhs_differentiated
+  elif upcast_16bit and op_policy.fwd in QUANTIZED_PRECISIONS:
+    # a float drhs leg reads the 8-bit activation residual dequantized, as fp32 (XLA hoists
+    # that elementwise dequantization into the forward as well): 4 bytes instead of 1 per
+    # element. (A weight residual is dequantized where the dlhs leg reads it.)
+    kept += 3 * act * (op_policy.drhs not in QUANTIZED_PRECISIONS)
+  if op_policy.grad_rounding == "stochastic":
+    legs = (op_policy.dlhs,) * lhs_differentiated + (op_policy.drhs,)
+    stochastic = sum(q in QUANTIZED_PRECISIONS for q in legs)
+    kept += random_bits * op.out_elems * op.calls * stochastic
+  return int(kept)
+
+
+def transient_bytes(
+  op: OpShape, op_policy: OpPolicy | None, upcast_16bit: bool = False, dequantized_fp8: bool = False
+) -> int:
+  """Bytes live only while the op's backward runs: its int8/fp8 residuals dequantized to fp32
+  — those ``kept_bytes`` does not already keep as fp32 (with ``upcast_16bit``, an activation
+  a float drhs leg reads; with ``dequantized_fp8``, all of an fp8 forward's)."""
+  if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
+    return 0
+  if dequantized_fp8 and op_policy.fwd == "fp8":
+    return 0
+  act = saved_activation_elems(op, op_policy)
+  if upcast_16bit and op_policy.drhs not in QUANTIZED_PRECISIONS:
+    act = 0
+  return 4 * (act + op.rhs_elems)
+
+
+def forward_extra_bytes(
+  op: OpShape,
+  op_policy: OpPolicy | None,
+  upcast_16bit: bool = False,
+  lhs_differentiated: bool = True,
+  dequantized_fp8: bool = False,
+) -> int:
+  """Bytes one op's forward holds at its busiest beyond what the fp32 op's forward holds.
+
+  A float op: what it keeps beyond the fp32 op (``kept_bytes`` minus the fp32 residual,
+  random bits aside). An int8/fp8 forward, all live at once (buffer assignment of the VGG
+  step on XLA:CPU: the peak sits in a quantized conv's forward):
+
+  * an im2col conv's fp32 patch matrix (4 bytes per patch element);
+  * its GEMM operands: 1 byte per element, or 4 where the backend runs fp8 GEMMs on fp32
+    copies (``dequantized_fp8``);
+  * the activation residual in its kept form, at least fp32 where XLA computes the
+    dequantized residual in the forward (``upcast_16bit``; an int8 one is re-quantized from
+    there for a quantized drhs leg).
+
+  The residuals earlier ops keep are live too: the replay adds their excess over fp32.
+  """
+  kept = kept_bytes(op, op_policy, upcast_16bit, lhs_differentiated, 0, dequantized_fp8)
+  delta = kept - residual_bytes(op, None)
+  if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
+    return int(delta)
+  act = saved_activation_elems(op, op_policy) * op.calls
+  patches = 4 * act if op.kind == "conv" else 0
+  gemm = (4 if dequantized_fp8 and op_policy.fwd == "fp8" else 1) * (act + op.rhs_elems * op.calls)
+  return int(patches + gemm + max(delta, 4 * act * upcast_16bit))
+
+
+def _native_conv(op_policy: OpPolicy) -> bool:
+  p = op_policy.fwd
+  return p not in QUANTIZED_PRECISIONS and op_policy.dlhs == p and op_policy.drhs == p
