@@ -15,13 +15,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import jax
 import numpy as np
-from result_rows import result_row
+from result_rows import append_rows, result_row
 
 from planners.allocator import dynamic_batch, exhaustive, greedy, make_problem
 from planners.ops import OpShape
@@ -183,10 +182,7 @@ def main():
   bert_case(rows)
   small_case(args.trials, rows)
   if not args.no_save:
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as f:
-      for r in rows:
-        f.write(json.dumps(r) + "\n")
+    append_rows(RESULTS, rows)
     print(f"appended {len(rows)} rows to {RESULTS}")
 
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import time
 
@@ -42,6 +40,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from result_rows import append_rows, result_row  # noqa: E402
 
 from examples.data import digits  # noqa: E402
 from examples.tasks.vision import classification_task  # noqa: E402
@@ -189,7 +188,6 @@ def main(argv=None) -> int:
 
   base = runs["fp32"]
   device = f"{jax.devices()[0].platform} x{jax.device_count()} (simulated, {os.cpu_count()} cores)"
-  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   header = (
     f"{'strategy':<12} {'ring B/step':>11} {'ratio':>6} {'buffer B':>9} {'colls':>6} "
     f"{'step ms (IQR)':>15} {'ratio':>6} {'loss':>7} {'acc':>6}  note"
@@ -216,26 +214,20 @@ def main(argv=None) -> int:
     }
     for metric, (value, baseline) in metrics.items():
       rows.append(
-        {
-          "benchmark": "comm",
-          "case": name,
-          "device": device,
-          "jax_version": jax.__version__,
-          "date": date,
-          "metric": metric,
-          "value": value,
-          "baseline": baseline,
-          "ratio": (value / baseline) if baseline else None,
-          "steps": args.steps,
-          "collectives": r.collectives,
-          "note": r.note,
-        }
+        result_row(
+          "comm",
+          name,
+          metric,
+          value,
+          baseline,
+          device,
+          steps=args.steps,
+          collectives=r.collectives,
+          note=r.note,
+        )
       )
   if not args.no_save:
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
+    append_rows(RESULTS, rows)
     print(f"appended {len(rows)} rows to {RESULTS}")
   return 0
 

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 
 import jax
 import numpy as np
+from result_rows import append_rows
 from scipy.stats import spearmanr
 
 from examples.registry import get_task
@@ -230,10 +230,7 @@ def main(argv=None):
       f"ground truth {res['truth_s']:.0f} s"
     )
   if not args.no_save:
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
+    append_rows(RESULTS, rows)
   return rows
 
 

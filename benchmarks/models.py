@@ -25,7 +25,6 @@ optimizer; the fp32 step is the only plan the profile fits anything to). Rows go
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -36,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from result_rows import result_row
+from result_rows import append_rows, result_row
 
 from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
 from planners import step  # noqa: E402
@@ -98,8 +97,7 @@ def main(argv=None) -> int:
 
   def emit(r):
     if not args.no_save:
-      with open(args.results, "a") as f:
-        f.write(json.dumps(r) + "\n")
+      append_rows(args.results, [r])
 
   table = []
   for model in args.models:

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from result_rows import result_row
+from result_rows import append_rows, result_row
 
 from examples.registry import get_task
 from planners.link import measure_link
@@ -270,9 +270,7 @@ def main(argv=None) -> int:
     r = {**r, "model": f"LM d={args.d_model} L={args.layers} seq={args.seq}, batch {args.batch}/device"}
     rows.append(r)
     if not args.no_save:
-      os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-      with open(args.results, "a") as f:
-        f.write(json.dumps(r) + "\n")
+      append_rows(args.results, [r])
 
   print(f"\nmultigpu: LM d={args.d_model} L={args.layers} seq={args.seq} batch/device={args.batch}, {device}")
 

@@ -18,7 +18,6 @@ Targets (DESIGN §5.3): mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), me
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -27,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from result_rows import result_row
+from result_rows import append_rows, result_row
 
 from planners import step
 from planners.profiler import measure_profile
@@ -182,10 +181,7 @@ def main():
       row_json("all", "mean_abs_step_error", "abs_rel_error", float(t_err.mean()), None, device),
       row_json("all", "mean_abs_memory_error", "abs_rel_error", float(m_err.mean()), None, device),
     ]
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as f:
-      for r in out + summary:
-        f.write(json.dumps(r) + "\n")
+    append_rows(RESULTS, out + summary)
     print(f"appended {len(out) + len(summary)} rows to {RESULTS}")
 
 

@@ -7,12 +7,18 @@ this folder first on ``sys.path``).
 from __future__ import annotations
 
 import datetime
+import json
+import os
+from collections.abc import Sequence
 
 import jax
 
 
-def result_row(benchmark: str, case: str, metric: str, value, baseline, device: str, **extra) -> dict:
-  """One result: ``ratio`` is ``value / baseline`` (None without a baseline); ``extra`` keys follow."""
+def result_row(
+  benchmark: str, case: str, metric: str, value, baseline, device: str, ratio=None, **extra
+) -> dict:
+  """One result: ``ratio`` defaults to ``value / baseline`` (None without a baseline); ``extra``
+  keys follow."""
   return {
     "benchmark": benchmark,
     "case": case,
@@ -22,6 +28,14 @@ def result_row(benchmark: str, case: str, metric: str, value, baseline, device: 
     "metric": metric,
     "value": value,
     "baseline": baseline,
-    "ratio": value / baseline if baseline else None,
+    "ratio": ratio if ratio is not None else (value / baseline if baseline else None),
     **extra,
   }
+
+
+def append_rows(path: str, rows: Sequence[dict]) -> None:
+  """Appends ``rows`` to the JSON lines file ``path`` (its folder is created if missing)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")

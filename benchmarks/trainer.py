@@ -23,8 +23,6 @@ value, baseline, ratio).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -37,6 +35,8 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from result_rows import append_rows, result_row  # noqa: E402
 
 from qsync_jax.cluster import ClusterSpec  # noqa: E402
 from qsync_jax.task import Task  # noqa: E402
@@ -166,7 +166,6 @@ def main(argv=None) -> int:
   cases = {"step": (run_trainer_step, run_plain_step), "loop": (run_trainer_loop, run_plain_loop)}
   # The trainer's loop draws its own host batches from the task (same generator, same cost).
   rows = []
-  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   kind = f"{device.platform}:{device.device_kind}" + (
     f" ({os.cpu_count()} cores)" if device.platform == "cpu" else ""
   )
@@ -195,22 +194,19 @@ def main(argv=None) -> int:
       f"{100 * (min_ratio - 1):>+8.1f}%"
     )
     rows.append(
-      {
-        "benchmark": "trainer",
-        "case": f"{case}/mlp{args.depth}x{args.width}/b{args.batch}",
-        "device": kind,
-        "jax_version": jax.__version__,
-        "date": date,
-        "metric": "ms_per_step_median",
-        "value": t_med,
-        "baseline": p_med,
-        "ratio": ratio,
-        "ratio_of_min": min_ratio,
-        "trainer_min_max": [min(t_times), max(t_times)],
-        "baseline_min_max": [min(p_times), max(p_times)],
-        "repeats": args.repeats,
-        "steps": args.steps,
-      }
+      result_row(
+        "trainer",
+        f"{case}/mlp{args.depth}x{args.width}/b{args.batch}",
+        "ms_per_step_median",
+        t_med,
+        p_med,
+        kind,
+        ratio_of_min=min_ratio,
+        trainer_min_max=[min(t_times), max(t_times)],
+        baseline_min_max=[min(p_times), max(p_times)],
+        repeats=args.repeats,
+        steps=args.steps,
+      )
     )
   # -- paired: one blocked step of each, alternating; the median of the per-pair ratios ------
   ratios, t_one, p_one = [], [], []
@@ -228,30 +224,25 @@ def main(argv=None) -> int:
     f"{'paired':<6} {p_med:>9.3f} {'':>12} {t_med:>9.3f} {'':>12} {100 * (ratio - 1):>+8.1f}%"
     f"   (median of {len(ratios)} per-step ratios; quartiles {100 * (q1 - 1):+.1f}% / {100 * (q3 - 1):+.1f}%)"
   )
-  rows.append(
-    {
-      "benchmark": "trainer",
-      "case": f"paired/mlp{args.depth}x{args.width}/b{args.batch}",
-      "device": kind,
-      "jax_version": jax.__version__,
-      "date": date,
-      "metric": "ms_per_step_median",
-      "value": t_med,
-      "baseline": p_med,
-      "ratio": ratio,
-      "ratio_quartiles": [q1, q3],
-      "pairs": len(ratios),
-    }
+  rows.append(  # ratio: the median of the per-pair ratios, not the ratio of the medians
+    result_row(
+      "trainer",
+      f"paired/mlp{args.depth}x{args.width}/b{args.batch}",
+      "ms_per_step_median",
+      t_med,
+      p_med,
+      kind,
+      ratio=ratio,
+      ratio_quartiles=[q1, q3],
+      pairs=len(ratios),
+    )
   )
   print(
     "\noverhead = trainer median / plain median - 1 (target <= +3%); (of min) = the same with the"
     "\nfastest repeat of each, the least disturbed estimate on a loaded machine"
   )
   if not args.no_save:
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
+    append_rows(RESULTS, rows)
     print(f"appended {len(rows)} rows to {os.path.relpath(RESULTS)}")
   return 0
 
