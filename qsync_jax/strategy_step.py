@@ -77,12 +77,6 @@ def branch_loss_fn(
 class StrategyStep(StepProgram):
   """A compiled step-builder strategy and what the trainer needs to run it."""
 
-  task: Task
-  cluster: ClusterSpec  # plan's batch overrides applied
-  plan: Plan
-  mesh: Mesh
-  branches: tuple[Branch, ...]
-  device_branch: tuple[int, ...]
   name: str
   strategy: Any  # SelSyncTrainer / QSDPTrainer: init, step, params_of
   step: Any

@@ -120,9 +120,17 @@ def _float32(tree):
   return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+@dataclasses.dataclass(frozen=True)
 class StepProgram:
-  """What every compiled training program (``TrainStep``, ``StrategyStep``) offers the trainer;
-  subclasses are dataclasses with ``cluster``, ``mesh`` and ``step`` fields."""
+  """What every compiled training program (``TrainStep``, ``StrategyStep``) offers the trainer:
+  the fields they share (subclasses add theirs, among them ``step``) and the methods below."""
+
+  task: Task
+  cluster: ClusterSpec  # plan's batch overrides applied
+  plan: Plan
+  mesh: Mesh
+  branches: tuple[Branch, ...]
+  device_branch: tuple[int, ...]
 
   @property
   def global_batch(self) -> int:
@@ -145,12 +153,6 @@ class TrainStep(StepProgram):
   ``shard(host_batch)`` cuts a global batch into per-device shards on the mesh.
   """
 
-  task: Task
-  cluster: ClusterSpec  # plan's batch overrides applied
-  plan: Plan
-  mesh: Mesh
-  branches: tuple[Branch, ...]
-  device_branch: tuple[int, ...]
   optimizer: optax.GradientTransformation
   loss_scale: Any
   sync_init: Callable[[Any], Any]
