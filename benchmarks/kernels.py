@@ -6,8 +6,10 @@
 
 Cases, per GEMM shape M×K×N, all against XLA bf16 measured in the same run:
   * raw GEMM rates: XLA bf16; XLA int8 / fp8 ``dot_general`` (contraction-major "NT" and,
-    for int8, the row-major right operand "NN"); our Pallas int8 / fp8 kernels (dequantize
-    epilogue included, bf16 out); the api's XLA path (NT dot + XLA-fused epilogue).
+    for int8, the row-major right operand "NN"); our Pallas int8 / fp8 kernels, Triton
+    backend and Mosaic GPU backend (dequantize epilogue included, bf16 out; ``ran`` says
+    which GEMM actually ran — a shape off a kernel's tile grid falls back to XLA); the api's
+    XLA path (NT dot + XLA-fused epilogue).
   * quantize passes (bandwidth): the Pallas kernels against the jnp reference under XLA.
   * one Dense training step (forward + dlhs + drhs, every quantization included) through
     ``qsync_jax.quantized_dot_general`` with ``OpPolicy``s — all-int8 with stochastic
@@ -40,8 +42,10 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.gemm import api as gemm_api
+from pallas_kernels.gemm import hopper
 from pallas_kernels.gemm import kernel as gemm_kernel
 from pallas_kernels.gemm.config import GemmConfig
+from pallas_kernels.gemm.hopper import HopperConfig
 from pallas_kernels.quantize import api as quant_api
 from pallas_kernels.quantize.reference import quantize_reference
 from qsync_jax import OpPolicy, quantized_dot_general
@@ -69,6 +73,13 @@ SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages)
   (128, 256, 64, 8, 5),
   (64, 256, 128, 4, 4),
   (256, 256, 64, 8, 3),
+]
+HOPPER_SWEEP = [  # (tile_n, max_concurrent_steps, grid_tile_width) of the Mosaic GPU kernel
+  (128, 4, 8),
+  (128, 3, 8),
+  (128, 4, 4),
+  (128, 4, 16),
+  (64, 6, 8),
 ]
 DIMS_NN = (((1,), (0,)), ((), ()))
 DIMS_NT = (((1,), (1,)), ((), ()))
@@ -196,6 +207,32 @@ def rel_err(a, b) -> float:
 # -- raw GEMMs --------------------------------------------------------------------------------
 
 
+def lowered_to(f, args) -> str:
+  """Which GEMM a jitted call runs: our Mosaic GPU or Triton kernel, or XLA's."""
+  hlo = f.lower(*args).as_text()
+  return "mosaic_gpu" if "mosaic_gpu" in hlo else "triton" if "triton" in hlo else "xla"
+
+
+def scaled_cases(api_fn, args, want, kind, shape, metric, reps, ops, baseline):
+  """The api's scaled GEMM (bf16 out, epilogue included) under each implementation."""
+  for impl in ("xla", "pallas", "mosaic"):
+    f = api_fn(impl)
+    err = rel_err(f(*args[0]).astype(jnp.float32), want)
+    t = timeit(f, args, reps)
+    record(
+      "gemm",
+      f"{impl}_{kind}_nt_scaled_bf16",
+      shape,
+      metric,
+      1,
+      t,
+      ops,
+      baseline,
+      rel_err=err,
+      ran=lowered_to(f, args[0]),
+    )
+
+
 @guarded
 def bench_gemms(name, shape, reps, sweep):
   m, k, n = shape
@@ -259,20 +296,7 @@ def bench_gemms(name, shape, reps, sweep):
   xq, xs = int8_sets[0]
   want = ref(xq, xs, wq_t, ws_t)
   args = [(s[0], s[1], wq_t, ws_t) for s in int8_sets]
-  for impl in ("xla", "pallas"):
-    f = api_fn(impl)
-    err = rel_err(f(*args[0]).astype(jnp.float32), want)
-    record(
-      "gemm",
-      f"{impl}_int8_nt_scaled_bf16",
-      shape,
-      "TOP/s",
-      1,
-      timeit(f, args, reps),
-      ops,
-      baseline,
-      rel_err=err,
-    )
+  scaled_cases(api_fn, args, want, "int8", shape, "TOP/s", reps, ops, baseline)
   # our kernel on the row-major right operand (no transpose anywhere): the layout penalty
   nn = (
     None
@@ -315,6 +339,28 @@ def bench_gemms(name, shape, reps, sweep):
       except Exception as e:
         log(f"  sweep {bm}x{bn}x{bk} w{warps} s{stages}: {type(e).__name__}: {str(e)[:300]}")
     log(f"  best int8 config: {best}")
+    for tile_n, steps, width in HOPPER_SWEEP:
+      cfg = HopperConfig(tile_n=tile_n, max_concurrent_steps=steps, grid_tile_width=width)
+      try:
+        f = jax.jit(
+          lambda a, sa, b, sb, cfg=cfg: hopper.scaled_matmul_nt(
+            a, b, sa.reshape(-1), sb.reshape(-1), jnp.bfloat16, cfg
+          )
+        )
+        err = rel_err(f(*args[0]).astype(jnp.float32), want)
+        record(
+          "sweep",
+          f"mosaic_int8_nt_128x{tile_n}x128_s{steps}_w{width}",
+          shape,
+          "TOP/s",
+          1,
+          timeit(f, args, reps),
+          ops,
+          baseline,
+          rel_err=err,
+        )
+      except Exception as e:
+        log(f"  sweep mosaic 128x{tile_n} s{steps} w{width}: {type(e).__name__}: {str(e)[:300]}")
   del int8_sets, args
 
   # fp8: e4m3 x e4m3 (forward) and e5m2 x e4m3 (gradients)
@@ -334,20 +380,7 @@ def bench_gemms(name, shape, reps, sweep):
     )
     want = ref(fsets[0][0], fsets[0][1], bq, bs)
     args = [(s[0], s[1], bq, bs) for s in fsets]
-    for impl in ("xla", "pallas"):
-      f = api_fn(impl)
-      err = rel_err(f(*args[0]).astype(jnp.float32), want)
-      record(
-        "gemm",
-        f"{impl}_fp8_{case}_nt_scaled_bf16",
-        shape,
-        "TFLOP/s",
-        1,
-        timeit(f, args, reps),
-        ops,
-        baseline,
-        rel_err=err,
-      )
+    scaled_cases(api_fn, args, want, f"fp8_{case}", shape, "TFLOP/s", reps, ops, baseline)
     del fsets, args
 
 
@@ -443,7 +476,8 @@ def bench_steps(name, shape, reps, variants):
   baseline = ("xla_bf16", base)
   cases = [(p, "auto", "auto") for p in POLICIES if f"{name}:{p}" not in SKIP]
   if variants:
-    cases += [("int8_sr", "pallas", "auto"), ("int8_nearest", "auto", "auto")]
+    cases += [("int8_sr", "xla", "auto"), ("qsync_int8_bf16", "xla", "auto")]
+    cases += [("int8_nearest", "auto", "auto")]
   for pname, gi, qi in cases:
     policy = {**POLICIES, **VARIANT_POLICIES}[pname]
     case = f"{pname}" + ("" if gi == "auto" else f"[gemm={gi},quantize={qi}]")
@@ -466,7 +500,7 @@ def main(argv=None):
   p.add_argument("--shapes", default=",".join(SHAPES))
   p.add_argument("--sections", default="gemm,quantize,step")
   p.add_argument("--reps", type=int, default=15)
-  p.add_argument("--sweep", action="store_true", help="time Pallas int8 tile configs on the first shape")
+  p.add_argument("--sweep", action="store_true", help="time int8 kernel tile configs on the first shape")
   p.add_argument("--variants", action="store_true", help="steps of the big shape under other impls too")
   p.add_argument("--deadline", type=float, default=float("inf"), help="seconds; later cases are skipped")
   p.add_argument("--skip", default="", help="shape:policy step cases to skip, comma-separated")

@@ -56,7 +56,8 @@ class ImplOverride:
   """A stack of forced implementations for an op's ``impl='auto'`` calls (benchmarks use it).
 
   ``with override.use("xla"): ...`` makes calls traced inside the block pick ``"xla"``;
-  ``override.current`` is the innermost forced choice, or None.
+  ``override.current`` is the innermost forced choice, or None — also inside
+  ``use("auto")``, which forces nothing (the op's own choice runs).
   """
 
   def __init__(self, impls: tuple[str, ...]):
@@ -74,4 +75,4 @@ class ImplOverride:
 
   @property
   def current(self) -> str | None:
-    return self._stack[-1] if self._stack else None
+    return self._stack[-1] if self._stack and self._stack[-1] != "auto" else None

@@ -172,13 +172,16 @@ def test_bad_calls_name_the_argument(change, match):
 
 @pytest.mark.gpu
 def test_auto_runs_the_default_implementation_on_gpu():
-  """On a GPU, 'auto' lowers to the chosen implementation (a Triton kernel or cuBLAS)."""
+  """On a GPU, 'auto' lowers to the chosen implementation (a Mosaic GPU or Triton kernel, or
+  cuBLAS)."""
   lq, ls = operand((256, 512), (1,), "int8", 1)
   rq, rs = operand((512, 256), (0,), "int8", 2)
   dims = (((1,), (0,)), ((), ()))
   hlo = jax.jit(lambda *a: api.scaled_dot_general(*a, dims)).lower(lq, rq, ls, rs).as_text()
   if api.DEFAULT_IMPL["int8"] == "pallas":
     assert "triton" in hlo
+  elif api.DEFAULT_IMPL["int8"] == "mosaic":
+    assert "mosaic_gpu" in hlo
   else:
     assert "dot_general" in hlo and "triton" not in hlo
   # a short contraction takes the fused-epilogue kernel
@@ -186,3 +189,15 @@ def test_auto_runs_the_default_implementation_on_gpu():
   rq, rs = operand((api.SHORT_K, 256), (0,), "int8", 4)
   hlo = jax.jit(lambda *a: api.scaled_dot_general(*a, dims)).lower(lq, rq, ls, rs).as_text()
   assert "triton" in hlo
+
+
+def test_use_impl_auto_forces_nothing():
+  """``use_impl("auto")`` (the benchmarks' default case) leaves the op's own choice in place:
+  it once forced the literal 'auto', which the GEMM api ran as XLA."""
+  with api.use_impl("mosaic"):
+    with api.use_impl("auto"):
+      assert api._override.current is None
+    assert api._override.current == "mosaic"
+  with pytest.raises(ValueError, match="impl"):
+    with api.use_impl("cublas"):
+      pass
