@@ -20,6 +20,7 @@ optimizer; the fp32 step is the only plan the profile fits anything to). Rows go
 ``benchmarks/results/models.jsonl``.
 
   python -u benchmarks/models.py [--models resnet18_224 lm_base] [--repeats 20] [--results PATH]
+                                 [--steps-only]
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def main(argv=None) -> int:
   ap.add_argument("--batch", type=int, help="override the model's per-device batch")
   ap.add_argument("--results", default=RESULTS)
   ap.add_argument("--no-save", action="store_true")
+  ap.add_argument(
+    "--steps-only", action="store_true", help="time the uniform policies; no profile, plan or prediction"
+  )
   args = ap.parse_args(argv)
   device = jax.devices()[0].device_kind
   t_start = time.perf_counter()
@@ -116,6 +120,11 @@ def main(argv=None) -> int:
     policies = {name: PrecisionPolicy.uniform(name) for name in UNIFORM}
     for name, policy in policies.items():
       measure(name, policy)
+    if args.steps_only:
+      table += [
+        (model, name, meas, iqr, None, None, None, peak) for name, (meas, iqr, peak) in measured.items()
+      ]
+      continue
     prof = measure_profile(
       task,
       batch_size,
@@ -144,10 +153,15 @@ def main(argv=None) -> int:
   )
   for model, name, meas, iqr, pms, err, mem, peak in table:
     bf16 = next(m for mo, n, m, *_ in table if mo == model and n == "bf16")
+    if pms is None:
+      print(f"{model:13s} {name:9s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f}")
+      continue
     merr = f"{100 * (mem - peak) / peak:+6.1f}%" if peak else "   n/a"
     print(
       f"{model:13s} {name:9s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f} {pms:8.2f} {100 * err:+6.1f}% {merr}"
     )
+  if args.steps_only:
+    return 0
   errs = np.abs([r[5] for r in table if r[1] != "fp32"])  # fp32 fitted the profile's remainder
   print(
     f"\npredictor on {device}: mean |error| {100 * errs.mean():.1f} %, max {100 * errs.max():.1f} % over "
