@@ -26,13 +26,17 @@ Prints a table; appends one JSON object per case to DIR/kernels.jsonl.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import functools
+import glob
+import gzip
 import json
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -444,6 +448,41 @@ def q_step(policy, x, w, dy, key):
   return (y, *vjp(dy))
 
 
+def kernel_table(fn, args, repeats: int = 5) -> list[tuple[float, int, str]]:
+  """``[(ms per step, launches per step, kernel name)]`` of jitted ``fn`` on the GPU, from a
+  ``jax.profiler`` trace of ``repeats`` calls, largest first."""
+  jax.block_until_ready(fn(*args))
+  ms, launches = collections.defaultdict(float), collections.defaultdict(int)
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(repeats):
+        jax.block_until_ready(fn(*args))
+    for path in glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True):
+      with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+      gpu = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and "/device:GPU" in e["args"].get("name", "")
+      }
+      for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+          ms[e["name"]] += e["dur"] / 1e3 / repeats
+          launches[e["name"]] += 1
+  return sorted(((v, launches[k] // repeats, k) for k, v in ms.items()), reverse=True)
+
+
+def log_kernel_table(case, fn, args, out_dir):
+  rows = kernel_table(fn, args)
+  log(f"  [profile] {case}: {sum(r[0] for r in rows):.3f} ms of GPU kernels per step")
+  for ms, n, name in rows[:12]:
+    log(f"     {ms:7.3f} ms  x{n:<3d} {name[:120]}")
+  with open(os.path.join(out_dir, f"profile_{case}.json"), "w") as f:
+    json.dump({"device": DEVICE, "jax": jax.__version__, "kernels": rows}, f)
+
+
 def jit_under(fn, gemm_impl, quant_impl, args):
   """A fresh jitted ``fn``, traced (and compiled) while the impl overrides are active."""
   f = jax.jit(lambda *a: fn(*a))
@@ -453,7 +492,7 @@ def jit_under(fn, gemm_impl, quant_impl, args):
 
 
 @guarded
-def bench_steps(name, shape, reps, variants):
+def bench_steps(name, shape, reps, variants, profile_dir=None):
   m, k, n = shape
   ops = 6 * m * k * n
   keys = jax.random.split(jax.random.key(2), 4)
@@ -473,6 +512,8 @@ def bench_steps(name, shape, reps, variants):
   f = jax.jit(bf16_step)
   want = [np.asarray(o, np.float32) for o in f(*sets[0])]
   base = record("step", "xla_bf16", shape, "TFLOP/s", 1, timeit(f, sets, reps), ops)
+  if profile_dir:
+    log_kernel_table(f"{name}_xla_bf16", f, sets[0], profile_dir)
   baseline = ("xla_bf16", base)
   cases = [(p, "auto", "auto") for p in POLICIES if f"{name}:{p}" not in SKIP]
   if variants:
@@ -487,6 +528,8 @@ def bench_steps(name, shape, reps, variants):
       errs = {f"rel_err_{o}": round(rel_err(g, w), 4) for o, g, w in zip(("y", "dx", "dw"), got, want)}
       del got
       record("step", case, shape, "TFLOP/s", 1, timeit(fn, sets, reps), ops, baseline, **errs)
+      if profile_dir:
+        log_kernel_table(f"{name}_{case}", fn, sets[0], profile_dir)
     except OutOfTime:
       raise
     except Exception as e:
@@ -504,6 +547,7 @@ def main(argv=None):
   p.add_argument("--variants", action="store_true", help="steps of the big shape under other impls too")
   p.add_argument("--deadline", type=float, default=float("inf"), help="seconds; later cases are skipped")
   p.add_argument("--skip", default="", help="shape:policy step cases to skip, comma-separated")
+  p.add_argument("--profile", action="store_true", help="per-kernel GPU time of each step at the first shape")
   args = p.parse_args(argv)
   if jax.default_backend() != "gpu":
     sys.exit("benchmarks/kernels.py times GPU kernels: run it on the lent GPU (see docs/kernels.md).")
@@ -517,7 +561,8 @@ def main(argv=None):
   for i, name in enumerate(args.shapes.split(",")):
     shape = SHAPES[name]
     if "step" in sections:
-      bench_steps(name, shape, args.reps, args.variants and name == "big")
+      profile_dir = args.out if args.profile and i == 0 else None
+      bench_steps(name, shape, args.reps, args.variants and name == "big", profile_dir)
     if "gemm" in sections:
       bench_gemms(name, shape, args.reps, args.sweep and i == 0)
     if "quantize" in sections and name in ("big", "resnet_conv"):
