@@ -29,14 +29,11 @@ import argparse
 import collections
 import datetime
 import functools
-import glob
-import gzip
 import json
 import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
@@ -52,6 +49,7 @@ from pallas_kernels.gemm.config import GemmConfig
 from pallas_kernels.gemm.hopper import HopperConfig
 from pallas_kernels.quantize import api as quant_api
 from pallas_kernels.quantize.reference import quantize_reference
+from planners.steptrace import traced_events
 from qsync_jax import OpPolicy, quantized_dot_general
 
 SHAPES = {  # name: (M, K, N) of Y[M, N] = X[M, K] · W[K, N]
@@ -453,24 +451,10 @@ def kernel_table(fn, args, repeats: int = 5) -> list[tuple[float, int, str]]:
   ``jax.profiler`` trace of ``repeats`` calls, largest first."""
   jax.block_until_ready(fn(*args))
   ms, launches = collections.defaultdict(float), collections.defaultdict(int)
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      for _ in range(repeats):
-        jax.block_until_ready(fn(*args))
-    for path in glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True):
-      with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
-      gpu = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M"
-        and e.get("name") == "process_name"
-        and "/device:GPU" in e["args"].get("name", "")
-      }
-      for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu:
-          ms[e["name"]] += e["dur"] / 1e3 / repeats
-          launches[e["name"]] += 1
+  for e in traced_events(lambda: jax.block_until_ready(fn(*args)), repeats):
+    if "/device:GPU" in e["process"]:
+      ms[e["name"]] += e["dur"] / 1e3 / repeats
+      launches[e["name"]] += 1
   return sorted(((v, launches[k] // repeats, k) for k, v in ms.items()), reverse=True)
 
 

@@ -196,16 +196,32 @@ def step_instruction_ms(task, policy, batch, repeats: int = 10, optimizer=None, 
 
   run()
   durations = defaultdict(list)
+  try:
+    events = traced_events(run, repeats)
+  except RuntimeError:  # another profiler session is running: no table
+    return hlo, {}
+  for event in events:
+    if event["name"] in names:
+      durations[event["name"]].append(event["dur"] / 1e3)
+  return hlo, {n: float(np.median(d)) * len(d) / repeats for n, d in durations.items()}
+
+
+def traced_events(run, repeats: int) -> list[dict]:
+  """The complete ("X") events of a ``jax.profiler`` trace of ``repeats`` calls of ``run``,
+  each with ``process``: the name of the trace process it belongs to (e.g.
+  ``/device:GPU:0 ...`` for GPU kernels, ``/host:CPU`` for XLA:CPU's per-instruction events)."""
+  out = []
   with tempfile.TemporaryDirectory() as log_dir:
-    try:
-      with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        for _ in range(repeats):
-          run()
-    except RuntimeError:  # another profiler session is running: no table
-      return hlo, {}
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+      for _ in range(repeats):
+        run()
     for path in glob.glob(f"{log_dir}/**/*.trace.json.gz", recursive=True):
       with gzip.open(path) as f:
-        for event in json.load(f).get("traceEvents", []):
-          if event.get("ph") == "X" and event.get("name") in names:
-            durations[event["name"]].append(event["dur"] / 1e3)
-  return hlo, {n: float(np.median(d)) * len(d) / repeats for n, d in durations.items()}
+        events = json.load(f).get("traceEvents", [])
+      process = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+      }
+      out += [{**e, "process": process.get(e.get("pid"), "")} for e in events if e.get("ph") == "X"]
+  return out
