@@ -45,8 +45,7 @@ from jax import lax
 from pallas_kernels.gemm import api as gemm_api
 from pallas_kernels.gemm import hopper
 from pallas_kernels.gemm import kernel as gemm_kernel
-from pallas_kernels.gemm.config import GemmConfig
-from pallas_kernels.gemm.hopper import HopperConfig
+from pallas_kernels.gemm.config import GemmConfig, HopperConfig
 from pallas_kernels.quantize import api as quant_api
 from pallas_kernels.quantize.reference import quantize_reference
 from planners.steptrace import traced_events
@@ -320,49 +319,30 @@ def bench_gemms(name, shape, reps, sweep):
     baseline,
   )
   if sweep:
+
+    def sweep_case(case, f, args=args, want=want):
+      try:
+        err = rel_err(f(*args[0]).astype(jnp.float32), want)
+        return record("sweep", case, shape, "TOP/s", 1, timeit(f, args, reps), ops, baseline, rel_err=err)
+      except Exception as e:
+        log(f"  sweep {case}: {type(e).__name__}: {str(e)[:300]}")
+        return None
+
     best = None
     for bm, bn, bk, warps, stages in SWEEP:
       cfg = GemmConfig(bm, bn, bk, 8, warps, stages)
-      try:
-        f = api_fn("pallas", cfg)
-        err = rel_err(f(*args[0]).astype(jnp.float32), want)
-        v = record(
-          "sweep",
-          f"pallas_int8_nt_{bm}x{bn}x{bk}_w{warps}_s{stages}",
-          shape,
-          "TOP/s",
-          1,
-          timeit(f, args, reps),
-          ops,
-          baseline,
-          rel_err=err,
-        )
+      v = sweep_case(f"pallas_int8_nt_{bm}x{bn}x{bk}_w{warps}_s{stages}", api_fn("pallas", cfg))
+      if v is not None:
         best = max(best or (0, None), (v, cfg), key=lambda t: t[0])
-      except Exception as e:
-        log(f"  sweep {bm}x{bn}x{bk} w{warps} s{stages}: {type(e).__name__}: {str(e)[:300]}")
     log(f"  best int8 config: {best}")
     for tile_n, steps, width in HOPPER_SWEEP:
       cfg = HopperConfig(tile_n=tile_n, max_concurrent_steps=steps, grid_tile_width=width)
-      try:
-        f = jax.jit(
-          lambda a, sa, b, sb, cfg=cfg: hopper.scaled_matmul_nt(
-            a, b, sa.reshape(-1), sb.reshape(-1), jnp.bfloat16, cfg
-          )
+      f = jax.jit(
+        lambda a, sa, b, sb, cfg=cfg: hopper.scaled_matmul_nt(
+          a, b, sa.reshape(-1), sb.reshape(-1), jnp.bfloat16, cfg
         )
-        err = rel_err(f(*args[0]).astype(jnp.float32), want)
-        record(
-          "sweep",
-          f"mosaic_int8_nt_128x{tile_n}x128_s{steps}_w{width}",
-          shape,
-          "TOP/s",
-          1,
-          timeit(f, args, reps),
-          ops,
-          baseline,
-          rel_err=err,
-        )
-      except Exception as e:
-        log(f"  sweep mosaic 128x{tile_n} s{steps} w{width}: {type(e).__name__}: {str(e)[:300]}")
+      )
+      sweep_case(f"mosaic_int8_nt_128x{tile_n}x128_s{steps}_w{width}", f)
   del int8_sets, args
 
   # fp8: e4m3 x e4m3 (forward) and e5m2 x e4m3 (gradients)

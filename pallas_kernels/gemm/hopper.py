@@ -26,7 +26,6 @@ mode cannot run the epilogue's layout-typed loads, so CPU tests trace the kernel
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -35,46 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gemm.config import HopperConfig, default_hopper_config
+
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-
-
-@dataclasses.dataclass(frozen=True)
-class HopperConfig:
-  """Tiles of the Mosaic GPU kernel.
-
-  Attributes:
-    tile_m, tile_n: one compute warpgroup's output tile; the CTA's is ``tile_m × 2·tile_n``
-      (the two compute warpgroups side by side along N).
-    tile_k: contraction step (128 int8 = one 128-byte swizzle row).
-    max_concurrent_steps: shared-memory buffers of the TMA pipeline.
-    epi_tile_m, epi_tile_n: the output block stored per epilogue TMA copy.
-    grid_tile_width: output-tile rows (or columns) walked together by the planar snake.
-  """
-
-  tile_m: int = 128
-  tile_n: int = 128
-  tile_k: int = 128
-  max_concurrent_steps: int = 4
-  epi_tile_m: int = 64
-  epi_tile_n: int = 64
-  grid_tile_width: int = 8
-
-
-SMEM_BYTES = 232448  # shared memory a Hopper CTA may use (227 KB)
-
-
-def default_hopper_config(m: int, n: int, out_dtype) -> HopperConfig:
-  """128×128 tiles per warpgroup (a 128×256 CTA tile) where N allows, else 128×64; as many
-  pipeline buffers (at most 6) as fit beside the epilogue's in 227 KB of shared memory: 4 with
-  a bf16 output and 128-wide tiles (16384×8192×8192 int8 on an H200: 1405 TOP/s; 3 buffers
-  1401, 64-wide tiles with 6 buffers 1278)."""
-  del m  # M only needs to be a multiple of tile_m (128)
-  base = HopperConfig()
-  tile_n = base.tile_n if n % (2 * base.tile_n) == 0 else base.tile_n // 2
-  stage = (base.tile_m + 2 * tile_n) * base.tile_k
-  epilogue = 2 * 2 * base.epi_tile_m * base.epi_tile_n * jnp.dtype(out_dtype).itemsize
-  steps = min(6, (SMEM_BYTES - epilogue - 1024) // stage)
-  return dataclasses.replace(base, tile_n=tile_n, max_concurrent_steps=steps)
 
 
 def _check(m: int, n: int, k: int, config: HopperConfig) -> None:
