@@ -90,7 +90,10 @@ def test_start_is_uniform_when_per_op_fastest_is_slower_as_a_whole(n_infer):
   )
   train_only = first_bucket + 2 * allreduce_ms(4000, 1 + n_infer, 0.0064)
   assert ev.training_step_ms() == pytest.approx(train_only)
-  assert ev.step_ms(fastest_levels(problem)) > train_only * 1.01  # the old start straggled
+  # the old start straggled. By how much depends on the ±3 % jitter: 0.77 % at the least over
+  # 600 seeded draws, so the 1 % margin this once asserted failed about 1 run in 25 (a CI
+  # rehearsal hit it); 0.2 % still lies well above float noise.
+  assert ev.step_ms(fastest_levels(problem)) > train_only * 1.002
   assert start_assignment(problem, ev) == ((0, 0),) * n_infer  # uniform int8
   assert ev.step_ms(((0, 0),) * n_infer) <= train_only * (1 + 1e-9)
 
