@@ -12,7 +12,12 @@ correction), then for every evaluation plan (uniform and mixed, never fp32) comp
 The baseline of the ratio column is the measured step time (ratio = predicted / measured).
 Targets (DESIGN §5.3): mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), memory within 10 %.
 
-  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats 20]
+With ``--reanchor`` the fp32 step is also re-timed next to each evaluation plan and the error
+is reported a second time with the remainder refitted to that timing: on a shared CPU host the
+same fp32 step has measured 49–67 ms in different minutes, and the one fit timing carries that
+drift into every prediction. Both errors are printed and saved; fp32 stays the only fit plan.
+
+  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats 20] [--reanchor]
 """
 
 from __future__ import annotations
@@ -128,10 +133,16 @@ def main():
     "time — on a CPU host shared with other work, wall on accelerators)",
   )
   ap.add_argument("--no-save", action="store_true")
+  ap.add_argument(
+    "--reanchor",
+    action="store_true",
+    help="also re-time the fp32 step next to each evaluation plan and report the error with the "
+    "remainder refitted to it (a noisy host's drift between the profile and the evaluation)",
+  )
   args = ap.parse_args()
   device = jax.devices()[0].device_kind
   clock = args.clock or ("cpu" if jax.devices()[0].platform == "cpu" else "wall")
-  rows, out = [], []
+  rows, out, reanchored = [], [], []
   for model in args.models:
     task, batch_size = get_model(model)
     t0 = time.perf_counter()
@@ -144,6 +155,13 @@ def main():
     for case, policy in {"fp32 (fit)": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}.items():
       pred = predict(cluster, {prof.device_type: prof}, Plan(policies={"all": policy}))
       try:
+        if args.reanchor and "(fit)" not in case:
+          # one device, no comm: the step replays as a sum, so refitting the remainder to an fp32
+          # step timed now shifts the prediction by the fp32 step's drift since the profile
+          fp32_now = step.time_train_step(
+            task, PrecisionPolicy.uniform("fp32"), batch, args.repeats, clock=clock
+          )[0]
+          drift = fp32_now - prof.meta["fp32_step_ms"]
         meas, samples, peak = step.time_train_step(task, policy, batch, args.repeats, clock=clock)
       except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 x bf16 -> f32 dot
         print(f"{model:5s} {case:26s} cannot run on this backend: {str(e).splitlines()[0][:100]}", flush=True)
@@ -161,6 +179,17 @@ def main():
       if "(fit)" not in case:
         out.append(row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device))
         out.append(row_json(model, case, "peak_bytes", mem, peak, device))
+        if args.reanchor:
+          anchored = pred.step_ms + drift
+          reanchored.append(abs(anchored - meas) / meas)
+          print(
+            f"      fp32 now {fp32_now:8.2f} ms (drift {drift:+.2f}): reanchored pred {anchored:8.2f} ms, err {100 * (anchored - meas) / meas:+6.1f} %",
+            flush=True,
+          )
+          out.append(
+            row_json(model, case, f"step_ms_{clock}_clock_reanchored", anchored, meas, device)
+            | {"fp32_drift_ms": drift}
+          )
   evals = [r for r in rows if "(fit)" not in r[1]]
   t_err = np.abs([r[5] for r in evals])
   m_err = np.abs([r[8] for r in evals])
@@ -176,11 +205,22 @@ def main():
     f"median {100 * np.median(t_err):.1f} %, max {100 * t_err.max():.1f} %; memory |error| mean "
     f"{100 * m_err.mean():.1f} %, max {100 * m_err.max():.1f} %"
   )
+  if reanchored:
+    print(
+      f"reanchored to an fp32 step timed next to each plan: step-time |error| mean "
+      f"{100 * np.mean(reanchored):.1f} %, median {100 * np.median(reanchored):.1f} %, max {100 * np.max(reanchored):.1f} %"
+    )
   if not args.no_save:
     summary = [
       row_json("all", "mean_abs_step_error", "abs_rel_error", float(t_err.mean()), None, device),
       row_json("all", "mean_abs_memory_error", "abs_rel_error", float(m_err.mean()), None, device),
     ]
+    if reanchored:
+      summary.append(
+        row_json(
+          "all", "mean_abs_step_error_reanchored", "abs_rel_error", float(np.mean(reanchored)), None, device
+        )
+      )
     append_rows(RESULTS, out + summary)
     print(f"appended {len(out) + len(summary)} rows to {RESULTS}")
 
