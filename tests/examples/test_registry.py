@@ -70,12 +70,15 @@ def test_stdlib_corpus_split_is_the_tail_and_is_deterministic():
   np.testing.assert_array_equal(windows[1, :], test[50:101])
 
 
-def test_lm_task_shapes_and_loss_is_near_uniform_at_init():
+# Fixed seeds: an unseeded init key put the loss 1.01 from uniform in a CI rehearsal (over 200
+# seeds: 5 beyond the 1.0 bound, at most 1.17; seeds 0-3 at 0.12-0.78).
+@pytest.mark.parametrize("seed", range(4))
+def test_lm_task_shapes_and_loss_is_near_uniform_at_init(seed):
   task = get_task("lm", d_model=16, num_heads=2, num_layers=1, seq_len=12)
   batch = next(task.train_batches(4, 0))
   assert batch["tokens"].shape == (4, 13)
   (tokens,) = task.inputs(batch)
-  variables = jax.jit(task.model.init)(jax.random.key(np.random.randint(1 << 30)), tokens)
+  variables = jax.jit(task.model.init)(jax.random.key(seed), tokens)
   logits = jax.jit(task.model.apply)(variables, tokens)
   assert logits.shape == (4, 12, stdlib_text.VOCAB_SIZE)
   loss, metrics = task.loss(logits, batch)
