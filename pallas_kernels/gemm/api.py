@@ -64,6 +64,11 @@ class Canonical(NamedTuple):
   bias: jax.Array | None  # [N]
   out_shape: tuple[int, ...]
 
+  def kmajor(self) -> tuple[jax.Array, jax.Array]:
+    """``(A [M, K], B [N, K])``: both operands contraction-major (an XLA transpose where one
+    is not), the layout Hopper's 8-bit MMA path reads."""
+    return (self.a if self.a_kmajor else self.a.T), (self.b if self.b_kmajor else self.b.T)
+
 
 def _scale_vector(scale, ndim, contract, free, shape, name):
   if scale.ndim != ndim:
@@ -113,8 +118,7 @@ def canonicalize(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, bias=Non
 
 def xla_nt(c: Canonical, out_dtype) -> jax.Array:
   """XLA's dot_general on contraction-major operands, then the scale epilogue (fused by XLA)."""
-  a = c.a if c.a_kmajor else c.a.T
-  b = c.b if c.b_kmajor else c.b.T
+  a, b = c.kmajor()
   acc = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=accumulator_dtype(a.dtype))
   out = acc.astype(jnp.float32) * c.a_scale[:, None]
   out = out * c.b_scale[None, :]
@@ -123,21 +127,18 @@ def xla_nt(c: Canonical, out_dtype) -> jax.Array:
   return out.astype(out_dtype)
 
 
-def pallas_nt(c: Canonical, out_dtype, config=None, interpret=False, kmajor=True) -> jax.Array:
-  """The Pallas kernel; with ``kmajor`` non-contraction-major 8-bit operands are transposed
-  first (by XLA, one byte per element), since Hopper's 8-bit MMA path wants that layout."""
-  a, a_km, b, b_km = c.a, c.a_kmajor, c.b, c.b_kmajor
-  if kmajor and not a_km:
-    a, a_km = a.T, True
-  if kmajor and not b_km:
-    b, b_km = b.T, True
+def pallas_nt(c: Canonical, out_dtype, config=None, interpret=False) -> jax.Array:
+  """The Pallas kernel on contraction-major operands (non-contraction-major 8-bit operands are
+  transposed first by XLA, one byte per element, since Hopper's 8-bit MMA path wants that
+  layout; the kernel itself also reads the other layouts in place)."""
+  a, b = c.kmajor()
   return _kernel.scaled_matmul(
     a,
     b,
     c.a_scale,
     c.b_scale,
-    a_kmajor=a_km,
-    b_kmajor=b_km,
+    a_kmajor=True,
+    b_kmajor=True,
     bias=c.bias,
     out_dtype=out_dtype,
     config=config,
@@ -145,14 +146,12 @@ def pallas_nt(c: Canonical, out_dtype, config=None, interpret=False, kmajor=True
   )
 
 
-def mosaic_nt(c: Canonical, out_dtype, config=None) -> jax.Array:
+def mosaic_nt(c: Canonical, out_dtype) -> jax.Array:
   """The Mosaic GPU kernel (no bias, GPU only, CTA-tile multiples; ``NotImplementedError``
-  otherwise), on contraction-major operands (an XLA transpose first where one is not)."""
+  otherwise), on contraction-major operands."""
   if c.bias is not None or not on_gpu():
     raise NotImplementedError("the Mosaic GPU GEMM takes no bias and runs on a GPU only")
-  a = c.a if c.a_kmajor else c.a.T
-  b = c.b if c.b_kmajor else c.b.T
-  return _hopper.scaled_matmul_nt(a, b, c.a_scale, c.b_scale, out_dtype, config)
+  return _hopper.scaled_matmul_nt(*c.kmajor(), c.a_scale, c.b_scale, out_dtype)
 
 
 def _validate(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, impl):

@@ -153,6 +153,7 @@ def scaled_matmul_nt(a, b, a_scale, b_scale, out_dtype=jnp.bfloat16, config: Hop
     raise ValueError(f"a {a.shape} and b {b.shape} must share their last (contraction) axis.")
   config = config or default_hopper_config(m, n, out_dtype)
   _check(m, n, k, config)
+  # one CTA per SM (off a GPU, where the kernel is only traced, an H100's 132)
   num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
   f = plgpu.kernel(
     functools.partial(_kernel, config=config),
