@@ -8,7 +8,10 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 
 * scaling: uniform bf16 policy and a mixed plan (MLP Dense layers ``int8_fwd``, the rest
   bf16) on 1, 2, 4… devices with a fixed per-device batch (weak scaling): step time and
-  efficiency t(1) / t(n);
+  efficiency t(1) / t(n); ``bf16-tree``: the same with the gradient leaves all-reduced in
+  tree order (``sync_leaf_order="tree"``) instead of the order the backward produces them
+  (``qsync_jax.sync.order``), which shows what that order buys; on one device each step's
+  GPU kernel time (sum of kernel durations in a ``jax.profiler`` trace) is also reported;
 * sync: fp32, bf16 and Global-QSGD all-reduce on all devices: step time, bytes per step in
   the compiled HLO's collectives, and the collectives' dtypes (Global-QSGD must stay s8);
 * SelSync: step time and bytes of a local (never-sync) step and of a sync step (its warm-up
@@ -43,6 +46,7 @@ from examples.registry import get_task
 from planners.link import measure_link
 from planners.profiler import measure_profile
 from planners.replay import predict
+from planners.steptrace import traced_events
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy, Rule
@@ -101,17 +105,40 @@ def collective_summary(step, *args, dump: str | None = None):
   return found
 
 
-def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
+def trainer_case(task, n, batch, policy, sync_name, steps, dump=None, leaf_order="auto"):
   devices = jax.devices()[:n]
   cluster = ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
   plan = Plan(policies={"gpus": policy})
-  ts = make_train_step(task, cluster, plan, optax.adam(1e-4), make_grad_sync(sync_name), devices=devices)
+  ts = make_train_step(
+    task,
+    cluster,
+    plan,
+    optax.adam(1e-4),
+    make_grad_sync(sync_name),
+    devices=devices,
+    sync_leaf_order=leaf_order,
+  )
   host = task.train_batches(cluster.global_batch, 0)
   batches = [ts.shard(next(host)) for _ in range(3)]
   state = ts.init(0, next(task.train_batches(cluster.global_batch, 0)))
   coll = collective_summary(ts.step, state, batches[0], dump=dump)
-  med, iqr, _ = time_steps(ts.step, state, batches, steps)
+  med, iqr, state = time_steps(ts.step, state, batches, steps)
+  if n == 1:
+    coll["kernel_ms"] = gpu_kernel_ms(ts.step, state, batches[0])
   return med, iqr, coll
+
+
+def gpu_kernel_ms(step, state, batch, repeats: int = 5) -> float:
+  """ms of GPU kernels per call of ``step`` (first GPU), from a ``jax.profiler`` trace; the
+  step's wall time less this is launch gaps and host work. NaN where the trace has no GPU."""
+  box = [state]
+
+  def run():
+    box[0], _ = step(box[0], batch)
+    jax.block_until_ready(box[0])
+
+  events = [e for e in traced_events(run, repeats) if e["process"].startswith("/device:GPU:0")]
+  return sum(e["dur"] for e in events) / 1e3 / repeats if events else float("nan")
 
 
 SELSYNC_CASES = {
@@ -178,6 +205,8 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
   print(f"{'policy':<8} {'devices':>7} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'comm ms':>8}")
   rows, errors = [], []
   for (name, n), meas in sorted(measured.items()):
+    if name not in policies():
+      continue  # e.g. "bf16-tree": the replay models the backward-ordered all-reduce
     policy = policies()[name]
     if (
       not {q for r in policy.rules for q in r.policy.precisions} | set(policy.default.precisions) <= profiled
@@ -195,8 +224,12 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
     )
     err = (pred.step_ms - meas * 1e3) / (meas * 1e3)
     errors.append(abs(err))
+    parts = {}
+    for node in pred.nodes:
+      parts[node.kind] = parts.get(node.kind, 0.0) + node.ms
     print(
-      f"{name:<8} {n:>7} {pred.step_ms:>9.2f} {meas * 1e3:>9.2f} {100 * err:>+6.1f}% {pred.comm_ms:>8.2f}"
+      f"{name:<8} {n:>7} {pred.step_ms:>9.2f} {meas * 1e3:>9.2f} {100 * err:>+6.1f}% {pred.comm_ms:>8.2f}  "
+      + " ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items()))
     )
     rows.append(row(f"predictor/{name}/n{n}", "step_time_ms", pred.step_ms, meas * 1e3, device))
   print(
@@ -242,6 +275,12 @@ def main(argv=None) -> int:
     "--policies", nargs="+", default=["bf16", "mixed"], help="policies of the scaling cases"
   )
   parser.add_argument("--dump-dir", help="write each sync case's compiled HLO here")
+  parser.add_argument(
+    "--tree-order",
+    nargs="*",
+    default=["bf16"],
+    help="policies also scaled with the gradient leaves all-reduced in tree order (sync_leaf_order='tree')",
+  )
   parser.add_argument("--profile-repeats", type=int, default=10, help="repeats of each profiled op")
   parser.add_argument(
     "--profile-precisions",
@@ -276,24 +315,32 @@ def main(argv=None) -> int:
 
   # 1. weak scaling per policy
   counts = [n for n in (1, 2, 4, 8) if n <= total]
-  print(f"{'policy':<8} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
+  print(f"{'policy':<10} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
   measured = {}  # (policy, devices) -> median step s
   scaling = {k: v for k, v in policies().items() if k in args.policies and not args.skip_scaling}
-  for name, policy in scaling.items():
+  cases = [(name, policy, "auto") for name, policy in scaling.items()]
+  cases += [(f"{name}-tree", policy, "tree") for name, policy in scaling.items() if name in args.tree_order]
+  for name, policy, leaf_order in cases:
     base = None
     for n in counts:
+      if leaf_order == "tree" and n == 1:
+        base = measured.get((name.removesuffix("-tree"), 1))  # one device: no all-reduce to order
+        continue
       try:
-        med, iqr, _ = trainer_case(task, n, args.batch, policy, "fp32", args.steps)
+        med, iqr, coll = trainer_case(task, n, args.batch, policy, "fp32", args.steps, leaf_order=leaf_order)
       except Exception as e:  # noqa: BLE001 - report it; the other cases still count
         print(f"{name:<8} {n:>7} failed: {type(e).__name__}: {str(e)[:300]}")
         continue
       base = med if base is None else base
       measured[(name, n)] = med
-      print(f"{name:<8} {n:>7} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {base / med:>10.3f}")
+      print(f"{name:<10} {n:>7} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {base / med:>10.3f}")
       emit(
         row(f"scaling/{name}/n{n}", "step_time_ms_median", med * 1e3, base * 1e3, device, iqr_ms=iqr * 1e3)
       )
       emit(row(f"scaling/{name}/n{n}", "weak_scaling_efficiency", base / med, 1.0, device))
+      if not np.isnan(coll.get("kernel_ms", np.nan)):
+        print(f"{'':<8} {'':>7} GPU kernels {coll['kernel_ms']:.2f} ms of the {med * 1e3:.2f} ms step")
+        emit(row(f"scaling/{name}/n{n}", "gpu_kernel_ms", coll["kernel_ms"], med * 1e3, device))
 
   # 2. gradient sync strategies on all devices
   print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")

@@ -49,11 +49,13 @@ from jax.sharding import PartitionSpec as P
 
 from qsync_jax.batching import pad_shards, put_replicated, put_sharded
 from qsync_jax.cluster import ClusterSpec, assign_devices
+from qsync_jax.errors import QsyncError
 from qsync_jax.flax_quant import RNG_COLLECTION, quantize
 from qsync_jax.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.sync.common import AXIS, is_float, optimizer_init, shard_map, to_varying
+from qsync_jax.sync.order import backward_order, from_order, in_order
 from qsync_jax.task import Task
 
 GradSync = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
@@ -65,6 +67,9 @@ same on every device (typed invariant, e.g. the result of a ``psum``). ``sync_st
 device's own state (error feedback, EMAs…): if the callable has an ``init(params)`` method its
 result is the initial per-device state, else the state is ``()``. ``key`` is one PRNG key per
 step, the same on every device (fold in ``lax.axis_index("data")`` for per-device noise).
+``weighted_local_grads`` is the gradient tree, or, when the callable's ``leaf_order``
+attribute is ``"backward"``, the tree's leaves as a list in the order the backward pass
+produces them (``qsync_jax.sync.order``); ``combined_grads`` comes back in the same form.
 """
 
 
@@ -228,8 +233,10 @@ def _shard_map(f, mesh, in_specs, out_specs, check_vma: bool):
   return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
-def _split_sync(grad_sync) -> tuple[Callable, Callable[[Any], Any]]:
-  """(sync function, per-device state init) of a ``GradSync`` callable or an ``(init, sync)`` object."""
+def _split_sync(grad_sync) -> tuple[Callable, Callable[[Any], Any], str]:
+  """(sync function, per-device state init, leaf order) of a ``GradSync`` callable or an
+  ``(init, sync)`` object; the leaf order is its ``leaf_order`` attribute (default ``"tree"``;
+  ``"backward"`` for ``psum_sync``)."""
   sync = getattr(grad_sync, "sync", grad_sync)
   if not callable(sync):
     raise TypeError(
@@ -237,7 +244,10 @@ def _split_sync(grad_sync) -> tuple[Callable, Callable[[Any], Any]]:
       f"got {type(grad_sync).__name__}. Fix: pass e.g. qsync_jax.sync.make_grad_sync('fp32')."
     )
   init = getattr(grad_sync, "init", None)
-  return sync, (init if callable(init) else (lambda params: ()))
+  order = "backward" if grad_sync is psum_sync else getattr(grad_sync, "leaf_order", "tree")
+  if order not in ("tree", "backward"):
+    raise QsyncError(f"grad_sync.leaf_order={order!r} is not an order. Fix: set it to 'tree' or 'backward'.")
+  return sync, (init if callable(init) else (lambda params: ())), order
 
 
 def make_train_step(
@@ -251,6 +261,7 @@ def make_train_step(
   loss_scale: DynamicLossScale | NoLossScale | None = None,
   return_grads: bool = False,
   donate: bool | None = None,
+  sync_leaf_order: str = "auto",
 ) -> TrainStep:
   """Builds the hybrid synchronous data-parallel step of ``task`` on ``cluster`` under ``plan``.
 
@@ -266,13 +277,24 @@ def make_train_step(
     loss_scale: default ``DynamicLossScale()`` when the plan has an fp16 leg, else ``NoLossScale()``.
     return_grads: the step also returns the combined (unscaled) gradient.
     donate: donate the input state's buffers (default: on accelerators, not on the CPU).
+    sync_leaf_order: ``"auto"``: the sync's own ``leaf_order`` (``"backward"`` for the default
+      and the built-in all-reduces: the gradient leaves are handed over as a list in the order
+      the backward pass produces them, so XLA's all-reduce combiner forms collectives that can
+      start during the backward; see ``qsync_jax.sync.order``); ``"tree"``: the gradient tree
+      as is, whatever the sync says (the order before this option existed).
   """
   plan = plan if plan is not None else Plan()
   cluster = plan.apply_to(cluster)
   devices = list(jax.devices() if devices is None else devices)
   assign_devices(cluster, devices)
   mesh = Mesh(np.asarray(devices), (AXIS,))
-  grad_sync, sync_init = _split_sync(grad_sync if grad_sync is not None else psum_sync)
+  grad_sync, sync_init, leaf_order = _split_sync(grad_sync if grad_sync is not None else psum_sync)
+  if sync_leaf_order not in ("auto", "tree"):
+    raise QsyncError(
+      f"sync_leaf_order={sync_leaf_order!r} is not an option. Fix: pass 'auto' (the sync's own "
+      "leaf_order) or 'tree' (the gradient tree as is)."
+    )
+  leaf_order = "tree" if sync_leaf_order == "tree" else leaf_order
   if loss_scale is None:
     loss_scale = DynamicLossScale() if plan.needs_fp16_loss_scaling else NoLossScale()
   branches, device_branch = plan_branches(cluster, plan)
@@ -298,7 +320,11 @@ def make_train_step(
         scaled = loss * scale if loss_scale.enabled else loss
         return scaled, (loss, metrics, updated)
 
-      grads, (loss, metrics, updated) = jax.grad(loss_fn, has_aux=True)(params)
+      scaled, vjp_fn, (loss, metrics, updated) = jax.vjp(loss_fn, params, has_aux=True)
+      cotangent = jnp.ones_like(scaled)
+      if want_order and not orders:  # the first traced branch decides the sync's leaf order
+        orders.append(backward_order(jax.make_jaxpr(vjp_fn)(cotangent), len(jax.tree.leaves(params))))
+      (grads,) = vjp_fn(cotangent)
       grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
       scalars = jnp.stack([loss, *(jnp.asarray(v, jnp.float32) for v in metrics.values())])
       new_state = {c: updated.get(c, model_state[c]) for c in model_state}
@@ -316,7 +342,9 @@ def make_train_step(
   # One device with the default sync: every collective is the identity, so emit none (a
   # 1-device all-reduce still copies every gradient) and skip the varying/invariant typing.
   alone = mesh.size == 1 and grad_sync is psum_sync
+  want_order = leaf_order == "backward" and not alone
   metric_names: list[tuple[str, ...]] = []
+  orders: list[tuple[int, ...]] = []  # the gradient leaves' backward order (``sync.order``)
 
   def local_step(state: TrainState, batch):
     index = lax.axis_index(AXIS)
@@ -342,7 +370,13 @@ def make_train_step(
       grads, scalars, new_state = lax.switch(jnp.asarray(table)[index], [strip(r) for r in runs], *operands)
 
     sync_state = jax.tree.map(lambda x: x[0], state.sync_state)
-    combined, sync_state = (grads, sync_state) if alone else grad_sync(grads, sync_state, sync_key)
+    if alone:
+      combined = grads
+    elif want_order:  # the leaves as a list, in the order the backward pass produces them
+      combined, sync_state = grad_sync(in_order(grads, orders[0]), sync_state, sync_key)
+      combined = from_order(combined, grads, orders[0])
+    else:
+      combined, sync_state = grad_sync(grads, sync_state, sync_key)
     sync_state = jax.tree.map(lambda x: x[None], sync_state)
     if not alone:
       scalars = lax.psum(scalars, AXIS)

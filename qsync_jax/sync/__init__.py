@@ -48,10 +48,23 @@ from qsync_jax.sync.task_loss import task_loss_fn
 
 
 class GradSync(NamedTuple):
-  """``init(params) -> state`` and ``sync(weighted_local_grads, state, key) -> (grads, state)``."""
+  """``init(params) -> state`` and ``sync(weighted_local_grads, state, key) -> (grads, state)``.
+
+  ``leaf_order`` (a class attribute, not a field): ``"tree"`` — ``sync`` takes the gradient
+  tree; see ``LeafOrderFreeSync``."""
 
   init: Callable[[Any], Any]
   sync: Callable[[Any, Any, Any], tuple[Any, Any]]
+  leaf_order = "tree"
+
+
+class LeafOrderFreeSync(GradSync):
+  """A ``GradSync`` whose ``sync`` treats the gradient as any pytree, so the trainer hands it the
+  gradient leaves as a list in the order the backward pass produces them
+  (``leaf_order = "backward"``, ``qsync_jax.sync.order``); every built-in one is."""
+
+  __slots__ = ()
+  leaf_order = "backward"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +92,7 @@ def _grad_sync_from(reduce_fn: Callable[..., Any]) -> Callable[..., GradSync]:
       combined = reduce_fn(weighted_grads, axis_name, key, **options)
       return combined, {"steps": state["steps"] + 1}
 
-    return GradSync(init, sync)
+    return LeafOrderFreeSync(init, sync)
 
   return build
 
@@ -189,6 +202,7 @@ def make_step_strategy(name: str, loss_fn, optimizer, params, mesh=None, **optio
 
 __all__ = [
   "GradSync",
+  "LeafOrderFreeSync",
   "QSDPTrainer",
   "STRATEGIES",
   "SelSyncConfig",
