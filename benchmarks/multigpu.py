@@ -44,7 +44,7 @@ from result_rows import append_rows, result_row
 
 from examples.registry import get_task
 from planners.link import measure_link
-from planners.profiler import measure_profile
+from planners.profiler import Profile, measure_profile
 from planners.replay import predict
 from planners.steptrace import traced_events
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
@@ -187,16 +187,23 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
   t0 = time.perf_counter()
   profiled = set(args.profile_precisions)
   say = lambda msg: print(f"  [{time.perf_counter() - t0:5.0f} s] profile: {msg}", flush=True)  # noqa: E731
-  prof = measure_profile(
-    task,
-    args.batch,
-    precisions=tuple(profiled),
-    repeats=args.profile_repeats,
-    step_repeats=args.steps,
-    progress=say,
-  )
+  if args.profile_file and os.path.exists(args.profile_file):
+    prof = Profile.load(args.profile_file)
+    profiled = set(prof.meta.get("precisions", profiled))
+    print(f"\npredictor: profile {args.profile_file} ({prof.meta.get('device_kind', prof.device_type)})")
+  else:
+    prof = measure_profile(
+      task,
+      args.batch,
+      precisions=tuple(profiled),
+      repeats=args.profile_repeats,
+      step_repeats=args.steps,
+      progress=say,
+    )
+    if args.profile_file:
+      prof.save(args.profile_file)
   links = {n: measure_link(jax.devices()[:n]) for n in sorted({n for _, n in measured}) if n > 1}
-  print(f"\npredictor: profiled {len(prof.ops)} ops on one device in {time.perf_counter() - t0:.0f} s")
+  print(f"\npredictor: {len(prof.ops)} ops profiled on one device; ready after {time.perf_counter() - t0:.0f} s")
   for n, link in links.items():
     print(
       f"  link fit on {n} devices: {link.link_gbps / 8:.0f} GB/s, {link.latency_us:.0f} us per all-reduce "
@@ -289,6 +296,11 @@ def main(argv=None) -> int:
     help="precisions the predictor's profile measures; it predicts the policies within them",
   )
   parser.add_argument("--skip-predictor", action="store_true")
+  parser.add_argument(
+    "--profile-file",
+    help="the predictor's op profile: loaded if the file exists (e.g. measured on a 1-GPU machine), "
+    "else measured on one device and saved there",
+  )
   parser.add_argument("--process-timeout", type=int, default=240, help="seconds for the multi-process run")
   parser.add_argument(
     "--skip-sync", action="store_true", help="skip the gradient-sync, SelSync and QSDP cases"
