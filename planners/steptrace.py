@@ -225,3 +225,16 @@ def traced_events(run, repeats: int) -> list[dict]:
       }
       out += [{**e, "process": process.get(e.get("pid"), "")} for e in events if e.get("ph") == "X"]
   return out
+
+
+def device_kernel_ms(run, repeats: int) -> float:
+  """Mean ms per call of ``run`` of the kernels on the first GPU (``/device:GPU:0``), from a
+  ``jax.profiler`` trace of ``repeats`` calls. ``RuntimeError`` where the trace has no GPU
+  kernels (e.g. on a CPU): the device clock exists on GPUs only."""
+  events = [e for e in traced_events(run, repeats) if e["process"].startswith("/device:GPU:0")]
+  if not events:
+    raise RuntimeError(
+      f"no GPU kernel in a trace of {jax.devices()[0].platform} programs: the device clock needs a GPU. "
+      "Fix: time with clock='wall' (or 'cpu' on a CPU host)."
+    )
+  return sum(e["dur"] for e in events) / 1e3 / repeats

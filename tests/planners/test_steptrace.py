@@ -13,7 +13,7 @@ from planners import steptrace
 from planners.graph import GroupCost, op_costs
 from planners.ops import OpShape, collect_ops
 from planners.profiler import Profile
-from planners.step import init_variables
+from planners.step import DEVICE_CLOCK, init_variables, timed_ms
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 from tests.planners import tiny
@@ -143,3 +143,25 @@ def test_refuses_producer_on_this_stack():
 
   assert refuses_producer(under("fp32"), lhs, rhs, None, g)
   assert not refuses_producer(under("bf16"), lhs, rhs, None, g)
+
+
+def test_device_clock_is_the_mean_kernel_time_of_the_first_gpu(monkeypatch):
+  events = [
+    {"process": "/device:GPU:0 (stream 7)", "dur": 30.0},
+    {"process": "/device:GPU:0 (stream 7)", "dur": 10.0},
+    {"process": "/device:GPU:1 (stream 7)", "dur": 500.0},  # another GPU's kernels
+    {"process": "/host:CPU", "dur": 900.0},  # host work
+  ]
+  monkeypatch.setattr(steptrace, "traced_events", lambda run, repeats: events)
+  assert steptrace.device_kernel_ms(lambda: None, repeats=2) == pytest.approx(0.02)  # 40 µs / 2 calls
+
+
+def test_device_clock_without_a_gpu_names_the_fix():
+  f = jax.jit(lambda x: x * 2)
+  x = jnp.ones((8,))
+  if jax.default_backend() == "gpu":
+    ms, samples = timed_ms(lambda: f(x), repeats=3, clock=DEVICE_CLOCK)
+    assert 0 < ms < 1.0 and samples == [ms]
+  else:
+    with pytest.raises(RuntimeError, match="device clock needs a GPU.*Fix"):
+      timed_ms(lambda: f(x), repeats=3, clock=DEVICE_CLOCK)
