@@ -105,7 +105,11 @@ def collective_summary(step, *args, dump: str | None = None):
   return found
 
 
-def trainer_case(task, n, batch, policy, sync_name, steps, dump=None, leaf_order="auto"):
+BUCKET_BYTES = 30 * 2**20
+"""The ``-buckets`` cases' all-reduce buckets: XLA:GPU's combine threshold, so XLA cannot merge two."""
+
+
+def trainer_case(task, n, batch, policy, sync_name, steps, dump=None, leaf_order="auto", sync_options=None):
   devices = jax.devices()[:n]
   cluster = ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
   plan = Plan(policies={"gpus": policy})
@@ -114,7 +118,7 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None, leaf_order
     cluster,
     plan,
     optax.adam(1e-4),
-    make_grad_sync(sync_name),
+    make_grad_sync(sync_name, **(sync_options or {})),
     devices=devices,
     sync_leaf_order=leaf_order,
   )
@@ -203,7 +207,9 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
     if args.profile_file:
       prof.save(args.profile_file)
   links = {n: measure_link(jax.devices()[:n]) for n in sorted({n for _, n in measured}) if n > 1}
-  print(f"\npredictor: {len(prof.ops)} ops profiled on one device; ready after {time.perf_counter() - t0:.0f} s")
+  print(
+    f"\npredictor: {len(prof.ops)} ops profiled on one device; ready after {time.perf_counter() - t0:.0f} s"
+  )
   for n, link in links.items():
     print(
       f"  link fit on {n} devices: {link.link_gbps / 8:.0f} GB/s, {link.latency_us:.0f} us per all-reduce "
@@ -212,9 +218,10 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
   print(f"{'policy':<8} {'devices':>7} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'comm ms':>8}")
   rows, errors = [], []
   for (name, n), meas in sorted(measured.items()):
-    if name not in policies():
-      continue  # e.g. "bf16-tree": the replay models the backward-ordered all-reduce
-    policy = policies()[name]
+    base_name, _, variant = name.partition("-")
+    if variant not in ("", "buckets"):
+      continue  # "-tree": the same collectives as the default (the compiled HLO), not a new case
+    policy = policies()[base_name]
     if (
       not {q for r in policy.rules for q in r.policy.precisions} | set(policy.default.precisions) <= profiled
     ):
@@ -228,6 +235,7 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
       {prof.device_type: prof},
       Plan(policies={"gpus": policy}),
       **({"latency_us": link.latency_us} if link else {}),
+      bucket_order="backward" if variant == "buckets" else "tree",
     )
     err = (pred.step_ms - meas * 1e3) / (meas * 1e3)
     errors.append(abs(err))
@@ -235,7 +243,7 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
     for node in pred.nodes:
       parts[node.kind] = parts.get(node.kind, 0.0) + node.ms
     print(
-      f"{name:<8} {n:>7} {pred.step_ms:>9.2f} {meas * 1e3:>9.2f} {100 * err:>+6.1f}% {pred.comm_ms:>8.2f}  "
+      f"{name:<12} {n:>7} {pred.step_ms:>9.2f} {meas * 1e3:>9.2f} {100 * err:>+6.1f}% {pred.comm_ms:>8.2f}  "
       + " ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items()))
     )
     rows.append(row(f"predictor/{name}/n{n}", "step_time_ms", pred.step_ms, meas * 1e3, device))
@@ -282,6 +290,12 @@ def main(argv=None) -> int:
     "--policies", nargs="+", default=["bf16", "mixed"], help="policies of the scaling cases"
   )
   parser.add_argument("--dump-dir", help="write each sync case's compiled HLO here")
+  parser.add_argument(
+    "--buckets",
+    nargs="*",
+    default=["bf16"],
+    help="policies also scaled with the fp32 all-reduce in explicit 30 MiB buckets in backward order",
+  )
   parser.add_argument(
     "--tree-order",
     nargs="*",
@@ -330,16 +344,20 @@ def main(argv=None) -> int:
   print(f"{'policy':<10} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
   measured = {}  # (policy, devices) -> median step s
   scaling = {k: v for k, v in policies().items() if k in args.policies and not args.skip_scaling}
-  cases = [(name, policy, "auto") for name, policy in scaling.items()]
-  cases += [(f"{name}-tree", policy, "tree") for name, policy in scaling.items() if name in args.tree_order]
-  for name, policy, leaf_order in cases:
+  cases = [(name, policy, "auto", None) for name, policy in scaling.items()]
+  cases += [(f"{k}-tree", p, "tree", None) for k, p in scaling.items() if k in args.tree_order]
+  buckets = {"bucket_bytes": BUCKET_BYTES}
+  cases += [(f"{k}-buckets", p, "auto", buckets) for k, p in scaling.items() if k in args.buckets]
+  for name, policy, leaf_order, sync_options in cases:
     base = None
     for n in counts:
-      if leaf_order == "tree" and n == 1:
-        base = measured.get((name.removesuffix("-tree"), 1))  # one device: no all-reduce to order
+      if "-" in name and n == 1:
+        base = measured.get((name.split("-")[0], 1))  # one device: no all-reduce to order
         continue
       try:
-        med, iqr, coll = trainer_case(task, n, args.batch, policy, "fp32", args.steps, leaf_order=leaf_order)
+        med, iqr, coll = trainer_case(
+          task, n, args.batch, policy, "fp32", args.steps, leaf_order=leaf_order, sync_options=sync_options
+        )
       except Exception as e:  # noqa: BLE001 - report it; the other cases still count
         print(f"{name:<8} {n:>7} failed: {type(e).__name__}: {str(e)[:300]}")
         continue

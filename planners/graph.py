@@ -13,14 +13,15 @@ on its own ``compute`` stream:
   a cast node before an op's gradient legs when its forward ran int8/fp8: the saved 1-byte
   operands are dequantized to fp32 (the profile's ``"int8->fp32"`` / ``"fp8->fp32"`` model).
 * The first op takes the model input, which is not differentiated: it has no dlhs leg.
-* Gradients are all-reduced in buckets (``bucket_bytes`` of fp32 weight gradients, in
-  backward order): one ``comm`` node per bucket, shared by all groups, starts when *every*
-  group's backward has produced the bucket (its last drhs) and after the previous bucket (one
-  comm stream), and overlaps the remaining backward. Parameters outside quantizable ops
-  (biases, norms) join the last bucket. This is what the trainer's step compiles to: it hands
-  the gradient leaves to the ``psum`` in the order the backward produces them
-  (``qsync_jax.sync.order``) and XLA's all-reduce combiner packs consecutive operands into
-  collectives of up to its threshold (``DEFAULT_BUCKET_BYTES``), run one at a time.
+* Gradients are all-reduced in buckets of at most ``bucket_bytes`` of fp32 weight gradients
+  (``buckets``): one ``comm`` node per bucket, shared by all groups, starts when *every*
+  group's backward has produced the whole bucket and after the previous bucket (one comm
+  stream), and overlaps the remaining backward. This is what the trainer's step compiles to on
+  GPUs: XLA's all-reduce combiner packs the gradients into collectives of up to its threshold
+  (``DEFAULT_BUCKET_BYTES``) in *parameter-tree* order (``Comm.bucket_order="tree"``; seen in
+  the compiled HLO whatever order the ``psum`` lists them in), runs them one at a time, and
+  starts each when its last gradient exists — with the first layers' weights in the first
+  collectives, most of the all-reduce waits for the end of the backward.
 * The optimizer is split by buckets, in proportion to their bytes: each group's update of a
   bucket's parameters runs on its compute stream after its own backward and that bucket's
   all-reduce (XLA updates the parameters of a finished collective while the next one runs).
@@ -81,12 +82,14 @@ class GroupCost:
 
 @dataclasses.dataclass(frozen=True)
 class Comm:
-  """The shared gradient all-reduce: ``n_devices`` in a ring over the slowest link."""
+  """The shared gradient all-reduce: ``n_devices`` in a ring over the slowest link, in buckets
+  of ``bucket_bytes`` packed in ``bucket_order`` (``buckets``)."""
 
   n_devices: int
   link_gbps: float
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   latency_us: float = DEFAULT_LATENCY_US
+  bucket_order: str = "tree"
 
 
 def float_precision(profile: Profile) -> str:
@@ -170,22 +173,45 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
   return costs
 
 
-def buckets(profile: Profile, bucket_bytes: int) -> list[tuple[int, int]]:
-  """``[(index of the op whose drhs closes the bucket, fp32 gradient bytes)]`` in backward order.
+def tree_position(op_name: str) -> tuple[str, ...]:
+  """Sort key of an op's parameters in the parameter tree: its module path's components
+  (``jax.tree`` flattens dicts by sorted keys: ``block0/mlp_in`` before ``block1/attn``)."""
+  return tuple(op_name.split(":")[0].split("/"))
 
-  The last bucket (closed by the first op, or the end of the backward) also carries the
-  parameters outside quantizable ops.
+
+def buckets(profile: Profile, bucket_bytes: int, order: str = "tree") -> list[tuple[int, int]]:
+  """``[(index of the op whose drhs completes the bucket, fp32 gradient bytes)]``, in the order
+  the collectives run (the one completed first first).
+
+  The weights are packed greedily, in ``order``, into buckets of at most ``bucket_bytes`` (a
+  weight larger than that is a bucket of its own): ``"tree"`` — parameter-tree order
+  (``tree_position``), as XLA's all-reduce combiner packs the operands of the trainer's
+  ``psum``; ``"backward"`` — the order the backward pass produces them. A bucket is complete
+  when the earliest of its ops in the forward (the latest in the backward) has its gradient.
+  The parameters outside quantizable ops (biases, norms) join the bucket completed last.
   """
-  out, acc = [], 0
+  if order not in ("tree", "backward"):
+    raise ValueError(f"bucket order {order!r} must be 'tree' or 'backward'.")
   ops = profile.ops
-  for i in reversed(range(len(ops))):
-    acc += 4 * ops[i].param_elems
-    if acc >= bucket_bytes:
-      out.append((i, acc))
-      acc = 0
-  rest = profile.memory["param_bytes"] - sum(4 * o.param_elems for o in ops)
-  if acc + rest > 0 or not out:
-    out.append((0, acc + max(rest, 0)))
+  weighted = [i for i in range(len(ops)) if ops[i].param_elems > 0]
+  if order == "tree":
+    weighted.sort(key=lambda i: tree_position(ops[i].name))
+  else:
+    weighted.reverse()
+  packed: list[tuple[list[int], int]] = []
+  for i in weighted:
+    nbytes = 4 * ops[i].param_elems
+    if packed and packed[-1][1] + nbytes <= bucket_bytes:
+      packed[-1][0].append(i)
+      packed[-1] = (packed[-1][0], packed[-1][1] + nbytes)
+    else:
+      packed.append(([i], nbytes))
+  out = sorted(((min(members), nbytes) for members, nbytes in packed), reverse=True)
+  rest = max(profile.memory["param_bytes"] - sum(4 * o.param_elems for o in ops), 0)
+  if out and out[-1][0] == 0:
+    out[-1] = (0, out[-1][1] + rest)
+  elif rest > 0 or not out:
+    out.append((0, rest))
   return out
 
 
@@ -231,11 +257,9 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
 
   comm_prev: tuple[int, ...] = ()
   comm_nodes = []
-  plan = buckets(groups[0].profile, comm.bucket_bytes)
+  plan = buckets(groups[0].profile, comm.bucket_bytes, comm.bucket_order)
   for b, (op_index, nbytes) in enumerate(plan):
     ready = tuple(closing[j][op_index] for j in range(len(groups)))
-    if b == len(plan) - 1:
-      ready = tuple(last)
     ms = allreduce_ms(nbytes, comm.n_devices, comm.link_gbps, comm.latency_us)
     comm_prev = (
       add(

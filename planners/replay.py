@@ -111,11 +111,16 @@ def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Pla
 
 
 def comm_for(
-  cluster: ClusterSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES, latency_us: float = DEFAULT_LATENCY_US
+  cluster: ClusterSpec,
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+  latency_us: float = DEFAULT_LATENCY_US,
+  bucket_order: str = "tree",
 ) -> Comm:
   """The all-reduce of ``cluster``: all its devices, in a ring limited by the slowest link,
-  each collective paying ``latency_us`` (e.g. fitted by a link microbenchmark)."""
-  return Comm(cluster.num_devices, min(g.link_gbps for g in cluster.groups), bucket_bytes, latency_us)
+  each collective paying ``latency_us`` (e.g. fitted by a link microbenchmark), in buckets
+  packed in ``bucket_order`` (``planners.graph.buckets``)."""
+  links = min(g.link_gbps for g in cluster.groups)
+  return Comm(cluster.num_devices, links, bucket_bytes, latency_us, bucket_order)
 
 
 class OpMemory(NamedTuple):
@@ -190,11 +195,14 @@ def predict(
   plan: Plan,
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
   latency_us: float = DEFAULT_LATENCY_US,
+  bucket_order: str = "tree",
 ) -> Prediction:
   """Predicted step time and memory of ``plan`` on ``cluster``; see the module docstring.
-  ``latency_us`` is the fixed cost of each all-reduce bucket."""
+  ``latency_us`` is the fixed cost of each all-reduce bucket; ``bucket_order`` how the
+  gradients are packed into buckets: ``"tree"`` by XLA's combiner (the trainer's default),
+  ``"backward"`` by an all-reduce with ``bucket_bytes``."""
   groups = group_costs(cluster, profiles, plan)
-  comm = comm_for(cluster, bucket_bytes, latency_us)
+  comm = comm_for(cluster, bucket_bytes, latency_us, bucket_order)
   nodes = build_graph(groups, comm)
   times = longest_path(nodes)
   limits = {g.name: int(g.memory_gb * 1e9) for g in cluster.groups}

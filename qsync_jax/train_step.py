@@ -279,9 +279,10 @@ def make_train_step(
     donate: donate the input state's buffers (default: on accelerators, not on the CPU).
     sync_leaf_order: ``"auto"``: the sync's own ``leaf_order`` (``"backward"`` for the default
       and the built-in all-reduces: the gradient leaves are handed over as a list in the order
-      the backward pass produces them, so XLA's all-reduce combiner forms collectives that can
-      start during the backward; see ``qsync_jax.sync.order``); ``"tree"``: the gradient tree
-      as is, whatever the sync says (the order before this option existed).
+      the backward pass produces them, so an all-reduce's buckets can start during the
+      backward; see ``qsync_jax.sync.order`` for what it does and does not change on GPUs);
+      ``"tree"``: the gradient tree as is, whatever the sync says (the order before this
+      option existed).
   """
   plan = plan if plan is not None else Plan()
   cluster = plan.apply_to(cluster)

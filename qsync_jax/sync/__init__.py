@@ -111,20 +111,26 @@ def _selsync(loss_fn, optimizer, params, mesh, **options):
   return make_selsync_step(loss_fn, optimizer, mesh, **options)
 
 
-_ACCUMULATE = ("accumulate",)
+_ACCUMULATE = ("accumulate", "bucket_bytes")
 STRATEGIES: dict[str, Strategy] = {
-  "fp32": Strategy("fp32", "grad_sync", "fp32 all-reduce (the default)", _grad_sync_from(_allreduce("fp32"))),
+  "fp32": Strategy(
+    "fp32",
+    "grad_sync",
+    "fp32 all-reduce (the default; bucket_bytes)",
+    _grad_sync_from(_allreduce("fp32")),
+    ("bucket_bytes",),
+  ),
   "bf16": Strategy(
     "bf16",
     "grad_sync",
-    "bf16 all-reduce (accumulate='payload'|'fp32')",
+    "bf16 all-reduce (accumulate='payload'|'fp32', bucket_bytes)",
     _grad_sync_from(_allreduce("bf16")),
     _ACCUMULATE,
   ),
   "fp16": Strategy(
     "fp16",
     "grad_sync",
-    "fp16 all-reduce (accumulate='payload'|'fp32')",
+    "fp16 all-reduce (accumulate='payload'|'fp32', bucket_bytes)",
     _grad_sync_from(_allreduce("fp16")),
     _ACCUMULATE,
   ),

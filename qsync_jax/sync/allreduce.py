@@ -36,8 +36,40 @@ def check_options(dtype: str, accumulate: str) -> None:
     raise QsyncError(f"all-reduce accumulate={accumulate!r} must be one of {ACCUMULATE}.")
 
 
-def allreduce(tree, axis_name: str = AXIS, *, dtype: str = "fp32", accumulate: str = "fp32"):
-  """Sum of every float leaf of ``tree`` over ``axis_name``, sent as ``dtype``; see module doc."""
+def pack(sizes, bucket_bytes: int) -> list[list[int]]:
+  """Indices of ``sizes`` (bytes) packed greedily, in order, into runs of at most
+  ``bucket_bytes`` (an item larger than that is a run of its own)."""
+  runs: list[list[int]] = []
+  total = 0
+  for i, size in enumerate(sizes):
+    if runs and total + size <= bucket_bytes:
+      runs[-1].append(i)
+      total += size
+    else:
+      runs.append([i])
+      total = size
+  return runs
+
+
+def allreduce(
+  tree,
+  axis_name: str = AXIS,
+  *,
+  dtype: str = "fp32",
+  accumulate: str = "fp32",
+  bucket_bytes: int | None = None,
+):
+  """Sum of every float leaf of ``tree`` over ``axis_name``, sent as ``dtype``; see module doc.
+
+  ``bucket_bytes`` (``psum`` paths: fp32, or ``accumulate="payload"``): the leaves, in their
+  flattening order, are concatenated into buckets of at most that many payload bytes and each
+  bucket is one ``psum``, so each collective waits only for its own leaves. Left ``None``,
+  every leaf is its own ``psum`` and XLA's all-reduce combiner packs them into collectives of
+  up to 30 MiB (on GPUs) — in parameter-tree order whatever order they come in (seen in the
+  compiled HLO of the 4-layer LM on 4 H100s), so most of the all-reduce waits for the end of
+  the backward pass. Given leaves in backward order (the trainer's ``sync_leaf_order="auto"``),
+  buckets of about XLA's threshold complete as the backward produces them, and XLA cannot
+  merge two of them (together they exceed its threshold). Not yet timed on GPUs."""
   check_options(dtype, accumulate)
   payload = PAYLOAD_DTYPES[dtype]
   leaves, treedef = jax.tree.flatten(tree)
@@ -45,7 +77,25 @@ def allreduce(tree, axis_name: str = AXIS, *, dtype: str = "fp32", accumulate: s
   if not floats:
     return tree
   out = list(leaves)
-  if dtype == "fp32" or accumulate == "payload":
+  psum_path = dtype == "fp32" or accumulate == "payload"
+  if bucket_bytes is not None and (not psum_path or int(bucket_bytes) < 1):
+    raise QsyncError(
+      f"all-reduce bucket_bytes={bucket_bytes!r} with dtype={dtype!r}, accumulate={accumulate!r}: "
+      "buckets are positive byte counts and apply to the psum paths. Fix: use dtype='fp32' or "
+      "accumulate='payload', or leave bucket_bytes unset."
+    )
+  if psum_path and bucket_bytes is not None:
+    width = jnp.dtype(payload).itemsize
+    for run in pack([leaves[i].size * width for i in floats], int(bucket_bytes)):
+      members = [floats[j] for j in run]
+      flat = lax.psum(jnp.concatenate([leaves[i].astype(payload).reshape(-1) for i in members]), axis_name)
+      offset = 0
+      for i in members:
+        x = leaves[i]
+        out[i] = flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype)
+        offset += x.size
+    return jax.tree.unflatten(treedef, out)
+  if psum_path:
     summed = lax.psum([leaves[i].astype(payload) for i in floats], axis_name)
     for i, s in zip(floats, summed):
       out[i] = s.astype(leaves[i].dtype)

@@ -62,10 +62,17 @@ def test_sync_step_is_slowest_group_plus_shared_tail():
 
 
 def test_buckets_cover_all_parameters():
-  prof = fake_profile([(1, 1, 1)] * 5, rhs_elems=1000, extra_param_bytes=123)
-  plan = buckets(prof, bucket_bytes=8000)
-  assert sum(b for _, b in plan) == prof.memory["param_bytes"]
-  assert [i for i, _ in plan] == [3, 1, 0]
+  prof = fake_profile([(1, 1, 1)] * 5, rhs_elems=1000, extra_param_bytes=123)  # 4000 B per op
+  # parameter-tree order (Dense_0 … Dense_4), as XLA packs them: {0,1} {2,3} {4}; the bucket
+  # holding Dense_0 completes last and also carries the 123 B outside the ops
+  tree = buckets(prof, bucket_bytes=8000)
+  assert tree == [(4, 4000), (2, 8000), (0, 8123)]
+  # backward order: {4,3} {2,1} {0}
+  assert buckets(prof, bucket_bytes=8000, order="backward") == [(3, 8000), (1, 8000), (0, 4123)]
+  for plan in (tree, buckets(prof, 8000, "backward"), buckets(prof, 1)):
+    assert sum(b for _, b in plan) == prof.memory["param_bytes"]
+  with pytest.raises(ValueError, match="bucket order"):
+    buckets(prof, 8000, order="forward")
 
 
 @pytest.mark.parametrize(

@@ -181,3 +181,40 @@ def test_all_gather_invariant_fallback(mesh, monkeypatch):
   assert [c.op for c in hlo.collectives(hlo.compiled_text(fn(), x))] == ["all-reduce"]  # the fallback ran
   np.testing.assert_array_equal(np.asarray(native), np.asarray(x))
   np.testing.assert_array_equal(np.asarray(fallback), np.asarray(x))
+
+
+def test_bucketed_allreduce_is_one_collective_per_bucket_in_leaf_order(mesh):
+  """``bucket_bytes``: consecutive leaves concatenated into psums of at most that many bytes;
+  the sums are those of the one-psum all-reduce."""
+  tree = _tree(jax.random.key(np.random.randint(1 << 30)))
+  sizes = [4 * x[0].size for x in jax.tree.leaves(tree)]  # conv 1152, dense bias 160, kernel 7680 B
+  assert sizes == [1152, 160, 7680]
+  plain = _per_device(lambda t, k: allreduce(t, "data"), mesh)(tree, jax.random.key(0))
+  bucketed = _per_device(lambda t, k: allreduce(t, "data", bucket_bytes=2000), mesh)(tree, jax.random.key(0))
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(bucketed)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-5)
+  # the program we hand XLA: {conv, bias} = 1312 B fit in 2000; the kernel is a bucket of its
+  # own (XLA:CPU's combiner then merges the two; XLA:GPU's merges only up to 30 MiB together)
+  assert _psum_bytes(lambda t: allreduce(t, "data", bucket_bytes=2000), tree) == [[1312], [7680]]
+  # unbucketed: one psum per leaf, left to XLA's combiner
+  assert _psum_bytes(lambda t: allreduce(t, "data"), tree) == [[1152], [160], [7680]]
+  with pytest.raises(QsyncError, match="bucket_bytes.*Fix"):
+    allreduce(tree, "data", dtype="bf16", bucket_bytes=2000)  # the all_to_all path has no buckets
+
+
+def _psum_bytes(reduce_fn, tree) -> list[list[int]]:
+  """Operand bytes of every psum in the jaxpr of ``reduce_fn`` on one device's leaves, in order."""
+  local = jax.tree.map(lambda x: x[0], tree)
+  jaxpr = jax.make_jaxpr(lambda t: reduce_fn(t), axis_env=[("data", N)])(local)
+  return [
+    [v.aval.size * v.aval.dtype.itemsize for v in eqn.invars]
+    for eqn in jaxpr.jaxpr.eqns
+    if eqn.primitive.name.startswith("psum")
+  ]
+
+
+def test_pack_keeps_order_and_limit():
+  from qsync_jax.sync.allreduce import pack
+
+  assert pack([3, 3, 5, 1, 9, 2], 6) == [[0, 1], [2, 3], [4], [5]]
+  assert pack([], 6) == []
