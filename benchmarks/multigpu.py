@@ -186,6 +186,26 @@ def row(case, metric, value, baseline, device, **extra):
   return result_row("multigpu", case, metric, value, baseline, device, **extra)
 
 
+def predict_case(prof, name: str, n: int, batch: int, link=None):
+  """The replay's ``Prediction`` of scaling case ``name`` (``bf16``, ``mixed``, ``bf16-buckets``…)
+  on ``n`` devices at ``batch`` per device, with ``link`` (a ``planners.link.LinkModel``, or
+  anything with ``link_gbps`` and ``latency_us``) for ``n`` > 1. ``-buckets`` cases pack the
+  buckets in backward order (explicit ``bucket_bytes``); the others as XLA's combiner does."""
+  base, _, variant = name.partition("-")
+  group = DeviceGroup("gpus", prof.device_type, n, 1e3, batch)
+  extra = {}
+  if link is not None:
+    group = dataclasses.replace(group, link_gbps=link.link_gbps)
+    extra["latency_us"] = link.latency_us
+  return predict(
+    ClusterSpec((group,)),
+    {prof.device_type: prof},
+    Plan(policies={"gpus": policies()[base]}),
+    bucket_order="backward" if variant == "buckets" else "tree",
+    **extra,
+  )
+
+
 def predictor_rows(task, args, measured, device) -> list[dict]:
   """Predicted vs measured step of every scaling case; prints a table, returns JSON rows."""
   t0 = time.perf_counter()
@@ -226,17 +246,7 @@ def predictor_rows(task, args, measured, device) -> list[dict]:
       not {q for r in policy.rules for q in r.policy.precisions} | set(policy.default.precisions) <= profiled
     ):
       continue  # a policy using precisions the profile skipped (to save profiling time)
-    link = links.get(n)
-    group = DeviceGroup("gpus", prof.device_type, n, 1e3, args.batch)
-    if link:
-      group = dataclasses.replace(group, link_gbps=link.link_gbps)
-    pred = predict(
-      ClusterSpec((group,)),
-      {prof.device_type: prof},
-      Plan(policies={"gpus": policy}),
-      **({"latency_us": link.latency_us} if link else {}),
-      bucket_order="backward" if variant == "buckets" else "tree",
-    )
+    pred = predict_case(prof, name, n, args.batch, links.get(n))
     err = (pred.step_ms - meas * 1e3) / (meas * 1e3)
     errors.append(abs(err))
     parts = {}

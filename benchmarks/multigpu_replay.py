@@ -15,19 +15,16 @@ line, prints predicted against measured, and appends ``predictor`` rows tagged
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 import numpy as np
-from multigpu import RESULTS, policies
+from multigpu import RESULTS, predict_case
 from result_rows import append_rows, result_row
 
+from planners.link import LinkModel
 from planners.profiler import Profile
-from planners.replay import predict
-from qsync_jax.cluster import ClusterSpec, DeviceGroup
-from qsync_jax.plan import Plan
 
 
 def measured_steps(path: str, run: str) -> dict[tuple[str, int], tuple[float, str, str]]:
@@ -71,22 +68,13 @@ def main(argv=None) -> int:
   print(f"{'case':<14} {'devices':>7} {'pred ms':>8} {'meas ms':>8} {'error':>7} {'comm ms':>8}")
   rows, errors = [], []
   for (name, n), (meas, device, model) in sorted(steps.items()):
-    base, _, variant = name.partition("-")
-    if variant == "tree" or (n > 1 and n not in links):
+    if name.endswith("-tree") or (n > 1 and n not in links):
       continue  # "-tree" compiles to the default's collectives; no link fit for n: nothing to replay
-    group = DeviceGroup("gpus", prof.device_type, n, 1e3, prof.batch_per_device)
-    extra = {}
+    link = None
     if n > 1:
       gbps, us = links[n]
-      group = dataclasses.replace(group, link_gbps=8 * gbps)
-      extra = {"latency_us": us}
-    pred = predict(
-      ClusterSpec((group,)),
-      {prof.device_type: prof},
-      Plan(policies={"gpus": policies()[base]}),
-      bucket_order="backward" if variant == "buckets" else "tree",
-      **extra,
-    )
+      link = LinkModel(n, 8 * gbps, us, float("nan"))
+    pred = predict_case(prof, name, n, prof.batch_per_device, link)
     err = (pred.step_ms - meas) / meas
     errors.append(abs(err))
     print(f"{name:<14} {n:>7} {pred.step_ms:>8.2f} {meas:>8.2f} {100 * err:>+6.1f}% {pred.comm_ms:>8.2f}")
