@@ -35,6 +35,13 @@ def add_arguments(parser) -> None:
     default="wall",
     help="wall time (default), or process CPU time: steadier on a CPU host shared with other work",
   )
+  parser.add_argument(
+    "--op-clock",
+    choices=["wall", "cpu", "device"],
+    default=None,
+    help="clock of the standalone op, optimizer and cast programs (default: device — their kernel "
+    "time from a profiler trace — on a GPU, else --clock); the fp32 step is always on --clock",
+  )
   parser.add_argument("--out", required=True, help="output JSON file")
 
 
@@ -54,7 +61,14 @@ def run(args) -> int:
   else:
     sizes = [int(x) for x in args.cast_sizes.split(",")]
     prof = measure_profile(
-      task, args.batch, precisions, args.repeats, progress=progress, cast_sizes=sizes, clock=args.clock
+      task,
+      args.batch,
+      precisions,
+      args.repeats,
+      progress=progress,
+      cast_sizes=sizes,
+      clock=args.clock,
+      op_clock=args.op_clock,
     )
   prof.save(args.out)
   rows = []
@@ -64,8 +78,10 @@ def run(args) -> int:
     for p in ("fp32", "bf16", "fp16", "int8", "fp8"):
       row.append(sum(times[leg][p] for leg in LEGS) if p in times["fwd"] else "-")
     rows.append(row)
+  clocks = f", ops on the {prof.meta['op_clock']} clock" if "op_clock" in prof.meta else ""
   print(
-    f"{prof.model} on {prof.device_type} ({prof.source}), batch {prof.batch_per_device}; fwd+dlhs+drhs ms:"
+    f"{prof.model} on {prof.device_type} ({prof.source}{clocks}), batch {prof.batch_per_device}; "
+    "fwd+dlhs+drhs ms:"
   )
   print(table(["op", "gemm b×m×k×n", "fp32", "bf16", "fp16", "int8", "fp8"], rows))
   print(

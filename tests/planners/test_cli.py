@@ -30,6 +30,8 @@ def files(tmp_path_factory):
         "2",
         "--cast-sizes",
         "4096,65536",
+        "--op-clock",
+        "cpu",
         "--out",
         cpu,
       ]
@@ -69,6 +71,7 @@ def test_profile_files(files):
   assert set(measured.op_ms["Dense_1:dense"]) == {"fwd", "dlhs", "drhs", "policy:fp32", "policy:int8"}
   assert all(t > 0 for t in measured.op_ms["Dense_1:dense"]["fwd"].values())
   assert measured.meta["jax_version"] and measured.meta["fp32_step_ms"] > 0
+  assert (measured.meta["clock"], measured.meta["op_clock"]) == ("wall", "cpu")  # the step stays on --clock
   assert set(modeled.op_ms["Dense_1:dense"]["fwd"]) == {"fp32", "fp16", "int8"}  # what a T4 runs
 
 
