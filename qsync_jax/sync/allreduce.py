@@ -88,12 +88,7 @@ def allreduce(
     width = jnp.dtype(payload).itemsize
     for run in pack([leaves[i].size * width for i in floats], int(bucket_bytes)):
       members = [floats[j] for j in run]
-      flat = lax.psum(jnp.concatenate([leaves[i].astype(payload).reshape(-1) for i in members]), axis_name)
-      offset = 0
-      for i in members:
-        x = leaves[i]
-        out[i] = flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype)
-        offset += x.size
+      _split_into(out, lax.psum(_concat(leaves, members, payload), axis_name), leaves, members)
     return jax.tree.unflatten(treedef, out)
   if psum_path:
     summed = lax.psum([leaves[i].astype(payload) for i in floats], axis_name)
@@ -104,17 +99,26 @@ def allreduce(
   # The moved values are bitcast to uint16, so no backend can widen the payload (XLA:CPU widens
   # bf16 collectives to f32); moving bits is exact.
   n = axis_size(axis_name)
-  flat = jnp.concatenate([leaves[i].astype(payload).reshape(-1) for i in floats])
+  flat = _concat(leaves, floats, payload)
   size = flat.shape[0]
   chunk = -(-size // n)
   bits = lax.bitcast_convert_type(jnp.pad(flat, (0, n * chunk - size)), jnp.uint16).reshape(n, chunk)
   parts = lax.bitcast_convert_type(lax.all_to_all(bits, axis_name, 0, 0, tiled=True), payload)
   mine = jnp.sum(parts.astype(jnp.float32), axis=0).astype(payload)  # row j: device j's copy
   gathered = all_gather_invariant(lax.bitcast_convert_type(mine, jnp.uint16), axis_name, tiled=True)
-  total = lax.bitcast_convert_type(gathered, payload)[:size]
-  offset = 0
-  for i in floats:
-    x = leaves[i]
-    out[i] = total[offset : offset + x.size].reshape(x.shape).astype(x.dtype)
-    offset += x.size
+  _split_into(out, lax.bitcast_convert_type(gathered, payload)[:size], leaves, floats)
   return jax.tree.unflatten(treedef, out)
+
+
+def _concat(leaves, members, dtype):
+  """``leaves[i]`` for ``i`` in ``members``, flattened, cast to ``dtype`` and concatenated."""
+  return jnp.concatenate([leaves[i].astype(dtype).reshape(-1) for i in members])
+
+
+def _split_into(out: list, flat, leaves, members) -> None:
+  """Inverse of ``_concat``: ``out[i]`` becomes its slice of ``flat``, in the shape and dtype of ``leaves[i]``."""
+  offset = 0
+  for i in members:
+    x = leaves[i]
+    out[i] = flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype)
+    offset += x.size
