@@ -14,7 +14,8 @@ the collectives:
   H100s held the same four collectives (30.7, 30.7, 30.7, 23.6 MB; three of them after the
   backward) with the leaves in tree or in backward order. Its step still measured 0.35-0.5 ms
   faster with the backward order (2 GPUs: 5.89 / 5.41 ms against 6.36 / 5.92; 4 GPUs: 6.65 /
-  6.71 against 7.00 / 7.13, two runs); why is not established.
+  6.71 against 7.00 / 7.13, two runs); why is not established, and the tree-order cases ran
+  last in both runs, so a drift within the run is not excluded.
 
 * ``backward_order(grad_jaxpr)`` — the permutation of the gradient leaves by the position
   of the equation that produces each in the jaxpr of the gradient (``jax.make_jaxpr`` of
