@@ -8,10 +8,12 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 
 * scaling: uniform bf16 policy and a mixed plan (MLP Dense layers ``int8_fwd``, the rest
   bf16) on 1, 2, 4… devices with a fixed per-device batch (weak scaling): step time and
-  efficiency t(1) / t(n); ``bf16-tree``: the same with the gradient leaves all-reduced in
-  tree order (``sync_leaf_order="tree"``) instead of the order the backward produces them
-  (``qsync_jax.sync.order``), which shows what that order buys; on one device each step's
-  GPU kernel time (sum of kernel durations in a ``jax.profiler`` trace) is also reported;
+  efficiency t(1) / t(n); on one device each step's GPU kernel time (sum of kernel durations in
+  a ``jax.profiler`` trace) is also reported;
+* all-reduce order (bf16 policy, 2, 4… devices): the trainer's default (gradient leaves in the
+  order the backward produces them, ``qsync_jax.sync.order``), tree order
+  (``sync_leaf_order="tree"``) and our own 30 MiB buckets (``bucket_bytes``), timed round-robin
+  so that drift falls on all three alike;
 * sync: fp32, bf16 and Global-QSGD all-reduce on all devices: step time, bytes per step in
   the compiled HLO's collectives, and the collectives' dtypes (Global-QSGD must stay s8);
 * SelSync: step time and bytes of a local (never-sync) step and of a sync step (its warm-up
@@ -109,7 +111,8 @@ BUCKET_BYTES = 30 * 2**20
 """The ``-buckets`` cases' all-reduce buckets: XLA:GPU's combine threshold, so XLA cannot merge two."""
 
 
-def trainer_case(task, n, batch, policy, sync_name, steps, dump=None, leaf_order="auto", sync_options=None):
+def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync_options=None):
+  """``(train step, first state, 3 sharded batches)`` of the trainer on the first ``n`` devices."""
   devices = jax.devices()[:n]
   cluster = ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
   plan = Plan(policies={"gpus": policy})
@@ -124,7 +127,12 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None, leaf_order
   )
   host = task.train_batches(cluster.global_batch, 0)
   batches = [ts.shard(next(host)) for _ in range(3)]
-  state = ts.init(0, next(task.train_batches(cluster.global_batch, 0)))
+  return ts, ts.init(0, next(task.train_batches(cluster.global_batch, 0))), batches
+
+
+def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
+  """``(median s, IQR s, collectives)`` of the trainer's step; on one device also its GPU kernel time."""
+  ts, state, batches = build_case(task, n, batch, policy, sync_name)
   coll = collective_summary(ts.step, state, batches[0], dump=dump)
   med, iqr, state = time_steps(ts.step, state, batches, steps)
   if n == 1:
@@ -143,6 +151,31 @@ def gpu_kernel_ms(step, state, batch, repeats: int = 5) -> float:
 
   events = [e for e in traced_events(run, repeats) if e["process"].startswith("/device:GPU:0")]
   return sum(e["dur"] for e in events) / 1e3 / repeats if events else float("nan")
+
+
+ORDER_CASES = {
+  "auto": ("auto", None),  # the trainer's default: leaves in backward order, XLA combines
+  "tree": ("tree", None),  # leaves in tree order, XLA combines
+  "buckets": ("auto", {"bucket_bytes": BUCKET_BYTES}),  # backward order, our own 30 MiB buckets
+}
+"""The all-reduce variants of the interleaved A/B: ``(sync_leaf_order, fp32 sync options)``."""
+
+
+def interleaved_ab(task, n, batch, policy, steps, rounds):
+  """``{variant: (median of the rounds' medians, min, max)}`` (s) of the ``ORDER_CASES`` steps,
+  timed round-robin — ``rounds`` rounds of ``steps`` steps each — so that a drift of the machine
+  during the run falls on every variant alike."""
+  built = {
+    k: build_case(task, n, batch, policy, "fp32", order, options)
+    for k, (order, options) in ORDER_CASES.items()
+  }
+  state = {k: s for k, (_, s, _) in built.items()}
+  meds = {k: [] for k in built}
+  for _ in range(rounds):
+    for k, (ts, _, batches) in built.items():
+      med, _, state[k] = time_steps(ts.step, state[k], batches, steps)
+      meds[k].append(med)
+  return {k: (float(np.median(v)), min(v), max(v)) for k, v in meds.items()}
 
 
 SELSYNC_CASES = {
@@ -301,16 +334,11 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--dump-dir", help="write each sync case's compiled HLO here")
   parser.add_argument(
-    "--buckets",
-    nargs="*",
-    default=["bf16"],
-    help="policies also scaled with the fp32 all-reduce in explicit 30 MiB buckets in backward order",
-  )
-  parser.add_argument(
-    "--tree-order",
-    nargs="*",
-    default=["bf16"],
-    help="policies also scaled with the gradient leaves all-reduced in tree order (sync_leaf_order='tree')",
+    "--order-rounds",
+    type=int,
+    default=5,
+    help="rounds of the interleaved all-reduce A/B (bf16: leaves in backward or tree order, or our own "
+    "30 MiB buckets) on 2, 4… devices; 0 skips it",
   )
   parser.add_argument("--profile-repeats", type=int, default=10, help="repeats of each profiled op")
   parser.add_argument(
@@ -354,20 +382,11 @@ def main(argv=None) -> int:
   print(f"{'policy':<10} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
   measured = {}  # (policy, devices) -> median step s
   scaling = {k: v for k, v in policies().items() if k in args.policies and not args.skip_scaling}
-  cases = [(name, policy, "auto", None) for name, policy in scaling.items()]
-  cases += [(f"{k}-tree", p, "tree", None) for k, p in scaling.items() if k in args.tree_order]
-  buckets = {"bucket_bytes": BUCKET_BYTES}
-  cases += [(f"{k}-buckets", p, "auto", buckets) for k, p in scaling.items() if k in args.buckets]
-  for name, policy, leaf_order, sync_options in cases:
+  for name, policy in scaling.items():
     base = None
     for n in counts:
-      if "-" in name and n == 1:
-        base = measured.get((name.split("-")[0], 1))  # one device: no all-reduce to order
-        continue
       try:
-        med, iqr, coll = trainer_case(
-          task, n, args.batch, policy, "fp32", args.steps, leaf_order=leaf_order, sync_options=sync_options
-        )
+        med, iqr, coll = trainer_case(task, n, args.batch, policy, "fp32", args.steps)
       except Exception as e:  # noqa: BLE001 - report it; the other cases still count
         print(f"{name:<8} {n:>7} failed: {type(e).__name__}: {str(e)[:300]}")
         continue
@@ -381,6 +400,30 @@ def main(argv=None) -> int:
       if not np.isnan(coll.get("kernel_ms", np.nan)):
         print(f"{'':<8} {'':>7} GPU kernels {coll['kernel_ms']:.2f} ms of the {med * 1e3:.2f} ms step")
         emit(row(f"scaling/{name}/n{n}", "gpu_kernel_ms", coll["kernel_ms"], med * 1e3, device))
+
+  # 1b. all-reduce leaf order and buckets, interleaved A/B (bf16 policy)
+  if args.order_rounds and "bf16" in scaling:
+    print(f"\n{'all-reduce':<10} {'devices':>7} {'step ms (min-max of rounds)':>28} {'x auto':>7}")
+    for n in (n for n in counts if n > 1):
+      ab = interleaved_ab(task, n, args.batch, scaling["bf16"], args.steps, args.order_rounds)
+      for k, (med, lo, hi) in ab.items():
+        if k != "auto":
+          measured[(f"bf16-{k}", n)] = med
+        print(
+          f"{k:<10} {n:>7} {med * 1e3:>9.2f} ({lo * 1e3:.2f}-{hi * 1e3:.2f}) {med / ab['auto'][0]:>14.3f}"
+        )
+        emit(
+          row(
+            f"order/bf16-{k}/n{n}",
+            "step_time_ms_median",
+            med * 1e3,
+            ab["auto"][0] * 1e3,
+            device,
+            min_ms=lo * 1e3,
+            max_ms=hi * 1e3,
+            rounds=args.order_rounds,
+          )
+        )
 
   # 2. gradient sync strategies on all devices
   print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")
