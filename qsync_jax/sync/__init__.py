@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 
 from qsync_jax.errors import QsyncError
 from qsync_jax.sync.allreduce import allreduce
+from qsync_jax.sync.allreduce import check_options as check_allreduce
 from qsync_jax.sync.common import AXIS
 from qsync_jax.sync.global_qsgd import global_qsgd_allreduce
 from qsync_jax.sync.qsdp import QSDPTrainer, make_qsdp_step
@@ -82,8 +84,16 @@ class Strategy:
   options: tuple[str, ...] = ()
 
 
-def _grad_sync_from(reduce_fn: Callable[..., Any]) -> Callable[..., GradSync]:
+def _grad_sync_from(
+  reduce_fn: Callable[..., Any], validate: Callable[..., None] | None = None
+) -> Callable[..., GradSync]:
+  """A builder of the ``GradSync`` of ``reduce_fn``; ``validate(**options)`` checks the options
+  when it is built (before any step is traced)."""
+
   def build(*, axis_name: str = AXIS, **options) -> GradSync:
+    if validate is not None:
+      validate(**options)
+
     def init(params):
       del params
       return {"steps": jnp.zeros((), jnp.int32)}
@@ -117,21 +127,21 @@ STRATEGIES: dict[str, Strategy] = {
     "fp32",
     "grad_sync",
     "fp32 all-reduce (the default; bucket_bytes)",
-    _grad_sync_from(_allreduce("fp32")),
+    _grad_sync_from(_allreduce("fp32"), functools.partial(check_allreduce, "fp32")),
     ("bucket_bytes",),
   ),
   "bf16": Strategy(
     "bf16",
     "grad_sync",
     "bf16 all-reduce (accumulate='payload'|'fp32', bucket_bytes)",
-    _grad_sync_from(_allreduce("bf16")),
+    _grad_sync_from(_allreduce("bf16"), functools.partial(check_allreduce, "bf16")),
     _ACCUMULATE,
   ),
   "fp16": Strategy(
     "fp16",
     "grad_sync",
     "fp16 all-reduce (accumulate='payload'|'fp32', bucket_bytes)",
-    _grad_sync_from(_allreduce("fp16")),
+    _grad_sync_from(_allreduce("fp16"), functools.partial(check_allreduce, "fp16")),
     _ACCUMULATE,
   ),
   "global_qsgd": Strategy(

@@ -29,11 +29,24 @@ PAYLOAD_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16
 ACCUMULATE = ("payload", "fp32")
 
 
-def check_options(dtype: str, accumulate: str) -> None:
+def check_options(dtype: str, accumulate: str = "fp32", bucket_bytes=None) -> None:
+  """``QsyncError`` naming the fix for options ``allreduce`` cannot take."""
   if dtype not in PAYLOAD_DTYPES:
     raise QsyncError(f"all-reduce dtype={dtype!r} is not one of {sorted(PAYLOAD_DTYPES)}; pick one of them.")
   if accumulate not in ACCUMULATE:
     raise QsyncError(f"all-reduce accumulate={accumulate!r} must be one of {ACCUMULATE}.")
+  if bucket_bytes is None:
+    return
+  if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+    raise QsyncError(
+      f"all-reduce bucket_bytes={bucket_bytes!r} is not a positive number of bytes. "
+      "Fix: pass an int, e.g. bucket_bytes=31457280 (30 MiB), or leave it unset."
+    )
+  if dtype != "fp32" and accumulate != "payload":
+    raise QsyncError(
+      f"all-reduce bucket_bytes with dtype={dtype!r}, accumulate={accumulate!r}: buckets apply to the "
+      "psum paths. Fix: use dtype='fp32' or accumulate='payload', or leave bucket_bytes unset."
+    )
 
 
 def pack(sizes, bucket_bytes: int) -> list[list[int]]:
@@ -70,7 +83,7 @@ def allreduce(
   the backward pass. Given leaves in backward order (the trainer's ``sync_leaf_order="auto"``),
   buckets of about XLA's threshold complete as the backward produces them, and XLA cannot
   merge two of them (together they exceed its threshold). Not yet timed on GPUs."""
-  check_options(dtype, accumulate)
+  check_options(dtype, accumulate, bucket_bytes)
   payload = PAYLOAD_DTYPES[dtype]
   leaves, treedef = jax.tree.flatten(tree)
   floats = [i for i, x in enumerate(leaves) if is_float(x)]
@@ -78,15 +91,9 @@ def allreduce(
     return tree
   out = list(leaves)
   psum_path = dtype == "fp32" or accumulate == "payload"
-  if bucket_bytes is not None and (not psum_path or int(bucket_bytes) < 1):
-    raise QsyncError(
-      f"all-reduce bucket_bytes={bucket_bytes!r} with dtype={dtype!r}, accumulate={accumulate!r}: "
-      "buckets are positive byte counts and apply to the psum paths. Fix: use dtype='fp32' or "
-      "accumulate='payload', or leave bucket_bytes unset."
-    )
-  if psum_path and bucket_bytes is not None:
+  if bucket_bytes is not None:
     width = jnp.dtype(payload).itemsize
-    for run in pack([leaves[i].size * width for i in floats], int(bucket_bytes)):
+    for run in pack([leaves[i].size * width for i in floats], bucket_bytes):
       members = [floats[j] for j in run]
       _split_into(out, lax.psum(_concat(leaves, members, payload), axis_name), leaves, members)
     return jax.tree.unflatten(treedef, out)

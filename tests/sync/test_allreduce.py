@@ -218,3 +218,17 @@ def test_pack_keeps_order_and_limit():
 
   assert pack([3, 3, 5, 1, 9, 2], 6) == [[0, 1], [2, 3], [4], [5]]
   assert pack([], 6) == []
+
+
+@pytest.mark.parametrize(
+  "name, options, match",
+  [
+    ("fp32", {"bucket_bytes": "abc"}, "not a positive number of bytes.*Fix"),
+    ("fp32", {"bucket_bytes": 0}, "not a positive number of bytes.*Fix"),
+    ("bf16", {"bucket_bytes": 1024}, "apply to the psum paths.*Fix"),
+  ],
+)
+def test_make_grad_sync_refuses_bad_buckets_when_built(name, options, match):
+  with pytest.raises(QsyncError, match=match):
+    make_grad_sync(name, **options)
+  make_grad_sync("bf16", bucket_bytes=1024, accumulate="payload")  # the payload psum takes buckets
