@@ -137,7 +137,7 @@ def small_case(trials, rows):
       op_ms[o.name] = {
         leg: {p: float(t * jitter[p]) for p in speed} for leg, t in zip(("fwd", "dlhs", "drhs"), legs)
       }
-    from planners.profiler import CAST_TYPES, CastModel
+    from planners.casts import CAST_TYPES, CastModel
 
     casts = {c: CastModel(0.0, 0.0, 0.0) for c in CAST_TYPES}
     train = Profile(**{**base.__dict__, "op_ms": op_ms, "cast": casts, "device_type": "A100"})

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from planners.casts import fit_cast_model
 from planners.catalog import device_spec, gemm_roofline_ms
 from planners.op_memory import residual_bytes
 from planners.ops import collect_ops, gemm_shape
-from planners.profiler import Profile, fit_cast_model, modeled_profile
+from planners.profiler import Profile, modeled_profile
 from qsync_jax.errors import ClusterSpecError, PlanError
 from qsync_jax.precision import OpPolicy
 from qsync_jax.qdot import quantized_dot_general
