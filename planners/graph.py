@@ -198,15 +198,14 @@ def buckets(profile: Profile, bucket_bytes: int, order: str = "tree") -> list[tu
     weighted.sort(key=lambda i: tree_position(ops[i].name))
   else:
     weighted.reverse()
-  packed: list[tuple[list[int], int]] = []
+  packed: list[list[int]] = []  # per bucket: [earliest op index, bytes]
   for i in weighted:
     nbytes = 4 * ops[i].param_elems
     if packed and packed[-1][1] + nbytes <= bucket_bytes:
-      packed[-1][0].append(i)
-      packed[-1] = (packed[-1][0], packed[-1][1] + nbytes)
+      packed[-1] = [min(packed[-1][0], i), packed[-1][1] + nbytes]
     else:
-      packed.append(([i], nbytes))
-  out = sorted(((min(members), nbytes) for members, nbytes in packed), reverse=True)
+      packed.append([i, nbytes])
+  out = sorted(((first, nbytes) for first, nbytes in packed), reverse=True)
   rest = max(profile.memory["param_bytes"] - sum(4 * o.param_elems for o in ops), 0)
   if out and out[-1][0] == 0:
     out[-1] = (0, out[-1][1] + rest)

@@ -27,8 +27,8 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
 * ``optimizer_ms`` — the optax update.
 * ``cast`` — per cast type (``"fp32->bf16"``, ``"fp32->int8"``, ``"int8->fp32"``, and
   ``"fp32->int8:sr"`` for stochastic rounding, …) ``ms = a·numel + b`` fitted by least squares
-  on standalone jitted casts, with its relative RMS fit error (``planners.casts``). The replay adds a cast node
-  for what no leg converts: int8/fp8 residuals dequantized for the backward
+  on standalone jitted casts, with its relative RMS fit error (``planners.casts``). The replay
+  adds a cast node for what no leg converts: int8/fp8 residuals dequantized for the backward
   (``planners.graph``), and the conversions of modeled devices.
 * ``memory`` — parameter, optimizer-state and batch bytes, and ``other_bytes``: the XLA peak
   of the fp32 step minus what the replay model accounts for (a fitted correction). What an
