@@ -26,6 +26,7 @@ optimizer; the fp32 step is the only plan the profile fits anything to). Rows go
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ from benchmarks.predictor import get_model  # noqa: E402  (run as a script from 
 from planners import step  # noqa: E402
 from planners.allocator import greedy, make_problem  # noqa: E402
 from planners.indicator import compute  # noqa: E402
-from planners.profiler import measure_profile  # noqa: E402
+from planners.profiler import Profile, measure_profile  # noqa: E402
 from planners.replay import predict  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
@@ -77,6 +78,24 @@ def measure_step(task, policy, batch, repeats) -> tuple[float, float, int | None
   return meas, float(np.percentile(samples, 75) - np.percentile(samples, 25)), peak
 
 
+def steps_from(path: str, run: str, model: str) -> tuple[dict, str]:
+  """``({policy: (median ms, IQR ms, None)}, device)`` of ``model``'s uniform-policy step rows of
+  ``run`` in the results file ``path`` (XLA's peak is not in those rows)."""
+  found, device = {}, None
+  with open(path) as f:
+    for line in f:
+      r = json.loads(line)
+      name = r["case"].partition("/")[2]
+      if r.get("run") == run and r["case"].startswith(f"{model}/") and r["metric"] == "step_ms_median":
+        if name in UNIFORM:
+          found[name], device = (r["value"], r.get("iqr_ms", float("nan")), None), r["device"]
+  if not found:
+    raise SystemExit(
+      f"{path}: no step rows of {model!r} in run {run!r}. Fix: pass a run tag those rows carry."
+    )
+  return found, device
+
+
 def row(model, case, metric, value, baseline, device, **extra):
   return result_row("models", f"{model}/{case}", metric, value, baseline, device, **extra)
 
@@ -90,6 +109,16 @@ def main(argv=None) -> int:
   ap.add_argument("--results", default=RESULTS)
   ap.add_argument("--no-save", action="store_true")
   ap.add_argument(
+    "--profile-dir",
+    help="each model's profile: loaded from <dir>/<model>.json if there, else measured and saved there",
+  )
+  ap.add_argument(
+    "--steps-from",
+    metavar="RUN",
+    help="take the uniform policies' measured steps from the rows of RUN in --results instead of timing "
+    "them (with a saved profile in --profile-dir: an offline replay; no qsync plan)",
+  )
+  ap.add_argument(
     "--steps-only", action="store_true", help="time the uniform policies; no profile, plan or prediction"
   )
   args = ap.parse_args(argv)
@@ -101,7 +130,7 @@ def main(argv=None) -> int:
 
   def emit(r):
     if not args.no_save:
-      append_rows(args.results, [r])
+      append_rows(args.results, [{**r, "run": f"replay-{args.steps_from}"} if args.steps_from else r])
 
   table = []
   for model in args.models:
@@ -118,22 +147,35 @@ def main(argv=None) -> int:
 
     # step times first: they are the point of the run, and do not depend on the profile
     policies = {name: PrecisionPolicy.uniform(name) for name in UNIFORM}
-    for name, policy in policies.items():
+    if args.steps_from:
+      measured, device = steps_from(args.results, args.steps_from, model)
+      policies = {name: policies[name] for name in measured}
+    for name, policy in policies.items() if not args.steps_from else ():
       measure(name, policy)
     if args.steps_only:
       table += [
         (model, name, meas, iqr, None, None, None, peak) for name, (meas, iqr, peak) in measured.items()
       ]
       continue
-    prof = measure_profile(
-      task,
-      batch_size,
-      PRECISIONS,
-      repeats=args.profile_repeats,
-      step_repeats=args.repeats,
-      progress=lambda msg, model=model: say(f"{model} profile: {msg}"),
-    )
+    saved = os.path.join(args.profile_dir, f"{model}.json") if args.profile_dir else None
+    if saved and os.path.exists(saved):
+      prof = Profile.load(saved)
+      say(f"{model}: profile {saved} ({prof.meta.get('device_kind', prof.device_type)})")
+    else:
+      prof = measure_profile(
+        task,
+        batch_size,
+        PRECISIONS,
+        repeats=args.profile_repeats,
+        step_repeats=args.repeats,
+        progress=lambda msg, model=model: say(f"{model} profile: {msg}"),
+      )
+    if saved and not os.path.exists(saved):
+      os.makedirs(args.profile_dir, exist_ok=True)
+      prof.save(saved)
     try:
+      if args.steps_from:
+        raise RuntimeError("--steps-from: no step of a qsync plan to compare with")
       policies["qsync"] = qsync_policy(task, prof, batch_size, say)
       measure("qsync", policies["qsync"])
     except Exception as e:  # noqa: BLE001 - report it; the uniform policies still count

@@ -47,7 +47,7 @@ from result_rows import append_rows, result_row
 from examples.registry import get_task
 from planners.link import measure_link
 from planners.profiler import Profile, measure_profile
-from planners.replay import predict
+from planners.replay import predict, refit_remainder
 from planners.steptrace import traced_events
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
@@ -73,7 +73,7 @@ def policies() -> dict[str, PrecisionPolicy]:
     rules=(Rule(r".*mlp.*|.*Dense.*", OpPolicy.preset("int8_fwd"), kind="dense"),),
     default=OpPolicy.preset("bf16"),
   )
-  return {"bf16": PrecisionPolicy.uniform("bf16"), "mixed": mixed}
+  return {"fp32": PrecisionPolicy.uniform("fp32"), "bf16": PrecisionPolicy.uniform("bf16"), "mixed": mixed}
 
 
 def time_steps(step, state, batches, steps: int, key=None):
@@ -136,13 +136,14 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
   coll = collective_summary(ts.step, state, batches[0], dump=dump)
   med, iqr, state = time_steps(ts.step, state, batches, steps)
   if n == 1:
-    coll["kernel_ms"] = gpu_kernel_ms(ts.step, state, batches[0])
+    coll["kernel_ms"], coll["kernels"] = gpu_kernel_ms(ts.step, state, batches[0])
   return med, iqr, coll
 
 
-def gpu_kernel_ms(step, state, batch, repeats: int = 5) -> float:
-  """ms of GPU kernels per call of ``step`` (first GPU), from a ``jax.profiler`` trace; the
-  step's wall time less this is launch gaps and host work. NaN where the trace has no GPU."""
+def gpu_kernel_ms(step, state, batch, repeats: int = 5) -> tuple[float, float]:
+  """``(ms, kernels)`` of GPU kernels per call of ``step`` (first GPU), from a ``jax.profiler``
+  trace; the step's wall time less the ms is launch gaps and host work. NaNs where the trace
+  has no GPU."""
   box = [state]
 
   def run():
@@ -150,7 +151,9 @@ def gpu_kernel_ms(step, state, batch, repeats: int = 5) -> float:
     jax.block_until_ready(box[0])
 
   events = [e for e in traced_events(run, repeats) if e["process"].startswith("/device:GPU:0")]
-  return sum(e["dur"] for e in events) / 1e3 / repeats if events else float("nan")
+  if not events:
+    return float("nan"), float("nan")
+  return sum(e["dur"] for e in events) / 1e3 / repeats, len(events) / repeats
 
 
 ORDER_CASES = {
@@ -219,19 +222,24 @@ def row(case, metric, value, baseline, device, **extra):
   return result_row("multigpu", case, metric, value, baseline, device, **extra)
 
 
+def case_cluster(prof, n: int, batch: int, link=None) -> tuple[ClusterSpec, dict]:
+  """``(cluster, predict kwargs)`` of ``n`` devices of ``prof``'s type at ``batch`` per device,
+  with ``link`` (a ``planners.link.LinkModel``, or anything with ``link_gbps`` and
+  ``latency_us``) for ``n`` > 1."""
+  group = DeviceGroup("gpus", prof.device_type, n, 1e3, batch)
+  if link is None:
+    return ClusterSpec((group,)), {}
+  return ClusterSpec((dataclasses.replace(group, link_gbps=link.link_gbps),)), {"latency_us": link.latency_us}
+
+
 def predict_case(prof, name: str, n: int, batch: int, link=None):
   """The replay's ``Prediction`` of scaling case ``name`` (``bf16``, ``mixed``, ``bf16-buckets``…)
-  on ``n`` devices at ``batch`` per device, with ``link`` (a ``planners.link.LinkModel``, or
-  anything with ``link_gbps`` and ``latency_us``) for ``n`` > 1. ``-buckets`` cases pack the
+  on ``n`` devices at ``batch`` per device (``case_cluster``). ``-buckets`` cases pack the
   buckets in backward order (explicit ``bucket_bytes``); the others as XLA's combiner does."""
   base, _, variant = name.partition("-")
-  group = DeviceGroup("gpus", prof.device_type, n, 1e3, batch)
-  extra = {}
-  if link is not None:
-    group = dataclasses.replace(group, link_gbps=link.link_gbps)
-    extra["latency_us"] = link.latency_us
+  cluster, extra = case_cluster(prof, n, batch, link)
   return predict(
-    ClusterSpec((group,)),
+    cluster,
     {prof.device_type: prof},
     Plan(policies={"gpus": policies()[base]}),
     bucket_order="backward" if variant == "buckets" else "tree",
@@ -239,76 +247,129 @@ def predict_case(prof, name: str, n: int, batch: int, link=None):
   )
 
 
-def predictor_rows(task, args, measured, device) -> list[dict]:
-  """Predicted vs measured step of every scaling case; prints a table, returns JSON rows."""
+def predictor_profile(task, args):
+  """``(profile, precisions it covers)``: loaded from ``--profile-file`` if it exists, else
+  measured on one device (and saved there)."""
   t0 = time.perf_counter()
   profiled = set(args.profile_precisions)
   say = lambda msg: print(f"  [{time.perf_counter() - t0:5.0f} s] profile: {msg}", flush=True)  # noqa: E731
   if args.profile_file and os.path.exists(args.profile_file):
     prof = Profile.load(args.profile_file)
-    profiled = set(prof.meta.get("precisions", profiled))
     print(f"\npredictor: profile {args.profile_file} ({prof.meta.get('device_kind', prof.device_type)})")
-  else:
-    prof = measure_profile(
-      task,
-      args.batch,
-      precisions=tuple(profiled),
-      repeats=args.profile_repeats,
-      step_repeats=args.steps,
-      progress=say,
-    )
-    if args.profile_file:
-      prof.save(args.profile_file)
-  links = {n: measure_link(jax.devices()[:n]) for n in sorted({n for _, n in measured}) if n > 1}
-  print(
-    f"\npredictor: {len(prof.ops)} ops profiled on one device; ready after {time.perf_counter() - t0:.0f} s"
+    return prof, set(prof.meta.get("precisions", profiled))
+  prof = measure_profile(
+    task,
+    args.batch,
+    precisions=tuple(profiled),
+    repeats=args.profile_repeats,
+    step_repeats=args.steps,
+    progress=say,
   )
-  for n, link in links.items():
+  if args.profile_file:
+    prof.save(args.profile_file)
+  print(f"\npredictor: {len(prof.ops)} ops profiled on one device in {time.perf_counter() - t0:.0f} s")
+  return prof, profiled
+
+
+def predictor_rows(prof, profiled, links, measured, batch, device, label="predictor") -> list[dict]:
+  """Predicted vs measured step of every scaling case in ``measured`` (``{(case, devices):
+  median s}``), twice: from the profile as it is, and with its remainder refitted to the fp32
+  case on the same device count (``planners.replay.refit_remainder``; fp32 itself is then the fit, never
+  evaluated). Prints a table, returns JSON rows ``<label>/…`` and ``<label>-fit/…``."""
+  fitted = {}
+  for (name, n), meas in measured.items():
+    if name == "fp32":
+      cluster, extra = case_cluster(prof, n, batch, links.get(n))
+      fitted[n] = refit_remainder(cluster, prof, meas * 1e3, **extra)
+  print(f"\n{label}: measured steps against the replay")
+  for n, p in sorted(fitted.items()):
     print(
-      f"  link fit on {n} devices: {link.link_gbps / 8:.0f} GB/s, {link.latency_us:.0f} us per all-reduce "
-      f"(fit rel. RMS {100 * link.rel_rms:.1f} %)"
+      f"  remainder refitted to the fp32 step on {n} device(s): {sum(p.remainder_ms.values()):.2f} ms "
+      f"(profile: {sum(prof.remainder_ms.values()):.2f} ms)"
     )
-  print(f"{'policy':<8} {'devices':>7} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'comm ms':>8}")
-  rows, errors = [], []
+  print(
+    f"{'policy':<12} {'devices':>7} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'fit ms':>8} {'error':>7} "
+    f"{'comm ms':>8}"
+  )
+  rows, errors, fit_errors = [], [], []
   for (name, n), meas in sorted(measured.items()):
     base_name, _, variant = name.partition("-")
-    if variant not in ("", "buckets"):
-      continue  # "-tree": the same collectives as the default (the compiled HLO), not a new case
+    if variant not in ("", "buckets") or base_name == "fp32":
+      continue  # "-tree": the same collectives as the default (the compiled HLO); fp32: the fit
     policy = policies()[base_name]
     if (
       not {q for r in policy.rules for q in r.policy.precisions} | set(policy.default.precisions) <= profiled
     ):
       continue  # a policy using precisions the profile skipped (to save profiling time)
-    pred = predict_case(prof, name, n, args.batch, links.get(n))
+    pred = predict_case(prof, name, n, batch, links.get(n))
     err = (pred.step_ms - meas * 1e3) / (meas * 1e3)
     errors.append(abs(err))
+    fit_ms = fit_err = float("nan")
+    if n in fitted:
+      fit_ms = predict_case(fitted[n], name, n, batch, links.get(n)).step_ms
+      fit_err = (fit_ms - meas * 1e3) / (meas * 1e3)
+      fit_errors.append(abs(fit_err))
+      rows.append(row(f"{label}-fit/{name}/n{n}", "step_time_ms", fit_ms, meas * 1e3, device))
     parts = {}
     for node in pred.nodes:
       parts[node.kind] = parts.get(node.kind, 0.0) + node.ms
     print(
-      f"{name:<12} {n:>7} {pred.step_ms:>9.2f} {meas * 1e3:>9.2f} {100 * err:>+6.1f}% {pred.comm_ms:>8.2f}  "
+      f"{name:<12} {n:>7} {pred.step_ms:>9.2f} {meas * 1e3:>9.2f} {100 * err:>+6.1f}% {fit_ms:>8.2f} "
+      f"{100 * fit_err:>+6.1f}% {pred.comm_ms:>8.2f}  "
       + " ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items()))
     )
-    rows.append(row(f"predictor/{name}/n{n}", "step_time_ms", pred.step_ms, meas * 1e3, device))
-  print(
-    f"predictor mean |error| {100 * np.mean(errors):.1f} % over {len(errors)} cases (max {100 * max(errors):.1f} %)"
-  )
-  rows.append(row("predictor/all", "mean_abs_step_error", float(np.mean(errors)), None, device))
+    rows.append(row(f"{label}/{name}/n{n}", "step_time_ms", pred.step_ms, meas * 1e3, device))
+  for what, errs in ((label, errors), (f"{label}-fit", fit_errors)):
+    if errs:
+      print(
+        f"{what} mean |error| {100 * np.mean(errs):.1f} % over {len(errs)} cases (max {100 * max(errs):.1f} %)"
+      )
+      rows.append(row(f"{what}/all", "mean_abs_step_error", float(np.mean(errs)), None, device))
   return rows
 
 
 def run_worker(args) -> int:
-  """One ``jax.distributed`` process of a multi-process run: prints its median step time."""
+  """One ``jax.distributed`` process of a multi-process run: on process 0, prints one JSON line
+  per scaling policy with its median step time."""
   jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.processes, process_id=args.process_id
+    coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.world, process_id=args.process_id
   )
   task = make_lm(args)
   n = jax.device_count()
-  med, iqr, coll = trainer_case(task, n, args.batch, policies()["bf16"], "fp32", args.steps)
-  if jax.process_index() == 0:
-    print(json.dumps({"median_s": med, "iqr_s": iqr, "devices": n, "bytes": coll["bytes"]}), flush=True)
+  for name in args.policies:
+    med, iqr, _ = trainer_case(task, n, args.batch, policies()[name], "fp32", args.steps)
+    if jax.process_index() == 0:
+      print(json.dumps({"policy": name, "median_s": med, "iqr_s": iqr, "devices": n}), flush=True)
   jax.distributed.shutdown()
   return 0
+
+
+def multiprocess_steps(args, n: int) -> dict[str, tuple[float, float]]:
+  """``{policy: (median s, IQR s)}`` of the scaling policies run as ``n`` ``jax.distributed``
+  processes of one GPU each (``CUDA_VISIBLE_DEVICES``); empty if the run fails or times out."""
+  flags = ["--d-model", args.d_model, "--heads", args.heads, "--layers", args.layers, "--seq", args.seq]
+  flags += ["--batch", args.batch, "--steps", args.steps, "--world", n, "--port", args.port + n]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, __file__, "--process-id", str(pid), *map(str, flags), "--policies", *args.policies],
+      env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(pid)),
+      stdout=subprocess.PIPE,
+      text=True,
+    )
+    for pid in range(n)
+  ]
+  try:
+    outs = [p.communicate(timeout=args.process_timeout)[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    print(f"{n}-process run killed after {args.process_timeout} s")
+    return {}
+  if any(p.returncode for p in procs):
+    print(f"{n}-process run failed: return codes {[p.returncode for p in procs]}")
+    return {}
+  lines = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
+  return {r["policy"]: (r["median_s"], r["iqr_s"]) for r in lines}
 
 
 def make_lm(args):
@@ -323,14 +384,25 @@ def main(argv=None) -> int:
   parser.add_argument("--seq", type=int, default=256)
   parser.add_argument("--batch", type=int, default=8, help="per-device batch")
   parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--processes", type=int, default=0, help="also run N jax.distributed processes")
+  parser.add_argument(
+    "--processes",
+    type=int,
+    nargs="*",
+    default=[],
+    help="device counts to run also as that many jax.distributed processes of one GPU each",
+  )
+  parser.add_argument("--counts", type=int, nargs="*", help="device counts of the single-process runs")
   parser.add_argument("--process-id", type=int, default=-1, help=argparse.SUPPRESS)
+  parser.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--port", type=int, default=12355, help=argparse.SUPPRESS)
   parser.add_argument("--no-save", action="store_true")
   parser.add_argument("--results", default=RESULTS, help=f"JSON lines file to append to (default {RESULTS})")
   parser.add_argument("--skip-scaling", action="store_true")
   parser.add_argument(
-    "--policies", nargs="+", default=["bf16", "mixed"], help="policies of the scaling cases"
+    "--policies",
+    nargs="+",
+    default=["fp32", "bf16", "mixed"],
+    help="policies of the scaling cases (fp32 is the predictor's fit plan, never evaluated)",
   )
   parser.add_argument("--dump-dir", help="write each sync case's compiled HLO here")
   parser.add_argument(
@@ -378,7 +450,7 @@ def main(argv=None) -> int:
   print(f"\nmultigpu: LM d={args.d_model} L={args.layers} seq={args.seq} batch/device={args.batch}, {device}")
 
   # 1. weak scaling per policy
-  counts = [n for n in (1, 2, 4, 8) if n <= total]
+  counts = [n for n in args.counts or (1, 2, 4, 8) if n <= total]
   print(f"{'policy':<10} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
   measured = {}  # (policy, devices) -> median step s
   scaling = {k: v for k, v in policies().items() if k in args.policies and not args.skip_scaling}
@@ -398,8 +470,20 @@ def main(argv=None) -> int:
       )
       emit(row(f"scaling/{name}/n{n}", "weak_scaling_efficiency", base / med, 1.0, device))
       if not np.isnan(coll.get("kernel_ms", np.nan)):
-        print(f"{'':<8} {'':>7} GPU kernels {coll['kernel_ms']:.2f} ms of the {med * 1e3:.2f} ms step")
-        emit(row(f"scaling/{name}/n{n}", "gpu_kernel_ms", coll["kernel_ms"], med * 1e3, device))
+        print(
+          f"{'':<8} {'':>7} GPU kernels {coll['kernel_ms']:.2f} ms of the {med * 1e3:.2f} ms step "
+          f"({coll['kernels']:.0f} kernels)"
+        )
+        emit(
+          row(
+            f"scaling/{name}/n{n}",
+            "gpu_kernel_ms",
+            coll["kernel_ms"],
+            med * 1e3,
+            device,
+            kernels=coll["kernels"],
+          )
+        )
 
   # 1b. all-reduce leaf order and buckets, interleaved A/B (bf16 policy)
   if args.order_rounds and "bf16" in scaling:
@@ -426,7 +510,8 @@ def main(argv=None) -> int:
         )
 
   # 2. gradient sync strategies on all devices
-  print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")
+  if not args.skip_sync:
+    print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")
   base_t = base_b = None
   for sync in ("fp32", "bf16", "global_qsgd") if not args.skip_sync else ():
     dump = os.path.join(args.dump_dir, f"{sync}.hlo.txt") if args.dump_dir else None
@@ -457,59 +542,41 @@ def main(argv=None) -> int:
       row(f"sync/{name}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes, note=note)
     )
 
-  if measured and not args.skip_predictor:
-    for r in predictor_rows(task, args, measured, device):
-      emit(r)
-
   # 4. one process per device through jax.distributed
-  if args.processes:
-    procs = []
-    for pid in range(args.processes):
-      env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(pid))
-      cmd = [
-        sys.executable,
-        __file__,
-        "--process-id",
-        str(pid),
-        "--processes",
-        str(args.processes),
-        "--d-model",
-        str(args.d_model),
-        "--heads",
-        str(args.heads),
-        "--layers",
-        str(args.layers),
-        "--seq",
-        str(args.seq),
-        "--batch",
-        str(args.batch),
-        "--steps",
-        str(args.steps),
-      ]
-      procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    try:
-      outs = [p.communicate(timeout=args.process_timeout)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      outs = [""] * len(procs)
-      print(f"multi-process run killed after {args.process_timeout} s")
-    lines = [line for line in outs[0].splitlines() if line.startswith("{")]
-    if lines and all(p.returncode == 0 for p in procs):
-      got = json.loads(lines[-1])
-      same = [r["value"] for r in rows if r["case"] == f"scaling/bf16/n{args.processes}"]
-      single = same[0] if same else None
+  measured_mp = {}  # (policy, devices) -> median step s, one process per device
+  for n in (n for n in args.processes if 1 < n <= total):
+    for name, (med, iqr) in multiprocess_steps(args, n).items():
+      measured_mp[(name, n)] = med
+      single = measured.get((name, n))
       print(
-        f"\n{args.processes} processes x 1 device: {got['median_s'] * 1e3:.2f} ms/step "
-        f"(single process, {args.processes} devices: {single if single is None else round(single, 2)} ms)"
+        f"{name:<10} {n} processes x 1 device: {med * 1e3:.2f} ({iqr * 1e3:.2f}) ms/step; single process: "
+        + ("-" if single is None else f"{single * 1e3:.2f} ms")
       )
       emit(
         row(
-          f"multiprocess/bf16/p{args.processes}", "step_time_ms_median", got["median_s"] * 1e3, single, device
+          f"multiprocess/{name}/p{n}",
+          "step_time_ms_median",
+          med * 1e3,
+          None if single is None else single * 1e3,
+          device,
+          iqr_ms=iqr * 1e3,
         )
       )
-    else:
-      print(f"multi-process run failed: return codes {[p.returncode for p in procs]}")
+
+  # 5. the predictor against both
+  if (measured or measured_mp) and not args.skip_predictor:
+    prof, profiled = predictor_profile(task, args)
+    counts_seen = sorted({n for _, n in (*measured, *measured_mp) if n > 1})
+    links = {n: measure_link(jax.devices()[:n]) for n in counts_seen}
+    for n, link in links.items():
+      print(
+        f"  link fit on {n} devices: {link.link_gbps / 8:.0f} GB/s, {link.latency_us:.0f} us per all-reduce "
+        f"(fit rel. RMS {100 * link.rel_rms:.1f} %)"
+      )
+    for label, steps in (("predictor", measured), ("predictor-mp", measured_mp)):
+      if steps:
+        for r in predictor_rows(prof, profiled, links, steps, args.batch, device, label):
+          emit(r)
 
   if not args.no_save:
     print(f"appended {len(rows)} rows to {args.results}")

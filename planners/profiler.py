@@ -101,6 +101,11 @@ class Profile:
       f"{precision!r} (it has {sorted(table)}). Fix: profile with --precisions including {precision}."
     )
 
+  def with_remainder(self, rest_ms: float) -> Profile:
+    """This profile with the remainder of the step set to ``rest_ms`` (a third in the
+    forward, two thirds in the backward, as ``measure_profile`` splits it)."""
+    return dataclasses.replace(self, remainder_ms={"fwd": rest_ms / 3, "bwd": 2 * rest_ms / 3})
+
   @property
   def op_names(self) -> tuple[str, ...]:
     return tuple(o.name for o in self.ops)
@@ -505,25 +510,28 @@ def measure_profile(
     batch_per_device=batch_per_device,
     ops=tuple(ops),
     op_ms=op_ms,
-    remainder_ms={"fwd": rest / 3, "bwd": 2 * rest / 3},
+    remainder_ms={},
     optimizer_ms=optimizer_ms,
     cast=cast,
     memory=memory,
     meta=meta,
     relayout_ms=relayout,
     forward_headroom=headroom,
-  )
+  ).with_remainder(rest)
 
 
 def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tuple[float, int]:
   """``(remainder ms, other bytes)``: the measured fp32 step (time, XLA peak) minus what the
-  replay of ``draft`` (a profile without remainder) predicts for the same fp32 step."""
-  from planners.graph import Comm, GroupCost
-  from planners.replay import memory_bytes, sync_step_ms
+  replay of ``draft`` (a profile without remainder) predicts for the same fp32 step on one
+  device (``replay.refit_remainder``)."""
+  from planners.graph import GroupCost
+  from planners.replay import memory_bytes, refit_remainder
+  from qsync_jax.cluster import ClusterSpec
 
+  one = ClusterSpec.uniform(draft.device_type, 1, draft.batch_per_device, memory_gb=1e3)
+  rest = sum(refit_remainder(one, draft, step_ms).remainder_ms.values())
   fp32 = {o.name: OpPolicy.uniform("fp32") for o in draft.ops}
   group = GroupCost("local", draft, fp32, draft.batch_per_device)
-  rest = step_ms - sync_step_ms([group], Comm(1, 1.0))
   other = 0 if peak_bytes is None else int(peak_bytes - memory_bytes(group))
   return rest, other
 
@@ -606,9 +614,9 @@ def modeled_profile(base: Profile, device_type: str) -> Profile:
     batch_per_device=base.batch_per_device,
     ops=base.ops,
     op_ms=op_ms,
-    remainder_ms={"fwd": rest / 3, "bwd": 2 * rest / 3},
+    remainder_ms={},
     optimizer_ms=optimizer_ms,
     cast=casts,
     memory=memory,
     meta={"derived_from": base.device_type, "catalog": dataclasses.asdict(spec)},
-  )
+  ).with_remainder(rest)

@@ -56,6 +56,7 @@ from planners.profiler import Profile, modeled_profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,4 +219,18 @@ def predict(
     sources={g.name: f"{g.profile.source} ({g.profile.device_type})" for g in groups},
     nodes=tuple(nodes),
     times=tuple(times),
+  )
+
+
+def refit_remainder(cluster: ClusterSpec, profile: Profile, step_ms: float, **predict_kwargs) -> Profile:
+  """``profile`` with its remainder refitted so that the replay of the uniform fp32 plan on
+  ``cluster`` (whose groups are all of ``profile``'s device type) predicts ``step_ms``, the
+  fp32 step measured there. ``measure_profile`` fits the remainder so on one device; refitted
+  on a cluster it also carries what the op profile does not see (that host's launch rate, host
+  work per device when one process drives several, collectives slowed by the compute beside
+  them) as time added alike to every plan's step. ``predict_kwargs`` go to ``predict``."""
+  draft = profile.with_remainder(0.0)
+  fp32 = Plan(policies={g.name: PrecisionPolicy.uniform("fp32") for g in cluster.groups})
+  return profile.with_remainder(
+    step_ms - predict(cluster, {profile.device_type: draft}, fp32, **predict_kwargs).step_ms
   )

@@ -7,10 +7,11 @@ import pytest
 
 from planners.catalog import allreduce_ms
 from planners.graph import Comm, GroupCost, buckets, build_graph, longest_path
-from planners.replay import predict, sync_step_ms
+from planners.replay import predict, refit_remainder, sync_step_ms
 from planners.trace import chrome_trace, save_png
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 from tests.planners.fakes import fake_profile
 
@@ -162,3 +163,19 @@ def test_trace_exports(tmp_path):
   assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(1e3 * pred.step_ms)
   save_png(pred, str(tmp_path / "t.png"))
   assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_refit_remainder_matches_the_fp32_step_and_shifts_every_plan_alike():
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, remainder_ms=4.0, optimizer_ms=1.0)
+  group = DeviceGroup("gpus", "cpu", 2, 1e3, prof.batch_per_device, link_gbps=1.0)
+  cluster = ClusterSpec((group,))
+  uniform = {p: Plan(policies={"gpus": PrecisionPolicy.uniform(p)}) for p in ("fp32", "bf16")}
+  before = {p: predict(cluster, {"cpu": prof}, plan, latency_us=0.0).step_ms for p, plan in uniform.items()}
+  fitted = refit_remainder(cluster, prof, 30.0, latency_us=0.0)
+  after = {p: predict(cluster, {"cpu": fitted}, plan, latency_us=0.0).step_ms for p, plan in uniform.items()}
+  assert after["fp32"] == pytest.approx(30.0)
+  # the remainder sits on the compute chain before the backward, so the whole step moves by
+  # the refit's change (bf16's buckets overlap less or more only if the backward shrinks)
+  assert after["bf16"] - before["bf16"] == pytest.approx(30.0 - before["fp32"])
+  assert fitted.remainder_ms["bwd"] == pytest.approx(2 * fitted.remainder_ms["fwd"])
+  assert fitted.op_ms == prof.op_ms  # nothing else changes
