@@ -48,7 +48,7 @@ from examples.registry import get_task
 from planners.link import measure_link
 from planners.profiler import Profile, measure_profile
 from planners.replay import predict, refit_remainder
-from planners.steptrace import traced_events
+from planners.steptrace import gpu_kernels
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy, Rule
@@ -141,19 +141,16 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
 
 
 def gpu_kernel_ms(step, state, batch, repeats: int = 5) -> tuple[float, float]:
-  """``(ms, kernels)`` of GPU kernels per call of ``step`` (first GPU), from a ``jax.profiler``
-  trace; the step's wall time less the ms is launch gaps and host work. NaNs where the trace
-  has no GPU."""
+  """``(ms, kernels)`` of GPU kernels per call of ``step`` (first GPU; ``steptrace.gpu_kernels``):
+  the step's wall time less the ms is launch gaps and host work. NaNs without a GPU."""
   box = [state]
 
   def run():
     box[0], _ = step(box[0], batch)
     jax.block_until_ready(box[0])
 
-  events = [e for e in traced_events(run, repeats) if e["process"].startswith("/device:GPU:0")]
-  if not events:
-    return float("nan"), float("nan")
-  return sum(e["dur"] for e in events) / 1e3 / repeats, len(events) / repeats
+  summary = gpu_kernels(run, repeats)
+  return (float("nan"), float("nan")) if summary is None else (summary.ms, summary.kernels)
 
 
 ORDER_CASES = {

@@ -227,14 +227,58 @@ def traced_events(run, repeats: int) -> list[dict]:
   return out
 
 
+GEMM_KERNEL_MARKS = ("gemm", "nvjet", "cublas", "cutlass", "xmma", "matmul", "mosaic_gpu")
+"""Substrings (lower case) of the names of GPU matrix-product kernels: cuBLAS / cuBLASLt
+(``nvjet_sm90…``, ``sm80_xmma_gemm…``, ``cutlass…``), XLA's Triton GEMM fusions
+(``gemm_fusion_dot…``) and our Mosaic GPU GEMM (``anonymous_mosaic_gpu_kernel``). Name-based,
+so approximate: a kernel that does a product under another name counts as other work."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSummary:
+  """GPU kernels per call of a program (means over the traced calls)."""
+
+  ms: float  # kernel time
+  kernels: float  # kernel launches
+  gemm_ms: float  # of it, matrix products (``GEMM_KERNEL_MARKS``)
+  gemm_kernels: float
+  top: tuple[tuple[str, float], ...]  # (kernel name, ms per call), the 20 largest
+
+
+def summarize_kernels(
+  events: list[dict], repeats: int, device: str = "/device:GPU:0"
+) -> KernelSummary | None:
+  """The ``KernelSummary`` of ``traced_events`` of ``repeats`` calls, on the trace process
+  ``device`` (the first GPU); None where it has no kernel (e.g. on a CPU)."""
+  mine = [e for e in events if e["process"].startswith(device)]
+  if not mine:
+    return None
+  per_name: dict[str, float] = defaultdict(float)
+  for e in mine:
+    per_name[e["name"]] += e["dur"] / 1e3 / repeats
+  gemm = [e for e in mine if any(m in e["name"].lower() for m in GEMM_KERNEL_MARKS)]
+  return KernelSummary(
+    ms=sum(e["dur"] for e in mine) / 1e3 / repeats,
+    kernels=len(mine) / repeats,
+    gemm_ms=sum(e["dur"] for e in gemm) / 1e3 / repeats,
+    gemm_kernels=len(gemm) / repeats,
+    top=tuple(sorted(per_name.items(), key=lambda kv: -kv[1])[:20]),
+  )
+
+
+def gpu_kernels(run, repeats: int) -> KernelSummary | None:
+  """The ``KernelSummary`` of ``repeats`` calls of ``run`` on the first GPU; None without one."""
+  return summarize_kernels(traced_events(run, repeats), repeats)
+
+
 def device_kernel_ms(run, repeats: int) -> float:
   """Mean ms per call of ``run`` of the kernels on the first GPU (``/device:GPU:0``), from a
   ``jax.profiler`` trace of ``repeats`` calls. ``RuntimeError`` where the trace has no GPU
   kernels (e.g. on a CPU): the device clock exists on GPUs only."""
-  events = [e for e in traced_events(run, repeats) if e["process"].startswith("/device:GPU:0")]
-  if not events:
+  summary = gpu_kernels(run, repeats)
+  if summary is None:
     raise RuntimeError(
       f"no GPU kernel in a trace of {jax.devices()[0].platform} programs: the device clock needs a GPU. "
       "Fix: time with clock='wall' (or 'cpu' on a CPU host)."
     )
-  return sum(e["dur"] for e in events) / 1e3 / repeats
+  return summary.ms

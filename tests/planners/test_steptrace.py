@@ -147,13 +147,33 @@ def test_refuses_producer_on_this_stack():
 
 def test_device_clock_is_the_mean_kernel_time_of_the_first_gpu(monkeypatch):
   events = [
-    {"process": "/device:GPU:0 (stream 7)", "dur": 30.0},
-    {"process": "/device:GPU:0 (stream 7)", "dur": 10.0},
-    {"process": "/device:GPU:1 (stream 7)", "dur": 500.0},  # another GPU's kernels
-    {"process": "/host:CPU", "dur": 900.0},  # host work
+    {"process": "/device:GPU:0 (stream 7)", "name": "nvjet_sm90_tss_128x128", "dur": 30.0},
+    {"process": "/device:GPU:0 (stream 7)", "name": "loop_add_fusion_3", "dur": 10.0},
+    {"process": "/device:GPU:1 (stream 7)", "name": "nvjet_sm90_tss_128x128", "dur": 500.0},  # another GPU
+    {"process": "/host:CPU", "name": "PjitFunction", "dur": 900.0},  # host work
   ]
   monkeypatch.setattr(steptrace, "traced_events", lambda run, repeats: events)
   assert steptrace.device_kernel_ms(lambda: None, repeats=2) == pytest.approx(0.02)  # 40 µs / 2 calls
+
+
+def test_kernel_summary_splits_matrix_products_from_the_rest():
+  gpu = "/device:GPU:0 (stream 7)"
+  events = [
+    {"process": gpu, "name": "sm80_xmma_gemm_f32f32_tn", "dur": 300.0},
+    {"process": gpu, "name": "gemm_fusion_dot_7", "dur": 100.0},
+    {"process": gpu, "name": "anonymous_mosaic_gpu_kernel", "dur": 50.0},
+    {"process": gpu, "name": "quantize_rows_int8__4", "dur": 40.0},  # a Pallas kernel, not a product
+    {"process": gpu, "name": "input_add_reduce_fusion_2", "dur": 10.0},
+    {"process": "/device:GPU:1 (stream 7)", "name": "gemm_fusion_dot_7", "dur": 1e6},
+  ]
+  s = steptrace.summarize_kernels(events, repeats=2)
+  assert (s.ms, s.kernels) == (pytest.approx(0.25), 2.5)
+  assert (s.gemm_ms, s.gemm_kernels) == (pytest.approx(0.225), 1.5)
+  assert s.top[0] == ("sm80_xmma_gemm_f32f32_tn", pytest.approx(0.15))
+  assert (
+    steptrace.summarize_kernels([e for e in events if "GPU:0" not in e["process"]], 2, "/device:GPU:0")
+    is None
+  )
 
 
 def test_device_clock_without_a_gpu_names_the_fix():

@@ -1,0 +1,107 @@
+"""Where a GPU training step's time goes: matrix products, the other kernels, and the gaps.
+
+For each model and uniform policy: the jitted single-device training step (``planners.step``,
+fed its own donated outputs) is timed on the wall clock (median of ``--repeats``, IQR), then
+traced (``planners.steptrace.gpu_kernels``): GPU kernel time and launches per step, the part of
+it in matrix-product kernels (name-based, ``GEMM_KERNEL_MARKS``), and the gap — wall time in
+which the GPU runs no kernel (launches, host work, waits). The predictor's profile times each
+op standalone; this says what the step around the ops costs under each policy (the baseline
+of the ratio column is the fp32 step's value of the same metric). Needs a GPU.
+
+  python benchmarks/step_kernels.py [--models lm_base resnet18_224] [--policies fp32 bf16 int8_fwd int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from result_rows import append_rows, result_row
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
+from planners import step  # noqa: E402
+from planners.steptrace import gpu_kernels  # noqa: E402
+from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "step_kernels.jsonl")
+
+
+def step_kernels(task, policy, batch, repeats: int, traced: int = 5):
+  """``(wall median ms, IQR ms, KernelSummary | None)`` of the jitted training step."""
+  optimizer = step.default_optimizer()
+  variables = step.init_variables(task, batch, 0)
+  state = [variables, optimizer.init(variables["params"])]
+  key = jax.random.key(0)
+  compiled = step.make_train_step(task, policy, optimizer).lower(*state, batch, key).compile()
+
+  def run():
+    state[0], state[1], loss = compiled(state[0], state[1], batch, key)
+    jax.block_until_ready(loss)
+
+  med, samples = step.timed_ms(run, repeats)
+  iqr = float(np.percentile(samples, 75) - np.percentile(samples, 25))
+  return med, iqr, gpu_kernels(run, traced)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--models", nargs="+", default=["lm_base"])
+  ap.add_argument("--policies", nargs="+", default=["fp32", "bf16", "int8_fwd", "int8"])
+  ap.add_argument("--repeats", type=int, default=20)
+  ap.add_argument("--results", default=RESULTS)
+  ap.add_argument("--top-dir", help="write each case's 20 largest kernels here as JSON")
+  ap.add_argument("--no-save", action="store_true")
+  args = ap.parse_args(argv)
+  device = jax.devices()[0].device_kind
+  print(
+    f"{'model':13s} {'policy':9s} {'wall ms':>8s} {'IQR':>5s} {'kernel ms':>9s} {'GEMM ms':>8s} "
+    f"{'other ms':>8s} {'gap ms':>7s} {'kernels':>7s}"
+  )
+  for model in args.models:
+    task, batch_size = get_model(model)
+    batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+    base = {}
+    for name in args.policies:
+      t0 = time.perf_counter()
+      wall, iqr, k = step_kernels(task, PrecisionPolicy.uniform(name), batch, args.repeats)
+      if k is None:
+        print(f"{model:13s} {name:9s} {wall:8.2f} {iqr:5.2f}  (no GPU kernels traced: this needs a GPU)")
+        continue
+      metrics = {
+        "wall_ms": wall,
+        "kernel_ms": k.ms,
+        "gemm_kernel_ms": k.gemm_ms,
+        "other_kernel_ms": k.ms - k.gemm_ms,
+        "gap_ms": wall - k.ms,
+        "kernels": k.kernels,
+      }
+      base = base or metrics
+      print(
+        f"{model:13s} {name:9s} {wall:8.2f} {iqr:5.2f} {k.ms:9.2f} {k.gemm_ms:8.2f} {k.ms - k.gemm_ms:8.2f} "
+        f"{wall - k.ms:7.2f} {k.kernels:7.0f}   ({time.perf_counter() - t0:.0f} s)"
+      )
+      if not args.no_save:
+        append_rows(
+          args.results,
+          [
+            result_row("step_kernels", f"{model}/{name}", m, v, base[m], device, batch=batch_size)
+            for m, v in metrics.items()
+          ],
+        )
+      if args.top_dir:
+        os.makedirs(args.top_dir, exist_ok=True)
+        with open(os.path.join(args.top_dir, f"{model}_{name}.json"), "w") as f:
+          json.dump({"wall_ms": wall, "top": k.top}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
