@@ -1,0 +1,94 @@
+"""The multi-GPU benchmark's predictor table and its offline replay, on a hand-built profile.
+
+These are the parts of ``benchmarks/multigpu.py`` that run after the GPUs are gone (the device
+time that measured the steps cannot be spent again), so they are tested here on the CPU.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+# appended, not prepended: the benchmark scripts must not shadow any module the other tests import
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import multigpu  # noqa: E402
+import multigpu_replay  # noqa: E402
+
+from planners.link import LinkModel  # noqa: E402
+from tests.planners.fakes import fake_profile  # noqa: E402
+
+ELEMS = 156250  # 625 kB of fp32 weights per op
+
+
+@pytest.fixture
+def profile():
+  return fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, device_type="H100", remainder_ms=1.0)
+
+
+def _by_case(rows):
+  return {r["case"]: r for r in rows}
+
+
+def test_predictor_rows_fit_fp32_per_device_count_and_evaluate_the_rest(profile):
+  measured = {  # seconds, as multigpu.py keeps them
+    ("fp32", 1): 0.030,
+    ("bf16", 1): 0.012,
+    ("mixed", 1): 0.011,
+    ("fp32", 2): 0.040,
+    ("bf16", 2): 0.020,
+    ("bf16-tree", 2): 0.021,  # the same collectives as the default: never replayed
+  }
+  links = {2: LinkModel(2, 8.0, 0.0, 0.0)}
+  rows = _by_case(
+    multigpu.predictor_rows(profile, {"fp32", "bf16", "fp16", "int8"}, links, measured, 8, "test")
+  )
+  assert not [c for c in rows if "fp32" in c or "tree" in c]  # fp32 is the fit, not a prediction
+  for n in (1, 2):
+    raw, fit = rows[f"predictor/bf16/n{n}"], rows[f"predictor-fit/bf16/n{n}"]
+    assert raw["baseline"] == fit["baseline"] == pytest.approx(1e3 * measured[("bf16", n)])
+    # the refit moves every plan by the fp32 step's miss on that device count
+    fp32 = multigpu.predict_case(profile, "fp32", n, 8, links.get(n)).step_ms
+    assert fit["value"] - raw["value"] == pytest.approx(1e3 * measured[("fp32", n)] - fp32)
+  errors = [abs(rows[f"predictor-fit/{c}"]["ratio"] - 1) for c in ("bf16/n1", "mixed/n1", "bf16/n2")]
+  assert rows["predictor-fit/all"]["value"] == pytest.approx(sum(errors) / 3)
+
+
+def test_replay_reads_both_step_sets_of_one_run(tmp_path):
+  path = tmp_path / "multigpu.jsonl"
+  rows = [
+    {
+      "run": "r1",
+      "case": "scaling/bf16/n2",
+      "metric": "step_time_ms_median",
+      "value": 5.0,
+      "device": "H100 x4",
+    },
+    {
+      "run": "r1",
+      "case": "multiprocess/bf16/p2",
+      "metric": "step_time_ms_median",
+      "value": 4.0,
+      "device": "H100 x4",
+    },
+    {
+      "run": "r1",
+      "case": "scaling/bf16/n2",
+      "metric": "weak_scaling_efficiency",
+      "value": 0.8,
+      "device": "H100 x4",
+    },
+    {
+      "run": "r0",
+      "case": "scaling/bf16/n4",
+      "metric": "step_time_ms_median",
+      "value": 9.0,
+      "device": "H100 x4",
+    },
+  ]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  single, multi, device, _ = multigpu_replay.measured_steps(str(path), "r1")
+  assert single == {("bf16", 2): pytest.approx(0.005)}
+  assert multi == {("bf16", 2): pytest.approx(0.004)}
+  assert device == "H100 x4"
