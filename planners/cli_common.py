@@ -29,6 +29,45 @@ def load_profiles(paths: Sequence[str]) -> dict[str, Profile]:
   return out
 
 
+CALIBRATE_HELP = (
+  "GROUP=MS: the median fp32 step (ms) measured on that group's devices alone (uniform fp32 policy, "
+  "its batch per device); refits the remainder of the group's profile to it (repeatable)"
+)
+
+
+def parse_calibration(items: Sequence[str]) -> dict[str, float]:
+  """``{group: ms}`` of ``--calibrate GROUP=MS`` arguments."""
+  out = {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    try:
+      ms = float(value)
+    except ValueError:
+      ms = None
+    if not sep or not name or ms is None:
+      raise PlanError(f"--calibrate {item!r} is not GROUP=MS. Fix: write e.g. --calibrate train=15.4.")
+    out[name] = ms
+  return out
+
+
+def calibrated_profiles(cluster, profiles: dict[str, Profile], items: Sequence[str]) -> dict[str, Profile]:
+  """``profiles`` refitted to the ``--calibrate GROUP=MS`` steps (``replay.calibrate``),
+  each refit reported on stderr."""
+  from planners.replay import calibrate  # replay builds on the profiler this module loads
+
+  steps = parse_calibration(items)
+  out = calibrate(cluster, profiles, steps)
+  for g in cluster.groups:
+    if g.name in steps:
+      before = sum(profiles[g.device_type].remainder_ms.values()) if g.device_type in profiles else None
+      after = sum(out[g.device_type].remainder_ms.values())
+      was = "modeled" if before is None else f"{before:.3f} ms"
+      progress(
+        f"calibrated {g.name} ({g.device_type}) to its fp32 step {steps[g.name]} ms: remainder {was} -> {after:.3f} ms"
+      )
+  return out
+
+
 def check_model(profiles: dict[str, Profile], task_name: str) -> None:
   for prof in profiles.values():
     if prof.model != task_name:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import time
 
 from planners.allocator import dynamic_batch, greedy, make_problem
-from planners.cli_common import check_model, load_json, load_profiles, progress, table
+from planners.cli_common import (
+  CALIBRATE_HELP,
+  calibrated_profiles,
+  check_model,
+  load_json,
+  load_profiles,
+  progress,
+  table,
+)
 from planners.replay import predict
 from qsync_jax.cli_train import load_task
 from qsync_jax.cluster import ClusterSpec
@@ -24,6 +32,7 @@ def add_arguments(parser) -> None:
   )
   parser.add_argument("--train-precision", default="fp32", help="policy preset of the training groups")
   parser.add_argument("--out", required=True, help="output plan JSON")
+  parser.add_argument("--calibrate", action="append", default=[], metavar="GROUP=MS", help=CALIBRATE_HELP)
 
 
 def run(args) -> int:
@@ -31,6 +40,7 @@ def run(args) -> int:
   profiles = load_profiles(args.profile)
   check_model(profiles, task.name)
   cluster = ClusterSpec.load(args.cluster)
+  profiles = calibrated_profiles(cluster, profiles, args.calibrate)
   indicator = load_json(args.indicator, "indicator")
   training = args.training_groups.split(",") if args.training_groups else None
   problem = make_problem(cluster, profiles, indicator, training, args.train_precision)

@@ -234,3 +234,38 @@ def refit_remainder(cluster: ClusterSpec, profile: Profile, step_ms: float, **pr
   return profile.with_remainder(
     step_ms - predict(cluster, {profile.device_type: draft}, fp32, **predict_kwargs).step_ms
   )
+
+
+def calibrate(
+  cluster: ClusterSpec, profiles: Mapping[str, Profile], fp32_step_ms: Mapping[str, float], **predict_kwargs
+) -> dict[str, Profile]:
+  """``profiles`` (``{device type: Profile}``) with the profile of each group named in
+  ``fp32_step_ms`` refitted (``refit_remainder``) to that group's measured step: the uniform
+  fp32 policy run on that group's devices alone (its device count, its batch per device). A
+  group without a profile of its own is refitted from the one ``profile_for`` models for it.
+  A device type's profile serves every group of that type, so two calibrated groups may not
+  share a device type. ``predict_kwargs`` go to ``predict``."""
+  groups = {g.name: g for g in cluster.groups}
+  out = dict(profiles)
+  calibrated: dict[str, str] = {}  # device type -> group
+  for name, ms in fp32_step_ms.items():
+    if name not in groups:
+      raise PlanError(
+        f"calibration names group {name!r}, which the cluster does not have (groups: {sorted(groups)}). "
+        "Fix: name one of those groups."
+      )
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < float("inf"):
+      raise PlanError(
+        f"calibration of group {name!r}: the fp32 step must be a positive number of ms, got {ms!r}. "
+        f"Fix: pass the median step measured on that group's devices, e.g. {name}=15.4."
+      )
+    device_type = groups[name].device_type
+    if device_type in calibrated:
+      raise PlanError(
+        f"groups {calibrated[device_type]!r} and {name!r} are both {device_type} and share its profile, "
+        "so only one of them can calibrate it. Fix: calibrate one of the two."
+      )
+    calibrated[device_type] = name
+    alone = ClusterSpec((groups[name],))
+    out[device_type] = refit_remainder(alone, profile_for(profiles, device_type), float(ms), **predict_kwargs)
+  return out

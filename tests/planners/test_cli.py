@@ -1,6 +1,7 @@
 """CLI round trip on a tiny model: profile (measured + modeled) → plan → predict."""
 
 import json
+import re
 
 import pytest
 
@@ -126,6 +127,26 @@ def test_plan_then_predict(files, capsys):
   out = capsys.readouterr().out
   assert "synchronous step" in out and "modeled (A100)" in out
   assert json.load(open(trace))["traceEvents"]
+
+
+def _sync_step_ms(out: str) -> float:
+  return float(re.search(r"synchronous step ([0-9.]+) ms", out).group(1))
+
+
+def test_predict_calibrated_to_a_measured_fp32_step(files, capsys):
+  d, cpu, t4, cluster, _ = files
+  plan = d / "fp32.json"
+  plan.write_text(json.dumps({"policies": {"train": "fp32", "infer": "fp32"}}))
+  args = ["predict", "--model", MODEL, "--cluster", cluster, "--plan", str(plan), "--profile", cpu, t4]
+  assert main(args) == 0
+  plain = _sync_step_ms(capsys.readouterr().out)
+  # the T4 pair, measured alone at fp32, took 1000 ms: the synchronous step waits for it
+  assert main([*args, "--calibrate", "infer=1000"]) == 0
+  out, err = capsys.readouterr()
+  assert "calibrated infer (T4)" in err
+  assert plain < 1000.0 <= _sync_step_ms(out) < 1000.0 + plain
+  assert main([*args, "--calibrate", "infer"]) == 2
+  assert "not GROUP=MS. Fix:" in capsys.readouterr().err
 
 
 def test_bad_inputs_exit_2_with_fix(files, capsys):

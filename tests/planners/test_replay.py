@@ -7,9 +7,10 @@ import pytest
 
 from planners.catalog import allreduce_ms
 from planners.graph import Comm, GroupCost, buckets, build_graph, longest_path
-from planners.replay import predict, refit_remainder, sync_step_ms
+from planners.replay import calibrate, predict, refit_remainder, sync_step_ms
 from planners.trace import chrome_trace, save_png
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
@@ -179,3 +180,48 @@ def test_refit_remainder_matches_the_fp32_step_and_shifts_every_plan_alike():
   assert after["bf16"] - before["bf16"] == pytest.approx(30.0 - before["fp32"])
   assert fitted.remainder_ms["bwd"] == pytest.approx(2 * fitted.remainder_ms["fwd"])
   assert fitted.op_ms == prof.op_ms  # nothing else changes
+
+
+def _two_groups():
+  return ClusterSpec(
+    (
+      DeviceGroup("train", "A100", 2, 1e3, 8, link_gbps=100.0),
+      DeviceGroup("infer", "T4", 2, 1e3, 8, link_gbps=100.0),
+    )
+  )
+
+
+def test_calibrate_refits_the_named_groups_profile_to_its_fp32_step_alone():
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, device_type="A100", remainder_ms=1.0)
+  cluster = _two_groups()
+  out = calibrate(cluster, {"A100": prof}, {"infer": 40.0, "train": 25.0})
+  for name, ms in (("infer", 40.0), ("train", 25.0)):
+    group = next(g for g in cluster.groups if g.name == name)
+    fp32 = Plan(policies={name: PrecisionPolicy.uniform("fp32")})
+    alone = predict(ClusterSpec((group,)), out, fp32)
+    assert alone.step_ms == pytest.approx(ms)
+  assert out["T4"].source == "modeled"  # no T4 profile was given: the modeled one is refitted
+  assert calibrate(cluster, {"A100": prof}, {}) == {"A100": prof}
+
+
+@pytest.mark.parametrize(
+  ("steps", "message"),
+  [
+    ({"gpu": 10.0}, "does not have (groups: ['infer', 'train'])"),
+    ({"train": -1.0}, "positive number of ms"),
+    ({"train": float("nan")}, "positive number of ms"),
+    ({"train": True}, "positive number of ms"),
+  ],
+)
+def test_calibrate_refuses_bad_input_with_a_fix(steps, message):
+  prof = fake_profile([(1, 2, 3)], rhs_elems=ELEMS, device_type="A100")
+  with pytest.raises(PlanError, match="Fix:") as e:
+    calibrate(_two_groups(), {"A100": prof}, steps)
+  assert message in str(e.value)
+
+
+def test_calibrate_refuses_two_groups_sharing_one_profile():
+  prof = fake_profile([(1, 2, 3)], rhs_elems=ELEMS, device_type="A100")
+  cluster = ClusterSpec((DeviceGroup("a", "A100", 1, 1e3, 8), DeviceGroup("b", "A100", 2, 1e3, 8)))
+  with pytest.raises(PlanError, match="both A100 and share its profile"):
+    calibrate(cluster, {"A100": prof}, {"a": 10.0, "b": 12.0})
