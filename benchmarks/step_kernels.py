@@ -6,9 +6,15 @@ traced (``planners.steptrace.gpu_kernels``): GPU kernel time and launches per st
 it in matrix-product kernels (name-based, ``GEMM_KERNEL_MARKS``), and the gap — wall time in
 which the GPU runs no kernel (launches, host work, waits). The predictor's profile times each
 op standalone; this says what the step around the ops costs under each policy (the baseline
-of the ratio column is the fp32 step's value of the same metric). Needs a GPU.
+of the ratio column is the fp32 step's value of the same metric).
+
+With ``--ops N`` it also traces, for the first N ops of each model, the two standalone
+programs the profiler times per op and policy (``planners.profiler.policy_programs``: the
+forward, and forward + both gradients), with their product / other split and largest kernels:
+what a standalone program runs that the step fuses away. Needs a GPU.
 
   python benchmarks/step_kernels.py [--models lm_base resnet18_224] [--policies fp32 bf16 int8_fwd int8]
+                                    [--ops 4]
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
 from planners import step  # noqa: E402
+from planners.profiler import policy_programs, traced_profile  # noqa: E402
 from planners.steptrace import gpu_kernels  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+from qsync_jax.precision import OpPolicy  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "step_kernels.jsonl")
 
@@ -51,6 +59,34 @@ def step_kernels(task, policy, batch, repeats: int, traced: int = 5):
   return med, iqr, gpu_kernels(run, traced)
 
 
+def op_program_rows(task, batch_size: int, policies, n_ops: int, device: str, traced: int = 5) -> list[dict]:
+  """Rows (and a printed table) of the standalone per-op programs of the first ``n_ops`` ops."""
+  rows = []
+  prof = traced_profile(task, batch_size)
+  print(
+    f"\n{'op':40s} {'policy':9s} {'program':8s} {'kernel ms':>9s} {'GEMM ms':>8s} {'kernels':>7s}  largest"
+  )
+  for op in prof.ops[:n_ops]:
+    for name in policies:
+      programs, *_ = policy_programs(OpPolicy.preset(name), op.batch, op.m, op.k, op.n, op=op)
+      for label, prog in zip(("fwd", "fwd+bwd"), programs):
+        jax.block_until_ready(prog())
+        k = gpu_kernels(lambda prog=prog: jax.block_until_ready(prog()), traced)
+        if k is None:
+          print(f"{op.name[:40]:40s} {name:9s} {label:8s}  (no GPU kernels traced: this needs a GPU)")
+          continue
+        largest = ", ".join(f"{n[:40]} {ms:.3f}" for n, ms in k.top[:3])
+        print(
+          f"{op.name[:40]:40s} {name:9s} {label:8s} {k.ms:9.3f} {k.gemm_ms:8.3f} {k.kernels:7.0f}  {largest}"
+        )
+        case = f"{task.name}/{op.name}/{name}/{label}"
+        rows += [
+          result_row("step_kernels", case, "program_kernel_ms", k.ms, None, device, kernels=k.kernels),
+          result_row("step_kernels", case, "program_gemm_kernel_ms", k.gemm_ms, k.ms, device, top=k.top[:5]),
+        ]
+  return rows
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["lm_base"])
@@ -59,6 +95,7 @@ def main(argv=None) -> int:
   ap.add_argument("--results", default=RESULTS)
   ap.add_argument("--top-dir", help="write each case's 20 largest kernels here as JSON")
   ap.add_argument("--no-save", action="store_true")
+  ap.add_argument("--ops", type=int, default=0, help="also trace the standalone programs of the first N ops")
   args = ap.parse_args(argv)
   device = jax.devices()[0].device_kind
   print(
@@ -100,6 +137,10 @@ def main(argv=None) -> int:
         os.makedirs(args.top_dir, exist_ok=True)
         with open(os.path.join(args.top_dir, f"{model}_{name}.json"), "w") as f:
           json.dump({"wall_ms": wall, "top": k.top}, f, indent=1)
+    if args.ops:
+      rows = op_program_rows(task, batch_size, args.policies, args.ops, device)
+      if not args.no_save:
+        append_rows(args.results, rows)
   return 0
 
 

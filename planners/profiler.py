@@ -293,12 +293,25 @@ def measure_policy(
   op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", op=None
 ):
   """``{"fwd": ms, "bwd": ms}`` of one op under a whole op policy, as one program each: the
-  forward alone, and forward + both gradients (``jax.vjp`` of ``quantized_dot_general``);
-  bwd = their difference. Captures what XLA does across legs (layouts, fusing a
-  dequantized residual into the next product), which standalone legs miss. Given ``op`` (an
-  ``OpShape`` with its operand shapes), attention products run their real einsum and weight
-  ops their real operand shapes (``real_dims``): on XLA:CPU an int8 Dense on a 3-d input ran
-  10× faster than on the same data flattened to 2-d."""
+  forward alone, and forward + both gradients (``policy_programs``); bwd = their difference.
+  Captures what XLA does across legs (layouts, fusing a dequantized residual into the next
+  product), which standalone legs miss."""
+  (fwd_prog, fwd_bwd_prog), fwd, (lhs, rhs, key, g) = policy_programs(op_policy, batch, m, k, n, seed, op)
+  t_fwd = step.timed_ms(fwd_prog, repeats, clock=clock)[0]
+  t_all = step.timed_ms(fwd_bwd_prog, repeats, clock=clock)[0]
+  out = {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
+  if jax.devices()[0].platform == "cpu":
+    out["refuses_producer"] = float(refuses_producer(fwd, lhs, rhs, key, g))
+  return out
+
+
+def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None):
+  """``((forward, forward + both gradients), fwd, (lhs, rhs, key, g))``: the two argument-free
+  jitted programs ``measure_policy`` times for one op under a whole op policy, the forward
+  function and their operands. The gradients come from ``jax.vjp`` of
+  ``quantized_dot_general``. Given ``op`` (an ``OpShape`` with its operand shapes), attention
+  products run their real einsum and weight ops their real operand shapes (``real_dims``): on
+  XLA:CPU an int8 Dense on a 3-d input ran 10× faster than on the same data flattened to 2-d."""
   ls, rs, dims, _, _ = leg_operands("fwd", batch, m, k, n)
   einsum = ATTENTION_EINSUMS.get(op.kind) if op is not None and op.lhs_shape else None
   if einsum:
@@ -328,12 +341,11 @@ def measure_policy(
     y, vjp = jax.vjp(lambda a, b: fwd(a, b, key), a, b)
     return y, vjp(g)
 
-  t_fwd = step.timed_ms(functools.partial(jax.jit(fwd), lhs, rhs, key), repeats, clock=clock)[0]
-  t_all = step.timed_ms(functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, g), repeats, clock=clock)[0]
-  out = {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
-  if jax.devices()[0].platform == "cpu":
-    out["refuses_producer"] = float(refuses_producer(fwd, lhs, rhs, key, g))
-  return out
+  programs = (
+    functools.partial(jax.jit(fwd), lhs, rhs, key),
+    functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, g),
+  )
+  return programs, fwd, (lhs, rhs, key, g)
 
 
 def refuses_producer(fwd, lhs, rhs, key, g) -> bool:
