@@ -12,10 +12,9 @@ the collectives:
 * without buckets each leaf is its own ``psum`` and XLA's all-reduce combiner packs them — in
   parameter-tree order whatever order they come in: the compiled step of a 4-layer LM on 4
   H100s held the same four collectives (30.7, 30.7, 30.7, 23.6 MB; three of them after the
-  backward) with the leaves in tree or in backward order. Its step still measured 0.35-0.5 ms
-  faster with the backward order (2 GPUs: 5.89 / 5.41 ms against 6.36 / 5.92; 4 GPUs: 6.65 /
-  6.71 against 7.00 / 7.13, two runs); why is not established, and the tree-order cases ran
-  last in both runs, so a drift within the run is not excluded.
+  backward) with the leaves in tree or in backward order, and timed round-robin the two
+  orders measured alike (1.005× and 1.008× on 2 and 4 GPUs), while 30 MiB buckets of our own
+  measured 0.94× and 0.98× (``docs/results.md``).
 
 * ``backward_order(grad_jaxpr)`` — the permutation of the gradient leaves by the position
   of the equation that produces each in the jaxpr of the gradient (``jax.make_jaxpr`` of
