@@ -1,15 +1,15 @@
 """Multi-GPU validation: trainer scaling, gradient-sync payloads and times, SelSync, QSDP.
 
-One process drives all local devices (``jax.devices()``); with ``--processes N`` the script
-also relaunches itself as N ``jax.distributed`` processes, one device each, and compares their
-step time with the single-process run. On a CPU it runs on simulated devices (a smoke test).
+One process drives all local devices (``jax.devices()``); with ``--processes 2 4`` the script
+also relaunches itself as 2 and as 4 ``jax.distributed`` processes of one device each and
+times every scaling policy there too. On a CPU it runs on simulated devices (a smoke test).
 
 Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 
-* scaling: uniform bf16 policy and a mixed plan (MLP Dense layers ``int8_fwd``, the rest
-  bf16) on 1, 2, 4… devices with a fixed per-device batch (weak scaling): step time and
-  efficiency t(1) / t(n); on one device each step's GPU kernel time (sum of kernel durations in
-  a ``jax.profiler`` trace) is also reported;
+* scaling: uniform fp32 (the predictor's fit plan), uniform bf16 and a mixed plan (MLP Dense
+  layers ``int8_fwd``, the rest bf16) on 1, 2, 4… devices with a fixed per-device batch (weak
+  scaling): step time and efficiency t(1) / t(n); on one device each step's GPU kernel time
+  and kernel count (``planners.steptrace.gpu_kernels``) are also reported;
 * all-reduce order (bf16 policy, 2, 4… devices): the trainer's default (gradient leaves in the
   order the backward produces them, ``qsync_jax.sync.order``), tree order
   (``sync_leaf_order="tree"``) and our own 30 MiB buckets (``bucket_bytes``), timed round-robin
@@ -19,12 +19,15 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 * SelSync: step time and bytes of a local (never-sync) step and of a sync step (its warm-up
   and flagged steps: a parameter average after the update, which cannot overlap the
   backward pass); QSDP: step time and bytes (int8 all-gathers);
-* predictor: the replay's step time for every scaling case against the measured one. Its
-  inputs are measured apart from the steps it predicts: the op profile on one device
-  (``measure_profile``) and, per device count, the all-reduce line of a ``psum``
-  microbenchmark (``planners.link``); the baseline of the ratio is the measured step.
+* predictor: the replay's step time for every bf16 / mixed scaling case (one process, and one
+  process per device) against the measured one, from the op profile on one device
+  (``measure_profile``, or ``--profile-file``) and, per device count, the all-reduce line of
+  a ``psum`` microbenchmark (``planners.link``); then again with the profile's remainder
+  refitted to the fp32 step measured on the same device count
+  (``planners.replay.refit_remainder``). The baseline of the ratio is the measured step.
 
   python benchmarks/multigpu.py [--d-model 768 --layers 12 --seq 256 --batch 8] [--steps 20]
+                                [--processes 2 4] [--profile-file PROFILE.json]
 """
 
 from __future__ import annotations
