@@ -43,7 +43,7 @@ from benchmarks.predictor import get_model  # noqa: E402  (run as a script from 
 from planners import step  # noqa: E402
 from planners.allocator import greedy, make_problem  # noqa: E402
 from planners.indicator import compute  # noqa: E402
-from planners.profiler import Profile, measure_profile  # noqa: E402
+from planners.profiler import Profile, measure_profile, with_precast_float_policies  # noqa: E402
 from planners.replay import predict  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
@@ -96,6 +96,20 @@ def steps_from(path: str, run: str, model: str) -> tuple[dict, str]:
   return found, device
 
 
+def precast_profile(prof, saved: str | None, repeats: int, progress):
+  """``prof`` with its bf16 / fp16 whole-policy programs re-timed with their activations in that
+  dtype (``with_precast_float_policies``): loaded from ``<saved>.precast.json`` if there, else
+  measured here and saved there."""
+  path = saved[: -len(".json")] + ".precast.json" if saved else None
+  if path and os.path.exists(path):
+    progress(f"profile {path}")
+    return Profile.load(path)
+  out = with_precast_float_policies(prof, repeats=repeats, progress=progress)
+  if path:
+    out.save(path)
+  return out
+
+
 def row(model, case, metric, value, baseline, device, **extra):
   return result_row("models", f"{model}/{case}", metric, value, baseline, device, **extra)
 
@@ -117,6 +131,12 @@ def main(argv=None) -> int:
     metavar="RUN",
     help="take the uniform policies' measured steps from the rows of RUN in --results instead of timing "
     "them (with a saved profile in --profile-dir: an offline replay; no qsync plan)",
+  )
+  ap.add_argument(
+    "--precast",
+    action="store_true",
+    help="predict with the bf16 / fp16 whole-policy programs re-timed with their activations in that dtype "
+    "(planners.profiler.with_precast_float_policies; <model>.precast.json in --profile-dir)",
   )
   ap.add_argument(
     "--steps-only", action="store_true", help="time the uniform policies; no profile, plan or prediction"
@@ -173,6 +193,10 @@ def main(argv=None) -> int:
     if saved and not os.path.exists(saved):
       os.makedirs(args.profile_dir, exist_ok=True)
       prof.save(saved)
+    if args.precast:
+      prof = precast_profile(
+        prof, saved, args.profile_repeats, lambda msg, model=model: say(f"{model} precast: {msg}")
+      )
     if args.steps_from:
       say(f"{model}: no qsync plan (--steps-from: no measured step of it to compare with)")
     else:
@@ -187,8 +211,9 @@ def main(argv=None) -> int:
       err = (pred.step_ms - meas) / meas
       mem = pred.memory_bytes["all"]
       table.append((model, name, meas, iqr, pred.step_ms, err, mem, peak))
-      emit(row(model, name, "predicted_step_ms", pred.step_ms, meas, device))
-      emit(row(model, name, "predicted_peak_bytes", mem, peak, device))
+      variant = {"float_policy_operands": prof.meta.get("float_policy_operands", "fp32")}
+      emit(row(model, name, "predicted_step_ms", pred.step_ms, meas, device, **variant))
+      emit(row(model, name, "predicted_peak_bytes", mem, peak, device, **variant))
 
   print(
     f"\n{'model':13s} {'policy':9s} {'meas ms':>8s} {'IQR':>6s} {'bf16/x':>7s} {'pred ms':>8s} {'error':>7s} "

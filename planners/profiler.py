@@ -290,13 +290,14 @@ def conv_geometry(op: OpShape):
 
 
 def measure_policy(
-  op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", op=None
+  op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", op=None, precast=False
 ):
   """``{"fwd": ms, "bwd": ms}`` of one op under a whole op policy, as one program each: the
-  forward alone, and forward + both gradients (``policy_programs``); bwd = their difference.
-  Captures what XLA does across legs (layouts, fusing a dequantized residual into the next
-  product), which standalone legs miss."""
-  (fwd_prog, fwd_bwd_prog), fwd, (lhs, rhs, key, g) = policy_programs(op_policy, batch, m, k, n, seed, op)
+  forward alone, and forward + both gradients (``policy_programs``, ``precast`` there);
+  bwd = their difference. Captures what XLA does across legs (layouts, fusing a dequantized
+  residual into the next product), which standalone legs miss."""
+  programs, fwd, (lhs, rhs, key, g) = policy_programs(op_policy, batch, m, k, n, seed, op, precast)
+  fwd_prog, fwd_bwd_prog = programs
   t_fwd = step.timed_ms(fwd_prog, repeats, clock=clock)[0]
   t_all = step.timed_ms(fwd_bwd_prog, repeats, clock=clock)[0]
   out = {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
@@ -305,13 +306,21 @@ def measure_policy(
   return out
 
 
-def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None):
+def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precast=False):
   """``((forward, forward + both gradients), fwd, (lhs, rhs, key, g))``: the two argument-free
   jitted programs ``measure_policy`` times for one op under a whole op policy, the forward
   function and their operands. The gradients come from ``jax.vjp`` of
   ``quantized_dot_general``. Given ``op`` (an ``OpShape`` with its operand shapes), attention
   products run their real einsum and weight ops their real operand shapes (``real_dims``): on
-  XLA:CPU an int8 Dense on a 3-d input ran 10× faster than on the same data flattened to 2-d."""
+  XLA:CPU an int8 Dense on a 3-d input ran 10× faster than on the same data flattened to 2-d.
+
+  ``precast`` (uniform bf16 / fp16 policies of products that are not convolutions): the
+  activations — the input, both operands of an attention product, the output and its
+  gradient — come in that dtype, as if the ops around this one had converted them: in a GPU
+  training step those conversions run fused into neighbouring elementwise kernels, while a
+  standalone program runs them as kernels of their own (on an H100 the bf16 programs of a
+  BERT-base-wide LM summed to 1.8× the step's bf16 products, ``docs/results.md``). The weight
+  stays fp32 (its conversion is a kernel in the step too). Other policies ignore it."""
   ls, rs, dims, _, _ = leg_operands("fwd", batch, m, k, n)
   einsum = ATTENTION_EINSUMS.get(op.kind) if op is not None and op.lhs_shape else None
   if einsum:
@@ -325,17 +334,24 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None):
   lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
   key = jax.random.key(seed + 1)
 
+  float_dtype = FLOAT_DTYPES.get(op_policy.fwd) if len(set(op_policy.precisions)) == 1 else None
+  act_dtype = float_dtype if precast and float_dtype is not None and not conv else None
+  if act_dtype is not None:
+    lhs = lhs.astype(act_dtype)
+    rhs = rhs.astype(act_dtype) if einsum else rhs
+
   def fwd(a, b, key):
     if einsum:
-      return quantized_einsum(einsum, a, b, op_policy, key)
+      return quantized_einsum(einsum, a, b, op_policy, key, out_dtype=act_dtype)
     if conv:
       strides, padding = conv
       return quantized_conv_general_dilated(
         a, b, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"), op_policy=op_policy, key=key
       )
-    return quantized_dot_general(a, b, dims, op_policy, key)
+    return quantized_dot_general(a, b, dims, op_policy, key, out_dtype=act_dtype)
 
-  g = jax.random.normal(k3, jax.eval_shape(fwd, lhs, rhs, key).shape)
+  out = jax.eval_shape(fwd, lhs, rhs, key)
+  g = jax.random.normal(k3, out.shape).astype(out.dtype)
 
   def fwd_bwd(a, b, key, g):
     y, vjp = jax.vjp(lambda a, b: fwd(a, b, key), a, b)
@@ -530,6 +546,40 @@ def measure_profile(
     relayout_ms=relayout,
     forward_headroom=headroom,
   ).with_remainder(rest)
+
+
+def with_precast_float_policies(
+  prof: Profile, repeats: int = 10, seed: int = 0, op_clock: str | None = None, progress=None
+) -> Profile:
+  """``prof`` with its uniform bf16 / fp16 whole-policy entries (``policy:bf16``,
+  ``policy:fp16``) re-timed on the local device with their activations already in that dtype
+  (``policy_programs(precast=True)``), and ``meta["float_policy_operands"] = "precast"``;
+  nothing else changes (the remainder stays fitted on fp32, whose programs are the same).
+  ``op_clock`` as in ``measure_profile``. Refuses a profile of another device type."""
+  if prof.device_type != local_device_type():
+    raise PlanError(
+      f"profile of {prof.device_type} cannot be re-timed on this {local_device_type()}. "
+      "Fix: run this where the profile was measured (the same device type)."
+    )
+  clock = op_clock or (
+    step.DEVICE_CLOCK if jax.devices()[0].platform == "gpu" else prof.meta.get("op_clock", "wall")
+  )
+  overhead = 0.0 if clock == step.DEVICE_CLOCK else dispatch_overhead_ms(clock=clock)
+  say = progress or (lambda msg: None)
+  op_ms = {name: dict(table) for name, table in prof.op_ms.items()}
+  cache: dict[tuple, dict] = {}
+  for i, op in enumerate(prof.ops):
+    for name in ("bf16", "fp16"):
+      if f"policy:{name}" not in op_ms[op.name]:
+        continue
+      say(f"[{i + 1}/{len(prof.ops)}] {op.name} under {name}, activations in {name}")
+      key = (name, op.kind, op.lhs_shape, op.rhs_shape, op.batch, op.m, op.k, op.n)
+      if key not in cache:
+        cache[key] = measure_policy(
+          PRESETS[name], op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op, precast=True
+        )
+      op_ms[op.name][f"policy:{name}"] = cache[key]
+  return dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "float_policy_operands": "precast"})
 
 
 def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tuple[float, int]:

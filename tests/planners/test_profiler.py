@@ -1,6 +1,7 @@
 """Profiler pieces: op shapes from the tap, residual memory, cast-model fit, modeled profiles."""
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,14 @@ import pytest
 from planners.casts import fit_cast_model
 from planners.catalog import device_spec, gemm_roofline_ms
 from planners.op_memory import residual_bytes
-from planners.ops import collect_ops, gemm_shape
-from planners.profiler import Profile, modeled_profile
+from planners.ops import OpShape, collect_ops, gemm_shape
+from planners.profiler import (
+  Profile,
+  measure_profile,
+  modeled_profile,
+  policy_programs,
+  with_precast_float_policies,
+)
 from qsync_jax.errors import ClusterSpecError, PlanError
 from qsync_jax.precision import OpPolicy
 from qsync_jax.qdot import quantized_dot_general
@@ -110,3 +117,44 @@ def test_profile_json_round_trip_and_errors(tmp_path):
   path.write_text(json.dumps({"format": "something else"}))
   with pytest.raises(PlanError, match="not a qsync profile"):
     Profile.load(str(path))
+
+
+@pytest.mark.parametrize(
+  ("kind", "lhs_shape", "rhs_shape"),
+  [("dense", (2, 8, 16), (16, 32)), ("attention_qk", (2, 8, 4, 16), (2, 8, 4, 16))],
+)
+def test_policy_programs_precast_hands_float_policies_their_activations_in_their_dtype(
+  kind, lhs_shape, rhs_shape
+):
+  out_elems = 2 * 8 * 32 if kind == "dense" else 2 * 4 * 8 * 8
+  op = OpShape(
+    "op", kind, 1, 2, 8, 16, 32, math.prod(lhs_shape), math.prod(rhs_shape), out_elems, lhs_shape, rhs_shape
+  )
+  attention = kind != "dense"
+  for preset, precast, want in (
+    ("bf16", True, jnp.bfloat16),
+    ("bf16", False, jnp.float32),  # as profiled by default: fp32 operands, casts in the program
+    ("int8", True, jnp.float32),  # a quantized policy quantizes fp32 inputs in the step too
+  ):
+    (fwd_prog, fwd_bwd_prog), _, (lhs, rhs, _, g) = policy_programs(
+      OpPolicy.preset(preset), op.batch, op.m, op.k, op.n, op=op, precast=precast
+    )
+    assert lhs.dtype == want and g.dtype == want  # the output and its gradient too
+    assert rhs.dtype == (want if attention else jnp.float32)  # a weight stays fp32
+    y, (d_lhs, d_rhs) = fwd_bwd_prog()
+    assert y.dtype == fwd_prog().dtype == want
+    assert d_lhs.shape == lhs.shape and d_rhs.shape == rhs.shape
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the profiled fp32 step
+def test_precast_retimes_only_the_float_policies():
+  prof = measure_profile(tiny.mlp(), 16, ("fp32", "bf16"), repeats=2, step_repeats=2, clock="cpu")
+  out = with_precast_float_policies(prof, repeats=2)
+  assert out.meta["float_policy_operands"] == "precast" and "float_policy_operands" not in prof.meta
+  for op in prof.op_names:
+    changed = {k for k in prof.op_ms[op] if out.op_ms[op][k] is not prof.op_ms[op][k]}
+    assert changed == {"policy:bf16"}  # re-timed (a new table); fp32 and every leg untouched
+    assert set(out.op_ms[op]["policy:bf16"]) >= {"fwd", "bwd"}
+  assert out.remainder_ms == prof.remainder_ms
+  with pytest.raises(PlanError, match="cannot be re-timed on this"):
+    with_precast_float_policies(fake_profile([(1, 2, 3)], device_type="H100"))
