@@ -39,6 +39,7 @@ from typing import NamedTuple
 from planners.catalog import allreduce_ms
 from planners.profiler import Profile
 from qsync_jax.precision import PRESETS, QUANTIZED_PRECISIONS, OpPolicy
+from qsync_jax.sync.allreduce import pack
 
 DEFAULT_BUCKET_BYTES = 30 * 2**20
 """XLA:GPU's default all-reduce combine threshold (``xla_gpu_all_reduce_combine_threshold_bytes``):
@@ -184,7 +185,8 @@ def buckets(profile: Profile, bucket_bytes: int, order: str = "tree") -> list[tu
   the collectives run (the one completed first first).
 
   The weights are packed greedily, in ``order``, into buckets of at most ``bucket_bytes`` (a
-  weight larger than that is a bucket of its own): ``"tree"`` — parameter-tree order
+  weight larger than that is a bucket of its own; ``qsync_jax.sync.allreduce.pack``, as the
+  all-reduce packs its own buckets): ``"tree"`` — parameter-tree order
   (``tree_position``), as XLA's all-reduce combiner packs the operands of the trainer's
   ``psum``; ``"backward"`` — the order the backward pass produces them. A bucket is complete
   when the earliest of its ops in the forward (the latest in the backward) has its gradient.
@@ -198,14 +200,9 @@ def buckets(profile: Profile, bucket_bytes: int, order: str = "tree") -> list[tu
     weighted.sort(key=lambda i: tree_position(ops[i].name))
   else:
     weighted.reverse()
-  packed: list[list[int]] = []  # per bucket: [earliest op index, bytes]
-  for i in weighted:
-    nbytes = 4 * ops[i].param_elems
-    if packed and packed[-1][1] + nbytes <= bucket_bytes:
-      packed[-1] = [min(packed[-1][0], i), packed[-1][1] + nbytes]
-    else:
-      packed.append([i, nbytes])
-  out = sorted(((first, nbytes) for first, nbytes in packed), reverse=True)
+  sizes = [4 * ops[i].param_elems for i in weighted]
+  runs = [[weighted[j] for j in run] for run in pack(sizes, bucket_bytes)]
+  out = sorted(((min(run), sum(4 * ops[i].param_elems for i in run)) for run in runs), reverse=True)
   rest = max(profile.memory["param_bytes"] - sum(4 * o.param_elems for o in ops), 0)
   if out and out[-1][0] == 0:
     out[-1] = (0, out[-1][1] + rest)
