@@ -412,6 +412,19 @@ def _train_kwargs(task) -> dict:
   return {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
 
 
+def standalone_clock(op_clock: str | None, fallback: str) -> tuple[str, float]:
+  """``(clock, dispatch overhead ms)`` of the standalone programs: ``op_clock``, else the device
+  clock on a GPU (kernel time: no overhead to subtract), else ``fallback``."""
+  if op_clock is None:
+    op_clock = step.DEVICE_CLOCK if jax.devices()[0].platform == "gpu" else fallback
+  return op_clock, 0.0 if op_clock == step.DEVICE_CLOCK else dispatch_overhead_ms(clock=op_clock)
+
+
+def policy_key(preset: str, op: OpShape) -> tuple:
+  """Cache key of one whole-policy timing: ops of equal kind and shapes share it."""
+  return (preset, op.kind, op.lhs_shape, op.rhs_shape, op.batch, op.m, op.k, op.n)
+
+
 def measure_profile(
   task,
   batch_per_device: int,
@@ -439,10 +452,7 @@ def measure_profile(
   variables = step.init_variables(task, batch, seed)
   ops = collect_ops(task.model, variables, *task.inputs(batch), **_train_kwargs(task))
   step_clock = clock
-  if op_clock is None:
-    op_clock = step.DEVICE_CLOCK if jax.devices()[0].platform == "gpu" else clock
-  clock = op_clock  # from here on: the standalone programs
-  overhead = 0.0 if clock == step.DEVICE_CLOCK else dispatch_overhead_ms(clock=clock)
+  clock, overhead = standalone_clock(op_clock, clock)  # from here on: the standalone programs
   say(
     f"{len(ops)} quantizable ops; standalone programs on the {clock} clock, dispatch overhead {overhead:.3f} ms"
   )
@@ -466,7 +476,7 @@ def measure_profile(
       table[leg] = row
     for name, pol in PRESETS.items():
       if all(q in precisions for q in pol.precisions):
-        key = (name, op.kind, op.lhs_shape, op.rhs_shape, op.batch, op.m, op.k, op.n)
+        key = policy_key(name, op)
         if key not in cache:
           try:
             cache[key] = measure_policy(pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op)
@@ -561,10 +571,7 @@ def with_precast_float_policies(
       f"profile of {prof.device_type} cannot be re-timed on this {local_device_type()}. "
       "Fix: run this where the profile was measured (the same device type)."
     )
-  clock = op_clock or (
-    step.DEVICE_CLOCK if jax.devices()[0].platform == "gpu" else prof.meta.get("op_clock", "wall")
-  )
-  overhead = 0.0 if clock == step.DEVICE_CLOCK else dispatch_overhead_ms(clock=clock)
+  clock, overhead = standalone_clock(op_clock, prof.meta.get("op_clock", "wall"))
   say = progress or (lambda msg: None)
   op_ms = {name: dict(table) for name, table in prof.op_ms.items()}
   cache: dict[tuple, dict] = {}
@@ -573,7 +580,7 @@ def with_precast_float_policies(
       if f"policy:{name}" not in op_ms[op.name]:
         continue
       say(f"[{i + 1}/{len(prof.ops)}] {op.name} under {name}, activations in {name}")
-      key = (name, op.kind, op.lhs_shape, op.rhs_shape, op.batch, op.m, op.k, op.n)
+      key = policy_key(name, op)
       if key not in cache:
         cache[key] = measure_policy(
           PRESETS[name], op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op, precast=True
