@@ -4,20 +4,13 @@ These are the parts of ``benchmarks/multigpu.py`` that run after the GPUs are go
 time that measured the steps cannot be spent again), so they are tested here on the CPU.
 """
 
-import json
-import os
-import sys
-
+import multigpu
+import multigpu_replay
 import pytest
 
-# appended, not prepended: the benchmark scripts must not shadow any module the other tests import
-sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-
-import multigpu  # noqa: E402
-import multigpu_replay  # noqa: E402
-
-from planners.link import LinkModel  # noqa: E402
-from tests.planners.fakes import fake_profile  # noqa: E402
+from planners.link import LinkModel
+from tests.benchmarks import result, write_rows
+from tests.planners.fakes import fake_profile
 
 ELEMS = 156250  # 625 kB of fp32 weights per op
 
@@ -56,39 +49,17 @@ def test_predictor_rows_fit_fp32_per_device_count_and_evaluate_the_rest(profile)
 
 
 def test_replay_reads_both_step_sets_of_one_run(tmp_path):
-  path = tmp_path / "multigpu.jsonl"
-  rows = [
-    {
-      "run": "r1",
-      "case": "scaling/bf16/n2",
-      "metric": "step_time_ms_median",
-      "value": 5.0,
-      "device": "H100 x4",
-    },
-    {
-      "run": "r1",
-      "case": "multiprocess/bf16/p2",
-      "metric": "step_time_ms_median",
-      "value": 4.0,
-      "device": "H100 x4",
-    },
-    {
-      "run": "r1",
-      "case": "scaling/bf16/n2",
-      "metric": "weak_scaling_efficiency",
-      "value": 0.8,
-      "device": "H100 x4",
-    },
-    {
-      "run": "r0",
-      "case": "scaling/bf16/n4",
-      "metric": "step_time_ms_median",
-      "value": 9.0,
-      "device": "H100 x4",
-    },
-  ]
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  single, multi, device, _ = multigpu_replay.measured_steps(str(path), "r1")
+  step, gpus = "step_time_ms_median", "H100 x4"
+  path = write_rows(
+    tmp_path / "multigpu.jsonl",
+    [
+      result("r1", "scaling/bf16/n2", step, 5.0, gpus),
+      result("r1", "multiprocess/bf16/p2", step, 4.0, gpus),
+      result("r1", "scaling/bf16/n2", "weak_scaling_efficiency", 0.8, gpus),
+      result("r0", "scaling/bf16/n4", step, 9.0, gpus),
+    ],
+  )
+  single, multi, device, _ = multigpu_replay.measured_steps(path, "r1")
   assert single == {("bf16", 2): pytest.approx(0.005)}
   assert multi == {("bf16", 2): pytest.approx(0.004)}
   assert device == "H100 x4"

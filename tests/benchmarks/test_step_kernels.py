@@ -1,16 +1,11 @@
 """``benchmarks/step_kernels.py`` end to end on the CPU, with the GPU trace faked (the CPU has none)."""
 
 import json
-import os
-import sys
 
-# appended, not prepended: the benchmark scripts must not shadow any module the other tests import
-sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import pytest
+import step_kernels
 
-import pytest  # noqa: E402
-import step_kernels  # noqa: E402
-
-from planners.steptrace import KernelSummary  # noqa: E402
+from planners.steptrace import KernelSummary
 
 FAKE = KernelSummary(
   ms=2.0, kernels=10.0, gemm_ms=1.5, gemm_kernels=4.0, top=(("nvjet_sm90_x", 1.5), ("loop_add", 0.5))
