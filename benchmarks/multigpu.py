@@ -114,10 +114,15 @@ BUCKET_BYTES = 30 * 2**20
 """The ``-buckets`` cases' all-reduce buckets: XLA:GPU's combine threshold, so XLA cannot merge two."""
 
 
+def local_cluster(n: int, batch: int) -> ClusterSpec:
+  """One group of the first ``n`` local devices at ``batch`` per device."""
+  return ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
+
+
 def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync_options=None):
   """``(train step, first state, 3 sharded batches)`` of the trainer on the first ``n`` devices."""
   devices = jax.devices()[:n]
-  cluster = ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
+  cluster = local_cluster(n, batch)
   plan = Plan(policies={"gpus": policy})
   ts = make_train_step(
     task,
@@ -190,7 +195,7 @@ SELSYNC_CASES = {
 
 def builder_case(task, n, batch, name, steps):
   devices = jax.devices()[:n]
-  cluster = ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
+  cluster = local_cluster(n, batch)
   ts = make_train_step(task, cluster, None, optax.adam(1e-4), devices=devices)
   initial = ts.init(0, next(task.train_batches(cluster.global_batch, 0))).params
   loss_fn = task_loss_fn(task, PrecisionPolicy.uniform("bf16"))
