@@ -306,6 +306,17 @@ def measure_policy(
   return out
 
 
+def precast_dtypes(op_policy: OpPolicy) -> tuple[Any, Any]:
+  """``(input dtype, output dtype)`` a product under ``op_policy`` gets its activations in
+  when the step's neighbouring kernels convert them (``policy_programs(precast=True)``): the
+  forward's float dtype for its activation inputs, the backward legs' float dtype (when both
+  share one) for its output and so its output gradient; ``None`` where the op takes fp32 —
+  fp32 legs, and quantized legs, whose scaling reads the fp32 values. Uniform bf16 gives
+  (bf16, bf16); QSync's int8 op (int8 forward, fp16 backward) gives (None, fp16)."""
+  float_bwd = op_policy.dlhs if op_policy.dlhs == op_policy.drhs else None
+  return FLOAT_DTYPES.get(op_policy.fwd), FLOAT_DTYPES.get(float_bwd)
+
+
 def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precast=False):
   """``((forward, forward + both gradients), fwd, (lhs, rhs, key, g))``: the two argument-free
   jitted programs ``measure_policy`` times for one op under a whole op policy, the forward
@@ -314,13 +325,12 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
   products run their real einsum and weight ops their real operand shapes (``real_dims``): on
   XLA:CPU an int8 Dense on a 3-d input ran 10× faster than on the same data flattened to 2-d.
 
-  ``precast`` (uniform bf16 / fp16 policies of products that are not convolutions): the
-  activations — the input, both operands of an attention product, the output and its
-  gradient — come in that dtype, as if the ops around this one had converted them: in a GPU
-  training step those conversions run fused into neighbouring elementwise kernels, while a
-  standalone program runs them as kernels of their own (on an H100 the bf16 programs of a
-  BERT-base-wide LM summed to 1.8× the step's bf16 products, ``docs/results.md``). The weight
-  stays fp32 (its conversion is a kernel in the step too). Other policies ignore it."""
+  ``precast``: the activations come in the dtypes the training step converts them to
+  (``precast_dtypes``), as if the ops around this one had converted them: in a GPU training
+  step those conversions run fused into neighbouring elementwise kernels, while a standalone
+  program runs them as kernels of their own (on an H100 the bf16 programs of a BERT-base-wide
+  LM summed to 1.8× the step's bf16 products, ``docs/results.md``). The weight stays fp32
+  (its conversion is a kernel in the step too)."""
   ls, rs, dims, _, _ = leg_operands("fwd", batch, m, k, n)
   einsum = ATTENTION_EINSUMS.get(op.kind) if op is not None and op.lhs_shape else None
   if einsum:
@@ -334,21 +344,20 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
   lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
   key = jax.random.key(seed + 1)
 
-  float_dtype = FLOAT_DTYPES.get(op_policy.fwd) if len(set(op_policy.precisions)) == 1 else None
-  act_dtype = float_dtype if precast and float_dtype is not None and not conv else None
-  if act_dtype is not None:
-    lhs = lhs.astype(act_dtype)
-    rhs = rhs.astype(act_dtype) if einsum else rhs
+  in_dtype, out_dtype = precast_dtypes(op_policy) if precast and not conv else (None, None)
+  if in_dtype is not None:
+    lhs = lhs.astype(in_dtype)
+    rhs = rhs.astype(in_dtype) if einsum else rhs
 
   def fwd(a, b, key):
     if einsum:
-      return quantized_einsum(einsum, a, b, op_policy, key, out_dtype=act_dtype)
+      return quantized_einsum(einsum, a, b, op_policy, key, out_dtype=out_dtype)
     if conv:
       strides, padding = conv
       return quantized_conv_general_dilated(
         a, b, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"), op_policy=op_policy, key=key
       )
-    return quantized_dot_general(a, b, dims, op_policy, key, out_dtype=act_dtype)
+    return quantized_dot_general(a, b, dims, op_policy, key, out_dtype=out_dtype)
 
   out = jax.eval_shape(fwd, lhs, rhs, key)
   g = jax.random.normal(k3, out.shape).astype(out.dtype)
@@ -558,14 +567,15 @@ def measure_profile(
   ).with_remainder(rest)
 
 
-def with_precast_float_policies(
+def with_precast_policies(
   prof: Profile, repeats: int = 10, seed: int = 0, op_clock: str | None = None, progress=None
 ) -> Profile:
-  """``prof`` with its uniform bf16 / fp16 whole-policy entries (``policy:bf16``,
-  ``policy:fp16``) re-timed on the local device with their activations already in that dtype
-  (``policy_programs(precast=True)``), and ``meta["float_policy_operands"] = "precast"``;
-  nothing else changes (the remainder stays fitted on fp32, whose programs are the same).
-  ``op_clock`` as in ``measure_profile``. Refuses a profile of another device type."""
+  """``prof`` with its whole-policy entries (``policy:<preset>``) whose activations the step
+  converts to a float dtype (``precast_dtypes``: bf16, fp16, int8_fwd's fp16 backward) re-timed
+  on the local device with those activations already converted (``policy_programs(precast=
+  True)``), and ``meta["policy_operands"] = "precast"``; nothing else changes (the remainder
+  stays fitted on fp32, whose programs are the same). ``op_clock`` as in ``measure_profile``.
+  Refuses a profile of another device type."""
   if prof.device_type != local_device_type():
     raise PlanError(
       f"profile of {prof.device_type} cannot be re-timed on this {local_device_type()}. "
@@ -576,17 +586,18 @@ def with_precast_float_policies(
   op_ms = {name: dict(table) for name, table in prof.op_ms.items()}
   cache: dict[tuple, dict] = {}
   for i, op in enumerate(prof.ops):
-    for name in ("bf16", "fp16"):
-      if f"policy:{name}" not in op_ms[op.name]:
+    for entry in sorted(op_ms[op.name]):
+      name = entry.removeprefix("policy:")
+      if entry == name or name not in PRESETS or precast_dtypes(PRESETS[name]) == (None, None):
         continue
-      say(f"[{i + 1}/{len(prof.ops)}] {op.name} under {name}, activations in {name}")
+      say(f"[{i + 1}/{len(prof.ops)}] {op.name} under {name}, activations precast")
       key = policy_key(name, op)
       if key not in cache:
         cache[key] = measure_policy(
           PRESETS[name], op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op, precast=True
         )
-      op_ms[op.name][f"policy:{name}"] = cache[key]
-  return dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "float_policy_operands": "precast"})
+      op_ms[op.name][entry] = cache[key]
+  return dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "policy_operands": "precast"})
 
 
 def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tuple[float, int]:

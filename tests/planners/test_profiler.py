@@ -17,7 +17,8 @@ from planners.profiler import (
   measure_profile,
   modeled_profile,
   policy_programs,
-  with_precast_float_policies,
+  precast_dtypes,
+  with_precast_policies,
 )
 from qsync_jax.errors import ClusterSpecError, PlanError
 from qsync_jax.precision import OpPolicy
@@ -123,7 +124,7 @@ def test_profile_json_round_trip_and_errors(tmp_path):
   ("kind", "lhs_shape", "rhs_shape"),
   [("dense", (2, 8, 16), (16, 32)), ("attention_qk", (2, 8, 4, 16), (2, 8, 4, 16))],
 )
-def test_policy_programs_precast_hands_float_policies_their_activations_in_their_dtype(
+def test_policy_programs_precast_hands_ops_their_activations_in_the_dtypes_the_step_converts_to(
   kind, lhs_shape, rhs_shape
 ):
   out_elems = 2 * 8 * 32 if kind == "dense" else 2 * 4 * 8 * 8
@@ -131,30 +132,42 @@ def test_policy_programs_precast_hands_float_policies_their_activations_in_their
     "op", kind, 1, 2, 8, 16, 32, math.prod(lhs_shape), math.prod(rhs_shape), out_elems, lhs_shape, rhs_shape
   )
   attention = kind != "dense"
-  for preset, precast, want in (
-    ("bf16", True, jnp.bfloat16),
-    ("bf16", False, jnp.float32),  # as profiled by default: fp32 operands, casts in the program
-    ("int8", True, jnp.float32),  # a quantized policy quantizes fp32 inputs in the step too
+  for preset, precast, want_in, want_out in (
+    ("bf16", True, jnp.bfloat16, jnp.bfloat16),
+    ("bf16", False, jnp.float32, jnp.float32),  # as profiled by default: fp32 operands, casts in the program
+    ("int8", True, jnp.float32, jnp.float32),  # a quantized policy quantizes fp32 inputs in the step too
+    ("int8_fwd", True, jnp.float32, jnp.float16),  # int8 forward of fp32 inputs; fp16 backward
   ):
     (fwd_prog, fwd_bwd_prog), _, (lhs, rhs, _, g) = policy_programs(
       OpPolicy.preset(preset), op.batch, op.m, op.k, op.n, op=op, precast=precast
     )
-    assert lhs.dtype == want and g.dtype == want  # the output and its gradient too
-    assert rhs.dtype == (want if attention else jnp.float32)  # a weight stays fp32
+    assert precast_dtypes(OpPolicy.preset(preset)) == (
+      (None if want_in == jnp.float32 else want_in, None if want_out == jnp.float32 else want_out)
+      if precast
+      else (jnp.bfloat16, jnp.bfloat16)
+    )
+    if attention and preset == "int8_fwd":
+      want_out = jnp.float32  # jnp.einsum returns its operands' dtype; the fp16 cast stays in the program
+    assert lhs.dtype == want_in and g.dtype == want_out  # the output gradient comes as the output
+    assert rhs.dtype == (want_in if attention else jnp.float32)  # a weight stays fp32
     y, (d_lhs, d_rhs) = fwd_bwd_prog()
-    assert y.dtype == fwd_prog().dtype == want
+    assert y.dtype == fwd_prog().dtype == want_out
     assert d_lhs.shape == lhs.shape and d_rhs.shape == rhs.shape
 
 
 @pytest.mark.standard_promotion  # optax's Adam in the profiled fp32 step
-def test_precast_retimes_only_the_float_policies():
-  prof = measure_profile(tiny.mlp(), 16, ("fp32", "bf16"), repeats=2, step_repeats=2, clock="cpu")
-  out = with_precast_float_policies(prof, repeats=2)
-  assert out.meta["float_policy_operands"] == "precast" and "float_policy_operands" not in prof.meta
+def test_precast_retimes_only_the_policies_whose_activations_the_step_converts():
+  prof = measure_profile(
+    tiny.mlp(), 16, ("fp32", "bf16", "fp16", "int8"), repeats=2, step_repeats=2, clock="cpu"
+  )
+  out = with_precast_policies(prof, repeats=2)
+  assert out.meta["policy_operands"] == "precast" and "policy_operands" not in prof.meta
   for op in prof.op_names:
+    assert {"policy:fp32", "policy:int8", "policy:int8_fwd"} <= set(prof.op_ms[op])
     changed = {k for k in prof.op_ms[op] if out.op_ms[op][k] is not prof.op_ms[op][k]}
-    assert changed == {"policy:bf16"}  # re-timed (a new table); fp32 and every leg untouched
+    # re-timed (new tables); fp32, all-int8 and every leg untouched
+    assert changed == {"policy:bf16", "policy:fp16", "policy:int8_fwd"}
     assert set(out.op_ms[op]["policy:bf16"]) >= {"fwd", "bwd"}
   assert out.remainder_ms == prof.remainder_ms
   with pytest.raises(PlanError, match="cannot be re-timed on this"):
-    with_precast_float_policies(fake_profile([(1, 2, 3)], device_type="H100"))
+    with_precast_policies(fake_profile([(1, 2, 3)], device_type="H100"))
