@@ -43,8 +43,8 @@ from benchmarks.predictor import get_model  # noqa: E402  (run as a script from 
 from planners import step  # noqa: E402
 from planners.allocator import greedy, make_problem  # noqa: E402
 from planners.indicator import compute  # noqa: E402
-from planners.profiler import Profile, measure_profile, with_precast_float_policies  # noqa: E402
-from planners.replay import predict  # noqa: E402
+from planners.profiler import Profile, measure_profile, with_precast_policies  # noqa: E402
+from planners.replay import predict, refit_remainder  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
@@ -97,14 +97,14 @@ def steps_from(path: str, run: str, model: str) -> tuple[dict, str]:
 
 
 def precast_profile(prof, saved: str | None, repeats: int, progress):
-  """``prof`` with its bf16 / fp16 whole-policy programs re-timed with their activations in that
-  dtype (``with_precast_float_policies``): loaded from ``<saved>.precast.json`` if there, else
+  """``prof`` with its whole-policy programs re-timed with their activations in the dtypes the
+  step converts them to (``with_precast_policies``): loaded from ``<saved>.precast.json`` if there, else
   measured here and saved there."""
   path = saved[: -len(".json")] + ".precast.json" if saved else None
   if path and os.path.exists(path):
     progress(f"profile {path}")
     return Profile.load(path)
-  out = with_precast_float_policies(prof, repeats=repeats, progress=progress)
+  out = with_precast_policies(prof, repeats=repeats, progress=progress)
   if path:
     out.save(path)
   return out
@@ -135,9 +135,17 @@ def main(argv=None) -> int:
   ap.add_argument(
     "--precast",
     action="store_true",
-    help="predict with the bf16 / fp16 whole-policy programs re-timed with their activations in that dtype "
-    "(planners.profiler.with_precast_float_policies; <model>.precast.json in --profile-dir)",
+    help="also predict with the whole-policy programs re-timed with their activations in the dtypes the "
+    "step converts them to (planners.profiler.with_precast_policies; <model>.precast.json in "
+    "--profile-dir)",
   )
+  ap.add_argument(
+    "--refit",
+    action="store_true",
+    help="refit the profile's remainder to this run's fp32 step (planners.replay.refit_remainder, what "
+    "`qsync predict --calibrate` does): for a profile measured on another host",
+  )
+  ap.add_argument("--no-plan", action="store_true", help="skip the qsync plan (its indicator, plan and step)")
   ap.add_argument(
     "--steps-only", action="store_true", help="time the uniform policies; no profile, plan or prediction"
   )
@@ -174,7 +182,7 @@ def main(argv=None) -> int:
       measure(name, policy)
     if args.steps_only:
       table += [
-        (model, name, meas, iqr, None, None, None, peak) for name, (meas, iqr, peak) in measured.items()
+        (model, name, "", meas, iqr, None, None, None, peak) for name, (meas, iqr, peak) in measured.items()
       ]
       continue
     saved = os.path.join(args.profile_dir, f"{model}.json") if args.profile_dir else None
@@ -193,49 +201,58 @@ def main(argv=None) -> int:
     if saved and not os.path.exists(saved):
       os.makedirs(args.profile_dir, exist_ok=True)
       prof.save(saved)
+    variants = {"fp32": prof}
     if args.precast:
-      prof = precast_profile(
+      variants["precast"] = precast_profile(
         prof, saved, args.profile_repeats, lambda msg, model=model: say(f"{model} precast: {msg}")
       )
-    if args.steps_from:
-      say(f"{model}: no qsync plan (--steps-from: no measured step of it to compare with)")
+    cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
+    if args.refit:
+      fp32_ms = measured["fp32"][0]
+      variants = {v: refit_remainder(cluster, p, fp32_ms) for v, p in variants.items()}
+      say(f"{model}: remainder refitted to this run's fp32 step {fp32_ms:.2f} ms")
+    if args.steps_from or args.no_plan:
+      say(f"{model}: no qsync plan ({'--steps-from' if args.steps_from else '--no-plan'})")
     else:
       try:
         policies["qsync"] = qsync_policy(task, prof, batch_size, say)
         measure("qsync", policies["qsync"])
       except Exception as e:  # noqa: BLE001 - report it; the uniform policies still count
         say(f"{model}: no qsync plan: {type(e).__name__}: {str(e)[:300]}")
-    cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
-    for name, (meas, iqr, peak) in measured.items():
-      pred = predict(cluster, {prof.device_type: prof}, Plan(policies={"all": policies[name]}))
-      err = (pred.step_ms - meas) / meas
-      mem = pred.memory_bytes["all"]
-      table.append((model, name, meas, iqr, pred.step_ms, err, mem, peak))
-      variant = {"float_policy_operands": prof.meta.get("float_policy_operands", "fp32")}
-      emit(row(model, name, "predicted_step_ms", pred.step_ms, meas, device, **variant))
-      emit(row(model, name, "predicted_peak_bytes", mem, peak, device, **variant))
+    for variant, vprof in variants.items():
+      tags = {"operands": variant, **({"refit": True} if args.refit else {})}
+      for name, (meas, iqr, peak) in measured.items():
+        pred = predict(cluster, {vprof.device_type: vprof}, Plan(policies={"all": policies[name]}))
+        err = (pred.step_ms - meas) / meas
+        mem = pred.memory_bytes["all"]
+        table.append((model, name, variant, meas, iqr, pred.step_ms, err, mem, peak))
+        emit(row(model, name, "predicted_step_ms", pred.step_ms, meas, device, **tags))
+        emit(row(model, name, "predicted_peak_bytes", mem, peak, device, **tags))
 
   print(
-    f"\n{'model':13s} {'policy':9s} {'meas ms':>8s} {'IQR':>6s} {'bf16/x':>7s} {'pred ms':>8s} {'error':>7s} "
+    f"\n{'model':13s} {'policy':9s} {'operands':8s} {'meas ms':>8s} {'IQR':>6s} {'bf16/x':>7s} {'pred ms':>8s} {'error':>7s} "
     f"{'mem err':>7s}"
   )
-  for model, name, meas, iqr, pms, err, mem, peak in table:
-    bf16 = next(m for mo, n, m, *_ in table if mo == model and n == "bf16")
+  for model, name, variant, meas, iqr, pms, err, mem, peak in table:
+    bf16 = next(m for mo, n, _, m, *_ in table if mo == model and n == "bf16")
     if pms is None:
-      print(f"{model:13s} {name:9s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f}")
+      print(f"{model:13s} {name:9s} {variant:8s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f}")
       continue
     merr = f"{100 * (mem - peak) / peak:+6.1f}%" if peak else "   n/a"
     print(
-      f"{model:13s} {name:9s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f} {pms:8.2f} {100 * err:+6.1f}% {merr}"
+      f"{model:13s} {name:9s} {variant:8s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f} {pms:8.2f} {100 * err:+6.1f}% {merr}"
     )
   if args.steps_only:
     return 0
-  errs = np.abs([r[5] for r in table if r[1] != "fp32"])  # fp32 fitted the profile's remainder
-  print(
-    f"\npredictor on {device}: mean |error| {100 * errs.mean():.1f} %, max {100 * errs.max():.1f} % over "
-    f"{len(errs)} runs (fp32, the plan the profile fits, excluded)"
-  )
-  emit(row("all", "mean_abs_step_error", "abs_rel_error", float(errs.mean()), None, device))
+  for variant in dict.fromkeys(r[2] for r in table):
+    errs = np.abs([r[6] for r in table if r[1] != "fp32" and r[2] == variant])  # fp32 fitted the remainder
+    print(
+      f"\npredictor on {device}, {variant} operands: mean |error| {100 * errs.mean():.1f} %, max "
+      f"{100 * errs.max():.1f} % over {len(errs)} runs (fp32, the plan the profile fits, excluded)"
+    )
+    emit(
+      row("all", "mean_abs_step_error", "abs_rel_error", float(errs.mean()), None, device, operands=variant)
+    )
   return 0
 
 
