@@ -7,6 +7,9 @@ layers, seq 256, batch 16) on the Python standard-library corpus. Policies:
 * ``fp32``, ``bf16``: uniform;
 * ``int8``: every op all-int8 (int8 forward and backward, stochastic rounding on gradients);
 * ``int8_fwd``: every op QSync's int8 op (int8 forward, fp16 backward);
+* with ``--mixed``: also ``fp16`` and ``predictor.py``'s mixed plans within the profiled
+  precisions (``mixed int8_fwd/bf16``, ``mixed fp32/fp16/int8_fwd``: op i gets the i-th preset
+  of the pattern, cyclically);
 * ``qsync``: the greedy allocator's plan for this GPU as the *inference* group of a hybrid
   cluster whose training group is the same GPU type running bf16 — the most precise plan
   predicted to keep pace with bf16 (T* = the bf16 step). Its Ω comes from the gradient
@@ -39,11 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from result_rows import append_rows, result_row
 
-from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
+from benchmarks.predictor import get_model, plans  # noqa: E402  (run as a script from the repo root)
 from planners import step  # noqa: E402
 from planners.allocator import greedy, make_problem  # noqa: E402
 from planners.indicator import compute  # noqa: E402
-from planners.profiler import Profile, measure_profile, with_precast_policies  # noqa: E402
+from planners.profiler import Profile, measure_profile, task_ops, with_precast_policies  # noqa: E402
 from planners.replay import predict, refit_remainder  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
@@ -53,6 +56,17 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "m
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 """Profiled precisions: those the policies below use (int8_fwd's backward is fp16)."""
 UNIFORM = ("fp32", "bf16", "int8", "int8_fwd")
+MIXED = ("fp16", "mixed int8_fwd/bf16", "mixed fp32/fp16/int8_fwd")
+"""``--mixed``'s extra plans (``predictor.plans``): every preset they use is within ``PRECISIONS``."""
+
+
+def evaluation_policies(op_names, mixed: bool) -> dict[str, PrecisionPolicy]:
+  """The policies timed per model: ``UNIFORM``, and with ``mixed`` also ``MIXED``."""
+  extra = plans(op_names) if mixed else {}
+  return {
+    **{name: PrecisionPolicy.uniform(name) for name in UNIFORM},
+    **{n: extra[n] for n in MIXED if mixed},
+  }
 
 
 def qsync_policy(task, prof, batch_size: int, say) -> PrecisionPolicy:
@@ -79,15 +93,15 @@ def measure_step(task, policy, batch, repeats) -> tuple[float, float, int | None
 
 
 def steps_from(path: str, run: str, model: str) -> tuple[dict, str]:
-  """``({policy: (median ms, IQR ms, None)}, device)`` of ``model``'s uniform-policy step rows of
-  ``run`` in the results file ``path`` (XLA's peak is not in those rows)."""
+  """``({policy: (median ms, IQR ms, None)}, device)`` of ``model``'s step rows of ``run`` (all
+  but the qsync plan's, which is not rebuilt offline) in the results file ``path`` (XLA's peak is not in those rows)."""
   found, device = {}, None
   with open(path) as f:
     for line in f:
       r = json.loads(line)
       name = r["case"].partition("/")[2]
       if r.get("run") == run and r["case"].startswith(f"{model}/") and r["metric"] == "step_ms_median":
-        if name in UNIFORM:
+        if name != "qsync":
           found[name], device = (r["value"], r.get("iqr_ms", float("nan")), None), r["device"]
   if not found:
     raise SystemExit(
@@ -146,6 +160,7 @@ def main(argv=None) -> int:
     "`qsync predict --calibrate` does): for a profile measured on another host",
   )
   ap.add_argument("--no-plan", action="store_true", help="skip the qsync plan (its indicator, plan and step)")
+  ap.add_argument("--mixed", action="store_true", help="also time fp16 and two mixed plans (MIXED)")
   ap.add_argument(
     "--steps-only", action="store_true", help="time the uniform policies; no profile, plan or prediction"
   )
@@ -174,7 +189,8 @@ def main(argv=None) -> int:
       emit(row(model, name, "step_ms_median", meas, measured.get("bf16", (None,))[0], device, **extra))  # noqa: B023
 
     # step times first: they are the point of the run, and do not depend on the profile
-    policies = {name: PrecisionPolicy.uniform(name) for name in UNIFORM}
+    op_names = [o.name for o in task_ops(task, batch_size)[2]]
+    policies = evaluation_policies(op_names, args.mixed or bool(args.steps_from))
     if args.steps_from:
       measured, device = steps_from(args.results, args.steps_from, model)
       policies = {name: policies[name] for name in measured}
@@ -230,17 +246,17 @@ def main(argv=None) -> int:
         emit(row(model, name, "predicted_peak_bytes", mem, peak, device, **tags))
 
   print(
-    f"\n{'model':13s} {'policy':9s} {'operands':8s} {'meas ms':>8s} {'IQR':>6s} {'bf16/x':>7s} {'pred ms':>8s} {'error':>7s} "
+    f"\n{'model':13s} {'policy':24s} {'operands':8s} {'meas ms':>8s} {'IQR':>6s} {'bf16/x':>7s} {'pred ms':>8s} {'error':>7s} "
     f"{'mem err':>7s}"
   )
   for model, name, variant, meas, iqr, pms, err, mem, peak in table:
     bf16 = next(m for mo, n, _, m, *_ in table if mo == model and n == "bf16")
     if pms is None:
-      print(f"{model:13s} {name:9s} {variant:8s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f}")
+      print(f"{model:13s} {name:24s} {variant:8s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f}")
       continue
     merr = f"{100 * (mem - peak) / peak:+6.1f}%" if peak else "   n/a"
     print(
-      f"{model:13s} {name:9s} {variant:8s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f} {pms:8.2f} {100 * err:+6.1f}% {merr}"
+      f"{model:13s} {name:24s} {variant:8s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f} {pms:8.2f} {100 * err:+6.1f}% {merr}"
     )
   if args.steps_only:
     return 0

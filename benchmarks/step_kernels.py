@@ -9,7 +9,7 @@ op standalone; this says what the step around the ops costs under each policy (t
 of the ratio column is the fp32 step's value of the same metric).
 
 With ``--ops N`` it also traces, for the first N ops of each model, the two standalone
-programs the profiler times per op and policy (``planners.profiler.policy_programs``: the
+programs the profiler times per op and policy (``planners.op_programs.policy_programs``: the
 forward, and forward + both gradients), with their product / other split and largest kernels:
 what a standalone program runs that the step fuses away. Needs a GPU.
 
@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
 from planners import step  # noqa: E402
-from planners.profiler import policy_programs, traced_profile  # noqa: E402
+from planners.op_programs import policy_programs  # noqa: E402
+from planners.profiler import traced_profile  # noqa: E402
 from planners.steptrace import gpu_kernels  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 from qsync_jax.precision import OpPolicy  # noqa: E402

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from planners.cli_common import progress, table
 from planners.profiler import local_device_type, measure_profile, modeled_profile, traced_profile
 from qsync_jax.cli_train import load_task
@@ -42,6 +44,13 @@ def add_arguments(parser) -> None:
     help="clock of the standalone op, optimizer and cast programs (default: device — their kernel "
     "time from a profiler trace — on a GPU, else --clock); the fp32 step is always on --clock",
   )
+  parser.add_argument(
+    "--precast",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="time each op under a whole policy with its activations in the dtypes the step converts them "
+    "to, as XLA fuses those conversions into neighbouring kernels (default: on a GPU only)",
+  )
   parser.add_argument("--out", required=True, help="output JSON file")
 
 
@@ -69,6 +78,7 @@ def run(args) -> int:
       cast_sizes=sizes,
       clock=args.clock,
       op_clock=args.op_clock,
+      precast=args.precast,
     )
   prof.save(args.out)
   rows = []

@@ -12,10 +12,10 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   dequantizes and re-quantizes it in one program); ``"<p>:saved:sr"`` — both.
   ``op_ms[op]["policy:<preset>"] = {"fwd": ms, "bwd": ms}`` — the op under a whole preset
   op policy, timed as one forward program and one forward + backward program
-  (``measure_policy``); the replay prefers it for ops whose policy is that preset. On XLA:CPU
+  (``planners.op_programs.measure_policy``); the replay prefers it for ops whose policy is that preset. On XLA:CPU
   it also records ``"refuses_producer"`` (1.0 / 0.0): whether, under that policy, XLA re-runs
   the producer of the op's activation to lay the saved activation out for the gradient legs
-  (``refuses_producer``).
+  (``planners.op_programs.refuses_producer``).
 * ``relayout_ms`` — per op, the step time of those relayouts of its saved activation,
   measured inside the fp32 step from XLA's per-instruction trace (``planners.steptrace``;
   XLA:CPU only). The replay charges it to the op's drhs leg under fp32 and under policies
@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import platform
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,15 +54,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantize import dequantize, quantize
 from planners import catalog, memtrace, step, steptrace
 from planners.casts import CAST_TYPES, CastModel, measure_casts, modeled_cast
-from planners.ops import ATTENTION_EINSUMS, OpShape, collect_ops
+from planners.op_programs import (
+  dispatch_overhead_ms,
+  leg_variants,
+  measure_leg,
+  measure_policy,
+  precast_dtypes,
+)
+from planners.ops import OpShape, collect_ops
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import LEGS, PRESETS, QUANTIZED_PRECISIONS, OpPolicy, supported_precisions
-from qsync_jax.qconv import quantized_conv_general_dilated
-from qsync_jax.qdot import FLOAT_DTYPES, Operand, leg_dot, qformat, quantized_dot_general, quantized_einsum
+from qsync_jax.precision import LEGS, PRESETS, OpPolicy, supported_precisions
 
 FORMAT = "qsync-profile/1"
 
@@ -175,223 +178,6 @@ class Profile:
 # -- measuring ------------------------------------------------------------------------------
 
 
-def leg_operands(leg: str, batch: int, m: int, k: int, n: int):
-  """``(lhs shape, rhs shape, dimension_numbers, lhs is grad, rhs is grad)`` of one GEMM leg."""
-  shapes = {
-    "fwd": ((m, k), (k, n), (1, 0)),
-    "dlhs": ((m, n), (k, n), (1, 1)),
-    "drhs": ((m, k), (m, n), (0, 0)),
-  }
-  (ls, rs, (lc, rc)) = shapes[leg]
-  roles = {"fwd": (False, False), "dlhs": (True, False), "drhs": (False, True)}[leg]
-  if batch > 1:
-    return (batch, *ls), (batch, *rs), (((lc + 1,), (rc + 1,)), ((0,), (0,))), *roles
-  return ls, rs, (((lc,), (rc,)), ((), ())), *roles
-
-
-def leg_fn(
-  precision: str, leg: str, batch: int, m: int, k: int, n: int, stochastic=False, saved=False, seed: int = 0
-):
-  """``(jitted f, args)``: one GEMM leg as the runtime runs it (``leg_dot`` on fp32 operands,
-  converting them into ``precision`` inside the same program, where XLA fuses the
-  conversions with the product). ``stochastic``: the gradient operand rounds stochastically;
-  ``saved``: the saved operand of a gradient leg (dlhs: the weight, drhs: the input) is
-  already in ``precision`` (a bf16/fp16 forward saved it so)."""
-  ls, rs, dims, lgrad, rgrad = leg_operands(leg, batch, m, k, n)
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
-  saved_is_lhs = leg == "drhs"
-  if saved and precision in QUANTIZED_PRECISIONS:
-    # the forward saved this operand quantized (per channel over its forward contraction
-    # axis); the leg dequantizes it and quantizes it again, in one program
-    x = lhs if saved_is_lhs else rhs
-    qvalue, scale = quantize(
-      x, qformat(precision, False), (x.ndim - 1 if saved_is_lhs else x.ndim - 2,), "nearest"
-    )
-    x = (qvalue, scale)
-  elif saved:
-    x = (lhs if saved_is_lhs else rhs).astype(FLOAT_DTYPES[precision])
-  if saved:
-    lhs, rhs = (x, rhs) if saved_is_lhs else (lhs, x)
-
-  def restore(x):
-    return dequantize(*x) if isinstance(x, tuple) else x
-
-  def role(is_grad):
-    return Operand("stochastic" if (stochastic and is_grad) else "nearest", is_grad)
-
-  def f(a, b, key):
-    lk, rk = jax.random.split(key)
-    return leg_dot(precision, "per_channel", restore(a), restore(b), dims, role(lgrad), role(rgrad), lk, rk)
-
-  return jax.jit(f), (lhs, rhs, jax.random.key(seed + 1))
-
-
-def leg_variants(precision: str, leg: str) -> list[tuple[str, dict]]:
-  """``[(table key, leg_fn options)]`` timed for one leg at one precision."""
-  out = [(precision, {})]
-  if leg == "fwd" or precision not in (*FLOAT_DTYPES, *QUANTIZED_PRECISIONS):
-    return out
-  out.append((f"{precision}:saved", {"saved": True}))
-  if precision in QUANTIZED_PRECISIONS:
-    out.append((f"{precision}:sr", {"stochastic": True}))
-    out.append((f"{precision}:saved:sr", {"saved": True, "stochastic": True}))
-  return out
-
-
-def dispatch_overhead_ms(repeats: int = 50, clock: str = "wall") -> float:
-  """ms to dispatch and wait for a trivial jitted program (subtracted from standalone timings)."""
-  f = jax.jit(lambda x: x + 1)
-  x = jnp.zeros((), jnp.float32)
-  return step.timed_ms(lambda: f(x), repeats, clock=clock)[0]
-
-
-def measure_leg(precision, leg, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", **options):
-  """Median ms of one leg on ``clock`` (dispatch overhead removed, floored at 1 µs)."""
-  f, args = leg_fn(precision, leg, batch, m, k, n, seed=seed, **options)
-  return max(step.timed_ms(lambda: f(*args), repeats, clock=clock)[0] - overhead, 1e-3)
-
-
-def real_dims(op: OpShape):
-  """The ``dot_general`` dimension numbers of a weight op on its real operand shapes: Dense,
-  DenseGeneral and Embed contract the trailing axes of the input with the leading axes of the
-  weight; ``embed_attend`` contracts the last axis with the table's second. None for others
-  (conv, einsum: timed as their canonical GEMM)."""
-  lhs, rhs = op.lhs_shape, op.rhs_shape
-  if op.kind == "embed_attend":
-    return (((len(lhs) - 1,), (1,)), ((), ()))
-  if op.kind not in ("dense", "dense_general", "embed"):
-    return None
-  fits = [
-    j for j in range(1, min(len(lhs), len(rhs)) + 1) if lhs[-j:] == rhs[:j] and math.prod(rhs[:j]) == op.k
-  ]
-  if not fits:
-    return None
-  c = fits[0]
-  return ((tuple(range(len(lhs) - c, len(lhs))), tuple(range(c))), ((), ()))
-
-
-def conv_geometry(op: OpShape):
-  """``(strides, padding)`` of a 2-d NHWC conv inferred from its shapes (Flax's default
-  layout): stride = input // output size; ``"SAME"`` if the output is ⌈input / stride⌉, else
-  ``"VALID"``. None if the shapes do not fit that picture (then the canonical GEMM is timed)."""
-  lhs, rhs = op.lhs_shape, op.rhs_shape
-  if len(lhs) != 4 or len(rhs) != 4 or lhs[-1] != rhs[2]:
-    return None
-  n_out = op.out_elems // (lhs[0] * rhs[3])
-  for s_ in (1, 2, 3, 4):
-    oh, ow = -(-lhs[1] // s_), -(-lhs[2] // s_)
-    if oh * ow == n_out:
-      return (s_, s_), "SAME"
-    vh, vw = (lhs[1] - rhs[0]) // s_ + 1, (lhs[2] - rhs[1]) // s_ + 1
-    if vh * vw == n_out:
-      return (s_, s_), "VALID"
-  return None
-
-
-def measure_policy(
-  op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", op=None, precast=False
-):
-  """``{"fwd": ms, "bwd": ms}`` of one op under a whole op policy, as one program each: the
-  forward alone, and forward + both gradients (``policy_programs``, ``precast`` there);
-  bwd = their difference. Captures what XLA does across legs (layouts, fusing a dequantized
-  residual into the next product), which standalone legs miss."""
-  programs, fwd, (lhs, rhs, key, g) = policy_programs(op_policy, batch, m, k, n, seed, op, precast)
-  fwd_prog, fwd_bwd_prog = programs
-  t_fwd = step.timed_ms(fwd_prog, repeats, clock=clock)[0]
-  t_all = step.timed_ms(fwd_bwd_prog, repeats, clock=clock)[0]
-  out = {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
-  if jax.devices()[0].platform == "cpu":
-    out["refuses_producer"] = float(refuses_producer(fwd, lhs, rhs, key, g))
-  return out
-
-
-def precast_dtypes(op_policy: OpPolicy) -> tuple[Any, Any]:
-  """``(input dtype, output dtype)`` a product under ``op_policy`` gets its activations in
-  when the step's neighbouring kernels convert them (``policy_programs(precast=True)``): the
-  forward's float dtype for its activation inputs, the backward legs' float dtype (when both
-  share one) for its output and so its output gradient; ``None`` where the op takes fp32 —
-  fp32 legs, and quantized legs, whose scaling reads the fp32 values. Uniform bf16 gives
-  (bf16, bf16); QSync's int8 op (int8 forward, fp16 backward) gives (None, fp16)."""
-  float_bwd = op_policy.dlhs if op_policy.dlhs == op_policy.drhs else None
-  return FLOAT_DTYPES.get(op_policy.fwd), FLOAT_DTYPES.get(float_bwd)
-
-
-def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precast=False):
-  """``((forward, forward + both gradients), fwd, (lhs, rhs, key, g))``: the two argument-free
-  jitted programs ``measure_policy`` times for one op under a whole op policy, the forward
-  function and their operands. The gradients come from ``jax.vjp`` of
-  ``quantized_dot_general``. Given ``op`` (an ``OpShape`` with its operand shapes), attention
-  products run their real einsum and weight ops their real operand shapes (``real_dims``): on
-  XLA:CPU an int8 Dense on a 3-d input ran 10× faster than on the same data flattened to 2-d.
-
-  ``precast``: the activations come in the dtypes the training step converts them to
-  (``precast_dtypes``), as if the ops around this one had converted them: in a GPU training
-  step those conversions run fused into neighbouring elementwise kernels, while a standalone
-  program runs them as kernels of their own (on an H100 the bf16 programs of a BERT-base-wide
-  LM summed to 1.8× the step's bf16 products, ``docs/results.md``). The weight stays fp32
-  (its conversion is a kernel in the step too)."""
-  ls, rs, dims, _, _ = leg_operands("fwd", batch, m, k, n)
-  einsum = ATTENTION_EINSUMS.get(op.kind) if op is not None and op.lhs_shape else None
-  if einsum:
-    ls, rs = op.lhs_shape, op.rhs_shape
-  elif op is not None and op.lhs_shape and (real := real_dims(op)) is not None:
-    ls, rs, dims = op.lhs_shape, op.rhs_shape, real
-  conv = conv_geometry(op) if op is not None and op.kind == "conv" and op.lhs_shape else None
-  if conv:
-    ls, rs = op.lhs_shape, op.rhs_shape
-  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
-  key = jax.random.key(seed + 1)
-
-  in_dtype, out_dtype = precast_dtypes(op_policy) if precast and not conv else (None, None)
-  if in_dtype is not None:
-    lhs = lhs.astype(in_dtype)
-    rhs = rhs.astype(in_dtype) if einsum else rhs
-
-  def fwd(a, b, key):
-    if einsum:
-      return quantized_einsum(einsum, a, b, op_policy, key, out_dtype=out_dtype)
-    if conv:
-      strides, padding = conv
-      return quantized_conv_general_dilated(
-        a, b, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"), op_policy=op_policy, key=key
-      )
-    return quantized_dot_general(a, b, dims, op_policy, key, out_dtype=out_dtype)
-
-  out = jax.eval_shape(fwd, lhs, rhs, key)
-  g = jax.random.normal(k3, out.shape).astype(out.dtype)
-
-  def fwd_bwd(a, b, key, g):
-    y, vjp = jax.vjp(lambda a, b: fwd(a, b, key), a, b)
-    return y, vjp(g)
-
-  programs = (
-    functools.partial(jax.jit(fwd), lhs, rhs, key),
-    functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, g),
-  )
-  return programs, fwd, (lhs, rhs, key, g)
-
-
-def refuses_producer(fwd, lhs, rhs, key, g) -> bool:
-  """Whether XLA, in a training step, re-runs the producer of the op's activation operand to
-  lay the saved activation out for the gradient legs (``planners.steptrace``), judged on the
-  compiled forward + backward of ``fwd`` whose activation is produced in the program from
-  two inputs (``(x + c) · t``, like an activation function of a product and its bias): True
-  when a relayout fusion reads the producer's inputs instead of a saved copy. An fp32 op saves
-  the producer's output itself, so XLA re-runs the producer; a bf16 copy or an int8 residual
-  is materialized and relaid out cheaply."""
-  t = jnp.ones_like(lhs)
-
-  def produced(a, b, c, t, key, g):
-    y, vjp = jax.vjp(lambda a, b: fwd((a + c) * t, b, key), a, b)
-    return y, vjp(g)
-
-  args = (lhs, rhs, jnp.zeros((), lhs.dtype), t, key, g)
-  hlo = jax.jit(produced).lower(*args).compile().as_text()
-  return any(0 in fusion.operand_params for fusion in steptrace.relayout_fusions(hlo))
-
-
 def versions() -> dict[str, str]:
   import jaxlib
 
@@ -416,9 +202,13 @@ def local_device_type() -> str:
   return "H100" if "H100" in kind else "cpu"
 
 
-def _train_kwargs(task) -> dict:
-  """Keyword arguments of the task's training-mode ``apply`` (mutable collections included)."""
-  return {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
+def task_ops(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, tuple[OpShape, ...]]:
+  """``(batch, variables, ops)``: a training batch of ``task``, its initial variables and the
+  quantizable ops its training-mode ``apply`` calls (``collect_ops``; traced, not run)."""
+  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_per_device, seed)))
+  variables = step.init_variables(task, batch, seed)
+  kwargs = {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
+  return batch, variables, tuple(collect_ops(task.model, variables, *task.inputs(batch), **kwargs))
 
 
 def standalone_clock(op_clock: str | None, fallback: str) -> tuple[str, float]:
@@ -445,6 +235,7 @@ def measure_profile(
   cast_sizes: Sequence[int] = (2**14, 2**16, 2**18, 2**20),
   clock: str = "wall",
   op_clock: str | None = None,
+  precast: bool | None = None,
 ) -> Profile:
   """Measures the profile of ``task`` at ``batch_per_device`` on the local device.
 
@@ -452,14 +243,18 @@ def measure_profile(
   ``cpu``: process CPU time, steadier on a CPU host shared with other work) — the fp32 step
   always, and the standalone programs (op legs and policies, optimizer, casts) on
   ``op_clock``: by default the device clock on a GPU (``step.DEVICE_CLOCK``: their kernel time,
-  no dispatch overhead to subtract), else ``clock``.
+  no dispatch overhead to subtract), else ``clock``. ``precast``: time the whole-policy
+  programs with their activations in the dtypes the step converts them to
+  (``planners.op_programs.policy_programs``; ``meta["policy_operands"] = "precast"``); by default on a GPU, where
+  it brought the replay of a BERT-base-wide LM from 22 % to 11 % mean error on an H100
+  (``docs/results.md``), and not on a CPU, where it is not measured.
   """
   say = progress or (lambda msg: None)
   device_type = local_device_type()
+  if precast is None:
+    precast = jax.devices()[0].platform == "gpu"
   precisions = tuple(precisions or supported_precisions(device_type))
-  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_per_device, seed)))
-  variables = step.init_variables(task, batch, seed)
-  ops = collect_ops(task.model, variables, *task.inputs(batch), **_train_kwargs(task))
+  batch, variables, ops = task_ops(task, batch_per_device, seed)
   step_clock = clock
   clock, overhead = standalone_clock(op_clock, clock)  # from here on: the standalone programs
   say(
@@ -488,7 +283,9 @@ def measure_profile(
         key = policy_key(name, op)
         if key not in cache:
           try:
-            cache[key] = measure_policy(pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op)
+            cache[key] = measure_policy(
+              pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op, precast=precast
+            )
           except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 dot
             cache[key] = None
             unrunnable.append(f"{op.name} under {name}: {str(e).splitlines()[0][:120]}")
@@ -549,6 +346,7 @@ def measure_profile(
     "clock": step_clock,
     "op_clock": clock,
     "unrunnable": unrunnable,
+    **({"policy_operands": "precast"} if precast else {}),
   }
   return Profile(
     model=task.name,
@@ -572,7 +370,7 @@ def with_precast_policies(
 ) -> Profile:
   """``prof`` with its whole-policy entries (``policy:<preset>``) whose activations the step
   converts to a float dtype (``precast_dtypes``: bf16, fp16, int8_fwd's fp16 backward) re-timed
-  on the local device with those activations already converted (``policy_programs(precast=
+  on the local device with those activations already converted (``planners.op_programs.policy_programs(precast=
   True)``), and ``meta["policy_operands"] = "precast"``; nothing else changes (the remainder
   stays fitted on fp32, whose programs are the same). ``op_clock`` as in ``measure_profile``.
   Refuses a profile of another device type."""
@@ -619,9 +417,7 @@ def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tup
 def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
   """A profile with the ops and memory of ``task`` but no timings (``source="traced"``):
   the base ``modeled_profile`` costs. Compiles the fp32 step once (nothing is timed)."""
-  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_per_device, seed)))
-  variables = step.init_variables(task, batch, seed)
-  ops = tuple(collect_ops(task.model, variables, *task.inputs(batch), **_train_kwargs(task)))
+  batch, variables, ops = task_ops(task, batch_per_device, seed)
   optimizer = step.default_optimizer()
   opt_state = optimizer.init(variables["params"])
   memory = {

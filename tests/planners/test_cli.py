@@ -33,6 +33,7 @@ def files(tmp_path_factory):
         "4096,65536",
         "--op-clock",
         "cpu",
+        "--precast",  # off by default on a CPU
         "--out",
         cpu,
       ]
@@ -73,6 +74,7 @@ def test_profile_files(files):
   assert all(t > 0 for t in measured.op_ms["Dense_1:dense"]["fwd"].values())
   assert measured.meta["jax_version"] and measured.meta["fp32_step_ms"] > 0
   assert (measured.meta["clock"], measured.meta["op_clock"]) == ("wall", "cpu")  # the step stays on --clock
+  assert measured.meta["policy_operands"] == "precast"
   assert set(modeled.op_ms["Dense_1:dense"]["fwd"]) == {"fp32", "fp16", "int8"}  # what a T4 runs
 
 

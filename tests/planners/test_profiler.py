@@ -11,15 +11,9 @@ import pytest
 from planners.casts import fit_cast_model
 from planners.catalog import device_spec, gemm_roofline_ms
 from planners.op_memory import residual_bytes
+from planners.op_programs import policy_programs, precast_dtypes
 from planners.ops import OpShape, collect_ops, gemm_shape
-from planners.profiler import (
-  Profile,
-  measure_profile,
-  modeled_profile,
-  policy_programs,
-  precast_dtypes,
-  with_precast_policies,
-)
+from planners.profiler import Profile, measure_profile, modeled_profile, with_precast_policies
 from qsync_jax.errors import ClusterSpecError, PlanError
 from qsync_jax.precision import OpPolicy
 from qsync_jax.qdot import quantized_dot_general

@@ -128,7 +128,7 @@ def test_refuses_producer_on_this_stack():
   # the behaviour the relayout charge rests on (XLA:CPU): an fp32 op saves its produced input
   # itself, so the relayout for its drhs re-runs the producer; a bf16 op's saved copy is
   # materialized and relaid out instead
-  from planners.profiler import refuses_producer
+  from planners.op_programs import refuses_producer
   from qsync_jax.qdot import quantized_dot_general
 
   rng = np.random.default_rng()
