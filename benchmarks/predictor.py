@@ -34,7 +34,7 @@ import optax
 from result_rows import append_rows, result_row
 
 from planners import step
-from planners.profiler import measure_profile
+from planners.profiler import measure_profile, with_precast_policies
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
@@ -139,10 +139,16 @@ def main():
     help="also re-time the fp32 step next to each evaluation plan and report the error with the "
     "remainder refitted to it (a noisy host's drift between the profile and the evaluation)",
   )
+  ap.add_argument(
+    "--precast",
+    action="store_true",
+    help="also predict from the profile with its whole-policy programs re-timed with their activations "
+    "precast (planners.profiler.with_precast_policies; the default on GPUs)",
+  )
   args = ap.parse_args()
   device = jax.devices()[0].device_kind
   clock = args.clock or ("cpu" if jax.devices()[0].platform == "cpu" else "wall")
-  rows, out, reanchored = [], [], []
+  rows, out, reanchored, precast_errors = [], [], [], []
   for model in args.models:
     task, batch_size = get_model(model)
     t0 = time.perf_counter()
@@ -150,6 +156,7 @@ def main():
       task, batch_size, repeats=args.profile_repeats, step_repeats=args.repeats, clock=clock
     )
     print(f"# {model}: profiled {len(prof.ops)} ops in {time.perf_counter() - t0:.0f} s", flush=True)
+    precast = with_precast_policies(prof, repeats=args.profile_repeats) if args.precast else None
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
     batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
     for case, policy in {"fp32 (fit)": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}.items():
@@ -176,6 +183,13 @@ def main():
         f"err {100 * err_m:+6.1f} %",
         flush=True,
       )
+      if precast is not None and "(fit)" not in case:
+        pred_pc = predict(cluster, {prof.device_type: precast}, Plan(policies={"all": policy})).step_ms
+        precast_errors.append(abs(pred_pc - meas) / meas)
+        print(
+          f"      precast pred {pred_pc:8.2f} ms, err {100 * (pred_pc - meas) / meas:+6.1f} %", flush=True
+        )
+        out.append(row_json(model, case, f"step_ms_{clock}_clock_precast", pred_pc, meas, device))
       if "(fit)" not in case:
         out.append(row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device))
         out.append(row_json(model, case, "peak_bytes", mem, peak, device))
@@ -210,11 +224,22 @@ def main():
       f"reanchored to an fp32 step timed next to each plan: step-time |error| mean "
       f"{100 * np.mean(reanchored):.1f} %, median {100 * np.median(reanchored):.1f} %, max {100 * np.max(reanchored):.1f} %"
     )
+  if precast_errors:
+    print(
+      f"precast profile: step-time |error| mean {100 * np.mean(precast_errors):.1f} %, median "
+      f"{100 * np.median(precast_errors):.1f} %, max {100 * np.max(precast_errors):.1f} %"
+    )
   if not args.no_save:
     summary = [
       row_json("all", "mean_abs_step_error", "abs_rel_error", float(t_err.mean()), None, device),
       row_json("all", "mean_abs_memory_error", "abs_rel_error", float(m_err.mean()), None, device),
     ]
+    if precast_errors:
+      summary.append(
+        row_json(
+          "all", "mean_abs_step_error_precast", "abs_rel_error", float(np.mean(precast_errors)), None, device
+        )
+      )
     if reanchored:
       summary.append(
         row_json(
