@@ -213,6 +213,7 @@ def main(argv=None) -> int:
         repeats=args.profile_repeats,
         step_repeats=args.repeats,
         progress=lambda msg, model=model: say(f"{model} profile: {msg}"),
+        checkpoint=f"{saved}.partial" if saved else None,  # a call cut short resumes in the next
       )
     if saved and not os.path.exists(saved):
       os.makedirs(args.profile_dir, exist_ok=True)

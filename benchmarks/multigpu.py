@@ -269,6 +269,7 @@ def predictor_profile(task, args):
     repeats=args.profile_repeats,
     step_repeats=args.steps,
     progress=say,
+    checkpoint=f"{args.profile_file}.partial" if args.profile_file else None,
   )
   if args.profile_file:
     prof.save(args.profile_file)

@@ -51,7 +51,12 @@ def add_arguments(parser) -> None:
     help="time each op under a whole policy with its activations in the dtypes the step converts them "
     "to, as XLA fuses those conversions into neighbouring kernels (default: on a GPU only)",
   )
-  parser.add_argument("--out", required=True, help="output JSON file")
+  parser.add_argument(
+    "--out",
+    required=True,
+    help="output JSON file; the op timings so far are kept in <out>.partial while it runs, and an "
+    "interrupted run with the same arguments resumes from there",
+  )
 
 
 def run(args) -> int:
@@ -79,6 +84,7 @@ def run(args) -> int:
       clock=args.clock,
       op_clock=args.op_clock,
       precast=args.precast,
+      checkpoint=f"{args.out}.partial",
     )
   prof.save(args.out)
   rows = []

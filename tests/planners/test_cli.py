@@ -188,6 +188,11 @@ def test_bad_inputs_exit_2_with_fix(files, capsys):
   assert "needs at least" in err and "Fix: set memory_gb" in err
   assert main(["profile", "--model", MODEL, "--device-type", "TPU", "--out", str(d / "x.json")]) == 2
   assert "catalog" in capsys.readouterr().err
+  (d / "y.json.partial").write_text("{truncated")  # an interrupted profile's checkpoint, damaged
+  assert main(["profile", "--model", MODEL, "--precisions", "fp32", "--out", str(d / "y.json")]) == 2
+  err = capsys.readouterr().err
+  assert "y.json.partial cannot be read" in err and "Fix: delete it" in err and "Traceback" not in err
+  assert not (d / "y.json").exists()
 
 
 def test_help_on_each(capsys):
