@@ -218,8 +218,8 @@ def main(argv=None) -> int:
     if saved and not os.path.exists(saved):
       os.makedirs(args.profile_dir, exist_ok=True)
       prof.save(saved)
-    variants = {"fp32": prof}
-    if args.precast:
+    variants = {prof.meta.get("policy_operands", "fp32"): prof}  # a GPU profile measured now is precast
+    if args.precast and "precast" not in variants:
       variants["precast"] = precast_profile(
         prof, saved, args.profile_repeats, lambda msg, model=model: say(f"{model} precast: {msg}")
       )
