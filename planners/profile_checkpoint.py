@@ -48,9 +48,11 @@ def load_partial(path: str | None, settings: dict[str, Any]) -> tuple[dict[str, 
 def save_partial(
   path: str | None, settings: dict[str, Any], op_ms: dict[str, dict], unrunnable: list[str]
 ) -> None:
-  """Writes the op timings so far to ``path`` (atomically); nothing without a path."""
+  """Writes the op timings so far to ``path`` (atomically, creating its folder); nothing without a
+  path."""
   if not path:
     return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = f"{path}.tmp"
   with open(tmp, "w") as f:
     json.dump({"format": FORMAT, "settings": settings, "op_ms": op_ms, "unrunnable": unrunnable}, f)
