@@ -268,7 +268,16 @@ def main(argv=None) -> int:
       f"{100 * errs.max():.1f} % over {len(errs)} runs (fp32, the plan the profile fits, excluded)"
     )
     emit(
-      row("all", "mean_abs_step_error", "abs_rel_error", float(errs.mean()), None, device, operands=variant)
+      row(
+        "all",
+        "mean_abs_step_error",
+        "abs_rel_error",
+        float(errs.mean()),
+        None,
+        device,
+        operands=variant,
+        **({"refit": True} if args.refit else {}),
+      )
     )
   return 0
 
