@@ -95,13 +95,23 @@ def time_steps(step, state, batches, steps: int, key=None):
 
 def collective_summary(step, *args, dump: str | None = None):
   """Collectives of the compiled step; falls back to the pre-optimization HLO (marked) when
-  the compiled text hides them (e.g. inside async wrappers this parser does not follow)."""
+  the compiled text hides them (e.g. inside async wrappers this parser does not follow).
+  ``"async"``: how many run asynchronously, how many of those have no compute scheduled
+  between their start and done (exposed), and the compute and custom-call instructions they
+  span (``hlo.async_spans``)."""
   lowered = step.lower(*args)
   text = lowered.compile().as_text()
   if dump:
     with open(dump, "w") as f:
       f.write(text)
   found = hlo.summarize(hlo.collectives(text))
+  spans = hlo.async_spans(text)
+  found["async"] = {
+    "count": len(spans),
+    "exposed": sum(s.compute == 0 for s in spans),
+    "compute_spanned": sum(s.compute for s in spans),
+    "custom_calls_spanned": sum(s.custom_calls for s in spans),
+  }
   if found["count"] == 0:
     found = hlo.summarize(hlo.collectives(lowered.compiler_ir("hlo").as_hlo_text()))
     found["source"] = "pre-optimization HLO"
@@ -475,6 +485,13 @@ def main(argv=None) -> int:
         row(f"scaling/{name}/n{n}", "step_time_ms_median", med * 1e3, base * 1e3, device, iqr_ms=iqr * 1e3)
       )
       emit(row(f"scaling/{name}/n{n}", "weak_scaling_efficiency", base / med, 1.0, device))
+      if n > 1:
+        a = coll["async"]
+        print(
+          f"{'':<8} {'':>7} {coll['count']} collectives, {a['count']} async ({a['exposed']} exposed), "
+          f"spanning {a['compute_spanned']} compute ops ({a['custom_calls_spanned']} custom calls)"
+        )
+        emit(row(f"scaling/{name}/n{n}", "async_collectives", a["count"], coll["count"], device, **a))
       if not np.isnan(coll.get("kernel_ms", np.nan)):
         print(
           f"{'':<8} {'':>7} GPU kernels {coll['kernel_ms']:.2f} ms of the {med * 1e3:.2f} ms step "

@@ -7,6 +7,10 @@ buffer it covers: ``max(sum of operand bytes, sum of result bytes)`` -- the all-
 tensor, the gathered tensor, the tensor before the scatter. (A ring algorithm sends about
 ``2(n-1)/n`` of that per device for an all-reduce and ``(n-1)/n`` for the others.)
 
+``async_spans(text)`` tells, for each asynchronous collective of a scheduled module's entry
+computation, how much compute the schedule places between its start and its done: what it
+can overlap.
+
 ``outside_conditionals(text)`` keeps only those that run on every step (not inside a
 ``conditional``'s branches); ``conditional_branches(text)`` gives, for each conditional, the
 collectives each branch would execute. Collectives inside a ``while`` body are listed once
@@ -218,6 +222,55 @@ def summarize(found: Iterable[Collective]) -> dict:
     "by_op": by_op,
     "by_dtype": by_dtype,
   }
+
+
+COMPUTE_OPCODES = ("fusion", "custom-call", "dot", "convolution")
+"""Opcodes that launch device compute (kernels) in a compiled GPU module."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSpan:
+  """One asynchronous collective: the compute instructions between its start and its done in
+  the schedule (``custom_calls`` of them custom calls, e.g. Pallas kernels)."""
+
+  name: str
+  op: str
+  bytes: int
+  compute: int
+  custom_calls: int
+
+
+def async_spans(text: str) -> list[AsyncSpan]:
+  """The asynchronous collectives of the entry computation of a scheduled module
+  (``compiled.as_text()``, whose instruction order is the execution order): a
+  ``<collective>-start`` with its ``-done``, or an ``async-start`` / ``async-done`` pair whose
+  called computation holds a collective. An empty list, or spans of 0 compute, mean the
+  collectives run exposed."""
+  comps, entry = parse(text)
+  sizes = {c.name: c for c in collectives(text)}
+  instrs = comps.get(entry, [])
+  spans = []
+  for i, start in enumerate(instrs):
+    if start.opcode.endswith("-start") and start.opcode != "async-start" and start.name in sizes:
+      inner = sizes[start.name]
+    elif start.opcode == "async-start":
+      inner = next((c for c in sizes.values() if c.computation in start.called), None)
+      if inner is None:
+        continue
+    else:
+      continue
+    done = next((j for j in range(i + 1, len(instrs)) if start.name in instrs[j].operands), len(instrs))
+    between = [x.opcode for x in instrs[i + 1 : done]]
+    spans.append(
+      AsyncSpan(
+        start.name,
+        inner.op,
+        inner.bytes,
+        sum(op in COMPUTE_OPCODES for op in between),
+        between.count("custom-call"),
+      )
+    )
+  return spans
 
 
 def compiled_text(fn, *args, **kwargs) -> str:

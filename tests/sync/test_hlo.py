@@ -60,3 +60,45 @@ def test_mesh_replica_groups_format_counts_the_group():
   assert hlo._group_size("replica_groups=mesh['data'=2,'model'=4] {'model'}, x") == 4
   assert hlo._group_size("replica_groups=mesh['data'=2,'model'=4] {'data','model'}, x") == 8
   assert hlo._group_size("replica_groups={{0,1,2}}, x") == 3
+
+
+SCHEDULED = """HloModule step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%wrapped (p: f32[256]) -> f32[256] {
+  %p = f32[256] parameter(0)
+  ROOT %ar2 = f32[256] all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+}
+
+ENTRY %main (x: f32[1024], y: f32[256]) -> (f32[1024], f32[256]) {
+  %x = f32[1024] parameter(0)
+  %y = f32[256] parameter(1)
+  %ars = f32[1024] all-reduce-start(%x), replica_groups={{0,1}}, to_apply=%add
+  %f1 = f32[256] fusion(%y), kind=kLoop, calls=%add
+  %cc = f32[256] custom-call(%f1), custom_call_target="mosaic_gpu"
+  %cp = f32[256] copy(%cc)
+  %ard = f32[1024] all-reduce-done(%ars)
+  %as = ((f32[256]), f32[256]) async-start(%cp), calls=%wrapped
+  %ad = f32[256] async-done(%as)
+  ROOT %t = (f32[1024], f32[256]) tuple(%ard, %ad)
+}
+"""
+
+
+def test_async_spans_count_the_compute_between_start_and_done():
+  """The all-reduce-start overlaps a fusion and a custom call (the copy is not compute); the
+  async-wrapped all-reduce overlaps nothing: it runs exposed."""
+  spans = {s.name: s for s in hlo.async_spans(SCHEDULED)}
+  assert set(spans) == {"ars", "as"}
+  assert (spans["ars"].op, spans["ars"].bytes, spans["ars"].compute, spans["ars"].custom_calls) == (
+    "all-reduce",
+    4096,
+    2,
+    1,
+  )
+  assert (spans["as"].op, spans["as"].bytes, spans["as"].compute) == ("all-reduce", 1024, 0)
