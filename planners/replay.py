@@ -228,7 +228,10 @@ def refit_remainder(cluster: ClusterSpec, profile: Profile, step_ms: float, **pr
   fp32 step measured there. ``measure_profile`` fits the remainder so on one device; refitted
   on a cluster it also carries what the op profile does not see (that host's launch rate, host
   work per device when one process drives several, collectives slowed by the compute beside
-  them) as time added alike to every plan's step. ``predict_kwargs`` go to ``predict``."""
+  them) as time added alike to every plan's step. ``predict_kwargs`` go to ``predict``.
+  A step shorter than the profile's ops alone needs a negative remainder; past the point where
+  an earlier part of the step outlasts the whole, the replay no longer reaches ``step_ms``
+  (seen on a loaded CPU host, where the standalone op timings were inflated)."""
   draft = profile.with_remainder(0.0)
   fp32 = Plan(policies={g.name: PrecisionPolicy.uniform("fp32") for g in cluster.groups})
   return profile.with_remainder(
