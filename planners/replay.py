@@ -271,4 +271,13 @@ def calibrate(
     calibrated[device_type] = name
     alone = ClusterSpec((groups[name],))
     out[device_type] = refit_remainder(alone, profile_for(profiles, device_type), float(ms), **predict_kwargs)
+    fp32 = Plan(policies={name: PrecisionPolicy.uniform("fp32")})
+    floor = predict(alone, {device_type: out[device_type]}, fp32, **predict_kwargs).step_ms
+    if abs(floor - ms) > 1e-3 * ms:
+      raise PlanError(
+        f"calibration of group {name!r}: its fp32 step of {ms} ms is shorter than the {floor:.3g} ms the "
+        f"replay of its {device_type} profile cannot go below, so no remainder reproduces it. Fix: check "
+        "the value (the median fp32 step measured on that group's devices alone), or profile on an "
+        "idle host of that type (inflated op timings cause this)."
+      )
   return out

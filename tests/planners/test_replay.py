@@ -211,6 +211,7 @@ def test_calibrate_refits_the_named_groups_profile_to_its_fp32_step_alone():
     ({"train": -1.0}, "positive number of ms"),
     ({"train": float("nan")}, "positive number of ms"),
     ({"train": True}, "positive number of ms"),
+    ({"train": 1e-6}, "cannot go below, so no remainder reproduces it"),  # shorter than its ops
   ],
 )
 def test_calibrate_refuses_bad_input_with_a_fix(steps, message):
