@@ -248,8 +248,8 @@ def measure_profile(
   no dispatch overhead to subtract), else ``clock``. ``precast``: time the whole-policy
   programs with their activations in the dtypes the step converts them to
   (``planners.op_programs.policy_programs``; ``meta["policy_operands"] = "precast"``); by default on a GPU, where
-  it brought the replay of a BERT-base-wide LM from 22 % to 11 % mean error on an H100
-  (``docs/results.md``), and not on a CPU, where it moved the mean by about a point.
+  it brought the replay of a BERT-base-wide LM from 13–26 % to 4–14 % mean error (six
+  step sets on H100s, ``docs/results.md``), and not on a CPU, where it moved the mean by about a point.
   ``checkpoint``: a JSON file the op timings are written to after every op and read back from
   at the start (``planners.profile_checkpoint``), so an interrupted profile resumes; removed
   once the profile is complete.

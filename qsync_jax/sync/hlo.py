@@ -247,7 +247,7 @@ def async_spans(text: str) -> list[AsyncSpan]:
   called computation holds a collective. An empty list, or spans of 0 compute, mean the
   collectives run exposed."""
   comps, entry = parse(text)
-  sizes = {c.name: c for c in collectives(text)}
+  sizes = {c.name: c for c in _collect(comps, [entry], skip_branches=False)}  # as collectives(text)
   instrs = comps.get(entry, [])
   spans = []
   for i, start in enumerate(instrs):
