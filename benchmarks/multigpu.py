@@ -8,8 +8,10 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 
 * scaling: uniform fp32 (the predictor's fit plan), uniform bf16 and a mixed plan (MLP Dense
   layers ``int8_fwd``, the rest bf16) on 1, 2, 4… devices with a fixed per-device batch (weak
-  scaling): step time and efficiency t(1) / t(n); on one device each step's GPU kernel time
-  and kernel count (``planners.steptrace.gpu_kernels``) are also reported;
+  scaling): step time and efficiency t(1) / t(n); each step's kernels on the first GPU
+  (``planners.steptrace.gpu_kernels``: time, count, of it collectives and matrix products)
+  and, for n > 1, the compute the schedule places under each async collective
+  (``hlo.async_spans``) are also reported;
 * all-reduce order (bf16 policy, 2, 4… devices): the trainer's default (gradient leaves in the
   order the backward produces them, ``qsync_jax.sync.order``), tree order
   (``sync_leaf_order="tree"``) and our own 30 MiB buckets (``bucket_bytes``), timed round-robin
@@ -149,26 +151,25 @@ def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync
 
 
 def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
-  """``(median s, IQR s, collectives)`` of the trainer's step; on one device also its GPU kernel time."""
+  """``(median s, IQR s, collectives)`` of the trainer's step, with the first GPU's kernels
+  (``kernel``: a ``steptrace.KernelSummary``, None without a GPU)."""
   ts, state, batches = build_case(task, n, batch, policy, sync_name)
   coll = collective_summary(ts.step, state, batches[0], dump=dump)
   med, iqr, state = time_steps(ts.step, state, batches, steps)
-  if n == 1:
-    coll["kernel_ms"], coll["kernels"] = gpu_kernel_ms(ts.step, state, batches[0])
+  coll["kernel"] = step_kernels(ts.step, state, batches[0])
   return med, iqr, coll
 
 
-def gpu_kernel_ms(step, state, batch, repeats: int = 5) -> tuple[float, float]:
-  """``(ms, kernels)`` of GPU kernels per call of ``step`` (first GPU; ``steptrace.gpu_kernels``):
-  the step's wall time less the ms is launch gaps and host work. NaNs without a GPU."""
+def step_kernels(step, state, batch, repeats: int = 5):
+  """The ``steptrace.KernelSummary`` of ``step``'s kernels on the first GPU (with its
+  collectives' kernels, which run on a stream of their own); None without a GPU."""
   box = [state]
 
   def run():
     box[0], _ = step(box[0], batch)
     jax.block_until_ready(box[0])
 
-  summary = gpu_kernels(run, repeats)
-  return (float("nan"), float("nan")) if summary is None else (summary.ms, summary.kernels)
+  return gpu_kernels(run, repeats)
 
 
 ORDER_CASES = {
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
     default=["fp32", "bf16", "mixed"],
     help="policies of the scaling cases (fp32 is the predictor's fit plan, never evaluated)",
   )
-  parser.add_argument("--dump-dir", help="write each sync case's compiled HLO here")
+  parser.add_argument("--dump-dir", help="write each scaling and sync case's compiled HLO here")
   parser.add_argument(
     "--order-rounds",
     type=int,
@@ -474,7 +475,8 @@ def main(argv=None) -> int:
     base = None
     for n in counts:
       try:
-        med, iqr, coll = trainer_case(task, n, args.batch, policy, "fp32", args.steps)
+        dump = os.path.join(args.dump_dir, f"scaling-{name}-n{n}.hlo.txt") if args.dump_dir else None
+        med, iqr, coll = trainer_case(task, n, args.batch, policy, "fp32", args.steps, dump)
       except Exception as e:  # noqa: BLE001 - report it; the other cases still count
         print(f"{name:<8} {n:>7} failed: {type(e).__name__}: {str(e)[:300]}")
         continue
@@ -492,19 +494,25 @@ def main(argv=None) -> int:
           f"spanning {a['compute_spanned']} compute ops ({a['custom_calls_spanned']} custom calls)"
         )
         emit(row(f"scaling/{name}/n{n}", "async_collectives", a["count"], coll["count"], device, **a))
-      if not np.isnan(coll.get("kernel_ms", np.nan)):
+      k = coll["kernel"]
+      if k is not None:
+        # collectives run on their own stream: kernel ms less comm ms is the compute, which
+        # grows with n where the all-reduce slows the kernels it overlaps
         print(
-          f"{'':<8} {'':>7} GPU kernels {coll['kernel_ms']:.2f} ms of the {med * 1e3:.2f} ms step "
-          f"({coll['kernels']:.0f} kernels)"
+          f"{'':<8} {'':>7} GPU 0 kernels {k.ms:.2f} ms of the {med * 1e3:.2f} ms step "
+          f"({k.kernels:.0f} kernels), of it collectives {k.comm_ms:.2f} ms, matrix products {k.gemm_ms:.2f} ms"
         )
         emit(
           row(
             f"scaling/{name}/n{n}",
             "gpu_kernel_ms",
-            coll["kernel_ms"],
+            k.ms,
             med * 1e3,
             device,
-            kernels=coll["kernels"],
+            kernels=k.kernels,
+            comm_ms=k.comm_ms,
+            gemm_ms=k.gemm_ms,
+            top=k.top[:10],
           )
         )
 

@@ -37,6 +37,27 @@ def vma(x) -> frozenset:
   return frozenset(getattr(aval, "vma", frozenset()))
 
 
+def pvary(x, axes):
+  """``x`` typed varying over ``axes`` too (no-op on values)."""
+  from jax import lax
+
+  axes = tuple(a for a in axes if a not in vma(x))
+  if not axes:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, axes, to="varying")
+  return lax.pvary(x, axes)
+
+
+def varying_like(out, *inputs):
+  """``out`` typed varying wherever one of ``inputs`` is: for kernels whose launcher drops the
+  typing (``plgpu.kernel`` traces its body with the check off, so its outputs come back
+  invariant). Under ``shard_map`` an invariant-typed activation is cast back to varying by the
+  next op, whose transpose is a ``psum`` of its gradient over the devices."""
+  axes = frozenset().union(*(vma(x) for x in inputs))
+  return pvary(out, tuple(sorted(axes)))
+
+
 def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
   """A ``pallas_call`` output typed like its most-varying input.
 

@@ -233,6 +233,9 @@ GEMM_KERNEL_MARKS = ("gemm", "nvjet", "cublas", "cutlass", "xmma", "matmul", "mo
 (``gemm_fusion_dot…``) and our Mosaic GPU GEMM (``anonymous_mosaic_gpu_kernel``). Name-based,
 so approximate: a kernel that does a product under another name counts as other work."""
 
+COMM_KERNEL_MARKS = ("nccl",)
+"""Substrings (lower case) of the names of GPU collective kernels (``ncclDevKernel_AllReduce…``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelSummary:
@@ -242,6 +245,7 @@ class KernelSummary:
   kernels: float  # kernel launches
   gemm_ms: float  # of it, matrix products (``GEMM_KERNEL_MARKS``)
   gemm_kernels: float
+  comm_ms: float  # of it, collectives (``COMM_KERNEL_MARKS``), which may overlap the rest
   top: tuple[tuple[str, float], ...]  # (kernel name, ms per call), the 20 largest
 
 
@@ -257,11 +261,13 @@ def summarize_kernels(
   for e in mine:
     per_name[e["name"]] += e["dur"] / 1e3 / repeats
   gemm = [e for e in mine if any(m in e["name"].lower() for m in GEMM_KERNEL_MARKS)]
+  comm = [e for e in mine if any(m in e["name"].lower() for m in COMM_KERNEL_MARKS)]
   return KernelSummary(
     ms=sum(e["dur"] for e in mine) / 1e3 / repeats,
     kernels=len(mine) / repeats,
     gemm_ms=sum(e["dur"] for e in gemm) / 1e3 / repeats,
     gemm_kernels=len(gemm) / repeats,
+    comm_ms=sum(e["dur"] for e in comm) / 1e3 / repeats,
     top=tuple(sorted(per_name.items(), key=lambda kv: -kv[1])[:20]),
   )
 

@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._platform import varying_like
 from pallas_kernels.gemm.config import HopperConfig, default_hopper_config
 
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -155,6 +156,7 @@ def scaled_matmul_nt(a, b, a_scale, b_scale, out_dtype=jnp.bfloat16, config: Hop
   _check(m, n, k, config)
   # one CTA per SM (off a GPU, where the kernel is only traced, an H100's 132)
   num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
+  a_scale, b_scale = a_scale.astype(jnp.float32), b_scale.astype(jnp.float32)
   f = plgpu.kernel(
     functools.partial(_kernel, config=config),
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -164,4 +166,4 @@ def scaled_matmul_nt(a, b, a_scale, b_scale, out_dtype=jnp.bfloat16, config: Hop
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  return f(a, b, a_scale.astype(jnp.float32), b_scale.astype(jnp.float32))
+  return varying_like(f(a, b, a_scale, b_scale), a, b, a_scale, b_scale)

@@ -8,7 +8,12 @@ import step_kernels
 from planners.steptrace import KernelSummary
 
 FAKE = KernelSummary(
-  ms=2.0, kernels=10.0, gemm_ms=1.5, gemm_kernels=4.0, top=(("nvjet_sm90_x", 1.5), ("loop_add", 0.5))
+  ms=2.0,
+  kernels=10.0,
+  gemm_ms=1.5,
+  gemm_kernels=4.0,
+  comm_ms=0.0,
+  top=(("nvjet_sm90_x", 1.5), ("loop_add", 0.5)),
 )
 
 

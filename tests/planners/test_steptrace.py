@@ -164,11 +164,13 @@ def test_kernel_summary_splits_matrix_products_from_the_rest():
     {"process": gpu, "name": "anonymous_mosaic_gpu_kernel", "dur": 50.0},
     {"process": gpu, "name": "quantize_rows_int8__4", "dur": 40.0},  # a Pallas kernel, not a product
     {"process": gpu, "name": "input_add_reduce_fusion_2", "dur": 10.0},
+    {"process": "/device:GPU:0 (stream 21)", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "dur": 80.0},
     {"process": "/device:GPU:1 (stream 7)", "name": "gemm_fusion_dot_7", "dur": 1e6},
   ]
   s = steptrace.summarize_kernels(events, repeats=2)
-  assert (s.ms, s.kernels) == (pytest.approx(0.25), 2.5)
+  assert (s.ms, s.kernels) == (pytest.approx(0.29), 3.0)  # the collective's stream counts too
   assert (s.gemm_ms, s.gemm_kernels) == (pytest.approx(0.225), 1.5)
+  assert s.comm_ms == pytest.approx(0.04)
   assert s.top[0] == ("sm80_xmma_gemm_f32f32_tn", pytest.approx(0.15))
   assert (
     steptrace.summarize_kernels([e for e in events if "GPU:0" not in e["process"]], 2, "/device:GPU:0")
