@@ -288,16 +288,25 @@ def predictor_profile(task, args):
   return prof, profiled
 
 
-def predictor_rows(prof, profiled, links, measured, batch, device, label="predictor") -> list[dict]:
+def predictor_rows(
+  prof, profiled, links, measured, batch, device, label="predictor", fp32_one_device_s=None
+) -> list[dict]:
   """Predicted vs measured step of every scaling case in ``measured`` (``{(case, devices):
-  median s}``), twice: from the profile as it is, and with its remainder refitted to the fp32
-  case on the same device count (``planners.replay.refit_remainder``; fp32 itself is then the fit, never
-  evaluated). Prints a table, returns JSON rows ``<label>/…`` and ``<label>-fit/…``."""
+  median s}``), three times: from the profile as it is (``<label>/…``); with its remainder
+  refitted to the fp32 case on the same device count (``<label>-fit/…``,
+  ``planners.replay.refit_remainder``); and refitted once, to the fp32 step on one device
+  (``fp32_one_device_s``, default ``measured[("fp32", 1)]``; ``<label>-fit1/…``), so that the
+  replay alone predicts what changes with the device count. fp32 is the fit, never evaluated.
+  Prints a table, returns the JSON rows."""
   fitted = {}
   for (name, n), meas in measured.items():
     if name == "fp32":
       cluster, extra = case_cluster(prof, n, batch, links.get(n))
       fitted[n] = refit_remainder(cluster, prof, meas * 1e3, **extra)
+  one_s = fp32_one_device_s if fp32_one_device_s is not None else measured.get(("fp32", 1))
+  fitted_one = None
+  if one_s is not None:
+    fitted_one = refit_remainder(case_cluster(prof, 1, batch)[0], prof, one_s * 1e3)
   print(f"\n{label}: measured steps against the replay")
   for n, p in sorted(fitted.items()):
     print(
@@ -306,9 +315,9 @@ def predictor_rows(prof, profiled, links, measured, batch, device, label="predic
     )
   print(
     f"{'policy':<12} {'devices':>7} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'fit ms':>8} {'error':>7} "
-    f"{'comm ms':>8}"
+    f"{'fit1 ms':>8} {'error':>7} {'comm ms':>8}"
   )
-  rows, errors, fit_errors = [], [], []
+  rows, errors = [], {label: [], f"{label}-fit": [], f"{label}-fit1": []}
   for (name, n), meas in sorted(measured.items()):
     base_name, _, variant = name.partition("-")
     if variant not in ("", "buckets") or base_name == "fp32":
@@ -319,24 +328,26 @@ def predictor_rows(prof, profiled, links, measured, batch, device, label="predic
     ):
       continue  # a policy using precisions the profile skipped (to save profiling time)
     pred = predict_case(prof, name, n, batch, links.get(n))
-    err = (pred.step_ms - meas * 1e3) / (meas * 1e3)
-    errors.append(abs(err))
-    fit_ms = fit_err = float("nan")
-    if n in fitted:
-      fit_ms = predict_case(fitted[n], name, n, batch, links.get(n)).step_ms
-      fit_err = (fit_ms - meas * 1e3) / (meas * 1e3)
-      fit_errors.append(abs(fit_err))
-      rows.append(row(f"{label}-fit/{name}/n{n}", "step_time_ms", fit_ms, meas * 1e3, device))
+    cells = []
+    for what, p in ((label, prof), (f"{label}-fit", fitted.get(n)), (f"{label}-fit1", fitted_one)):
+      if p is None:
+        cells.append((float("nan"), float("nan")))
+        continue
+      ms = pred.step_ms if p is prof else predict_case(p, name, n, batch, links.get(n)).step_ms
+      err = (ms - meas * 1e3) / (meas * 1e3)
+      errors[what].append(abs(err))
+      cells.append((ms, err))
+      rows.append(row(f"{what}/{name}/n{n}", "step_time_ms", ms, meas * 1e3, device))
     parts = {}
     for node in pred.nodes:
       parts[node.kind] = parts.get(node.kind, 0.0) + node.ms
     print(
-      f"{name:<12} {n:>7} {pred.step_ms:>9.2f} {meas * 1e3:>9.2f} {100 * err:>+6.1f}% {fit_ms:>8.2f} "
-      f"{100 * fit_err:>+6.1f}% {pred.comm_ms:>8.2f}  "
+      f"{name:<12} {n:>7} {cells[0][0]:>9.2f} {meas * 1e3:>9.2f} {100 * cells[0][1]:>+6.1f}% "
+      + " ".join(f"{ms:>8.2f} {100 * err:>+6.1f}%" for ms, err in cells[1:])
+      + f" {pred.comm_ms:>8.2f}  "
       + " ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items()))
     )
-    rows.append(row(f"{label}/{name}/n{n}", "step_time_ms", pred.step_ms, meas * 1e3, device))
-  for what, errs in ((label, errors), (f"{label}-fit", fit_errors)):
+  for what, errs in errors.items():
     if errs:
       print(
         f"{what} mean |error| {100 * np.mean(errs):.1f} % over {len(errs)} cases (max {100 * max(errs):.1f} %)"
@@ -606,7 +617,8 @@ def main(argv=None) -> int:
       )
     for label, steps in (("predictor", measured), ("predictor-mp", measured_mp)):
       if steps:
-        for r in predictor_rows(prof, profiled, links, steps, args.batch, device, label):
+        one = measured.get(("fp32", 1))  # the one-process run's: the multi-process run has no n=1
+        for r in predictor_rows(prof, profiled, links, steps, args.batch, device, label, one):
           emit(r)
 
   if not args.no_save:

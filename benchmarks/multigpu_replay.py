@@ -78,7 +78,8 @@ def main(argv=None) -> int:
   for label, steps in (("predictor", single), ("predictor-mp", multi)):
     steps = {(name, n): s for (name, n), s in steps.items() if n == 1 or n in links}  # no link fit: no replay
     if steps:
-      rows += predictor_rows(prof, profiled, links, steps, prof.batch_per_device, device, label)
+      one = single.get(("fp32", 1))  # the one-process run's: the multi-process run has no n=1
+      rows += predictor_rows(prof, profiled, links, steps, prof.batch_per_device, device, label, one)
   tag = {"run": f"replay-{args.run}", "profile": os.path.basename(args.profile), "model": model}
   if not args.no_save:
     append_rows(args.results, [{**r, **tag} for r in rows])

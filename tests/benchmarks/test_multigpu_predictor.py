@@ -46,6 +46,11 @@ def test_predictor_rows_fit_fp32_per_device_count_and_evaluate_the_rest(profile)
     assert fit["value"] - raw["value"] == pytest.approx(1e3 * measured[("fp32", n)] - fp32)
   errors = [abs(rows[f"predictor-fit/{c}"]["ratio"] - 1) for c in ("bf16/n1", "mixed/n1", "bf16/n2")]
   assert rows["predictor-fit/all"]["value"] == pytest.approx(sum(errors) / 3)
+  # fit1: every device count moves by the one-device fp32 miss; the replay alone adds the rest
+  one = 1e3 * measured[("fp32", 1)] - multigpu.predict_case(profile, "fp32", 1, 8).step_ms
+  for case in ("bf16/n1", "mixed/n1", "bf16/n2"):
+    assert rows[f"predictor-fit1/{case}"]["value"] - rows[f"predictor/{case}"]["value"] == pytest.approx(one)
+  assert rows["predictor-fit1/bf16/n2"]["value"] != pytest.approx(rows["predictor-fit/bf16/n2"]["value"])
 
 
 def test_replay_reads_both_step_sets_of_one_run(tmp_path):
