@@ -50,13 +50,21 @@ def parse_calibration(items: Sequence[str]) -> dict[str, float]:
   return out
 
 
-def calibrated_profiles(cluster, profiles: dict[str, Profile], items: Sequence[str]) -> dict[str, Profile]:
-  """``profiles`` refitted to the ``--calibrate GROUP=MS`` steps (``replay.calibrate``),
-  each refit reported on stderr."""
+CALIBRATE_DEVICES_HELP = (
+  "where the --calibrate steps were measured: 'group' (default) on each group's devices, 'one' on one "
+  "device of it, leaving the all-reduce and the growth with the device count to the replay"
+)
+
+
+def calibrated_profiles(
+  cluster, profiles: dict[str, Profile], items: Sequence[str], devices: str = "group"
+) -> dict[str, Profile]:
+  """``profiles`` refitted to the ``--calibrate GROUP=MS`` steps (``replay.calibrate``, measured
+  on ``devices``), each refit reported on stderr."""
   from planners.replay import calibrate  # replay builds on the profiler this module loads
 
   steps = parse_calibration(items)
-  out = calibrate(cluster, profiles, steps)
+  out = calibrate(cluster, profiles, steps, devices)
   for g in cluster.groups:
     if g.name in steps:
       before = sum(profiles[g.device_type].remainder_ms.values()) if g.device_type in profiles else None

@@ -239,15 +239,34 @@ def refit_remainder(cluster: ClusterSpec, profile: Profile, step_ms: float, **pr
   )
 
 
+CALIBRATION_DEVICES = ("group", "one")
+"""Where ``calibrate``'s fp32 steps were measured: on the group's devices alone, or on one of them."""
+
+
 def calibrate(
-  cluster: ClusterSpec, profiles: Mapping[str, Profile], fp32_step_ms: Mapping[str, float], **predict_kwargs
+  cluster: ClusterSpec,
+  profiles: Mapping[str, Profile],
+  fp32_step_ms: Mapping[str, float],
+  devices: str = "group",
+  **predict_kwargs,
 ) -> dict[str, Profile]:
   """``profiles`` (``{device type: Profile}``) with the profile of each group named in
   ``fp32_step_ms`` refitted (``refit_remainder``) to that group's measured step: the uniform
-  fp32 policy run on that group's devices alone (its device count, its batch per device). A
-  group without a profile of its own is refitted from the one ``profile_for`` models for it.
-  A device type's profile serves every group of that type, so two calibrated groups may not
-  share a device type. ``predict_kwargs`` go to ``predict``."""
+  fp32 policy run on that group's devices alone (``devices="group"``: its device count and
+  all-reduce, its batch per device) or on one of its devices (``"one"``: the replay alone then
+  predicts what changes with the device count). A group without a profile of its own is
+  refitted from the one ``profile_for`` models for it. A device type's profile serves every
+  group of that type, so two calibrated groups may not share a device type.
+  ``predict_kwargs`` go to ``predict``.
+
+  Measured (docs/results.md, LM on H100s, one process per GPU): ``"one"`` 4.5 % and 1.1 %
+  mean error in two runs, ``"group"`` 11.5 % and 4.2 %; with one process for all GPUs the
+  other way round (one process's host work per GPU is in the group's step only)."""
+  if devices not in CALIBRATION_DEVICES:
+    raise PlanError(
+      f"calibration devices {devices!r} is not one of {CALIBRATION_DEVICES}. Fix: 'group' for an fp32 "
+      "step measured on the group's devices, 'one' for one measured on one of them."
+    )
   groups = {g.name: g for g in cluster.groups}
   out = dict(profiles)
   calibrated: dict[str, str] = {}  # device type -> group
@@ -269,7 +288,8 @@ def calibrate(
         "so only one of them can calibrate it. Fix: calibrate one of the two."
       )
     calibrated[device_type] = name
-    alone = ClusterSpec((groups[name],))
+    alone = ClusterSpec((groups[name] if devices == "group" else dataclasses.replace(groups[name], count=1),))
+    where = "that group's devices alone" if devices == "group" else "one of that group's devices"
     out[device_type] = refit_remainder(alone, profile_for(profiles, device_type), float(ms), **predict_kwargs)
     fp32 = Plan(policies={name: PrecisionPolicy.uniform("fp32")})
     floor = predict(alone, {device_type: out[device_type]}, fp32, **predict_kwargs).step_ms
@@ -277,7 +297,7 @@ def calibrate(
       raise PlanError(
         f"calibration of group {name!r}: its fp32 step of {ms} ms is shorter than the {floor:.3g} ms the "
         f"replay of its {device_type} profile cannot go below, so no remainder reproduces it. Fix: check "
-        "the value (the median fp32 step measured on that group's devices alone), or profile on an "
+        f"the value (the median fp32 step measured on {where}), or profile on an "
         "idle host of that type (inflated op timings cause this)."
       )
   return out

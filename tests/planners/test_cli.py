@@ -147,6 +147,9 @@ def test_predict_calibrated_to_a_measured_fp32_step(files, capsys):
   out, err = capsys.readouterr()
   assert "calibrated infer (T4)" in err
   assert plain < 1000.0 <= _sync_step_ms(out) < 1000.0 + plain
+  # measured on one T4 instead: the replay adds the pair's all-reduce on top
+  assert main([*args, "--calibrate", "infer=1000", "--calibrate-devices", "one"]) == 0
+  assert _sync_step_ms(capsys.readouterr().out) > _sync_step_ms(out)
   assert main([*args, "--calibrate", "infer"]) == 2
   assert "not GROUP=MS. Fix:" in capsys.readouterr().err
 

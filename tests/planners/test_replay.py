@@ -1,5 +1,6 @@
 """Replay predictor on hand-built graphs with a known longest path and overlap."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -202,6 +203,22 @@ def test_calibrate_refits_the_named_groups_profile_to_its_fp32_step_alone():
     assert alone.step_ms == pytest.approx(ms)
   assert out["T4"].source == "modeled"  # no T4 profile was given: the modeled one is refitted
   assert calibrate(cluster, {"A100": prof}, {}) == {"A100": prof}
+
+
+def test_calibrate_on_one_device_leaves_the_device_count_to_the_replay():
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, device_type="A100", remainder_ms=1.0)
+  cluster = _two_groups()
+  train = cluster.groups[0]
+  fp32 = Plan(policies={"train": PrecisionPolicy.uniform("fp32")})
+  one = calibrate(cluster, {"A100": prof}, {"train": 25.0}, devices="one")
+  on_one = ClusterSpec((dataclasses.replace(train, count=1),))
+  assert predict(on_one, one, fp32).step_ms == pytest.approx(25.0)
+  # on the group's two devices the replay adds what the all-reduce leaves exposed
+  assert predict(ClusterSpec((train,)), one, fp32).step_ms > 25.0
+  both = calibrate(cluster, {"A100": prof}, {"train": 25.0})  # devices="group"
+  assert predict(ClusterSpec((train,)), both, fp32).step_ms == pytest.approx(25.0)
+  with pytest.raises(PlanError, match="calibration devices 'all'.*Fix: 'group'"):
+    calibrate(cluster, {"A100": prof}, {"train": 25.0}, devices="all")
 
 
 @pytest.mark.parametrize(
