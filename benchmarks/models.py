@@ -17,7 +17,9 @@ layers, seq 256, batch 16) on the Python standard-library corpus. Policies:
   accuracy results in ``docs/results.md`` use trained weights).
 
 For each policy: the measured median step (jitted single-device training step fed its own
-donated outputs) with its IQR, its ratio to bf16 measured in the same run, and the replay's
+donated outputs; the policies timed round-robin over ``--rounds`` rounds, the median of the
+round medians, with their spread — max − min; ``--rounds 1``: one after another, with the IQR),
+its ratio to bf16 measured in the same run, and the replay's
 predicted step from a profile measured first in the same run (op legs standalone, casts,
 optimizer; the fp32 step is the only plan the profile fits anything to). Rows go to
 ``benchmarks/results/models.jsonl``.
@@ -93,7 +95,7 @@ def measure_step(task, policy, batch, repeats) -> tuple[float, float, int | None
 
 
 def steps_from(path: str, run: str, model: str) -> tuple[dict, str]:
-  """``({policy: (median ms, IQR ms, None)}, device)`` of ``model``'s step rows of ``run`` (all
+  """``({policy: (median ms, spread or IQR ms, None)}, device)`` of ``model``'s step rows of ``run`` (all
   but the qsync plan's, which is not rebuilt offline) in the results file ``path`` (XLA's peak is not in those rows)."""
   found, device = {}, None
   with open(path) as f:
@@ -102,7 +104,8 @@ def steps_from(path: str, run: str, model: str) -> tuple[dict, str]:
       name = r["case"].partition("/")[2]
       if r.get("run") == run and r["case"].startswith(f"{model}/") and r["metric"] == "step_ms_median":
         if name != "qsync":
-          found[name], device = (r["value"], r.get("iqr_ms", float("nan")), None), r["device"]
+          spread = r.get("spread_ms", r.get("iqr_ms", float("nan")))
+          found[name], device = (r["value"], spread, None), r["device"]
   if not found:
     raise SystemExit(
       f"{path}: no step rows of {model!r} in run {run!r}. Fix: pass a run tag those rows carry."
@@ -131,7 +134,14 @@ def row(model, case, metric, value, baseline, device, **extra):
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["resnet18_224", "lm_base"])
-  ap.add_argument("--repeats", type=int, default=20, help="timed steps per policy (median)")
+  ap.add_argument("--repeats", type=int, default=20, help="timed steps per policy (and per round; median)")
+  ap.add_argument(
+    "--rounds",
+    type=int,
+    default=3,
+    help="time the policies round-robin over this many rounds (median of the round medians; the "
+    "spread column is their max - min), so that drift falls on every policy alike; 1: one after another",
+  )
   ap.add_argument("--profile-repeats", type=int, default=5)
   ap.add_argument("--batch", type=int, help="override the model's per-device batch")
   ap.add_argument("--results", default=RESULTS)
@@ -182,11 +192,15 @@ def main(argv=None) -> int:
     batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
     measured = {}
 
-    def measure(name, policy):
-      meas, iqr, peak = measured[name] = measure_step(task, policy, batch, args.repeats)  # noqa: B023
-      say(f"{model} {name}: {meas:.2f} ms (IQR {iqr:.2f})")  # noqa: B023
-      extra = {"iqr_ms": iqr, "batch": batch_size, "policy": policy.to_json() if name == "qsync" else name}  # noqa: B023
+    def record(name, policy, meas, spread, peak, **extra):
+      measured[name] = (meas, spread, peak)  # noqa: B023
+      extra |= {"batch": batch_size, "policy": policy.to_json() if name == "qsync" else name}  # noqa: B023
       emit(row(model, name, "step_ms_median", meas, measured.get("bf16", (None,))[0], device, **extra))  # noqa: B023
+
+    def measure(name, policy):
+      meas, iqr, peak = measure_step(task, policy, batch, args.repeats)  # noqa: B023
+      say(f"{model} {name}: {meas:.2f} ms (IQR {iqr:.2f})")  # noqa: B023
+      record(name, policy, meas, iqr, peak, iqr_ms=iqr)
 
     # step times first: they are the point of the run, and do not depend on the profile
     op_names = [o.name for o in task_ops(task, batch_size)[2]]
@@ -194,8 +208,21 @@ def main(argv=None) -> int:
     if args.steps_from:
       measured, device = steps_from(args.results, args.steps_from, model)
       policies = {name: policies[name] for name in measured}
-    for name, policy in policies.items() if not args.steps_from else ():
-      measure(name, policy)
+    if args.rounds > 1 and not args.steps_from:
+      timed = step.time_train_steps_interleaved(
+        task,
+        policies,
+        batch,
+        args.repeats,
+        args.rounds,
+        progress=lambda msg, model=model: say(f"{model} {msg}"),
+      )
+      for name, (meas, round_medians, peak) in timed.items():
+        spread = max(round_medians) - min(round_medians)
+        record(name, policies[name], meas, spread, peak, rounds=round_medians, spread_ms=spread)
+    else:
+      for name, policy in policies.items() if not args.steps_from else ():
+        measure(name, policy)
     if args.steps_only:
       table += [
         (model, name, "", meas, iqr, None, None, None, peak) for name, (meas, iqr, peak) in measured.items()
@@ -247,7 +274,7 @@ def main(argv=None) -> int:
         emit(row(model, name, "predicted_peak_bytes", mem, peak, device, **tags))
 
   print(
-    f"\n{'model':13s} {'policy':24s} {'operands':8s} {'meas ms':>8s} {'IQR':>6s} {'bf16/x':>7s} {'pred ms':>8s} {'error':>7s} "
+    f"\n{'model':13s} {'policy':24s} {'operands':8s} {'meas ms':>8s} {'spread':>6s} {'bf16/x':>7s} {'pred ms':>8s} {'error':>7s} "
     f"{'mem err':>7s}"
   )
   for model, name, variant, meas, iqr, pms, err, mem, peak in table:

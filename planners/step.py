@@ -119,19 +119,9 @@ def timed_ms(
   return float(np.median(samples)), samples
 
 
-def time_train_step(
-  task: Task,
-  policy: PrecisionPolicy,
-  batch,
-  repeats: int,
-  optimizer=None,
-  seed: int = 0,
-  clock: str = "wall",
-):
-  """``(ms, samples, xla peak bytes)`` of the jitted training step on ``batch`` (median of repeats on ``clock``).
-
-  The step is fed its own outputs (donated buffers), as in training.
-  """
+def compiled_train_step(task: Task, policy: PrecisionPolicy, batch, optimizer=None, seed: int = 0):
+  """``(run, xla peak bytes)``: ``run()`` takes one jitted training step on ``batch`` and
+  returns its loss; the step is fed its own outputs (donated buffers), as in training."""
   optimizer = optimizer or default_optimizer()
   variables = init_variables(task, batch, seed)
   opt_state = optimizer.init(variables["params"])
@@ -144,5 +134,47 @@ def time_train_step(
     state[0], state[1], loss = compiled(state[0], state[1], batch, key)
     return loss
 
+  return run, xla_peak_bytes(compiled)
+
+
+def time_train_step(
+  task: Task,
+  policy: PrecisionPolicy,
+  batch,
+  repeats: int,
+  optimizer=None,
+  seed: int = 0,
+  clock: str = "wall",
+):
+  """``(ms, samples, xla peak bytes)`` of the jitted training step on ``batch`` (median of
+  repeats on ``clock``; ``compiled_train_step``)."""
+  run, peak = compiled_train_step(task, policy, batch, optimizer, seed)
   med, samples = timed_ms(run, repeats, clock=clock)
-  return med, samples, xla_peak_bytes(compiled)
+  return med, samples, peak
+
+
+def time_train_steps_interleaved(
+  task: Task,
+  policies: dict[str, PrecisionPolicy],
+  batch,
+  repeats: int,
+  rounds: int,
+  clock: str = "wall",
+  progress: Callable[[str], None] | None = None,
+) -> dict[str, tuple[float, list[float], int | None]]:
+  """``{name: (ms, round medians, xla peak bytes)}``: every policy's step compiled first, then
+  timed round-robin, ``repeats`` steps of each per round over ``rounds`` rounds; ``ms`` is the
+  median of the round medians. Slow drift of the host or the GPU (clocks, temperature, other
+  work) falls on every policy alike instead of on whichever was timed when it happened."""
+  runs = {}
+  for name, policy in policies.items():
+    runs[name] = compiled_train_step(task, policy, batch)
+    if progress:
+      progress(f"compiled {name}")
+  medians: dict[str, list[float]] = {name: [] for name in policies}
+  for r in range(rounds):
+    for name, (run, _) in runs.items():
+      medians[name].append(timed_ms(run, repeats, clock=clock)[0])
+    if progress:
+      progress(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {m[-1]:.2f}" for n, m in medians.items()))
+  return {name: (float(np.median(m)), m, runs[name][1]) for name, m in medians.items()}

@@ -45,6 +45,9 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
   rows = [json.loads(line) for line in results.read_text().splitlines()]
   steps = {r["case"].partition("/")[2]: r for r in rows if r["metric"] == "step_ms_median"}
   assert set(steps) == set(models.UNIFORM) | set(models.MIXED)
+  for r in steps.values():  # timed round-robin (--rounds 3 by default): the median of the rounds
+    assert len(r["rounds"]) == 3 and r["value"] == sorted(r["rounds"])[1]
+    assert r["spread_ms"] == pytest.approx(max(r["rounds"]) - min(r["rounds"]))
   assert {r["operands"] for r in rows if r["metric"] == "predicted_step_ms"} == {"fp32", "precast"}
 
   recorded = tmp_path / "recorded.jsonl"
