@@ -12,12 +12,15 @@ correction), then for every evaluation plan (uniform and mixed, never fp32) comp
 The baseline of the ratio column is the measured step time (ratio = predicted / measured).
 Targets (DESIGN §5.3): mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), memory within 10 %.
 
-With ``--reanchor`` the fp32 step is also re-timed next to each evaluation plan and the error
-is reported a second time with the remainder refitted to that timing: on a shared CPU host the
-same fp32 step has measured 49–67 ms in different minutes, and the one fit timing carries that
-drift into every prediction. Both errors are printed and saved; fp32 stays the only fit plan.
+The plans (fp32 included) are compiled first and timed round-robin over ``--rounds`` rounds
+(``planners.step.time_train_steps_interleaved``: the median of the round medians), so that
+slow drift of the host falls on every plan alike. With ``--refit`` the error is reported a
+second time with the profile's remainder refitted to the fp32 step timed among the plans
+(``planners.replay.refit_remainder``; fp32 stays the only fit plan): on a shared CPU host the
+same fp32 step has measured 49–67 ms in different minutes, and the profile's one fit timing
+carries that drift into every prediction.
 
-  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats 20] [--reanchor]
+  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats 20] [--rounds 3] [--refit] [--precast]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from result_rows import append_rows, result_row
 
 from planners import step
 from planners.profiler import measure_profile, with_precast_policies
-from planners.replay import predict
+from planners.replay import predict, refit_remainder
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
@@ -121,7 +124,7 @@ def row_json(model, case, metric, value, baseline, device):
   return result_row("predictor", f"{model}/{case}", metric, value, baseline, device)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["mlp", "lm", "vgg"])
   ap.add_argument("--repeats", type=int, default=20, help="timed repeats of each step (median)")
@@ -133,11 +136,17 @@ def main():
     "time — on a CPU host shared with other work, wall on accelerators)",
   )
   ap.add_argument("--no-save", action="store_true")
+  ap.add_argument("--results", default=RESULTS, help=f"JSON lines file to append to (default {RESULTS})")
   ap.add_argument(
-    "--reanchor",
+    "--rounds",
+    type=int,
+    default=3,
+    help="time the plans round-robin over this many rounds (median of rounds)",
+  )
+  ap.add_argument(
+    "--refit",
     action="store_true",
-    help="also re-time the fp32 step next to each evaluation plan and report the error with the "
-    "remainder refitted to it (a noisy host's drift between the profile and the evaluation)",
+    help="also report the error with the remainder refitted to the fp32 step timed among the plans",
   )
   ap.add_argument(
     "--precast",
@@ -145,10 +154,10 @@ def main():
     help="also predict from the profile with its whole-policy programs re-timed with their activations "
     "precast (planners.profiler.with_precast_policies; the default on GPUs)",
   )
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   device = jax.devices()[0].device_kind
   clock = args.clock or ("cpu" if jax.devices()[0].platform == "cpu" else "wall")
-  rows, out, reanchored, precast_errors = [], [], [], []
+  rows, out, refitted, precast_errors = [], [], [], []
   for model in args.models:
     task, batch_size = get_model(model)
     t0 = time.perf_counter()
@@ -159,51 +168,56 @@ def main():
     precast = with_precast_policies(prof, repeats=args.profile_repeats) if args.precast else None
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
     batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
-    for case, policy in {"fp32 (fit)": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}.items():
-      pred = predict(cluster, {prof.device_type: prof}, Plan(policies={"all": policy}))
-      try:
-        if args.reanchor and "(fit)" not in case:
-          # one device, no comm: the step replays as a sum, so refitting the remainder to an fp32
-          # step timed now shifts the prediction by the fp32 step's drift since the profile
-          fp32_now = step.time_train_step(
-            task, PrecisionPolicy.uniform("fp32"), batch, args.repeats, clock=clock
-          )[0]
-          drift = fp32_now - prof.meta["fp32_step_ms"]
-        meas, samples, peak = step.time_train_step(task, policy, batch, args.repeats, clock=clock)
-      except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 x bf16 -> f32 dot
-        print(f"{model:5s} {case:26s} cannot run on this backend: {str(e).splitlines()[0][:100]}", flush=True)
-        continue
-      spread = (np.percentile(samples, 75) - np.percentile(samples, 25)) / np.median(samples)
+    cases = {"fp32 (fit)": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}
+    timed = step.time_train_steps_interleaved(
+      task,
+      cases,
+      batch,
+      args.repeats,
+      args.rounds,
+      clock=clock,
+      progress=lambda msg, model=model: print(f"# {model}: {msg}", flush=True),
+      skip=(jax.errors.JaxRuntimeError,),  # e.g. XLA:CPU has no batched bf16 x bf16 -> f32 dot
+    )
+    fitted = None
+    if args.refit and "fp32 (fit)" in timed:
+      fitted = refit_remainder(cluster, prof, timed["fp32 (fit)"][0])
+    for case, (meas, round_medians, peak) in timed.items():
+      plan = Plan(policies={"all": cases[case]})
+      pred = predict(cluster, {prof.device_type: prof}, plan)
+      spread = (max(round_medians) - min(round_medians)) / meas
       mem = pred.memory_bytes["all"]
       err_t, err_m = (pred.step_ms - meas) / meas, (mem - peak) / peak if peak else float("nan")
       rows.append((model, case, pred.step_ms, meas, spread, err_t, mem / 1e6, (peak or 0) / 1e6, err_m))
       print(
-        f"{model:5s} {case:26s} pred {pred.step_ms:8.2f} ms  meas {meas:8.2f} ms (IQR {100 * spread:4.1f} %)  "
+        f"{model:5s} {case:26s} pred {pred.step_ms:8.2f} ms  meas {meas:8.2f} ms (rounds spread {100 * spread:4.1f} %)  "
         f"err {100 * err_t:+6.1f} %   mem pred {mem / 1e6:7.2f} MB  xla {(peak or 0) / 1e6:7.2f} MB  "
         f"err {100 * err_m:+6.1f} %",
         flush=True,
       )
-      if precast is not None and "(fit)" not in case:
-        pred_pc = predict(cluster, {prof.device_type: precast}, Plan(policies={"all": policy})).step_ms
+      if "(fit)" in case:
+        continue
+      if precast is not None:
+        pred_pc = predict(cluster, {prof.device_type: precast}, plan).step_ms
         precast_errors.append(abs(pred_pc - meas) / meas)
         print(
           f"      precast pred {pred_pc:8.2f} ms, err {100 * (pred_pc - meas) / meas:+6.1f} %", flush=True
         )
         out.append(row_json(model, case, f"step_ms_{clock}_clock_precast", pred_pc, meas, device))
-      if "(fit)" not in case:
-        out.append(row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device))
-        out.append(row_json(model, case, "peak_bytes", mem, peak, device))
-        if args.reanchor:
-          anchored = pred.step_ms + drift
-          reanchored.append(abs(anchored - meas) / meas)
-          print(
-            f"      fp32 now {fp32_now:8.2f} ms (drift {drift:+.2f}): reanchored pred {anchored:8.2f} ms, err {100 * (anchored - meas) / meas:+6.1f} %",
-            flush=True,
-          )
-          out.append(
-            row_json(model, case, f"step_ms_{clock}_clock_reanchored", anchored, meas, device)
-            | {"fp32_drift_ms": drift}
-          )
+      out.append(
+        row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device)
+        | {"rounds": round_medians}
+      )
+      out.append(row_json(model, case, "peak_bytes", mem, peak, device))
+      if fitted is not None:
+        pred_fit = predict(cluster, {prof.device_type: fitted}, plan).step_ms
+        refitted.append(abs(pred_fit - meas) / meas)
+        print(
+          f"      refitted to the fp32 step timed among the plans: pred {pred_fit:8.2f} ms, "
+          f"err {100 * (pred_fit - meas) / meas:+6.1f} %",
+          flush=True,
+        )
+        out.append(row_json(model, case, f"step_ms_{clock}_clock_refit", pred_fit, meas, device))
   evals = [r for r in rows if "(fit)" not in r[1]]
   t_err = np.abs([r[5] for r in evals])
   m_err = np.abs([r[8] for r in evals])
@@ -219,10 +233,10 @@ def main():
     f"median {100 * np.median(t_err):.1f} %, max {100 * t_err.max():.1f} %; memory |error| mean "
     f"{100 * m_err.mean():.1f} %, max {100 * m_err.max():.1f} %"
   )
-  if reanchored:
+  if refitted:
     print(
-      f"reanchored to an fp32 step timed next to each plan: step-time |error| mean "
-      f"{100 * np.mean(reanchored):.1f} %, median {100 * np.median(reanchored):.1f} %, max {100 * np.max(reanchored):.1f} %"
+      f"refitted to the fp32 step timed among the plans: step-time |error| mean "
+      f"{100 * np.mean(refitted):.1f} %, median {100 * np.median(refitted):.1f} %, max {100 * np.max(refitted):.1f} %"
     )
   if precast_errors:
     print(
@@ -240,14 +254,12 @@ def main():
           "all", "mean_abs_step_error_precast", "abs_rel_error", float(np.mean(precast_errors)), None, device
         )
       )
-    if reanchored:
+    if refitted:
       summary.append(
-        row_json(
-          "all", "mean_abs_step_error_reanchored", "abs_rel_error", float(np.mean(reanchored)), None, device
-        )
+        row_json("all", "mean_abs_step_error_refit", "abs_rel_error", float(np.mean(refitted)), None, device)
       )
-    append_rows(RESULTS, out + summary)
-    print(f"appended {len(out) + len(summary)} rows to {RESULTS}")
+    append_rows(args.results, out + summary)
+    print(f"appended {len(out) + len(summary)} rows to {args.results}")
 
 
 if __name__ == "__main__":

@@ -161,17 +161,24 @@ def time_train_steps_interleaved(
   rounds: int,
   clock: str = "wall",
   progress: Callable[[str], None] | None = None,
+  skip: tuple[type[Exception], ...] = (),
 ) -> dict[str, tuple[float, list[float], int | None]]:
   """``{name: (ms, round medians, xla peak bytes)}``: every policy's step compiled first, then
   timed round-robin, ``repeats`` steps of each per round over ``rounds`` rounds; ``ms`` is the
   median of the round medians. Slow drift of the host or the GPU (clocks, temperature, other
-  work) falls on every policy alike instead of on whichever was timed when it happened."""
+  work) falls on every policy alike instead of on whichever was timed when it happened.
+  A policy whose step raises one of ``skip`` when compiled is left out (and reported)."""
   runs = {}
   for name, policy in policies.items():
-    runs[name] = compiled_train_step(task, policy, batch)
+    try:
+      runs[name] = compiled_train_step(task, policy, batch)
+    except skip as e:
+      if progress:
+        progress(f"{name} cannot run on this backend: {str(e).splitlines()[0][:100]}")
+      continue
     if progress:
       progress(f"compiled {name}")
-  medians: dict[str, list[float]] = {name: [] for name in policies}
+  medians: dict[str, list[float]] = {name: [] for name in runs}
   for r in range(rounds):
     for name, (run, _) in runs.items():
       medians[name].append(timed_ms(run, repeats, clock=clock)[0])

@@ -1,0 +1,25 @@
+"""``benchmarks/predictor.py`` end to end on the CPU with the small mlp (tiny repeats: the
+numbers are noise; the test checks what is timed, fitted and written)."""
+
+import json
+
+import predictor
+import pytest
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the timed steps
+def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path, capsys):
+  results = tmp_path / "predictor.jsonl"
+  argv = ["--models", "mlp", "--repeats", "2", "--rounds", "2", "--profile-repeats", "2", "--refit"]
+  predictor.main([*argv, "--results", str(results)])
+  rows = [json.loads(line) for line in results.read_text().splitlines()]
+  as_profiled = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock"}
+  refit = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock_refit"}
+  evaluated = {f"mlp/{case}" for case in predictor.plans(["Dense_0:dense", "Dense_1:dense"])}
+  assert set(as_profiled) == set(refit) == evaluated  # fp32 is the fit, never evaluated
+  for case, r in as_profiled.items():
+    assert len(r["rounds"]) == 2 and r["baseline"] == pytest.approx(sum(r["rounds"]) / 2)
+    assert refit[case]["baseline"] == r["baseline"]  # the same measured step, two predictions
+  summary = {r["case"] for r in rows if r["metric"] == "abs_rel_error"}
+  assert summary == {"all/mean_abs_step_error", "all/mean_abs_memory_error", "all/mean_abs_step_error_refit"}
+  assert "refitted to the fp32 step timed among the plans" in capsys.readouterr().out
