@@ -175,7 +175,8 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
   step those conversions run fused into neighbouring elementwise kernels, while a standalone
   program runs them as kernels of their own (on an H100 the bf16 programs of a BERT-base-wide
   LM summed to 1.8× the step's bf16 products, ``docs/results.md``). The weight stays fp32
-  (its conversion is a kernel in the step too)."""
+  (its conversion is a kernel in the step too). Convolutions likewise (their BatchNorm and
+  ReLU neighbours convert; not yet checked against a GPU step)."""
   ls, rs, dims, _, _ = leg_operands("fwd", batch, m, k, n)
   einsum = ATTENTION_EINSUMS.get(op.kind) if op is not None and op.lhs_shape else None
   if einsum:
@@ -189,7 +190,7 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
   lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
   key = jax.random.key(seed + 1)
 
-  in_dtype, out_dtype = precast_dtypes(op_policy) if precast and not conv else (None, None)
+  in_dtype, out_dtype = precast_dtypes(op_policy) if precast else (None, None)
   if in_dtype is not None:
     lhs = lhs.astype(in_dtype)
     rhs = rhs.astype(in_dtype) if einsum else rhs
@@ -200,7 +201,14 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
     if conv:
       strides, padding = conv
       return quantized_conv_general_dilated(
-        a, b, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"), op_policy=op_policy, key=key
+        a,
+        b,
+        strides,
+        padding,
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        op_policy=op_policy,
+        key=key,
+        out_dtype=out_dtype or jnp.float32,
       )
     return quantized_dot_general(a, b, dims, op_policy, key, out_dtype=out_dtype)
 

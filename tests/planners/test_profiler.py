@@ -116,16 +116,20 @@ def test_profile_json_round_trip_and_errors(tmp_path):
 
 @pytest.mark.parametrize(
   ("kind", "lhs_shape", "rhs_shape"),
-  [("dense", (2, 8, 16), (16, 32)), ("attention_qk", (2, 8, 4, 16), (2, 8, 4, 16))],
+  [
+    ("dense", (2, 8, 16), (16, 32)),
+    ("attention_qk", (2, 8, 4, 16), (2, 8, 4, 16)),
+    ("conv", (2, 8, 8, 16), (3, 3, 16, 32)),  # 3x3, stride 1, SAME: its real geometry runs
+  ],
 )
 def test_policy_programs_precast_hands_ops_their_activations_in_the_dtypes_the_step_converts_to(
   kind, lhs_shape, rhs_shape
 ):
-  out_elems = 2 * 8 * 32 if kind == "dense" else 2 * 4 * 8 * 8
+  out_elems = {"dense": 2 * 8 * 32, "attention_qk": 2 * 4 * 8 * 8, "conv": 2 * 8 * 8 * 32}[kind]
   op = OpShape(
     "op", kind, 1, 2, 8, 16, 32, math.prod(lhs_shape), math.prod(rhs_shape), out_elems, lhs_shape, rhs_shape
   )
-  attention = kind != "dense"
+  attention = kind == "attention_qk"
   for preset, precast, want_in, want_out in (
     ("bf16", True, jnp.bfloat16, jnp.bfloat16),
     ("bf16", False, jnp.float32, jnp.float32),  # as profiled by default: fp32 operands, casts in the program
