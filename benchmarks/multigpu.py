@@ -150,12 +150,27 @@ def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync
   return ts, ts.init(0, next(task.train_batches(cluster.global_batch, 0))), batches
 
 
+def pipelined_step_s(step, state, batches, steps: int):
+  """``(s per step, last state)`` of ``steps`` steps dispatched back to back and waited for
+  once, as a training loop runs them: the host's dispatch of one step overlaps the devices'
+  work on the one before, which ``time_steps`` (one wait per step) does not allow."""
+  state, _ = step(state, batches[0])
+  jax.block_until_ready(state)
+  t0 = time.perf_counter()
+  for i in range(steps):
+    state, _ = step(state, batches[i % len(batches)])
+  jax.block_until_ready(state)
+  return (time.perf_counter() - t0) / steps, state
+
+
 def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
   """``(median s, IQR s, collectives)`` of the trainer's step, with the first GPU's kernels
-  (``kernel``: a ``steptrace.KernelSummary``, None without a GPU)."""
+  (``kernel``: a ``steptrace.KernelSummary``, None without a GPU) and the step's time when
+  steps are dispatched back to back (``pipelined_s``, ``pipelined_step_s``)."""
   ts, state, batches = build_case(task, n, batch, policy, sync_name)
   coll = collective_summary(ts.step, state, batches[0], dump=dump)
   med, iqr, state = time_steps(ts.step, state, batches, steps)
+  coll["pipelined_s"], state = pipelined_step_s(ts.step, state, batches, steps)
   coll["kernel"] = step_kernels(ts.step, state, batches[0])
   return med, iqr, coll
 
@@ -365,15 +380,16 @@ def run_worker(args) -> int:
   task = make_lm(args)
   n = jax.device_count()
   for name in args.policies:
-    med, iqr, _ = trainer_case(task, n, args.batch, policies()[name], "fp32", args.steps)
+    med, iqr, coll = trainer_case(task, n, args.batch, policies()[name], "fp32", args.steps)
     if jax.process_index() == 0:
-      print(json.dumps({"policy": name, "median_s": med, "iqr_s": iqr, "devices": n}), flush=True)
+      out = {"policy": name, "median_s": med, "iqr_s": iqr, "pipelined_s": coll["pipelined_s"], "devices": n}
+      print(json.dumps(out), flush=True)
   jax.distributed.shutdown()
   return 0
 
 
-def multiprocess_steps(args, n: int) -> dict[str, tuple[float, float]]:
-  """``{policy: (median s, IQR s)}`` of the scaling policies run as ``n`` ``jax.distributed``
+def multiprocess_steps(args, n: int) -> dict[str, tuple[float, float, float]]:
+  """``{policy: (median s, IQR s, pipelined s)}`` of the scaling policies run as ``n`` ``jax.distributed``
   processes of one GPU each (``CUDA_VISIBLE_DEVICES``); empty if the run fails or times out."""
   flags = ["--d-model", args.d_model, "--heads", args.heads, "--layers", args.layers, "--seq", args.seq]
   flags += ["--batch", args.batch, "--steps", args.steps, "--world", n, "--port", args.port + n]
@@ -397,7 +413,7 @@ def multiprocess_steps(args, n: int) -> dict[str, tuple[float, float]]:
     print(f"{n}-process run failed: return codes {[p.returncode for p in procs]}")
     return {}
   lines = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
-  return {r["policy"]: (r["median_s"], r["iqr_s"]) for r in lines}
+  return {r["policy"]: (r["median_s"], r["iqr_s"], r["pipelined_s"]) for r in lines}
 
 
 def make_lm(args):
@@ -498,6 +514,9 @@ def main(argv=None) -> int:
         row(f"scaling/{name}/n{n}", "step_time_ms_median", med * 1e3, base * 1e3, device, iqr_ms=iqr * 1e3)
       )
       emit(row(f"scaling/{name}/n{n}", "weak_scaling_efficiency", base / med, 1.0, device))
+      pipelined = coll["pipelined_s"]
+      print(f"{'':<8} {'':>7} dispatched back to back: {pipelined * 1e3:.2f} ms/step")
+      emit(row(f"scaling/{name}/n{n}", "step_time_ms_pipelined", pipelined * 1e3, med * 1e3, device))
       if n > 1:
         a = coll["async"]
         print(
@@ -587,13 +606,14 @@ def main(argv=None) -> int:
   # 4. one process per device through jax.distributed
   measured_mp = {}  # (policy, devices) -> median step s, one process per device
   for n in (n for n in args.processes if 1 < n <= total):
-    for name, (med, iqr) in multiprocess_steps(args, n).items():
+    for name, (med, iqr, pipelined) in multiprocess_steps(args, n).items():
       measured_mp[(name, n)] = med
       single = measured.get((name, n))
       print(
-        f"{name:<10} {n} processes x 1 device: {med * 1e3:.2f} ({iqr * 1e3:.2f}) ms/step; single process: "
-        + ("-" if single is None else f"{single * 1e3:.2f} ms")
+        f"{name:<10} {n} processes x 1 device: {med * 1e3:.2f} ({iqr * 1e3:.2f}) ms/step, back to back "
+        f"{pipelined * 1e3:.2f}; single process: " + ("-" if single is None else f"{single * 1e3:.2f} ms")
       )
+      emit(row(f"multiprocess/{name}/p{n}", "step_time_ms_pipelined", pipelined * 1e3, med * 1e3, device))
       emit(
         row(
           f"multiprocess/{name}/p{n}",
