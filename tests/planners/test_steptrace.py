@@ -125,9 +125,10 @@ def test_replay_adds_the_relayout_where_the_policy_reruns_the_producer():
 
 
 def test_refuses_producer_on_this_stack():
-  # the behaviour the relayout charge rests on (XLA:CPU): an fp32 op saves its produced input
-  # itself, so the relayout for its drhs re-runs the producer; a bf16 op's saved copy is
-  # materialized and relaid out instead
+  # the behaviour the relayout charge rests on (XLA:CPU): an op whose custom_vjp saves its
+  # fp32 produced input itself makes the relayout for its drhs re-run the producer; a bf16
+  # op's saved copy is materialized and relaid out instead. An all-fp32 op runs as a plain
+  # dot_general differentiated by JAX, and XLA then saves a relaid-out copy too.
   from planners.op_programs import refuses_producer
   from qsync_jax.qdot import quantized_dot_general
 
@@ -138,10 +139,12 @@ def test_refuses_producer_on_this_stack():
   g = jnp.asarray(rng.normal(size=(batch, 8 * tokens, 16)), jnp.float32)
   dims = (((2,), (0,)), ((), ()))
 
-  def under(preset):
-    return lambda a, b, key: quantized_dot_general(a, b, dims, OpPolicy.preset(preset), key)
+  def under(policy):
+    policy = OpPolicy.preset(policy) if isinstance(policy, str) else policy
+    return lambda a, b, key: quantized_dot_general(a, b, dims, policy, key)
 
-  assert refuses_producer(under("fp32"), lhs, rhs, None, g)
+  assert refuses_producer(under(OpPolicy(fwd="fp32", dlhs="fp32", drhs="bf16")), lhs, rhs, None, g)
+  assert not refuses_producer(under("fp32"), lhs, rhs, None, g)
   assert not refuses_producer(under("bf16"), lhs, rhs, None, g)
 
 
