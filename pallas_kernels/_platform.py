@@ -6,6 +6,7 @@ import contextlib
 import functools
 
 import jax
+from jax import lax
 
 
 @functools.cache
@@ -39,8 +40,6 @@ def vma(x) -> frozenset:
 
 def pvary(x, axes):
   """``x`` typed varying over ``axes`` too (no-op on values)."""
-  from jax import lax
-
   axes = tuple(a for a in axes if a not in vma(x))
   if not axes:
     return x
