@@ -171,11 +171,11 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
   coll = collective_summary(ts.step, state, batches[0], dump=dump)
   med, iqr, state = time_steps(ts.step, state, batches, steps)
   coll["pipelined_s"], state = pipelined_step_s(ts.step, state, batches, steps)
-  coll["kernel"] = step_kernels(ts.step, state, batches[0])
+  coll["kernel"] = first_gpu_kernels(ts.step, state, batches[0])
   return med, iqr, coll
 
 
-def step_kernels(step, state, batch, repeats: int = 5):
+def first_gpu_kernels(step, state, batch, repeats: int = 5):
   """The ``steptrace.KernelSummary`` of ``step``'s kernels on the first GPU (with its
   collectives' kernels, which run on a stream of their own); None without a GPU."""
   box = [state]

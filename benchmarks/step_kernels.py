@@ -45,19 +45,14 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results", "step_kernels.jsonl
 
 def step_kernels(task, policy, batch, repeats: int, traced: int = 5):
   """``(wall median ms, IQR ms, KernelSummary | None)`` of the jitted training step."""
-  optimizer = step.default_optimizer()
-  variables = step.init_variables(task, batch, 0)
-  state = [variables, optimizer.init(variables["params"])]
-  key = jax.random.key(0)
-  compiled = step.make_train_step(task, policy, optimizer).lower(*state, batch, key).compile()
+  run, _ = step.compiled_train_step(task, policy, batch)
 
-  def run():
-    state[0], state[1], loss = compiled(state[0], state[1], batch, key)
-    jax.block_until_ready(loss)
+  def blocked():
+    jax.block_until_ready(run())
 
-  med, samples = step.timed_ms(run, repeats)
+  med, samples = step.timed_ms(blocked, repeats)
   iqr = float(np.percentile(samples, 75) - np.percentile(samples, 25))
-  return med, iqr, gpu_kernels(run, traced)
+  return med, iqr, gpu_kernels(blocked, traced)
 
 
 def op_program_rows(task, batch_size: int, policies, n_ops: int, device: str, traced: int = 5) -> list[dict]:
