@@ -16,13 +16,15 @@ layers, seq 256, batch 16) on the Python standard-library corpus. Policies:
   indicator at the model's initial weights (enough to rank ops for a timing run; the
   accuracy results in ``docs/results.md`` use trained weights).
 
-For each policy: the measured median step (jitted single-device training step fed its own
-donated outputs; the policies timed round-robin over ``--rounds`` rounds, the median of the
-round medians, with their spread — max − min; ``--rounds 1``: one after another, with the IQR),
-its ratio to bf16 measured in the same run, and the replay's
+For each policy and clock (``--clocks``): the measured median step (jitted single-device
+training step fed its own donated outputs; the policies compiled first, then timed round-robin
+over ``--rounds`` rounds, the median of the round medians, with their spread — max − min), its
+ratio to bf16 measured in the same run, and the replay's
 predicted step from a profile measured first in the same run (op legs standalone, casts,
-optimizer; the fp32 step is the only plan the profile fits anything to). Rows go to
-``benchmarks/results/models.jsonl``.
+optimizer; the fp32 step is the only plan the profile fits anything to; with ``--refit``, refitted
+to the fp32 step on each clock). Clocks: ``wall`` waits for every step (rows ``step_ms_median``);
+``pipelined`` dispatches them back to back as the trainer does (rows ``step_ms_pipelined``) — on
+a GPU the step a training run sees. Rows go to ``benchmarks/results/models.jsonl``.
 
   python -u benchmarks/models.py [--models resnet18_224 lm_base] [--repeats 20] [--results PATH]
                                  [--steps-only]
@@ -88,28 +90,24 @@ def qsync_policy(task, prof, batch_size: int, say) -> PrecisionPolicy:
   return alloc.plan.policies["inference"]
 
 
-def measure_step(task, policy, batch, repeats) -> tuple[float, float, int | None]:
-  """``(median ms, IQR ms, XLA peak bytes)`` of the jitted single-device training step."""
-  meas, samples, peak = step.time_train_step(task, policy, batch, repeats)
-  return meas, float(np.percentile(samples, 75) - np.percentile(samples, 25)), peak
+STEP_METRICS = {"wall": "step_ms_median", step.PIPELINED_CLOCK: "step_ms_pipelined", "cpu": "step_ms_cpu"}
+"""The metric of a step timed on each clock (``planners.step``): ``wall`` waits for every step,
+``pipelined`` dispatches them back to back as the trainer does."""
 
 
-def steps_from(path: str, run: str, model: str) -> tuple[dict, str]:
-  """``({policy: (median ms, spread or IQR ms, None)}, device)`` of ``model``'s step rows of ``run`` (all
-  but the qsync plan's, which is not rebuilt offline) in the results file ``path`` (XLA's peak is not in those rows)."""
+def steps_from(path: str, run: str, model: str, clock: str = "wall") -> tuple[dict, str]:
+  """``({policy: (median ms, spread or IQR ms, None)}, device)`` of ``model``'s steps on ``clock`` in
+  the rows of ``run`` (all but the qsync plan's, which is not rebuilt offline) in the results
+  file ``path`` (XLA's peak is not in those rows); empty if ``run`` has no steps on that clock."""
   found, device = {}, None
   with open(path) as f:
     for line in f:
       r = json.loads(line)
       name = r["case"].partition("/")[2]
-      if r.get("run") == run and r["case"].startswith(f"{model}/") and r["metric"] == "step_ms_median":
+      if r.get("run") == run and r["case"].startswith(f"{model}/") and r["metric"] == STEP_METRICS[clock]:
         if name != "qsync":
           spread = r.get("spread_ms", r.get("iqr_ms", float("nan")))
           found[name], device = (r["value"], spread, None), r["device"]
-  if not found:
-    raise SystemExit(
-      f"{path}: no step rows of {model!r} in run {run!r}. Fix: pass a run tag those rows carry."
-    )
   return found, device
 
 
@@ -141,6 +139,14 @@ def main(argv=None) -> int:
     default=3,
     help="time the policies round-robin over this many rounds (median of the round medians; the "
     "spread column is their max - min), so that drift falls on every policy alike; 1: one after another",
+  )
+  ap.add_argument(
+    "--clocks",
+    nargs="+",
+    choices=sorted(STEP_METRICS),
+    default=["wall", step.PIPELINED_CLOCK],
+    help="clocks the steps are timed on (planners.step; default: wall — every step waited for — and "
+    "pipelined — steps dispatched back to back, as the trainer runs them); each is predicted on its own",
   )
   ap.add_argument("--profile-repeats", type=int, default=5)
   ap.add_argument("--batch", type=int, help="override the model's per-device batch")
@@ -190,42 +196,48 @@ def main(argv=None) -> int:
     task, batch_size = get_model(model)
     batch_size = args.batch or batch_size
     batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
-    measured = {}
+    measured = {clock: {} for clock in args.clocks}  # clock -> policy -> (ms, spread ms, XLA peak)
 
-    def record(name, policy, meas, spread, peak, **extra):
-      measured[name] = (meas, spread, peak)  # noqa: B023
-      extra |= {"batch": batch_size, "policy": policy.to_json() if name == "qsync" else name}  # noqa: B023
-      emit(row(model, name, "step_ms_median", meas, measured.get("bf16", (None,))[0], device, **extra))  # noqa: B023
+    def measure(policies):
+      """Times ``policies`` round-robin on every clock and records their rows."""
+      timed = step.time_train_steps_interleaved(
+        task,  # noqa: B023
+        policies,
+        batch,  # noqa: B023
+        args.repeats,
+        args.rounds,
+        clocks=args.clocks,
+        progress=lambda msg: say(f"{model} {msg}"),  # noqa: B023
+      )
+      for clock, by_name in timed.items():
+        for name, (ms, round_medians, peak) in by_name.items():
+          spread = max(round_medians) - min(round_medians)
+          measured[clock][name] = (ms, spread, peak)  # noqa: B023
+          bf16 = measured[clock].get("bf16", (None,))[0]  # noqa: B023
+          extra = {"batch": batch_size, "rounds": round_medians, "spread_ms": spread, "clock": clock}  # noqa: B023
+          extra["policy"] = policies[name].to_json() if name == "qsync" else name
+          emit(row(model, name, STEP_METRICS[clock], ms, bf16, device, **extra))  # noqa: B023
 
-    def measure(name, policy):
-      meas, iqr, peak = measure_step(task, policy, batch, args.repeats)  # noqa: B023
-      say(f"{model} {name}: {meas:.2f} ms (IQR {iqr:.2f})")  # noqa: B023
-      record(name, policy, meas, iqr, peak, iqr_ms=iqr)
-
-    # step times first: they are the point of the run, and do not depend on the profile
     op_names = [o.name for o in task_ops(task, batch_size)[2]]
     policies = evaluation_policies(op_names, args.mixed or bool(args.steps_from))
     if args.steps_from:
-      measured, device = steps_from(args.results, args.steps_from, model)
-      policies = {name: policies[name] for name in measured}
-    if args.rounds > 1 and not args.steps_from:
-      timed = step.time_train_steps_interleaved(
-        task,
-        policies,
-        batch,
-        args.repeats,
-        args.rounds,
-        progress=lambda msg, model=model: say(f"{model} {msg}"),
-      )
-      for name, (meas, round_medians, peak) in timed.items():
-        spread = max(round_medians) - min(round_medians)
-        record(name, policies[name], meas, spread, peak, rounds=round_medians, spread_ms=spread)
-    else:
-      for name, policy in policies.items() if not args.steps_from else ():
-        measure(name, policy)
+      for clock in args.clocks:
+        measured[clock], dev = steps_from(args.results, args.steps_from, model, clock)
+        device = dev or device
+      measured = {clock: steps for clock, steps in measured.items() if steps}
+      if not measured:
+        raise SystemExit(
+          f"{args.results}: no step rows of {model!r} in run {args.steps_from!r} on the clocks "
+          f"{', '.join(args.clocks)}. Fix: pass a run tag those rows carry."
+        )
+      policies = {name: policies[name] for name in next(iter(measured.values()))}
+    else:  # step times first: they are the point of the run, and do not depend on the profile
+      measure(policies)
     if args.steps_only:
       table += [
-        (model, name, "", meas, iqr, None, None, None, peak) for name, (meas, iqr, peak) in measured.items()
+        (model, name, clock, "", ms, spread, None, None, None, peak)
+        for clock, steps in measured.items()
+        for name, (ms, spread, peak) in steps.items()
       ]
       continue
     saved = os.path.join(args.profile_dir, f"{model}.json") if args.profile_dir else None
@@ -251,61 +263,52 @@ def main(argv=None) -> int:
         prof, saved, args.profile_repeats, lambda msg, model=model: say(f"{model} precast: {msg}")
       )
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
-    if args.refit:
-      fp32_ms = measured["fp32"][0]
-      variants = {v: refit_remainder(cluster, p, fp32_ms) for v, p in variants.items()}
-      say(f"{model}: remainder refitted to this run's fp32 step {fp32_ms:.2f} ms")
     if args.steps_from or args.no_plan:
       say(f"{model}: no qsync plan ({'--steps-from' if args.steps_from else '--no-plan'})")
     else:
       try:
         policies["qsync"] = qsync_policy(task, prof, batch_size, say)
-        measure("qsync", policies["qsync"])
+        measure({"qsync": policies["qsync"]})
       except Exception as e:  # noqa: BLE001 - report it; the uniform policies still count
         say(f"{model}: no qsync plan: {type(e).__name__}: {str(e)[:300]}")
-    for variant, vprof in variants.items():
-      tags = {"operands": variant, **({"refit": True} if args.refit else {})}
-      for name, (meas, iqr, peak) in measured.items():
-        pred = predict(cluster, {vprof.device_type: vprof}, Plan(policies={"all": policies[name]}))
-        err = (pred.step_ms - meas) / meas
-        mem = pred.memory_bytes["all"]
-        table.append((model, name, variant, meas, iqr, pred.step_ms, err, mem, peak))
-        emit(row(model, name, "predicted_step_ms", pred.step_ms, meas, device, **tags))
-        emit(row(model, name, "predicted_peak_bytes", mem, peak, device, **tags))
+    for clock, steps in measured.items():
+      for variant, vprof in variants.items():
+        if args.refit:
+          vprof = refit_remainder(cluster, vprof, steps["fp32"][0])
+          say(f"{model}: {variant} remainder refitted to this run's fp32 step on the {clock} clock")
+        tags = {"operands": variant, "clock": clock, **({"refit": True} if args.refit else {})}
+        for name, (meas, spread, peak) in steps.items():
+          pred = predict(cluster, {vprof.device_type: vprof}, Plan(policies={"all": policies[name]}))
+          err = (pred.step_ms - meas) / meas
+          mem = pred.memory_bytes["all"]
+          table.append((model, name, clock, variant, meas, spread, pred.step_ms, err, mem, peak))
+          emit(row(model, name, "predicted_step_ms", pred.step_ms, meas, device, **tags))
+          emit(row(model, name, "predicted_peak_bytes", mem, peak, device, **tags))
 
   print(
-    f"\n{'model':13s} {'policy':24s} {'operands':8s} {'meas ms':>8s} {'spread':>6s} {'bf16/x':>7s} {'pred ms':>8s} {'error':>7s} "
-    f"{'mem err':>7s}"
+    f"\n{'model':13s} {'policy':24s} {'clock':9s} {'operands':8s} {'meas ms':>8s} {'spread':>6s} {'bf16/x':>7s} "
+    f"{'pred ms':>8s} {'error':>7s} {'mem err':>7s}"
   )
-  for model, name, variant, meas, iqr, pms, err, mem, peak in table:
-    bf16 = next(m for mo, n, _, m, *_ in table if mo == model and n == "bf16")
+  for model, name, clock, variant, meas, spread, pms, err, mem, peak in table:
+    bf16 = next(m for mo, n, c, _, m, *_ in table if mo == model and n == "bf16" and c == clock)
+    head = f"{model:13s} {name:24s} {clock:9s} {variant:8s} {meas:8.2f} {spread:6.2f} {bf16 / meas:7.3f}"
     if pms is None:
-      print(f"{model:13s} {name:24s} {variant:8s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f}")
+      print(head)
       continue
     merr = f"{100 * (mem - peak) / peak:+6.1f}%" if peak else "   n/a"
-    print(
-      f"{model:13s} {name:24s} {variant:8s} {meas:8.2f} {iqr:6.2f} {bf16 / meas:7.3f} {pms:8.2f} {100 * err:+6.1f}% {merr}"
-    )
+    print(f"{head} {pms:8.2f} {100 * err:+6.1f}% {merr}")
   if args.steps_only:
     return 0
-  for variant in dict.fromkeys(r[2] for r in table):
-    errs = np.abs([r[6] for r in table if r[1] != "fp32" and r[2] == variant])  # fp32 fitted the remainder
+  for clock, variant in dict.fromkeys((r[2], r[3]) for r in table):
+    # fp32 fitted the remainder: not a prediction
+    errs = np.abs([r[7] for r in table if r[1] != "fp32" and r[2] == clock and r[3] == variant])
     print(
-      f"\npredictor on {device}, {variant} operands: mean |error| {100 * errs.mean():.1f} %, max "
-      f"{100 * errs.max():.1f} % over {len(errs)} runs (fp32, the plan the profile fits, excluded)"
+      f"\npredictor on {device}, {clock} clock, {variant} operands: mean |error| {100 * errs.mean():.1f} %, "
+      f"median {100 * np.median(errs):.1f} %, max {100 * errs.max():.1f} % over {len(errs)} runs (fp32, the plan "
+      "the profile fits, excluded)"
     )
-    emit(
-      row(
-        "all",
-        "mean_abs_step_error",
-        "abs_rel_error",
-        float(errs.mean()),
-        None,
-        device,
-        operands=variant,
-        **({"refit": True} if args.refit else {}),
-      )
-    )
+    tags = {"operands": variant, "clock": clock, **({"refit": True} if args.refit else {})}
+    emit(row("all", "mean_abs_step_error", "abs_rel_error", float(errs.mean()), None, device, **tags))
   return 0
 
 

@@ -53,6 +53,7 @@ from examples.registry import get_task
 from planners.link import measure_link
 from planners.profiler import Profile, measure_profile
 from planners.replay import predict, refit_remainder
+from planners.step import PIPELINED_CLOCK, timed_ms
 from planners.steptrace import gpu_kernels
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
@@ -152,15 +153,18 @@ def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync
 
 def pipelined_step_s(step, state, batches, steps: int):
   """``(s per step, last state)`` of ``steps`` steps dispatched back to back and waited for
-  once, as a training loop runs them: the host's dispatch of one step overlaps the devices'
-  work on the one before, which ``time_steps`` (one wait per step) does not allow."""
-  state, _ = step(state, batches[0])
-  jax.block_until_ready(state)
-  t0 = time.perf_counter()
-  for i in range(steps):
-    state, _ = step(state, batches[i % len(batches)])
-  jax.block_until_ready(state)
-  return (time.perf_counter() - t0) / steps, state
+  once, as a training loop runs them (``planners.step.PIPELINED_CLOCK``): the host's dispatch
+  of one step overlaps the devices' work on the one before, which ``time_steps`` (one wait per
+  step) does not allow."""
+  box = {"state": state, "i": 0}
+
+  def run():
+    box["state"], _ = step(box["state"], batches[box["i"] % len(batches)])
+    box["i"] += 1
+    return box["state"]
+
+  ms, _ = timed_ms(run, steps, warmup=1, clock=PIPELINED_CLOCK)
+  return ms / 1e3, box["state"]
 
 
 def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):

@@ -33,9 +33,11 @@ def add_arguments(parser) -> None:
   )
   parser.add_argument(
     "--clock",
-    choices=["wall", "cpu"],
-    default="wall",
-    help="wall time (default), or process CPU time: steadier on a CPU host shared with other work",
+    choices=["wall", "cpu", "pipelined"],
+    default=None,
+    help="clock of the fp32 step the remainder is fitted to: wall time; process CPU time (steadier on "
+    "a CPU host shared with other work); or pipelined — steps dispatched back to back, as `qsync "
+    "train` runs them (default: pipelined on a GPU, else wall)",
   )
   parser.add_argument(
     "--op-clock",

@@ -234,16 +234,17 @@ def measure_profile(
   progress: Callable[[str], None] | None = None,
   seed: int = 0,
   cast_sizes: Sequence[int] = (2**14, 2**16, 2**18, 2**20),
-  clock: str = "wall",
+  clock: str | None = None,
   op_clock: str | None = None,
   precast: bool | None = None,
   checkpoint: str | None = None,
 ) -> Profile:
   """Measures the profile of ``task`` at ``batch_per_device`` on the local device.
 
-  Every timing warms up, then takes the median of its repeats on ``clock`` (``wall``, or
-  ``cpu``: process CPU time, steadier on a CPU host shared with other work) — the fp32 step
-  always, and the standalone programs (op legs and policies, optimizer, casts) on
+  Every timing warms up, then takes the median of its repeats on ``clock`` (``wall``;
+  ``cpu``: process CPU time, steadier on a CPU host shared with other work; ``pipelined``: steps
+  dispatched back to back, as the trainer runs them; default ``step.default_step_clock()``:
+  pipelined on a GPU, else wall) — the fp32 step always, and the standalone programs (op legs and policies, optimizer, casts) on
   ``op_clock``: by default the device clock on a GPU (``step.DEVICE_CLOCK``: their kernel time,
   no dispatch overhead to subtract), else ``clock``. ``precast``: time the whole-policy
   programs with their activations in the dtypes the step converts them to
@@ -260,8 +261,8 @@ def measure_profile(
     precast = jax.devices()[0].platform == "gpu"
   precisions = tuple(precisions or supported_precisions(device_type))
   batch, variables, ops = task_ops(task, batch_per_device, seed)
-  step_clock = clock
-  clock, overhead = standalone_clock(op_clock, clock)  # from here on: the standalone programs
+  step_clock = clock or step.default_step_clock()
+  clock, overhead = standalone_clock(op_clock, step_clock)  # from here on: the standalone programs
   say(
     f"{len(ops)} quantizable ops; standalone programs on the {clock} clock, dispatch overhead {overhead:.3f} ms"
   )

@@ -25,8 +25,8 @@ def test_steps_from_reads_the_uniform_steps_of_one_run_and_model(tmp_path):
   assert device == "H100"
   assert set(found) == {"bf16", "fp32"}
   assert found["bf16"][:2] == (5.2, 0.04) and found["bf16"][2] is None  # no XLA peak in step rows
-  with pytest.raises(SystemExit, match="Fix: pass a run tag"):
-    models.steps_from(path, "r2", "lm_base")
+  assert models.steps_from(path, "r2", "lm_base") == ({}, None)
+  assert models.steps_from(path, "r1", "lm_base", "pipelined") == ({}, None)  # no such rows
 
 
 @pytest.mark.standard_promotion  # optax's Adam in the profiled fp32 step
@@ -45,12 +45,20 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
   rows = [json.loads(line) for line in results.read_text().splitlines()]
   steps = {r["case"].partition("/")[2]: r for r in rows if r["metric"] == "step_ms_median"}
   assert set(steps) == set(models.UNIFORM) | set(models.MIXED)
-  for r in steps.values():  # timed round-robin (--rounds 3 by default): the median of the rounds
+  pipelined = {r["case"].partition("/")[2]: r for r in rows if r["metric"] == "step_ms_pipelined"}
+  assert set(pipelined) == set(steps)  # both clocks by default
+  for r in [*steps.values(), *pipelined.values()]:  # round-robin (--rounds 3): the median of the rounds
     assert len(r["rounds"]) == 3 and r["value"] == sorted(r["rounds"])[1]
     assert r["spread_ms"] == pytest.approx(max(r["rounds"]) - min(r["rounds"]))
-  assert {r["operands"] for r in rows if r["metric"] == "predicted_step_ms"} == {"fp32", "precast"}
+  predicted = [r for r in rows if r["metric"] == "predicted_step_ms"]
+  assert {(r["operands"], r["clock"]) for r in predicted} == {
+    (v, c) for v in ("fp32", "precast") for c in ("wall", "pipelined")
+  }
+  for r in predicted:  # each clock's prediction is scored against that clock's step
+    want = (steps if r["clock"] == "wall" else pipelined)[r["case"].partition("/")[2]]["value"]
+    assert r["baseline"] == want
 
-  recorded = tmp_path / "recorded.jsonl"
+  recorded = tmp_path / "recorded.jsonl"  # the wall clock's steps only: the replay predicts those
   lines = [json.dumps({**r, "run": "r", "value": 10 * r["value"]}) + "\n" for r in steps.values()]
   recorded.write_text("".join(lines))
   replay = ["--models", "mlp", "--profile-dir", str(profiles), "--results", str(recorded)]
@@ -66,4 +74,9 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
     assert predicted[("fp32", operands)] == pytest.approx(10 * steps["fp32"]["value"], rel=1e-6)
   assert predicted[("int8", "fp32")] == predicted[("int8", "precast")]  # all-int8 is not precast
   summary = [r for r in rows if r["metric"] == "abs_rel_error" and r.get("run") == "replay-r"]
-  assert [(r["operands"], r["refit"]) for r in summary] == [("fp32", True), ("precast", True)]
+  assert [(r["operands"], r["clock"], r["refit"]) for r in summary] == [
+    ("fp32", "wall", True),
+    ("precast", "wall", True),
+  ]
+  with pytest.raises(SystemExit, match="no step rows of 'mlp' in run 'nope'.*Fix: pass a run tag"):
+    models.main([*replay, "--steps-from", "nope"])

@@ -1,0 +1,53 @@
+"""``planners.step``'s step timing: the pipelined clock and the round-robin timing of policies."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from planners import step
+from qsync_jax.policy import PrecisionPolicy
+from tests.planners import tiny
+
+
+def test_pipelined_clock_dispatches_every_call_and_waits_once():
+  """``repeats`` calls after the warm-up, back to back: no call waits for the one before, so a
+  host cost per call (here a 20 ms sleep) is counted once per call, and the one sample is the
+  mean per call."""
+  calls, waited = [], []
+
+  class Result:
+    """Stands in for a jax array: records when the timer blocks on it."""
+
+    def block_until_ready(self):
+      waited.append(len(calls))
+      return self
+
+  def fn():
+    calls.append(time.perf_counter())
+    time.sleep(0.02)
+    return Result()
+
+  ms, samples = step.timed_ms(fn, repeats=5, warmup=2, clock=step.PIPELINED_CLOCK)
+  assert len(calls) == 7 and samples == [ms]
+  assert waited == [1, 2, 7]  # each warm-up call, then only the last timed one
+  assert 20 <= ms < 40  # the mean per call of five 20 ms calls (generous above: a busy CI host)
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the training step
+def test_interleaved_steps_are_timed_on_every_clock_over_every_round():
+  task = tiny.mlp()
+  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(16, 0)))
+  policies = {"fp32": PrecisionPolicy.uniform("fp32"), "bf16": PrecisionPolicy.uniform("bf16")}
+  seen = []
+  out = step.time_train_steps_interleaved(
+    task, policies, batch, 3, 3, clocks=("wall", step.PIPELINED_CLOCK), progress=seen.append
+  )
+  assert set(out) == {"wall", step.PIPELINED_CLOCK}
+  for by_name in out.values():
+    assert set(by_name) == set(policies)
+    for ms, medians, peak in by_name.values():
+      assert len(medians) == 3 and ms == sorted(medians)[1] and ms > 0
+      assert peak is None or peak > 0
+  assert sum(m.startswith("round 3/3") for m in seen) == 2  # one progress line per clock
