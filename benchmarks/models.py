@@ -50,13 +50,7 @@ from benchmarks.predictor import get_model, plans  # noqa: E402  (run as a scrip
 from planners import step  # noqa: E402
 from planners.allocator import greedy, make_problem  # noqa: E402
 from planners.indicator import compute  # noqa: E402
-from planners.profiler import (  # noqa: E402
-  Profile,
-  measure_profile,
-  task_ops,
-  with_context_policies,
-  with_precast_policies,
-)
+from planners.profiler import Profile, measure_profile, task_ops, with_precast_policies  # noqa: E402
 from planners.replay import predict, refit_remainder  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
@@ -117,18 +111,15 @@ def steps_from(path: str, run: str, model: str, clock: str = "wall") -> tuple[di
   return found, device
 
 
-VARIANTS = {"precast": with_precast_policies, "context": with_context_policies}
-"""Re-costings of a profile's whole-policy programs (``planners.profiler``), by variant name."""
-
-
-def variant_profile(variant: str, prof, saved: str | None, repeats: int, progress):
-  """``prof`` re-costed by ``VARIANTS[variant]``: loaded from ``<saved>.<variant>.json`` if there,
-  else measured here and saved there."""
-  path = saved[: -len(".json")] + f".{variant}.json" if saved else None
+def precast_profile(prof, saved: str | None, repeats: int, progress):
+  """``prof`` with its whole-policy programs re-timed with their activations in the dtypes the
+  step converts them to (``with_precast_policies``): loaded from ``<saved>.precast.json`` if there, else
+  measured here and saved there."""
+  path = saved[: -len(".json")] + ".precast.json" if saved else None
   if path and os.path.exists(path):
     progress(f"profile {path}")
     return Profile.load(path)
-  out = VARIANTS[variant](prof, repeats=repeats, progress=progress)
+  out = with_precast_policies(prof, repeats=repeats, progress=progress)
   if path:
     out.save(path)
   return out
@@ -176,13 +167,6 @@ def main(argv=None) -> int:
     action="store_true",
     help="also predict with the whole-policy programs re-timed with their activations in the dtypes the "
     "step converts them to (planners.profiler.with_precast_policies; <model>.precast.json in "
-    "--profile-dir)",
-  )
-  ap.add_argument(
-    "--context",
-    action="store_true",
-    help="also predict with every whole-policy program re-costed between an elementwise producer and "
-    "consumer, relative to fp32 (planners.profiler.with_context_policies; <model>.context.json in "
     "--profile-dir)",
   )
   ap.add_argument(
@@ -274,11 +258,10 @@ def main(argv=None) -> int:
       os.makedirs(args.profile_dir, exist_ok=True)
       prof.save(saved)
     variants = {prof.meta.get("policy_operands", "fp32"): prof}  # a GPU profile measured now is precast
-    for variant in ("precast",) * args.precast + ("context",) * args.context:
-      if variant not in variants:
-        variants[variant] = variant_profile(
-          variant, prof, saved, args.profile_repeats, lambda msg, m=model, v=variant: say(f"{m} {v}: {msg}")
-        )
+    if args.precast and "precast" not in variants:
+      variants["precast"] = precast_profile(
+        prof, saved, args.profile_repeats, lambda msg, model=model: say(f"{model} precast: {msg}")
+      )
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
     if args.steps_from or args.no_plan:
       say(f"{model}: no qsync plan ({'--steps-from' if args.steps_from else '--no-plan'})")

@@ -135,33 +135,18 @@ def conv_geometry(op: OpShape):
 
 
 def measure_policy(
-  op_policy: OpPolicy,
-  batch,
-  m,
-  k,
-  n,
-  repeats=10,
-  overhead=0.0,
-  seed=0,
-  clock="wall",
-  op=None,
-  precast=False,
-  context=False,
+  op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", op=None, precast=False
 ):
   """``{"fwd": ms, "bwd": ms}`` of one op under a whole op policy, as one program each: the
-  forward alone, and forward + both gradients (``policy_programs``, ``precast`` there; with
-  ``context``, ``context_programs``); bwd = their difference. Captures what XLA does across
-  legs (layouts, fusing a dequantized residual into the next product), which standalone legs
-  miss."""
-  if context:
-    fwd_prog, fwd_bwd_prog = context_programs(op_policy, batch, m, k, n, seed, op)
-  else:
-    programs, fwd, (lhs, rhs, key, g) = policy_programs(op_policy, batch, m, k, n, seed, op, precast)
-    fwd_prog, fwd_bwd_prog = programs
+  forward alone, and forward + both gradients (``policy_programs``, ``precast`` there);
+  bwd = their difference. Captures what XLA does across legs (layouts, fusing a dequantized
+  residual into the next product), which standalone legs miss."""
+  programs, fwd, (lhs, rhs, key, g) = policy_programs(op_policy, batch, m, k, n, seed, op, precast)
+  fwd_prog, fwd_bwd_prog = programs
   t_fwd = step.timed_ms(fwd_prog, repeats, clock=clock)[0]
   t_all = step.timed_ms(fwd_bwd_prog, repeats, clock=clock)[0]
   out = {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
-  if jax.devices()[0].platform == "cpu" and not context:
+  if jax.devices()[0].platform == "cpu":
     out["refuses_producer"] = float(refuses_producer(fwd, lhs, rhs, key, g))
   return out
 
@@ -239,44 +224,6 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
     functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, g),
   )
   return programs, fwd, (lhs, rhs, key, g)
-
-
-def context_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None):
-  """``(forward, forward + both gradients)``: argument-free jitted programs of one op under
-  ``op_policy`` between an elementwise producer and consumer, as a product sits in a training
-  step — equivalent to::
-
-    def forward(x, w, r):            # x (and an attention product's w) fp32 activations
-      a = jax.nn.gelu(x + 0.5)       # the producer (an activation function)
-      y = op(a, w)                   # policy_programs' product under op_policy
-      return y.astype(f32) + r       # the consumer (a residual add)
-
-  and its ``jax.vjp`` in ``x`` and ``w`` on an fp32 output gradient. XLA may fuse an operand's
-  conversion or scaling into the producer, and an output's into the consumer, as it does in a
-  step and cannot in ``policy_programs``; ``planners.profiler.with_context_policies`` charges an
-  op the difference between this program under its policy and under fp32."""
-  _, fwd, (lhs, rhs, key, _) = policy_programs(op_policy, batch, m, k, n, seed, op)
-  attention = op is not None and op.lhs_shape and op.kind in ATTENTION_EINSUMS
-
-  def producer(x):
-    return jax.nn.gelu(x + 0.5)
-
-  def forward(a, b, r):
-    y = fwd(producer(a), producer(b) if attention else b, key)
-    return y.astype(jnp.float32) + r
-
-  k1, k2 = jax.random.split(jax.random.key(seed + 2))
-  shape = jax.eval_shape(forward, lhs, rhs, jax.ShapeDtypeStruct((), jnp.float32)).shape
-  r, g = (jax.random.normal(kk, shape, jnp.float32) for kk in (k1, k2))
-
-  def forward_backward(a, b, r, g):
-    y, vjp = jax.vjp(lambda a, b: forward(a, b, r), a, b)
-    return y, vjp(g)
-
-  return (
-    functools.partial(jax.jit(forward), lhs, rhs, r),
-    functools.partial(jax.jit(forward_backward), lhs, rhs, r, g),
-  )
 
 
 def refuses_producer(fwd, lhs, rhs, key, g) -> bool:

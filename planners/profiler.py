@@ -422,47 +422,6 @@ def with_precast_policies(
   return dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "policy_operands": "precast"})
 
 
-def with_context_policies(
-  prof: Profile, repeats: int = 10, seed: int = 0, op_clock: str | None = None, progress=None
-) -> Profile:
-  """``prof`` with every whole-policy entry (``policy:<preset>``) but fp32's re-costed in
-  context: ``planners.op_programs.context_programs`` (the op between an elementwise producer
-  and consumer) is timed on the local device under the preset and under fp32, and the preset
-  is charged the fp32 entry plus the difference, leg by leg (``fwd``, ``bwd``; floored at
-  1 µs). What XLA fuses into an op's neighbours in a step (an operand's conversion or
-  scaling, an output's dequantization) so comes off the op, relative to the fp32 step the
-  remainder is fitted on. ``meta["policy_operands"] = "context"``. ``op_clock`` as in
-  ``measure_profile``. Refuses a profile of another device type."""
-  if prof.device_type != local_device_type():
-    raise PlanError(
-      f"profile of {prof.device_type} cannot be re-timed on this {local_device_type()}. "
-      "Fix: run this where the profile was measured (the same device type)."
-    )
-  clock, overhead = standalone_clock(op_clock, prof.meta.get("op_clock", "wall"))
-  say = progress or (lambda msg: None)
-  op_ms = {name: dict(table) for name, table in prof.op_ms.items()}
-  cache: dict[tuple, dict] = {}
-
-  def in_context(name, op):
-    key = policy_key(name, op)
-    if key not in cache:
-      cache[key] = measure_policy(
-        PRESETS[name], op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op, context=True
-      )
-    return cache[key]
-
-  for i, op in enumerate(prof.ops):
-    base = op_ms[op.name].get("policy:fp32")
-    for entry in sorted(op_ms[op.name]):
-      name = entry.removeprefix("policy:")
-      if entry == name or name not in PRESETS or name == "fp32" or base is None:
-        continue
-      say(f"[{i + 1}/{len(prof.ops)}] {op.name} under {name}, in context")
-      ctx, ctx_fp32 = in_context(name, op), in_context("fp32", op)
-      op_ms[op.name][entry] = {leg: max(base[leg] + ctx[leg] - ctx_fp32[leg], 1e-3) for leg in ("fwd", "bwd")}
-  return dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "policy_operands": "context"})
-
-
 def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tuple[float, int]:
   """``(remainder ms, other bytes)``: the measured fp32 step (time, XLA peak) minus what the
   replay of ``draft`` (a profile without remainder) predicts for the same fp32 step on one

@@ -40,8 +40,8 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
   (``refit_remainder``)."""
   results, profiles = tmp_path / "models.jsonl", tmp_path / "profiles"
   argv = ["--models", "mlp", "--profile-dir", str(profiles), "--results", str(results), "--repeats", "3"]
-  assert models.main([*argv, "--profile-repeats", "2", "--precast", "--context", "--mixed", "--no-plan"]) == 0
-  assert sorted(p.name for p in profiles.iterdir()) == ["mlp.context.json", "mlp.json", "mlp.precast.json"]
+  assert models.main([*argv, "--profile-repeats", "2", "--precast", "--mixed", "--no-plan"]) == 0
+  assert sorted(p.name for p in profiles.iterdir()) == ["mlp.json", "mlp.precast.json"]
   rows = [json.loads(line) for line in results.read_text().splitlines()]
   steps = {r["case"].partition("/")[2]: r for r in rows if r["metric"] == "step_ms_median"}
   assert set(steps) == set(models.UNIFORM) | set(models.MIXED)
@@ -52,7 +52,7 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
     assert r["spread_ms"] == pytest.approx(max(r["rounds"]) - min(r["rounds"]))
   predicted = [r for r in rows if r["metric"] == "predicted_step_ms"]
   assert {(r["operands"], r["clock"]) for r in predicted} == {
-    (v, c) for v in ("fp32", "precast", "context") for c in ("wall", "pipelined")
+    (v, c) for v in ("fp32", "precast") for c in ("wall", "pipelined")
   }
   for r in predicted:  # each clock's prediction is scored against that clock's step
     want = (steps if r["clock"] == "wall" else pipelined)[r["case"].partition("/")[2]]["value"]
