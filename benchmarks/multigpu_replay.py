@@ -27,19 +27,20 @@ from result_rows import append_rows
 from planners.link import LinkModel
 from planners.profiler import Profile
 
+STEP_METRICS = {"wall": "step_time_ms_median", "pipelined": "step_time_ms_pipelined"}
+"""The rows of the steps waited for one by one, and of those dispatched back to back."""
 
-def measured_steps(path: str, run: str) -> tuple[dict, dict, str, str]:
+
+def measured_steps(path: str, run: str, clock: str = "wall") -> tuple[dict, dict, str, str]:
   """``(one process, one process per GPU, device, model)`` of ``run``'s rows in ``path``: each
-  set ``{(case name, devices): median step s}``, from the ``scaling/…`` and
-  ``multiprocess/…`` rows."""
+  set ``{(case name, devices): step s}``, from the ``scaling/…`` and ``multiprocess/…`` rows
+  of ``clock`` (``STEP_METRICS``)."""
   single, multi, device, model = {}, {}, "", ""
   with open(path) as f:
     for line in f:
       r = json.loads(line)
       kind, _, rest = r["case"].partition("/")
-      if (
-        r.get("run") != run or r["metric"] != "step_time_ms_median" or kind not in ("scaling", "multiprocess")
-      ):
+      if r.get("run") != run or r["metric"] != STEP_METRICS[clock] or kind not in ("scaling", "multiprocess"):
         continue
       name, n = rest.split("/")
       (single if kind == "scaling" else multi)[(name, int(n[1:]))] = r["value"] / 1e3
@@ -62,11 +63,17 @@ def main(argv=None) -> int:
   parser.add_argument("--link", action="append", default=[], help="N:GB/s:µs of a link fit (repeatable)")
   parser.add_argument("--results", default=RESULTS)
   parser.add_argument("--no-save", action="store_true")
+  parser.add_argument(
+    "--clock",
+    choices=sorted(STEP_METRICS),
+    default="wall",
+    help="which measured steps: waited for, or pipelined",
+  )
   args = parser.parse_args(argv)
 
   prof = Profile.load(args.profile)
   links = {n: LinkModel(n, 8 * gbps, us, float("nan")) for n, gbps, us in map(parse_link, args.link)}
-  single, multi, device, model = measured_steps(args.results, args.run)
+  single, multi, device, model = measured_steps(args.results, args.run, args.clock)
   if not single and not multi:
     print(f"no scaling rows of run {args.run!r} in {args.results}")
     return 1
@@ -80,7 +87,12 @@ def main(argv=None) -> int:
     if steps:
       one = single.get(("fp32", 1))  # the one-process run's: the multi-process run has no n=1
       rows += predictor_rows(prof, profiled, links, steps, prof.batch_per_device, device, label, one)
-  tag = {"run": f"replay-{args.run}", "profile": os.path.basename(args.profile), "model": model}
+  tag = {
+    "run": f"replay-{args.run}",
+    "profile": os.path.basename(args.profile),
+    "model": model,
+    "clock": args.clock,
+  }
   if not args.no_save:
     append_rows(args.results, [{**r, **tag} for r in rows])
   return 0

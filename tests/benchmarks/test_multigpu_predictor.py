@@ -61,6 +61,7 @@ def test_replay_reads_both_step_sets_of_one_run(tmp_path):
       result("r1", "scaling/bf16/n2", step, 5.0, gpus),
       result("r1", "multiprocess/bf16/p2", step, 4.0, gpus),
       result("r1", "scaling/bf16/n2", "weak_scaling_efficiency", 0.8, gpus),
+      result("r1", "scaling/bf16/n2", "step_time_ms_pipelined", 3.5, gpus),
       result("r0", "scaling/bf16/n4", step, 9.0, gpus),
     ],
   )
@@ -68,3 +69,5 @@ def test_replay_reads_both_step_sets_of_one_run(tmp_path):
   assert single == {("bf16", 2): pytest.approx(0.005)}
   assert multi == {("bf16", 2): pytest.approx(0.004)}
   assert device == "H100 x4"
+  pipelined, multi, _, _ = multigpu_replay.measured_steps(path, "r1", "pipelined")
+  assert pipelined == {("bf16", 2): pytest.approx(0.0035)} and multi == {}
