@@ -69,23 +69,11 @@ def dequantizes_fp8_residuals(device_type: str) -> bool:
   return device_type == "cpu"
 
 
-def random_bits_bytes(device_type: str) -> int:
-  """Bytes per element that stochastic rounding's random bits keep live on ``device_type``.
-
-  ``jax.random.uniform`` draws through the partitionable threefry: two 32-bit words per
-  element, XORed where the noise is used. XLA:CPU runs threefry's rounds as a while loop, so
-  the two words are materialized; they depend only on the key, so the step computes them
-  ahead of the backward pass and keeps them until the rounding reads them: 8 bytes per
-  element. Elsewhere (fused generation) they are not counted: 0."""
-  return 8 if device_type == "cpu" else 0
-
-
 def kept_bytes(
   op: OpShape,
   op_policy: OpPolicy | None,
   upcast_16bit: bool = False,
   lhs_differentiated: bool = True,
-  random_bits: int = 0,
   dequantized_fp8: bool = False,
 ) -> int:
   """Bytes the compiled training step keeps live for one op's backward pass.
@@ -100,9 +88,10 @@ def kept_bytes(
     kept dequantized.
   * ``dequantized_fp8`` (``dequantizes_fp8_residuals``): an fp8 forward's residuals are kept
     as fp32 — the activation (read by drhs) and, when the dlhs leg runs, the right operand.
-  * stochastic rounding: ``random_bits`` bytes (``random_bits_bytes``) per element of dY for
-    every leg that rounds its gradient operand stochastically to int8/fp8, all live together.
-    The first op's dlhs (``lhs_differentiated=False``: the model input) is never computed.
+  * The first op's dlhs (``lhs_differentiated=False``: the model input) is never computed.
+  * Stochastic rounding keeps nothing extra: its noise is a hash of each element's index
+    (``pallas_kernels.quantize.noise``), computed where the rounding reads it. (With
+    ``jax.random.uniform`` XLA:CPU kept threefry's two 32-bit words per element of dY.)
   """
   kept = residual_bytes(op, op_policy)
   if op_policy is None:
@@ -118,10 +107,6 @@ def kept_bytes(
     # that elementwise dequantization into the forward as well): 4 bytes instead of 1 per
     # element. (A weight residual is dequantized where the dlhs leg reads it.)
     kept += 3 * act * (op_policy.drhs not in QUANTIZED_PRECISIONS)
-  if op_policy.grad_rounding == "stochastic":
-    legs = (op_policy.dlhs,) * lhs_differentiated + (op_policy.drhs,)
-    stochastic = sum(q in QUANTIZED_PRECISIONS for q in legs)
-    kept += random_bits * op.out_elems * op.calls * stochastic
   return int(kept)
 
 
@@ -163,7 +148,7 @@ def forward_extra_bytes(
 
   The residuals earlier ops keep are live too: the replay adds their excess over fp32.
   """
-  kept = kept_bytes(op, op_policy, upcast_16bit, lhs_differentiated, 0, dequantized_fp8)
+  kept = kept_bytes(op, op_policy, upcast_16bit, lhs_differentiated, dequantized_fp8)
   delta = kept - residual_bytes(op, None)
   if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
     return int(delta)

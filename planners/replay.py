@@ -15,7 +15,7 @@ device group (its profile, its policy, its batch), takes the longest path, and r
     activations saved for the backward as the compiled step keeps them
     (``planners.op_memory.kept_bytes``: the stored precision, fp32 for 16-bit residuals on
     backends that upcast 16-bit products and for fp8 residuals on backends without fp8
-    arithmetic, plus stochastic rounding's random bits) + the largest backward transient
+    arithmetic) + the largest backward transient
     (int8/fp8 residuals dequantized to fp32, ``transient_bytes``) + the profile's fitted
     ``other_bytes``;
   - during each op's forward: the fp32 step's peak less its headroom there
@@ -47,7 +47,6 @@ from planners.op_memory import (
   dequantizes_fp8_residuals,
   forward_extra_bytes,
   kept_bytes,
-  random_bits_bytes,
   residual_bytes,
   transient_bytes,
   upcasts_16bit_products,
@@ -131,7 +130,7 @@ class OpMemory(NamedTuple):
     kept: what the step keeps for its backward (``kept_bytes``).
     transient: live only while its backward runs (``transient_bytes``).
     fp32_kept: what it would keep as an fp32 op.
-    forward_delta: kept beyond ``fp32_kept`` while later forwards run (random bits aside).
+    forward_delta: kept beyond ``fp32_kept`` while later forwards run.
     forward_extra: its forward's busiest bytes beyond the fp32 op's (``forward_extra_bytes``).
   """
 
@@ -153,13 +152,13 @@ def op_memory(group: GroupCost, op_index: int) -> OpMemory:
     dequantizes_fp8_residuals(device),
     op_index > 0,
   )
-  kept = kept_bytes(op, pol, upcast, differentiated, random_bits_bytes(device), fp8)
+  kept = kept_bytes(op, pol, upcast, differentiated, fp8)
   fp32_kept = residual_bytes(op, None)
   return OpMemory(
     kept,
     transient_bytes(op, pol, upcast, fp8),
     fp32_kept,
-    kept_bytes(op, pol, upcast, differentiated, 0, fp8) - fp32_kept,
+    kept_bytes(op, pol, upcast, differentiated, fp8) - fp32_kept,
     forward_extra_bytes(op, pol, upcast, differentiated, fp8),
   )
 

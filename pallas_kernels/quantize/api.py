@@ -10,9 +10,9 @@ arguments, same result layout) with two optional extras the training GEMMs use:
 
 On a GPU the kernels take 2-D-flattenable cases: scales per row (``reduce_axes`` a suffix
 of the axes), per column (a prefix) or per tensor; other cases, and any shape a kernel
-cannot tile, run the reference. Stochastic rounding in the kernels uses in-kernel random
-numbers (``kernel.hash_uniform`` seeded from ``key``), so its draws differ from the
-reference's ``jax.random.uniform`` stream; both are unbiased.
+cannot tile, run the reference. Stochastic rounding draws the same numbers in both: a
+counter-based hash of the element's index seeded from ``key`` (``noise.uniform_noise``;
+the kernels compute it in-kernel).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from pallas_kernels._platform import ImplOverride, on_gpu
 from pallas_kernels.quantize import kernel as _kernel
 from pallas_kernels.quantize.config import QuantizeConfig
+from pallas_kernels.quantize.noise import seed_words
 from pallas_kernels.quantize.reference import (
   QFORMATS,
   absmax_scale,
@@ -135,7 +136,7 @@ def _pallas(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, config,
   rows, cols = math.prod(shape[:k]), math.prod(shape[k:])
   x2 = x.reshape(rows, cols)
   in_vec, in_axis = _in_scale_vector(in_scale, k, shape)
-  seed = _kernel.seed_words(key) if rounding == "stochastic" else None
+  seed = seed_words(key) if rounding == "stochastic" else None
   scale_shape = tuple(1 if a in red else d for a, d in enumerate(shape))
 
   if mode == "rows":

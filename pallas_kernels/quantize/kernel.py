@@ -12,8 +12,8 @@ Two kernels, each ``interpret``-able on the CPU:
 
 Both can re-quantize a quantized input (``in_scale``: the value is ``x * in_scale``) and
 round stochastically with random numbers made in-kernel: a counter-based hash of
-(seed, element index), ``hash_uniform``, so the stream depends on the element, never on
-the tiling. A kernel that cannot take a shape raises ``NotImplementedError``.
+(seed, element index), ``noise.hash_uniform``, so the stream depends on the element, never
+on the tiling, and is the reference's (``noise.uniform_noise``). A kernel that cannot take a shape raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -28,40 +28,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._platform import out_struct
 from pallas_kernels.quantize.config import QuantizeConfig, default_config
+from pallas_kernels.quantize.noise import element_index, hash_uniform
 from pallas_kernels.quantize.reference import QFORMATS
 
-# -- in-kernel random numbers -------------------------------------------------------------
-
-
-def _mix32(h: jax.Array) -> jax.Array:
-  """A 32-bit integer finaliser (lowbias32, C. Wellons): good avalanche, 2 multiplies."""
-  h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x7FEB352D)
-  h = h ^ (h >> 15)
-  h = h * jnp.uint32(0x846CA68B)
-  return h ^ (h >> 16)
-
-
-def hash_uniform(seed0, seed1, index: jax.Array) -> jax.Array:
-  """Uniform float32 in [0, 1) (24 random bits) from a uint32 element ``index``.
-
-  Counter-based: two rounds of ``_mix32`` keyed by the two uint32 seed words. Runs inside
-  kernels and in plain jnp (tests replay the kernels' stream with it).
-  """
-  h = _mix32(index * jnp.uint32(0x9E3779B9) ^ seed0)
-  h = _mix32(h ^ seed1)
-  return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-
-
-def seed_words(key: jax.Array) -> jax.Array:
-  """Two uint32 words from a PRNG key (new-style or raw uint32 key data)."""
-  return jax.random.bits(key, (2,), jnp.uint32)
-
-
-def element_index(rows: jax.Array, cols: jax.Array, n_cols: int) -> jax.Array:
-  """Row-major linear index of ``(rows, cols)`` in a ``[*, n_cols]`` view, as uint32."""
-  return rows.astype(jnp.uint32) * jnp.uint32(n_cols) + cols.astype(jnp.uint32)
-
+# -- in-kernel random numbers: ``noise`` (shared with the reference) ----------------------
 
 # -- rounding (the same arithmetic as ``reference.round_to_format``) -----------------------
 

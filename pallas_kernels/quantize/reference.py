@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quantize.noise import uniform_noise
+
 QFORMATS = {
   # name: (storage dtype, largest representable magnitude, mantissa bits, min normal exponent)
   "int8": (jnp.int8, 127.0, None, None),
@@ -51,14 +53,14 @@ def absmax_scale(x: jax.Array, fmt: str, reduce_axes: Sequence[int]) -> jax.Arra
 def round_to_format(y: jax.Array, fmt: str, rounding: str, key=None, noise=None) -> jax.Array:
   """Rounds float32 ``y`` (already scaled into the format's range) and casts to storage.
 
-  Stochastic rounding draws its uniform [0, 1) numbers from ``key``, or takes them as
-  ``noise`` (an array shaped like ``y``): the kernels draw theirs in-kernel from a
-  counter-based hash, and tests replay that stream here through ``noise``.
+  Stochastic rounding draws its uniform [0, 1) numbers from ``key``
+  (``noise.uniform_noise``: the kernels' stream), or takes them as ``noise`` (an array
+  shaped like ``y``).
   """
   dtype, qmax, mantissa_bits, min_exp = QFORMATS[fmt]
   y = y.astype(jnp.float32)
   if rounding == "stochastic" and noise is None:
-    noise = jax.random.uniform(key, y.shape, jnp.float32)
+    noise = uniform_noise(key, y.shape)
   if fmt == "int8":
     if rounding == "stochastic":
       y = jnp.floor(y + noise)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quantize import api, kernel
+from pallas_kernels.quantize import api, kernel, noise
 from pallas_kernels.quantize.reference import QFORMATS, dequantize_reference, quantize_reference
 
 FMTS = ["int8", "e4m3", "e5m2"]
@@ -91,20 +91,30 @@ def test_requantize_from_in_scale(impl, layout):
 
 @pytest.mark.parametrize("fmt", ["int8", "e5m2"])
 @pytest.mark.parametrize("layout", ["per_row", "per_col_transposed", "per_tensor"])
-def test_stochastic_kernel_replays_reference_with_its_noise(fmt, layout):
-  """Interpret mode: the kernel's stochastic rounding is the reference's, fed the kernel's
-  in-kernel hash stream (which depends on the element's index only, not on the tiling)."""
+def test_stochastic_kernel_draws_the_references_noise(fmt, layout):
+  """Interpret mode: the kernel's stochastic rounding is the reference's with the same key —
+  both hash each element's row-major index (``noise.uniform_noise``), whatever the tiling or
+  the output layout."""
   reduce_axes, contract = LAYOUTS[layout]
   x = draw((32, 64), 5)
   key = jax.random.key(7)
   q, _ = api.quantize(
     x, fmt, reduce_axes, "stochastic", key, contract_axes=contract, impl="pallas", interpret=True
   )
-  seed = kernel.seed_words(key)
-  idx = kernel.element_index(jnp.arange(32)[:, None], jnp.arange(64)[None, :], 64)
-  noise = kernel.hash_uniform(seed[0], seed[1], idx)
-  q_ref, _ = expected(x, fmt, reduce_axes, contract, rounding="stochastic", noise=noise)
+  q_ref, _ = expected(x, fmt, reduce_axes, contract, rounding="stochastic", key=key)
   np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32)), np.asarray(q_ref.astype(jnp.float32)))
+  other, _ = expected(x, fmt, reduce_axes, contract, rounding="stochastic", key=jax.random.key(8))
+  assert not np.array_equal(np.asarray(other.astype(jnp.float32)), np.asarray(q_ref.astype(jnp.float32)))
+
+
+def test_uniform_noise_hashes_each_elements_row_major_index():
+  key = jax.random.key(3)
+  got = noise.uniform_noise(key, (4, 6))
+  seed = noise.seed_words(key)
+  idx = noise.element_index(jnp.arange(4)[:, None], jnp.arange(6)[None, :], 6)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(noise.hash_uniform(seed[0], seed[1], idx)))
+  assert got.dtype == jnp.float32 and 0.0 <= float(got.min()) and float(got.max()) < 1.0
+  assert len(np.unique(np.asarray(got))) == got.size  # 24 random bits: no repeats among 24 draws
 
 
 def _bias_z(impl, fmt, rounding, n_rows=4096, n_cols=64, seed=0):

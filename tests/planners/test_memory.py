@@ -38,15 +38,15 @@ def test_fp8_residuals_are_kept_as_fp32_where_the_backend_has_no_fp8():
   assert residual_bytes(op, fp8) == patches + op.rhs_elems + scales
   # XLA:CPU: both residuals as fp32 (the weight only when the dlhs leg reads it), none
   # dequantized in the backward
-  assert kept_bytes(op, fp8, True, True, 0, True) == 4 * patches + 4 * op.rhs_elems + scales
-  assert kept_bytes(op, fp8, True, False, 0, True) == 4 * patches + scales
+  assert kept_bytes(op, fp8, True, True, True) == 4 * patches + 4 * op.rhs_elems + scales
+  assert kept_bytes(op, fp8, True, False, True) == 4 * patches + scales
   assert transient_bytes(op, fp8, True, True) == 0
   # elsewhere: 1-byte residuals, dequantized one op at a time in the backward
   assert kept_bytes(op, fp8) == residual_bytes(op, fp8)
   assert transient_bytes(op, fp8) == 4 * (patches + op.rhs_elems)
   # an int8 residual stays 1-byte on XLA:CPU too
   int8 = OpPolicy.uniform("int8")
-  assert kept_bytes(op, int8, True, True, 0, True) == residual_bytes(op, int8)
+  assert kept_bytes(op, int8, True, True, True) == residual_bytes(op, int8)
 
 
 def test_a_float_drhs_leg_keeps_the_conv_patches_dequantized():
