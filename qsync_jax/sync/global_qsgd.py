@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.quantize.noise import uniform_noise
 from qsync_jax.errors import QsyncError
 from qsync_jax.sync.common import AXIS, axis_size, device_key, is_float, leaf_keys
 
@@ -55,7 +56,7 @@ def dither(x: jax.Array, scale: jax.Array, levels: int, key, dtype, rounding: st
   """
   y = x.astype(jnp.float32) / scale
   if rounding == "stochastic":
-    y = jnp.floor(y + jax.random.uniform(key, y.shape, jnp.float32))
+    y = jnp.floor(y + uniform_noise(key, y.shape))  # the quantize kernels' stream
   else:
     y = jnp.round(y)
   return jnp.clip(y, -levels, levels).astype(dtype)
