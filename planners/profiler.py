@@ -242,18 +242,22 @@ def measure_profile(
   """Measures the profile of ``task`` at ``batch_per_device`` on the local device.
 
   Every timing warms up, then takes the median of its repeats on ``clock`` (``wall``;
-  ``cpu``: process CPU time, steadier on a CPU host shared with other work; ``pipelined``: steps
-  dispatched back to back, as the trainer runs them; default ``step.default_step_clock()``:
-  pipelined on a GPU, else wall) — the fp32 step always, and the standalone programs (op legs and policies, optimizer, casts) on
-  ``op_clock``: by default the device clock on a GPU (``step.DEVICE_CLOCK``: their kernel time,
-  no dispatch overhead to subtract), else ``clock``. ``precast``: time the whole-policy
-  programs with their activations in the dtypes the step converts them to
-  (``planners.op_programs.policy_programs``; ``meta["policy_operands"] = "precast"``); by default on a GPU, where
-  it brought the replay of a BERT-base-wide LM from 13–26 % to 4–14 % mean error (six
-  step sets on H100s, ``docs/results.md``), and not on a CPU, where it moved the mean by about a point.
-  ``checkpoint``: a JSON file the op timings are written to after every op and read back from
-  at the start (``planners.profile_checkpoint``), so an interrupted profile resumes; removed
-  once the profile is complete.
+  ``cpu``: process CPU time, steadier on a CPU host shared with other work; ``pipelined``:
+  steps dispatched back to back, as the trainer runs them; default
+  ``step.default_step_clock()``: pipelined on a GPU, else wall) — the fp32 step always, and
+  the standalone programs (op legs and policies, optimizer, casts) on ``op_clock``: by
+  default the device clock on a GPU (``step.DEVICE_CLOCK``: their kernel time, no dispatch
+  overhead to subtract), else ``clock``.
+
+  ``precast``: time the whole-policy programs with their activations in the dtypes the step
+  converts them to (``planners.op_programs.policy_programs``; ``meta["policy_operands"] =
+  "precast"``); by default on a GPU, where it brought the replay of a BERT-base-wide LM from
+  13–26 % to 4–14 % mean error (six step sets on H100s, ``docs/results.md``), and not on a
+  CPU, where it moved the mean by about a point.
+
+  ``checkpoint``: a JSON file the op timings are written to after every op and read back
+  from at the start (``planners.profile_checkpoint``), so an interrupted profile resumes;
+  removed once the profile is complete.
   """
   say = progress or (lambda msg: None)
   device_type = local_device_type()
