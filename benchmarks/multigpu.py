@@ -82,18 +82,29 @@ def policies() -> dict[str, PrecisionPolicy]:
   return {"fp32": PrecisionPolicy.uniform("fp32"), "bf16": PrecisionPolicy.uniform("bf16"), "mixed": mixed}
 
 
+def stepper(step, state, batches, key=None):
+  """``(run, current)``: ``run()`` takes the next training step — batch ``i % len(batches)``, and
+  with ``key`` its ``fold_in(key, i)`` — on the state the previous one returned, and returns
+  the new state; ``current()`` is the latest state."""
+  box = {"state": state, "i": 0}
+
+  def run():
+    i = box["i"]
+    args = (box["state"], batches[i % len(batches)]) + (() if key is None else (jax.random.fold_in(key, i),))
+    box["state"], _ = step(*args)
+    box["i"] = i + 1
+    return box["state"]
+
+  return run, lambda: box["state"]
+
+
 def time_steps(step, state, batches, steps: int, key=None):
-  """Median and IQR (s) of ``steps`` steps after two warm-up steps; returns the last state."""
-  times = []
-  for i in range(steps + 2):
-    args = (state, batches[i % len(batches)]) + (() if key is None else (jax.random.fold_in(key, i),))
-    t0 = time.perf_counter()
-    state, _ = step(*args)
-    jax.block_until_ready(state)
-    if i >= 2:
-      times.append(time.perf_counter() - t0)
-  q1, med, q3 = np.percentile(times, [25, 50, 75])
-  return float(med), float(q3 - q1), state
+  """Median and IQR (s) of ``steps`` steps after two warm-up steps, each waited for
+  (``stepper``); returns the last state."""
+  run, current = stepper(step, state, batches, key)
+  med, samples = timed_ms(run, steps, warmup=2)
+  q1, q3 = np.percentile(samples, [25, 75])
+  return med / 1e3, float(q3 - q1) / 1e3, current()
 
 
 def collective_summary(step, *args, dump: str | None = None):
@@ -156,15 +167,9 @@ def pipelined_step_s(step, state, batches, steps: int):
   once, as a training loop runs them (``planners.step.PIPELINED_CLOCK``): the host's dispatch
   of one step overlaps the devices' work on the one before, which ``time_steps`` (one wait per
   step) does not allow."""
-  box = {"state": state, "i": 0}
-
-  def run():
-    box["state"], _ = step(box["state"], batches[box["i"] % len(batches)])
-    box["i"] += 1
-    return box["state"]
-
+  run, current = stepper(step, state, batches)
   ms, _ = timed_ms(run, steps, warmup=1, clock=PIPELINED_CLOCK)
-  return ms / 1e3, box["state"]
+  return ms / 1e3, current()
 
 
 def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
@@ -182,13 +187,8 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
 def first_gpu_kernels(step, state, batch, repeats: int = 5):
   """The ``steptrace.KernelSummary`` of ``step``'s kernels on the first GPU (with its
   collectives' kernels, which run on a stream of their own); None without a GPU."""
-  box = [state]
-
-  def run():
-    box[0], _ = step(box[0], batch)
-    jax.block_until_ready(box[0])
-
-  return gpu_kernels(run, repeats)
+  run, _ = stepper(step, state, [batch])
+  return gpu_kernels(lambda: jax.block_until_ready(run()), repeats)
 
 
 ORDER_CASES = {

@@ -4,6 +4,7 @@ These are the parts of ``benchmarks/multigpu.py`` that run after the GPUs are go
 time that measured the steps cannot be spent again), so they are tested here on the CPU.
 """
 
+import jax
 import multigpu
 import multigpu_replay
 import pytest
@@ -71,3 +72,17 @@ def test_replay_reads_both_step_sets_of_one_run(tmp_path):
   assert device == "H100 x4"
   pipelined, multi, _, _ = multigpu_replay.measured_steps(path, "r1", "pipelined")
   assert pipelined == {("bf16", 2): pytest.approx(0.0035)} and multi == {}
+
+
+def test_stepper_feeds_each_step_the_last_state_and_cycles_the_batches():
+  seen = []
+
+  def step(state, batch, *key):
+    seen.append(len(key))
+    return state + batch, None
+
+  run, current = multigpu.stepper(step, 0, [1, 10])
+  assert [run() for _ in range(3)] == [1, 11, 12] and current() == 12
+  run, _ = multigpu.stepper(step, 0, [1], key=jax.random.key(0))
+  run()
+  assert seen == [0, 0, 0, 1]  # with a key, each step also gets fold_in(key, i)
