@@ -31,7 +31,7 @@ from benchmarks.predictor import get_model  # noqa: E402  (run as a script from 
 from planners import step  # noqa: E402
 from planners.op_programs import policy_programs  # noqa: E402
 from planners.profiler import policy_key, task_ops  # noqa: E402
-from planners.steptrace import traced_events  # noqa: E402
+from planners.steptrace import kernels_by, traced_events  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 from qsync_jax.precision import OpPolicy  # noqa: E402
 
@@ -54,13 +54,7 @@ def category(kernel_name: str) -> str:
 
 def by_category(run, repeats: int = 5) -> dict[str, tuple[float, float]]:
   """``{category: (kernel ms, kernels)}`` per call of ``run`` on the first GPU."""
-  out = collections.defaultdict(lambda: [0.0, 0.0])
-  for e in traced_events(run, repeats):
-    if e["process"].startswith("/device:GPU:0"):
-      c = out[category(e["name"])]
-      c[0] += e["dur"] / 1e3 / repeats
-      c[1] += 1 / repeats
-  return {k: (v[0], v[1]) for k, v in out.items()}
+  return kernels_by(traced_events(run, repeats), repeats, key=category)
 
 
 def policy_categories(task, batch_size: int, policy: str, say) -> dict[str, dict]:

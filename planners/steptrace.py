@@ -249,6 +249,20 @@ class KernelSummary:
   top: tuple[tuple[str, float], ...]  # (kernel name, ms per call), the 20 largest
 
 
+def kernels_by(
+  events: list[dict], repeats: int, key=lambda name: name, device: str = "/device:GPU:0"
+) -> dict[str, tuple[float, float]]:
+  """``{key(kernel name): (ms, launches)}`` per call of the ``traced_events`` of ``repeats``
+  calls, on the trace process ``device`` (the first GPU); empty where it has no kernel."""
+  out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+  for e in events:
+    if e["process"].startswith(device):
+      entry = out[key(e["name"])]
+      entry[0] += e["dur"] / 1e3 / repeats
+      entry[1] += 1 / repeats
+  return {k: (ms, n) for k, (ms, n) in out.items()}
+
+
 def summarize_kernels(
   events: list[dict], repeats: int, device: str = "/device:GPU:0"
 ) -> KernelSummary | None:
@@ -257,9 +271,7 @@ def summarize_kernels(
   mine = [e for e in events if e["process"].startswith(device)]
   if not mine:
     return None
-  per_name: dict[str, float] = defaultdict(float)
-  for e in mine:
-    per_name[e["name"]] += e["dur"] / 1e3 / repeats
+  per_name = {name: ms for name, (ms, _) in kernels_by(mine, repeats, device=device).items()}
   gemm = [e for e in mine if any(m in e["name"].lower() for m in GEMM_KERNEL_MARKS)]
   comm = [e for e in mine if any(m in e["name"].lower() for m in COMM_KERNEL_MARKS)]
   return KernelSummary(

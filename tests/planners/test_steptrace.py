@@ -179,6 +179,11 @@ def test_kernel_summary_splits_matrix_products_from_the_rest():
     steptrace.summarize_kernels([e for e in events if "GPU:0" not in e["process"]], 2, "/device:GPU:0")
     is None
   )
+  by_kind = steptrace.kernels_by(events, 2, key=lambda name: "gemm" if "gemm" in name else "other")
+  assert by_kind["gemm"] == (pytest.approx(0.2), 1.0)  # GPU 1's kernel is not counted
+  assert by_kind["other"] == (pytest.approx(0.09), 2.0) and sum(
+    ms for ms, _ in by_kind.values()
+  ) == pytest.approx(0.29)
 
 
 def test_device_clock_without_a_gpu_names_the_fix():
