@@ -21,8 +21,9 @@ training step fed its own donated outputs; the policies compiled first, then tim
 over ``--rounds`` rounds, the median of the round medians, with their spread — max − min), its
 ratio to bf16 measured in the same run, and the replay's
 predicted step from a profile measured first in the same run (op legs standalone, casts,
-optimizer; the fp32 step is the only plan the profile fits anything to; with ``--refit``, refitted
-to the fp32 step on each clock). Clocks: ``wall`` waits for every step (rows ``step_ms_median``);
+optimizer; the fp32 step fits the remainder and the all-int8 step the quantized legs' scale —
+neither counts in the mean error; with ``--refit``, refitted to those two steps on each clock;
+an older profile without the scale fits fp32 only). Clocks: ``wall`` waits for every step (rows ``step_ms_median``);
 ``pipelined`` dispatches them back to back as the trainer does (rows ``step_ms_pipelined``) — on
 a GPU the step a training run sees. Rows go to ``benchmarks/results/models.jsonl``.
 
@@ -51,7 +52,7 @@ from planners import step  # noqa: E402
 from planners.allocator import greedy, make_problem  # noqa: E402
 from planners.indicator import compute  # noqa: E402
 from planners.profiler import Profile, measure_profile, task_ops, with_precast_policies  # noqa: E402
-from planners.replay import predict, refit_remainder  # noqa: E402
+from planners.replay import QUANTIZED_FIT_PRESET, fit_presets, predict, refit_profile  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
@@ -172,7 +173,8 @@ def main(argv=None) -> int:
   ap.add_argument(
     "--refit",
     action="store_true",
-    help="refit the profile's remainder to this run's fp32 step (planners.replay.refit_remainder, what "
+    help="refit the profile's remainder to this run's fp32 step and its quantized-leg scale to its int8 "
+    "step (planners.replay.refit_profile; the remainder alone is what "
     "`qsync predict --calibrate` does): for a profile measured on another host",
   )
   ap.add_argument("--no-plan", action="store_true", help="skip the qsync plan (its indicator, plan and step)")
@@ -192,6 +194,7 @@ def main(argv=None) -> int:
       append_rows(args.results, [{**r, "run": f"replay-{args.steps_from}"} if args.steps_from else r])
 
   table = []
+  fits = set()  # (model, operands, clock, policy) of the steps a profile was fitted to
   for model in args.models:
     task, batch_size = get_model(model)
     batch_size = args.batch or batch_size
@@ -274,9 +277,12 @@ def main(argv=None) -> int:
     for clock, steps in measured.items():
       for variant, vprof in variants.items():
         if args.refit:
-          vprof = refit_remainder(cluster, vprof, steps["fp32"][0])
-          say(f"{model}: {variant} remainder refitted to this run's fp32 step on the {clock} clock")
+          vprof = refit_profile(cluster, vprof, steps["fp32"][0], steps.get(QUANTIZED_FIT_PRESET, (None,))[0])
+          say(
+            f"{model}: {variant} profile refitted to this run's {' and '.join(fit_presets(vprof))} steps on the {clock} clock"
+          )
         tags = {"operands": variant, "clock": clock, **({"refit": True} if args.refit else {})}
+        fits.update((model, variant, clock, name) for name in fit_presets(vprof))
         for name, (meas, spread, peak) in steps.items():
           pred = predict(cluster, {vprof.device_type: vprof}, Plan(policies={"all": policies[name]}))
           err = (pred.step_ms - meas) / meas
@@ -300,12 +306,14 @@ def main(argv=None) -> int:
   if args.steps_only:
     return 0
   for clock, variant in dict.fromkeys((r[2], r[3]) for r in table):
-    # fp32 fitted the remainder: not a prediction
-    errs = np.abs([r[7] for r in table if r[1] != "fp32" and r[2] == clock and r[3] == variant])
+    # the plans the profile was fitted to are no predictions
+    evals = [r for r in table if r[2] == clock and r[3] == variant and (r[0], r[3], r[2], r[1]) not in fits]
+    errs = np.abs([r[7] for r in evals])
+    fitted = sorted({r[1] for r in table if (r[0], r[3], r[2], r[1]) in fits})
     print(
       f"\npredictor on {device}, {clock} clock, {variant} operands: mean |error| {100 * errs.mean():.1f} %, "
-      f"median {100 * np.median(errs):.1f} %, max {100 * errs.max():.1f} % over {len(errs)} runs (fp32, the plan "
-      "the profile fits, excluded)"
+      f"median {100 * np.median(errs):.1f} %, max {100 * errs.max():.1f} % over {len(errs)} runs "
+      f"({', '.join(fitted)}: the plans the profile is fitted to, excluded)"
     )
     tags = {"operands": variant, "clock": clock, **({"refit": True} if args.refit else {})}
     emit(row("all", "mean_abs_step_error", "abs_rel_error", float(errs.mean()), None, device, **tags))

@@ -1,8 +1,9 @@
 """Predictor error: predicted vs measured step time and memory on plans not used to fit anything.
 
 For each model: measure its profile on the local device (op legs standalone, casts, the
-optimizer, and the fp32 step — the *only* plan used to fit the remainder and memory
-correction), then for every evaluation plan (uniform and mixed, never fp32) compare
+optimizer, the fp32 step — which fits the remainder and memory correction — and the all-int8
+step — which fits the scale of the quantized legs inside the step), then for every evaluation
+plan (uniform and mixed, never those two; marked ``(fit)``) compare
 
 * the replay's predicted step time with the measured median of the jitted single-device
   training step (the step is fed its own donated outputs, as in training), and
@@ -15,12 +16,16 @@ Targets (DESIGN §5.3): mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), me
 The plans (fp32 included) are compiled first and timed round-robin over ``--rounds`` rounds
 (``planners.step.time_train_steps_interleaved``: the median of the round medians), so that
 slow drift of the host falls on every plan alike. With ``--refit`` the error is reported a
-second time with the profile's remainder refitted to the fp32 step timed among the plans
-(``planners.replay.refit_remainder``; fp32 stays the only fit plan): on a shared CPU host the
+second time with the profile refitted to the fp32 and all-int8 steps timed among the plans
+(``planners.replay.refit_profile``; they stay the only fit plans): on a shared CPU host the
 same fp32 step has measured 49–67 ms in different minutes, and the profile's one fit timing
 carries that drift into every prediction.
 
   python benchmarks/predictor.py [--models lm vgg mlp] [--repeats 20] [--rounds 3] [--refit] [--precast]
+
+On a GPU, the GPU-sized models and saved profiles (a profile cut short resumes):
+
+  python benchmarks/predictor.py --models mlp_base vgg_base lm_base --profile-dir DIR --refit
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import optax
 from result_rows import append_rows, result_row
 
 from planners import step
-from planners.profiler import measure_profile, with_precast_policies
-from planners.replay import predict, refit_remainder
+from planners.profiler import QUANTIZED_FIT_PRESET, Profile, measure_profile, with_precast_policies
+from planners.replay import fit_presets, predict, refit_profile
 from qsync_jax.cluster import ClusterSpec
+from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
@@ -61,7 +67,7 @@ class MLP(nn.Module):
     return nn.Dense(10)(x)
 
 
-def mlp_task(features: int = 512) -> Task:
+def mlp_task(features: int = 512, hidden: int = 1024) -> Task:
   def batches(n, seed):
     rng = np.random.default_rng(seed)
     while True:
@@ -73,7 +79,7 @@ def mlp_task(features: int = 512) -> Task:
   def loss(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), {}
 
-  return Task("mlp", MLP(), lambda b: (b["x"],), loss, batches)
+  return Task("mlp", MLP(hidden), lambda b: (b["x"],), loss, batches)
 
 
 def get_model(name: str) -> tuple[Task, int]:
@@ -88,7 +94,12 @@ def get_model(name: str) -> tuple[Task, int]:
     return get_task("vgg"), 64
   if name == "resnet":
     return get_task("resnet"), 64
-  # GPU sizes: a BERT-base-wide LM (4 layers) and ResNet-18 on digits.
+  # GPU sizes: a 4096-wide MLP, a VGG with 64-256 channels on digits, a BERT-base-wide LM
+  # (4 layers) and ResNet-18 on digits.
+  if name == "mlp_base":
+    return mlp_task(features=1024, hidden=4096), 4096
+  if name == "vgg_base":
+    return get_task("vgg", stages=((64, 64), (128, 128), (256, 256)), hidden=512), 512
   if name == "lm_base":
     return get_task("lm", d_model=768, num_heads=12, num_layers=4, seq_len=256, max_bytes=2_000_000), 16
   if name == "resnet18":
@@ -107,7 +118,8 @@ def mixed(op_names, pattern) -> PrecisionPolicy:
 
 
 def plans(op_names) -> dict[str, PrecisionPolicy]:
-  """Evaluation plans: uniform presets and mixed per-op assignments (fp32 is the fit plan)."""
+  """Uniform presets and mixed per-op assignments (all-int8 is a fit plan once the profile fits its
+  quantized-leg scale; fp32, the other, is added by the caller)."""
   half = len(op_names) // 2
   return {
     "bf16": PrecisionPolicy.uniform("bf16"),
@@ -118,6 +130,45 @@ def plans(op_names) -> dict[str, PrecisionPolicy]:
     "mixed fp32/fp16/int8_fwd": mixed(op_names, ["fp32", "fp16", "int8_fwd"]),
     "first half fp8": PrecisionPolicy.from_ops({n: OpPolicy.preset("fp8") for n in op_names[:half]}),
   }
+
+
+def model_profile(model: str, task: Task, batch_size: int, clock: str, args) -> Profile:
+  """``model``'s profile: loaded from ``<args.profile_dir>/<model>.json`` if there, else measured
+  here (and saved there, resuming from ``<model>.json.partial`` if a call was cut short)."""
+  saved = os.path.join(args.profile_dir, f"{model}.json") if args.profile_dir else None
+  if saved and os.path.exists(saved):
+    print(f"# {model}: profile {saved}", flush=True)
+    return Profile.load(saved)
+  t0 = time.perf_counter()
+  if saved:
+    os.makedirs(args.profile_dir, exist_ok=True)
+  prof = measure_profile(
+    task,
+    batch_size,
+    repeats=args.profile_repeats,
+    step_repeats=args.repeats,
+    clock=clock,
+    progress=lambda msg: print(f"# {model} profile: {msg}", flush=True),
+    checkpoint=f"{saved}.partial" if saved else None,
+  )
+  print(f"# {model}: profiled {len(prof.ops)} ops in {time.perf_counter() - t0:.0f} s", flush=True)
+  if saved:
+    prof.save(saved)
+  return prof
+
+
+def priceable(model: str, cluster, prof: Profile, cases: dict[str, PrecisionPolicy]) -> dict:
+  """The ``cases`` the profile can price; the others are said and left out (a saved profile
+  of fewer precisions, e.g. no fp8)."""
+  out = {}
+  for name, pol in cases.items():
+    try:
+      predict(cluster, {prof.device_type: prof}, Plan(policies={"all": pol}))
+    except PlanError as e:
+      print(f"# {model}: {name} left out: {str(e).splitlines()[0]}", flush=True)
+    else:
+      out[name] = pol
+  return out
 
 
 def row_json(model, case, metric, value, baseline, device):
@@ -137,6 +188,11 @@ def main(argv=None):
     "back to back, as the trainer runs them)",
   )
   ap.add_argument("--no-save", action="store_true")
+  ap.add_argument(
+    "--profile-dir",
+    help="each model's profile: loaded from <dir>/<model>.json if there, else measured and saved there "
+    "(an interrupted profile resumes from <model>.json.partial)",
+  )
   ap.add_argument("--results", default=RESULTS, help=f"JSON lines file to append to (default {RESULTS})")
   ap.add_argument(
     "--rounds",
@@ -161,15 +217,20 @@ def main(argv=None):
   rows, out, refitted, precast_errors = [], [], [], []
   for model in args.models:
     task, batch_size = get_model(model)
-    t0 = time.perf_counter()
-    prof = measure_profile(
-      task, batch_size, repeats=args.profile_repeats, step_repeats=args.repeats, clock=clock
-    )
-    print(f"# {model}: profiled {len(prof.ops)} ops in {time.perf_counter() - t0:.0f} s", flush=True)
+    prof = model_profile(model, task, batch_size, clock, args)
     precast = with_precast_policies(prof, repeats=args.profile_repeats) if args.precast else None
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
     batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
-    cases = {"fp32 (fit)": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}
+    fit = fit_presets(prof) if not args.refit else ("fp32", QUANTIZED_FIT_PRESET)
+    cases = priceable(
+      model,
+      cluster,
+      prof,
+      {
+        f"{name} (fit)" if name in fit else name: pol
+        for name, pol in {"fp32": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}.items()
+      },
+    )
     timed = step.time_train_steps_interleaved(
       task,
       cases,
@@ -182,7 +243,8 @@ def main(argv=None):
     )[clock]
     fitted = None
     if args.refit and "fp32 (fit)" in timed:
-      fitted = refit_remainder(cluster, prof, timed["fp32 (fit)"][0])
+      quantized = timed.get(f"{QUANTIZED_FIT_PRESET} (fit)", (None,))[0]
+      fitted = refit_profile(cluster, prof, timed["fp32 (fit)"][0], quantized)
     for case, (meas, round_medians, peak) in timed.items():
       plan = Plan(policies={"all": cases[case]})
       pred = predict(cluster, {prof.device_type: prof}, plan)

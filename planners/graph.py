@@ -129,7 +129,10 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
 
   When the profile timed the op under its whole policy (``"policy:<preset>"``), that is used
   instead: the forward as timed, the backward split between dlhs and drhs in proportion to
-  their leg times (the first op, which has no dlhs, keeps only the drhs share)."""
+  their leg times (the first op, which has no dlhs, keeps only the drhs share).
+
+  Legs at int8/fp8 (their share of a whole-policy time too) are scaled by the profile's
+  ``quantized_leg_scale``, fitted on the all-int8 step (``planners.profiler``)."""
   prof = group.profile
   scale = group.batch_per_device / prof.batch_per_device
   op = prof.ops[op_index].scaled(scale)
@@ -158,8 +161,7 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
     costs = {"fwd": (op.calls * scale * whole["fwd"], p)}
     for name, q in legs.items():
       costs[name] = (op.calls * scale * whole["bwd"] * shares[name] / total, q)
-    costs["drhs"] = (costs["drhs"][0] + relayout, pol.drhs)
-    return costs
+    return in_step(costs, prof.quantized_leg_scale, relayout)
   costs = {"fwd": (leg("fwd", p), p)}
   if p in QUANTIZED_PRECISIONS and any(q != p for q in legs.values()):
     im2col = op.kind == "conv"  # a quantized conv saved its im2col patches
@@ -170,8 +172,19 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
     )
   for name, q in legs.items():
     costs[name] = (leg(name, q), q)
-  costs["drhs"] = (costs["drhs"][0] + relayout, pol.drhs)
-  return costs
+  return in_step(costs, prof.quantized_leg_scale, relayout)
+
+
+def in_step(costs: dict[str, tuple[float, str]], quantized_scale: float, relayout_ms: float):
+  """``costs`` with every int8/fp8 leg's time times ``quantized_scale`` and the drhs leg
+  carrying ``relayout_ms`` (``op_costs``)."""
+  out = {
+    kind: (ms * quantized_scale if kind != "cast_bwd" and p in QUANTIZED_PRECISIONS else ms, p)
+    for kind, (ms, p) in costs.items()
+  }
+  ms, p = out["drhs"]
+  out["drhs"] = (ms + relayout_ms, p)
+  return out
 
 
 def tree_position(op_name: str) -> tuple[str, ...]:

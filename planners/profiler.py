@@ -24,6 +24,14 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   measured fp32 step minus the ops (with their relayouts) and the optimizer; split 1 : 2
   between forward and backward. It is a fitted correction and may be negative when
   standalone op timings exceed their cost inside the fused step.
+* ``quantized_leg_scale`` — the factor on every int8/fp8 leg's standalone time inside the
+  step (forward or gradient; the op's other legs are unchanged): fitted so that the replay
+  of the all-int8 step predicts its measured time (``fit_quantized_leg_scale``), as the
+  remainder is fitted on fp32. Inside the step XLA shares or fuses part of the quantize
+  passes the standalone programs run alone (on an H100 the all-int8 step of a BERT-base-wide
+  LM ran 12 fewer quantize kernels than its ops' programs, one per input read by several
+  ops, and 0.9 ms less elementwise and reduction work beyond them, ``docs/results.md``).
+  1.0 when not fitted (no int8 profiled, modeled profiles, older profiles).
 * ``optimizer_ms`` — the optax update.
 * ``cast`` — per cast type (``"fp32->bf16"``, ``"fp32->int8"``, ``"int8->fp32"``, and
   ``"fp32->int8:sr"`` for stochastic rounding, …) ``ms = a·numel + b`` fitted by least squares
@@ -70,6 +78,8 @@ from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import LEGS, PRESETS, OpPolicy, supported_precisions
 
 FORMAT = "qsync-profile/1"
+QUANTIZED_FIT_PRESET = "int8"
+"""The uniform preset whose step fits ``Profile.quantized_leg_scale``: every leg at int8."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +99,7 @@ class Profile:
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   relayout_ms: dict[str, float] = dataclasses.field(default_factory=dict)
   forward_headroom: dict[str, int] = dataclasses.field(default_factory=dict)
+  quantized_leg_scale: float = 1.0
 
   def leg_ms(self, op: str, leg: str, precision: str, variant: str = "") -> float:
     """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch); a
@@ -131,6 +142,7 @@ class Profile:
       "meta": self.meta,
       "relayout_ms": self.relayout_ms,
       "forward_headroom": self.forward_headroom,
+      "quantized_leg_scale": self.quantized_leg_scale,
     }
 
   def save(self, path: str) -> None:
@@ -160,6 +172,7 @@ class Profile:
         meta=obj.get("meta", {}),
         relayout_ms={k: float(v) for k, v in obj.get("relayout_ms", {}).items()},
         forward_headroom={k: int(v) for k, v in obj.get("forward_headroom", {}).items()},
+        quantized_leg_scale=float(obj.get("quantized_leg_scale", 1.0)),
       )
     except (KeyError, TypeError) as e:
       raise PlanError(f"{source}: malformed profile ({e!r}). Fix: re-run `qsync profile`.") from None
@@ -238,6 +251,7 @@ def measure_profile(
   op_clock: str | None = None,
   precast: bool | None = None,
   checkpoint: str | None = None,
+  fit_quantized: bool = True,
 ) -> Profile:
   """Measures the profile of ``task`` at ``batch_per_device`` on the local device.
 
@@ -258,6 +272,10 @@ def measure_profile(
   ``checkpoint``: a JSON file the op timings are written to after every op and read back
   from at the start (``planners.profile_checkpoint``), so an interrupted profile resumes;
   removed once the profile is complete.
+
+  ``fit_quantized``: also time the all-int8 step (when int8 is profiled) and fit
+  ``quantized_leg_scale`` to it (``fit_quantized_leg_scale``); that plan is then, like fp32, a
+  plan the profile is fitted to.
   """
   say = progress or (lambda msg: None)
   device_type = local_device_type()
@@ -376,7 +394,7 @@ def measure_profile(
     **({"policy_operands": "precast"} if precast else {}),
   }
   remove_partial(checkpoint)
-  return Profile(
+  prof = Profile(
     model=task.name,
     device_type=device_type,
     source="measured",
@@ -391,6 +409,20 @@ def measure_profile(
     relayout_ms=relayout,
     forward_headroom=headroom,
   ).with_remainder(rest)
+  if not fit_quantized or not set(PRESETS[QUANTIZED_FIT_PRESET].precisions) <= set(precisions):
+    return prof
+  say(f"{QUANTIZED_FIT_PRESET} training step")
+  try:
+    q_ms, q_samples, _ = step.time_train_step(
+      task, PrecisionPolicy.uniform(QUANTIZED_FIT_PRESET), batch, step_repeats, clock=step_clock
+    )
+  except jax.errors.JaxRuntimeError as e:  # a backend that cannot run the all-int8 step
+    say(f"  cannot time the {QUANTIZED_FIT_PRESET} step here; quantized legs stay unscaled")
+    return dataclasses.replace(
+      prof, meta={**meta, "unrunnable": [*unrunnable, f"{QUANTIZED_FIT_PRESET} step: {e}"[:160]]}
+    )
+  prof = dataclasses.replace(prof, meta={**meta, "quantized_step_ms_samples": q_samples})
+  return fit_quantized_leg_scale(prof, q_ms)
 
 
 def with_precast_policies(
@@ -400,7 +432,8 @@ def with_precast_policies(
   converts to a float dtype (``precast_dtypes``: bf16, fp16, int8_fwd's fp16 backward) re-timed
   on the local device with those activations already converted (``planners.op_programs.policy_programs(precast=
   True)``), and ``meta["policy_operands"] = "precast"``; nothing else changes (the remainder
-  stays fitted on fp32, whose programs are the same). ``op_clock`` as in ``measure_profile``.
+  stays fitted on fp32, whose programs are the same; a fitted ``quantized_leg_scale`` is refitted
+  to the same all-int8 step). ``op_clock`` as in ``measure_profile``.
   Refuses a profile of another device type."""
   if prof.device_type != local_device_type():
     raise PlanError(
@@ -423,7 +456,9 @@ def with_precast_policies(
           PRESETS[name], op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op, precast=True
         )
       op_ms[op.name][entry] = cache[key]
-  return dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "policy_operands": "precast"})
+  out = dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "policy_operands": "precast"})
+  fitted = prof.meta.get("quantized_fit_step_ms")
+  return out if fitted is None else fit_quantized_leg_scale(out, fitted)  # int8_fwd's programs changed
 
 
 def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tuple[float, int]:
@@ -440,6 +475,16 @@ def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tup
   group = GroupCost("local", draft, fp32, draft.batch_per_device)
   other = 0 if peak_bytes is None else int(peak_bytes - memory_bytes(group))
   return rest, other
+
+
+def fit_quantized_leg_scale(prof: Profile, step_ms: float) -> Profile:
+  """``prof`` with ``quantized_leg_scale`` fitted to ``step_ms``, the all-int8 step measured on
+  one device (``replay.refit_quantized_leg_scale``)."""
+  from planners.replay import refit_quantized_leg_scale
+  from qsync_jax.cluster import ClusterSpec
+
+  one = ClusterSpec.uniform(prof.device_type, 1, prof.batch_per_device, memory_gb=1e3)
+  return refit_quantized_leg_scale(one, prof, step_ms)
 
 
 def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:

@@ -51,7 +51,7 @@ from planners.op_memory import (
   transient_bytes,
   upcasts_16bit_products,
 )
-from planners.profiler import Profile, modeled_profile
+from planners.profiler import QUANTIZED_FIT_PRESET, Profile, modeled_profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -236,6 +236,52 @@ def refit_remainder(cluster: ClusterSpec, profile: Profile, step_ms: float, **pr
   return profile.with_remainder(
     step_ms - predict(cluster, {profile.device_type: draft}, fp32, **predict_kwargs).step_ms
   )
+
+
+def refit_quantized_leg_scale(
+  cluster: ClusterSpec, profile: Profile, step_ms: float, **predict_kwargs
+) -> Profile:
+  """``profile`` with its ``quantized_leg_scale`` refitted so that the replay of the uniform
+  ``QUANTIZED_FIT_PRESET`` (all-int8) plan on ``cluster`` predicts ``step_ms``, that plan's step
+  measured there; the remainder (fitted on fp32, which has no quantized leg) is kept, so fit it
+  first. The step is linear in the scale on one device; with an all-reduce the two replays at
+  scale 0 and 1 give the secant. A scale below 0 is clipped to 0 (the quantized legs free)
+  and said in ``meta["quantized_leg_scale_clipped"]``: the step is shorter than the rest of
+  the step alone. ``predict_kwargs`` go to ``predict``."""
+  plan = Plan(policies={g.name: PrecisionPolicy.uniform(QUANTIZED_FIT_PRESET) for g in cluster.groups})
+
+  def step_at(scale):
+    scaled = dataclasses.replace(profile, quantized_leg_scale=scale)
+    return predict(cluster, {profile.device_type: scaled}, plan, **predict_kwargs).step_ms
+
+  free, unit = step_at(0.0), step_at(1.0)
+  if unit <= free:  # no quantized leg in the plan (no int8 op): nothing to fit
+    return profile
+  scale = (step_ms - free) / (unit - free)
+  meta = {**profile.meta, "quantized_fit_step_ms": step_ms}
+  meta.pop("quantized_leg_scale_clipped", None)
+  if scale < 0:
+    meta["quantized_leg_scale_clipped"] = scale
+  return dataclasses.replace(profile, quantized_leg_scale=max(scale, 0.0), meta=meta)
+
+
+def refit_profile(
+  cluster: ClusterSpec, profile: Profile, fp32_ms: float, quantized_ms: float | None = None, **predict_kwargs
+) -> Profile:
+  """``profile`` refitted to steps measured on ``cluster``: its remainder to the fp32 step
+  (``refit_remainder``), then, given ``quantized_ms`` (the all-int8 step), its
+  ``quantized_leg_scale`` (``refit_quantized_leg_scale``)."""
+  out = refit_remainder(cluster, profile, fp32_ms, **predict_kwargs)
+  if quantized_ms is None:
+    return out
+  return refit_quantized_leg_scale(cluster, out, quantized_ms, **predict_kwargs)
+
+
+def fit_presets(profile: Profile) -> tuple[str, ...]:
+  """The uniform presets whose steps ``profile`` is fitted to, so that predicting them is no
+  test of the replay: fp32 (the remainder) and, once its ``quantized_leg_scale`` is fitted
+  (``refit_quantized_leg_scale``), ``QUANTIZED_FIT_PRESET``."""
+  return ("fp32",) + ((QUANTIZED_FIT_PRESET,) if "quantized_fit_step_ms" in profile.meta else ())
 
 
 CALIBRATION_DEVICES = ("group", "one")

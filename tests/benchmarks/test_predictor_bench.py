@@ -11,15 +11,22 @@ import pytest
 def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path, capsys):
   results = tmp_path / "predictor.jsonl"
   argv = ["--models", "mlp", "--repeats", "2", "--rounds", "2", "--profile-repeats", "2", "--refit"]
-  predictor.main([*argv, "--results", str(results)])
+  predictor.main([*argv, "--results", str(results), "--profile-dir", str(tmp_path / "profiles")])
+  assert [p.name for p in (tmp_path / "profiles").iterdir()] == ["mlp.json"]  # saved, no checkpoint left
   rows = [json.loads(line) for line in results.read_text().splitlines()]
   as_profiled = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock"}
   refit = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock_refit"}
-  evaluated = {f"mlp/{case}" for case in predictor.plans(["Dense_0:dense", "Dense_1:dense"])}
-  assert set(as_profiled) == set(refit) == evaluated  # fp32 is the fit, never evaluated
+  plans = predictor.plans(["Dense_0:dense", "Dense_1:dense"])
+  evaluated = {f"mlp/{case}" for case in plans if case != "int8"}
+  assert set(as_profiled) == set(refit) == evaluated  # fp32 and all-int8 are the fits, never evaluated
   for case, r in as_profiled.items():
     assert len(r["rounds"]) == 2 and r["baseline"] == pytest.approx(sum(r["rounds"]) / 2)
     assert refit[case]["baseline"] == r["baseline"]  # the same measured step, two predictions
   summary = {r["case"] for r in rows if r["metric"] == "abs_rel_error"}
   assert summary == {"all/mean_abs_step_error", "all/mean_abs_memory_error", "all/mean_abs_step_error_refit"}
   assert "refitted to the fp32 step timed among the plans" in capsys.readouterr().out
+  # a second run reuses the saved profile instead of measuring one
+  again = ["--models", "mlp", "--repeats", "1", "--rounds", "1", "--no-save"]
+  predictor.main([*again, "--profile-dir", str(tmp_path / "profiles")])
+  out = capsys.readouterr().out
+  assert f"# mlp: profile {tmp_path / 'profiles' / 'mlp.json'}" in out and "profiled" not in out

@@ -1,5 +1,6 @@
 """Profiler pieces: op shapes from the tap, residual memory, cast-model fit, modeled profiles."""
 
+import dataclasses
 import json
 import math
 
@@ -14,7 +15,11 @@ from planners.op_memory import residual_bytes
 from planners.op_programs import policy_programs, precast_dtypes
 from planners.ops import OpShape, collect_ops, gemm_shape
 from planners.profiler import Profile, measure_profile, modeled_profile, with_precast_policies
+from planners.replay import predict
+from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import ClusterSpecError, PlanError
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 from qsync_jax.qdot import quantized_dot_general
 from qsync_jax.qdot import residual_bytes as measured_residual_bytes
@@ -107,6 +112,11 @@ def test_profile_json_round_trip_and_errors(tmp_path):
   prof.save(str(path))
   again = Profile.load(str(path))
   assert again == prof
+  scaled = dataclasses.replace(prof, quantized_leg_scale=0.7)
+  scaled.save(str(path))
+  assert Profile.load(str(path)) == scaled
+  older = {k: v for k, v in scaled.to_json().items() if k != "quantized_leg_scale"}
+  assert Profile.from_json(older).quantized_leg_scale == 1.0  # profiles from before the fit
   with pytest.raises(PlanError, match="no .* time .* Fix"):
     again.leg_ms("Dense_0:dense", "fwd", "nf4")
   path.write_text(json.dumps({"format": "something else"}))
@@ -167,5 +177,16 @@ def test_precast_retimes_only_the_policies_whose_activations_the_step_converts()
     assert changed == {"policy:bf16", "policy:fp16", "policy:int8_fwd"}
     assert set(out.op_ms[op]["policy:bf16"]) >= {"fwd", "bwd"}
   assert out.remainder_ms == prof.remainder_ms
+  # both fitted to the all-int8 step the profile timed (its programs are not precast)
+  one = ClusterSpec.uniform("cpu", 1, 16, memory_gb=1e3)
+  int8 = Plan(policies={"all": PrecisionPolicy.uniform("int8")})
+  for p in (prof, out):
+    assert p.meta["quantized_fit_step_ms"] == prof.meta["quantized_fit_step_ms"]
+    assert len(p.meta["quantized_step_ms_samples"]) == 2
+    predicted, fit_ms = predict(one, {"cpu": p}, int8).step_ms, p.meta["quantized_fit_step_ms"]
+    if "quantized_leg_scale_clipped" in p.meta:  # a busy host can time it below the rest of the step
+      assert p.quantized_leg_scale == 0.0 and predicted > fit_ms
+    else:
+      assert predicted == pytest.approx(fit_ms)
   with pytest.raises(PlanError, match="cannot be re-timed on this"):
     with_precast_policies(fake_profile([(1, 2, 3)], device_type="H100"))

@@ -8,7 +8,15 @@ import pytest
 
 from planners.catalog import allreduce_ms
 from planners.graph import Comm, GroupCost, buckets, build_graph, longest_path
-from planners.replay import calibrate, predict, refit_remainder, sync_step_ms
+from planners.replay import (
+  calibrate,
+  fit_presets,
+  predict,
+  refit_profile,
+  refit_quantized_leg_scale,
+  refit_remainder,
+  sync_step_ms,
+)
 from planners.trace import chrome_trace, save_png
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import PlanError
@@ -191,6 +199,57 @@ def test_refit_remainder_matches_the_fp32_step_and_shifts_every_plan_alike():
   assert after["bf16"] - before["bf16"] == pytest.approx(30.0 - before["fp32"])
   assert fitted.remainder_ms["bwd"] == pytest.approx(2 * fitted.remainder_ms["fwd"])
   assert fitted.op_ms == prof.op_ms  # nothing else changes
+
+
+def test_quantized_leg_scale_is_fitted_on_the_all_int8_step_and_scales_only_int8_legs():
+  # ops A (first: no dlhs) and B at fp32: fwd 1, dlhs 2, drhs 3 ms; int8 legs 0.3x, bf16 0.5x.
+  # All-int8 step = remainder 4 + optimizer 1 + s * (0.3 + 0.3 + 0.6 + 0.9 + 0.9) = 5 + 3 s.
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], remainder_ms=4.0, optimizer_ms=1.0)
+  one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
+  assert prof.quantized_leg_scale == 1.0 and fit_presets(prof) == ("fp32",)
+
+  def step(p, policy):
+    return predict(one, {"cpu": p}, Plan(policies={"all": policy})).step_ms
+
+  a, b = prof.op_names
+  assert step(prof, PrecisionPolicy.uniform("int8")) == pytest.approx(8.0)
+  fitted = refit_quantized_leg_scale(one, prof, 6.5)
+  assert fitted.quantized_leg_scale == pytest.approx(0.5)
+  assert step(fitted, PrecisionPolicy.uniform("int8")) == pytest.approx(6.5)
+  assert fit_presets(fitted) == ("fp32", "int8") and fitted.meta["quantized_fit_step_ms"] == 6.5
+  for float_plan in ("fp32", "bf16", "fp16"):  # no int8 leg: unchanged
+    assert step(fitted, PrecisionPolicy.uniform(float_plan)) == step(
+      prof, PrecisionPolicy.uniform(float_plan)
+    )
+  # A at int8, B at bf16: 0.5·0.3 + 0.5 + 4 + (1.0 + 1.5) + 0.5·0.9 + 1
+  mixed = PrecisionPolicy.from_ops({a: OpPolicy.preset("int8"), b: OpPolicy.preset("bf16")})
+  assert step(fitted, mixed) == pytest.approx(8.6)
+  # int8_fwd: only the forwards are int8; the fp16 gradient legs keep their time
+  fwd_only = step(prof, PrecisionPolicy.uniform("int8_fwd")) - step(
+    fitted, PrecisionPolicy.uniform("int8_fwd")
+  )
+  assert fwd_only == pytest.approx(0.5 * 0.6)
+
+
+def test_quantized_leg_scale_below_zero_is_clipped_and_said():
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], remainder_ms=4.0, optimizer_ms=1.0)
+  one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
+  fitted = refit_quantized_leg_scale(one, prof, 4.0)  # shorter than the rest of the step (5 ms)
+  assert fitted.quantized_leg_scale == 0.0
+  assert fitted.meta["quantized_leg_scale_clipped"] == pytest.approx(-1 / 3)
+  assert "quantized_leg_scale_clipped" not in refit_quantized_leg_scale(one, fitted, 6.5).meta
+
+
+def test_refit_profile_fits_the_remainder_then_the_quantized_scale():
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], remainder_ms=4.0, optimizer_ms=1.0)
+  one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
+  fitted = refit_profile(one, prof, 12.0, 7.0)  # fp32: 1 + 1 + 4 + 2 + 3 + 3 + 1 = 15 before
+  plan = {p: Plan(policies={"all": PrecisionPolicy.uniform(p)}) for p in ("fp32", "int8")}
+  assert predict(one, {"cpu": fitted}, plan["fp32"]).step_ms == pytest.approx(12.0)
+  assert predict(one, {"cpu": fitted}, plan["int8"]).step_ms == pytest.approx(7.0)
+  assert sum(fitted.remainder_ms.values()) == pytest.approx(1.0)  # 4 - 3
+  assert fitted.quantized_leg_scale == pytest.approx((7.0 - 1.0 - 1.0) / 3.0)
+  assert refit_profile(one, prof, 12.0).quantized_leg_scale == 1.0  # no int8 step: not fitted
 
 
 def _two_groups():
