@@ -188,6 +188,7 @@ def main(argv=None):
     "back to back, as the trainer runs them)",
   )
   ap.add_argument("--no-save", action="store_true")
+  ap.add_argument("--run", help="a tag every row of this run carries (its 'run' field)")
   ap.add_argument(
     "--profile-dir",
     help="each model's profile: loaded from <dir>/<model>.json if there, else measured and saved there "
@@ -281,6 +282,10 @@ def main(argv=None):
           flush=True,
         )
         out.append(row_json(model, case, f"step_ms_{clock}_clock_refit", pred_fit, meas, device))
+    if not args.no_save:  # each model's rows as soon as it is done: a run cut short keeps them
+      append_rows(args.results, [r | ({"run": args.run} if args.run else {}) for r in out])
+      print(f"appended {len(out)} rows of {model} to {args.results}", flush=True)
+      out = []
   evals = [r for r in rows if "(fit)" not in r[1]]
   t_err = np.abs([r[5] for r in evals])
   m_err = np.abs([r[8] for r in evals])
@@ -321,8 +326,8 @@ def main(argv=None):
       summary.append(
         row_json("all", "mean_abs_step_error_refit", "abs_rel_error", float(np.mean(refitted)), None, device)
       )
-    append_rows(args.results, out + summary)
-    print(f"appended {len(out) + len(summary)} rows to {args.results}")
+    append_rows(args.results, [r | ({"run": args.run} if args.run else {}) for r in summary])
+    print(f"appended {len(summary)} summary rows to {args.results}")
 
 
 if __name__ == "__main__":

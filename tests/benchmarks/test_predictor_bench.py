@@ -11,9 +11,12 @@ import pytest
 def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path, capsys):
   results = tmp_path / "predictor.jsonl"
   argv = ["--models", "mlp", "--repeats", "2", "--rounds", "2", "--profile-repeats", "2", "--refit"]
-  predictor.main([*argv, "--results", str(results), "--profile-dir", str(tmp_path / "profiles")])
+  predictor.main(
+    [*argv, "--results", str(results), "--profile-dir", str(tmp_path / "profiles"), "--run", "t"]
+  )
   assert [p.name for p in (tmp_path / "profiles").iterdir()] == ["mlp.json"]  # saved, no checkpoint left
   rows = [json.loads(line) for line in results.read_text().splitlines()]
+  assert {r["run"] for r in rows} == {"t"}
   as_profiled = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock"}
   refit = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock_refit"}
   plans = predictor.plans(["Dense_0:dense", "Dense_1:dense"])
