@@ -35,7 +35,7 @@ def add_arguments(parser) -> None:
     "--clock",
     choices=["wall", "cpu", "pipelined"],
     default=None,
-    help="clock of the fp32 step the remainder is fitted to: wall time; process CPU time (steadier on "
+    help="clock of the fp32 and all-int8 steps the remainder and the int8 legs' scale are fitted to: wall time; process CPU time (steadier on "
     "a CPU host shared with other work); or pipelined — steps dispatched back to back, as `qsync "
     "train` runs them (default: pipelined on a GPU, else wall)",
   )
@@ -106,5 +106,10 @@ def run(args) -> int:
     f"remainder {sum(prof.remainder_ms.values()):.3f} ms, optimizer {prof.optimizer_ms:.3f} ms"
     + (f", measured fp32 step {prof.meta['fp32_step_ms']:.3f} ms" if "fp32_step_ms" in prof.meta else "")
   )
+  if "quantized_fit_step_ms" in prof.meta:
+    print(
+      f"int8 legs inside the step x{prof.quantized_leg_scale:.3f} of their standalone time, fitted to the "
+      f"measured all-int8 step {prof.meta['quantized_fit_step_ms']:.3f} ms"
+    )
   print(f"wrote {args.out}")
   return 0

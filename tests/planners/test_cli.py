@@ -73,6 +73,8 @@ def test_profile_files(files):
   assert set(measured.op_ms["Dense_1:dense"]) == {"fwd", "dlhs", "drhs", "policy:fp32", "policy:int8"}
   assert all(t > 0 for t in measured.op_ms["Dense_1:dense"]["fwd"].values())
   assert measured.meta["jax_version"] and measured.meta["fp32_step_ms"] > 0
+  # int8 profiled: the all-int8 step was timed and fitted; a modeled profile fits nothing
+  assert measured.meta["quantized_fit_step_ms"] > 0 and modeled.quantized_leg_scale == 1.0
   assert (measured.meta["clock"], measured.meta["op_clock"]) == ("wall", "cpu")  # the step stays on --clock
   assert measured.meta["policy_operands"] == "precast"
   assert set(modeled.op_ms["Dense_1:dense"]["fwd"]) == {"fp32", "fp16", "int8"}  # what a T4 runs
