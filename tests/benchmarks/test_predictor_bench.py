@@ -17,7 +17,9 @@ def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path
   assert [p.name for p in (tmp_path / "profiles").iterdir()] == ["mlp.json"]  # saved, no checkpoint left
   rows = [json.loads(line) for line in results.read_text().splitlines()]
   assert {r["run"] for r in rows} == {"t"}
-  as_profiled = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock"}
+  as_profiled = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock" and not r.get("fit")}
+  fits = {r["case"] for r in rows if r.get("fit")}
+  assert fits == {"mlp/fp32 (fit)", "mlp/int8 (fit)"}  # their measured steps, for offline refits
   refit = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock_refit"}
   plans = predictor.plans(["Dense_0:dense", "Dense_1:dense"])
   evaluated = {f"mlp/{case}" for case in plans if case != "int8"}
