@@ -282,6 +282,7 @@ def main(argv=None) -> int:
             f"{model}: {variant} profile refitted to this run's {' and '.join(fit_presets(vprof))} steps on the {clock} clock"
           )
         tags = {"operands": variant, "clock": clock, **({"refit": True} if args.refit else {})}
+        tags["quantized_leg_scale"] = vprof.quantized_leg_scale
         fits.update((model, variant, clock, name) for name in fit_presets(vprof))
         for name, (meas, spread, peak) in steps.items():
           pred = predict(cluster, {vprof.device_type: vprof}, Plan(policies={"all": policies[name]}))

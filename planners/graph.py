@@ -12,6 +12,9 @@ on its own ``compute`` stream:
   leg's profiled time (XLA fuses it with the product). The one conversion outside any leg is
   a cast node before an op's gradient legs when its forward ran int8/fp8: the saved 1-byte
   operands are dequantized to fp32 (the profile's ``"int8->fp32"`` / ``"fp8->fp32"`` model).
+* int8/fp8 legs cost their standalone time times the profile's ``quantized_leg_scale``
+  (fitted on the all-int8 step): inside the step XLA shares and fuses part of their quantize
+  passes.
 * The first op takes the model input, which is not differentiated: it has no dlhs leg.
 * Gradients are all-reduced in buckets of at most ``bucket_bytes`` of fp32 weight gradients
   (``buckets``): one ``comm`` node per bucket, shared by all groups, starts when *every*
