@@ -244,10 +244,14 @@ def refit_quantized_leg_scale(
   """``profile`` with its ``quantized_leg_scale`` refitted so that the replay of the uniform
   ``QUANTIZED_FIT_PRESET`` (all-int8) plan on ``cluster`` predicts ``step_ms``, that plan's step
   measured there; the remainder (fitted on fp32, which has no quantized leg) is kept, so fit it
-  first. The step is linear in the scale on one device; with an all-reduce the two replays at
-  scale 0 and 1 give the secant. A scale below 0 is clipped to 0 (the quantized legs free)
-  and said in ``meta["quantized_leg_scale_clipped"]``: the step is shorter than the rest of
-  the step alone. ``predict_kwargs`` go to ``predict``."""
+  first.
+
+  The predicted step never falls as the scale grows, and is linear in it while the last node
+  ends the step; the secant through scales 0 and 1 is taken when it reproduces ``step_ms``,
+  else the scale is bisected (a very negative remainder, from standalone timings inflated on a
+  busy host, lets an earlier node end the step). A step shorter than the replay at scale 0
+  (the quantized legs free) gets scale 0, said in ``meta["quantized_leg_scale_clipped"]``
+  (that floor in ms). ``predict_kwargs`` go to ``predict``."""
   plan = Plan(policies={g.name: PrecisionPolicy.uniform(QUANTIZED_FIT_PRESET) for g in cluster.groups})
 
   def step_at(scale):
@@ -257,12 +261,22 @@ def refit_quantized_leg_scale(
   free, unit = step_at(0.0), step_at(1.0)
   if unit <= free:  # no quantized leg in the plan (no int8 op): nothing to fit
     return profile
-  scale = (step_ms - free) / (unit - free)
   meta = {**profile.meta, "quantized_fit_step_ms": step_ms}
   meta.pop("quantized_leg_scale_clipped", None)
-  if scale < 0:
-    meta["quantized_leg_scale_clipped"] = scale
-  return dataclasses.replace(profile, quantized_leg_scale=max(scale, 0.0), meta=meta)
+  if step_ms <= free:
+    meta["quantized_leg_scale_clipped"] = free
+    return dataclasses.replace(profile, quantized_leg_scale=0.0, meta=meta)
+  scale = (step_ms - free) / (unit - free)
+  if abs(step_at(scale) - step_ms) > 1e-9 * step_ms:
+    low, high = 0.0, 1.0
+    while step_at(high) < step_ms:
+      low, high = high, 2 * high
+    for _ in range(60):
+      low, high = (
+        (low, (low + high) / 2) if step_at((low + high) / 2) >= step_ms else ((low + high) / 2, high)
+      )
+    scale = high
+  return dataclasses.replace(profile, quantized_leg_scale=scale, meta=meta)
 
 
 def refit_profile(
