@@ -128,7 +128,9 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
   dequantized to fp32 — appears when some gradient leg runs at another precision.
 
   The drhs leg also carries the op's relayout (``Profile.relayout_ms``) when its policy makes
-  XLA re-run the producer of its saved activation (fp32; see ``planners.steptrace``).
+  XLA re-run the producer of its saved activation (fp32; see ``planners.steptrace``); under
+  another policy that does, the relayout time its whole-policy programs measured
+  (``"relayout_ms"``, XLA:CPU), where there is one.
 
   When the profile timed the op under its whole policy (``"policy:<preset>"``), that is used
   instead: the forward as timed, the backward split between dlhs and drhs in proportion to
@@ -156,6 +158,10 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
   # leaves XLA re-running the activation's producer (``op_programs.refuses_producer``)
   refuses = p in FP32_LIKE or bool(whole is not None and whole.get("refuses_producer"))
   relayout = scale * prof.relayout_ms.get(op.name, 0.0) if refuses else 0.0
+  if refuses and p not in FP32_LIKE and "relayout_ms" in whole:
+    # another policy's re-run differs from fp32's (fp16: a rounding per element in the loop);
+    # its standalone relayout time (``op_programs.producer_relayout_ms``) stands for it
+    relayout = scale * whole["relayout_ms"]
   if whole is not None:  # the op timed under its whole policy: split bwd by the legs' shares
     shares = {
       name: prof.leg_ms(op.name, name, pol.dlhs if name == "dlhs" else pol.drhs) for name in LEG_NAMES

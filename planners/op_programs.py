@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.quantize import dequantize, quantize
 from planners import step, steptrace
@@ -147,7 +148,10 @@ def measure_policy(
   t_all = step.timed_ms(fwd_bwd_prog, repeats, clock=clock)[0]
   out = {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
   if jax.devices()[0].platform == "cpu":
-    out["refuses_producer"] = float(refuses_producer(fwd, lhs, rhs, key, g))
+    refuses, relayout = producer_relayout_ms(fwd, lhs, rhs, key, g)
+    out["refuses_producer"] = float(refuses)
+    if relayout is not None:
+      out["relayout_ms"] = relayout
   return out
 
 
@@ -226,20 +230,56 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
   return programs, fwd, (lhs, rhs, key, g)
 
 
-def refuses_producer(fwd, lhs, rhs, key, g) -> bool:
-  """Whether XLA, in a training step, re-runs the producer of the op's activation operand to
-  lay the saved activation out for the gradient legs (``planners.steptrace``), judged on the
-  compiled forward + backward of ``fwd`` whose activation is produced in the program from
-  two inputs (``(x + c) · t``, like an activation function of a product and its bias): True
-  when a relayout fusion reads the producer's inputs instead of a saved copy. An fp32 op saves
-  the producer's output itself, so XLA re-runs the producer; a bf16 copy or an int8 residual
-  is materialized and relaid out cheaply."""
+def _produced_program(fwd, lhs, rhs, key, g):
+  """``(jitted program, its arguments)``: forward + gradients of ``fwd`` whose activation is
+  produced in the program from two inputs (``(x + c) · t``, like an activation function of a
+  product and its bias)."""
   t = jnp.ones_like(lhs)
 
   def produced(a, b, c, t, key, g):
     y, vjp = jax.vjp(lambda a, b: fwd((a + c) * t, b, key), a, b)
     return y, vjp(g)
 
-  args = (lhs, rhs, jnp.zeros((), lhs.dtype), t, key, g)
-  hlo = jax.jit(produced).lower(*args).compile().as_text()
-  return any(0 in fusion.operand_params for fusion in steptrace.relayout_fusions(hlo))
+  return jax.jit(produced), (lhs, rhs, jnp.zeros((), lhs.dtype), t, key, g)
+
+
+def _rerunning_relayouts(hlo: str) -> list[steptrace.Instruction]:
+  """The relayout fusions of ``_produced_program``'s compiled text that read the producer's
+  input (ENTRY parameter 0) instead of a saved copy."""
+  return [fusion for fusion in steptrace.relayout_fusions(hlo) if 0 in fusion.operand_params]
+
+
+def refuses_producer(fwd, lhs, rhs, key, g) -> bool:
+  """Whether XLA, in a training step, re-runs the producer of the op's activation operand to
+  lay the saved activation out for the gradient legs (``planners.steptrace``), judged on the
+  compiled forward + backward of ``fwd`` whose activation is produced in the program
+  (``_produced_program``): True when a relayout fusion reads the producer's inputs instead of
+  a saved copy. An fp32 op saves the producer's output itself, so XLA re-runs the producer; a
+  bf16 copy or an int8 residual is materialized and relaid out cheaply."""
+  program, args = _produced_program(fwd, lhs, rhs, key, g)
+  return bool(_rerunning_relayouts(program.lower(*args).compile().as_text()))
+
+
+def producer_relayout_ms(fwd, lhs, rhs, key, g, repeats: int = 5) -> tuple[bool, float | None]:
+  """``(refuses_producer, ms)``: whether ``_produced_program`` has relayout fusions that re-run
+  the producer (``refuses_producer``), and their ms per call from XLA:CPU's per-instruction
+  trace (the median event of each, times its events per call; None when there is none or
+  another profiler session keeps the trace from running). Under fp16 on XLA:CPU such a fusion
+  also rounds the re-run activation through fp16 element by element inside the transposing
+  loop: in the LM's fp16 step two of them took 3.7 and 7.5 ms against 0.5–0.8 ms for the
+  bf16 step's relayouts of a saved copy (``docs/results.md``)."""
+  program, args = _produced_program(fwd, lhs, rhs, key, g)
+  compiled = program.lower(*args).compile(compiler_options=steptrace.TRACE_OPTIONS)
+  names = {fusion.name for fusion in _rerunning_relayouts(compiled.as_text())}
+  if not names:
+    return False, None
+  compiled(*args)
+  try:
+    events = steptrace.traced_events(lambda: jax.block_until_ready(compiled(*args)), repeats)
+  except RuntimeError:  # another profiler session is running
+    return True, None
+  durations: dict[str, list[float]] = {n: [] for n in names}
+  for event in events:
+    if event["name"] in names:
+      durations[event["name"]].append(event["dur"] / 1e3)
+  return True, sum(float(np.median(d)) * len(d) / repeats for d in durations.values() if d) or None

@@ -15,7 +15,8 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   (``planners.op_programs.measure_policy``); the replay prefers it for ops whose policy is that preset. On XLA:CPU
   it also records ``"refuses_producer"`` (1.0 / 0.0): whether, under that policy, XLA re-runs
   the producer of the op's activation to lay the saved activation out for the gradient legs
-  (``planners.op_programs.refuses_producer``).
+  (``planners.op_programs.refuses_producer``), and then ``"relayout_ms"``, the time of those
+  re-running relayouts in the standalone program (``producer_relayout_ms``).
 * ``relayout_ms`` — per op, the step time of those relayouts of its saved activation,
   measured inside the fp32 step from XLA's per-instruction trace (``planners.steptrace``;
   XLA:CPU only). The replay charges it to the op's drhs leg under fp32 and under policies

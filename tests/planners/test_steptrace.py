@@ -122,6 +122,13 @@ def test_replay_adds_the_relayout_where_the_policy_reruns_the_producer():
   )
   assert drhs("fp16") == pytest.approx(1.0 + relayout)  # bwd 2.0 split evenly over dlhs, drhs
   assert drhs("bf16") == pytest.approx(1.0)
+  # where the policy's own programs timed their re-run relayout, that time replaces fp32's
+  op_ms[name]["policy:fp16"] = {"fwd": 1.0, "bwd": 2.0, "refuses_producer": 1.0, "relayout_ms": 7.5}
+  prof = dataclasses.replace(prof, op_ms=op_ms)
+  assert drhs("fp16") == pytest.approx(1.0 + 7.5)
+  assert drhs(None) == pytest.approx(
+    op_costs(GroupCost("g", bare, {}, prof.batch_per_device), 1)["drhs"][0] + relayout
+  )  # fp32 keeps the relayout measured in the fp32 step
 
 
 def test_refuses_producer_on_this_stack():
@@ -129,7 +136,7 @@ def test_refuses_producer_on_this_stack():
   # fp32 produced input itself makes the relayout for its drhs re-run the producer; a bf16
   # op's saved copy is materialized and relaid out instead. An all-fp32 op runs as a plain
   # dot_general differentiated by JAX, and XLA then saves a relaid-out copy too.
-  from planners.op_programs import refuses_producer
+  from planners.op_programs import producer_relayout_ms, refuses_producer
   from qsync_jax.qdot import quantized_dot_general
 
   rng = np.random.default_rng()
@@ -146,6 +153,10 @@ def test_refuses_producer_on_this_stack():
   assert refuses_producer(under(OpPolicy(fwd="fp32", dlhs="fp32", drhs="bf16")), lhs, rhs, None, g)
   assert not refuses_producer(under("fp32"), lhs, rhs, None, g)
   assert not refuses_producer(under("bf16"), lhs, rhs, None, g)
+  # the same judgement, with the time of the re-running relayouts from XLA:CPU's trace
+  refuses, ms = producer_relayout_ms(under(OpPolicy(fwd="fp32", dlhs="fp32", drhs="bf16")), lhs, rhs, None, g)
+  assert refuses and ms > 0
+  assert producer_relayout_ms(under("bf16"), lhs, rhs, None, g) == (False, None)
 
 
 def test_device_clock_is_the_mean_kernel_time_of_the_first_gpu(monkeypatch):
