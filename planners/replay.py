@@ -248,8 +248,9 @@ def refit_quantized_leg_scale(
 
   The predicted step never falls as the scale grows, and is linear in it while the last node
   ends the step; the secant through scales 0 and 1 is taken when it reproduces ``step_ms``,
-  else the scale is bisected (a very negative remainder, from standalone timings inflated on a
-  busy host, lets an earlier node end the step). A step shorter than the replay at scale 0
+  else the scale is bisected (with an all-reduce, a bucket may end the step at one scale and
+  the backward at another; a very negative remainder, from standalone timings inflated on a
+  busy host, lets an earlier node end it). A step shorter than the replay at scale 0
   (the quantized legs free) gets scale 0, said in ``meta["quantized_leg_scale_clipped"]``
   (that floor in ms). ``predict_kwargs`` go to ``predict``."""
   plan = Plan(policies={g.name: PrecisionPolicy.uniform(QUANTIZED_FIT_PRESET) for g in cluster.groups})

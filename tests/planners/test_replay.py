@@ -240,15 +240,22 @@ def test_quantized_leg_scale_below_zero_is_clipped_and_said():
   assert "quantized_leg_scale_clipped" not in refit_quantized_leg_scale(one, fitted, 6.5).meta
 
 
-def test_quantized_leg_scale_is_bisected_where_an_earlier_node_ends_the_step():
-  # int8 forwards 3 + 3 ms, remainder -3, int8 gradient legs 0.3 * 3: at scale s the forward
-  # ends at 6 s and the last node at 6.9 s - 3, so the step is max(6 s, 6.9 s - 3), not linear
-  prof = fake_profile([(10, 1, 1), (10, 1, 1)], remainder_ms=-3.0)
-  one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
-  fitted = refit_quantized_leg_scale(one, prof, 30.0)  # the secant through 0 and 1 says 5
-  assert fitted.quantized_leg_scale == pytest.approx(33 / 6.9)
-  int8 = Plan(policies={"all": PrecisionPolicy.uniform("int8")})
-  assert predict(one, {"cpu": fitted}, int8).step_ms == pytest.approx(30.0)
+def test_quantized_leg_scale_is_bisected_where_an_all_reduce_ends_the_step():
+  # on 2 devices the last all-reduce bucket ends the step while the int8 legs are cheap, and the
+  # backward once they are dear: the step is not linear in the scale, and the secant misses
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS)
+  cluster = ClusterSpec((DeviceGroup("gpus", "cpu", 2, 1e3, prof.batch_per_device, link_gbps=1.0),))
+  options = {"latency_us": 0.0, "bucket_bytes": 1}
+  int8 = Plan(policies={"gpus": PrecisionPolicy.uniform("int8")})
+
+  def step(scale):
+    scaled = dataclasses.replace(prof, quantized_leg_scale=scale)
+    return predict(cluster, {"cpu": scaled}, int8, **options).step_ms
+
+  secant = (30.0 - step(0.0)) / (step(1.0) - step(0.0))
+  assert abs(step(secant) - 30.0) > 1.0
+  fitted = refit_quantized_leg_scale(cluster, prof, 30.0, **options)
+  assert step(fitted.quantized_leg_scale) == pytest.approx(30.0)
 
 
 def test_refit_profile_fits_the_remainder_then_the_quantized_scale():
