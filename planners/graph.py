@@ -304,13 +304,12 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
 
 
 def longest_path(nodes: Sequence[Node]) -> list[tuple[float, float]]:
-  """``(start, end)`` ms of every node: it starts when all its deps have ended."""
+  """``(start, end)`` ms of every node: it starts when all its deps have ended (at 0 without
+  deps). A negative remainder (the fitted correction where standalone op timings exceed their
+  cost inside the step, as on a busy host) moves everything after it earlier by its full
+  amount, even past 0, so that a refit reproduces any step it is fitted to."""
   times: list[tuple[float, float]] = []
   for node in nodes:
-    start = 0.0
-    for d in node.deps:
-      end = times[d][1]
-      if end > start:
-        start = end
+    start = max((times[d][1] for d in node.deps), default=0.0)
     times.append((start, start + node.ms))
   return times

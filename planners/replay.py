@@ -228,9 +228,10 @@ def refit_remainder(cluster: ClusterSpec, profile: Profile, step_ms: float, **pr
   on a cluster it also carries what the op profile does not see (that host's launch rate, host
   work per device when one process drives several, collectives slowed by the compute beside
   them) as time added alike to every plan's step. ``predict_kwargs`` go to ``predict``.
-  A step shorter than the profile's ops alone needs a negative remainder; past the point where
-  an earlier part of the step outlasts the whole, the replay no longer reaches ``step_ms``
-  (seen on a loaded CPU host, where the standalone op timings were inflated)."""
+  A step shorter than the profile's ops alone needs a negative remainder (seen on a loaded CPU
+  host, where the standalone op timings were inflated); it moves the rest of the step earlier
+  by its full amount (``planners.graph.longest_path``), but an earlier node may still end later
+  than the step it was fitted to."""
   draft = profile.with_remainder(0.0)
   fp32 = Plan(policies={g.name: PrecisionPolicy.uniform("fp32") for g in cluster.groups})
   return profile.with_remainder(
@@ -350,14 +351,16 @@ def calibrate(
     calibrated[device_type] = name
     alone = ClusterSpec((groups[name] if devices == "group" else dataclasses.replace(groups[name], count=1),))
     where = "that group's devices alone" if devices == "group" else "one of that group's devices"
-    out[device_type] = refit_remainder(alone, profile_for(profiles, device_type), float(ms), **predict_kwargs)
+    profile = profile_for(profiles, device_type)
+    out[device_type] = refit_remainder(alone, profile, float(ms), **predict_kwargs)
     fp32 = Plan(policies={name: PrecisionPolicy.uniform("fp32")})
-    floor = predict(alone, {device_type: out[device_type]}, fp32, **predict_kwargs).step_ms
-    if abs(floor - ms) > 1e-3 * ms:
+    ops = predict(alone, {device_type: profile.with_remainder(0.0)}, fp32, **predict_kwargs).step_ms
+    fitted = predict(alone, {device_type: out[device_type]}, fp32, **predict_kwargs).step_ms
+    if ms < 0.5 * ops or abs(fitted - ms) > 1e-3 * ms:
       raise PlanError(
-        f"calibration of group {name!r}: its fp32 step of {ms} ms is shorter than the {floor:.3g} ms the "
-        f"replay of its {device_type} profile cannot go below, so no remainder reproduces it. Fix: check "
-        f"the value (the median fp32 step measured on {where}), or profile on an "
-        "idle host of that type (inflated op timings cause this)."
+        f"calibration of group {name!r}: its fp32 step of {ms} ms is less than half the {ops:.3g} ms its "
+        f"ops and optimizer take in the replay of its {device_type} profile, or no remainder reproduces "
+        f"it. Fix: check the value (the median fp32 step measured on {where}), or profile on an idle "
+        "host of that type (inflated op timings cause this)."
       )
   return out
