@@ -155,7 +155,7 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
   whole = prof.op_ms[op.name].get(f"policy:{preset}") if preset else None
   # the step-time relayout of the saved activation for the drhs leg (measured in the fp32
   # step, ``planners.steptrace``): paid by an fp32 op, and by any op whose policy also
-  # leaves XLA re-running the activation's producer (``op_programs.refuses_producer``)
+  # leaves XLA re-running the activation's producer (``op_programs.producer_relayout_ms``)
   refuses = p in FP32_LIKE or bool(whole is not None and whole.get("refuses_producer"))
   relayout = scale * prof.relayout_ms.get(op.name, 0.0) if refuses else 0.0
   if refuses and p not in FP32_LIKE and "relayout_ms" in whole:

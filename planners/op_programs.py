@@ -1,6 +1,6 @@
 """The standalone programs the profiler times for one op: its GEMM legs (``leg_fn``) and the
 op under a whole op policy (``policy_programs``), built as the runtime runs them
-(``qsync_jax.qdot`` / ``qsync_jax.qconv``), and what XLA does with them (``refuses_producer``).
+(``qsync_jax.qdot`` / ``qsync_jax.qconv``), and what XLA does with them (``producer_relayout_ms``).
 ``planners.profiler`` times them into a ``Profile``."""
 
 from __future__ import annotations
@@ -249,22 +249,15 @@ def _rerunning_relayouts(hlo: str) -> list[steptrace.Instruction]:
   return [fusion for fusion in steptrace.relayout_fusions(hlo) if 0 in fusion.operand_params]
 
 
-def refuses_producer(fwd, lhs, rhs, key, g) -> bool:
-  """Whether XLA, in a training step, re-runs the producer of the op's activation operand to
-  lay the saved activation out for the gradient legs (``planners.steptrace``), judged on the
-  compiled forward + backward of ``fwd`` whose activation is produced in the program
-  (``_produced_program``): True when a relayout fusion reads the producer's inputs instead of
-  a saved copy. An fp32 op saves the producer's output itself, so XLA re-runs the producer; a
-  bf16 copy or an int8 residual is materialized and relaid out cheaply."""
-  program, args = _produced_program(fwd, lhs, rhs, key, g)
-  return bool(_rerunning_relayouts(program.lower(*args).compile().as_text()))
-
-
 def producer_relayout_ms(fwd, lhs, rhs, key, g, repeats: int = 5) -> tuple[bool, float | None]:
-  """``(refuses_producer, ms)``: whether ``_produced_program`` has relayout fusions that re-run
-  the producer (``refuses_producer``), and their ms per call from XLA:CPU's per-instruction
-  trace (the median event of each, times its events per call; None when there is none or
-  another profiler session keeps the trace from running). Under fp16 on XLA:CPU such a fusion
+  """``(refuses_producer, ms)``: whether XLA, in a training step, re-runs the producer of the
+  op's activation operand to lay the saved activation out for the gradient legs
+  (``planners.steptrace``), judged on ``_produced_program``: True when a relayout fusion reads
+  the producer's inputs instead of a saved copy (an fp32 op saves the producer's output
+  itself, so XLA re-runs the producer; a bf16 copy or an int8 residual is materialized and
+  relaid out cheaply); and those fusions' ms per call from XLA:CPU's per-instruction trace
+  (the median event of each, times its events per call; None when there is none or another
+  profiler session keeps the trace from running). Under fp16 on XLA:CPU such a fusion
   also rounds the re-run activation through fp16 element by element inside the transposing
   loop: in the LM's fp16 step two of them took 3.7 and 7.5 ms against 0.5–0.8 ms for the
   bf16 step's relayouts of a saved copy (``docs/results.md``)."""

@@ -15,8 +15,8 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   (``planners.op_programs.measure_policy``); the replay prefers it for ops whose policy is that preset. On XLA:CPU
   it also records ``"refuses_producer"`` (1.0 / 0.0): whether, under that policy, XLA re-runs
   the producer of the op's activation to lay the saved activation out for the gradient legs
-  (``planners.op_programs.refuses_producer``), and then ``"relayout_ms"``, the time of those
-  re-running relayouts in the standalone program (``producer_relayout_ms``).
+  and then ``"relayout_ms"``, the time of those re-running relayouts in the standalone program
+  (``planners.op_programs.producer_relayout_ms``).
 * ``relayout_ms`` — per op, the step time of those relayouts of its saved activation,
   measured inside the fp32 step from XLA's per-instruction trace (``planners.steptrace``;
   XLA:CPU only). The replay charges it to the op's drhs leg under fp32 and under policies
@@ -433,8 +433,8 @@ def with_precast_policies(
   converts to a float dtype (``precast_dtypes``: bf16, fp16, int8_fwd's fp16 backward) re-timed
   on the local device with those activations already converted (``planners.op_programs.policy_programs(precast=
   True)``), and ``meta["policy_operands"] = "precast"``; nothing else changes (the remainder
-  stays fitted on fp32, whose programs are the same; a fitted ``quantized_leg_scale`` is refitted
-  to the same all-int8 step). ``op_clock`` as in ``measure_profile``.
+  stays fitted on fp32 and ``quantized_leg_scale`` on all-int8, whose programs are the same).
+  ``op_clock`` as in ``measure_profile``.
   Refuses a profile of another device type."""
   if prof.device_type != local_device_type():
     raise PlanError(
@@ -457,9 +457,7 @@ def with_precast_policies(
           PRESETS[name], op.batch, op.m, op.k, op.n, repeats, overhead, seed, clock, op, precast=True
         )
       op_ms[op.name][entry] = cache[key]
-  out = dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "policy_operands": "precast"})
-  fitted = prof.meta.get("quantized_fit_step_ms")
-  return out if fitted is None else fit_quantized_leg_scale(out, fitted)  # int8_fwd's programs changed
+  return dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "policy_operands": "precast"})
 
 
 def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tuple[float, int]:
@@ -468,10 +466,8 @@ def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tup
   device (``replay.refit_remainder``)."""
   from planners.graph import GroupCost
   from planners.replay import memory_bytes, refit_remainder
-  from qsync_jax.cluster import ClusterSpec
 
-  one = ClusterSpec.uniform(draft.device_type, 1, draft.batch_per_device, memory_gb=1e3)
-  rest = sum(refit_remainder(one, draft, step_ms).remainder_ms.values())
+  rest = sum(refit_remainder(_one_device(draft), draft, step_ms).remainder_ms.values())
   fp32 = {o.name: OpPolicy.uniform("fp32") for o in draft.ops}
   group = GroupCost("local", draft, fp32, draft.batch_per_device)
   other = 0 if peak_bytes is None else int(peak_bytes - memory_bytes(group))
@@ -482,10 +478,15 @@ def fit_quantized_leg_scale(prof: Profile, step_ms: float) -> Profile:
   """``prof`` with ``quantized_leg_scale`` fitted to ``step_ms``, the all-int8 step measured on
   one device (``replay.refit_quantized_leg_scale``)."""
   from planners.replay import refit_quantized_leg_scale
+
+  return refit_quantized_leg_scale(_one_device(prof), prof, step_ms)
+
+
+def _one_device(prof: Profile):
+  """The cluster the profile's own fits replay on: one device of its type at its batch."""
   from qsync_jax.cluster import ClusterSpec
 
-  one = ClusterSpec.uniform(prof.device_type, 1, prof.batch_per_device, memory_gb=1e3)
-  return refit_quantized_leg_scale(one, prof, step_ms)
+  return ClusterSpec.uniform(prof.device_type, 1, prof.batch_per_device, memory_gb=1e3)
 
 
 def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
