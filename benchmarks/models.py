@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from result_rows import append_rows, result_row
 
-from benchmarks.predictor import get_model, plans  # noqa: E402  (run as a script from the repo root)
+from benchmarks.predictor import get_model, plans, saved_profile  # noqa: E402  (run as a script from the repo root)
 from planners import step  # noqa: E402
 from planners.allocator import greedy, make_problem  # noqa: E402
 from planners.indicator import compute  # noqa: E402
@@ -244,22 +244,19 @@ def main(argv=None) -> int:
       ]
       continue
     saved = os.path.join(args.profile_dir, f"{model}.json") if args.profile_dir else None
-    if saved and os.path.exists(saved):
-      prof = Profile.load(saved)
-      say(f"{model}: profile {saved} ({prof.meta.get('device_kind', prof.device_type)})")
-    else:
-      prof = measure_profile(
+    prof = saved_profile(
+      saved,
+      lambda checkpoint, task=task, batch_size=batch_size, model=model: measure_profile(
         task,
         batch_size,
         PRECISIONS,
         repeats=args.profile_repeats,
         step_repeats=args.repeats,
-        progress=lambda msg, model=model: say(f"{model} profile: {msg}"),
-        checkpoint=f"{saved}.partial" if saved else None,  # a call cut short resumes in the next
-      )
-    if saved and not os.path.exists(saved):
-      os.makedirs(args.profile_dir, exist_ok=True)
-      prof.save(saved)
+        progress=lambda msg: say(f"{model} profile: {msg}"),
+        checkpoint=checkpoint,  # a call cut short resumes in the next
+      ),
+      lambda msg, model=model: say(f"{model}: {msg}"),
+    )
     variants = {prof.meta.get("policy_operands", "fp32"): prof}  # a GPU profile measured now is precast
     if args.precast and "precast" not in variants:
       variants["precast"] = precast_profile(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -134,29 +135,38 @@ def plans(op_names) -> dict[str, PrecisionPolicy]:
   }
 
 
-def model_profile(model: str, task: Task, batch_size: int, clock: str, args) -> Profile:
-  """``model``'s profile: loaded from ``<args.profile_dir>/<model>.json`` if there, else measured
-  here (and saved there, resuming from ``<model>.json.partial`` if a call was cut short)."""
-  saved = os.path.join(args.profile_dir, f"{model}.json") if args.profile_dir else None
-  if saved and os.path.exists(saved):
-    print(f"# {model}: profile {saved}", flush=True)
-    return Profile.load(saved)
+def saved_profile(path: str | None, measure: Callable[[str | None], Profile], say) -> Profile:
+  """The profile saved at ``path`` if there; else ``measure(checkpoint)`` — the checkpoint
+  ``<path>.partial``, so that a run cut short resumes — saved at ``path``. No path: measured,
+  not saved. ``say`` reports which."""
+  if path and os.path.exists(path):
+    prof = Profile.load(path)
+    say(f"profile {path} ({prof.meta.get('device_kind', prof.device_type)})")
+    return prof
   t0 = time.perf_counter()
-  if saved:
-    os.makedirs(args.profile_dir, exist_ok=True)
-  prof = measure_profile(
-    task,
-    batch_size,
-    repeats=args.profile_repeats,
-    step_repeats=args.repeats,
-    clock=clock,
-    progress=lambda msg: print(f"# {model} profile: {msg}", flush=True),
-    checkpoint=f"{saved}.partial" if saved else None,
-  )
-  print(f"# {model}: profiled {len(prof.ops)} ops in {time.perf_counter() - t0:.0f} s", flush=True)
-  if saved:
-    prof.save(saved)
+  prof = measure(f"{path}.partial" if path else None)
+  say(f"profiled {len(prof.ops)} ops in {time.perf_counter() - t0:.0f} s")
+  if path:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.save(path)
   return prof
+
+
+def model_profile(model: str, task: Task, batch_size: int, clock: str, args) -> Profile:
+  """``model``'s profile, saved in ``args.profile_dir`` (``saved_profile``)."""
+  return saved_profile(
+    os.path.join(args.profile_dir, f"{model}.json") if args.profile_dir else None,
+    lambda checkpoint: measure_profile(
+      task,
+      batch_size,
+      repeats=args.profile_repeats,
+      step_repeats=args.repeats,
+      clock=clock,
+      progress=lambda msg: print(f"# {model} profile: {msg}", flush=True),
+      checkpoint=checkpoint,
+    ),
+    lambda msg: print(f"# {model}: {msg}", flush=True),
+  )
 
 
 def priceable(model: str, cluster, prof: Profile, cases: dict[str, PrecisionPolicy]) -> dict:
@@ -171,6 +181,11 @@ def priceable(model: str, cluster, prof: Profile, cases: dict[str, PrecisionPoli
     else:
       out[name] = pol
   return out
+
+
+def tagged(rows: list[dict], run: str | None) -> list[dict]:
+  """``rows``, each with ``"run": run`` when a run tag is given."""
+  return [r | ({"run": run} if run else {}) for r in rows]
 
 
 def row_json(model, case, metric, value, baseline, device):
@@ -288,7 +303,7 @@ def main(argv=None):
         )
         out.append(row_json(model, case, f"step_ms_{clock}_clock_refit", pred_fit, meas, device))
     if not args.no_save:  # each model's rows as soon as it is done: a run cut short keeps them
-      append_rows(args.results, [r | ({"run": args.run} if args.run else {}) for r in out])
+      append_rows(args.results, tagged(out, args.run))
       print(f"appended {len(out)} rows of {model} to {args.results}", flush=True)
       out = []
   evals = [r for r in rows if "(fit)" not in r[1]]
@@ -331,7 +346,7 @@ def main(argv=None):
       summary.append(
         row_json("all", "mean_abs_step_error_refit", "abs_rel_error", float(np.mean(refitted)), None, device)
       )
-    append_rows(args.results, [r | ({"run": args.run} if args.run else {}) for r in summary])
+    append_rows(args.results, tagged(summary, args.run))
     print(f"appended {len(summary)} summary rows to {args.results}")
 
 
