@@ -11,11 +11,14 @@ the plan's extra bytes on top of that (``planners.replay.memory_bytes``).
 * ``buffer_bytes(shape)`` — bytes of an HLO result shape (tuples summed);
 * ``live_bytes(instructions)`` — temporary bytes live at each ENTRY instruction, from the
   schedule (the text order of a compiled module): a value lives from its instruction to its
-  last use; parameters, constants and values the step returns are not temporaries, and
+  last use, a library call's scratch buffer (``scratch_bytes``) only while the call runs;
+  parameters, constants and values the step returns are not temporaries, and
   ``bitcast`` / ``get-tuple-element`` / ``tuple`` alias their operands;
 * ``forward_headroom(hlo, ops)`` — ``{op name: bytes}``: the step's peak of ``live_bytes``
   minus its largest value during the op's forward instructions (those of its JAX name stack
-  outside ``transpose(...)``).
+  outside ``transpose(...)``);
+* ``scratch_bytes(hlo)`` — the largest scratch buffer a library call of a compiled program
+  asks for (cuDNN convolutions, cuBLAS / cuBLASLt GEMMs on GPUs).
 
 The liveness is the schedule's, not XLA's heap packing: XLA may place buffers with some
 fragmentation, which this ignores.
@@ -65,29 +68,82 @@ def buffer_bytes(shape: str) -> int:
   return total
 
 
+SCRATCH = re.compile(r"= \(.*, [su]8\[(\d+)\]\{0\}\) custom-call\(")
+"""A library custom call's result: a tuple whose last element is its scratch, ``u8[n]``
+(cuDNN) or ``s8[n]`` (cuBLAS), e.g. ``(f32[512,8,8,64]{3,2,1,0}, u8[55263248]{0}) custom-call(``."""
+
+
+def scratch_bytes(hlo: str) -> int:
+  """The largest scratch buffer (bytes) of any library custom call in the compiled ``hlo``, in
+  any computation; 0 where there is none (XLA:CPU). XLA:GPU places all of a step's scratch
+  buffers in one shared slab, sized by the largest: in the fp32 step of a 64-256-channel VGG
+  on an H100 a 55 MB cuDNN filter-gradient scratch, where the bf16 step's largest was 1.8 MB
+  and the all-int8 step (our own GEMM kernels) had none (buffer assignment, ``docs/results.md``)."""
+  return max((int(m.group(1)) for m in SCRATCH.finditer(hlo)), default=0)
+
+
+def element_bytes(shape: str) -> list[int]:
+  """Bytes of each top-level element of an HLO result shape (one entry for an array):
+  ``(f32[25], (s8[100], u8[4]))`` → ``[100, 104]``."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [buffer_bytes(shape)]
+  parts, depth, current = [], 0, ""
+  for ch in shape[1:-1]:
+    depth += (ch in "([{") - (ch in ")]}")
+    if ch == "," and depth == 0:
+      parts.append(current)
+      current = ""
+    else:
+      current += ch
+  return [buffer_bytes(p) for p in parts + [current]]
+
+
 def live_bytes(instructions: Sequence[Instruction]) -> list[int]:
-  """Temporary bytes live at each instruction of a scheduled ENTRY computation."""
+  """Temporary bytes live at each instruction of a scheduled ENTRY computation. Each element
+  of a tuple-shaped result (a multi-output fusion's outputs, a library call's result and
+  scratch) lives until its own last use."""
   index = {ins.name: i for i, ins in enumerate(instructions)}
 
-  def owners(name: str) -> list[str]:
+  def owners(name: str, element: int | None = None) -> list[tuple[str, int | None]]:
+    """The (instruction, element; None: all of them) whose buffers a reference reads."""
     ins = instructions[index[name]] if name in index else None
     if ins is None or ins.opcode not in ALIASING:
-      return [name]
-    return [o for x in ins.operands for o in owners(x)]
+      return [(name, element)]
+    if ins.opcode == "get-tuple-element":  # of a nested tuple: the whole top-level element
+      return owners(ins.operands[0], ins.tuple_index)
+    refs = list(zip(ins.operands, ins.operand_elements or (None,) * len(ins.operands)))
+    if ins.opcode == "tuple" and element is not None:
+      refs = [refs[element]]
+    elif ins.opcode == "bitcast" and element is not None:
+      refs = [(refs[0][0], element)]
+    return [o for x, e in refs for o in owners(x, e)]
 
-  last_use = {ins.name: i for i, ins in enumerate(instructions)}
+  sizes = {ins.name: element_bytes(ins.shape) for ins in instructions}
+  last_use: dict[tuple[str, int], int] = {}
   for i, ins in enumerate(instructions):
-    for x in ins.operands:
-      for o in owners(x):
-        last_use[o] = max(last_use.get(o, i), i)
-  returned = set(owners(instructions[-1].name)) if instructions else set()
+    if ins.opcode in ALIASING:  # read through: its readers use what it aliases
+      continue
+    for x, e in zip(ins.operands, ins.operand_elements or (None,) * len(ins.operands)):
+      for name, element in owners(x, e):
+        for k in range(len(sizes.get(name, ()))) if element is None else (element,):
+          last_use[name, k] = max(last_use.get((name, k), i), i)
+  returned = set()
+  for name, element in owners(instructions[-1].name) if instructions else ():
+    returned |= {(name, k) for k in (range(len(sizes.get(name, ()))) if element is None else (element,))}
   live = [0] * len(instructions)
   for i, ins in enumerate(instructions):
-    if ins.opcode in ALIASING or ins.opcode in NOT_TEMPORARY or ins.name in returned:
+    if ins.opcode in ALIASING or ins.opcode in NOT_TEMPORARY:
       continue
-    size = buffer_bytes(ins.shape)
-    for t in range(i, last_use[ins.name] + 1):
-      live[t] += size
+    elements = sizes[ins.name]
+    scratch = scratch_bytes(f"= {ins.shape} {ins.opcode}(") if ins.opcode == "custom-call" else 0
+    for k, size in enumerate(elements):
+      if (ins.name, k) in returned:
+        continue
+      # a library call's scratch (its last element) lives while the call runs
+      end = i if scratch and k == len(elements) - 1 else last_use.get((ins.name, k), i)
+      for t in range(i, end + 1):
+        live[t] += size
   return live
 
 

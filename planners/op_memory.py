@@ -113,14 +113,27 @@ def kept_bytes(
 def transient_bytes(
   op: OpShape, op_policy: OpPolicy | None, upcast_16bit: bool = False, dequantized_fp8: bool = False
 ) -> int:
-  """Bytes live only while the op's backward runs: its int8/fp8 residuals dequantized to fp32
-  — those ``kept_bytes`` does not already keep as fp32 (with ``upcast_16bit``, an activation
-  a float drhs leg reads; with ``dequantized_fp8``, all of an fp8 forward's)."""
+  """Bytes live only while the op's backward runs: its int8/fp8 residuals dequantized for the
+  gradient legs that read them — those ``kept_bytes`` does not already keep as fp32 (with
+  ``upcast_16bit``, an activation a float drhs leg reads; with ``dequantized_fp8``, all of an
+  fp8 forward's), at fp32.
+
+  On a backend with native 16-bit and 8-bit products (neither flag: GPUs) each residual is
+  dequantized to the precision of the leg that reads it: none for a leg at the forward's own
+  8-bit precision (it reads the 1-byte values and their scales), 2 bytes per element for a
+  bf16/fp16 leg, 4 for an fp32 one (buffer assignment of a VGG step on an H100: the int8_fwd
+  plan's fp16 drhs legs hold ``f16`` im2col patches, the all-int8 plan none)."""
   if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
     return 0
   if dequantized_fp8 and op_policy.fwd == "fp8":
     return 0
   act = saved_activation_elems(op, op_policy)
+  if not upcast_16bit and not dequantized_fp8:
+
+    def width(leg_precision: str) -> int:
+      return 0 if leg_precision == op_policy.fwd else 2 if leg_precision in FLOAT_DTYPES else 4
+
+    return width(op_policy.drhs) * act + width(op_policy.dlhs) * op.rhs_elems
   if upcast_16bit and op_policy.drhs not in QUANTIZED_PRECISIONS:
     act = 0
   return 4 * (act + op.rhs_elems)

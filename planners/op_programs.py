@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.quantize import dequantize, quantize
-from planners import step, steptrace
+from planners import memtrace, step, steptrace
 from planners.ops import ATTENTION_EINSUMS, OpShape
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.qconv import quantized_conv_general_dilated
@@ -138,21 +138,34 @@ def conv_geometry(op: OpShape):
 def measure_policy(
   op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", op=None, precast=False
 ):
-  """``{"fwd": ms, "bwd": ms}`` of one op under a whole op policy, as one program each: the
-  forward alone, and forward + both gradients (``policy_programs``, ``precast`` there);
-  bwd = their difference. Captures what XLA does across legs (layouts, fusing a dequantized
-  residual into the next product), which standalone legs miss."""
+  """``{"fwd": ms, "bwd": ms, "scratch_bytes": bytes}`` of one op under a whole op policy, as
+  one program each: the forward alone, and forward + both gradients (``policy_programs``,
+  ``precast`` there); bwd = their difference. Captures what XLA does across legs (layouts,
+  fusing a dequantized residual into the next product), which standalone legs miss.
+  ``scratch_bytes``: the largest library scratch buffer of the forward + gradients program
+  (``program_scratch_bytes``)."""
   programs, fwd, (lhs, rhs, key, g) = policy_programs(op_policy, batch, m, k, n, seed, op, precast)
   fwd_prog, fwd_bwd_prog = programs
   t_fwd = step.timed_ms(fwd_prog, repeats, clock=clock)[0]
   t_all = step.timed_ms(fwd_bwd_prog, repeats, clock=clock)[0]
-  out = {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
+  out = {
+    "fwd": max(t_fwd - overhead, 1e-3),
+    "bwd": max(t_all - t_fwd, 1e-3),
+    "scratch_bytes": float(program_scratch_bytes(fwd_bwd_prog)),
+  }
   if jax.devices()[0].platform == "cpu":
     refuses, relayout = producer_relayout_ms(fwd, lhs, rhs, key, g)
     out["refuses_producer"] = float(refuses)
     if relayout is not None:
       out["relayout_ms"] = relayout
   return out
+
+
+def program_scratch_bytes(program: functools.partial) -> int:
+  """The largest library scratch buffer (``planners.memtrace.scratch_bytes``) of an
+  argument-free program of ``policy_programs`` (a ``functools.partial`` of a jitted function):
+  compiled, not run."""
+  return memtrace.scratch_bytes(program.func.lower(*program.args).compile().as_text())
 
 
 def precast_dtypes(op_policy: OpPolicy) -> tuple[Any, Any]:

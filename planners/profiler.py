@@ -16,7 +16,10 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   it also records ``"refuses_producer"`` (1.0 / 0.0): whether, under that policy, XLA re-runs
   the producer of the op's activation to lay the saved activation out for the gradient legs
   and then ``"relayout_ms"``, the time of those re-running relayouts in the standalone program
-  (``planners.op_programs.producer_relayout_ms``).
+  (``planners.op_programs.producer_relayout_ms``). Each also records ``"scratch_bytes"``: the
+  largest library scratch buffer (cuDNN, cuBLAS) of its forward + backward program, compiled
+  (``planners.memtrace.scratch_bytes``; 0 on XLA:CPU). The memory model adds the plan's largest
+  (``planners.replay.scratch_bytes``); ``refit_memory`` records them in older profiles.
 * ``relayout_ms`` — per op, the step time of those relayouts of its saved activation,
   measured inside the fp32 step from XLA's per-instruction trace (``planners.steptrace``;
   XLA:CPU only). The replay charges it to the op's drhs leg under fp32 and under policies
@@ -70,7 +73,9 @@ from planners.op_programs import (
   leg_variants,
   measure_leg,
   measure_policy,
+  policy_programs,
   precast_dtypes,
+  program_scratch_bytes,
 )
 from planners.ops import OpShape, collect_ops
 from planners.profile_checkpoint import load_partial, remove_partial, save_partial
@@ -388,6 +393,7 @@ def measure_profile(
     "fp32_step_ms": step_ms,
     "fp32_step_ms_samples": samples,
     "fp32_xla_peak_bytes": peak,
+    "scratch_bytes": True,  # every whole-policy entry records its program's (measure_policy)
     "repeats": repeats,
     "clock": step_clock,
     "op_clock": clock,
@@ -460,18 +466,84 @@ def with_precast_policies(
   return dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "policy_operands": "precast"})
 
 
+def refit_memory(prof: Profile, task, seed: int = 0, progress=None) -> Profile:
+  """``prof`` (measured on this device type, of ``task`` at its batch) with its memory model
+  refitted here, nothing timed: each whole-policy entry's ``"scratch_bytes"`` where it lacks
+  one (its forward + gradients program compiled, ``op_programs.program_scratch_bytes``, as
+  ``measure_profile`` records it), then the fp32 step compiled for ``forward_headroom`` and
+  ``other_bytes`` (``fp32_step_memory``). For profiles measured before scratch buffers were
+  recorded, or with an older liveness model; ``meta["scratch_bytes"]`` says it is done."""
+  if prof.device_type != local_device_type():
+    raise PlanError(
+      f"profile of {prof.device_type} cannot be refitted on this {local_device_type()}. "
+      "Fix: run this where the profile was measured (the same device type)."
+    )
+  say = progress or (lambda msg: None)
+  precast = prof.meta.get("policy_operands") == "precast"
+  op_ms = {name: {k: dict(v) for k, v in t.items()} for name, t in prof.op_ms.items()}
+  cache: dict[tuple, int] = {}
+  for i, op in enumerate(prof.ops):
+    entries = {
+      e.removeprefix("policy:"): timing
+      for e, timing in op_ms[op.name].items()
+      if e.startswith("policy:") and e.removeprefix("policy:") in PRESETS and "scratch_bytes" not in timing
+    }
+    if entries:
+      say(f"[{i + 1}/{len(prof.ops)}] {op.name}: scratch buffers")
+    for name, timing in entries.items():
+      key = policy_key(name, op)
+      if key not in cache:
+        programs, *_ = policy_programs(PRESETS[name], op.batch, op.m, op.k, op.n, seed, op, precast)
+        cache[key] = program_scratch_bytes(programs[1])
+      timing["scratch_bytes"] = float(cache[key])
+  say("fp32 step: memory")
+  batch, variables, ops = task_ops(task, prof.batch_per_device, seed)
+  if [o.name for o in ops] != list(prof.op_names):
+    raise PlanError(
+      f"task {task.name!r} has ops {[o.name for o in ops][:3]}…, not those of the profile of "
+      f"{prof.model!r}. Fix: pass the task the profile was measured on."
+    )
+  peak, headroom = fp32_step_memory(task, batch, variables, ops, seed)
+  out = dataclasses.replace(
+    prof,
+    op_ms=op_ms,
+    forward_headroom=headroom,
+    meta={**prof.meta, "scratch_bytes": True, "fp32_xla_peak_bytes": peak},
+  )
+  return dataclasses.replace(out, memory={**prof.memory, "other_bytes": other_bytes(out, peak)})
+
+
+def fp32_step_memory(task, batch, variables, ops, seed: int = 0) -> tuple[int | None, dict[str, int]]:
+  """``(XLA peak bytes, forward_headroom)`` of the fp32 training step of ``task`` on ``batch``,
+  compiled (not run) on the local device (``planners.memtrace.forward_headroom``)."""
+  optimizer = step.default_optimizer()
+  opt_state = optimizer.init(variables["params"])
+  train_step = step.make_train_step(task, PrecisionPolicy.uniform("fp32"), optimizer)
+  compiled = train_step.lower(variables, opt_state, batch, jax.random.key(seed)).compile()
+  return step.xla_peak_bytes(compiled), memtrace.forward_headroom(compiled.as_text(), ops)
+
+
+def other_bytes(prof: Profile, peak_bytes: int | None) -> int:
+  """``other_bytes`` fitted so that the memory model of ``prof`` predicts ``peak_bytes`` for the
+  uniform fp32 plan on one device at the profile's batch (0 without a peak)."""
+  from planners.graph import GroupCost
+  from planners.replay import memory_bytes
+
+  if peak_bytes is None:
+    return 0
+  draft = dataclasses.replace(prof, memory={**prof.memory, "other_bytes": 0})
+  fp32 = {o.name: OpPolicy.uniform("fp32") for o in prof.ops}
+  return int(peak_bytes - memory_bytes(GroupCost("local", draft, fp32, prof.batch_per_device)))
+
+
 def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tuple[float, int]:
   """``(remainder ms, other bytes)``: the measured fp32 step (time, XLA peak) minus what the
   replay of ``draft`` (a profile without remainder) predicts for the same fp32 step on one
   device (``replay.refit_remainder``)."""
-  from planners.graph import GroupCost
-  from planners.replay import memory_bytes, refit_remainder
+  from planners.replay import refit_remainder
 
   rest = sum(refit_remainder(_one_device(draft), draft, step_ms).remainder_ms.values())
-  fp32 = {o.name: OpPolicy.uniform("fp32") for o in draft.ops}
-  group = GroupCost("local", draft, fp32, draft.batch_per_device)
-  other = 0 if peak_bytes is None else int(peak_bytes - memory_bytes(group))
-  return rest, other
+  return rest, other_bytes(draft, peak_bytes)
 
 
 def fit_quantized_leg_scale(prof: Profile, step_ms: float) -> Profile:
@@ -501,10 +573,7 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
     "batch_bytes": step.tree_bytes(batch),
     "other_bytes": 0,
   }
-  train_step = step.make_train_step(task, PrecisionPolicy.uniform("fp32"), optimizer)
-  compiled = train_step.lower(variables, opt_state, batch, jax.random.key(seed)).compile()
-  peak = step.xla_peak_bytes(compiled)
-  headroom = memtrace.forward_headroom(compiled.as_text(), ops)
+  peak, headroom = fp32_step_memory(task, batch, variables, ops, seed)
   skeleton = Profile(
     task.name,
     local_device_type(),
@@ -518,12 +587,7 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
     memory,
     forward_headroom=headroom,
   )
-  if peak is not None:
-    from planners.graph import GroupCost
-    from planners.replay import memory_bytes
-
-    fp32 = {o.name: OpPolicy.uniform("fp32") for o in ops}
-    memory["other_bytes"] = int(peak - memory_bytes(GroupCost("local", skeleton, fp32, batch_per_device)))
+  memory["other_bytes"] = other_bytes(skeleton, peak)
   return dataclasses.replace(skeleton, meta={**versions(), "fp32_xla_peak_bytes": peak})
 
 

@@ -17,7 +17,9 @@ device group (its profile, its policy, its batch), takes the longest path, and r
     backends that upcast 16-bit products and for fp8 residuals on backends without fp8
     arithmetic) + the largest backward transient
     (int8/fp8 residuals dequantized to fp32, ``transient_bytes``) + the profile's fitted
-    ``other_bytes``;
+    ``other_bytes``
+    + the largest library scratch buffer of the plan's ops (``scratch_bytes``: on GPUs
+    cuDNN / cuBLAS scratch, which XLA gives the whole step as one slab of the largest size);
   - during each op's forward: the fp32 step's peak less its headroom there
     (``Profile.forward_headroom``; where unmeasured, the fp32 residuals of the later ops),
     plus what the plan keeps beyond fp32 for the earlier ops, plus the op's own forward
@@ -37,10 +39,12 @@ from typing import NamedTuple
 from planners.graph import (
   DEFAULT_BUCKET_BYTES,
   DEFAULT_LATENCY_US,
+  PRESET_NAMES,
   Comm,
   GroupCost,
   Node,
   build_graph,
+  float_precision,
   longest_path,
 )
 from planners.op_memory import (
@@ -56,6 +60,7 @@ from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import OpPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +168,26 @@ def op_memory(group: GroupCost, op_index: int) -> OpMemory:
   )
 
 
+def scratch_bytes(group: GroupCost) -> int:
+  """The largest library scratch buffer of any op of ``group`` under its policy: the
+  ``"scratch_bytes"`` its whole-policy program recorded (``op_programs.measure_policy``; an
+  unmodified op at the float precision XLA runs it in, ``graph.float_precision``); for a
+  policy that is no preset, the largest the op recorded under any. 0 where the profile
+  recorded none (XLA:CPU, older profiles). Not scaled with the batch (cuBLAS asks for a fixed
+  32 MiB)."""
+  prof = group.profile
+  out = 0.0
+  for op in prof.ops:
+    pol = group.op_policies.get(op.name) or OpPolicy.uniform(float_precision(prof))
+    entries = prof.op_ms.get(op.name, {})
+    preset = PRESET_NAMES.get(pol)
+    if preset is not None and f"policy:{preset}" in entries:
+      out = max(out, entries[f"policy:{preset}"].get("scratch_bytes", 0.0))
+    else:
+      out = max([out] + [e.get("scratch_bytes", 0.0) for k, e in entries.items() if k.startswith("policy:")])
+  return int(out)
+
+
 def memory_bytes(group: GroupCost, memory_fn=None) -> int:
   """Peak bytes on one device of ``group``; see the module docstring. ``memory_fn`` defaults
   to ``op_memory`` (a caller evaluating many plans may pass a memoized one)."""
@@ -171,7 +196,12 @@ def memory_bytes(group: GroupCost, memory_fn=None) -> int:
   scale = group.batch_per_device / prof.batch_per_device
   mem = prof.memory
   terms = [memory_fn(group, i) for i in range(len(prof.ops))]
-  base = 2 * mem["param_bytes"] + mem["opt_state_bytes"] + scale * (mem["batch_bytes"] + mem["other_bytes"])
+  base = (
+    2 * mem["param_bytes"]
+    + mem["opt_state_bytes"]
+    + scale * (mem["batch_bytes"] + mem["other_bytes"])
+    + scratch_bytes(group)
+  )
   backward = base + sum(t.kept for t in terms) + max((t.transient for t in terms), default=0)
   fp32_peak = base + sum(t.fp32_kept for t in terms)
   forward, before, later = 0.0, 0, sum(t.fp32_kept for t in terms)

@@ -49,6 +49,9 @@ class Instruction:
     op_name: its ``metadata`` op_name (the JAX name stack), else "".
     operand_params: parameter numbers of the ENTRY parameters among its operands.
     shape: its result shape as the text writes it (e.g. ``f32[64,8,8,16]{3,2,1,0}``).
+    operand_elements: per operand, the element of a tuple-shaped operand it reads
+      (``%fusion.3#1`` in newer XLA text), else None (the whole operand).
+    tuple_index: a ``get-tuple-element``'s ``index``, else None.
   """
 
   name: str
@@ -58,6 +61,8 @@ class Instruction:
   op_name: str
   operand_params: tuple[int, ...] = ()
   shape: str = ""
+  operand_elements: tuple[int | None, ...] = ()
+  tuple_index: int | None = None
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*)$")
@@ -101,13 +106,23 @@ def entry_instructions(hlo: str) -> list[Instruction]:
       params[name] = int(operand_text)
     calls = re.search(r"calls=%([\w.\-]+)", rest)
     meta = re.search(r'op_name="([^"]*)"', rest)
-    operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
+    refs = re.findall(r"%([\w.\-]+)(?:#(\d+))?", operand_text)
+    index = re.search(r"index=(\d+)", rest) if opcode == "get-tuple-element" else None
     parsed.append(
-      (name, opcode, operands, calls.group(1) if calls else None, meta.group(1) if meta else "", shape)
+      (
+        name,
+        opcode,
+        tuple(r for r, _ in refs),
+        calls.group(1) if calls else None,
+        meta.group(1) if meta else "",
+        shape,
+        tuple(int(e) if e else None for _, e in refs),
+        int(index.group(1)) if index else None,
+      )
     )
   return [
-    Instruction(n, o, ops, c, m, tuple(params[x] for x in ops if x in params), s)
-    for n, o, ops, c, m, s in parsed
+    Instruction(n, o, ops, c, m, tuple(params[x] for x in ops if x in params), s, e, t)
+    for n, o, ops, c, m, s, e, t in parsed
   ]
 
 

@@ -1,5 +1,7 @@
 """Predicted step memory: what XLA keeps for the backward, forward transients, the fp32 timeline."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from planners.ops import OpShape
 from planners.profiler import traced_profile
 from planners.replay import memory_bytes
 from planners.steptrace import entry_instructions
+from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 from tests.planners import tiny
@@ -41,9 +44,9 @@ def test_fp8_residuals_are_kept_as_fp32_where_the_backend_has_no_fp8():
   assert kept_bytes(op, fp8, True, True, True) == 4 * patches + 4 * op.rhs_elems + scales
   assert kept_bytes(op, fp8, True, False, True) == 4 * patches + scales
   assert transient_bytes(op, fp8, True, True) == 0
-  # elsewhere: 1-byte residuals, dequantized one op at a time in the backward
+  # elsewhere: 1-byte residuals, read as they are by fp8 gradient legs
   assert kept_bytes(op, fp8) == residual_bytes(op, fp8)
-  assert transient_bytes(op, fp8) == 4 * (patches + op.rhs_elems)
+  assert transient_bytes(op, fp8) == 0
   # an int8 residual stays 1-byte on XLA:CPU too
   int8 = OpPolicy.uniform("int8")
   assert kept_bytes(op, int8, True, True, True) == residual_bytes(op, int8)
@@ -58,6 +61,20 @@ def test_a_float_drhs_leg_keeps_the_conv_patches_dequantized():
   assert kept_bytes(op, int8_fwd, True) == residual_bytes(op, int8_fwd) + 3 * patches
   # already fp32: only the weight is dequantized in the backward
   assert transient_bytes(op, int8_fwd, True) == 4 * op.rhs_elems
+
+
+def test_native_backends_dequantize_a_residual_to_the_width_of_the_leg_that_reads_it():
+  rng = np.random.default_rng()
+  op = _conv(rng)
+  patches = op.m * op.k
+  # int8 forward, fp16 gradients (QSync's int8 op): both residuals dequantized to 2 bytes
+  assert transient_bytes(op, OpPolicy.preset("int8_fwd")) == 2 * (patches + op.rhs_elems)
+  # an fp32 drhs leg reads fp32 patches; an int8 dlhs leg reads the 1-byte weight itself
+  mixed = OpPolicy(fwd="int8", dlhs="int8", drhs="fp32")
+  assert transient_bytes(op, mixed) == 4 * patches
+  assert transient_bytes(op, OpPolicy.uniform("int8")) == 0
+  # float forwards keep no 8-bit residual to dequantize
+  assert transient_bytes(op, OpPolicy.uniform("bf16")) == 0
 
 
 def test_forward_extra_of_a_quantized_conv_on_cpu():
@@ -91,11 +108,45 @@ def test_live_bytes_follow_the_schedule():
   assert memtrace.buffer_bytes("(f32[25], s8[100]{0})") == 200
   assert memtrace.buffer_bytes("bf16[3,5]{1,0}") == 30
   live = memtrace.live_bytes(entry_instructions(HLO))
-  # %a (400 B) lives until %c reads it (through its bitcast too); %b (200 B) until %c reads
-  # its element; parameters and the returned %c are not temporaries
-  assert live == [0, 400, 400, 600, 600, 600, 0]
+  # %a (400 B) lives until %c reads it (through its bitcast too); %b's first element (100 B)
+  # until %c reads it, its second, never read, only at %b; parameters and the returned %c are
+  # not temporaries
+  assert live == [0, 400, 400, 600, 500, 500, 0]
   ops = [OpShape("Dense_0:dense", "dense", 1, 1, 1, 1), OpShape("Dense_1:dense", "dense", 1, 1, 1, 1)]
   assert memtrace.forward_headroom(HLO, ops) == {"Dense_0:dense": 200, "Dense_1:dense": 0}
+
+
+def test_scratch_bytes_is_the_largest_library_scratch_buffer():
+  hlo = """
+  %cudnn-conv.1 = (f32[512,8,8,64]{3,2,1,0}, u8[16924688]{0}) custom-call(%a, %b), custom_call_target="__cudnn$convForward"
+  %cudnn-conv.2 = (f32[512,8,8,64]{3,2,1,0}, u8[0]{0}) custom-call(%a, %b), custom_call_target="__cudnn$convForward"
+  %custom-call.3 = (f32[4,512,256]{2,1,0}, s8[33554432]{0}) custom-call(%c, %d), custom_call_target="__cublas$lt$matmul"
+  %fusion.4 = (f32[16]{0}, u8[99999999]{0}) fusion(%e), kind=kLoop, calls=%f
+  """
+  # the fusion's u8 output is a value, not a library scratch buffer
+  assert memtrace.scratch_bytes(hlo) == 33554432
+  assert memtrace.scratch_bytes(HLO) == 0
+
+
+GPU_HLO = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[4]) -> (f32[4]) {
+  %p = f32[4]{0} parameter(0)
+  %conv = (f32[100]{0}, u8[1000]{0}) custom-call(%p), custom_call_target="__cudnn$convForward"
+  %two = (f32[50]{0}, bf16[100]{0}) fusion(%conv#0), kind=kLoop, calls=%f
+  %use = f32[10]{0} fusion(%two#1), kind=kLoop, calls=%g
+  %last = f32[4]{0} fusion(%use, %two#0), kind=kLoop, calls=%h
+  ROOT %t = (f32[4]{0}) tuple(%last)
+}
+"""
+
+
+def test_live_bytes_of_tuple_elements_and_library_scratch():
+  assert memtrace.element_bytes("(f32[25], (s8[100], u8[4]{0}))") == [100, 104]
+  live = memtrace.live_bytes(entry_instructions(GPU_HLO))
+  # the conv's scratch (1000 B) lives only while it runs, its output (400 B) until %two reads
+  # it as %conv#0; %two's elements die at their own last uses: bf16[100] at %use, f32[50] at %last
+  assert live == [0, 1400, 400 + 200 + 200, 200 + 200 + 40, 200 + 40, 0]
 
 
 def test_forward_headroom_of_a_real_step_is_below_its_peak():
@@ -128,3 +179,39 @@ def test_predicted_memory_of_a_quantized_cnn_matches_xla(preset):
   xla = step.xla_peak_bytes(compiled)
   predicted = memory_bytes(GroupCost("g", prof, policy.resolve(prof.op_names), batch_size))
   assert predicted == pytest.approx(xla, rel=0.15)
+
+
+def test_refit_memory_fits_the_compiled_fp32_peak_and_adds_the_plans_scratch(monkeypatch):
+  from planners import profiler
+  from planners.graph import PRESET_NAMES
+
+  task = tiny.cnn(8, 8)
+  traced = traced_profile(task, 16)
+  rng = np.random.default_rng()
+  n = len(traced.ops)
+  # scratch below what the fp32 step holds beside its ops (its other_bytes stays positive)
+  sizes = {"fp32": rng.integers(10**4, 5 * 10**4, n), "bf16": rng.integers(0, 10**4, n)}
+  # a profile without scratch sizes and with a stale other_bytes
+  op_ms = {name: {f"policy:{p}": {"fwd": 1.0, "bwd": 1.0} for p in sizes} for name in traced.op_names}
+  prof = dataclasses.replace(traced, op_ms=op_ms, memory={**traced.memory, "other_bytes": 12345})
+  index = {name: i for i, name in enumerate(traced.op_names)}
+  # stand-ins for compiling each op's program: its scratch size from the table above
+  monkeypatch.setattr(profiler, "policy_programs", lambda pol, *a, **k: ((None, (PRESET_NAMES[pol], a[-2])), None, None))
+  monkeypatch.setattr(profiler, "program_scratch_bytes", lambda prog: int(sizes[prog[0]][index[prog[1].name]]))
+  out = profiler.refit_memory(prof, task)
+  assert out.meta["scratch_bytes"] is True and out.forward_headroom == traced.forward_headroom
+
+  def peak(p, preset):
+    policy = PrecisionPolicy.uniform(preset)
+    return memory_bytes(GroupCost("g", p, policy.resolve(p.op_names), 16))
+
+  # ops of equal shapes share one program, and so the first one's size
+  first = {}
+  for op in traced.ops:
+    first.setdefault(profiler.policy_key("fp32", op)[1:], index[op.name])
+  largest = {p: max(int(v[first[profiler.policy_key(p, op)[1:]]]) for op in traced.ops) for p, v in sizes.items()}
+  # the fp32 plan predicts the compiled fp32 step's peak; bf16 differs by its scratch
+  assert peak(out, "fp32") == traced.meta["fp32_xla_peak_bytes"] == peak(traced, "fp32")
+  assert peak(out, "bf16") - peak(traced, "bf16") == largest["bf16"] - largest["fp32"]
+  with pytest.raises(PlanError, match="cannot be refitted on this"):
+    profiler.refit_memory(dataclasses.replace(prof, device_type="H100"), task)

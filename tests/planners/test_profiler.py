@@ -176,6 +176,9 @@ def test_precast_retimes_only_the_policies_whose_activations_the_step_converts()
     # re-timed (new tables); fp32, all-int8 and every leg untouched
     assert changed == {"policy:bf16", "policy:fp16", "policy:int8_fwd"}
     assert set(out.op_ms[op]["policy:bf16"]) >= {"fwd", "bwd"}
+    # each whole-policy program's library scratch: none on XLA:CPU
+    assert all(e["scratch_bytes"] == 0 for k, e in out.op_ms[op].items() if k.startswith("policy:"))
+  assert prof.meta["scratch_bytes"] is True
   assert out.remainder_ms == prof.remainder_ms
   # both fitted to the all-int8 step the profile timed (its programs are not precast)
   one = ClusterSpec.uniform("cpu", 1, 16, memory_gb=1e3)

@@ -126,10 +126,49 @@ def test_predict_memory_counts_residuals_at_stored_precision():
   # fp32 forward saves the fp32 activation (the weight is the parameter itself)
   assert fp32 == 4 * params + 3 * 4 * lhs
   # int8 forward saves 1-byte activations and weights plus per-channel fp32 scales, and one
-  # op's residuals are dequantized to fp32 at a time in the backward
+  # op's residuals are dequantized at a time in the backward, to the fp16 its gradient legs
+  # run in
   scales = 3 * 4 * (8 + 100)
-  assert _memory("A100", lhs, "int8_fwd")[0] == 4 * params + 3 * (lhs + 1000) + scales + 4 * (lhs + 1000)
+  backward = 4 * params + 3 * (lhs + 1000) + scales + 2 * (lhs + 1000)
+  # or in the last op's forward: the fp32 step's peak, less what the earlier ops keep below
+  # fp32, plus its 1-byte GEMM operands
+  below = 4 * lhs - (lhs + 1000 + scales // 3)
+  forward = 4 * params + 3 * 4 * lhs - 2 * below + (lhs + 1000)
+  assert _memory("A100", lhs, "int8_fwd")[0] == max(backward, forward)
   assert _memory("A100", lhs, "bf16")[0] == 4 * params + 3 * 2 * lhs
+
+
+def _with_scratch(prof, sizes):
+  """``prof`` with whole-policy entries recording ``sizes[preset][op index]`` scratch bytes."""
+  op_ms = {
+    name: {**table, **{f"policy:{p}": {"fwd": 1.0, "bwd": 1.0, "scratch_bytes": float(s[i])} for p, s in sizes.items()}}
+    for i, (name, table) in enumerate(prof.op_ms.items())
+  }
+  return dataclasses.replace(prof, op_ms=op_ms)
+
+
+def test_predict_memory_adds_the_largest_scratch_buffer_of_the_plan():
+  rng = np.random.default_rng()
+  fp32_sizes, bf16_sizes = (rng.integers(0, 10**6, 3) for _ in range(2))
+  base = fake_profile([(1, 1, 1)] * 3, device_type="A100")
+  prof = _with_scratch(base, {"fp32": fp32_sizes, "bf16": bf16_sizes})
+  cluster = _cluster(device_type="A100")
+
+  def extra(policy):
+    plan = Plan(policies={"a": policy, "b": policy})
+    with_, without = (predict(cluster, {"A100": p}, plan).memory_bytes["a"] for p in (prof, base))
+    return with_ - without
+
+  # XLA gives the step one scratch slab, of its largest buffer
+  assert extra(PrecisionPolicy.uniform("fp32")) == max(fp32_sizes)
+  assert extra(PrecisionPolicy.uniform("bf16")) == max(bf16_sizes)
+  names = prof.op_names
+  mixed = PrecisionPolicy.from_ops({names[0]: OpPolicy.preset("fp32"), names[1]: OpPolicy.preset("bf16")})
+  # the unmodified op runs at tf32 (XLA's default on an A100), which has no program here: the
+  # largest it recorded under any policy
+  assert extra(mixed) == max(fp32_sizes[0], bf16_sizes[1], fp32_sizes[2], bf16_sizes[2])
+  # a policy the op has no program for: the largest it recorded under any
+  assert extra(PrecisionPolicy.uniform("int8_fwd")) == max(max(fp32_sizes), max(bf16_sizes))
 
 
 def test_predict_memory_on_cpu_keeps_fp32_copies_of_upcast_residuals():
@@ -169,8 +208,11 @@ def test_predict_memory_keeps_no_stochastic_rounding_bits():
   params = prof.memory["param_bytes"]
   scales = 3 * 4 * (8 + 100)
   residuals = 3 * (lhs + 1000) + scales  # int8 legs re-quantize the 1-byte residuals
-  transient = 4 * (lhs + 1000)  # one op's residuals dequantized in the backward
-  assert got["stochastic"].memory_bytes["a"] == 4 * params + residuals + transient  # A100
+  # int8 gradient legs read the 1-byte residuals: nothing is dequantized in the backward
+  backward = 4 * params + residuals
+  below = 4 * lhs - (lhs + 1000 + scales // 3)  # the last op's forward, as for int8_fwd above
+  forward = 4 * params + 3 * 4 * lhs - 2 * below + (lhs + 1000)
+  assert got["stochastic"].memory_bytes["a"] == max(backward, forward)  # A100
 
 
 def test_trace_exports(tmp_path):
