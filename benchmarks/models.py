@@ -52,7 +52,13 @@ from planners import step  # noqa: E402
 from planners.allocator import greedy, make_problem  # noqa: E402
 from planners.indicator import compute  # noqa: E402
 from planners.profiler import Profile, measure_profile, task_ops, with_precast_policies  # noqa: E402
-from planners.replay import QUANTIZED_FIT_PRESET, fit_presets, predict, refit_profile  # noqa: E402
+from planners.replay import (  # noqa: E402
+  QUANTIZED_FIT_PRESET,
+  SIXTEEN_BIT_FIT_PRESET,
+  fit_presets,
+  predict,
+  refit_profile,
+)
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
@@ -274,7 +280,11 @@ def main(argv=None) -> int:
     for clock, steps in measured.items():
       for variant, vprof in variants.items():
         if args.refit:
-          vprof = refit_profile(cluster, vprof, steps["fp32"][0], steps.get(QUANTIZED_FIT_PRESET, (None,))[0])
+          vprof = refit_profile(
+            cluster,
+            vprof,
+            *(steps.get(p, (None,))[0] for p in ("fp32", QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET)),
+          )
           say(
             f"{model}: {variant} profile refitted to this run's {' and '.join(fit_presets(vprof))} steps on the {clock} clock"
           )

@@ -1,14 +1,15 @@
 """Predictor error: predicted vs measured step time and memory on plans not used to fit anything.
 
 For each model: measure its profile on the local device (op legs standalone, casts, the
-optimizer, the fp32 step — which fits the remainder and memory correction — and the all-int8
-step — which fits the scale of the quantized legs inside the step), then for every evaluation
-plan (uniform and mixed, never those two; marked ``(fit)``) compare
+optimizer, the fp32 step — which fits the remainder and memory correction —, the all-int8
+step — which fits the scale of the quantized legs inside the step — and the all-bf16 step —
+which fits the remainder of a 16-bit step), then for every evaluation plan (uniform and mixed,
+never those three; marked ``(fit)``) compare
 
 * the replay's predicted step time with the measured median of the jitted single-device
   training step (the step is fed its own donated outputs, as in training), and
 * the predicted peak memory with XLA's ``compiled.memory_analysis()`` (arguments + outputs
-  − aliased + temporaries).
+  − aliased + temporaries), for every plan but fp32 (memory is fitted to fp32 alone).
 
 The baseline of the ratio column is the measured step time (ratio = predicted / measured).
 Targets (DESIGN §5.3): mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), memory within 10 %.
@@ -16,8 +17,8 @@ Targets (DESIGN §5.3): mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), me
 The plans (fp32 included) are compiled first and timed round-robin over ``--rounds`` rounds
 (``planners.step.time_train_steps_interleaved``: the median of the round medians), so that
 slow drift of the host falls on every plan alike. With ``--refit`` the error is reported a
-second time with the profile refitted to the fp32 and all-int8 steps timed among the plans
-(``planners.replay.refit_profile``; they stay the only fit plans): on a shared CPU host the
+second time with the profile refitted to the fp32, all-int8 and all-bf16 steps timed among the
+plans (``planners.replay.refit_profile``; they stay the only fit plans): on a shared CPU host the
 same fp32 step has measured 49–67 ms in different minutes, and the profile's one fit timing
 carries that drift into every prediction.
 
@@ -43,7 +44,13 @@ import optax
 from result_rows import append_rows, result_row
 
 from planners import step
-from planners.profiler import QUANTIZED_FIT_PRESET, Profile, measure_profile, with_precast_policies
+from planners.profiler import (
+  QUANTIZED_FIT_PRESET,
+  SIXTEEN_BIT_FIT_PRESET,
+  Profile,
+  measure_profile,
+  with_precast_policies,
+)
 from planners.replay import fit_presets, predict, refit_profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
@@ -239,7 +246,7 @@ def main(argv=None):
     precast = with_precast_policies(prof, repeats=args.profile_repeats) if args.precast else None
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
     batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
-    fit = fit_presets(prof) if not args.refit else ("fp32", QUANTIZED_FIT_PRESET)
+    fit = fit_presets(prof) if not args.refit else ("fp32", QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET)
     cases = priceable(
       model,
       cluster,
@@ -261,8 +268,10 @@ def main(argv=None):
     )[clock]
     fitted = None
     if args.refit and "fp32 (fit)" in timed:
-      quantized = timed.get(f"{QUANTIZED_FIT_PRESET} (fit)", (None,))[0]
-      fitted = refit_profile(cluster, prof, timed["fp32 (fit)"][0], quantized)
+      quantized, sixteen = (
+        timed.get(f"{p} (fit)", (None,))[0] for p in (QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET)
+      )
+      fitted = refit_profile(cluster, prof, timed["fp32 (fit)"][0], quantized, sixteen)
     for case, (meas, round_medians, peak) in timed.items():
       plan = Plan(policies={"all": cases[case]})
       pred = predict(cluster, {prof.device_type: prof}, plan)
@@ -276,7 +285,9 @@ def main(argv=None):
         f"err {100 * err_m:+6.1f} %",
         flush=True,
       )
-      if "(fit)" in case:  # its measured step, for offline refits; no prediction to score
+      if not case.startswith("fp32"):  # memory is fitted to the fp32 step alone
+        out.append(row_json(model, case, "peak_bytes", mem, peak, device))
+      if "(fit)" in case:  # its measured step, for offline refits; no step prediction to score
         out.append(
           row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device) | {"fit": True}
         )
@@ -292,7 +303,6 @@ def main(argv=None):
         row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device)
         | {"rounds": round_medians}
       )
-      out.append(row_json(model, case, "peak_bytes", mem, peak, device))
       if fitted is not None:
         pred_fit = predict(cluster, {prof.device_type: fitted}, plan).step_ms
         refitted.append(abs(pred_fit - meas) / meas)
@@ -308,7 +318,8 @@ def main(argv=None):
       out = []
   evals = [r for r in rows if "(fit)" not in r[1]]
   t_err = np.abs([r[5] for r in evals])
-  m_err = np.abs([r[8] for r in evals])
+  m_evals = [r for r in rows if not r[1].startswith("fp32")]  # memory's one fit plan
+  m_err = np.abs([r[8] for r in m_evals])
   print(
     f"\n{'model':6s} {'plan':26s} {'pred ms':>9s} {'meas ms':>9s} {'ratio':>6s} {'pred MB':>8s} {'xla MB':>8s} {'ratio':>6s}"
   )
@@ -318,8 +329,8 @@ def main(argv=None):
     )
   print(
     f"\n{len(evals)} evaluation plans on {device}: step-time |error| mean {100 * t_err.mean():.1f} %, "
-    f"median {100 * np.median(t_err):.1f} %, max {100 * t_err.max():.1f} %; memory |error| mean "
-    f"{100 * m_err.mean():.1f} %, max {100 * m_err.max():.1f} %"
+    f"median {100 * np.median(t_err):.1f} %, max {100 * t_err.max():.1f} %; memory |error| ({len(m_evals)} "
+    f"plans but fp32) mean {100 * m_err.mean():.1f} %, max {100 * m_err.max():.1f} %"
   )
   if refitted:
     print(

@@ -111,5 +111,10 @@ def run(args) -> int:
       f"int8 legs inside the step x{prof.quantized_leg_scale:.3f} of their standalone time, fitted to the "
       f"measured all-int8 step {prof.meta['quantized_fit_step_ms']:.3f} ms"
     )
+  if "sixteen_bit_fit_step_ms" in prof.meta:
+    print(
+      f"remainder of a 16-bit step {sum(prof.remainder_16bit_ms.values()):.3f} ms, fitted to the measured "
+      f"all-bf16 step {prof.meta['sixteen_bit_fit_step_ms']:.3f} ms"
+    )
   print(f"wrote {args.out}")
   return 0

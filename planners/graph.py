@@ -7,6 +7,10 @@ on its own ``compute`` stream:
   forward ops in order → forward remainder → backward remainder → for each op
   in reverse: [cast] → dlhs → drhs → … → optimizer
 
+* The remainder (what is not an op: norms, activations, the loss) costs the profile's fp32
+  remainder, or, where the all-bf16 step fitted one, a mix of the two by the share of
+  activations the plan's bf16/fp16 ops produce (``remainder_ms``).
+
 * Activations flow between ops in the model's dtype (fp32), as the runtime's ops return it;
   each leg converts its operands into its precision, and that conversion is part of the
   leg's profiled time (XLA fuses it with the product). The one conversion outside any leg is
@@ -196,6 +200,34 @@ def in_step(costs: dict[str, tuple[float, str]], quantized_scale: float, relayou
   return out
 
 
+SIXTEEN_BIT = ("bf16", "fp16")
+
+
+def sixteen_bit_share(profile: Profile, op_policies: Mapping[str, OpPolicy | None]) -> float:
+  """The share of the step's activations that bf16/fp16 ops produce: the output elements of the
+  ops whose forward runs at a 16-bit float, over those of all ops (0 without outputs)."""
+  total = sum(op.out_elems * op.calls for op in profile.ops)
+  if total <= 0:
+    return 0.0
+  sixteen = sum(
+    op.out_elems * op.calls
+    for op in profile.ops
+    if (pol := op_policies.get(op.name)) is not None and pol.fwd in SIXTEEN_BIT
+  )
+  return sixteen / total
+
+
+def remainder_ms(profile: Profile, op_policies: Mapping[str, OpPolicy | None], part: str) -> float:
+  """ms of the ``part`` (``"fwd"`` / ``"bwd"``) of the step's remainder at the profiled batch
+  under ``op_policies``: the fp32 step's (``Profile.remainder_ms``) and the all-bf16 step's
+  (``Profile.remainder_16bit_ms``, where fitted) mixed by ``sixteen_bit_share``."""
+  rest = profile.remainder_ms[part]
+  if not profile.remainder_16bit_ms:
+    return rest
+  share = sixteen_bit_share(profile, op_policies)
+  return (1 - share) * rest + share * profile.remainder_16bit_ms[part]
+
+
 def tree_position(op_name: str) -> tuple[str, ...]:
   """Sort key of an op's parameters in the parameter tree: its module path's components
   (``jax.tree`` flattens dicts by sorted keys: ``block0/mlp_in`` before ``block1/attn``)."""
@@ -260,7 +292,7 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
           node_kind = "cast" if kind.startswith("cast") else kind
           prev = (add(Node(f"{op.name} {kind}", node_kind, g.name, "compute", ms, prev, op.name, p)),)
     for part in ("fwd", "bwd"):
-      ms = scale * prof.remainder_ms[part]
+      ms = scale * remainder_ms(prof, g.op_policies, part)
       prev = (add(Node(f"remainder {part}", "remainder", g.name, "compute", ms, prev)),)
     for i in reversed(range(len(prof.ops))):
       op, c = prof.ops[i], costs[i]

@@ -55,7 +55,7 @@ from planners.op_memory import (
   transient_bytes,
   upcasts_16bit_products,
 )
-from planners.profiler import QUANTIZED_FIT_PRESET, Profile, modeled_profile
+from planners.profiler import QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET, Profile, modeled_profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -257,16 +257,20 @@ def refit_remainder(cluster: ClusterSpec, profile: Profile, step_ms: float, **pr
   fp32 step measured there. ``measure_profile`` fits the remainder so on one device; refitted
   on a cluster it also carries what the op profile does not see (that host's launch rate, host
   work per device when one process drives several, collectives slowed by the compute beside
-  them) as time added alike to every plan's step. ``predict_kwargs`` go to ``predict``.
+  them) as time added alike to every plan's step (a fitted ``remainder_16bit_ms`` moves by as
+  much). ``predict_kwargs`` go to ``predict``.
   A step shorter than the profile's ops alone needs a negative remainder (seen on a loaded CPU
   host, where the standalone op timings were inflated); it moves the rest of the step earlier
   by its full amount (``planners.graph.longest_path``), but an earlier node may still end later
   than the step it was fitted to."""
   draft = profile.with_remainder(0.0)
   fp32 = Plan(policies={g.name: PrecisionPolicy.uniform("fp32") for g in cluster.groups})
-  return profile.with_remainder(
-    step_ms - predict(cluster, {profile.device_type: draft}, fp32, **predict_kwargs).step_ms
-  )
+  rest = step_ms - predict(cluster, {profile.device_type: draft}, fp32, **predict_kwargs).step_ms
+  out = profile.with_remainder(rest)
+  if profile.remainder_16bit_ms:  # what the refit adds, it adds to the 16-bit remainder alike
+    shift = rest - sum(profile.remainder_ms.values())
+    out = out.with_16bit_remainder(sum(profile.remainder_16bit_ms.values()) + shift)
+  return out
 
 
 def refit_quantized_leg_scale(
@@ -311,23 +315,51 @@ def refit_quantized_leg_scale(
   return dataclasses.replace(profile, quantized_leg_scale=scale, meta=meta)
 
 
+def refit_16bit_remainder(
+  cluster: ClusterSpec, profile: Profile, step_ms: float, **predict_kwargs
+) -> Profile:
+  """``profile`` with ``remainder_16bit_ms`` refitted so that the replay of the uniform
+  ``SIXTEEN_BIT_FIT_PRESET`` (all-bf16) plan on ``cluster`` predicts ``step_ms``, that plan's
+  step measured there, as ``refit_remainder`` fits the fp32 remainder (the all-bf16 plan's
+  remainder is all 16-bit: ``planners.graph.remainder_ms``); records ``meta
+  ["sixteen_bit_fit_step_ms"]``. ``predict_kwargs`` go to ``predict``."""
+  draft = profile.with_16bit_remainder(0.0)
+  plan = Plan(policies={g.name: PrecisionPolicy.uniform(SIXTEEN_BIT_FIT_PRESET) for g in cluster.groups})
+  free = predict(cluster, {profile.device_type: draft}, plan, **predict_kwargs).step_ms
+  out = profile.with_16bit_remainder(step_ms - free)
+  return dataclasses.replace(out, meta={**profile.meta, "sixteen_bit_fit_step_ms": step_ms})
+
+
 def refit_profile(
-  cluster: ClusterSpec, profile: Profile, fp32_ms: float, quantized_ms: float | None = None, **predict_kwargs
+  cluster: ClusterSpec,
+  profile: Profile,
+  fp32_ms: float,
+  quantized_ms: float | None = None,
+  sixteen_bit_ms: float | None = None,
+  **predict_kwargs,
 ) -> Profile:
   """``profile`` refitted to steps measured on ``cluster``: its remainder to the fp32 step
   (``refit_remainder``), then, given ``quantized_ms`` (the all-int8 step), its
-  ``quantized_leg_scale`` (``refit_quantized_leg_scale``)."""
+  ``quantized_leg_scale`` (``refit_quantized_leg_scale``), and given ``sixteen_bit_ms`` (the
+  all-bf16 step), its ``remainder_16bit_ms`` (``refit_16bit_remainder``). Neither of the last
+  two plans moves the other's fit: all-int8 has no 16-bit op, all-bf16 no quantized leg."""
   out = refit_remainder(cluster, profile, fp32_ms, **predict_kwargs)
-  if quantized_ms is None:
-    return out
-  return refit_quantized_leg_scale(cluster, out, quantized_ms, **predict_kwargs)
+  if quantized_ms is not None:
+    out = refit_quantized_leg_scale(cluster, out, quantized_ms, **predict_kwargs)
+  if sixteen_bit_ms is not None:
+    out = refit_16bit_remainder(cluster, out, sixteen_bit_ms, **predict_kwargs)
+  return out
 
 
 def fit_presets(profile: Profile) -> tuple[str, ...]:
   """The uniform presets whose steps ``profile`` is fitted to, so that predicting them is no
-  test of the replay: fp32 (the remainder) and, once its ``quantized_leg_scale`` is fitted
-  (``refit_quantized_leg_scale``), ``QUANTIZED_FIT_PRESET``."""
-  return ("fp32",) + ((QUANTIZED_FIT_PRESET,) if "quantized_fit_step_ms" in profile.meta else ())
+  test of the replay: fp32 (the remainder) and, once fitted, ``QUANTIZED_FIT_PRESET``
+  (``refit_quantized_leg_scale``) and ``SIXTEEN_BIT_FIT_PRESET`` (``refit_16bit_remainder``)."""
+  return (
+    ("fp32",)
+    + ((QUANTIZED_FIT_PRESET,) if "quantized_fit_step_ms" in profile.meta else ())
+    + ((SIXTEEN_BIT_FIT_PRESET,) if "sixteen_bit_fit_step_ms" in profile.meta else ())
+  )
 
 
 CALIBRATION_DEVICES = ("group", "one")

@@ -70,17 +70,17 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
     if r["metric"] == "predicted_step_ms" and r.get("run") == "replay-r"
   }
   assert set(predicted) == {(name, v) for name in steps for v in ("fp32", "precast")}
-  for operands in ("fp32", "precast"):  # the fits: refitted to the recorded fp32 and all-int8 steps
-    assert predicted[("fp32", operands)] == pytest.approx(10 * steps["fp32"]["value"], rel=1e-6)
-    assert predicted[("int8", operands)] == pytest.approx(10 * steps["int8"]["value"], rel=1e-6)
+  for operands in ("fp32", "precast"):  # the fits: refitted to the recorded fp32, all-int8, all-bf16 steps
+    for fit in ("fp32", "int8", "bf16"):
+      assert predicted[(fit, operands)] == pytest.approx(10 * steps[fit]["value"], rel=1e-6)
   assert predicted[("int8", "fp32")] == predicted[("int8", "precast")]  # all-int8 is not precast
   summary = [r for r in rows if r["metric"] == "abs_rel_error" and r.get("run") == "replay-r"]
   assert [(r["operands"], r["clock"], r["refit"]) for r in summary] == [
     ("fp32", "wall", True),
     ("precast", "wall", True),
   ]
-  for r in summary:  # the mean error leaves out the two fit plans
-    evaluated = [name for name in steps if name not in ("fp32", "int8")]
+  for r in summary:  # the mean error leaves out the three fit plans
+    evaluated = [name for name in steps if name not in ("fp32", "int8", "bf16")]
     errors = [abs(predicted[(name, r["operands"])] / (10 * steps[name]["value"]) - 1) for name in evaluated]
     assert r["value"] == pytest.approx(sum(errors) / len(errors))
   with pytest.raises(SystemExit, match="no step rows of 'mlp' in run 'nope'.*Fix: pass a run tag"):

@@ -19,11 +19,14 @@ def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path
   assert {r["run"] for r in rows} == {"t"}
   as_profiled = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock" and not r.get("fit")}
   fits = {r["case"] for r in rows if r.get("fit")}
-  assert fits == {"mlp/fp32 (fit)", "mlp/int8 (fit)"}  # their measured steps, for offline refits
+  assert fits == {"mlp/fp32 (fit)", "mlp/int8 (fit)", "mlp/bf16 (fit)"}  # their steps, for offline refits
   refit = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock_refit"}
   plans = predictor.plans(["Dense_0:dense", "Dense_1:dense"])
-  evaluated = {f"mlp/{case}" for case in plans if case != "int8"}
-  assert set(as_profiled) == set(refit) == evaluated  # fp32 and all-int8 are the fits, never evaluated
+  evaluated = {f"mlp/{case}" for case in plans if case not in ("int8", "bf16")}
+  assert set(as_profiled) == set(refit) == evaluated  # fp32, all-int8 and all-bf16 are the fits
+  # memory is fitted to fp32 alone: every other plan's peak is scored
+  memory = {r["case"] for r in rows if r["metric"] == "peak_bytes"}
+  assert memory == evaluated | {"mlp/int8 (fit)", "mlp/bf16 (fit)"}
   for case, r in as_profiled.items():
     assert len(r["rounds"]) == 2 and r["baseline"] == pytest.approx(sum(r["rounds"]) / 2)
     assert refit[case]["baseline"] == r["baseline"]  # the same measured step, two predictions

@@ -196,8 +196,12 @@ def test_refit_memory_fits_the_compiled_fp32_peak_and_adds_the_plans_scratch(mon
   prof = dataclasses.replace(traced, op_ms=op_ms, memory={**traced.memory, "other_bytes": 12345})
   index = {name: i for i, name in enumerate(traced.op_names)}
   # stand-ins for compiling each op's program: its scratch size from the table above
-  monkeypatch.setattr(profiler, "policy_programs", lambda pol, *a, **k: ((None, (PRESET_NAMES[pol], a[-2])), None, None))
-  monkeypatch.setattr(profiler, "program_scratch_bytes", lambda prog: int(sizes[prog[0]][index[prog[1].name]]))
+  monkeypatch.setattr(
+    profiler, "policy_programs", lambda pol, *a, **k: ((None, (PRESET_NAMES[pol], a[-2])), None, None)
+  )
+  monkeypatch.setattr(
+    profiler, "program_scratch_bytes", lambda prog: int(sizes[prog[0]][index[prog[1].name]])
+  )
   out = profiler.refit_memory(prof, task)
   assert out.meta["scratch_bytes"] is True and out.forward_headroom == traced.forward_headroom
 
@@ -209,7 +213,9 @@ def test_refit_memory_fits_the_compiled_fp32_peak_and_adds_the_plans_scratch(mon
   first = {}
   for op in traced.ops:
     first.setdefault(profiler.policy_key("fp32", op)[1:], index[op.name])
-  largest = {p: max(int(v[first[profiler.policy_key(p, op)[1:]]]) for op in traced.ops) for p, v in sizes.items()}
+  largest = {
+    p: max(int(v[first[profiler.policy_key(p, op)[1:]]]) for op in traced.ops) for p, v in sizes.items()
+  }
   # the fp32 plan predicts the compiled fp32 step's peak; bf16 differs by its scratch
   assert peak(out, "fp32") == traced.meta["fp32_xla_peak_bytes"] == peak(traced, "fp32")
   assert peak(out, "bf16") - peak(traced, "bf16") == largest["bf16"] - largest["fp32"]

@@ -192,5 +192,10 @@ def test_precast_retimes_only_the_policies_whose_activations_the_step_converts()
       assert p.quantized_leg_scale == 0.0 and predicted == pytest.approx(floor) and floor >= fit_ms
     else:
       assert predicted == pytest.approx(fit_ms)
+  # the all-bf16 step fits the 16-bit remainder, refitted to it after the re-timing
+  bf16 = Plan(policies={"all": PrecisionPolicy.uniform("bf16")})
+  for p in (prof, out):
+    assert predict(one, {"cpu": p}, bf16).step_ms == pytest.approx(prof.meta["sixteen_bit_fit_step_ms"])
+  assert len(prof.meta["sixteen_bit_step_ms_samples"]) == 2
   with pytest.raises(PlanError, match="cannot be re-timed on this"):
     with_precast_policies(fake_profile([(1, 2, 3)], device_type="H100"))

@@ -12,6 +12,7 @@ from planners.replay import (
   calibrate,
   fit_presets,
   predict,
+  refit_16bit_remainder,
   refit_profile,
   refit_quantized_leg_scale,
   refit_remainder,
@@ -141,7 +142,10 @@ def test_predict_memory_counts_residuals_at_stored_precision():
 def _with_scratch(prof, sizes):
   """``prof`` with whole-policy entries recording ``sizes[preset][op index]`` scratch bytes."""
   op_ms = {
-    name: {**table, **{f"policy:{p}": {"fwd": 1.0, "bwd": 1.0, "scratch_bytes": float(s[i])} for p, s in sizes.items()}}
+    name: {
+      **table,
+      **{f"policy:{p}": {"fwd": 1.0, "bwd": 1.0, "scratch_bytes": float(s[i])} for p, s in sizes.items()},
+    }
     for i, (name, table) in enumerate(prof.op_ms.items())
   }
   return dataclasses.replace(prof, op_ms=op_ms)
@@ -321,6 +325,36 @@ def test_refit_profile_fits_the_remainder_then_the_quantized_scale():
   assert sum(fitted.remainder_ms.values()) == pytest.approx(1.0)  # 4 - 3
   assert fitted.quantized_leg_scale == pytest.approx((7.0 - 1.0 - 1.0) / 3.0)
   assert refit_profile(one, prof, 12.0).quantized_leg_scale == 1.0  # no int8 step: not fitted
+
+
+def test_16bit_remainder_is_fitted_on_the_all_bf16_step_and_mixed_by_the_16bit_share():
+  # ops A (first: no dlhs) and B, equal outputs, at fp32: fwd 1, dlhs 2, drhs 3 ms; bf16 legs
+  # 0.5x. All-bf16 step = 0.5 · (1 + 1 + 2 + 3 + 3) + remainder + optimizer 1 = 6 + remainder.
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], remainder_ms=4.0, optimizer_ms=1.0)
+  one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
+
+  def step(p, policy):
+    return predict(one, {"cpu": p}, Plan(policies={"all": policy})).step_ms
+
+  fitted = refit_16bit_remainder(one, prof, 7.0)
+  assert sum(fitted.remainder_16bit_ms.values()) == pytest.approx(1.0)
+  assert step(fitted, PrecisionPolicy.uniform("bf16")) == pytest.approx(7.0)
+  assert fit_presets(fitted) == ("fp32", "bf16") and fitted.meta["sixteen_bit_fit_step_ms"] == 7.0
+  for plan in ("fp32", "int8", "int8_fwd"):  # no bf16/fp16 forward: the fp32 remainder
+    assert step(fitted, PrecisionPolicy.uniform(plan)) == step(prof, PrecisionPolicy.uniform(plan))
+  assert step(fitted, PrecisionPolicy.uniform("fp16")) == pytest.approx(7.0)
+  # A at bf16, B at fp32: half the activations 16-bit, remainder 0.5 · 4 + 0.5 · 1
+  a, b = prof.op_names
+  half = PrecisionPolicy.from_ops({a: OpPolicy.preset("bf16"), b: OpPolicy.preset("fp32")})
+  assert step(prof, half) - step(fitted, half) == pytest.approx(4.0 - 2.5)
+  # a refit of the fp32 remainder (a cluster's host effects) moves the 16-bit one alike
+  shifted = refit_remainder(one, fitted, step(fitted, PrecisionPolicy.uniform("fp32")) + 2.0)
+  assert sum(shifted.remainder_16bit_ms.values()) == pytest.approx(3.0)
+  # refit_profile fits all three fit plans
+  both = refit_profile(one, prof, 12.0, 7.0, 6.5)
+  for plan, ms in (("fp32", 12.0), ("int8", 7.0), ("bf16", 6.5)):
+    assert step(both, PrecisionPolicy.uniform(plan)) == pytest.approx(ms)
+  assert fit_presets(both) == ("fp32", "int8", "bf16")
 
 
 def _two_groups():

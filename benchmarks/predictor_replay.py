@@ -1,0 +1,133 @@
+"""Replays a ``benchmarks/predictor.py`` run offline: its measured steps and XLA peaks against
+the replay of saved profiles, as the code predicts now.
+
+For each model of the run (its rows in ``predictor.jsonl``, chosen by ``--run``): the profile
+``<profile-dir>/<model>.json`` refitted to the run's fit steps — fp32, all-int8 and, unless
+``--no-16bit``, all-bf16 (``planners.replay.refit_profile``) — then every other plan's predicted
+step against the run's measured one, and every plan's predicted peak but fp32's (memory is
+fitted to fp32 alone) against XLA's. Prints the table and appends the rows tagged
+``replay-<run>``. Nothing is timed or compiled: it runs on any machine, so a change of the
+replay can be scored on GPU runs after the GPU is gone.
+
+  python benchmarks/predictor_replay.py --run gpu-run-3-h100 \
+      --profile-dir benchmarks/results/profiles/predictor_h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+from result_rows import append_rows, result_row
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.predictor import RESULTS, plans  # noqa: E402  (run as a script from the repo root)
+from planners.profiler import QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET, Profile  # noqa: E402
+from planners.replay import predict, refit_profile  # noqa: E402
+from qsync_jax.cluster import ClusterSpec  # noqa: E402
+from qsync_jax.plan import Plan  # noqa: E402
+from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+
+
+def run_rows(path: str, run: str) -> dict[str, dict[str, dict]]:
+  """``{model: {plan: {"step": ms, "peak": bytes, "device": …, "metric": …}}}`` of ``run``'s
+  measured steps (``step_ms_<clock>_clock``, fit steps included) and XLA peaks."""
+  out: dict[str, dict[str, dict]] = {}
+  with open(path) as f:
+    for line in f:
+      r = json.loads(line)
+      if r.get("run") != run or r.get("baseline") is None:
+        continue
+      model, _, plan = r["case"].partition("/")
+      entry = out.setdefault(model, {}).setdefault(plan.removesuffix(" (fit)"), {})
+      if r["metric"] == "peak_bytes":
+        entry["peak"] = r["baseline"]
+      elif r["metric"].startswith("step_ms_") and r["metric"].endswith("_clock"):
+        entry.update(step=r["baseline"], metric=r["metric"], device=r["device"])
+  return out
+
+
+def replay_model(prof: Profile, measured: dict[str, dict], sixteen_bit: bool) -> list[tuple]:
+  """``[(plan, fitted?, predicted ms, measured ms, predicted bytes, XLA bytes)]`` of one model."""
+  cluster = ClusterSpec.uniform(prof.device_type, 1, prof.batch_per_device, memory_gb=1e3)
+  fits = ["fp32", QUANTIZED_FIT_PRESET] + [SIXTEEN_BIT_FIT_PRESET] * sixteen_bit
+  steps = [measured.get(p, {}).get("step") for p in fits]
+  if steps[0] is None:
+    raise SystemExit(
+      f"the run has no fp32 step of {prof.model!r}. Fix: pass a run whose rows hold its fit steps."
+    )
+  fitted = refit_profile(cluster, prof, *steps)
+  out = []
+  for plan, policy in {"fp32": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}.items():
+    if plan not in measured or "step" not in measured[plan]:
+      continue
+    pred = predict(cluster, {prof.device_type: fitted}, Plan(policies={"all": policy}))
+    entry = measured[plan]
+    out.append((plan, plan in fits, pred.step_ms, entry["step"], pred.memory_bytes["all"], entry.get("peak")))
+  return out
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--run", required=True, help="run tag of the measured rows")
+  ap.add_argument("--profile-dir", required=True, help="holds <model>.json for every model of the run")
+  ap.add_argument("--models", nargs="+", help="default: every model of the run")
+  ap.add_argument(
+    "--no-16bit", action="store_true", help="refit to fp32 and all-int8 only (as before the 16-bit remainder)"
+  )
+  ap.add_argument("--results", default=RESULTS)
+  ap.add_argument("--no-save", action="store_true")
+  args = ap.parse_args(argv)
+  measured = run_rows(args.results, args.run)
+  if not measured:
+    raise SystemExit(f"no rows of run {args.run!r} in {args.results}. Fix: pass a run tag of that file.")
+  tag, rows, t_err, m_err = f"replay-{args.run}", [], [], []
+  print(
+    f"{'model':9s} {'plan':26s} {'pred ms':>8s} {'meas ms':>8s} {'err':>7s} {'pred MB':>8s} {'xla MB':>8s} {'err':>7s}"
+  )
+  for model in args.models or sorted(measured):
+    prof = Profile.load(os.path.join(args.profile_dir, f"{model}.json"))
+    for plan, fit, pred, meas, mem, peak in replay_model(prof, measured[model], not args.no_16bit):
+      device, metric = measured[model][plan]["device"], measured[model][plan]["metric"]
+      extra = {"run": tag, "fit": fit, "sixteen_bit_fit": not args.no_16bit}
+      rows.append(result_row("predictor", f"{model}/{plan}", f"{metric}_refit", pred, meas, device, **extra))
+      if not fit:
+        t_err.append(abs(pred - meas) / meas)
+      if peak and plan != "fp32":
+        m_err.append(abs(mem - peak) / peak)
+        rows.append(result_row("predictor", f"{model}/{plan}", "peak_bytes", mem, peak, device, **extra))
+      mem_err = f"{100 * (mem - peak) / peak:+6.1f}%" if peak else "      -"
+      print(
+        f"{model:9s} {plan + (' (fit)' if fit else ''):26s} {pred:8.2f} {meas:8.2f} {100 * (pred - meas) / meas:+6.1f}% "
+        f"{mem / 1e6:8.1f} {(peak or 0) / 1e6:8.1f} {mem_err}"
+      )
+  summary = [
+    result_row(
+      "predictor",
+      "all/mean_abs_step_error_refit",
+      "abs_rel_error",
+      float(np.mean(t_err)),
+      None,
+      device,
+      run=tag,
+    ),
+    result_row(
+      "predictor", "all/mean_abs_memory_error", "abs_rel_error", float(np.mean(m_err)), None, device, run=tag
+    ),
+  ]
+  print(
+    f"\n{len(t_err)} evaluation plans: step |error| mean {100 * np.mean(t_err):.1f} %, max {100 * np.max(t_err):.1f} %; "
+    f"memory ({len(m_err)} plans but fp32) mean {100 * np.mean(m_err):.1f} %, max {100 * np.max(m_err):.1f} %"
+  )
+  if not args.no_save:
+    append_rows(args.results, rows + summary)
+    print(f"appended {len(rows) + len(summary)} rows tagged {tag} to {args.results}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
