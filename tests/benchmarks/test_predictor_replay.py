@@ -1,0 +1,67 @@
+"""``benchmarks/predictor_replay.py``: a logged predictor run scored offline (no timing)."""
+
+import dataclasses
+import json
+
+import predictor_replay
+import pytest
+
+from planners.replay import predict, refit_profile
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
+from tests.planners.fakes import fake_profile
+
+
+def _logged_run(tmp_path, measured: dict[str, float], peaks: dict[str, int]):
+  """A profile saved in ``tmp_path`` and a results file holding one run's rows of it."""
+  prof = dataclasses.replace(
+    fake_profile([(1, 2, 3), (1, 2, 3)], remainder_ms=4.0, optimizer_ms=1.0, other_bytes=10**6),
+    model="mlp",
+  )
+  (tmp_path / "profiles").mkdir()
+  prof.save(str(tmp_path / "profiles" / "mlp.json"))
+  rows = []
+  for plan, ms in measured.items():
+    fit = plan in ("fp32", "int8", "bf16")
+    case = f"mlp/{plan}" + (" (fit)" if fit else "")
+    rows.append({"run": "r", "case": case, "metric": "step_ms_cpu_clock", "baseline": ms, "device": "cpu"})
+    if plan in peaks:
+      rows.append(
+        {"run": "r", "case": case, "metric": "peak_bytes", "baseline": peaks[plan], "device": "cpu"}
+      )
+  rows.append(
+    {"run": "other", "case": "mlp/fp16", "metric": "step_ms_cpu_clock", "baseline": 1.0, "device": "cpu"}
+  )
+  results = tmp_path / "predictor.jsonl"
+  results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return prof, results
+
+
+def test_replay_refits_to_the_runs_fit_steps_and_scores_the_rest(tmp_path):
+  measured = {"fp32": 12.0, "int8": 7.0, "bf16": 6.5, "fp16": 6.0, "int8_fwd": 9.0}
+  prof, results = _logged_run(tmp_path, measured, {"fp32": 3 * 10**6, "fp16": 2 * 10**6})
+  argv = ["--run", "r", "--profile-dir", str(tmp_path / "profiles"), "--results", str(results)]
+  assert predictor_replay.main(argv) == 0
+  rows = [json.loads(line) for line in results.read_text().splitlines()]
+  mine = [r for r in rows if r.get("run") == "replay-r"]
+  steps = {r["case"]: r for r in mine if r["metric"] == "step_ms_cpu_clock_refit"}
+  assert set(steps) == {f"mlp/{p}" for p in measured}
+  for plan in ("fp32", "int8", "bf16"):  # the fits reproduce their steps
+    assert steps[f"mlp/{plan}"]["fit"] and steps[f"mlp/{plan}"]["value"] == pytest.approx(measured[plan])
+  # an evaluated plan: what the refitted replay predicts, against the run's step
+  one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
+  fitted = refit_profile(one, prof, 12.0, 7.0, 6.5)
+  fp16 = predict(one, {"cpu": fitted}, Plan(policies={"all": PrecisionPolicy.uniform("fp16")}))
+  assert steps["mlp/fp16"]["value"] == pytest.approx(fp16.step_ms) and steps["mlp/fp16"]["baseline"] == 6.0
+  # memory: every plan with a peak but fp32 (its one fit)
+  memory = {r["case"]: r for r in mine if r["metric"] == "peak_bytes"}
+  assert set(memory) == {"mlp/fp16"} and memory["mlp/fp16"]["value"] == fp16.memory_bytes["all"]
+  summary = {r["case"]: r["value"] for r in mine if r["metric"] == "abs_rel_error"}
+  errors = [abs(steps[f"mlp/{p}"]["value"] / measured[p] - 1) for p in ("fp16", "int8_fwd")]
+  assert summary["all/mean_abs_step_error_refit"] == pytest.approx(sum(errors) / 2)
+  assert summary["all/mean_abs_memory_error"] == pytest.approx(abs(fp16.memory_bytes["all"] / 2e6 - 1))
+  with pytest.raises(SystemExit, match="no rows of run 'nope'.*Fix: pass a run tag"):
+    predictor_replay.main(
+      ["--run", "nope", "--profile-dir", str(tmp_path / "profiles"), "--results", str(results)]
+    )
