@@ -102,7 +102,7 @@ class Comm:
 
 def float_precision(profile: Profile) -> str:
   """Precision of an unmodified float op: XLA's default (tf32 on GPUs that have it)."""
-  return "tf32" if "tf32" in profile.op_ms[profile.ops[0].name]["fwd"] else "fp32"
+  return "tf32" if "tf32" in profile.op_ms.get(profile.ops[0].name, {}).get("fwd", {}) else "fp32"
 
 
 FP32_LIKE = ("fp32", "tf32")

@@ -75,10 +75,11 @@ SCRATCH = re.compile(r"= \(.*, [su]8\[(\d+)\]\{0\}\) custom-call\(")
 
 def scratch_bytes(hlo: str) -> int:
   """The largest scratch buffer (bytes) of any library custom call in the compiled ``hlo``, in
-  any computation; 0 where there is none (XLA:CPU). XLA:GPU places all of a step's scratch
-  buffers in one shared slab, sized by the largest: in the fp32 step of a 64-256-channel VGG
-  on an H100 a 55 MB cuDNN filter-gradient scratch, where the bf16 step's largest was 1.8 MB
-  and the all-int8 step (our own GEMM kernels) had none (buffer assignment, ``docs/results.md``)."""
+  any computation; 0 where there is none (XLA:CPU). XLA:GPU packs a step's scratch buffers
+  with its other temporaries by liveness, each live while its call runs: the largest is what
+  the step must find room for. In the fp32 step of a 64-256-channel VGG on an H100 a 55 MB
+  cuDNN filter-gradient scratch, where the bf16 step's largest was 1.8 MB and the all-int8 step
+  (our own GEMM kernels) had none (buffer assignment, ``docs/results.md``)."""
   return max((int(m.group(1)) for m in SCRATCH.finditer(hlo)), default=0)
 
 

@@ -50,7 +50,11 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   adds a cast node for what no leg converts: int8/fp8 residuals dequantized for the backward
   (``planners.graph``), and the conversions of modeled devices.
 * ``memory`` — parameter, optimizer-state and batch bytes, and ``other_bytes``: the XLA peak
-  of the fp32 step minus what the replay model accounts for (a fitted correction). What an
+  of the fp32 step minus what the replay model accounts for (a fitted correction); where the
+  all-bf16 step was compiled, ``other_bytes_16bit``, the same correction fitted on its peak
+  (``with_16bit_other_bytes``), mixed with ``other_bytes`` by a plan's share of 16-bit
+  activations as the remainder is: XLA:GPU keeps other tensors around 16-bit ops (bf16 copies
+  beside the fp32 tensors a ReLU's backward reads; BatchNorm's 16-bit inputs). What an
   op keeps for its backward inside the step is ``planners.op_memory.kept_bytes``; what its
   forward holds beyond the fp32 op's, ``planners.op_memory.forward_extra_bytes``.
 * ``forward_headroom`` — per op, how many bytes below its peak the fp32 step is while the
@@ -88,7 +92,7 @@ from planners.ops import OpShape, collect_ops
 from planners.profile_checkpoint import load_partial, remove_partial, save_partial
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import LEGS, PRESETS, OpPolicy, supported_precisions
+from qsync_jax.precision import LEGS, PRESETS, supported_precisions
 
 FORMAT = "qsync-profile/1"
 QUANTIZED_FIT_PRESET = "int8"
@@ -442,7 +446,7 @@ def measure_profile(
       continue
     say(f"{preset} training step")
     try:
-      ms, samples, _ = step.time_train_step(
+      ms, samples, peak = step.time_train_step(
         task, PrecisionPolicy.uniform(preset), batch, step_repeats, clock=step_clock
       )
     except jax.errors.JaxRuntimeError as e:  # a backend that cannot run that step
@@ -451,6 +455,8 @@ def measure_profile(
       prof = dataclasses.replace(prof, meta={**prof.meta, "unrunnable": unrunnable})
       continue
     prof = fit(dataclasses.replace(prof, meta={**prof.meta, f"{name}_step_ms_samples": samples}), ms)
+    if preset == SIXTEEN_BIT_FIT_PRESET:
+      prof = with_16bit_other_bytes(prof, peak)
   return prof
 
 
@@ -497,7 +503,8 @@ def refit_memory(prof: Profile, task, seed: int = 0, progress=None) -> Profile:
   refitted here, nothing timed: each whole-policy entry's ``"scratch_bytes"`` where it lacks
   one (its forward + gradients program compiled, ``op_programs.program_scratch_bytes``, as
   ``measure_profile`` records it), then the fp32 step compiled for ``forward_headroom`` and
-  ``other_bytes`` (``fp32_step_memory``). For profiles measured before scratch buffers were
+  ``other_bytes``, and, where bf16 is profiled, the all-bf16 step for ``other_bytes_16bit``
+  (``step_memory``). For profiles measured before scratch buffers were
   recorded, or with an older liveness model; ``meta["scratch_bytes"]`` says it is done."""
   if prof.device_type != local_device_type():
     raise PlanError(
@@ -529,37 +536,61 @@ def refit_memory(prof: Profile, task, seed: int = 0, progress=None) -> Profile:
       f"task {task.name!r} has ops {[o.name for o in ops][:3]}…, not those of the profile of "
       f"{prof.model!r}. Fix: pass the task the profile was measured on."
     )
-  peak, headroom = fp32_step_memory(task, batch, variables, ops, seed)
+  peak, headroom = step_memory(task, batch, variables, ops, seed)
   out = dataclasses.replace(
     prof,
     op_ms=op_ms,
     forward_headroom=headroom,
     meta={**prof.meta, "scratch_bytes": True, "fp32_xla_peak_bytes": peak},
   )
-  return dataclasses.replace(out, memory={**prof.memory, "other_bytes": other_bytes(out, peak)})
+  out = dataclasses.replace(out, memory={**prof.memory, "other_bytes": other_bytes(out, peak)})
+  if "policy:" + SIXTEEN_BIT_FIT_PRESET not in next(iter(op_ms.values()), {}):
+    return out
+  say(f"{SIXTEEN_BIT_FIT_PRESET} step: memory")
+  return with_16bit_other_bytes(
+    out, step_memory(task, batch, variables, ops, seed, SIXTEEN_BIT_FIT_PRESET)[0]
+  )
 
 
-def fp32_step_memory(task, batch, variables, ops, seed: int = 0) -> tuple[int | None, dict[str, int]]:
-  """``(XLA peak bytes, forward_headroom)`` of the fp32 training step of ``task`` on ``batch``,
-  compiled (not run) on the local device (``planners.memtrace.forward_headroom``)."""
+def step_memory(
+  task, batch, variables, ops, seed: int = 0, preset: str = "fp32"
+) -> tuple[int | None, dict[str, int]]:
+  """``(XLA peak bytes, forward_headroom)`` of the training step of ``task`` on ``batch`` under
+  the uniform ``preset``, compiled (not run) on the local device
+  (``planners.memtrace.forward_headroom``)."""
   optimizer = step.default_optimizer()
   opt_state = optimizer.init(variables["params"])
-  train_step = step.make_train_step(task, PrecisionPolicy.uniform("fp32"), optimizer)
+  train_step = step.make_train_step(task, PrecisionPolicy.uniform(preset), optimizer)
   compiled = train_step.lower(variables, opt_state, batch, jax.random.key(seed)).compile()
   return step.xla_peak_bytes(compiled), memtrace.forward_headroom(compiled.as_text(), ops)
 
 
-def other_bytes(prof: Profile, peak_bytes: int | None) -> int:
-  """``other_bytes`` fitted so that the memory model of ``prof`` predicts ``peak_bytes`` for the
-  uniform fp32 plan on one device at the profile's batch (0 without a peak)."""
+def other_bytes(prof: Profile, peak_bytes: int | None, preset: str = "fp32") -> int:
+  """The memory correction fitted so that the memory model of ``prof`` predicts ``peak_bytes``
+  for the uniform ``preset`` plan on one device at the profile's batch: ``other_bytes`` for
+  fp32, ``other_bytes_16bit`` for ``SIXTEEN_BIT_FIT_PRESET`` (whose activations are all
+  16-bit, so that correction alone applies). 0 without a peak."""
   from planners.graph import GroupCost
   from planners.replay import memory_bytes
 
   if peak_bytes is None:
     return 0
-  draft = dataclasses.replace(prof, memory={**prof.memory, "other_bytes": 0})
-  fp32 = {o.name: OpPolicy.uniform("fp32") for o in prof.ops}
-  return int(peak_bytes - memory_bytes(GroupCost("local", draft, fp32, prof.batch_per_device)))
+  key = "other_bytes" if preset == "fp32" else "other_bytes_16bit"
+  draft = dataclasses.replace(prof, memory={**prof.memory, key: 0})
+  policies = {o.name: PRESETS[preset] for o in prof.ops}
+  return int(peak_bytes - memory_bytes(GroupCost("local", draft, policies, prof.batch_per_device)))
+
+
+def with_16bit_other_bytes(prof: Profile, peak_bytes: int | None) -> Profile:
+  """``prof`` with ``memory["other_bytes_16bit"]`` fitted to ``peak_bytes``, XLA's peak of the
+  all-bf16 step (``other_bytes``); unchanged without a peak. The replay mixes it with
+  ``other_bytes`` by the plan's share of 16-bit activations (``planners.replay.memory_bytes``)."""
+  if peak_bytes is None:
+    return prof
+  memory = {**prof.memory, "other_bytes_16bit": other_bytes(prof, peak_bytes, SIXTEEN_BIT_FIT_PRESET)}
+  return dataclasses.replace(
+    prof, memory=memory, meta={**prof.meta, "sixteen_bit_xla_peak_bytes": peak_bytes}
+  )
 
 
 def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tuple[float, int]:
@@ -607,7 +638,7 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
     "batch_bytes": step.tree_bytes(batch),
     "other_bytes": 0,
   }
-  peak, headroom = fp32_step_memory(task, batch, variables, ops, seed)
+  peak, headroom = step_memory(task, batch, variables, ops, seed)
   skeleton = Profile(
     task.name,
     local_device_type(),

@@ -19,7 +19,9 @@ device group (its profile, its policy, its batch), takes the longest path, and r
     (int8/fp8 residuals dequantized to fp32, ``transient_bytes``) + the profile's fitted
     ``other_bytes``
     + the largest library scratch buffer of the plan's ops (``scratch_bytes``: on GPUs
-    cuDNN / cuBLAS scratch, which XLA gives the whole step as one slab of the largest size);
+    cuDNN / cuBLAS scratch; XLA packs them by liveness, the largest decides), with
+    ``other_bytes`` mixed with ``other_bytes_16bit`` (where fitted) by the plan's share of
+    16-bit activations (``planners.graph.sixteen_bit_share``);
   - during each op's forward: the fp32 step's peak less its headroom there
     (``Profile.forward_headroom``; where unmeasured, the fp32 residuals of the later ops),
     plus what the plan keeps beyond fp32 for the earlier ops, plus the op's own forward
@@ -46,6 +48,7 @@ from planners.graph import (
   build_graph,
   float_precision,
   longest_path,
+  sixteen_bit_share,
 )
 from planners.op_memory import (
   dequantizes_fp8_residuals,
@@ -174,7 +177,8 @@ def scratch_bytes(group: GroupCost) -> int:
   unmodified op at the float precision XLA runs it in, ``graph.float_precision``); for a
   policy that is no preset, the largest the op recorded under any. 0 where the profile
   recorded none (XLA:CPU, older profiles). Not scaled with the batch (cuBLAS asks for a fixed
-  32 MiB)."""
+  32 MiB). The step's largest is charged at its peak: conservative where the call that asks
+  for it runs away from the peak."""
   prof = group.profile
   out = 0.0
   for op in prof.ops:
@@ -196,10 +200,14 @@ def memory_bytes(group: GroupCost, memory_fn=None) -> int:
   scale = group.batch_per_device / prof.batch_per_device
   mem = prof.memory
   terms = [memory_fn(group, i) for i in range(len(prof.ops))]
+  other = mem["other_bytes"]
+  if "other_bytes_16bit" in mem:  # fitted on the all-bf16 step: mixed as the remainder is
+    share = sixteen_bit_share(prof, group.op_policies)
+    other = (1 - share) * other + share * mem["other_bytes_16bit"]
   base = (
     2 * mem["param_bytes"]
     + mem["opt_state_bytes"]
-    + scale * (mem["batch_bytes"] + mem["other_bytes"])
+    + scale * (mem["batch_bytes"] + other)
     + scratch_bytes(group)
   )
   backward = base + sum(t.kept for t in terms) + max((t.transient for t in terms), default=0)

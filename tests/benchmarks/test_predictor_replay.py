@@ -6,6 +6,7 @@ import json
 import predictor_replay
 import pytest
 
+from planners.profiler import with_16bit_other_bytes
 from planners.replay import predict, refit_profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
@@ -40,7 +41,7 @@ def _logged_run(tmp_path, measured: dict[str, float], peaks: dict[str, int]):
 
 def test_replay_refits_to_the_runs_fit_steps_and_scores_the_rest(tmp_path):
   measured = {"fp32": 12.0, "int8": 7.0, "bf16": 6.5, "fp16": 6.0, "int8_fwd": 9.0}
-  prof, results = _logged_run(tmp_path, measured, {"fp32": 3 * 10**6, "fp16": 2 * 10**6})
+  prof, results = _logged_run(tmp_path, measured, {"fp32": 3 * 10**6, "bf16": 25 * 10**5, "fp16": 2 * 10**6})
   argv = ["--run", "r", "--profile-dir", str(tmp_path / "profiles"), "--results", str(results)]
   assert predictor_replay.main(argv) == 0
   rows = [json.loads(line) for line in results.read_text().splitlines()]
@@ -51,16 +52,20 @@ def test_replay_refits_to_the_runs_fit_steps_and_scores_the_rest(tmp_path):
     assert steps[f"mlp/{plan}"]["fit"] and steps[f"mlp/{plan}"]["value"] == pytest.approx(measured[plan])
   # an evaluated plan: what the refitted replay predicts, against the run's step
   one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
-  fitted = refit_profile(one, prof, 12.0, 7.0, 6.5)
+  # the all-bf16 step's peak fits the 16-bit memory correction
+  fitted = with_16bit_other_bytes(refit_profile(one, prof, 12.0, 7.0, 6.5), 25 * 10**5)
   fp16 = predict(one, {"cpu": fitted}, Plan(policies={"all": PrecisionPolicy.uniform("fp16")}))
   assert steps["mlp/fp16"]["value"] == pytest.approx(fp16.step_ms) and steps["mlp/fp16"]["baseline"] == 6.0
-  # memory: every plan with a peak but fp32 (its one fit)
+  # memory: every plan with a peak but its fits, fp32 and all-bf16
   memory = {r["case"]: r for r in mine if r["metric"] == "peak_bytes"}
   assert set(memory) == {"mlp/fp16"} and memory["mlp/fp16"]["value"] == fp16.memory_bytes["all"]
   summary = {r["case"]: r["value"] for r in mine if r["metric"] == "abs_rel_error"}
   errors = [abs(steps[f"mlp/{p}"]["value"] / measured[p] - 1) for p in ("fp16", "int8_fwd")]
   assert summary["all/mean_abs_step_error_refit"] == pytest.approx(sum(errors) / 2)
   assert summary["all/mean_abs_memory_error"] == pytest.approx(abs(fp16.memory_bytes["all"] / 2e6 - 1))
+  bf16 = predict(one, {"cpu": fitted}, Plan(policies={"all": PrecisionPolicy.uniform("bf16")}))
+  # fp16, all 16-bit too, gets the same correction (its scored peak differs here: 2.0 MB)
+  assert bf16.memory_bytes["all"] == fp16.memory_bytes["all"] == 25 * 10**5
   with pytest.raises(SystemExit, match="no rows of run 'nope'.*Fix: pass a run tag"):
     predictor_replay.main(
       ["--run", "nope", "--profile-dir", str(tmp_path / "profiles"), "--results", str(results)]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from planners import memtrace, step
-from planners.graph import GroupCost
+from planners.graph import GroupCost, sixteen_bit_share
 from planners.op_memory import forward_extra_bytes, kept_bytes, residual_bytes, transient_bytes
 from planners.ops import OpShape
 from planners.profiler import traced_profile
@@ -216,8 +216,19 @@ def test_refit_memory_fits_the_compiled_fp32_peak_and_adds_the_plans_scratch(mon
   largest = {
     p: max(int(v[first[profiler.policy_key(p, op)[1:]]]) for op in traced.ops) for p, v in sizes.items()
   }
-  # the fp32 plan predicts the compiled fp32 step's peak; bf16 differs by its scratch
+  # the fp32 plan predicts the compiled fp32 step's peak, all-bf16 the compiled bf16 step's
+  # (other_bytes_16bit); without that fit, bf16 would differ from fp32's by its scratch
   assert peak(out, "fp32") == traced.meta["fp32_xla_peak_bytes"] == peak(traced, "fp32")
-  assert peak(out, "bf16") - peak(traced, "bf16") == largest["bf16"] - largest["fp32"]
+  bf16_peak = profiler.step_memory(task, *profiler.task_ops(task, 16), preset="bf16")[0]
+  assert peak(out, "bf16") == bf16_peak == out.meta["sixteen_bit_xla_peak_bytes"]
+  no_fit = dataclasses.replace(out, memory={k: v for k, v in out.memory.items() if k != "other_bytes_16bit"})
+  assert peak(no_fit, "bf16") - peak(traced, "bf16") == largest["bf16"] - largest["fp32"]
+  # a plan with half its activations 16-bit sits between (the correction mixed by that share)
+  names = traced.op_names
+  half = PrecisionPolicy.from_ops({names[0]: OpPolicy.preset("bf16"), names[-1]: OpPolicy.preset("fp32")})
+  mixed = [memory_bytes(GroupCost("g", p, half.resolve(names), 16)) for p in (no_fit, out)]
+  share = sixteen_bit_share(out, half.resolve(names))
+  other = out.memory["other_bytes_16bit"] - out.memory["other_bytes"]
+  assert 0 < share < 1 and mixed[1] - mixed[0] == pytest.approx(share * other, abs=1)
   with pytest.raises(PlanError, match="cannot be refitted on this"):
     profiler.refit_memory(dataclasses.replace(prof, device_type="H100"), task)
