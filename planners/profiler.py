@@ -19,7 +19,8 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   (``planners.op_programs.producer_relayout_ms``). Each also records ``"scratch_bytes"``: the
   largest library scratch buffer (cuDNN, cuBLAS) of its forward + backward program, compiled
   (``planners.memtrace.scratch_bytes``; 0 on XLA:CPU). The memory model adds the plan's largest
-  (``planners.replay.scratch_bytes``); ``refit_memory`` records them in older profiles.
+  (``planners.replay.scratch_bytes``); ``planners.profile_memory.refit_memory`` records them in
+  older profiles.
 * ``relayout_ms`` — per op, the step time of those relayouts of its saved activation,
   measured inside the fp32 step from XLA's per-instruction trace (``planners.steptrace``;
   XLA:CPU only). The replay charges it to the op's drhs leg under fp32 and under policies
@@ -84,9 +85,7 @@ from planners.op_programs import (
   leg_variants,
   measure_leg,
   measure_policy,
-  policy_programs,
   precast_dtypes,
-  program_scratch_bytes,
 )
 from planners.ops import OpShape, collect_ops
 from planners.profile_checkpoint import load_partial, remove_partial, save_partial
@@ -496,60 +495,6 @@ def with_precast_policies(
   if "sixteen_bit_fit_step_ms" in prof.meta:  # its bf16 programs changed: refit to the same step
     out = fit_16bit_remainder(out, prof.meta["sixteen_bit_fit_step_ms"])
   return out
-
-
-def refit_memory(prof: Profile, task, seed: int = 0, progress=None) -> Profile:
-  """``prof`` (measured on this device type, of ``task`` at its batch) with its memory model
-  refitted here, nothing timed: each whole-policy entry's ``"scratch_bytes"`` where it lacks
-  one (its forward + gradients program compiled, ``op_programs.program_scratch_bytes``, as
-  ``measure_profile`` records it), then the fp32 step compiled for ``forward_headroom`` and
-  ``other_bytes``, and, where bf16 is profiled, the all-bf16 step for ``other_bytes_16bit``
-  (``step_memory``). For profiles measured before scratch buffers were
-  recorded, or with an older liveness model; ``meta["scratch_bytes"]`` says it is done."""
-  if prof.device_type != local_device_type():
-    raise PlanError(
-      f"profile of {prof.device_type} cannot be refitted on this {local_device_type()}. "
-      "Fix: run this where the profile was measured (the same device type)."
-    )
-  say = progress or (lambda msg: None)
-  precast = prof.meta.get("policy_operands") == "precast"
-  op_ms = {name: {k: dict(v) for k, v in t.items()} for name, t in prof.op_ms.items()}
-  cache: dict[tuple, int] = {}
-  for i, op in enumerate(prof.ops):
-    entries = {
-      e.removeprefix("policy:"): timing
-      for e, timing in op_ms[op.name].items()
-      if e.startswith("policy:") and e.removeprefix("policy:") in PRESETS and "scratch_bytes" not in timing
-    }
-    if entries:
-      say(f"[{i + 1}/{len(prof.ops)}] {op.name}: scratch buffers")
-    for name, timing in entries.items():
-      key = policy_key(name, op)
-      if key not in cache:
-        programs, *_ = policy_programs(PRESETS[name], op.batch, op.m, op.k, op.n, seed, op, precast)
-        cache[key] = program_scratch_bytes(programs[1])
-      timing["scratch_bytes"] = float(cache[key])
-  say("fp32 step: memory")
-  batch, variables, ops = task_ops(task, prof.batch_per_device, seed)
-  if [o.name for o in ops] != list(prof.op_names):
-    raise PlanError(
-      f"task {task.name!r} has ops {[o.name for o in ops][:3]}…, not those of the profile of "
-      f"{prof.model!r}. Fix: pass the task the profile was measured on."
-    )
-  peak, headroom = step_memory(task, batch, variables, ops, seed)
-  out = dataclasses.replace(
-    prof,
-    op_ms=op_ms,
-    forward_headroom=headroom,
-    meta={**prof.meta, "scratch_bytes": True, "fp32_xla_peak_bytes": peak},
-  )
-  out = dataclasses.replace(out, memory={**prof.memory, "other_bytes": other_bytes(out, peak)})
-  if "policy:" + SIXTEEN_BIT_FIT_PRESET not in next(iter(op_ms.values()), {}):
-    return out
-  say(f"{SIXTEEN_BIT_FIT_PRESET} step: memory")
-  return with_16bit_other_bytes(
-    out, step_memory(task, batch, variables, ops, seed, SIXTEEN_BIT_FIT_PRESET)[0]
-  )
 
 
 def step_memory(

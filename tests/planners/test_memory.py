@@ -182,7 +182,7 @@ def test_predicted_memory_of_a_quantized_cnn_matches_xla(preset):
 
 
 def test_refit_memory_fits_the_compiled_fp32_peak_and_adds_the_plans_scratch(monkeypatch):
-  from planners import profiler
+  from planners import profile_memory, profiler
   from planners.graph import PRESET_NAMES
 
   task = tiny.cnn(8, 8)
@@ -197,12 +197,12 @@ def test_refit_memory_fits_the_compiled_fp32_peak_and_adds_the_plans_scratch(mon
   index = {name: i for i, name in enumerate(traced.op_names)}
   # stand-ins for compiling each op's program: its scratch size from the table above
   monkeypatch.setattr(
-    profiler, "policy_programs", lambda pol, *a, **k: ((None, (PRESET_NAMES[pol], a[-2])), None, None)
+    profile_memory, "policy_programs", lambda pol, *a, **k: ((None, (PRESET_NAMES[pol], a[-2])), None, None)
   )
   monkeypatch.setattr(
-    profiler, "program_scratch_bytes", lambda prog: int(sizes[prog[0]][index[prog[1].name]])
+    profile_memory, "program_scratch_bytes", lambda prog: int(sizes[prog[0]][index[prog[1].name]])
   )
-  out = profiler.refit_memory(prof, task)
+  out = profile_memory.refit_memory(prof, task)
   assert out.meta["scratch_bytes"] is True and out.forward_headroom == traced.forward_headroom
 
   def peak(p, preset):
@@ -231,4 +231,4 @@ def test_refit_memory_fits_the_compiled_fp32_peak_and_adds_the_plans_scratch(mon
   other = out.memory["other_bytes_16bit"] - out.memory["other_bytes"]
   assert 0 < share < 1 and mixed[1] - mixed[0] == pytest.approx(share * other, abs=1)
   with pytest.raises(PlanError, match="cannot be refitted on this"):
-    profiler.refit_memory(dataclasses.replace(prof, device_type="H100"), task)
+    profile_memory.refit_memory(dataclasses.replace(prof, device_type="H100"), task)
