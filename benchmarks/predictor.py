@@ -52,7 +52,7 @@ from planners.profiler import (
   measure_profile,
   with_precast_policies,
 )
-from planners.replay import fit_presets, predict, refit_profile
+from planners.replay import fit_presets, memory_fit_presets, predict, refit_profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -273,7 +273,7 @@ def main(argv=None):
         timed.get(f"{p} (fit)", (None,))[0] for p in (QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET)
       )
       fitted = refit_profile(cluster, prof, timed["fp32 (fit)"][0], quantized, sixteen)
-    memory_fits = ("fp32", SIXTEEN_BIT_FIT_PRESET) if "other_bytes_16bit" in prof.memory else ("fp32",)
+    memory_fits = memory_fit_presets(prof)
     for case, (meas, round_medians, peak) in timed.items():
       plan = Plan(policies={"all": cases[case]})
       pred = predict(cluster, {prof.device_type: prof}, plan)

@@ -33,7 +33,7 @@ from planners.profiler import (  # noqa: E402
   Profile,
   with_16bit_other_bytes,
 )
-from planners.replay import predict, refit_profile  # noqa: E402
+from planners.replay import memory_fit_presets, predict, refit_profile  # noqa: E402
 from qsync_jax.cluster import ClusterSpec  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
@@ -58,7 +58,8 @@ def run_rows(path: str, run: str) -> dict[str, dict[str, dict]]:
 
 
 def replay_model(prof: Profile, measured: dict[str, dict], sixteen_bit: bool) -> list[tuple]:
-  """``[(plan, fitted?, predicted ms, measured ms, predicted bytes, XLA bytes)]`` of one model."""
+  """``[(plan, step fitted?, predicted ms, measured ms, memory fitted?, predicted bytes, XLA
+  bytes)]`` of one model."""
   cluster = ClusterSpec.uniform(prof.device_type, 1, prof.batch_per_device, memory_gb=1e3)
   fits = ["fp32", QUANTIZED_FIT_PRESET] + [SIXTEEN_BIT_FIT_PRESET] * sixteen_bit
   steps = [measured.get(p, {}).get("step") for p in fits]
@@ -75,7 +76,18 @@ def replay_model(prof: Profile, measured: dict[str, dict], sixteen_bit: bool) ->
       continue
     pred = predict(cluster, {prof.device_type: fitted}, Plan(policies={"all": policy}))
     entry = measured[plan]
-    out.append((plan, plan in fits, pred.step_ms, entry["step"], pred.memory_bytes["all"], entry.get("peak")))
+    memory_fit = plan in memory_fit_presets(fitted)
+    out.append(
+      (
+        plan,
+        plan in fits,
+        pred.step_ms,
+        entry["step"],
+        memory_fit,
+        pred.memory_bytes["all"],
+        entry.get("peak"),
+      )
+    )
   return out
 
 
@@ -100,13 +112,15 @@ def main(argv=None) -> int:
   )
   for model in args.models or sorted(measured):
     prof = Profile.load(os.path.join(args.profile_dir, f"{model}.json"))
-    for plan, fit, pred, meas, mem, peak in replay_model(prof, measured[model], not args.no_16bit):
+    for plan, fit, pred, meas, memory_fit, mem, peak in replay_model(
+      prof, measured[model], not args.no_16bit
+    ):
       device, metric = measured[model][plan]["device"], measured[model][plan]["metric"]
       extra = {"run": tag, "fit": fit, "sixteen_bit_fit": not args.no_16bit}
       rows.append(result_row("predictor", f"{model}/{plan}", f"{metric}_refit", pred, meas, device, **extra))
       if not fit:
         t_err.append(abs(pred - meas) / meas)
-      if peak and not (plan == "fp32" or (fit and plan == SIXTEEN_BIT_FIT_PRESET)):  # memory's fits
+      if peak and not memory_fit:
         m_err.append(abs(mem - peak) / peak)
         rows.append(result_row("predictor", f"{model}/{plan}", "peak_bytes", mem, peak, device, **extra))
       mem_err = f"{100 * (mem - peak) / peak:+6.1f}%" if peak else "      -"

@@ -217,15 +217,27 @@ def sixteen_bit_share(profile: Profile, op_policies: Mapping[str, OpPolicy | Non
   return sixteen / total
 
 
+def mixed_by_16bit_share(
+  profile: Profile,
+  op_policies: Mapping[str, OpPolicy | None],
+  fp32_value: float,
+  sixteen_bit_value: float | None,
+) -> float:
+  """A quantity fitted on the fp32 step and, where fitted (not None), on the all-bf16 step,
+  for a plan: the two mixed by its ``sixteen_bit_share``. The remainder's time
+  (``remainder_ms``) and the memory correction (``planners.replay.memory_bytes``) both."""
+  if sixteen_bit_value is None:
+    return fp32_value
+  share = sixteen_bit_share(profile, op_policies)
+  return (1 - share) * fp32_value + share * sixteen_bit_value
+
+
 def remainder_ms(profile: Profile, op_policies: Mapping[str, OpPolicy | None], part: str) -> float:
   """ms of the ``part`` (``"fwd"`` / ``"bwd"``) of the step's remainder at the profiled batch
   under ``op_policies``: the fp32 step's (``Profile.remainder_ms``) and the all-bf16 step's
-  (``Profile.remainder_16bit_ms``, where fitted) mixed by ``sixteen_bit_share``."""
-  rest = profile.remainder_ms[part]
-  if not profile.remainder_16bit_ms:
-    return rest
-  share = sixteen_bit_share(profile, op_policies)
-  return (1 - share) * rest + share * profile.remainder_16bit_ms[part]
+  (``Profile.remainder_16bit_ms``, where fitted), ``mixed_by_16bit_share``."""
+  sixteen = profile.remainder_16bit_ms.get(part)
+  return mixed_by_16bit_share(profile, op_policies, profile.remainder_ms[part], sixteen)
 
 
 def tree_position(op_name: str) -> tuple[str, ...]:

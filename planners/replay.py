@@ -21,7 +21,7 @@ device group (its profile, its policy, its batch), takes the longest path, and r
     + the largest library scratch buffer of the plan's ops (``scratch_bytes``: on GPUs
     cuDNN / cuBLAS scratch; XLA packs them by liveness, the largest decides), with
     ``other_bytes`` mixed with ``other_bytes_16bit`` (where fitted) by the plan's share of
-    16-bit activations (``planners.graph.sixteen_bit_share``);
+    16-bit activations (``planners.graph.mixed_by_16bit_share``);
   - during each op's forward: the fp32 step's peak less its headroom there
     (``Profile.forward_headroom``; where unmeasured, the fp32 residuals of the later ops),
     plus what the plan keeps beyond fp32 for the earlier ops, plus the op's own forward
@@ -48,7 +48,7 @@ from planners.graph import (
   build_graph,
   float_precision,
   longest_path,
-  sixteen_bit_share,
+  mixed_by_16bit_share,
 )
 from planners.op_memory import (
   dequantizes_fp8_residuals,
@@ -200,10 +200,7 @@ def memory_bytes(group: GroupCost, memory_fn=None) -> int:
   scale = group.batch_per_device / prof.batch_per_device
   mem = prof.memory
   terms = [memory_fn(group, i) for i in range(len(prof.ops))]
-  other = mem["other_bytes"]
-  if "other_bytes_16bit" in mem:  # fitted on the all-bf16 step: mixed as the remainder is
-    share = sixteen_bit_share(prof, group.op_policies)
-    other = (1 - share) * other + share * mem["other_bytes_16bit"]
+  other = mixed_by_16bit_share(prof, group.op_policies, mem["other_bytes"], mem.get("other_bytes_16bit"))
   base = (
     2 * mem["param_bytes"]
     + mem["opt_state_bytes"]
@@ -271,9 +268,7 @@ def refit_remainder(cluster: ClusterSpec, profile: Profile, step_ms: float, **pr
   host, where the standalone op timings were inflated); it moves the rest of the step earlier
   by its full amount (``planners.graph.longest_path``), but an earlier node may still end later
   than the step it was fitted to."""
-  draft = profile.with_remainder(0.0)
-  fp32 = Plan(policies={g.name: PrecisionPolicy.uniform("fp32") for g in cluster.groups})
-  rest = step_ms - predict(cluster, {profile.device_type: draft}, fp32, **predict_kwargs).step_ms
+  rest = _rest_to(cluster, profile.with_remainder(0.0), "fp32", step_ms, **predict_kwargs)
   out = profile.with_remainder(rest)
   if profile.remainder_16bit_ms:  # what the refit adds, it adds to the 16-bit remainder alike
     shift = rest - sum(profile.remainder_ms.values())
@@ -332,10 +327,17 @@ def refit_16bit_remainder(
   remainder is all 16-bit: ``planners.graph.remainder_ms``); records ``meta
   ["sixteen_bit_fit_step_ms"]``. ``predict_kwargs`` go to ``predict``."""
   draft = profile.with_16bit_remainder(0.0)
-  plan = Plan(policies={g.name: PrecisionPolicy.uniform(SIXTEEN_BIT_FIT_PRESET) for g in cluster.groups})
-  free = predict(cluster, {profile.device_type: draft}, plan, **predict_kwargs).step_ms
-  out = profile.with_16bit_remainder(step_ms - free)
+  out = profile.with_16bit_remainder(
+    _rest_to(cluster, draft, SIXTEEN_BIT_FIT_PRESET, step_ms, **predict_kwargs)
+  )
   return dataclasses.replace(out, meta={**profile.meta, "sixteen_bit_fit_step_ms": step_ms})
+
+
+def _rest_to(cluster: ClusterSpec, draft: Profile, preset: str, step_ms: float, **predict_kwargs) -> float:
+  """The remainder (ms) that brings the replay of the uniform ``preset`` plan on ``cluster``
+  from that of ``draft`` (whose remainder for that plan is 0) to ``step_ms``."""
+  plan = Plan(policies={g.name: PrecisionPolicy.uniform(preset) for g in cluster.groups})
+  return step_ms - predict(cluster, {draft.device_type: draft}, plan, **predict_kwargs).step_ms
 
 
 def refit_profile(
@@ -368,6 +370,12 @@ def fit_presets(profile: Profile) -> tuple[str, ...]:
     + ((QUANTIZED_FIT_PRESET,) if "quantized_fit_step_ms" in profile.meta else ())
     + ((SIXTEEN_BIT_FIT_PRESET,) if "sixteen_bit_fit_step_ms" in profile.meta else ())
   )
+
+
+def memory_fit_presets(profile: Profile) -> tuple[str, ...]:
+  """The uniform presets whose XLA peaks ``profile``'s memory model is fitted to: fp32
+  (``other_bytes``) and, where fitted, ``SIXTEEN_BIT_FIT_PRESET`` (``other_bytes_16bit``)."""
+  return ("fp32",) + ((SIXTEEN_BIT_FIT_PRESET,) if "other_bytes_16bit" in profile.memory else ())
 
 
 CALIBRATION_DEVICES = ("group", "one")
