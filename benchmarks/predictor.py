@@ -137,6 +137,7 @@ def plans(op_names) -> dict[str, PrecisionPolicy]:
     "fp16": PrecisionPolicy.uniform("fp16"),
     "int8_fwd": PrecisionPolicy.uniform("int8_fwd"),
     "int8": PrecisionPolicy.uniform("int8"),
+    "fp8": PrecisionPolicy.uniform("fp8"),
     "mixed int8_fwd/bf16": mixed(op_names, ["int8_fwd", "bf16"]),
     "mixed fp32/fp16/int8_fwd": mixed(op_names, ["fp32", "fp16", "int8_fwd"]),
     "first half fp8": PrecisionPolicy.from_ops({n: OpPolicy.preset("fp8") for n in op_names[:half]}),
