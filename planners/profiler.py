@@ -422,7 +422,6 @@ def measure_profile(
     "unrunnable": unrunnable,
     **({"policy_operands": "precast"} if precast else {}),
   }
-  remove_partial(checkpoint)
   prof = Profile(
     model=task.name,
     device_type=device_type,
@@ -456,6 +455,7 @@ def measure_profile(
     prof = fit(dataclasses.replace(prof, meta={**prof.meta, f"{name}_step_ms_samples": samples}), ms)
     if preset == SIXTEEN_BIT_FIT_PRESET:
       prof = with_16bit_other_bytes(prof, peak)
+  remove_partial(checkpoint)  # only now: a run killed in the step fits resumes after the ops
   return prof
 
 

@@ -59,6 +59,17 @@ def test_an_interrupted_profile_resumes_with_the_ops_already_timed(tmp_path, mon
   assert not (tmp_path / "mlp.partial.json").exists()  # removed once the profile is complete
 
 
+@pytest.mark.standard_promotion
+def test_a_profile_interrupted_in_its_step_fits_keeps_its_op_timings(tmp_path):
+  # the step fits come after the ops; a run killed there (a device call's time limit) must not
+  # lose the ops, the longest part: the checkpoint goes only once the profile is complete
+  path = str(tmp_path / "mlp.partial.json")
+  with pytest.raises(Stop):
+    profiler.measure_profile(tiny.mlp(), 16, progress=stop_at("bf16 training step"), checkpoint=path, **OPTIONS)
+  with open(path) as f:
+    assert list(json.load(f)["op_ms"]) == ["Dense_0:dense", "Dense_1:dense", "Dense_2:dense"]
+
+
 def test_a_checkpoint_of_other_settings_is_refused_with_what_differs(tmp_path):
   path = tmp_path / "p.json"
   settings = {"model": "mlp", "repeats": 10, "ops": ["a"]}
