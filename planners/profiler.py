@@ -279,6 +279,7 @@ def measure_profile(
   checkpoint: str | None = None,
   fit_quantized: bool = True,
   fit_16bit: bool = True,
+  fit_rounds: int = 3,
 ) -> Profile:
   """Measures the profile of ``task`` at ``batch_per_device`` on the local device.
 
@@ -303,7 +304,11 @@ def measure_profile(
   ``fit_quantized``: also time the all-int8 step (when int8 is profiled) and fit
   ``quantized_leg_scale`` to it (``fit_quantized_leg_scale``); that plan is then, like fp32, a
   plan the profile is fitted to. ``fit_16bit``: likewise the all-bf16 step and
-  ``remainder_16bit_ms`` (``fit_16bit_remainder``).
+  ``remainder_16bit_ms`` (``fit_16bit_remainder``). The fit steps (fp32 and these) are timed
+  round-robin over ``fit_rounds`` rounds, ``step_repeats`` steps each, median of the round
+  medians (``step.time_train_steps_interleaved``, as ``benchmarks/predictor.py`` times its
+  plans): one slow round on a fresh GPU (an all-bf16 step at 1.78 ms against 1.51 in the rounds
+  after) no longer becomes the fit.
   """
   say = progress or (lambda msg: None)
   device_type = local_device_type()
@@ -380,9 +385,25 @@ def measure_profile(
   say("cast models")
   cast = measure_casts(cast_sizes, repeats=repeats, overhead=overhead, clock=clock, precisions=precisions)
 
-  say("fp32 training step")
+  fit_presets_wanted = [
+    preset
+    for preset, wanted in ((QUANTIZED_FIT_PRESET, fit_quantized), (SIXTEEN_BIT_FIT_PRESET, fit_16bit))
+    if wanted and set(PRESETS[preset].precisions) <= set(precisions)
+  ]
   fp32 = PrecisionPolicy.uniform("fp32")
-  step_ms, samples, peak = step.time_train_step(task, fp32, batch, step_repeats, clock=step_clock)
+  say(f"fit steps: {', '.join(['fp32', *fit_presets_wanted])}, round-robin over {fit_rounds} rounds")
+  fit_steps = step.time_train_steps_interleaved(
+    task,
+    {"fp32": fp32, **{preset: PrecisionPolicy.uniform(preset) for preset in fit_presets_wanted}},
+    batch,
+    step_repeats,
+    fit_rounds,
+    clocks=(step_clock,),
+    progress=lambda msg: say(f"fit steps: {msg}"),
+    skip=(jax.errors.JaxRuntimeError,),  # a backend that cannot run a preset's step
+  )[step_clock]
+  step_ms, samples, peak = fit_steps["fp32"]
+  say("fp32 step trace")
   hlo, instruction_ms = steptrace.step_instruction_ms(task, fp32, batch, max(step_repeats // 2, 3), seed=seed)
   relayout = steptrace.relayout_ms(hlo, instruction_ms, ops)
   headroom = memtrace.forward_headroom(hlo, ops)
@@ -437,21 +458,15 @@ def measure_profile(
     relayout_ms=relayout,
     forward_headroom=headroom,
   ).with_remainder(rest)
-  fits = [(QUANTIZED_FIT_PRESET, fit_quantized_leg_scale, "quantized", fit_quantized)]
-  fits.append((SIXTEEN_BIT_FIT_PRESET, fit_16bit_remainder, "sixteen_bit", fit_16bit))
-  for preset, fit, name, wanted in fits:
-    if not wanted or not set(PRESETS[preset].precisions) <= set(precisions):
-      continue
-    say(f"{preset} training step")
-    try:
-      ms, samples, peak = step.time_train_step(
-        task, PrecisionPolicy.uniform(preset), batch, step_repeats, clock=step_clock
-      )
-    except jax.errors.JaxRuntimeError as e:  # a backend that cannot run that step
-      say(f"  cannot time the {preset} step here; its fit is left out")
-      unrunnable = [*prof.meta.get("unrunnable", []), f"{preset} step: {e}"[:160]]
+  fits = {QUANTIZED_FIT_PRESET: (fit_quantized_leg_scale, "quantized")}
+  fits[SIXTEEN_BIT_FIT_PRESET] = (fit_16bit_remainder, "sixteen_bit")
+  for preset in fit_presets_wanted:
+    fit, name = fits[preset]
+    if preset not in fit_steps:  # its step could not run here (said by the timing)
+      unrunnable = [*prof.meta.get("unrunnable", []), f"{preset} step: cannot run on this backend"]
       prof = dataclasses.replace(prof, meta={**prof.meta, "unrunnable": unrunnable})
       continue
+    ms, samples, peak = fit_steps[preset]
     prof = fit(dataclasses.replace(prof, meta={**prof.meta, f"{name}_step_ms_samples": samples}), ms)
     if preset == SIXTEEN_BIT_FIT_PRESET:
       prof = with_16bit_other_bytes(prof, peak)

@@ -65,9 +65,7 @@ def test_a_profile_interrupted_in_its_step_fits_keeps_its_op_timings(tmp_path):
   # lose the ops, the longest part: the checkpoint goes only once the profile is complete
   path = str(tmp_path / "mlp.partial.json")
   with pytest.raises(Stop):
-    profiler.measure_profile(
-      tiny.mlp(), 16, progress=stop_at("bf16 training step"), checkpoint=path, **OPTIONS
-    )
+    profiler.measure_profile(tiny.mlp(), 16, progress=stop_at("fit steps"), checkpoint=path, **OPTIONS)
   with open(path) as f:
     assert list(json.load(f)["op_ms"]) == ["Dense_0:dense", "Dense_1:dense", "Dense_2:dense"]
 
