@@ -1,0 +1,56 @@
+"""``qconv.im2col`` is ``lax.conv_general_dilated_patches`` (values and gradients), by slicing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from qsync_jax.qconv import _nd_specs, im2col
+
+CASES = [
+  # (input shape N, spatial..., C), filter, strides, padding, rhs_dilation
+  ((2, 9, 7, 3), (3, 3), (1, 1), "SAME", (1, 1)),
+  ((2, 9, 7, 3), (3, 3), (2, 2), "SAME", (1, 1)),
+  ((2, 9, 7, 3), (3, 2), (2, 1), "VALID", (1, 1)),
+  ((1, 10, 10, 2), (3, 3), (1, 1), "SAME", (2, 2)),
+  ((1, 10, 10, 2), (2, 3), (1, 2), ((1, 2), (0, 1)), (1, 2)),
+  ((3, 11, 4), (5,), (2,), "SAME", (1,)),
+  ((1, 5, 6, 4, 2), (3, 1, 2), (1, 2, 1), "SAME", (1, 1, 1)),
+]
+
+
+def reference(x, filter_shape, strides, padding, rhs_dilation):
+  return lax.conv_general_dilated_patches(
+    x,
+    filter_shape,
+    strides,
+    padding,
+    None,
+    rhs_dilation,
+    _nd_specs(x.ndim - 2),
+    precision=lax.Precision.HIGHEST,
+  )
+
+
+@pytest.mark.parametrize("shape, filter_shape, strides, padding, rhs_dilation", CASES)
+def test_patches_and_their_gradient_equal_the_library_patches(
+  shape, filter_shape, strides, padding, rhs_dilation
+):
+  x = jax.random.normal(jax.random.key(0), shape)
+  ones = (1,) * (len(shape) - 2)
+  want, want_vjp = jax.vjp(lambda x: reference(x, filter_shape, strides, padding, rhs_dilation), x)
+  got, got_vjp = jax.vjp(lambda x: im2col(x, filter_shape, strides, padding, ones, rhs_dilation), x)
+  assert got.shape == want.shape
+  np.testing.assert_array_equal(got, want)  # data movement: exact
+  cotangent = jax.random.normal(jax.random.key(1), want.shape)
+  # the gradient sums up to prod(filter) shifted copies: equal up to the order of the adds
+  np.testing.assert_allclose(got_vjp(cotangent)[0], want_vjp(cotangent)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_input_dilation_keeps_the_library_call():
+  x = jnp.arange(2 * 5 * 5 * 2, dtype=jnp.float32).reshape(2, 5, 5, 2)
+  want = lax.conv_general_dilated_patches(
+    x, (3, 3), (1, 1), ((1, 1), (1, 1)), (2, 2), (1, 1), _nd_specs(2), precision=lax.Precision.HIGHEST
+  )
+  np.testing.assert_array_equal(im2col(x, (3, 3), (1, 1), ((1, 1), (1, 1)), (2, 2), (1, 1)), want)
