@@ -248,7 +248,9 @@ def main(argv=None):
     precast = with_precast_policies(prof, repeats=args.profile_repeats) if args.precast else None
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
     batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
-    fit = fit_presets(prof) if not args.refit else ("fp32", QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET)
+    fit = fit_presets(prof)
+    if args.refit:
+      fit = tuple(dict.fromkeys(("fp32", QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET, *fit)))
     cases = priceable(
       model,
       cluster,

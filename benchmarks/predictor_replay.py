@@ -33,7 +33,7 @@ from planners.profiler import (  # noqa: E402
   Profile,
   with_16bit_other_bytes,
 )
-from planners.replay import memory_fit_presets, predict, refit_profile  # noqa: E402
+from planners.replay import fit_presets, memory_fit_presets, predict, refit_profile  # noqa: E402
 from qsync_jax.cluster import ClusterSpec  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
@@ -80,7 +80,7 @@ def replay_model(prof: Profile, measured: dict[str, dict], sixteen_bit: bool) ->
     out.append(
       (
         plan,
-        plan in fits,
+        plan in fits or plan in fit_presets(prof),  # fp16 where its step's relayouts were traced
         pred.step_ms,
         entry["step"],
         memory_fit,

@@ -406,6 +406,11 @@ def measure_profile(
   say("fp32 step trace")
   hlo, instruction_ms = steptrace.step_instruction_ms(task, fp32, batch, max(step_repeats // 2, 3), seed=seed)
   relayout = steptrace.relayout_ms(hlo, instruction_ms, ops)
+  op_ms, relayout_traced = steptrace.with_policy_step_relayouts(
+    task, batch, ops, op_ms, max(step_repeats // 2, 3), seed
+  )
+  if relayout_traced:
+    say(f"relayouts traced in the {', '.join(relayout_traced)} step")
   headroom = memtrace.forward_headroom(hlo, ops)
   memory = {
     "param_bytes": step.tree_bytes(params),
@@ -441,6 +446,7 @@ def measure_profile(
     "clock": step_clock,
     "op_clock": clock,
     "unrunnable": unrunnable,
+    **({"relayout_traced_presets": relayout_traced} if relayout_traced else {}),
     **({"policy_operands": "precast"} if precast else {}),
   }
   prof = Profile(

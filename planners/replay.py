@@ -364,11 +364,14 @@ def refit_profile(
 def fit_presets(profile: Profile) -> tuple[str, ...]:
   """The uniform presets whose steps ``profile`` is fitted to, so that predicting them is no
   test of the replay: fp32 (the remainder) and, once fitted, ``QUANTIZED_FIT_PRESET``
-  (``refit_quantized_leg_scale``) and ``SIXTEEN_BIT_FIT_PRESET`` (``refit_16bit_remainder``)."""
+  (``refit_quantized_leg_scale``) and ``SIXTEEN_BIT_FIT_PRESET`` (``refit_16bit_remainder``),
+  and the presets whose relayouts were measured in their own step
+  (``steptrace.with_policy_step_relayouts``: all-fp16 on XLA:CPU)."""
   return (
     ("fp32",)
     + ((QUANTIZED_FIT_PRESET,) if "quantized_fit_step_ms" in profile.meta else ())
     + ((SIXTEEN_BIT_FIT_PRESET,) if "sixteen_bit_fit_step_ms" in profile.meta else ())
+    + tuple(profile.meta.get("relayout_traced_presets", ()))
   )
 
 

@@ -16,7 +16,9 @@ trace, and attributes each relayout to the op whose gradient product reads it:
   step})`` of the jitted training step (``planners.step``), from a ``jax.profiler`` trace with
   XLA:CPU's per-instruction trace events (CPU only);
 * ``relayout_ms(hlo, instruction_ms, ops)`` — ``{op name: ms}`` of the relayouts each op's
-  gradient products read.
+  gradient products read;
+* ``with_policy_step_relayouts(task, batch, ops, op_ms)`` — the relayouts of the non-fp32
+  policies that re-run the producer too, measured in their own uniform steps.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import numpy as np
 
 from planners import step
 from planners.ops import ATTENTION_EINSUMS, OpShape
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import PRESETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +223,33 @@ def step_instruction_ms(task, policy, batch, repeats: int = 10, optimizer=None, 
     if event["name"] in names:
       durations[event["name"]].append(event["dur"] / 1e3)
   return hlo, {n: float(np.median(d)) * len(d) / repeats for n, d in durations.items()}
+
+
+def with_policy_step_relayouts(
+  task, batch, ops: Sequence[OpShape], op_ms: dict[str, dict], repeats: int = 10, seed: int = 0
+) -> tuple[dict[str, dict], list[str]]:
+  """``(op_ms, presets traced)``: ``op_ms`` (the profiler's per-op tables) with the relayout
+  of every whole-policy entry that re-runs the activation's producer (``"refuses_producer"``,
+  ``op_programs.producer_relayout_ms``) measured in that preset's uniform step, as the fp32
+  relayouts are measured in the fp32 step, instead of its standalone estimate. The standalone
+  producer cannot reproduce the step's: the CPU LM's mlp_out re-runs its GELU inside the
+  transposing copy, 7.0 ms in the all-fp16 step against 0.9 ms estimated. fp32-like presets are
+  the fp32 step's already. Nothing changes where the backend has no per-instruction trace
+  (``step_instruction_ms``: XLA:CPU only)."""
+  out, traced = dict(op_ms), []
+  for name, policy in PRESETS.items():
+    key = f"policy:{name}"
+    refusing = [op for op in ops if op_ms.get(op.name, {}).get(key, {}).get("refuses_producer")]
+    if policy.fwd in ("fp32", "tf32") or not refusing:
+      continue
+    hlo, instruction_ms = step_instruction_ms(task, PrecisionPolicy.uniform(name), batch, repeats, seed=seed)
+    if not instruction_ms:
+      continue
+    measured = relayout_ms(hlo, instruction_ms, ops)
+    for op in refusing:  # new tables: entries of ops of one shape are shared objects
+      out[op.name] = {**out[op.name], key: {**op_ms[op.name][key], "relayout_ms": measured.get(op.name, 0.0)}}
+    traced.append(name)
+  return out, traced
 
 
 def traced_events(run, repeats: int) -> list[dict]:

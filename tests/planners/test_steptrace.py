@@ -204,3 +204,31 @@ def test_device_clock_without_a_gpu_names_the_fix():
   else:
     with pytest.raises(RuntimeError, match="device clock needs a GPU.*Fix"):
       timed_ms(lambda: f(x), repeats=3, clock=DEVICE_CLOCK)
+
+
+def test_policy_relayouts_are_replaced_by_those_traced_in_the_policys_own_step(monkeypatch):
+  ops = [_op("block0/mlp_out:dense"), _op("block1/mlp_out:dense"), _op("head:dense")]
+  shared = {"fwd": 1.0, "bwd": 2.0, "refuses_producer": 1.0, "relayout_ms": 0.9}  # one shape, one dict
+  op_ms = {
+    "block0/mlp_out:dense": {"policy:fp16": shared, "policy:fp32": {"fwd": 1.0, "refuses_producer": 1.0}},
+    "block1/mlp_out:dense": {"policy:fp16": shared},
+    "head:dense": {"policy:fp16": {"fwd": 1.0, "refuses_producer": 0.0, "relayout_ms": 0.1}},
+  }
+  measured = {"block0/mlp_out:dense": 7.0, "block1/mlp_out:dense": 3.5, "head:dense": 0.2}
+  traced_steps = []
+
+  def fake_trace(task, policy, batch, repeats, seed=0):
+    traced_steps.append(policy)
+    return "hlo", {"relayout": 1.0}
+
+  monkeypatch.setattr(steptrace, "step_instruction_ms", fake_trace)
+  monkeypatch.setattr(steptrace, "relayout_ms", lambda hlo, ms, ops: measured)
+  out, traced = steptrace.with_policy_step_relayouts(None, None, ops, op_ms)
+  assert traced == ["fp16"] and traced_steps == [PrecisionPolicy.uniform("fp16")]  # fp32 is the fp32 step's
+  assert out["block0/mlp_out:dense"]["policy:fp16"]["relayout_ms"] == 7.0
+  assert out["block1/mlp_out:dense"]["policy:fp16"]["relayout_ms"] == 3.5  # not the other's, though shared
+  assert out["head:dense"]["policy:fp16"]["relayout_ms"] == 0.1  # it does not re-run its producer
+  assert shared["relayout_ms"] == 0.9 and op_ms["block1/mlp_out:dense"]["policy:fp16"] is shared  # input kept
+  # no per-instruction trace (a GPU): nothing changes
+  monkeypatch.setattr(steptrace, "step_instruction_ms", lambda *a, **k: ("hlo", {}))
+  assert steptrace.with_policy_step_relayouts(None, None, ops, op_ms) == (op_ms, [])
