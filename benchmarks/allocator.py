@@ -20,7 +20,7 @@ import time
 
 import jax
 import numpy as np
-from result_rows import append_rows, result_row
+from result_rows import result_row, save_rows
 
 from planners.allocator import dynamic_batch, exhaustive, greedy, make_problem
 from planners.ops import OpShape
@@ -181,9 +181,7 @@ def main():
   rows = []
   bert_case(rows)
   small_case(args.trials, rows)
-  if not args.no_save:
-    append_rows(RESULTS, rows)
-    print(f"appended {len(rows)} rows to {RESULTS}")
+  save_rows(RESULTS, rows, not args.no_save)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from result_rows import append_rows, result_row  # noqa: E402
+from result_rows import result_row, save_rows  # noqa: E402
 
 from examples.data import digits  # noqa: E402
 from examples.tasks.vision import classification_task  # noqa: E402
@@ -226,9 +226,7 @@ def main(argv=None) -> int:
           note=r.note,
         )
       )
-  if not args.no_save:
-    append_rows(RESULTS, rows)
-    print(f"appended {len(rows)} rows to {RESULTS}")
+  save_rows(RESULTS, rows, not args.no_save)
   return 0
 
 

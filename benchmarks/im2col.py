@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from result_rows import append_rows, result_row
+from result_rows import result_row, save_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,20 +40,6 @@ CPU_CASES = {
   "32x8x8x64->64": (32, 8, 8, 64, 64),
   "32x4x4x128->128": (32, 4, 4, 128, 128),
 }
-
-
-def library_patches(x, filter_shape, window_strides, padding, lhs_dilation, rhs_dilation):
-  """The patches as before: ``lax.conv_general_dilated_patches`` (``qconv.im2col``'s reference)."""
-  return lax.conv_general_dilated_patches(
-    x,
-    filter_shape,
-    window_strides,
-    padding,
-    lhs_dilation,
-    rhs_dilation,
-    qconv._nd_specs(x.ndim - 2),
-    precision=lax.Precision.HIGHEST,
-  )
 
 
 def fwd_bwd(policy: OpPolicy):
@@ -92,7 +78,7 @@ def main(argv=None) -> int:
     k = jax.random.normal(kw, (3, 3, c, o), jnp.float32) / np.sqrt(9 * c)
     sliced = fwd_bwd(quantized)
     real_im2col = qconv.im2col
-    qconv.im2col = library_patches  # the baseline: the code as it was, traced once here
+    qconv.im2col = qconv.library_patches  # the baseline: the code as it was, traced once here
     try:
       library = fwd_bwd(quantized)
       jax.block_until_ready(library(x, k))
@@ -123,9 +109,7 @@ def main(argv=None) -> int:
         rounds={key: m for key, m in medians.items()},
       )
     )
-  if not args.no_save:
-    append_rows(RESULTS, rows)
-    print(f"appended {len(rows)} rows to {RESULTS}")
+  save_rows(RESULTS, rows, not args.no_save)
   return 0
 
 

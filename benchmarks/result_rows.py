@@ -39,3 +39,10 @@ def append_rows(path: str, rows: Sequence[dict]) -> None:
   with open(path, "a") as f:
     for r in rows:
       f.write(json.dumps(r) + "\n")
+
+
+def save_rows(path: str, rows: Sequence[dict], save: bool = True) -> None:
+  """``append_rows`` and say so, unless ``save`` is false (a benchmark's ``--no-save``)."""
+  if save:
+    append_rows(path, rows)
+    print(f"appended {len(rows)} rows to {path}")

@@ -35,30 +35,31 @@ def _nd_specs(n_spatial: int) -> tuple[str, str, str]:
   return f"N{spatial}C", f"{spatial}IO", f"N{spatial}C"
 
 
+def library_patches(x: jax.Array, filter_shape, window_strides, padding, lhs_dilation, rhs_dilation):
+  """The patches of ``x`` (N, spatial..., C) by ``lax.conv_general_dilated_patches``: what
+  ``im2col`` equals, and what it falls back to under input dilation."""
+  return lax.conv_general_dilated_patches(
+    x,
+    filter_shape,
+    window_strides,
+    padding,
+    lhs_dilation,
+    rhs_dilation,
+    _nd_specs(x.ndim - 2),
+    precision=lax.Precision.HIGHEST,
+  )
+
+
 def im2col(x: jax.Array, filter_shape, window_strides, padding, lhs_dilation, rhs_dilation) -> jax.Array:
   """The patches of ``x`` (N, spatial..., C) under a filter of ``filter_shape``: (N,
-  spatial'..., C·prod(filter_shape)), flattened C-major. Equivalent to::
-
-    lax.conv_general_dilated_patches(x, filter_shape, window_strides, padding, lhs_dilation,
-                                     rhs_dilation, _nd_specs(x.ndim - 2),
-                                     precision=lax.Precision.HIGHEST)
-
-  which XLA runs as a convolution with a one-hot kernel, C·prod(filter) multiply-adds per
+  spatial'..., C·prod(filter_shape)), flattened C-major. Equivalent to ``library_patches``
+  (``lax.conv_general_dilated_patches``), which XLA runs as a convolution with a one-hot kernel, C·prod(filter) multiply-adds per
   patch element. For a 65536 × 1152 patch matrix that is 87 G multiply-adds in full fp32.
   Here the patches are strided slices of the padded input, stacked: data movement only, and
   the transpose (the input's gradient) is pads and adds. Input dilation (transposed
   convolutions) keeps the library call."""
   if any(d != 1 for d in lhs_dilation):
-    return lax.conv_general_dilated_patches(
-      x,
-      filter_shape,
-      window_strides,
-      padding,
-      lhs_dilation,
-      rhs_dilation,
-      _nd_specs(x.ndim - 2),
-      precision=lax.Precision.HIGHEST,
-    )
+    return library_patches(x, filter_shape, window_strides, padding, lhs_dilation, rhs_dilation)
   strides = tuple(window_strides)
   dilated = [(k - 1) * d + 1 for k, d in zip(filter_shape, rhs_dilation)]
   pads = (
