@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from planners.catalog import allreduce_ms
 from planners.profiler import Profile
-from qsync_jax.precision import PRESETS, QUANTIZED_PRECISIONS, OpPolicy
+from qsync_jax.precision import FP32_LIKE, PRESETS, QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.sync.allreduce import pack
 
 DEFAULT_BUCKET_BYTES = 30 * 2**20
@@ -103,9 +103,6 @@ class Comm:
 def float_precision(profile: Profile) -> str:
   """Precision of an unmodified float op: XLA's default (tf32 on GPUs that have it)."""
   return "tf32" if "tf32" in profile.op_ms.get(profile.ops[0].name, {}).get("fwd", {}) else "fp32"
-
-
-FP32_LIKE = ("fp32", "tf32")
 
 
 def cast_ms(profile: Profile, src: str, dst: str, numel: float, stochastic: bool = False) -> float:

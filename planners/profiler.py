@@ -91,7 +91,7 @@ from planners.ops import OpShape, collect_ops
 from planners.profile_checkpoint import load_partial, remove_partial, save_partial
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import LEGS, PRESETS, supported_precisions
+from qsync_jax.precision import FP32_LIKE, LEGS, PRESETS, supported_precisions
 
 FORMAT = "qsync-profile/1"
 QUANTIZED_FIT_PRESET = "int8"
@@ -385,9 +385,13 @@ def measure_profile(
   say("cast models")
   cast = measure_casts(cast_sizes, repeats=repeats, overhead=overhead, clock=clock, precisions=precisions)
 
+  fits = {  # preset: (wanted, fit, meta name)
+    QUANTIZED_FIT_PRESET: (fit_quantized, fit_quantized_leg_scale, "quantized"),
+    SIXTEEN_BIT_FIT_PRESET: (fit_16bit, fit_16bit_remainder, "sixteen_bit"),
+  }
   fit_presets_wanted = [
     preset
-    for preset, wanted in ((QUANTIZED_FIT_PRESET, fit_quantized), (SIXTEEN_BIT_FIT_PRESET, fit_16bit))
+    for preset, (wanted, *_) in fits.items()
     if wanted and set(PRESETS[preset].precisions) <= set(precisions)
   ]
   fp32 = PrecisionPolicy.uniform("fp32")
@@ -404,11 +408,10 @@ def measure_profile(
   )[step_clock]
   step_ms, samples, peak = fit_steps["fp32"]
   say("fp32 step trace")
-  hlo, instruction_ms = steptrace.step_instruction_ms(task, fp32, batch, max(step_repeats // 2, 3), seed=seed)
+  trace_repeats = max(step_repeats // 2, 3)
+  hlo, instruction_ms = steptrace.step_instruction_ms(task, fp32, batch, trace_repeats, seed=seed)
   relayout = steptrace.relayout_ms(hlo, instruction_ms, ops)
-  op_ms, relayout_traced = steptrace.with_policy_step_relayouts(
-    task, batch, ops, op_ms, max(step_repeats // 2, 3), seed
-  )
+  op_ms, relayout_traced = steptrace.with_policy_step_relayouts(task, batch, ops, op_ms, trace_repeats, seed)
   if relayout_traced:
     say(f"relayouts traced in the {', '.join(relayout_traced)} step")
   headroom = memtrace.forward_headroom(hlo, ops)
@@ -464,10 +467,8 @@ def measure_profile(
     relayout_ms=relayout,
     forward_headroom=headroom,
   ).with_remainder(rest)
-  fits = {QUANTIZED_FIT_PRESET: (fit_quantized_leg_scale, "quantized")}
-  fits[SIXTEEN_BIT_FIT_PRESET] = (fit_16bit_remainder, "sixteen_bit")
   for preset in fit_presets_wanted:
-    fit, name = fits[preset]
+    _, fit, name = fits[preset]
     if preset not in fit_steps:  # its step could not run here (said by the timing)
       unrunnable = [*prof.meta.get("unrunnable", []), f"{preset} step: cannot run on this backend"]
       prof = dataclasses.replace(prof, meta={**prof.meta, "unrunnable": unrunnable})
@@ -643,7 +644,7 @@ def modeled_profile(base: Profile, device_type: str) -> Profile:
       row = {}
       for p in spec.peak_tflops:
         t = catalog.gemm_roofline_ms(spec, p, m, k, n, b)
-        if p not in ("fp32", "tf32"):  # the leg converts its two fp32 operands
+        if p not in FP32_LIKE:  # the leg converts its two fp32 operands
           t += casts[f"fp32->{p}"].ms(b * m * k) + casts[f"fp32->{p}"].ms(b * k * n)
         row[p] = t
       table[leg] = row

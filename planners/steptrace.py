@@ -38,7 +38,7 @@ import numpy as np
 from planners import step
 from planners.ops import ATTENTION_EINSUMS, OpShape
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import PRESETS
+from qsync_jax.precision import FP32_LIKE, PRESETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +240,7 @@ def with_policy_step_relayouts(
   for name, policy in PRESETS.items():
     key = f"policy:{name}"
     refusing = [op for op in ops if op_ms.get(op.name, {}).get(key, {}).get("refuses_producer")]
-    if policy.fwd in ("fp32", "tf32") or not refusing:
+    if policy.fwd in FP32_LIKE or not refusing:
       continue
     hlo, instruction_ms = step_instruction_ms(task, PrecisionPolicy.uniform(name), batch, repeats, seed=seed)
     if not instruction_ms:

@@ -24,6 +24,8 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "int8", "fp8")
 """Every precision a GEMM leg may run at, from most to least precise (roughly)."""
 
 FLOAT_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+FP32_LIKE = ("fp32", "tf32")
+"""The precisions that keep fp32 storage (tf32 rounds only inside the product)."""
 QUANTIZED_PRECISIONS = ("int8", "fp8")
 ROUNDINGS = ("nearest", "stochastic")
 GRANULARITIES = ("per_tensor", "per_channel")

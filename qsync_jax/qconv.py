@@ -53,8 +53,9 @@ def library_patches(x: jax.Array, filter_shape, window_strides, padding, lhs_dil
 def im2col(x: jax.Array, filter_shape, window_strides, padding, lhs_dilation, rhs_dilation) -> jax.Array:
   """The patches of ``x`` (N, spatial..., C) under a filter of ``filter_shape``: (N,
   spatial'..., C·prod(filter_shape)), flattened C-major. Equivalent to ``library_patches``
-  (``lax.conv_general_dilated_patches``), which XLA runs as a convolution with a one-hot kernel, C·prod(filter) multiply-adds per
-  patch element. For a 65536 × 1152 patch matrix that is 87 G multiply-adds in full fp32.
+  (``lax.conv_general_dilated_patches``), which XLA runs as a convolution with a one-hot
+  kernel, C·prod(filter) multiply-adds per patch element: for a 65536 × 1152 patch matrix,
+  87 G multiply-adds in full fp32.
   Here the patches are strided slices of the padded input, stacked: data movement only, and
   the transpose (the input's gradient) is pads and adds. Input dilation (transposed
   convolutions) keeps the library call."""
