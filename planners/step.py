@@ -143,6 +143,13 @@ def timed_ms(
 def compiled_train_step(task: Task, policy: PrecisionPolicy, batch, optimizer=None, seed: int = 0):
   """``(run, xla peak bytes)``: ``run()`` takes one jitted training step on ``batch`` and
   returns its loss; the step is fed its own outputs (donated buffers), as in training."""
+  compiled, run = compile_train_step(task, policy, batch, optimizer, seed)
+  return run, xla_peak_bytes(compiled)
+
+
+def compile_train_step(task: Task, policy: PrecisionPolicy, batch, optimizer=None, seed: int = 0):
+  """``(compiled, run)``: the compiled training step (``compiled.as_text()`` its module) and
+  ``run`` as in ``compiled_train_step``."""
   optimizer = optimizer or default_optimizer()
   variables = init_variables(task, batch, seed)
   opt_state = optimizer.init(variables["params"])
@@ -155,7 +162,7 @@ def compiled_train_step(task: Task, policy: PrecisionPolicy, batch, optimizer=No
     state[0], state[1], loss = compiled(state[0], state[1], batch, key)
     return loss
 
-  return run, xla_peak_bytes(compiled)
+  return compiled, run
 
 
 def time_train_step(

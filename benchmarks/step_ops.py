@@ -1,0 +1,136 @@
+"""Per-op time inside compiled training steps, forward and gradient apart, beside the profile's
+standalone programs: where the predictor's op costs and its fitted remainder differ from the step.
+
+For each plan of ``benchmarks/predictor.py`` (uniform and mixed) the jitted single-device
+training step of ``--model`` is traced (``planners.steptrace.traced_events``): on a GPU its
+kernel events, each charged to the HLO instruction it runs (``hlo_op``; command buffers are
+switched off so that every kernel names its instruction, not its CUDA graph); on XLA:CPU its
+per-instruction events (``steptrace.step_instruction_ms``). Each instruction's time goes to the
+op its JAX name stack names (``steptrace.op_of``) — gradient legs are those under
+``transpose(...)`` — and the rest (activations, norms, the loss, the optimizer, and fusions that
+XLA named after a neighbour) to ``rest``. With ``--profile`` the table shows, for the uniform
+plans, each op's standalone whole-policy time (``policy:<preset>``, forward + backward) beside
+its in-step time.
+
+  python benchmarks/step_ops.py --model vgg_wide [--profile P.json] [--plans fp32 int8 ...] [--repeats 20]
+
+Writes ``{plan: {"<op>|fwd": ms, "<op>|bwd": ms, "rest|fwd": …, "total": kernel ms per step}}`` to
+``--out`` (default ``benchmarks/results/step_kernels/per_op_<device>_<model>.json``). A
+diagnostic: attribution follows XLA's fusion names, so work fused across an op boundary lands on
+one side of it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# before jax starts: on a GPU, kernels inside command buffers name the buffer, not the instruction
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+from collections import defaultdict  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.predictor import get_model, plans  # noqa: E402  (run as a script from the repo root)
+from planners import step, steptrace  # noqa: E402
+from planners.profiler import Profile, task_ops  # noqa: E402
+from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_kernels")
+_NAMED = re.compile(r'^\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"')
+
+
+def instruction_op_names(hlo: str) -> dict[str, str]:
+  """``{instruction name: its JAX name stack}`` of every named instruction, in any computation."""
+  return {m.group(1): m.group(2) for m in map(_NAMED.match, hlo.splitlines()) if m}
+
+
+def gpu_instruction_ms(run, repeats: int) -> tuple[dict[str, float], float]:
+  """``({instruction: kernel ms per step}, kernel ms per step)`` of ``repeats`` calls of ``run``
+  on the first GPU; empty without one."""
+  by_instruction: dict[str, float] = defaultdict(float)
+  total = 0.0
+  for e in steptrace.traced_events(run, repeats):
+    if e["process"].startswith("/device:GPU:0"):
+      total += e["dur"] / 1e3 / repeats
+      by_instruction[e.get("args", {}).get("hlo_op", "")] += e["dur"] / 1e3 / repeats
+  return dict(by_instruction), total
+
+
+def per_op_ms(hlo: str, instruction_ms: dict[str, float], ops) -> dict[str, float]:
+  """``{"<op>|fwd" / "<op>|bwd" / "rest|…": ms}``: each instruction's time charged to the op its
+  name stack names (``steptrace.op_of``; ``bwd`` under ``transpose(``), else to ``rest``."""
+  names = instruction_op_names(hlo)
+  out: dict[str, float] = defaultdict(float)
+  for instruction, ms in instruction_ms.items():
+    stack = names.get(instruction, "")
+    op = steptrace.op_of(stack, ops) if stack else None
+    short = op.name.split(":")[0] if op else "rest"
+    out[f"{short}|{'bwd' if 'transpose(' in stack else 'fwd'}"] += ms
+  return dict(out)
+
+
+def traced_step(task, policy, batch, repeats: int) -> tuple[str, dict[str, float], float]:
+  """``(module text, {instruction: ms per step}, ms per step)`` of the training step under
+  ``policy``: GPU kernels, else XLA:CPU's per-instruction events (``step_instruction_ms``)."""
+  if jax.devices()[0].platform != "gpu":
+    hlo, instruction_ms = steptrace.step_instruction_ms(task, policy, batch, repeats)
+    return hlo, instruction_ms, sum(instruction_ms.values())
+  compiled, run = step.compile_train_step(task, policy, batch)
+  jax.block_until_ready(run())  # warm-up
+  instruction_ms, total = gpu_instruction_ms(lambda: jax.block_until_ready(run()), repeats)
+  return compiled.as_text(), instruction_ms, total
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default="vgg")
+  ap.add_argument("--profile", help="a saved profile of the model: its standalone times beside")
+  ap.add_argument("--plans", nargs="+", help="default: fp32 and every plan of benchmarks/predictor.py")
+  ap.add_argument("--repeats", type=int, default=20)
+  ap.add_argument("--out")
+  args = ap.parse_args(argv)
+  task, batch_size = get_model(args.model)
+  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+  ops = task_ops(task, batch_size)[2]
+  prof = Profile.load(args.profile) if args.profile else None
+  every = {"fp32": PrecisionPolicy.uniform("fp32"), **plans([op.name for op in ops])}
+  names = args.plans or list(every)
+  unknown = sorted(set(names) - set(every))
+  if unknown:
+    raise SystemExit(f"unknown plans {unknown}. Fix: choose from {sorted(every)}.")
+  result = {}
+  for name in names:
+    hlo, instruction_ms, total = traced_step(task, every[name], batch, args.repeats)
+    result[name] = {**per_op_ms(hlo, instruction_ms, ops), "total": total}
+    print(f"# {args.model} {name}: {total:.3f} ms traced", flush=True)
+  device = jax.devices()[0].device_kind
+  shorts = [op.name.split(":")[0] for op in ops] + ["rest"]
+  print(f"\nms per step inside the {args.model} step on {device} (forward + gradient legs)")
+  print(f"{'op':14s}" + "".join(f"{n[:16]:>17s}" for n in names))
+  for short in shorts:
+    cells = [result[n].get(f"{short}|fwd", 0.0) + result[n].get(f"{short}|bwd", 0.0) for n in names]
+    line = f"{short:14s}" + "".join(f"{c:17.3f}" for c in cells)
+    op = next((o for o in ops if o.name.startswith(f"{short}:")), None)
+    if prof and op:  # the standalone whole-policy times of the uniform plans, beside
+      whole = [prof.op_ms.get(op.name, {}).get(f"policy:{n}") for n in names]
+      line += "   standalone " + " ".join(f"{n}:{w['fwd'] + w['bwd']:.3f}" for n, w in zip(names, whole) if w)
+    print(line)
+  print(f"{'total':14s}" + "".join(f"{result[n]['total']:17.3f}" for n in names))
+  out = args.out or os.path.join(RESULTS_DIR, f"per_op_{device.replace(' ', '_')}_{args.model}.json")
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

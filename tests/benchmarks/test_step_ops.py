@@ -1,0 +1,33 @@
+"""``benchmarks/step_ops.py``: charging a traced step's instructions to ops, and the script end to
+end on the CPU (XLA:CPU's per-instruction events stand for the GPU's kernels)."""
+
+import json
+
+import pytest
+import step_ops
+
+from planners.ops import OpShape
+from tests.planners.test_steptrace import HLO
+
+
+def test_instructions_are_charged_to_the_op_their_name_stack_names():
+  ops = [OpShape("block0/mlp_out:dense", "dense", 1, 4, 8, 3)]
+  got = step_ops.per_op_ms(HLO, {"relayout": 2.0, "plain": 1.0, "dot.1": 3.0, "unnamed": 0.5}, ops)
+  # dot.1 is the op's gradient product (under transpose(...)); the relayout names another
+  # module's mul and goes to the rest, as do the negation and an instruction the text lacks
+  assert got == {"block0/mlp_out|bwd": 3.0, "rest|fwd": 3.5}
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the traced step
+def test_the_script_writes_every_plans_per_op_times(tmp_path, capsys):
+  out = tmp_path / "per_op.json"
+  assert step_ops.main(["--model", "mlp", "--plans", "fp32", "int8", "--repeats", "2", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert set(result) == {"fp32", "int8"}
+  for plan, table in result.items():
+    parts = sum(ms for key, ms in table.items() if key != "total")
+    assert table["total"] > 0 and parts == pytest.approx(table["total"]), plan
+    assert table.get("Dense_1|fwd", 0) > 0 and table.get("Dense_1|bwd", 0) > 0, plan
+  assert "Dense_1" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="unknown plans"):
+    step_ops.main(["--model", "mlp", "--plans", "int4", "--out", str(out)])
