@@ -21,7 +21,9 @@ def test_instructions_are_charged_to_the_op_their_name_stack_names():
 @pytest.mark.standard_promotion  # optax's Adam in the traced step
 def test_the_script_writes_every_plans_per_op_times(tmp_path, capsys):
   out = tmp_path / "per_op.json"
-  assert step_ops.main(["--model", "mlp", "--plans", "fp32", "int8", "--repeats", "2", "--out", str(out)]) == 0
+  assert (
+    step_ops.main(["--model", "mlp", "--plans", "fp32", "int8", "--repeats", "2", "--out", str(out)]) == 0
+  )
   result = json.loads(out.read_text())
   assert set(result) == {"fp32", "int8"}
   for plan, table in result.items():
