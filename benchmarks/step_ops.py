@@ -30,7 +30,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
 import jax  # noqa: E402
@@ -44,30 +43,20 @@ from planners.profiler import Profile, task_ops  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_kernels")
-_NAMED = re.compile(r'^\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"')
-
-
-def instruction_op_names(hlo: str) -> dict[str, str]:
-  """``{instruction name: its JAX name stack}`` of every named instruction, in any computation."""
-  return {m.group(1): m.group(2) for m in map(_NAMED.match, hlo.splitlines()) if m}
 
 
 def gpu_instruction_ms(run, repeats: int) -> tuple[dict[str, float], float]:
   """``({instruction: kernel ms per step}, kernel ms per step)`` of ``repeats`` calls of ``run``
-  on the first GPU; empty without one."""
-  by_instruction: dict[str, float] = defaultdict(float)
-  total = 0.0
-  for e in steptrace.traced_events(run, repeats):
-    if e["process"].startswith("/device:GPU:0"):
-      total += e["dur"] / 1e3 / repeats
-      by_instruction[e.get("args", {}).get("hlo_op", "")] += e["dur"] / 1e3 / repeats
-  return dict(by_instruction), total
+  on the first GPU (``steptrace.kernels_by`` over each kernel's ``hlo_op``); empty without one."""
+  events = [{**e, "name": e.get("args", {}).get("hlo_op", "")} for e in steptrace.traced_events(run, repeats)]
+  by_instruction = {name: ms for name, (ms, _) in steptrace.kernels_by(events, repeats).items()}
+  return by_instruction, sum(by_instruction.values())
 
 
 def per_op_ms(hlo: str, instruction_ms: dict[str, float], ops) -> dict[str, float]:
   """``{"<op>|fwd" / "<op>|bwd" / "rest|…": ms}``: each instruction's time charged to the op its
   name stack names (``steptrace.op_of``; ``bwd`` under ``transpose(``), else to ``rest``."""
-  names = instruction_op_names(hlo)
+  names = {ins.name: ins.op_name for ins in steptrace.entry_instructions(hlo)}
   out: dict[str, float] = defaultdict(float)
   for instruction, ms in instruction_ms.items():
     stack = names.get(instruction, "")

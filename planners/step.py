@@ -147,15 +147,17 @@ def compiled_train_step(task: Task, policy: PrecisionPolicy, batch, optimizer=No
   return run, xla_peak_bytes(compiled)
 
 
-def compile_train_step(task: Task, policy: PrecisionPolicy, batch, optimizer=None, seed: int = 0):
-  """``(compiled, run)``: the compiled training step (``compiled.as_text()`` its module) and
-  ``run`` as in ``compiled_train_step``."""
+def compile_train_step(
+  task: Task, policy: PrecisionPolicy, batch, optimizer=None, seed: int = 0, compiler_options=None
+):
+  """``(compiled, run)``: the training step compiled with XLA ``compiler_options`` (None: the
+  defaults; ``compiled.as_text()`` is its module) and ``run`` as in ``compiled_train_step``."""
   optimizer = optimizer or default_optimizer()
   variables = init_variables(task, batch, seed)
   opt_state = optimizer.init(variables["params"])
   step = make_train_step(task, policy, optimizer)
   key = jax.random.key(seed)
-  compiled = step.lower(variables, opt_state, batch, key).compile()
+  compiled = step.lower(variables, opt_state, batch, key).compile(compiler_options=compiler_options)
   state = [variables, opt_state]
 
   def run():

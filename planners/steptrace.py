@@ -194,24 +194,21 @@ def step_instruction_ms(task, policy, batch, repeats: int = 10, optimizer=None, 
   ``jax.profiler.trace``; an instruction's time is the median of its events (wall clock)
   times its events per step.
   """
-  optimizer = optimizer or step.default_optimizer()
-  variables = step.init_variables(task, batch, seed)
-  opt_state = optimizer.init(variables["params"])
-  key = jax.random.key(seed)
-  lowered = step.make_train_step(task, policy, optimizer).lower(variables, opt_state, batch, key)
+
+  def compiled_step(options=None):
+    return step.compile_train_step(task, policy, batch, optimizer, seed, options)
+
   if jax.devices()[0].platform != "cpu":
-    return lowered.compile().as_text(), {}
+    return compiled_step()[0].as_text(), {}
   try:
-    compiled = lowered.compile(compiler_options=TRACE_OPTIONS)
+    compiled, step_run = compiled_step(TRACE_OPTIONS)
   except Exception:  # an XLA without the option: no table (the replay then ignores relayouts)
-    return lowered.compile().as_text(), {}
+    return compiled_step()[0].as_text(), {}
   hlo = compiled.as_text()
   names = {ins.name for ins in entry_instructions(hlo)}
-  state = [variables, opt_state]
 
   def run():
-    state[0], state[1], loss = compiled(state[0], state[1], batch, key)
-    jax.block_until_ready(loss)
+    jax.block_until_ready(step_run())
 
   run()
   durations = defaultdict(list)
