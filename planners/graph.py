@@ -7,9 +7,8 @@ on its own ``compute`` stream:
   forward ops in order → forward remainder → backward remainder → for each op
   in reverse: [cast] → dlhs → drhs → … → optimizer
 
-* The remainder (what is not an op: norms, activations, the loss) costs the profile's fp32
-  remainder, or, where the all-bf16 step fitted one, a mix of the two by the share of
-  activations the plan's bf16/fp16 ops produce (``remainder_ms``).
+* The remainder (what is not an op: norms, activations, the loss) costs the profile's
+  ``remainder_ms`` under every plan (fitted on the all-bf16 step where profiled, else on fp32).
 
 * Activations flow between ops in the model's dtype (fp32), as the runtime's ops return it;
   each leg converts its operands into its precision, and that conversion is part of the
@@ -18,7 +17,9 @@ on its own ``compute`` stream:
   operands are dequantized to fp32 (the profile's ``"int8->fp32"`` / ``"fp8->fp32"`` model).
 * int8/fp8 legs cost their standalone time times the profile's ``quantized_leg_scale``
   (fitted on the all-int8 step): inside the step XLA shares and fuses part of their quantize
-  passes.
+  passes. Full-fp32 legs cost theirs times ``fp32_leg_scale`` (fitted on the fp32 step once the
+  remainder came from the all-bf16 step): inside the step the fp32 products run slower than
+  alone (a 128-512-channel VGG's fp32 convolutions 8-17 % on an H100, ``docs/results.md``).
 * The first op takes the model input, which is not differentiated: it has no dlhs leg.
 * Gradients are all-reduced in buckets of at most ``bucket_bytes`` of fp32 weight gradients
   (``buckets``): one ``comm`` node per bucket, shared by all groups, starts when *every*
@@ -138,7 +139,8 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
   their leg times (the first op, which has no dlhs, keeps only the drhs share).
 
   Legs at int8/fp8 (their share of a whole-policy time too) are scaled by the profile's
-  ``quantized_leg_scale``, fitted on the all-int8 step (``planners.profiler``)."""
+  ``quantized_leg_scale``, fitted on the all-int8 step, and full-fp32 legs by its
+  ``fp32_leg_scale`` (``in_step``; ``planners.profiler``)."""
   prof = group.profile
   scale = group.batch_per_device / prof.batch_per_device
   op = prof.ops[op_index].scaled(scale)
@@ -171,7 +173,7 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
     costs = {"fwd": (op.calls * scale * whole["fwd"], p)}
     for name, q in legs.items():
       costs[name] = (op.calls * scale * whole["bwd"] * shares[name] / total, q)
-    return in_step(costs, prof.quantized_leg_scale, relayout)
+    return in_step(costs, prof.quantized_leg_scale, prof.fp32_leg_scale, relayout)
   costs = {"fwd": (leg("fwd", p), p)}
   if p in QUANTIZED_PRECISIONS and any(q != p for q in legs.values()):
     im2col = op.kind == "conv"  # a quantized conv saved its im2col patches
@@ -182,16 +184,22 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
     )
   for name, q in legs.items():
     costs[name] = (leg(name, q), q)
-  return in_step(costs, prof.quantized_leg_scale, relayout)
+  return in_step(costs, prof.quantized_leg_scale, prof.fp32_leg_scale, relayout)
 
 
-def in_step(costs: dict[str, tuple[float, str]], quantized_scale: float, relayout_ms: float):
-  """``costs`` with every int8/fp8 leg's time times ``quantized_scale`` and the drhs leg
-  carrying ``relayout_ms`` (``op_costs``)."""
-  out = {
-    kind: (ms * quantized_scale if kind != "cast_bwd" and p in QUANTIZED_PRECISIONS else ms, p)
-    for kind, (ms, p) in costs.items()
-  }
+def in_step(
+  costs: dict[str, tuple[float, str]], quantized_scale: float, fp32_scale: float, relayout_ms: float
+):
+  """``costs`` with every int8/fp8 leg's time times ``quantized_scale``, every full-fp32 leg's
+  (not tf32) times ``fp32_scale`` (``Profile.fp32_leg_scale``), and the drhs leg carrying
+  ``relayout_ms`` (``op_costs``)."""
+
+  def scaled(kind, ms, p):
+    if p in QUANTIZED_PRECISIONS and kind != "cast_bwd":
+      return ms * quantized_scale
+    return ms * fp32_scale if p == "fp32" else ms
+
+  out = {kind: (scaled(kind, ms, p), p) for kind, (ms, p) in costs.items()}
   ms, p = out["drhs"]
   out["drhs"] = (ms + relayout_ms, p)
   return out
@@ -221,20 +229,12 @@ def mixed_by_16bit_share(
   sixteen_bit_value: float | None,
 ) -> float:
   """A quantity fitted on the fp32 step and, where fitted (not None), on the all-bf16 step,
-  for a plan: the two mixed by its ``sixteen_bit_share``. The remainder's time
-  (``remainder_ms``) and the memory correction (``planners.replay.memory_bytes``) both."""
+  for a plan: the two mixed by its ``sixteen_bit_share`` (the memory correction,
+  ``planners.replay.memory_bytes``)."""
   if sixteen_bit_value is None:
     return fp32_value
   share = sixteen_bit_share(profile, op_policies)
   return (1 - share) * fp32_value + share * sixteen_bit_value
-
-
-def remainder_ms(profile: Profile, op_policies: Mapping[str, OpPolicy | None], part: str) -> float:
-  """ms of the ``part`` (``"fwd"`` / ``"bwd"``) of the step's remainder at the profiled batch
-  under ``op_policies``: the fp32 step's (``Profile.remainder_ms``) and the all-bf16 step's
-  (``Profile.remainder_16bit_ms``, where fitted), ``mixed_by_16bit_share``."""
-  sixteen = profile.remainder_16bit_ms.get(part)
-  return mixed_by_16bit_share(profile, op_policies, profile.remainder_ms[part], sixteen)
 
 
 def tree_position(op_name: str) -> tuple[str, ...]:
@@ -301,7 +301,7 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
           node_kind = "cast" if kind.startswith("cast") else kind
           prev = (add(Node(f"{op.name} {kind}", node_kind, g.name, "compute", ms, prev, op.name, p)),)
     for part in ("fwd", "bwd"):
-      ms = scale * remainder_ms(prof, g.op_policies, part)
+      ms = scale * prof.remainder_ms[part]
       prev = (add(Node(f"remainder {part}", "remainder", g.name, "compute", ms, prev)),)
     for i in reversed(range(len(prof.ops))):
       op, c = prof.ops[i], costs[i]

@@ -25,25 +25,30 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   measured inside the fp32 step from XLA's per-instruction trace (``planners.steptrace``;
   XLA:CPU only). The replay charges it to the op's drhs leg under fp32 and under policies
   that re-run the producer; standalone timings cannot see it (their operands are inputs).
-* ``remainder_ms`` — the rest of the step at fp32 (elementwise ops, norms, loss): the
-  measured fp32 step minus the ops (with their relayouts) and the optimizer; split 1 : 2
-  between forward and backward. It is a fitted correction and may be negative when
-  standalone op timings exceed their cost inside the fused step.
+* ``remainder_ms`` — the rest of the step (elementwise ops, norms, loss), the same under every
+  plan: the measured all-bf16 step (``SIXTEEN_BIT_FIT_PRESET``) minus its ops (with their
+  relayouts) and the optimizer where that step was timed (``refit_to_fit_steps``), else the
+  fp32 step's; split 1 : 2 between forward and backward. It is a fitted correction and may be
+  negative when standalone op timings exceed their cost inside the fused step.
 * ``quantized_leg_scale`` — the factor on every int8/fp8 leg's standalone time inside the
   step (forward or gradient; the op's other legs are unchanged): fitted so that the replay
-  of the all-int8 step predicts its measured time (``fit_quantized_leg_scale``), as the
+  of the all-int8 step predicts its measured time (``refit_to_fit_steps``), as the
   remainder is fitted on fp32. Inside the step XLA shares or fuses part of the quantize
   passes the standalone programs run alone (on an H100 the all-int8 step of a BERT-base-wide
   LM ran 12 fewer quantize kernels than its ops' programs, one per input read by several
   ops, and 0.9 ms less elementwise and reduction work beyond them, ``docs/results.md``).
   1.0 when not fitted (no int8 profiled, modeled profiles, older profiles).
-* ``remainder_16bit_ms`` — the remainder of the all-bf16 step (``SIXTEEN_BIT_FIT_PRESET``),
-  fitted to it as ``remainder_ms`` is to fp32 (``fit_16bit_remainder``). The rest of the step
-  reads and writes the activations the ops hand it, at their precision: in the bf16 step of a
-  128-512-channel VGG on an H100 it ran 0.76 ms of kernels beyond the ops' programs, against
-  1.33 ms in the fp32 step (BatchNorm reductions 0.30 against 0.50 ms; ``docs/results.md``).
-  The replay takes for each plan the mix of the two by the share of activations that bf16/fp16
-  ops produce (``planners.graph.remainder_ms``). Empty when not fitted: ``remainder_ms`` alone.
+* ``fp32_leg_scale`` — the factor on every full-fp32 leg's standalone time inside the step,
+  fitted after the all-bf16 remainder so that the replay of the fp32 step predicts its measured
+  time (``refit_to_fit_steps``); 1.0 when the remainder came from the fp32 step. Kernel traces
+  of a 128-512-channel VGG's steps on an H100 (``benchmarks/step_ops.py``, ``docs/results.md``)
+  showed why one remainder and this scale fit better than a remainder per activation precision:
+  the rest of the step took 0.71-1.08 ms of kernels whatever the plan (fp32 0.78, all-bf16 0.71,
+  all-int8 1.08), while the fp32 convolutions ran 8-17 % longer in the step than alone. A
+  remainder fitted as "fp32 step minus standalone ops" took that excess (1.5 ms) and handed it
+  to every plan without 16-bit ops. Profiles written before this field held a second,
+  16-bit remainder instead; they load refitted to the fit steps their meta records
+  (``refit_to_fit_steps``), that remainder kept in ``meta["legacy_remainder_16bit_ms"]``.
 * ``optimizer_ms`` — the optax update.
 * ``cast`` — per cast type (``"fp32->bf16"``, ``"fp32->int8"``, ``"int8->fp32"``, and
   ``"fp32->int8:sr"`` for stochastic rounding, …) ``ms = a·numel + b`` fitted by least squares
@@ -118,7 +123,7 @@ class Profile:
   relayout_ms: dict[str, float] = dataclasses.field(default_factory=dict)
   forward_headroom: dict[str, int] = dataclasses.field(default_factory=dict)
   quantized_leg_scale: float = 1.0
-  remainder_16bit_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+  fp32_leg_scale: float = 1.0
 
   def leg_ms(self, op: str, leg: str, precision: str, variant: str = "") -> float:
     """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch); a
@@ -139,11 +144,6 @@ class Profile:
     """This profile with the remainder of the step set to ``rest_ms`` (a third in the
     forward, two thirds in the backward, as ``measure_profile`` splits it)."""
     return dataclasses.replace(self, remainder_ms={"fwd": rest_ms / 3, "bwd": 2 * rest_ms / 3})
-
-  def with_16bit_remainder(self, rest_ms: float) -> Profile:
-    """This profile with the remainder of the all-bf16 step set to ``rest_ms`` (split as
-    ``with_remainder`` splits it)."""
-    return dataclasses.replace(self, remainder_16bit_ms={"fwd": rest_ms / 3, "bwd": 2 * rest_ms / 3})
 
   @property
   def op_names(self) -> tuple[str, ...]:
@@ -167,7 +167,7 @@ class Profile:
       "relayout_ms": self.relayout_ms,
       "forward_headroom": self.forward_headroom,
       "quantized_leg_scale": self.quantized_leg_scale,
-      "remainder_16bit_ms": self.remainder_16bit_ms,
+      "fp32_leg_scale": self.fp32_leg_scale,
     }
 
   def save(self, path: str) -> None:
@@ -183,7 +183,10 @@ class Profile:
         "Fix: pass a file written by `qsync profile`."
       )
     try:
-      return cls(
+      meta = dict(obj.get("meta", {}))
+      if obj.get("remainder_16bit_ms") and "fp32_leg_scale" not in obj:  # written before it
+        meta["legacy_remainder_16bit_ms"] = obj["remainder_16bit_ms"]
+      prof = cls(
         model=obj["model"],
         device_type=obj["device_type"],
         source=obj["source"],
@@ -194,14 +197,17 @@ class Profile:
         optimizer_ms=float(obj["optimizer_ms"]),
         cast={k: CastModel(**v) for k, v in obj["cast"].items()},
         memory=obj["memory"],
-        meta=obj.get("meta", {}),
+        meta=meta,
         relayout_ms={k: float(v) for k, v in obj.get("relayout_ms", {}).items()},
         forward_headroom={k: int(v) for k, v in obj.get("forward_headroom", {}).items()},
         quantized_leg_scale=float(obj.get("quantized_leg_scale", 1.0)),
-        remainder_16bit_ms={k: float(v) for k, v in obj.get("remainder_16bit_ms", {}).items()},
+        fp32_leg_scale=float(obj.get("fp32_leg_scale", 1.0)),
       )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
       raise PlanError(f"{source}: malformed profile ({e!r}). Fix: re-run `qsync profile`.") from None
+    if "legacy_remainder_16bit_ms" in meta and {"fp32_step_ms", "sixteen_bit_fit_step_ms"} <= set(meta):
+      return refit_to_fit_steps(prof)  # the fit steps it records, fitted as profiles are now
+    return prof
 
   @classmethod
   def load(cls, path: str) -> Profile:
@@ -302,9 +308,9 @@ def measure_profile(
   removed once the profile is complete.
 
   ``fit_quantized``: also time the all-int8 step (when int8 is profiled) and fit
-  ``quantized_leg_scale`` to it (``fit_quantized_leg_scale``); that plan is then, like fp32, a
-  plan the profile is fitted to. ``fit_16bit``: likewise the all-bf16 step and
-  ``remainder_16bit_ms`` (``fit_16bit_remainder``). The fit steps (fp32 and these) are timed
+  ``quantized_leg_scale`` to it; that plan is then, like fp32, a plan the profile is fitted
+  to. ``fit_16bit``: likewise the all-bf16 step, which the remainder is fitted to, and
+  ``fp32_leg_scale`` then to the fp32 step (``refit_to_fit_steps``). The fit steps (fp32 and these) are timed
   round-robin over ``fit_rounds`` rounds, ``step_repeats`` steps each, median of the round
   medians (``step.time_train_steps_interleaved``, as ``benchmarks/predictor.py`` times its
   plans): one slow round on a fresh GPU (an all-bf16 step at 1.78 ms against 1.51 in the rounds
@@ -385,9 +391,9 @@ def measure_profile(
   say("cast models")
   cast = measure_casts(cast_sizes, repeats=repeats, overhead=overhead, clock=clock, precisions=precisions)
 
-  fits = {  # preset: (wanted, fit, meta name)
-    QUANTIZED_FIT_PRESET: (fit_quantized, fit_quantized_leg_scale, "quantized"),
-    SIXTEEN_BIT_FIT_PRESET: (fit_16bit, fit_16bit_remainder, "sixteen_bit"),
+  fits = {  # preset: (wanted, meta name), in the order they are fitted (``refit_to_fit_steps``)
+    SIXTEEN_BIT_FIT_PRESET: (fit_16bit, "sixteen_bit"),
+    QUANTIZED_FIT_PRESET: (fit_quantized, "quantized"),
   }
   fit_presets_wanted = [
     preset
@@ -467,16 +473,18 @@ def measure_profile(
     relayout_ms=relayout,
     forward_headroom=headroom,
   ).with_remainder(rest)
+  fit_ms = {}
   for preset in fit_presets_wanted:
-    _, fit, name = fits[preset]
+    _, name = fits[preset]
     if preset not in fit_steps:  # its step could not run here (said by the timing)
       unrunnable = [*prof.meta.get("unrunnable", []), f"{preset} step: cannot run on this backend"]
       prof = dataclasses.replace(prof, meta={**prof.meta, "unrunnable": unrunnable})
       continue
-    ms, samples, peak = fit_steps[preset]
-    prof = fit(dataclasses.replace(prof, meta={**prof.meta, f"{name}_step_ms_samples": samples}), ms)
+    fit_ms[preset], samples, peak = fit_steps[preset]
+    prof = dataclasses.replace(prof, meta={**prof.meta, f"{name}_step_ms_samples": samples})
     if preset == SIXTEEN_BIT_FIT_PRESET:
       prof = with_16bit_other_bytes(prof, peak)
+  prof = refit_to_fit_steps(prof, fit_ms.get(QUANTIZED_FIT_PRESET), fit_ms.get(SIXTEEN_BIT_FIT_PRESET))
   remove_partial(checkpoint)  # only now: a run killed in the step fits resumes after the ops
   return prof
 
@@ -487,9 +495,9 @@ def with_precast_policies(
   """``prof`` with its whole-policy entries (``policy:<preset>``) whose activations the step
   converts to a float dtype (``precast_dtypes``: bf16, fp16, int8_fwd's fp16 backward) re-timed
   on the local device with those activations already converted (``planners.op_programs.policy_programs(precast=
-  True)``), and ``meta["policy_operands"] = "precast"``; the remainder stays fitted on fp32 and
-  ``quantized_leg_scale`` on all-int8, whose programs are the same, and ``remainder_16bit_ms``
-  is refitted to the all-bf16 step it was fitted to.
+  True)``), and ``meta["policy_operands"] = "precast"``; then refitted to the fit steps it
+  was fitted to (``refit_to_fit_steps``): the all-bf16 remainder and the fp32 and quantized
+  scales move with the re-timed bf16 programs.
   ``op_clock`` as in ``measure_profile``.
   Refuses a profile of another device type."""
   if prof.device_type != local_device_type():
@@ -514,8 +522,8 @@ def with_precast_policies(
         )
       op_ms[op.name][entry] = cache[key]
   out = dataclasses.replace(prof, op_ms=op_ms, meta={**prof.meta, "policy_operands": "precast"})
-  if "sixteen_bit_fit_step_ms" in prof.meta:  # its bf16 programs changed: refit to the same step
-    out = fit_16bit_remainder(out, prof.meta["sixteen_bit_fit_step_ms"])
+  if "sixteen_bit_fit_step_ms" in prof.meta:  # its bf16 programs changed: refit to the same steps
+    out = refit_to_fit_steps(out)
   return out
 
 
@@ -570,20 +578,24 @@ def fit_remainder(draft: Profile, step_ms: float, peak_bytes: int | None) -> tup
   return rest, other_bytes(draft, peak_bytes)
 
 
-def fit_quantized_leg_scale(prof: Profile, step_ms: float) -> Profile:
-  """``prof`` with ``quantized_leg_scale`` fitted to ``step_ms``, the all-int8 step measured on
-  one device (``replay.refit_quantized_leg_scale``)."""
-  from planners.replay import refit_quantized_leg_scale
+def refit_to_fit_steps(
+  prof: Profile, quantized_ms: float | None = None, sixteen_bit_ms: float | None = None
+) -> Profile:
+  """``prof`` refitted on one device (``replay.refit_profile``) to its fp32 step
+  (``meta["fp32_step_ms"]``) and to the all-bf16 and all-int8 steps given, else to those its
+  meta records (``sixteen_bit_fit_step_ms``, ``quantized_fit_step_ms``): the remainder on
+  all-bf16 where timed (else fp32), ``fp32_leg_scale`` on fp32, ``quantized_leg_scale`` on
+  all-int8."""
+  from planners.replay import refit_profile
 
-  return refit_quantized_leg_scale(_one_device(prof), prof, step_ms)
-
-
-def fit_16bit_remainder(prof: Profile, step_ms: float) -> Profile:
-  """``prof`` with ``remainder_16bit_ms`` fitted to ``step_ms``, the all-bf16 step measured on one
-  device (``replay.refit_16bit_remainder``)."""
-  from planners.replay import refit_16bit_remainder
-
-  return refit_16bit_remainder(_one_device(prof), prof, step_ms)
+  meta = prof.meta
+  return refit_profile(
+    _one_device(prof),
+    prof,
+    meta["fp32_step_ms"],
+    quantized_ms if quantized_ms is not None else meta.get("quantized_fit_step_ms"),
+    sixteen_bit_ms if sixteen_bit_ms is not None else meta.get("sixteen_bit_fit_step_ms"),
+  )
 
 
 def _one_device(prof: Profile):

@@ -259,52 +259,44 @@ def predict(
 def refit_remainder(cluster: ClusterSpec, profile: Profile, step_ms: float, **predict_kwargs) -> Profile:
   """``profile`` with its remainder refitted so that the replay of the uniform fp32 plan on
   ``cluster`` (whose groups are all of ``profile``'s device type) predicts ``step_ms``, the
-  fp32 step measured there. ``measure_profile`` fits the remainder so on one device; refitted
-  on a cluster it also carries what the op profile does not see (that host's launch rate, host
-  work per device when one process drives several, collectives slowed by the compute beside
-  them) as time added alike to every plan's step (a fitted ``remainder_16bit_ms`` moves by as
-  much). ``predict_kwargs`` go to ``predict``.
+  fp32 step measured there (its ``fp32_leg_scale`` kept). ``measure_profile`` fits the
+  remainder so on one device; refitted on a cluster it also carries what the op profile does
+  not see (that host's launch rate, host work per device when one process drives several,
+  collectives slowed by the compute beside them) as time added alike to every plan's step.
+  ``predict_kwargs`` go to ``predict``.
   A step shorter than the profile's ops alone needs a negative remainder (seen on a loaded CPU
   host, where the standalone op timings were inflated); it moves the rest of the step earlier
   by its full amount (``planners.graph.longest_path``), but an earlier node may still end later
   than the step it was fitted to."""
-  rest = _rest_to(cluster, profile.with_remainder(0.0), "fp32", step_ms, **predict_kwargs)
-  out = profile.with_remainder(rest)
-  if profile.remainder_16bit_ms:  # what the refit adds, it adds to the 16-bit remainder alike
-    shift = rest - sum(profile.remainder_ms.values())
-    out = out.with_16bit_remainder(sum(profile.remainder_16bit_ms.values()) + shift)
-  return out
+  return profile.with_remainder(
+    _rest_to(cluster, profile.with_remainder(0.0), "fp32", step_ms, **predict_kwargs)
+  )
 
 
-def refit_quantized_leg_scale(
-  cluster: ClusterSpec, profile: Profile, step_ms: float, **predict_kwargs
-) -> Profile:
-  """``profile`` with its ``quantized_leg_scale`` refitted so that the replay of the uniform
-  ``QUANTIZED_FIT_PRESET`` (all-int8) plan on ``cluster`` predicts ``step_ms``, that plan's step
-  measured there; the remainder (fitted on fp32, which has no quantized leg) is kept, so fit it
-  first.
+def _scale_to(
+  cluster: ClusterSpec, profile: Profile, field: str, preset: str, step_ms: float, **predict_kwargs
+) -> tuple[float | None, float | None]:
+  """``(scale, floor)``: the value of ``profile``'s leg scale ``field`` (``quantized_leg_scale``,
+  ``fp32_leg_scale``) at which the replay of the uniform ``preset`` plan on ``cluster`` predicts
+  ``step_ms``. None when the plan has no leg the scale touches. A step shorter than the replay
+  at scale 0 (those legs free) gets scale 0 and ``floor``, that replay's ms; else floor is None.
 
   The predicted step never falls as the scale grows, and is linear in it while the last node
   ends the step; the secant through scales 0 and 1 is taken when it reproduces ``step_ms``,
   else the scale is bisected (with an all-reduce, a bucket may end the step at one scale and
   the backward at another; a very negative remainder, from standalone timings inflated on a
-  busy host, lets an earlier node end it). A step shorter than the replay at scale 0
-  (the quantized legs free) gets scale 0, said in ``meta["quantized_leg_scale_clipped"]``
-  (that floor in ms). ``predict_kwargs`` go to ``predict``."""
-  plan = Plan(policies={g.name: PrecisionPolicy.uniform(QUANTIZED_FIT_PRESET) for g in cluster.groups})
+  busy host, lets an earlier node end it)."""
+  plan = Plan(policies={g.name: PrecisionPolicy.uniform(preset) for g in cluster.groups})
 
   def step_at(scale):
-    scaled = dataclasses.replace(profile, quantized_leg_scale=scale)
+    scaled = dataclasses.replace(profile, **{field: scale})
     return predict(cluster, {profile.device_type: scaled}, plan, **predict_kwargs).step_ms
 
   free, unit = step_at(0.0), step_at(1.0)
-  if unit <= free:  # no quantized leg in the plan (no int8 op): nothing to fit
-    return profile
-  meta = {**profile.meta, "quantized_fit_step_ms": step_ms}
-  meta.pop("quantized_leg_scale_clipped", None)
+  if unit <= free:  # no leg of the plan at that precision: nothing to fit
+    return None, None
   if step_ms <= free:
-    meta["quantized_leg_scale_clipped"] = free
-    return dataclasses.replace(profile, quantized_leg_scale=0.0, meta=meta)
+    return 0.0, free
   scale = (step_ms - free) / (unit - free)
   if abs(step_at(scale) - step_ms) > 1e-9 * step_ms:
     low, high = 0.0, 1.0
@@ -315,27 +307,53 @@ def refit_quantized_leg_scale(
         (low, (low + high) / 2) if step_at((low + high) / 2) >= step_ms else ((low + high) / 2, high)
       )
     scale = high
+  return scale, None
+
+
+def refit_quantized_leg_scale(
+  cluster: ClusterSpec, profile: Profile, step_ms: float, **predict_kwargs
+) -> Profile:
+  """``profile`` with its ``quantized_leg_scale`` refitted so that the replay of the uniform
+  ``QUANTIZED_FIT_PRESET`` (all-int8) plan on ``cluster`` predicts ``step_ms``, that plan's step
+  measured there (``_scale_to``); the remainder is kept, so fit it first. A step shorter than
+  the replay with the quantized legs free gets scale 0, said in
+  ``meta["quantized_leg_scale_clipped"]`` (that floor in ms). ``predict_kwargs`` go to
+  ``predict``."""
+  scale, floor = _scale_to(
+    cluster, profile, "quantized_leg_scale", QUANTIZED_FIT_PRESET, step_ms, **predict_kwargs
+  )
+  if scale is None:  # no int8 op in the plan
+    return profile
+  meta = {**profile.meta, "quantized_fit_step_ms": step_ms}
+  meta.pop("quantized_leg_scale_clipped", None)
+  if floor is not None:
+    meta["quantized_leg_scale_clipped"] = floor
   return dataclasses.replace(profile, quantized_leg_scale=scale, meta=meta)
 
 
 def refit_16bit_remainder(
-  cluster: ClusterSpec, profile: Profile, step_ms: float, **predict_kwargs
+  cluster: ClusterSpec, profile: Profile, step_ms: float, fp32_ms: float, **predict_kwargs
 ) -> Profile:
-  """``profile`` with ``remainder_16bit_ms`` refitted so that the replay of the uniform
+  """``profile`` with its remainder refitted so that the replay of the uniform
   ``SIXTEEN_BIT_FIT_PRESET`` (all-bf16) plan on ``cluster`` predicts ``step_ms``, that plan's
-  step measured there, as ``refit_remainder`` fits the fp32 remainder (the all-bf16 plan's
-  remainder is all 16-bit: ``planners.graph.remainder_ms``); records ``meta
-  ["sixteen_bit_fit_step_ms"]``. ``predict_kwargs`` go to ``predict``."""
-  draft = profile.with_16bit_remainder(0.0)
-  out = profile.with_16bit_remainder(
-    _rest_to(cluster, draft, SIXTEEN_BIT_FIT_PRESET, step_ms, **predict_kwargs)
-  )
-  return dataclasses.replace(out, meta={**profile.meta, "sixteen_bit_fit_step_ms": step_ms})
+  step measured there (as ``refit_remainder`` fits it to fp32), then its ``fp32_leg_scale`` so
+  that the fp32 plan predicts ``fp32_ms`` (``_scale_to``; clipped at 0 as the quantized scale
+  is, said in ``meta["fp32_leg_scale_clipped"]``). Records ``meta["sixteen_bit_fit_step_ms"]``.
+  The all-bf16 plan has no fp32 leg, so the order is free of circles; fit the quantized scale
+  after. ``predict_kwargs`` go to ``predict``."""
+  draft = dataclasses.replace(profile.with_remainder(0.0), fp32_leg_scale=1.0)
+  out = draft.with_remainder(_rest_to(cluster, draft, SIXTEEN_BIT_FIT_PRESET, step_ms, **predict_kwargs))
+  scale, floor = _scale_to(cluster, out, "fp32_leg_scale", "fp32", fp32_ms, **predict_kwargs)
+  meta = {**profile.meta, "sixteen_bit_fit_step_ms": step_ms}
+  meta.pop("fp32_leg_scale_clipped", None)
+  if floor is not None:
+    meta["fp32_leg_scale_clipped"] = floor
+  return dataclasses.replace(out, fp32_leg_scale=1.0 if scale is None else scale, meta=meta)
 
 
 def _rest_to(cluster: ClusterSpec, draft: Profile, preset: str, step_ms: float, **predict_kwargs) -> float:
   """The remainder (ms) that brings the replay of the uniform ``preset`` plan on ``cluster``
-  from that of ``draft`` (whose remainder for that plan is 0) to ``step_ms``."""
+  from that of ``draft`` (whose remainder is 0) to ``step_ms``."""
   plan = Plan(policies={g.name: PrecisionPolicy.uniform(preset) for g in cluster.groups})
   return step_ms - predict(cluster, {draft.device_type: draft}, plan, **predict_kwargs).step_ms
 
@@ -349,15 +367,15 @@ def refit_profile(
   **predict_kwargs,
 ) -> Profile:
   """``profile`` refitted to steps measured on ``cluster``: its remainder to the fp32 step
-  (``refit_remainder``), then, given ``quantized_ms`` (the all-int8 step), its
-  ``quantized_leg_scale`` (``refit_quantized_leg_scale``), and given ``sixteen_bit_ms`` (the
-  all-bf16 step), its ``remainder_16bit_ms`` (``refit_16bit_remainder``). Neither of the last
-  two plans moves the other's fit: all-int8 has no 16-bit op, all-bf16 no quantized leg."""
+  (``refit_remainder``); given ``sixteen_bit_ms`` (the all-bf16 step), the remainder to that
+  step and ``fp32_leg_scale`` to the fp32 one instead (``refit_16bit_remainder``); then, given
+  ``quantized_ms`` (the all-int8 step), its ``quantized_leg_scale``
+  (``refit_quantized_leg_scale``) on that remainder."""
   out = refit_remainder(cluster, profile, fp32_ms, **predict_kwargs)
+  if sixteen_bit_ms is not None:
+    out = refit_16bit_remainder(cluster, out, sixteen_bit_ms, fp32_ms, **predict_kwargs)
   if quantized_ms is not None:
     out = refit_quantized_leg_scale(cluster, out, quantized_ms, **predict_kwargs)
-  if sixteen_bit_ms is not None:
-    out = refit_16bit_remainder(cluster, out, sixteen_bit_ms, **predict_kwargs)
   return out
 
 

@@ -34,10 +34,11 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
   """The GPU benchmark's path on the CPU with the small mlp. A first run times the uniform and
   mixed plans and saves the profile (its checkpoint gone) and its precast variant. A replay of
   those profiles on recorded steps (``--steps-from``) then refits both to the fp32 step and
-  predicts every plan from each. The replayed steps are the measured ones scaled up 10x, so
-  that the fp32 fit is reachable whatever the load on the host: a step shorter than the
-  standalone op timings (inflated on a busy CI host) cannot be refitted exactly
-  (``refit_remainder``)."""
+  predicts every plan from each. The replayed steps are the measured ones scaled up 10x, the
+  fp32 step 20x, so that every fit is reachable whatever the load on the host: a step shorter
+  than the standalone op timings (inflated on a busy CI host) cannot be refitted exactly
+  (``refit_remainder``), nor an fp32 step shorter than the remainder fitted to the all-bf16 step
+  plus the optimizer (``refit_16bit_remainder`` clips the fp32 legs' scale at 0)."""
   results, profiles = tmp_path / "models.jsonl", tmp_path / "profiles"
   argv = ["--models", "mlp", "--profile-dir", str(profiles), "--results", str(results), "--repeats", "3"]
   assert models.main([*argv, "--profile-repeats", "2", "--precast", "--mixed", "--no-plan"]) == 0
@@ -59,7 +60,8 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
     assert r["baseline"] == want
 
   recorded = tmp_path / "recorded.jsonl"  # the wall clock's steps only: the replay predicts those
-  lines = [json.dumps({**r, "run": "r", "value": 10 * r["value"]}) + "\n" for r in steps.values()]
+  scaled = {name: (20 if name == "fp32" else 10) * r["value"] for name, r in steps.items()}
+  lines = [json.dumps({**r, "run": "r", "value": scaled[name]}) + "\n" for name, r in steps.items()]
   recorded.write_text("".join(lines))
   replay = ["--models", "mlp", "--profile-dir", str(profiles), "--results", str(recorded)]
   assert models.main([*replay, "--steps-from", "r", "--precast", "--refit"]) == 0
@@ -72,7 +74,7 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
   assert set(predicted) == {(name, v) for name in steps for v in ("fp32", "precast")}
   for operands in ("fp32", "precast"):  # the fits: refitted to the recorded fp32, all-int8, all-bf16 steps
     for fit in ("fp32", "int8", "bf16"):
-      assert predicted[(fit, operands)] == pytest.approx(10 * steps[fit]["value"], rel=1e-6)
+      assert predicted[(fit, operands)] == pytest.approx(scaled[fit], rel=1e-6)
   assert predicted[("int8", "fp32")] == predicted[("int8", "precast")]  # all-int8 is not precast
   summary = [r for r in rows if r["metric"] == "abs_rel_error" and r.get("run") == "replay-r"]
   assert [(r["operands"], r["clock"], r["refit"]) for r in summary] == [
@@ -81,7 +83,7 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
   ]
   for r in summary:  # the mean error leaves out the three fit plans
     evaluated = [name for name in steps if name not in ("fp32", "int8", "bf16")]
-    errors = [abs(predicted[(name, r["operands"])] / (10 * steps[name]["value"]) - 1) for name in evaluated]
+    errors = [abs(predicted[(name, r["operands"])] / scaled[name] - 1) for name in evaluated]
     assert r["value"] == pytest.approx(sum(errors) / len(errors))
   with pytest.raises(SystemExit, match="no step rows of 'mlp' in run 'nope'.*Fix: pass a run tag"):
     models.main([*replay, "--steps-from", "nope"])

@@ -8,6 +8,7 @@ import pytest
 
 from planners.catalog import allreduce_ms
 from planners.graph import Comm, GroupCost, buckets, build_graph, longest_path
+from planners.profiler import Profile
 from planners.replay import (
   calibrate,
   fit_presets,
@@ -327,34 +328,59 @@ def test_refit_profile_fits_the_remainder_then_the_quantized_scale():
   assert refit_profile(one, prof, 12.0).quantized_leg_scale == 1.0  # no int8 step: not fitted
 
 
-def test_16bit_remainder_is_fitted_on_the_all_bf16_step_and_mixed_by_the_16bit_share():
-  # ops A (first: no dlhs) and B, equal outputs, at fp32: fwd 1, dlhs 2, drhs 3 ms; bf16 legs
-  # 0.5x. All-bf16 step = 0.5 · (1 + 1 + 2 + 3 + 3) + remainder + optimizer 1 = 6 + remainder.
+def test_remainder_is_fitted_on_the_all_bf16_step_and_the_fp32_legs_scaled_to_the_fp32_step():
+  # ops A (first: no dlhs) and B at fp32: fwd 1, dlhs 2, drhs 3 ms, 10 ms of fp32 legs in all;
+  # bf16 legs 0.5x. All-bf16 step = 0.5 · 10 + remainder + optimizer 1 = 6 + remainder.
   prof = fake_profile([(1, 2, 3), (1, 2, 3)], remainder_ms=4.0, optimizer_ms=1.0)
   one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
 
   def step(p, policy):
     return predict(one, {"cpu": p}, Plan(policies={"all": policy})).step_ms
 
-  fitted = refit_16bit_remainder(one, prof, 7.0)
-  assert sum(fitted.remainder_16bit_ms.values()) == pytest.approx(1.0)
+  assert step(prof, PrecisionPolicy.uniform("fp32")) == pytest.approx(15.0)
+  fitted = refit_16bit_remainder(one, prof, 7.0, 17.0)
+  assert sum(fitted.remainder_ms.values()) == pytest.approx(1.0)  # 7 - 6
+  assert fitted.fp32_leg_scale == pytest.approx(1.5)  # 17 = 1.5 · 10 + 1 + 1
   assert step(fitted, PrecisionPolicy.uniform("bf16")) == pytest.approx(7.0)
-  assert fit_presets(fitted) == ("fp32", "bf16") and fitted.meta["sixteen_bit_fit_step_ms"] == 7.0
-  for plan in ("fp32", "int8", "int8_fwd"):  # no bf16/fp16 forward: the fp32 remainder
-    assert step(fitted, PrecisionPolicy.uniform(plan)) == step(prof, PrecisionPolicy.uniform(plan))
   assert step(fitted, PrecisionPolicy.uniform("fp16")) == pytest.approx(7.0)
-  # A at bf16, B at fp32: half the activations 16-bit, remainder 0.5 · 4 + 0.5 · 1
+  assert step(fitted, PrecisionPolicy.uniform("fp32")) == pytest.approx(17.0)
+  assert fit_presets(fitted) == ("fp32", "bf16") and fitted.meta["sixteen_bit_fit_step_ms"] == 7.0
+  # the one remainder serves every plan: int8 legs keep their cost, the remainder is 3 ms less
+  int8 = PrecisionPolicy.uniform("int8")
+  assert step(prof, int8) - step(fitted, int8) == pytest.approx(3.0)
+  # A at bf16, B at fp32: 0.5 · (1 + 3) + 1.5 · (1 + 2 + 3) + remainder 1 + optimizer 1
   a, b = prof.op_names
   half = PrecisionPolicy.from_ops({a: OpPolicy.preset("bf16"), b: OpPolicy.preset("fp32")})
-  assert step(prof, half) - step(fitted, half) == pytest.approx(4.0 - 2.5)
-  # a refit of the fp32 remainder (a cluster's host effects) moves the 16-bit one alike
-  shifted = refit_remainder(one, fitted, step(fitted, PrecisionPolicy.uniform("fp32")) + 2.0)
-  assert sum(shifted.remainder_16bit_ms.values()) == pytest.approx(3.0)
-  # refit_profile fits all three fit plans
+  assert step(fitted, half) == pytest.approx(2.0 + 9.0 + 1.0 + 1.0)
+  # a refit to a cluster's fp32 step moves the remainder and keeps the scale
+  shifted = refit_remainder(one, fitted, 19.0)
+  assert sum(shifted.remainder_ms.values()) == pytest.approx(3.0) and shifted.fp32_leg_scale == 1.5
+  # a fp32 step shorter than the replay with its fp32 legs free: scale 0, said in the meta
+  clipped = refit_16bit_remainder(one, prof, 7.0, 1.5)
+  assert clipped.fp32_leg_scale == 0.0 and clipped.meta["fp32_leg_scale_clipped"] == pytest.approx(2.0)
+  # refit_profile fits all three fit plans, the quantized scale on the bf16 step's remainder
   both = refit_profile(one, prof, 12.0, 7.0, 6.5)
   for plan, ms in (("fp32", 12.0), ("int8", 7.0), ("bf16", 6.5)):
     assert step(both, PrecisionPolicy.uniform(plan)) == pytest.approx(ms)
   assert fit_presets(both) == ("fp32", "int8", "bf16")
+  assert sum(both.remainder_ms.values()) == pytest.approx(0.5)
+
+
+def test_a_profile_with_the_former_16bit_remainder_loads_refitted_to_its_recorded_fit_steps():
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], remainder_ms=4.0, optimizer_ms=1.0)
+  obj = prof.to_json()
+  del obj["fp32_leg_scale"]
+  obj["remainder_16bit_ms"] = {"fwd": 0.5, "bwd": 1.0}  # as written before fp32_leg_scale
+  obj["meta"] = {"fp32_step_ms": 17.0, "sixteen_bit_fit_step_ms": 7.0}
+  loaded = Profile.from_json(obj)
+  assert loaded.meta["legacy_remainder_16bit_ms"] == {"fwd": 0.5, "bwd": 1.0}
+  assert sum(loaded.remainder_ms.values()) == pytest.approx(1.0) and loaded.fp32_leg_scale == pytest.approx(
+    1.5
+  )
+  obj["meta"] = {}  # no fit steps recorded: the fp32 remainder as it was
+  assert Profile.from_json(obj).remainder_ms == prof.remainder_ms
+  with pytest.raises(PlanError, match="malformed profile"):
+    Profile.from_json({**obj, "meta": "not a mapping"})
 
 
 def _two_groups():
