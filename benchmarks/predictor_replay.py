@@ -17,6 +17,7 @@ replay can be scored on GPU runs after the GPU is gone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -67,6 +68,8 @@ def replay_model(prof: Profile, measured: dict[str, dict], sixteen_bit: bool) ->
     raise SystemExit(
       f"the run has no fp32 step of {prof.model!r}. Fix: pass a run whose rows hold its fit steps."
     )
+  if not sixteen_bit:  # the remainder on fp32 alone: no fp32 legs' scale beside it
+    prof = dataclasses.replace(prof, fp32_leg_scale=1.0)
   fitted = refit_profile(cluster, prof, *steps)
   if sixteen_bit:  # memory too: the all-bf16 step's XLA peak fits the 16-bit correction
     fitted = with_16bit_other_bytes(fitted, measured.get(SIXTEEN_BIT_FIT_PRESET, {}).get("peak"))
@@ -97,7 +100,9 @@ def main(argv=None) -> int:
   ap.add_argument("--profile-dir", required=True, help="holds <model>.json for every model of the run")
   ap.add_argument("--models", nargs="+", help="default: every model of the run")
   ap.add_argument(
-    "--no-16bit", action="store_true", help="refit to fp32 and all-int8 only (as before the 16-bit remainder)"
+    "--no-16bit",
+    action="store_true",
+    help="refit to fp32 and all-int8 only (the remainder on fp32, no fp32 leg scale)",
   )
   ap.add_argument("--tag", help="the rows' run tag (default: replay-<run>)")
   ap.add_argument("--results", default=RESULTS)

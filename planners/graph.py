@@ -19,7 +19,8 @@ on its own ``compute`` stream:
   (fitted on the all-int8 step): inside the step XLA shares and fuses part of their quantize
   passes. Full-fp32 legs cost theirs times ``fp32_leg_scale`` (fitted on the fp32 step once the
   remainder came from the all-bf16 step): inside the step the fp32 products run slower than
-  alone (a 128-512-channel VGG's fp32 convolutions 8-17 % on an H100, ``docs/results.md``).
+  alone (a 128-512-channel VGG's fp32 convolutions up to 17 % on an H100: scale 1.08-1.11,
+  ``docs/results.md``).
 * The first op takes the model input, which is not differentiated: it has no dlhs leg.
 * Gradients are all-reduced in buckets of at most ``bucket_bytes`` of fp32 weight gradients
   (``buckets``): one ``comm`` node per bucket, shared by all groups, starts when *every*

@@ -44,7 +44,7 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   of a 128-512-channel VGG's steps on an H100 (``benchmarks/step_ops.py``, ``docs/results.md``)
   showed why one remainder and this scale fit better than a remainder per activation precision:
   the rest of the step took 0.71-1.08 ms of kernels whatever the plan (fp32 0.78, all-bf16 0.71,
-  all-int8 1.08), while the fp32 convolutions ran 8-17 % longer in the step than alone. A
+  all-int8 1.08), while the fp32 convolutions ran up to 17 % longer in the step than alone. A
   remainder fitted as "fp32 step minus standalone ops" took that excess (1.5 ms) and handed it
   to every plan without 16-bit ops. Profiles written before this field held a second,
   16-bit remainder instead; they load refitted to the fit steps their meta records
@@ -102,7 +102,7 @@ FORMAT = "qsync-profile/1"
 QUANTIZED_FIT_PRESET = "int8"
 """The uniform preset whose step fits ``Profile.quantized_leg_scale``: every leg at int8."""
 SIXTEEN_BIT_FIT_PRESET = "bf16"
-"""The uniform preset whose step fits ``Profile.remainder_16bit_ms``: every leg at bf16."""
+"""The uniform preset whose step fits ``Profile.remainder_ms`` (then ``fp32_leg_scale`` on fp32): every leg at bf16."""
 
 
 @dataclasses.dataclass(frozen=True)
