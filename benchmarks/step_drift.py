@@ -1,0 +1,105 @@
+"""Does a training step's time depend on the process it runs in? Several executables of the same
+steps, timed round-robin, round by round.
+
+``benchmarks/predictor.py`` times its profile's fit steps (fp32, all-int8, all-bf16) and later
+its plans in one process; on an H100 ``vgg_wide``'s all-bf16 step came out at 1.45 ms in the
+first and 1.60-1.67 ms in the second (``docs/results.md``, thirteenth session). This benchmark
+compiles each of ``--presets`` ``--compiles`` times (each compile is its own executable, with
+its own state) plus ``--others`` once each, then times all of them round-robin
+(``planners.step.time_train_steps_interleaved``, the predictor's timing) and prints every
+round, so that a drift over the rounds, a slow executable, or a dependence on how many
+executables share the process shows. Each copy's median is reported against the first copy of
+its preset, measured in the same rounds.
+
+  python benchmarks/step_drift.py --model vgg_wide --presets bf16 --compiles 3 \
+      --others fp32 int8 --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from result_rows import append_rows, result_row
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
+from planners import step  # noqa: E402
+from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_drift.jsonl")
+
+
+def executables(presets, compiles: int, others) -> dict[str, PrecisionPolicy]:
+  """``{name: policy}``: ``<preset>#<i>`` for each of ``presets`` and ``i`` in 1..compiles, then
+  each of ``others`` once (``<preset>#1``)."""
+  names = [f"{p}#{i}" for p in presets for i in range(1, compiles + 1)]
+  names += [f"{p}#1" for p in others if p not in presets]
+  return {name: PrecisionPolicy.uniform(name.partition("#")[0]) for name in names}
+
+
+def rows_of(model, timed, device, clock, run=None) -> list[dict]:
+  """One row per executable: its median step (of the round medians) against the first copy of
+  its preset, with its round medians."""
+  out = []
+  for name, (ms, rounds, _) in timed.items():
+    first = timed[f"{name.partition('#')[0]}#1"][0]
+    extra = {"rounds": [float(r) for r in rounds], **({"run": run} if run else {})}
+    out.append(
+      result_row("step_drift", f"{model}/{name}", f"step_ms_{clock}_clock", ms, first, device, **extra)
+    )
+  return out
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default="mlp", help="a model of benchmarks/predictor.py")
+  ap.add_argument("--presets", nargs="+", default=["bf16"], help="compiled --compiles times each")
+  ap.add_argument("--compiles", type=int, default=2)
+  ap.add_argument("--others", nargs="*", default=["fp32", "int8"], help="compiled once each")
+  ap.add_argument("--rounds", type=int, default=6)
+  ap.add_argument("--repeats", type=int, default=20, help="steps per executable and round")
+  ap.add_argument("--clock", choices=["wall", "cpu", "pipelined"], help="default: as predictor.py's")
+  ap.add_argument("--run", help="a tag every row carries")
+  ap.add_argument("--results", default=RESULTS)
+  ap.add_argument("--no-save", action="store_true")
+  args = ap.parse_args(argv)
+  if args.compiles < 1 or args.rounds < 1:
+    raise SystemExit("--compiles and --rounds must be at least 1. Fix: pass a positive count.")
+  clock = args.clock or ("cpu" if jax.devices()[0].platform == "cpu" else step.default_step_clock())
+  task, batch_size = get_model(args.model)
+  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+  policies = executables(args.presets, args.compiles, args.others)
+  timed = step.time_train_steps_interleaved(
+    task,
+    policies,
+    batch,
+    args.repeats,
+    args.rounds,
+    clocks=(clock,),
+    progress=lambda m: print(f"# {m}", flush=True),
+  )[clock]
+  device = jax.devices()[0].device_kind
+  rows = rows_of(args.model, timed, device, clock, args.run)
+  print(f"\n{args.model} on {device}, {clock} clock, ms per step, {args.rounds} rounds")
+  print(f"{'executable':12s} {'median':>8s} {'vs #1':>7s} {'spread':>7s}  rounds")
+  for r in rows:
+    rounds = r["rounds"]
+    spread = 100 * (max(rounds) - min(rounds)) / float(np.median(rounds))
+    print(
+      f"{r['case'].partition('/')[2]:12s} {r['value']:8.3f} {r['ratio']:7.3f} {spread:6.1f}%  "
+      + " ".join(f"{x:.3f}" for x in rounds)
+    )
+  if not args.no_save:
+    append_rows(args.results, rows)
+    print(f"appended {len(rows)} rows to {args.results}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""``benchmarks/step_drift.py``: several executables of the same steps, timed round by round."""
+
+import json
+
+import numpy as np
+import pytest
+import step_drift
+
+
+def test_each_preset_is_compiled_as_often_as_asked_and_the_others_once():
+  got = step_drift.executables(["bf16"], 3, ["fp32", "bf16", "int8"])
+  assert list(got) == ["bf16#1", "bf16#2", "bf16#3", "fp32#1", "int8#1"]
+  assert {p.default.fwd for p in got.values()} == {"bf16", "fp32", "int8"}
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the timed step
+def test_the_script_times_every_executable_against_the_first_copy_of_its_preset(tmp_path, capsys):
+  results = tmp_path / "drift.jsonl"
+  argv = ["--presets", "bf16", "--compiles", "2", "--others", "fp32", "--rounds", "2", "--repeats", "2"]
+  assert step_drift.main([*argv, "--results", str(results), "--run", "t"]) == 0
+  rows = [json.loads(line) for line in results.read_text().splitlines()]
+  assert [r["case"] for r in rows] == ["mlp/bf16#1", "mlp/bf16#2", "mlp/fp32#1"]
+  by = {r["case"]: r for r in rows}
+  for r in rows:
+    assert len(r["rounds"]) == 2 and r["value"] == pytest.approx(float(np.median(r["rounds"])))
+    assert r["metric"] == "step_ms_cpu_clock" and r["run"] == "t"
+  assert by["mlp/bf16#1"]["ratio"] == 1.0 and by["mlp/fp32#1"]["ratio"] == 1.0
+  assert by["mlp/bf16#2"]["baseline"] == by["mlp/bf16#1"]["value"]
+  assert "bf16#2" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="at least 1"):
+    step_drift.main(["--compiles", "0", "--no-save"])
