@@ -75,7 +75,9 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
   for operands in ("fp32", "precast"):  # the fits: refitted to the recorded fp32, all-int8, all-bf16 steps
     for fit in ("fp32", "int8", "bf16"):
       assert predicted[(fit, operands)] == pytest.approx(scaled[fit], rel=1e-6)
-  assert predicted[("int8", "fp32")] == predicted[("int8", "precast")]  # all-int8 is not precast
+  # all-int8 is not precast: both fitted to the same step. Equal up to rounding, not bit for
+  # bit: its scale is fitted on the remainder of the all-bf16 step, whose programs differ
+  assert predicted[("int8", "fp32")] == pytest.approx(predicted[("int8", "precast")], rel=1e-9)
   summary = [r for r in rows if r["metric"] == "abs_rel_error" and r.get("run") == "replay-r"]
   assert [(r["operands"], r["clock"], r["refit"]) for r in summary] == [
     ("fp32", "wall", True),
