@@ -307,7 +307,8 @@ def main(argv=None):
         out.append(row_json(model, case, "peak_bytes", mem, peak, device))
       if "(fit)" in case:  # its measured step, for offline refits; no step prediction to score
         out.append(
-          row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device) | {"fit": True}
+          row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device)
+          | {"fit": True, "rounds": round_medians}
         )
         continue
       if precast is not None:

@@ -20,6 +20,9 @@ def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path
   as_profiled = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock" and not r.get("fit")}
   fits = {r["case"] for r in rows if r.get("fit")}
   assert fits == {"mlp/fp32 (fit)", "mlp/int8 (fit)", "mlp/bf16 (fit)"}  # their steps, for offline refits
+  for r in rows:  # with their round medians, as the evaluated plans' (a drift shows per round)
+    if r.get("fit") and r["metric"] == "step_ms_cpu_clock":
+      assert len(r["rounds"]) == 2 and r["baseline"] == pytest.approx(sum(r["rounds"]) / 2)
   refit = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock_refit"}
   plans = predictor.plans(["Dense_0:dense", "Dense_1:dense"])
   evaluated = {f"mlp/{case}" for case in plans if case not in ("int8", "bf16")}
