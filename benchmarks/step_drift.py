@@ -9,7 +9,8 @@ its own state) plus ``--others`` once each, then times all of them round-robin
 (``planners.step.time_train_steps_interleaved``, the predictor's timing) and prints every
 round, so that a drift over the rounds, a slow executable, or a dependence on how many
 executables share the process shows. Each copy's median is reported against the first copy of
-its preset, measured in the same rounds.
+its preset, measured in the same rounds. On a GPU each round's line also gives the GPU's SM
+clock, power and temperature after it (``nvidia-smi``), so that a clock or thermal drift shows.
 
   python benchmarks/step_drift.py --model vgg_wide --presets bf16 --compiles 3 \
       --others fp32 int8 --rounds 10
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 import jax
@@ -41,6 +43,23 @@ def executables(presets, compiles: int, others) -> dict[str, PrecisionPolicy]:
   names = [f"{p}#{i}" for p in presets for i in range(1, compiles + 1)]
   names += [f"{p}#1" for p in others if p not in presets]
   return {name: PrecisionPolicy.uniform(name.partition("#")[0]) for name in names}
+
+
+def gpu_state() -> str:
+  """The GPU's SM clock, power draw and temperature now (``nvidia-smi``), or ``""`` where there
+  is no ``nvidia-smi``."""
+  query = "--query-gpu=clocks.sm,power.draw,temperature.gpu"
+  try:
+    done = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True)
+  except OSError:
+    return ""
+  return done.stdout.strip().replace("\n", " / ")
+
+
+def progress(message: str) -> None:
+  """Prints a timing progress line; a finished round's with ``gpu_state``."""
+  state = gpu_state() if message.startswith("round") else ""
+  print(f"# {message}" + (f" | GPU {state}" if state else ""), flush=True)
 
 
 def rows_of(model, timed, device, clock, run=None) -> list[dict]:
@@ -82,7 +101,7 @@ def main(argv=None) -> int:
     args.repeats,
     args.rounds,
     clocks=(clock,),
-    progress=lambda m: print(f"# {m}", flush=True),
+    progress=progress,
   )[clock]
   device = jax.devices()[0].device_kind
   rows = rows_of(args.model, timed, device, clock, args.run)

@@ -1,6 +1,7 @@
 """``benchmarks/step_drift.py``: several executables of the same steps, timed round by round."""
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -26,6 +27,26 @@ def test_the_script_times_every_executable_against_the_first_copy_of_its_preset(
     assert r["metric"] == "step_ms_cpu_clock" and r["run"] == "t"
   assert by["mlp/bf16#1"]["ratio"] == 1.0 and by["mlp/fp32#1"]["ratio"] == 1.0
   assert by["mlp/bf16#2"]["baseline"] == by["mlp/bf16#1"]["value"]
-  assert "bf16#2" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "bf16#2" in out and "# round 2/2" in out
   with pytest.raises(SystemExit, match="at least 1"):
     step_drift.main(["--compiles", "0", "--no-save"])
+
+
+def test_a_round_line_carries_the_gpu_state_where_nvidia_smi_answers(monkeypatch, capsys):
+  def no_smi(*args, **kwargs):
+    raise OSError("nvidia-smi: not found")
+
+  monkeypatch.setattr(step_drift.subprocess, "run", no_smi)
+  assert step_drift.gpu_state() == ""
+  step_drift.progress("round 1/2, cpu: bf16#1 1.50")
+  monkeypatch.setattr(
+    step_drift.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="1980 MHz, 400.1 W, 45\n")
+  )
+  step_drift.progress("round 2/2, pipelined: bf16#1 1.50")
+  step_drift.progress("compiled bf16#1")  # not a round: no query
+  assert capsys.readouterr().out.splitlines() == [
+    "# round 1/2, cpu: bf16#1 1.50",
+    "# round 2/2, pipelined: bf16#1 1.50 | GPU 1980 MHz, 400.1 W, 45",
+    "# compiled bf16#1",
+  ]
