@@ -22,7 +22,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 from result_rows import append_rows, result_row
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,7 +58,7 @@ def by_category(run, repeats: int = 5) -> dict[str, tuple[float, float]]:
 
 def policy_categories(task, batch_size: int, policy: str, say) -> dict[str, dict]:
   """``{"step": {...}, "programs": {...}}`` of ``policy`` (``by_category``)."""
-  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+  batch = step.device_batch(task, batch_size)
   run, _ = step.compiled_train_step(task, PrecisionPolicy.uniform(policy), batch)
   for _ in range(3):
     jax.block_until_ready(run())

@@ -40,7 +40,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,7 +81,7 @@ def evaluation_policies(op_names, mixed: bool) -> dict[str, PrecisionPolicy]:
 
 def qsync_policy(task, prof, batch_size: int, say) -> PrecisionPolicy:
   """The allocator's plan for an inference group next to a bf16 training group (same GPU)."""
-  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+  batch = step.device_batch(task, batch_size)
   variables = step.init_variables(task, batch, 0)
   stream = task.train_batches(batch_size, 2)
   t0 = time.perf_counter()
@@ -204,7 +203,7 @@ def main(argv=None) -> int:
   for model in args.models:
     task, batch_size = get_model(model)
     batch_size = args.batch or batch_size
-    batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+    batch = step.device_batch(task, batch_size)
     measured = {clock: {} for clock in args.clocks}  # clock -> policy -> (ms, spread ms, XLA peak)
 
     def measure(policies):

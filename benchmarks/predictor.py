@@ -39,7 +39,6 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from result_rows import append_rows, result_row
@@ -89,6 +88,12 @@ def mlp_task(features: int = 512, hidden: int = 1024) -> Task:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), {}
 
   return Task("mlp", MLP(hidden), lambda b: (b["x"],), loss, batches)
+
+
+def measured_clock(requested: str | None = None) -> str:
+  """The clock every timing of a benchmark run uses: ``requested``, else process CPU time on a
+  CPU host (shared with other work) and ``step.default_step_clock()`` on an accelerator."""
+  return requested or ("cpu" if jax.devices()[0].platform == "cpu" else step.default_step_clock())
 
 
 def get_model(name: str) -> tuple[Task, int]:
@@ -240,14 +245,14 @@ def main(argv=None):
   )
   args = ap.parse_args(argv)
   device = jax.devices()[0].device_kind
-  clock = args.clock or ("cpu" if jax.devices()[0].platform == "cpu" else step.default_step_clock())
+  clock = measured_clock(args.clock)
   rows, out, refitted, precast_errors = [], [], [], []
   for model in args.models:
     task, batch_size = get_model(model)
     prof = model_profile(model, task, batch_size, clock, args)
     precast = with_precast_policies(prof, repeats=args.profile_repeats) if args.precast else None
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
-    batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+    batch = step.device_batch(task, batch_size)
     fit = fit_presets(prof)
     if args.refit:
       fit = tuple(dict.fromkeys(("fp32", QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET, *fit)))

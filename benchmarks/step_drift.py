@@ -24,13 +24,12 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from result_rows import append_rows, result_row
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
+from benchmarks.predictor import get_model, measured_clock  # noqa: E402  (run as a script from the repo root)
 from planners import step  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 
@@ -90,9 +89,9 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if args.compiles < 1 or args.rounds < 1:
     raise SystemExit("--compiles and --rounds must be at least 1. Fix: pass a positive count.")
-  clock = args.clock or ("cpu" if jax.devices()[0].platform == "cpu" else step.default_step_clock())
+  clock = measured_clock(args.clock)
   task, batch_size = get_model(args.model)
-  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+  batch = step.device_batch(task, batch_size)
   policies = executables(args.presets, args.compiles, args.others)
   timed = step.time_train_steps_interleaved(
     task,

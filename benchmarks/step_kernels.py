@@ -26,7 +26,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from result_rows import append_rows, result_row
 
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
   )
   for model in args.models:
     task, batch_size = get_model(model)
-    batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+    batch = step.device_batch(task, batch_size)
     base = {}
     for name in args.policies:
       t0 = time.perf_counter()

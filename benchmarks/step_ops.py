@@ -33,7 +33,6 @@ import json  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -87,7 +86,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out")
   args = ap.parse_args(argv)
   task, batch_size = get_model(args.model)
-  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, 1)))
+  batch = step.device_batch(task, batch_size)
   ops = task_ops(task, batch_size)[2]
   prof = Profile.load(args.profile) if args.profile else None
   every = {"fp32": PrecisionPolicy.uniform("fp32"), **plans([op.name for op in ops])}

@@ -81,7 +81,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from planners import catalog, memtrace, step, steptrace
 from planners.casts import CAST_TYPES, CastModel, measure_casts, modeled_cast
@@ -251,7 +250,7 @@ def local_device_type() -> str:
 def task_ops(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, tuple[OpShape, ...]]:
   """``(batch, variables, ops)``: a training batch of ``task``, its initial variables and the
   quantizable ops its training-mode ``apply`` calls (``collect_ops``; traced, not run)."""
-  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_per_device, seed)))
+  batch = step.device_batch(task, batch_per_device, seed)
   variables = step.init_variables(task, batch, seed)
   kwargs = {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
   return batch, variables, tuple(collect_ops(task.model, variables, *task.inputs(batch), **kwargs))

@@ -310,6 +310,13 @@ def _scale_to(
   return scale, None
 
 
+def _with_clip(meta: dict, step_key: str, step_ms: float, clip_key: str, floor: float | None) -> dict:
+  """``meta`` recording the fit step (``step_key``) and, where ``_scale_to`` clipped the scale at
+  0, its ``floor`` (``clip_key``; a stale one dropped)."""
+  out = {k: v for k, v in meta.items() if k != clip_key}
+  return {**out, step_key: step_ms, **({clip_key: floor} if floor is not None else {})}
+
+
 def refit_quantized_leg_scale(
   cluster: ClusterSpec, profile: Profile, step_ms: float, **predict_kwargs
 ) -> Profile:
@@ -324,10 +331,7 @@ def refit_quantized_leg_scale(
   )
   if scale is None:  # no int8 op in the plan
     return profile
-  meta = {**profile.meta, "quantized_fit_step_ms": step_ms}
-  meta.pop("quantized_leg_scale_clipped", None)
-  if floor is not None:
-    meta["quantized_leg_scale_clipped"] = floor
+  meta = _with_clip(profile.meta, "quantized_fit_step_ms", step_ms, "quantized_leg_scale_clipped", floor)
   return dataclasses.replace(profile, quantized_leg_scale=scale, meta=meta)
 
 
@@ -344,10 +348,7 @@ def refit_16bit_remainder(
   draft = dataclasses.replace(profile.with_remainder(0.0), fp32_leg_scale=1.0)
   out = draft.with_remainder(_rest_to(cluster, draft, SIXTEEN_BIT_FIT_PRESET, step_ms, **predict_kwargs))
   scale, floor = _scale_to(cluster, out, "fp32_leg_scale", "fp32", fp32_ms, **predict_kwargs)
-  meta = {**profile.meta, "sixteen_bit_fit_step_ms": step_ms}
-  meta.pop("fp32_leg_scale_clipped", None)
-  if floor is not None:
-    meta["fp32_leg_scale_clipped"] = floor
+  meta = _with_clip(profile.meta, "sixteen_bit_fit_step_ms", step_ms, "fp32_leg_scale_clipped", floor)
   return dataclasses.replace(out, fp32_leg_scale=1.0 if scale is None else scale, meta=meta)
 
 

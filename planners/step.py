@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -31,6 +32,12 @@ def default_optimizer() -> optax.GradientTransformation:
 def tree_bytes(tree) -> int:
   """Bytes of every array leaf of ``tree``."""
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")))
+
+
+def device_batch(task: Task, batch_size: int, seed: int = 1):
+  """The first training batch of ``task`` at ``batch_size`` (drawn with ``seed``), as device
+  arrays: what a step is compiled and timed on."""
+  return jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, seed)))
 
 
 def init_variables(task: Task, batch, seed: int = 0):
