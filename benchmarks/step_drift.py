@@ -63,15 +63,50 @@ def progress(message: str) -> None:
 
 def rows_of(model, timed, device, clock, run=None) -> list[dict]:
   """One row per executable: its median step (of the round medians) against the first copy of
-  its preset, with its round medians."""
+  its preset over the same rounds (a late copy ran the last rounds alone), with its round
+  medians."""
   out = []
   for name, (ms, rounds, _) in timed.items():
-    first = timed[f"{name.partition('#')[0]}#1"][0]
+    first_rounds = timed[f"{name.partition('#')[0]}#1"][1][-len(rounds) :]
     extra = {"rounds": [float(r) for r in rounds], **({"run": run} if run else {})}
     out.append(
-      result_row("step_drift", f"{model}/{name}", f"step_ms_{clock}_clock", ms, first, device, **extra)
+      result_row(
+        "step_drift",
+        f"{model}/{name}",
+        f"step_ms_{clock}_clock",
+        ms,
+        float(np.median(first_rounds)),
+        device,
+        **extra,
+      )
     )
   return out
+
+
+def timed_with_late_copies(task, policies, batch, args) -> dict[str, tuple[float, list[float], int | None]]:
+  """As ``step.time_train_steps_interleaved`` on ``args``'s clock, with one more copy of each of
+  ``args.presets`` (``<preset>#late``) compiled after the first half of the rounds and timed in
+  the second half beside the others."""
+  clock = measured_clock(args.clock)
+  compiled = {name: step.compiled_train_step(task, pol, batch) for name, pol in policies.items()}
+  first = args.rounds // 2
+  medians = step.time_round_robin(
+    {n: run for n, (run, _) in compiled.items()}, args.repeats, first, (clock,), progress, 1, args.rounds
+  )[clock]
+  for preset in args.presets:
+    compiled[f"{preset}#late"] = step.compiled_train_step(task, PrecisionPolicy.uniform(preset), batch)
+    progress(f"compiled {preset}#late")
+  later = step.time_round_robin(
+    {n: run for n, (run, _) in compiled.items()},
+    args.repeats,
+    args.rounds - first,
+    (clock,),
+    progress,
+    first + 1,
+    args.rounds,
+  )[clock]
+  rounds = {name: medians.get(name, []) + later[name] for name in compiled}
+  return {name: (float(np.median(r)), r, compiled[name][1]) for name, r in rounds.items()}
 
 
 def main(argv=None) -> int:
@@ -83,25 +118,37 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds", type=int, default=6)
   ap.add_argument("--repeats", type=int, default=20, help="steps per executable and round")
   ap.add_argument("--clock", choices=["wall", "cpu", "pipelined"], help="default: as predictor.py's")
+  ap.add_argument(
+    "--late",
+    action="store_true",
+    help="compile one more copy of each of --presets (<preset>#late) after half the rounds: one that "
+    "starts fast beside slow earlier copies says the drift follows the steps an executable has taken",
+  )
   ap.add_argument("--run", help="a tag every row carries")
   ap.add_argument("--results", default=RESULTS)
   ap.add_argument("--no-save", action="store_true")
   args = ap.parse_args(argv)
-  if args.compiles < 1 or args.rounds < 1:
-    raise SystemExit("--compiles and --rounds must be at least 1. Fix: pass a positive count.")
+  if args.compiles < 1 or args.rounds < (2 if args.late else 1):
+    raise SystemExit(
+      "--compiles must be at least 1 and --rounds at least 1 (2 with --late). Fix: pass larger counts."
+    )
   clock = measured_clock(args.clock)
   task, batch_size = get_model(args.model)
   batch = step.device_batch(task, batch_size)
   policies = executables(args.presets, args.compiles, args.others)
-  timed = step.time_train_steps_interleaved(
-    task,
-    policies,
-    batch,
-    args.repeats,
-    args.rounds,
-    clocks=(clock,),
-    progress=progress,
-  )[clock]
+  timed = (
+    timed_with_late_copies(task, policies, batch, args)
+    if args.late
+    else step.time_train_steps_interleaved(
+      task,
+      policies,
+      batch,
+      args.repeats,
+      args.rounds,
+      clocks=(clock,),
+      progress=progress,
+    )[clock]
+  )
   device = jax.devices()[0].device_kind
   rows = rows_of(args.model, timed, device, clock, args.run)
   print(f"\n{args.model} on {device}, {clock} clock, ms per step, {args.rounds} rounds")

@@ -216,17 +216,37 @@ def time_train_steps_interleaved(
       continue
     if progress:
       progress(f"compiled {name}")
+  medians = time_round_robin(
+    {name: run for name, (run, _) in runs.items()}, repeats, rounds, clocks, progress
+  )
+  return {
+    clock: {name: (float(np.median(m)), m, runs[name][1]) for name, m in by_name.items()}
+    for clock, by_name in medians.items()
+  }
+
+
+def time_round_robin(
+  runs: dict[str, Callable[[], object]],
+  repeats: int,
+  rounds: int,
+  clocks: Sequence[str] = ("wall",),
+  progress: Callable[[str], None] | None = None,
+  first_round: int = 1,
+  total_rounds: int | None = None,
+) -> dict[str, dict[str, list[float]]]:
+  """``{clock: {name: [round medians]}}``: each of ``runs`` timed ``repeats`` times
+  (``timed_ms``) per round and clock, round-robin over ``rounds`` rounds; ``progress`` gets one
+  line per round and clock, numbered from ``first_round`` of ``total_rounds`` (default: these
+  rounds alone)."""
+  total_rounds = total_rounds or first_round - 1 + rounds
   medians = {clock: {name: [] for name in runs} for clock in clocks}
-  for r in range(rounds):
-    for name, (run, _) in runs.items():
+  for r in range(first_round, first_round + rounds):
+    for name, run in runs.items():
       for clock in clocks:
         medians[clock][name].append(timed_ms(run, repeats, clock=clock)[0])
     if progress:
       for clock, by_name in medians.items():
         progress(
-          f"round {r + 1}/{rounds}, {clock}: " + ", ".join(f"{n} {m[-1]:.2f}" for n, m in by_name.items())
+          f"round {r}/{total_rounds}, {clock}: " + ", ".join(f"{n} {m[-1]:.2f}" for n, m in by_name.items())
         )
-  return {
-    clock: {name: (float(np.median(m)), m, runs[name][1]) for name, m in by_name.items()}
-    for clock, by_name in medians.items()
-  }
+  return medians

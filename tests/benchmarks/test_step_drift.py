@@ -50,3 +50,20 @@ def test_a_round_line_carries_the_gpu_state_where_nvidia_smi_answers(monkeypatch
     "# round 2/2, pipelined: bf16#1 1.50 | GPU 1980 MHz, 400.1 W, 45",
     "# compiled bf16#1",
   ]
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the timed step
+def test_a_late_copy_runs_the_second_half_of_the_rounds_against_the_first_copy_in_them(tmp_path, capsys):
+  results = tmp_path / "drift.jsonl"
+  argv = ["--presets", "bf16", "--compiles", "1", "--others", "--rounds", "3", "--repeats", "2", "--late"]
+  assert step_drift.main([*argv, "--results", str(results)]) == 0
+  by = {r["case"]: r for r in map(json.loads, results.read_text().splitlines())}
+  assert list(by) == ["mlp/bf16#1", "mlp/bf16#late"]
+  first, late = by["mlp/bf16#1"], by["mlp/bf16#late"]
+  assert len(first["rounds"]) == 3 and len(late["rounds"]) == 2  # compiled after round 1 of 3
+  assert late["baseline"] == pytest.approx(float(np.median(first["rounds"][1:])))
+  out = capsys.readouterr().out
+  assert "# compiled bf16#late" in out and "# round 1/3" in out and "# round 3/3" in out
+  assert out.index("# round 1/3") < out.index("# compiled bf16#late") < out.index("# round 2/3")
+  with pytest.raises(SystemExit, match="2 with --late"):
+    step_drift.main(["--rounds", "1", "--late", "--no-save"])

@@ -51,3 +51,12 @@ def test_interleaved_steps_are_timed_on_every_clock_over_every_round():
       assert len(medians) == 3 and ms == sorted(medians)[1] and ms > 0
       assert peak is None or peak > 0
   assert sum(m.startswith("round 3/3") for m in seen) == 2  # one progress line per clock
+
+
+def test_round_robin_numbers_its_rounds_within_a_longer_run():
+  order, seen = [], []
+  runs = {name: (lambda name=name: order.append(name)) for name in ("a", "b")}
+  out = step.time_round_robin(runs, 2, 2, progress=seen.append, first_round=3, total_rounds=4)
+  assert list(out) == ["wall"] and {n: len(m) for n, m in out["wall"].items()} == {"a": 2, "b": 2}
+  assert order == ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4  # 2 warm-up + 2 timed per round
+  assert [line.split(",")[0] for line in seen] == ["round 3/4", "round 4/4"]
