@@ -23,7 +23,7 @@ plans (``planners.replay.refit_profile``; they stay the only fit plans): on a sh
 same fp32 step has measured 49–67 ms in different minutes, and the profile's one fit timing
 carries that drift into every prediction.
 
-  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats 20] [--rounds 3] [--refit] [--precast]
+  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats N] [--rounds 3] [--refit] [--precast]
 
 On a GPU, the GPU-sized models and saved profiles (a profile cut short resumes):
 
@@ -209,7 +209,9 @@ def row_json(model, case, metric, value, baseline, device):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["mlp", "lm", "vgg"])
-  ap.add_argument("--repeats", type=int, default=20, help="timed repeats of each step (median)")
+  ap.add_argument(
+    "--repeats", type=int, help="timed repeats of each step (default: step.default_step_repeats of the clock)"
+  )
   ap.add_argument("--profile-repeats", type=int, default=10)
   ap.add_argument(
     "--clock",
@@ -246,6 +248,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   device = jax.devices()[0].device_kind
   clock = measured_clock(args.clock)
+  args.repeats = args.repeats or step.default_step_repeats(clock)
   rows, out, refitted, precast_errors = [], [], [], []
   for model in args.models:
     task, batch_size = get_model(model)

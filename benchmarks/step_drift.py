@@ -116,7 +116,11 @@ def main(argv=None) -> int:
   ap.add_argument("--compiles", type=int, default=2)
   ap.add_argument("--others", nargs="*", default=["fp32", "int8"], help="compiled once each")
   ap.add_argument("--rounds", type=int, default=6)
-  ap.add_argument("--repeats", type=int, default=20, help="steps per executable and round")
+  ap.add_argument(
+    "--repeats",
+    type=int,
+    help="steps per executable and round (default: step.default_step_repeats of the clock)",
+  )
   ap.add_argument("--clock", choices=["wall", "cpu", "pipelined"], help="default: as predictor.py's")
   ap.add_argument(
     "--late",
@@ -133,6 +137,7 @@ def main(argv=None) -> int:
       "--compiles must be at least 1 and --rounds at least 1 (2 with --late). Fix: pass larger counts."
     )
   clock = measured_clock(args.clock)
+  args.repeats = args.repeats or step.default_step_repeats(clock)
   task, batch_size = get_model(args.model)
   batch = step.device_batch(task, batch_size)
   policies = executables(args.presets, args.compiles, args.others)

@@ -274,7 +274,7 @@ def measure_profile(
   batch_per_device: int,
   precisions: Sequence[str] | None = None,
   repeats: int = 10,
-  step_repeats: int = 20,
+  step_repeats: int | None = None,
   progress: Callable[[str], None] | None = None,
   seed: int = 0,
   cast_sizes: Sequence[int] = (2**14, 2**16, 2**18, 2**20),
@@ -322,6 +322,7 @@ def measure_profile(
   precisions = tuple(precisions or supported_precisions(device_type))
   batch, variables, ops = task_ops(task, batch_per_device, seed)
   step_clock = clock or step.default_step_clock()
+  step_repeats = step_repeats or step.default_step_repeats(step_clock)
   clock, overhead = standalone_clock(op_clock, step_clock)  # from here on: the standalone programs
   say(
     f"{len(ops)} quantizable ops; standalone programs on the {clock} clock, dispatch overhead {overhead:.3f} ms"

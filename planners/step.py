@@ -105,6 +105,12 @@ training loop runs its steps (``qsync_jax.trainer`` keeps one step in flight): t
 dispatches a call while the device runs the one before. The ``wall`` clock waits for every
 call, so it also counts the device's idle time between a call's end and the next one's first
 kernel — about 2 ms per step of a 4-layer LM on an H100, where the step's kernels take 2.7 ms."""
+PIPELINE_WINDOW = 10
+"""Calls per sample on ``PIPELINED_CLOCK``. A step whose host dispatch takes nearly as long as
+its kernels (an H100 launches ``vgg_wide``'s bf16 step's kernels in about 1.0-1.4 ms; they run
+1.42 ms) turns host-bound while the host stalls: one window of 20 such steps took 2.4-3.0 ms
+per step where its neighbours took 1.45. The median over windows leaves such stalls out; one
+window per round let them through (``docs/results.md``, fourteenth session)."""
 DEVICE_CLOCK = "device"
 """The GPU kernel time of a program: what a standalone op costs inside a step whose kernels
 run back to back. Wall time of a standalone call adds its dispatch, launch and wait (~50 µs
@@ -118,22 +124,33 @@ def default_step_clock() -> str:
   return PIPELINED_CLOCK if jax.devices()[0].platform == "gpu" else "wall"
 
 
+def default_step_repeats(clock: str) -> int:
+  """Timed training steps per measurement unless told: ten windows on ``PIPELINED_CLOCK``, 20
+  steps on the per-call clocks."""
+  return 10 * PIPELINE_WINDOW if clock == PIPELINED_CLOCK else 20
+
+
 def timed_ms(
   fn: Callable[[], object], repeats: int, warmup: int = 2, clock: str = "wall"
 ) -> tuple[float, list[float]]:
   """``(median, all samples)``: time of ``fn()`` in ms on ``clock``, blocking on its result.
   On ``DEVICE_CLOCK`` the one sample is the mean kernel time per call over ``repeats`` calls;
-  on ``PIPELINED_CLOCK`` it is the wall time of ``repeats`` calls dispatched back to back (one
-  wait, for the last call's result) divided by ``repeats``."""
+  on ``PIPELINED_CLOCK`` the calls run in windows of ``PIPELINE_WINDOW`` (one window where
+  ``repeats`` is smaller; ``repeats`` rounded down to whole windows), and a window's sample is
+  its wall time, its calls dispatched back to back and its last call's result waited for,
+  divided by its calls."""
   for _ in range(warmup):
     jax.block_until_ready(fn())
   if clock == PIPELINED_CLOCK:
-    t0 = time.perf_counter()
-    for _ in range(repeats - 1):
-      fn()
-    jax.block_until_ready(fn())
-    ms = 1e3 * (time.perf_counter() - t0) / repeats
-    return ms, [ms]
+    window = min(repeats, PIPELINE_WINDOW)
+    samples = []
+    for _ in range(max(repeats // window, 1)):
+      t0 = time.perf_counter()
+      for _ in range(window - 1):
+        fn()
+      jax.block_until_ready(fn())
+      samples.append(1e3 * (time.perf_counter() - t0) / window)
+    return float(np.median(samples)), samples
   if clock == DEVICE_CLOCK:
     from planners.steptrace import device_kernel_ms  # steptrace builds on this module
 
