@@ -58,6 +58,25 @@ def run_rows(path: str, run: str) -> dict[str, dict[str, dict]]:
   return out
 
 
+def with_in_step_table(prof: Profile, path: str) -> Profile:
+  """``prof`` with ``quantized_in_step_ms`` from a ``benchmarks/step_ops.py`` table of the same
+  model: its all-int8 plan's ``<op>|fwd`` and ``<op>|bwd`` entries (ops by short name), as the
+  profiler now traces them itself (``planners.steptrace.op_leg_ms``)."""
+  with open(path) as f:
+    tables = json.load(f)
+  if QUANTIZED_FIT_PRESET not in tables:
+    raise SystemExit(
+      f"{path} has no {QUANTIZED_FIT_PRESET!r} plan (it has {sorted(tables)}). "
+      f"Fix: trace it with benchmarks/step_ops.py --plans {QUANTIZED_FIT_PRESET}."
+    )
+  table = tables[QUANTIZED_FIT_PRESET]
+  traced = {
+    op.name: {leg: float(table.get(f"{op.name.split(':')[0]}|{leg}", 0.0)) for leg in ("fwd", "bwd")}
+    for op in prof.ops
+  }
+  return dataclasses.replace(prof, quantized_in_step_ms=traced)
+
+
 def replay_model(prof: Profile, measured: dict[str, dict], sixteen_bit: bool) -> list[tuple]:
   """``[(plan, step fitted?, predicted ms, measured ms, memory fitted?, predicted bytes, XLA
   bytes)]`` of one model."""
@@ -104,10 +123,18 @@ def main(argv=None) -> int:
     action="store_true",
     help="refit to fp32 and all-int8 only (the remainder on fp32, no fp32 leg scale)",
   )
+  ap.add_argument(
+    "--in-step",
+    nargs="+",
+    default=[],
+    metavar="MODEL=TABLE",
+    help="give MODEL's profile the per-op all-int8 step times of a benchmarks/step_ops.py table",
+  )
   ap.add_argument("--tag", help="the rows' run tag (default: replay-<run>)")
   ap.add_argument("--results", default=RESULTS)
   ap.add_argument("--no-save", action="store_true")
   args = ap.parse_args(argv)
+  in_step = dict(spec.partition("=")[::2] for spec in args.in_step)
   measured = run_rows(args.results, args.run)
   if not measured:
     raise SystemExit(f"no rows of run {args.run!r} in {args.results}. Fix: pass a run tag of that file.")
@@ -117,6 +144,8 @@ def main(argv=None) -> int:
   )
   for model in args.models or sorted(measured):
     prof = Profile.load(os.path.join(args.profile_dir, f"{model}.json"))
+    if model in in_step:
+      prof = with_in_step_table(prof, in_step[model])
     for plan, fit, pred, meas, memory_fit, mem, peak in replay_model(
       prof, measured[model], not args.no_16bit
     ):
@@ -142,14 +171,25 @@ def main(argv=None) -> int:
       None,
       device,
       run=tag,
-    ),
-    result_row(
-      "predictor", "all/mean_abs_memory_error", "abs_rel_error", float(np.mean(m_err)), None, device, run=tag
-    ),
+    )
   ]
+  memory = "no XLA peaks"
+  if m_err:  # a run may log no peaks (e.g. a backend without memory analysis)
+    summary.append(
+      result_row(
+        "predictor",
+        "all/mean_abs_memory_error",
+        "abs_rel_error",
+        float(np.mean(m_err)),
+        None,
+        device,
+        run=tag,
+      )
+    )
+    memory = f"mean {100 * np.mean(m_err):.1f} %, max {100 * np.max(m_err):.1f} %"
   print(
     f"\n{len(t_err)} evaluation plans: step |error| mean {100 * np.mean(t_err):.1f} %, max {100 * np.max(t_err):.1f} %; "
-    f"memory ({len(m_err)} plans but its fits) mean {100 * np.mean(m_err):.1f} %, max {100 * np.max(m_err):.1f} %"
+    f"memory ({len(m_err)} plans but its fits) {memory}"
   )
   if not args.no_save:
     append_rows(args.results, rows + summary)

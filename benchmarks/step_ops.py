@@ -30,7 +30,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-from collections import defaultdict  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -44,37 +43,15 @@ from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_kernels")
 
 
-def gpu_instruction_ms(run, repeats: int) -> tuple[dict[str, float], float]:
-  """``({instruction: kernel ms per step}, kernel ms per step)`` of ``repeats`` calls of ``run``
-  on the first GPU (``steptrace.kernels_by`` over each kernel's ``hlo_op``); empty without one."""
-  events = [{**e, "name": e.get("args", {}).get("hlo_op", "")} for e in steptrace.traced_events(run, repeats)]
-  by_instruction = {name: ms for name, (ms, _) in steptrace.kernels_by(events, repeats).items()}
-  return by_instruction, sum(by_instruction.values())
-
-
-def per_op_ms(hlo: str, instruction_ms: dict[str, float], ops) -> dict[str, float]:
-  """``{"<op>|fwd" / "<op>|bwd" / "rest|…": ms}``: each instruction's time charged to the op its
-  name stack names (``steptrace.op_of``; ``bwd`` under ``transpose(``), else to ``rest``."""
-  names = {ins.name: ins.op_name for ins in steptrace.entry_instructions(hlo)}
-  out: dict[str, float] = defaultdict(float)
-  for instruction, ms in instruction_ms.items():
-    stack = names.get(instruction, "")
-    op = steptrace.op_of(stack, ops) if stack else None
-    short = op.name.split(":")[0] if op else "rest"
-    out[f"{short}|{'bwd' if 'transpose(' in stack else 'fwd'}"] += ms
-  return dict(out)
-
-
-def traced_step(task, policy, batch, repeats: int) -> tuple[str, dict[str, float], float]:
-  """``(module text, {instruction: ms per step}, ms per step)`` of the training step under
-  ``policy``: GPU kernels, else XLA:CPU's per-instruction events (``step_instruction_ms``)."""
-  if jax.devices()[0].platform != "gpu":
-    hlo, instruction_ms = steptrace.step_instruction_ms(task, policy, batch, repeats)
-    return hlo, instruction_ms, sum(instruction_ms.values())
-  compiled, run = step.compile_train_step(task, policy, batch)
-  jax.block_until_ready(run())  # warm-up
-  instruction_ms, total = gpu_instruction_ms(lambda: jax.block_until_ready(run()), repeats)
-  return compiled.as_text(), instruction_ms, total
+def flat_per_op_ms(hlo: str, instruction_ms: dict[str, float], ops) -> dict[str, float]:
+  """``{"<op>|fwd" / "<op>|bwd" / "rest|…": ms}`` (the op's short name; legs with time only):
+  ``steptrace.per_op_ms`` flattened, as this benchmark's tables write it."""
+  return {
+    f"{name.split(':')[0]}|{leg}": ms
+    for name, legs in steptrace.per_op_ms(hlo, instruction_ms, ops).items()
+    for leg, ms in legs.items()
+    if ms
+  }
 
 
 def main(argv=None) -> int:
@@ -96,8 +73,8 @@ def main(argv=None) -> int:
     raise SystemExit(f"unknown plans {unknown}. Fix: choose from {sorted(every)}.")
   result = {}
   for name in names:
-    hlo, instruction_ms, total = traced_step(task, every[name], batch, args.repeats)
-    result[name] = {**per_op_ms(hlo, instruction_ms, ops), "total": total}
+    hlo, instruction_ms, total = steptrace.traced_step(task, every[name], batch, args.repeats)
+    result[name] = {**flat_per_op_ms(hlo, instruction_ms, ops), "total": total}
     print(f"# {args.model} {name}: {total:.3f} ms traced", flush=True)
   device = jax.devices()[0].device_kind
   shorts = [op.name.split(":")[0] for op in ops] + ["rest"]

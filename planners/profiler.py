@@ -37,18 +37,26 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   passes the standalone programs run alone (on an H100 the all-int8 step of a BERT-base-wide
   LM ran 12 fewer quantize kernels than its ops' programs, one per input read by several
   ops, and 0.9 ms less elementwise and reduction work beyond them, ``docs/results.md``).
-  1.0 when not fitted (no int8 profiled, modeled profiles, older profiles).
+  1.0 when not fitted (no int8 profiled, modeled profiles, older profiles). Where the profile
+  has ``quantized_in_step_ms`` for an op, it scales that op's gradient legs only.
+* ``quantized_in_step_ms`` — per op, its forward and gradient time inside the all-int8 step,
+  from a trace of that step, each instruction charged to its op (``steptrace.op_leg_ms``). An
+  op's quantized legs take its ratio to their standalone time (``graph.in_step``): on an H100 a
+  VGG's int8 convolutions ran their forward 0.9-1.8x and their backward 0.6-1.3x their
+  standalone times, so one scale missed plans with quantized forward legs only by 7-11 %
+  (``docs/results.md``, fourteenth session). Traced where the ops are timed on the device
+  clock (kernel time, as the trace is); empty elsewhere: on XLA:CPU the per-instruction events
+  (wall time, part of the step) against ops on the process's CPU time took a CPU run's error
+  from 5.2 to 17.2 %.
 * ``fp32_leg_scale`` — the factor on every full-fp32 leg's standalone time inside the step,
   fitted after the all-bf16 remainder so that the replay of the fp32 step predicts its measured
   time (``refit_to_fit_steps``); 1.0 when the remainder came from the fp32 step. Kernel traces
-  of a 128-512-channel VGG's steps on an H100 (``benchmarks/step_ops.py``, ``docs/results.md``)
-  showed why one remainder and this scale fit better than a remainder per activation precision:
-  the rest of the step took 0.71-1.08 ms of kernels whatever the plan (fp32 0.78, all-bf16 0.71,
-  all-int8 1.08), while the fp32 convolutions ran up to 17 % longer in the step than alone. A
-  remainder fitted as "fp32 step minus standalone ops" took that excess (1.5 ms) and handed it
-  to every plan without 16-bit ops. Profiles written before this field held a second,
-  16-bit remainder instead; they load refitted to the fit steps their meta records
-  (``refit_to_fit_steps``), that remainder kept in ``meta["legacy_remainder_16bit_ms"]``.
+  of a VGG's steps on an H100 (``benchmarks/step_ops.py``, ``docs/results.md``) showed the rest
+  of the step at 0.71-1.08 ms whatever the plan, while its fp32 convolutions ran up to 17 %
+  longer in the step than alone: one remainder and this scale fit better than a remainder per
+  activation precision. Profiles written before this field held a 16-bit remainder instead; they
+  load refitted to the fit steps their meta records, that remainder kept in
+  ``meta["legacy_remainder_16bit_ms"]``.
 * ``optimizer_ms`` — the optax update.
 * ``cast`` — per cast type (``"fp32->bf16"``, ``"fp32->int8"``, ``"int8->fp32"``, and
   ``"fp32->int8:sr"`` for stochastic rounding, …) ``ms = a·numel + b`` fitted by least squares
@@ -123,6 +131,7 @@ class Profile:
   forward_headroom: dict[str, int] = dataclasses.field(default_factory=dict)
   quantized_leg_scale: float = 1.0
   fp32_leg_scale: float = 1.0
+  quantized_in_step_ms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
   def leg_ms(self, op: str, leg: str, precision: str, variant: str = "") -> float:
     """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch); a
@@ -167,6 +176,7 @@ class Profile:
       "forward_headroom": self.forward_headroom,
       "quantized_leg_scale": self.quantized_leg_scale,
       "fp32_leg_scale": self.fp32_leg_scale,
+      "quantized_in_step_ms": self.quantized_in_step_ms,
     }
 
   def save(self, path: str) -> None:
@@ -201,6 +211,10 @@ class Profile:
         forward_headroom={k: int(v) for k, v in obj.get("forward_headroom", {}).items()},
         quantized_leg_scale=float(obj.get("quantized_leg_scale", 1.0)),
         fp32_leg_scale=float(obj.get("fp32_leg_scale", 1.0)),
+        quantized_in_step_ms={
+          op: {leg: float(ms) for leg, ms in legs.items()}
+          for op, legs in obj.get("quantized_in_step_ms", {}).items()
+        },
       )
     except (KeyError, TypeError, ValueError) as e:
       raise PlanError(f"{source}: malformed profile ({e!r}). Fix: re-run `qsync profile`.") from None
@@ -473,6 +487,11 @@ def measure_profile(
     relayout_ms=relayout,
     forward_headroom=headroom,
   ).with_remainder(rest)
+  if QUANTIZED_FIT_PRESET in fit_steps and clock == step.DEVICE_CLOCK:  # traced: the ops' clock
+    int8 = PrecisionPolicy.uniform(QUANTIZED_FIT_PRESET)
+    traced = steptrace.op_leg_ms(task, int8, batch, ops, trace_repeats)
+    prof = dataclasses.replace(prof, quantized_in_step_ms=traced)
+    say(f"int8 step trace: {sum(sum(t.values()) for t in traced.values()):.3f} ms charged to ops")
   fit_ms = {}
   for preset in fit_presets_wanted:
     _, name = fits[preset]

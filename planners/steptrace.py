@@ -18,7 +18,11 @@ trace, and attributes each relayout to the op whose gradient product reads it:
 * ``relayout_ms(hlo, instruction_ms, ops)`` — ``{op name: ms}`` of the relayouts each op's
   gradient products read;
 * ``with_policy_step_relayouts(task, batch, ops, op_ms)`` — the relayouts of the non-fp32
-  policies that re-run the producer too, measured in their own uniform steps.
+  policies that re-run the producer too, measured in their own uniform steps;
+* ``traced_step(task, policy, batch, repeats)`` / ``per_op_ms(hlo, instruction_ms, ops)`` — a
+  step's instructions timed on any backend (GPU kernels or XLA:CPU events) and charged to the
+  ops and legs they belong to (``op_leg_ms``: ``Profile.quantized_in_step_ms``;
+  ``benchmarks/step_ops.py``).
 """
 
 from __future__ import annotations
@@ -220,6 +224,56 @@ def step_instruction_ms(task, policy, batch, repeats: int = 10, optimizer=None, 
     if event["name"] in names:
       durations[event["name"]].append(event["dur"] / 1e3)
   return hlo, {n: float(np.median(d)) * len(d) / repeats for n, d in durations.items()}
+
+
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+"""XLA:GPU compile option: no CUDA graphs, so that each kernel of a trace names the instruction
+it runs (its ``hlo_op``) instead of the graph that launched it."""
+
+
+def traced_step(task, policy, batch, repeats: int) -> tuple[str, dict[str, float], float]:
+  """``(module text, {instruction: ms per step}, ms per step)`` of the jitted training step of
+  ``task`` under ``policy``: on a GPU its kernels (compiled with ``NO_COMMAND_BUFFERS``, each
+  kernel's time charged to its ``hlo_op``), elsewhere XLA:CPU's per-instruction events
+  (``step_instruction_ms``); the last is their sum."""
+  if jax.devices()[0].platform != "gpu":
+    hlo, instruction_ms = step_instruction_ms(task, policy, batch, repeats)
+    return hlo, instruction_ms, sum(instruction_ms.values())
+  compiled, run = step.compile_train_step(task, policy, batch, compiler_options=NO_COMMAND_BUFFERS)
+  jax.block_until_ready(run())  # warm-up
+  events = traced_events(lambda: jax.block_until_ready(run()), repeats)
+  named = [{**e, "name": e.get("args", {}).get("hlo_op", "")} for e in events]
+  instruction_ms = {name: ms for name, (ms, _) in kernels_by(named, repeats).items()}
+  return compiled.as_text(), instruction_ms, sum(instruction_ms.values())
+
+
+def per_op_ms(
+  hlo: str, instruction_ms: dict[str, float], ops: Sequence[OpShape]
+) -> dict[str, dict[str, float]]:
+  """``{op name or "rest": {"fwd": ms, "bwd": ms}}``: each instruction's time charged to the op
+  its JAX name stack names (``op_of``), to ``bwd`` under ``transpose(`` (a gradient leg), else
+  to ``fwd``; an instruction of no op (activations, norms, the loss, the optimizer, and fusions
+  XLA named after a neighbour) to ``rest``. Attribution follows XLA's fusion names, so work fused
+  across an op boundary lands on one side of it."""
+  names = {ins.name: ins.op_name for ins in entry_instructions(hlo)}
+  out: dict[str, dict[str, float]] = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0})
+  for instruction, ms in instruction_ms.items():
+    stack = names.get(instruction, "")
+    op = op_of(stack, ops) if stack else None
+    out[op.name if op else "rest"]["bwd" if "transpose(" in stack else "fwd"] += ms
+  return dict(out)
+
+
+def op_leg_ms(task, policy, batch, ops: Sequence[OpShape], repeats: int) -> dict[str, dict[str, float]]:
+  """``{op name: {"fwd": ms, "bwd": ms}}``: the ops' time inside the training step under
+  ``policy`` (``traced_step``, charged by ``per_op_ms``; the rest left out); empty where
+  another profiler session keeps the trace from running."""
+  try:
+    hlo, instruction_ms, _ = traced_step(task, policy, batch, repeats)
+  except RuntimeError:
+    return {}
+  by_op = per_op_ms(hlo, instruction_ms, ops)
+  return {op.name: by_op[op.name] for op in ops if op.name in by_op}
 
 
 def with_policy_step_relayouts(

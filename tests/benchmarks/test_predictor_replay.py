@@ -70,3 +70,30 @@ def test_replay_refits_to_the_runs_fit_steps_and_scores_the_rest(tmp_path):
     predictor_replay.main(
       ["--run", "nope", "--profile-dir", str(tmp_path / "profiles"), "--results", str(results)]
     )
+
+
+def test_a_step_ops_table_gives_the_profile_its_in_step_int8_times(tmp_path):
+  measured = {"fp32": 12.0, "int8": 7.0, "bf16": 6.5, "int8_fwd": 9.0}
+  prof, results = _logged_run(tmp_path, measured, {})
+  table = tmp_path / "per_op.json"
+  table.write_text(json.dumps({"int8": {"Dense_0|fwd": 0.6, "Dense_0|bwd": 0.45, "rest|bwd": 2.0}}))
+  traced = predictor_replay.with_in_step_table(prof, str(table))
+  assert traced.quantized_in_step_ms == {
+    "Dense_0:dense": {"fwd": 0.6, "bwd": 0.45},
+    "Dense_1:dense": {"fwd": 0.0, "bwd": 0.0},  # not in the table: no factors (graph)
+  }
+  argv = ["--run", "r", "--profile-dir", str(tmp_path / "profiles"), "--results", str(results)]
+  assert predictor_replay.main([*argv, "--in-step", f"mlp={table}", "--tag", "t"]) == 0
+  rows = {r["case"]: r for r in map(json.loads, results.read_text().splitlines()) if r.get("run") == "t"}
+  one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
+  fitted = refit_profile(one, traced, 12.0, 7.0, 6.5)
+  int8_fwd = predict(
+    one, {"cpu": fitted}, Plan(policies={"all": PrecisionPolicy.uniform("int8_fwd")})
+  ).step_ms
+  assert rows["mlp/int8_fwd"]["value"] == pytest.approx(int8_fwd)
+  untraced = refit_profile(one, prof, 12.0, 7.0, 6.5)
+  plain = predict(one, {"cpu": untraced}, Plan(policies={"all": PrecisionPolicy.uniform("int8_fwd")})).step_ms
+  assert int8_fwd != pytest.approx(plain)  # the table changed the prediction
+  table.write_text(json.dumps({"bf16": {}}))
+  with pytest.raises(SystemExit, match="no 'int8' plan.*Fix: trace it"):
+    predictor_replay.with_in_step_table(prof, str(table))

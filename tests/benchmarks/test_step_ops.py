@@ -10,11 +10,9 @@ from planners.ops import OpShape
 from tests.planners.test_steptrace import HLO
 
 
-def test_instructions_are_charged_to_the_op_their_name_stack_names():
+def test_the_table_names_ops_short_and_keeps_the_legs_with_time():
   ops = [OpShape("block0/mlp_out:dense", "dense", 1, 4, 8, 3)]
-  got = step_ops.per_op_ms(HLO, {"relayout": 2.0, "plain": 1.0, "dot.1": 3.0, "unnamed": 0.5}, ops)
-  # dot.1 is the op's gradient product (under transpose(...)); the relayout names another
-  # module's mul and goes to the rest, as do the negation and an instruction the text lacks
+  got = step_ops.flat_per_op_ms(HLO, {"relayout": 2.0, "plain": 1.0, "dot.1": 3.0, "unnamed": 0.5}, ops)
   assert got == {"block0/mlp_out|bwd": 3.0, "rest|fwd": 3.5}
 
 

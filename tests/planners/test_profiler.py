@@ -11,6 +11,7 @@ import pytest
 
 from planners.casts import fit_cast_model
 from planners.catalog import device_spec, gemm_roofline_ms
+from planners.graph import quantized_in_step_factors
 from planners.op_memory import residual_bytes
 from planners.op_programs import policy_programs, precast_dtypes
 from planners.ops import OpShape, collect_ops, gemm_shape
@@ -117,6 +118,10 @@ def test_profile_json_round_trip_and_errors(tmp_path):
   assert Profile.load(str(path)) == scaled
   older = {k: v for k, v in scaled.to_json().items() if k != "quantized_leg_scale"}
   assert Profile.from_json(older).quantized_leg_scale == 1.0  # profiles from before the fit
+  traced = dataclasses.replace(prof, quantized_in_step_ms={"Dense_0:dense": {"fwd": 0.5, "bwd": 1.25}})
+  traced.save(str(path))
+  assert Profile.load(str(path)) == traced
+  assert Profile.from_json(older).quantized_in_step_ms == {}  # not traced
   with pytest.raises(PlanError, match="no .* time .* Fix"):
     again.leg_ms("Dense_0:dense", "fwd", "nf4")
   path.write_text(json.dumps({"format": "something else"}))
@@ -170,6 +175,8 @@ def test_precast_retimes_only_the_policies_whose_activations_the_step_converts()
   )
   out = with_precast_policies(prof, repeats=2)
   assert out.meta["policy_operands"] == "precast" and "policy_operands" not in prof.meta
+  # the all-int8 step is traced op by op only where the ops are timed on the device clock
+  assert prof.meta["op_clock"] == "cpu" and prof.quantized_in_step_ms == out.quantized_in_step_ms == {}
   for op in prof.op_names:
     assert {"policy:fp32", "policy:int8", "policy:int8_fwd"} <= set(prof.op_ms[op])
     changed = {k for k in prof.op_ms[op] if out.op_ms[op][k] is not prof.op_ms[op][k]}
@@ -215,3 +222,14 @@ def test_precast_retimes_only_the_policies_whose_activations_the_step_converts()
   assert predict(one, {"cpu": prof}, bf16).memory_bytes["all"] == prof.meta["sixteen_bit_xla_peak_bytes"]
   with pytest.raises(PlanError, match="cannot be re-timed on this"):
     with_precast_policies(fake_profile([(1, 2, 3)], device_type="H100"))
+
+
+@pytest.mark.gpu
+@pytest.mark.standard_promotion  # optax's Adam in the profiled steps
+def test_on_a_gpu_the_all_int8_step_is_traced_op_by_op_and_gives_every_op_its_factors():
+  prof = measure_profile(tiny.mlp(), 16, ("fp32", "bf16", "int8"), repeats=3, step_repeats=20, fit_rounds=2)
+  assert prof.meta["op_clock"] == "device" and set(prof.quantized_in_step_ms) == set(prof.op_names)
+  for i, op in enumerate(prof.op_names):
+    legs = prof.quantized_in_step_ms[op]
+    assert legs["fwd"] > 0 and legs["bwd"] > 0, op  # kernels named by their instruction
+    assert quantized_in_step_factors(prof, i) is not None

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from planners.catalog import allreduce_ms
-from planners.graph import Comm, GroupCost, buckets, build_graph, longest_path
+from planners.graph import Comm, GroupCost, buckets, build_graph, longest_path, quantized_in_step_factors
 from planners.profiler import Profile
 from planners.replay import (
   calibrate,
@@ -287,6 +287,39 @@ def test_quantized_leg_scale_is_fitted_on_the_all_int8_step_and_scales_only_int8
     fitted, PrecisionPolicy.uniform("int8_fwd")
   )
   assert fwd_only == pytest.approx(0.5 * 0.6)
+
+
+def test_an_op_traced_in_the_int8_step_takes_its_own_forward_and_backward_factors():
+  # as above: A (no dlhs) and B, int8 legs 0.3x fp32's (fwd 1, dlhs 2, drhs 3 ms), so A's
+  # standalone int8 costs are fwd 0.3 / bwd 0.9 and B's fwd 0.3 / bwd 1.5. The trace of the
+  # all-int8 step charged A 0.6 / 0.45 ms (factors 2 and 0.5); B has no backward time charged
+  # (its kernels named after a neighbour), so B keeps the scale on every quantized leg.
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], remainder_ms=4.0, optimizer_ms=1.0)
+  a, b = prof.op_names
+  traced = dataclasses.replace(
+    prof, quantized_in_step_ms={a: {"fwd": 0.6, "bwd": 0.45}, b: {"fwd": 0.3, "bwd": 0.0}}
+  )
+  assert quantized_in_step_factors(traced, 0) == pytest.approx((2.0, 0.5))
+  assert quantized_in_step_factors(traced, 1) is None and quantized_in_step_factors(prof, 0) is None
+  one = ClusterSpec.uniform("cpu", 1, prof.batch_per_device, memory_gb=1e3)
+
+  def step(p, policy):
+    return predict(one, {"cpu": p}, Plan(policies={"all": policy})).step_ms
+
+  int8 = PrecisionPolicy.uniform("int8")
+  # A: 0.6 + 0.45 s; B: 1.8 s; + 5 ms of remainder and optimizer
+  assert step(traced, int8) == pytest.approx(5.0 + 0.6 + 0.45 + 1.8)
+  fitted = refit_quantized_leg_scale(one, traced, 5.0 + 0.6 + 0.5 * 2.25)
+  assert fitted.quantized_leg_scale == pytest.approx(0.5)  # A's forward stays 0.6, whatever s
+  # int8_fwd: the forwards at int8 (A as traced, B scaled), the fp16 gradient legs unchanged
+  fwd_only = step(prof, PrecisionPolicy.uniform("int8_fwd")) - step(
+    fitted, PrecisionPolicy.uniform("int8_fwd")
+  )
+  assert fwd_only == pytest.approx((0.3 - 0.6) + (0.3 - 0.5 * 0.3))
+  for float_plan in ("fp32", "bf16"):
+    assert step(fitted, PrecisionPolicy.uniform(float_plan)) == step(
+      prof, PrecisionPolicy.uniform(float_plan)
+    )
 
 
 def test_quantized_leg_scale_below_zero_is_clipped_and_said():

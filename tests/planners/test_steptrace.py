@@ -90,6 +90,28 @@ def test_op_of_follows_flax_name_stacks():
   assert name("block1/attn/attn/query/query/dot_general") is None
 
 
+def test_instructions_are_charged_to_the_op_and_leg_their_name_stack_names():
+  ops = [OpShape("block0/mlp_out:dense", "dense", 1, 4, 8, 3)]
+  got = steptrace.per_op_ms(HLO, {"relayout": 2.0, "plain": 1.0, "dot.1": 3.0, "unnamed": 0.5}, ops)
+  # dot.1 is the op's gradient product (under transpose(...)); the relayout names another
+  # module's mul and goes to the rest, as do the negation and an instruction the text lacks
+  assert got == {"block0/mlp_out:dense": {"fwd": 0.0, "bwd": 3.0}, "rest": {"fwd": 3.5, "bwd": 0.0}}
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the traced step
+def test_op_leg_ms_charges_the_int8_steps_instructions_to_every_op_and_leg():
+  task = tiny.mlp()
+  batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(16, 0)))
+  ops = collect_ops(task.model, init_variables(task, batch), *task.inputs(batch))
+  got = steptrace.op_leg_ms(task, PrecisionPolicy.uniform("int8"), batch, ops, repeats=3)
+  assert set(got) == {op.name for op in ops}
+  assert all(legs["fwd"] > 0 and legs["bwd"] > 0 for legs in got.values())
+  hlo, instruction_ms, total = steptrace.traced_step(task, PrecisionPolicy.uniform("int8"), batch, 3)
+  assert total == pytest.approx(sum(instruction_ms.values())) and total > 0
+  charged = steptrace.per_op_ms(hlo, instruction_ms, ops)
+  assert sum(sum(legs.values()) for legs in charged.values()) == pytest.approx(total)  # nothing lost
+
+
 def test_step_instruction_ms_times_the_steps_instructions():
   task = tiny.attn()
   batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(8, 0)))
