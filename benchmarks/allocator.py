@@ -23,8 +23,9 @@ import numpy as np
 from result_rows import result_row, save_rows
 
 from planners.allocator import dynamic_batch, exhaustive, greedy, make_problem
+from planners.derived_profiles import modeled_profile
 from planners.ops import OpShape
-from planners.profiler import Profile, modeled_profile
+from planners.profiler import Profile
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan

@@ -178,6 +178,7 @@ def model_profile(model: str, task: Task, batch_size: int, clock: str, args) -> 
       clock=clock,
       progress=lambda msg: print(f"# {model} profile: {msg}", flush=True),
       checkpoint=checkpoint,
+      ops_from=os.path.join(args.ops_from, f"{model}.json") if args.ops_from else None,
     ),
     lambda msg: print(f"# {model}: {msg}", flush=True),
   )
@@ -226,6 +227,10 @@ def main(argv=None):
     "--profile-dir",
     help="each model's profile: loaded from <dir>/<model>.json if there, else measured and saved there "
     "(an interrupted profile resumes from <model>.json.partial)",
+  )
+  ap.add_argument(
+    "--ops-from",
+    help="a profile is measured with the op timings of <dir>/<model>.json (same settings), the rest anew",
   )
   ap.add_argument("--results", default=RESULTS, help=f"JSON lines file to append to (default {RESULTS})")
   ap.add_argument(

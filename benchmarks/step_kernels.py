@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
 from planners import step  # noqa: E402
+from planners.derived_profiles import traced_profile  # noqa: E402
 from planners.op_programs import policy_programs  # noqa: E402
-from planners.profiler import traced_profile  # noqa: E402
 from planners.steptrace import gpu_kernels  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 from qsync_jax.precision import OpPolicy  # noqa: E402

@@ -170,7 +170,8 @@ def stage_indicator(task, args, say) -> dict | None:
 def stage_profile(task, batch_per_device: int, say) -> dict | None:
   """``{device type: Profile}``: measured on the local CPU, modeled for V100 and T4."""
   try:
-    from planners.profiler import measure_profile, modeled_profile
+    from planners.derived_profiles import modeled_profile
+    from planners.profiler import measure_profile
   except ImportError as e:
     _unavailable("profile", e, say)
     return None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from planners.cli_common import progress, table
-from planners.profiler import local_device_type, measure_profile, modeled_profile, traced_profile
+from planners.derived_profiles import modeled_profile, traced_profile
+from planners.profiler import local_device_type, measure_profile
 from qsync_jax.cli_train import load_task
 from qsync_jax.errors import UnsupportedPrecisionError
 from qsync_jax.precision import LEGS, supported_precisions

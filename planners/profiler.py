@@ -75,8 +75,9 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   op's forward runs (``planners.memtrace``, from the compiled fp32 step's schedule): the
   replay puts a plan's forward transients on top of it.
 
-``measure_profile`` measures all of it on the local device; ``modeled_profile`` derives a
-profile for a device not at hand from the catalog (roofline), labelled ``"modeled"``.
+``measure_profile`` measures all of it on the local device; ``planners.derived_profiles``
+derives profiles without timing: ``traced_profile`` (ops and memory) and ``modeled_profile``
+(a device not at hand, from the catalog's roofline, labelled ``"modeled"``).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ from typing import Any
 import jax
 
 from planners import catalog, memtrace, step, steptrace
-from planners.casts import CAST_TYPES, CastModel, measure_casts, modeled_cast
+from planners.casts import CastModel, measure_casts
 from planners.op_programs import (
   dispatch_overhead_ms,
   leg_variants,
@@ -100,10 +101,10 @@ from planners.op_programs import (
   precast_dtypes,
 )
 from planners.ops import OpShape, collect_ops
-from planners.profile_checkpoint import load_partial, remove_partial, save_partial
+from planners.profile_checkpoint import load_partial, remove_partial, reused_op_ms, save_partial
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import FP32_LIKE, LEGS, PRESETS, supported_precisions
+from qsync_jax.precision import LEGS, PRESETS, supported_precisions
 
 FORMAT = "qsync-profile/1"
 QUANTIZED_FIT_PRESET = "int8"
@@ -299,6 +300,7 @@ def measure_profile(
   fit_quantized: bool = True,
   fit_16bit: bool = True,
   fit_rounds: int = 3,
+  ops_from: str | None = None,
 ) -> Profile:
   """Measures the profile of ``task`` at ``batch_per_device`` on the local device.
 
@@ -328,6 +330,12 @@ def measure_profile(
   medians (``step.time_train_steps_interleaved``, as ``benchmarks/predictor.py`` times its
   plans): one slow round on a fresh GPU (an all-bf16 step at 1.78 ms against 1.51 in the rounds
   after) no longer becomes the fit.
+
+  ``ops_from``: a saved profile (path) of the same model, batch, device kind and ops, measured
+  under the same settings (``profile_checkpoint.reused_op_ms``), whose op timings are taken
+  instead of timed; the rest is measured (``meta["op_ms_from"]``). Op timings repeat across
+  runs (an H100's 96 leg and program times of two VGG ops, re-timed in another session: median
+  ratio 1.00), while most of a profile's device time is theirs.
   """
   say = progress or (lambda msg: None)
   device_type = local_device_type()
@@ -355,6 +363,10 @@ def measure_profile(
     "ops": [op.name for op in ops],
   }
   op_ms, unrunnable = load_partial(checkpoint, settings)
+  if ops_from:
+    lent, lent_unrunnable = reused_op_ms(Profile.load(ops_from), settings, ops_from)
+    op_ms, unrunnable = {**lent, **op_ms}, [*lent_unrunnable, *unrunnable]
+    say(f"op timings of {ops_from}")
   if op_ms:
     say(f"resuming from {checkpoint}: {len(op_ms)} of {len(ops)} ops already timed")
   cache: dict[tuple, Any] = {}
@@ -471,6 +483,7 @@ def measure_profile(
     "unrunnable": unrunnable,
     **({"relayout_traced_presets": relayout_traced} if relayout_traced else {}),
     **({"policy_operands": "precast"} if precast else {}),
+    **({"op_ms_from": ops_from} if ops_from else {}),
   }
   prof = Profile(
     model=task.name,
@@ -622,79 +635,3 @@ def _one_device(prof: Profile):
   from qsync_jax.cluster import ClusterSpec
 
   return ClusterSpec.uniform(prof.device_type, 1, prof.batch_per_device, memory_gb=1e3)
-
-
-def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
-  """A profile with the ops and memory of ``task`` but no timings (``source="traced"``):
-  the base ``modeled_profile`` costs. Compiles the fp32 step once (nothing is timed)."""
-  batch, variables, ops = task_ops(task, batch_per_device, seed)
-  optimizer = step.default_optimizer()
-  opt_state = optimizer.init(variables["params"])
-  memory = {
-    "param_bytes": step.tree_bytes(variables["params"]),
-    "opt_state_bytes": step.tree_bytes(opt_state),
-    "batch_bytes": step.tree_bytes(batch),
-    "other_bytes": 0,
-  }
-  peak, headroom = step_memory(task, batch, variables, ops, seed)
-  skeleton = Profile(
-    task.name,
-    local_device_type(),
-    "traced",
-    batch_per_device,
-    ops,
-    {},
-    {},
-    0.0,
-    {},
-    memory,
-    forward_headroom=headroom,
-  )
-  memory["other_bytes"] = other_bytes(skeleton, peak)
-  return dataclasses.replace(skeleton, meta={**versions(), "fp32_xla_peak_bytes": peak})
-
-
-# -- modeled profiles -------------------------------------------------------------------------
-
-ELEMENTWISE_PASSES = 12
-"""Modeled remainder: fp32 passes over every op output per step (≈ 4 forward, 8 backward)."""
-
-
-def modeled_profile(base: Profile, device_type: str) -> Profile:
-  """The profile of ``base``'s model on ``device_type`` from the catalog (roofline)."""
-  spec = catalog.device_spec(device_type)
-  casts = {c: modeled_cast(spec, c) for c in CAST_TYPES}
-  op_ms = {}
-  for op in base.ops:
-    table = {}
-    for leg in LEGS:
-      b, m, k, n = (
-        op.batch,
-        *{"fwd": (op.m, op.k, op.n), "dlhs": (op.m, op.n, op.k), "drhs": (op.k, op.m, op.n)}[leg],
-      )
-      row = {}
-      for p in spec.peak_tflops:
-        t = catalog.gemm_roofline_ms(spec, p, m, k, n, b)
-        if p not in FP32_LIKE:  # the leg converts its two fp32 operands
-          t += casts[f"fp32->{p}"].ms(b * m * k) + casts[f"fp32->{p}"].ms(b * k * n)
-        row[p] = t
-      table[leg] = row
-    op_ms[op.name] = table
-  out_bytes = sum(4 * o.out_elems * o.calls for o in base.ops)
-  rest = ELEMENTWISE_PASSES * out_bytes / (spec.mem_bw_gbps * 1e9 * spec.derate) * 1e3
-  opt_bytes = 7 * base.memory["param_bytes"]  # adam reads p, g, m, v and writes p, m, v
-  optimizer_ms = opt_bytes / (spec.mem_bw_gbps * 1e9 * spec.derate) * 1e3 + spec.launch_us * 1e-3
-  memory = dict(base.memory)
-  return Profile(
-    model=base.model,
-    device_type=device_type,
-    source="modeled",
-    batch_per_device=base.batch_per_device,
-    ops=base.ops,
-    op_ms=op_ms,
-    remainder_ms={},
-    optimizer_ms=optimizer_ms,
-    cast=casts,
-    memory=memory,
-    meta={"derived_from": base.device_type, "catalog": dataclasses.asdict(spec)},
-  ).with_remainder(rest)

@@ -29,7 +29,7 @@ device group (its profile, its policy, its batch), takes the longest path, and r
     dequantized residual at once).
 
 Profiles are keyed by device type; a group whose type has no profile gets one modeled from
-the catalog (``planners.profiler.modeled_profile``), and its numbers are labelled so.
+the catalog (``planners.derived_profiles.modeled_profile``), and its numbers are labelled so.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from planners.derived_profiles import modeled_profile
 from planners.graph import (
   DEFAULT_BUCKET_BYTES,
   DEFAULT_LATENCY_US,
@@ -58,7 +59,7 @@ from planners.op_memory import (
   transient_bytes,
   upcasts_16bit_products,
 )
-from planners.profiler import QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET, Profile, modeled_profile
+from planners.profiler import QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET, Profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan

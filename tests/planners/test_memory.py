@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from planners import memtrace, step
+from planners.derived_profiles import traced_profile
 from planners.graph import GroupCost, sixteen_bit_share
 from planners.op_memory import forward_extra_bytes, kept_bytes, residual_bytes, transient_bytes
 from planners.ops import OpShape
-from planners.profiler import traced_profile
 from planners.replay import memory_bytes
 from planners.steptrace import entry_instructions
 from qsync_jax.errors import PlanError

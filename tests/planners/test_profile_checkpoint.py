@@ -88,3 +88,20 @@ def test_a_broken_checkpoint_is_refused_naming_the_file_and_the_fix(tmp_path, co
   with pytest.raises(CheckpointError, match=rf"{path} cannot be read.*Fix: delete it"):
     load_partial(str(path), {"model": "mlp"})
   assert load_partial(str(tmp_path / "absent.json"), {"model": "mlp"}) == ({}, [])
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the profiled steps
+def test_a_profile_can_take_a_saved_profiles_op_timings_and_measure_the_rest(tmp_path, monkeypatch):
+  task = tiny.mlp()
+  source = tmp_path / "mlp.json"
+  first = profiler.measure_profile(task, 16, **OPTIONS)
+  first.save(str(source))
+  calls = counting_measure_leg(monkeypatch)
+  again = profiler.measure_profile(task, 16, ops_from=str(source), **OPTIONS)
+  assert calls == []  # no op timed
+  assert again.op_ms == first.op_ms and again.meta["op_ms_from"] == str(source)
+  assert again.meta["fp32_step_ms_samples"] != first.meta["fp32_step_ms_samples"]  # the steps anew
+  with pytest.raises(CheckpointError, match="precisions: saved .*Fix: measure under its settings"):
+    profiler.measure_profile(task, 16, ops_from=str(source), **{**OPTIONS, "precisions": ("fp32",)})
+  with pytest.raises(CheckpointError, match="batch_per_device: saved 16, now 8"):
+    profiler.measure_profile(task, 8, ops_from=str(source), **OPTIONS)

@@ -11,11 +11,12 @@ import pytest
 
 from planners.casts import fit_cast_model
 from planners.catalog import device_spec, gemm_roofline_ms
+from planners.derived_profiles import modeled_profile
 from planners.graph import quantized_in_step_factors
 from planners.op_memory import residual_bytes
 from planners.op_programs import policy_programs, precast_dtypes
 from planners.ops import OpShape, collect_ops, gemm_shape
-from planners.profiler import Profile, measure_profile, modeled_profile, with_precast_policies
+from planners.profiler import Profile, measure_profile, with_precast_policies
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import ClusterSpecError, PlanError
