@@ -363,12 +363,12 @@ def measure_profile(
     "ops": [op.name for op in ops],
   }
   op_ms, unrunnable = load_partial(checkpoint, settings)
+  if op_ms:
+    say(f"resuming from {checkpoint}: {len(op_ms)} of {len(ops)} ops already timed")
   if ops_from:
     lent, lent_unrunnable = reused_op_ms(Profile.load(ops_from), settings, ops_from)
     op_ms, unrunnable = {**lent, **op_ms}, [*lent_unrunnable, *unrunnable]
     say(f"op timings of {ops_from}")
-  if op_ms:
-    say(f"resuming from {checkpoint}: {len(op_ms)} of {len(ops)} ops already timed")
   cache: dict[tuple, Any] = {}
   for i, op in enumerate(ops):
     if op.name in op_ms:

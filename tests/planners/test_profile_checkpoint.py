@@ -96,9 +96,10 @@ def test_a_profile_can_take_a_saved_profiles_op_timings_and_measure_the_rest(tmp
   source = tmp_path / "mlp.json"
   first = profiler.measure_profile(task, 16, **OPTIONS)
   first.save(str(source))
-  calls = counting_measure_leg(monkeypatch)
-  again = profiler.measure_profile(task, 16, ops_from=str(source), **OPTIONS)
+  calls, messages = counting_measure_leg(monkeypatch), []
+  again = profiler.measure_profile(task, 16, ops_from=str(source), progress=messages.append, **OPTIONS)
   assert calls == []  # no op timed
+  assert f"op timings of {source}" in messages and not any("resuming" in m for m in messages)
   assert again.op_ms == first.op_ms and again.meta["op_ms_from"] == str(source)
   assert again.meta["fp32_step_ms_samples"] != first.meta["fp32_step_ms_samples"]  # the steps anew
   with pytest.raises(CheckpointError, match="precisions: saved .*Fix: measure under its settings"):
