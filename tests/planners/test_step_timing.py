@@ -1,5 +1,6 @@
 """``planners.step``'s step timing: the pipelined clock and the round-robin timing of policies."""
 
+import itertools
 import time
 
 import jax
@@ -11,23 +12,30 @@ from qsync_jax.policy import PrecisionPolicy
 from tests.planners import tiny
 
 
-def test_pipelined_clock_dispatches_every_call_and_waits_once():
-  """``repeats`` calls after the warm-up, back to back: no call waits for the one before, so a
-  host cost per call (here a 20 ms sleep) is counted once per call, and the one sample is the
-  mean per call."""
+def recorded(sleeps):
+  """``(fn, calls, waited)``: ``fn()`` records its call, sleeps the next of ``sleeps`` seconds
+  and returns a stand-in for a jax array that records, in ``waited``, how many calls there had
+  been when the timer blocked on it."""
   calls, waited = [], []
 
   class Result:
-    """Stands in for a jax array: records when the timer blocks on it."""
-
     def block_until_ready(self):
       waited.append(len(calls))
       return self
 
   def fn():
     calls.append(time.perf_counter())
-    time.sleep(0.02)
+    time.sleep(next(sleeps))
     return Result()
+
+  return fn, calls, waited
+
+
+def test_pipelined_clock_dispatches_every_call_and_waits_once():
+  """``repeats`` calls after the warm-up, back to back: no call waits for the one before, so a
+  host cost per call (here a 20 ms sleep) is counted once per call, and the one sample is the
+  mean per call."""
+  fn, calls, waited = recorded(itertools.repeat(0.02))
 
   ms, samples = step.timed_ms(fn, repeats=5, warmup=2, clock=step.PIPELINED_CLOCK)
   assert len(calls) == 7 and samples == [ms]
@@ -66,26 +74,13 @@ def test_pipelined_clock_takes_the_median_of_its_windows(monkeypatch):
   """25 repeats in windows of 10: two windows (the 5 left over are not run), each waited for
   once at its end; a stall in one window does not move the median of three."""
   monkeypatch.setattr(step, "PIPELINE_WINDOW", 10)
-  calls, waited = [], []
-
-  class Result:
-    def block_until_ready(self):
-      waited.append(len(calls))
-      return self
-
-  def fn():
-    calls.append(None)
-    return Result()
+  fn, calls, waited = recorded(itertools.repeat(0.0))
 
   ms, samples = step.timed_ms(fn, repeats=25, warmup=1, clock=step.PIPELINED_CLOCK)
   assert len(calls) == 21 and waited == [1, 11, 21] and len(samples) == 2
   assert ms == pytest.approx(sum(samples) / 2)
 
-  stalls = iter([0.0] * 10 + [0.03] + [0.0] * 19)
-
-  def stalling():
-    time.sleep(next(stalls))
-    return Result()
+  stalling, _, _ = recorded(iter([0.0] * 10 + [0.03] + [0.0] * 19))
 
   ms, samples = step.timed_ms(stalling, repeats=30, warmup=0, clock=step.PIPELINED_CLOCK)
   assert len(samples) == 3 and max(samples) >= 3  # the second window: 30 ms over 10 calls
