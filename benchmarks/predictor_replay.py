@@ -77,6 +77,21 @@ def with_in_step_table(prof: Profile, path: str) -> Profile:
   return dataclasses.replace(prof, quantized_in_step_ms=traced)
 
 
+def in_step_tables(specs: list[str], models: set[str]) -> dict[str, str]:
+  """``{model: table path}`` of ``--in-step MODEL=TABLE`` arguments, each naming a model of the
+  replay and an existing file; a SystemExit naming the fix otherwise."""
+  out = {}
+  for spec in specs:
+    model, _, path = spec.partition("=")
+    if model not in models or not os.path.isfile(path):
+      raise SystemExit(
+        f"--in-step {spec!r}: needs MODEL=TABLE with MODEL one of {sorted(models)} and TABLE an existing "
+        "benchmarks/step_ops.py table. Fix: e.g. --in-step vgg_wide=benchmarks/results/step_kernels/per_op_….json"
+      )
+    out[model] = path
+  return out
+
+
 def replay_model(prof: Profile, measured: dict[str, dict], sixteen_bit: bool) -> list[tuple]:
   """``[(plan, step fitted?, predicted ms, measured ms, memory fitted?, predicted bytes, XLA
   bytes)]`` of one model."""
@@ -134,10 +149,10 @@ def main(argv=None) -> int:
   ap.add_argument("--results", default=RESULTS)
   ap.add_argument("--no-save", action="store_true")
   args = ap.parse_args(argv)
-  in_step = dict(spec.partition("=")[::2] for spec in args.in_step)
   measured = run_rows(args.results, args.run)
   if not measured:
     raise SystemExit(f"no rows of run {args.run!r} in {args.results}. Fix: pass a run tag of that file.")
+  in_step = in_step_tables(args.in_step, set(args.models or measured))
   tag, rows, t_err, m_err = args.tag or f"replay-{args.run}", [], [], []
   print(
     f"{'model':9s} {'plan':26s} {'pred ms':>8s} {'meas ms':>8s} {'err':>7s} {'pred MB':>8s} {'xla MB':>8s} {'err':>7s}"

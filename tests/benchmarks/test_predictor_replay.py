@@ -94,6 +94,9 @@ def test_a_step_ops_table_gives_the_profile_its_in_step_int8_times(tmp_path):
   untraced = refit_profile(one, prof, 12.0, 7.0, 6.5)
   plain = predict(one, {"cpu": untraced}, Plan(policies={"all": PrecisionPolicy.uniform("int8_fwd")})).step_ms
   assert int8_fwd != pytest.approx(plain)  # the table changed the prediction
+  for bad in ("mlp", f"vgg={table}", f"mlp={tmp_path / 'none.json'}"):
+    with pytest.raises(SystemExit, match="needs MODEL=TABLE .*Fix"):
+      predictor_replay.main([*argv, "--in-step", bad, "--no-save"])
   table.write_text(json.dumps({"bf16": {}}))
   with pytest.raises(SystemExit, match="no 'int8' plan.*Fix: trace it"):
     predictor_replay.with_in_step_table(prof, str(table))
