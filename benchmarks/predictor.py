@@ -33,6 +33,7 @@ On a GPU, the GPU-sized models and saved profiles (a profile cut short resumes):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from planners.profiler import (
   SIXTEEN_BIT_FIT_PRESET,
   Profile,
   measure_profile,
+  refit_to_fit_steps,
   with_precast_policies,
 )
 from planners.replay import fit_presets, memory_fit_presets, predict, refit_profile
@@ -184,6 +186,20 @@ def model_profile(model: str, task: Task, batch_size: int, clock: str, args) -> 
   )
 
 
+def alternative_profiles(prof: Profile, args) -> dict[str, Profile]:
+  """Other profiles every plan is also predicted from, by name (its rows' metric suffix):
+  ``precast`` (``--precast``: the whole-policy programs re-timed with their activations precast,
+  ``with_precast_policies``), and ``no_in_step`` where the profile traced its all-int8 step (the
+  same profile without ``quantized_in_step_ms``, refitted to its own fit steps): the in-step
+  factors' gain, measured on the same steps."""
+  out = {}
+  if args.precast:
+    out["precast"] = with_precast_policies(prof, repeats=args.profile_repeats)
+  if prof.quantized_in_step_ms:
+    out["no_in_step"] = refit_to_fit_steps(dataclasses.replace(prof, quantized_in_step_ms={}))
+  return out
+
+
 def priceable(model: str, cluster, prof: Profile, cases: dict[str, PrecisionPolicy]) -> dict:
   """The ``cases`` the profile can price; the others are said and left out (a saved profile
   of fewer precisions, e.g. no fp8)."""
@@ -254,11 +270,12 @@ def main(argv=None):
   device = jax.devices()[0].device_kind
   clock = measured_clock(args.clock)
   args.repeats = args.repeats or step.default_step_repeats(clock)
-  rows, out, refitted, precast_errors = [], [], [], []
+  rows, out, refitted = [], [], []
+  variant_errors: dict[str, list[float]] = {}
   for model in args.models:
     task, batch_size = get_model(model)
     prof = model_profile(model, task, batch_size, clock, args)
-    precast = with_precast_policies(prof, repeats=args.profile_repeats) if args.precast else None
+    variants = alternative_profiles(prof, args)
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
     batch = step.device_batch(task, batch_size)
     fit = fit_presets(prof)
@@ -324,13 +341,13 @@ def main(argv=None):
           | {"fit": True, "rounds": round_medians}
         )
         continue
-      if precast is not None:
-        pred_pc = predict(cluster, {prof.device_type: precast}, plan).step_ms
-        precast_errors.append(abs(pred_pc - meas) / meas)
+      for variant, alternative in variants.items():
+        pred_v = predict(cluster, {prof.device_type: alternative}, plan).step_ms
+        variant_errors.setdefault(variant, []).append(abs(pred_v - meas) / meas)
         print(
-          f"      precast pred {pred_pc:8.2f} ms, err {100 * (pred_pc - meas) / meas:+6.1f} %", flush=True
+          f"      {variant} pred {pred_v:8.2f} ms, err {100 * (pred_v - meas) / meas:+6.1f} %", flush=True
         )
-        out.append(row_json(model, case, f"step_ms_{clock}_clock_precast", pred_pc, meas, device))
+        out.append(row_json(model, case, f"step_ms_{clock}_clock_{variant}", pred_v, meas, device))
       out.append(
         row_json(model, case, f"step_ms_{clock}_clock", pred.step_ms, meas, device)
         | {"rounds": round_medians}
@@ -369,20 +386,20 @@ def main(argv=None):
       f"refitted to the fp32 step timed among the plans: step-time |error| mean "
       f"{100 * np.mean(refitted):.1f} %, median {100 * np.median(refitted):.1f} %, max {100 * np.max(refitted):.1f} %"
     )
-  if precast_errors:
+  for variant, errors in variant_errors.items():
     print(
-      f"precast profile: step-time |error| mean {100 * np.mean(precast_errors):.1f} %, median "
-      f"{100 * np.median(precast_errors):.1f} %, max {100 * np.max(precast_errors):.1f} %"
+      f"{variant} profile: step-time |error| mean {100 * np.mean(errors):.1f} %, median "
+      f"{100 * np.median(errors):.1f} %, max {100 * np.max(errors):.1f} %"
     )
   if not args.no_save:
     summary = [
       row_json("all", "mean_abs_step_error", "abs_rel_error", float(t_err.mean()), None, device),
       row_json("all", "mean_abs_memory_error", "abs_rel_error", float(m_err.mean()), None, device),
     ]
-    if precast_errors:
+    for variant, errors in variant_errors.items():
       summary.append(
         row_json(
-          "all", "mean_abs_step_error_precast", "abs_rel_error", float(np.mean(precast_errors)), None, device
+          "all", f"mean_abs_step_error_{variant}", "abs_rel_error", float(np.mean(errors)), None, device
         )
       )
     if refitted:

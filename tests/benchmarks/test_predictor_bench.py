@@ -1,10 +1,17 @@
 """``benchmarks/predictor.py`` end to end on the CPU with the small mlp (tiny repeats: the
 numbers are noise; the test checks what is timed, fitted and written)."""
 
+import dataclasses
 import json
 
 import predictor
 import pytest
+
+from planners.profiler import Profile, refit_to_fit_steps
+from planners.replay import predict
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 
 
 @pytest.mark.standard_promotion  # optax's Adam in the timed steps
@@ -41,3 +48,32 @@ def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path
   predictor.main([*again, "--profile-dir", str(tmp_path / "profiles")])
   out = capsys.readouterr().out
   assert f"# mlp: profile {tmp_path / 'profiles' / 'mlp.json'}" in out and "profiled" not in out
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the timed steps
+def test_a_profile_with_in_step_factors_is_also_scored_without_them(tmp_path, capsys):
+  profiles, results = tmp_path / "profiles", tmp_path / "predictor.jsonl"
+  argv = ["--models", "mlp", "--repeats", "1", "--rounds", "1", "--profile-repeats", "2"]
+  predictor.main([*argv, "--profile-dir", str(profiles), "--no-save"])
+  path = str(profiles / "mlp.json")
+  plain = Profile.load(path)
+  assert plain.quantized_in_step_ms == {}  # XLA:CPU: not traced (planners.profiler)
+  # as a GPU profile would hold them: every op's int8 legs twice as dear in the step
+  traced = {op: {"fwd": 1.0, "bwd": 2.0} for op in plain.op_names}
+  refit_to_fit_steps(dataclasses.replace(plain, quantized_in_step_ms=traced)).save(path)
+  predictor.main([*argv, "--profile-dir", str(profiles), "--results", str(results)])
+  rows = [json.loads(line) for line in results.read_text().splitlines()]
+  by = {(r["case"], r["metric"]): r["value"] for r in rows}
+  without = {case for case, metric in by if metric == "step_ms_cpu_clock_no_in_step"}
+  evaluated = {r["case"] for r in rows if r["metric"] == "step_ms_cpu_clock" and not r.get("fit")}
+  assert without == evaluated and without  # every evaluated plan, fits aside
+  cluster = ClusterSpec.uniform("cpu", 1, plain.batch_per_device, memory_gb=1e3)
+  int8_fwd = Plan(policies={"all": PrecisionPolicy.uniform("int8_fwd")})
+  assert by[("mlp/int8_fwd", "step_ms_cpu_clock_no_in_step")] == pytest.approx(
+    predict(cluster, {"cpu": plain}, int8_fwd).step_ms  # the profile as it was, fitted to the same steps
+  )
+  assert by[("mlp/int8_fwd", "step_ms_cpu_clock")] != pytest.approx(
+    by[("mlp/int8_fwd", "step_ms_cpu_clock_no_in_step")]
+  )
+  assert ("all/mean_abs_step_error_no_in_step", "abs_rel_error") in by
+  assert "no_in_step profile: step-time |error|" in capsys.readouterr().out
