@@ -21,13 +21,18 @@ slow drift of the host falls on every plan alike. With ``--refit`` the error is 
 second time with the profile refitted to the fp32, all-int8 and all-bf16 steps timed among the
 plans (``planners.replay.refit_profile``; they stay the only fit plans): on a shared CPU host the
 same fp32 step has measured 49–67 ms in different minutes, and the profile's one fit timing
-carries that drift into every prediction.
+carries that drift into every prediction. Every plan is also predicted from the alternative
+profiles of ``alternative_profiles`` (``--precast``; ``no_in_step`` on a GPU, where the profile
+traced its all-int8 step).
 
   python benchmarks/predictor.py [--models lm vgg mlp] [--repeats N] [--rounds 3] [--refit] [--precast]
 
 On a GPU, the GPU-sized models and saved profiles (a profile cut short resumes):
 
   python benchmarks/predictor.py --models mlp_base vgg_base lm_base --profile-dir DIR --refit
+
+``--ops-from DIR2`` measures each profile with the op timings of ``DIR2/<model>.json`` (the
+same settings) and the rest anew: a few minutes of device time instead of tens.
 """
 
 from __future__ import annotations
