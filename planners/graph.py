@@ -57,7 +57,6 @@ the compiled step of a 4-layer d=768 LM on 4 H200s held collectives of 30.7, 30.
 DEFAULT_LATENCY_US = 10.0
 """Fixed cost of one all-reduce collective when no link microbenchmark measured it."""
 PRESET_NAMES = {pol: name for name, pol in PRESETS.items()}
-
 LEG_NAMES = ("dlhs", "drhs")
 
 
