@@ -26,6 +26,8 @@ import os
 import sys
 
 # before jax starts: on a GPU, kernels inside command buffers name the buffer, not the instruction
+# (steptrace.traced_step also compiles with NO_COMMAND_BUFFERS; this flag, checked on an H100,
+# stays until that compile option is checked there too)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 import argparse  # noqa: E402

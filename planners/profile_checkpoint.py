@@ -18,6 +18,13 @@ from qsync_jax.errors import CheckpointError
 FORMAT = "qsync-profile-partial/1"
 
 
+def differences(saved: dict[str, Any], now: dict[str, Any], keys) -> str:
+  """``"key: saved …, now …; …"`` for each of ``keys`` whose setting differs; ``""`` if none."""
+  return "; ".join(
+    f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(keys) if saved.get(k) != now.get(k)
+  )
+
+
 def load_partial(path: str | None, settings: dict[str, Any]) -> tuple[dict[str, dict], list[str]]:
   """``(op_ms, unrunnable)`` saved in ``path`` under ``settings``; empty if there is no file.
   Raises ``CheckpointError`` for a file that is not a partial profile or was written under
@@ -35,9 +42,8 @@ def load_partial(path: str | None, settings: dict[str, Any]) -> tuple[dict[str, 
       f"profile checkpoint {path} cannot be read ({type(e).__name__}: {e}). "
       "Fix: delete it to measure the profile from the start."
     ) from None
-  differs = sorted(k for k in {*settings, *saved} if saved.get(k) != settings.get(k))
-  if differs:
-    detail = "; ".join(f"{k}: saved {saved.get(k)!r}, now {settings.get(k)!r}" for k in differs)
+  detail = differences(saved, settings, {*settings, *saved})
+  if detail:
     raise CheckpointError(
       f"profile checkpoint {path} was measured under other settings ({detail}). "
       "Fix: rerun with the saved settings, or delete the file to measure from the start."
@@ -61,9 +67,8 @@ def reused_op_ms(prof, settings: dict[str, Any], source: str) -> tuple[dict[str,
     "precast": meta.get("policy_operands") == "precast",
     "ops": list(prof.op_names),
   }
-  differs = sorted(k for k in saved if saved[k] != settings.get(k))
-  if differs:
-    detail = "; ".join(f"{k}: saved {saved[k]!r}, now {settings.get(k)!r}" for k in differs)
+  detail = differences(saved, settings, saved)
+  if detail:
     raise CheckpointError(
       f"profile {source} cannot lend its op timings: it was measured under other settings ({detail}). "
       "Fix: measure under its settings, or drop it to time the ops anew."
