@@ -228,6 +228,8 @@ def test_precast_retimes_only_the_policies_whose_activations_the_step_converts()
 @pytest.mark.gpu
 @pytest.mark.standard_promotion  # optax's Adam in the profiled steps
 def test_on_a_gpu_the_all_int8_step_is_traced_op_by_op_and_gives_every_op_its_factors():
+  # tests/conftest.py puts JAX on the CPU unless JAX_PLATFORMS is set: run with JAX_PLATFORMS=cuda
+  assert jax.devices()[0].platform == "gpu", "run the gpu tests with JAX_PLATFORMS=cuda"
   prof = measure_profile(tiny.mlp(), 16, ("fp32", "bf16", "int8"), repeats=3, step_repeats=20, fit_rounds=2)
   assert prof.meta["op_clock"] == "device" and set(prof.quantized_in_step_ms) == set(prof.op_names)
   for i, op in enumerate(prof.op_names):

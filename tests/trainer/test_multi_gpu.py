@@ -1,5 +1,6 @@
-"""The data-parallel step on two GPUs with the Pallas kernels in it (``gpu`` marker: run with
-the device tool on a kind of two or more GPUs, ``pytest -m gpu tests/trainer/test_multi_gpu.py``).
+"""The data-parallel step on two GPUs with the Pallas kernels in it (``gpu`` marker: run with the
+device tool on a kind of two or more GPUs,
+``JAX_PLATFORMS=cuda pytest -m gpu tests/trainer/test_multi_gpu.py``).
 
 On the CPU the int8 products run through XLA; only on a GPU does the Mosaic GPU GEMM, whose
 output came back typed invariant under ``shard_map``, join the step. That made the backward
