@@ -28,6 +28,7 @@ from result_rows import append_rows, result_row
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import RESULTS, plans  # noqa: E402  (run as a script from the repo root)
+from benchmarks.step_ops import table_names  # noqa: E402
 from planners.profiler import (  # noqa: E402
   QUANTIZED_FIT_PRESET,
   SIXTEEN_BIT_FIT_PRESET,
@@ -60,7 +61,7 @@ def run_rows(path: str, run: str) -> dict[str, dict[str, dict]]:
 
 def with_in_step_table(prof: Profile, path: str) -> Profile:
   """``prof`` with ``quantized_in_step_ms`` from a ``benchmarks/step_ops.py`` table of the same
-  model: its all-int8 plan's ``<op>|fwd`` and ``<op>|bwd`` entries (ops by short name), as the
+  model: its all-int8 plan's ``<op>|fwd`` and ``<op>|bwd`` entries (ops by ``table_names``), as the
   profiler now traces them itself (``planners.steptrace.op_leg_ms``)."""
   with open(path) as f:
     tables = json.load(f)
@@ -69,9 +70,9 @@ def with_in_step_table(prof: Profile, path: str) -> Profile:
       f"{path} has no {QUANTIZED_FIT_PRESET!r} plan (it has {sorted(tables)}). "
       f"Fix: trace it with benchmarks/step_ops.py --plans {QUANTIZED_FIT_PRESET}."
     )
-  table = tables[QUANTIZED_FIT_PRESET]
+  table, names = tables[QUANTIZED_FIT_PRESET], table_names(prof.ops)
   traced = {
-    op.name: {leg: float(table.get(f"{op.name.split(':')[0]}|{leg}", 0.0)) for leg in ("fwd", "bwd")}
+    op.name: {leg: float(table.get(f"{names[op.name]}|{leg}", 0.0)) for leg in ("fwd", "bwd")}
     for op in prof.ops
   }
   return dataclasses.replace(prof, quantized_in_step_ms=traced)

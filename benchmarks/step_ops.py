@@ -22,18 +22,12 @@ one side of it.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 
-# before jax starts: on a GPU, kernels inside command buffers name the buffer, not the instruction
-# (steptrace.traced_step also compiles with NO_COMMAND_BUFFERS; this flag, checked on an H100,
-# stays until that compile option is checked there too)
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-import jax  # noqa: E402
+import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,11 +39,19 @@ from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_kernels")
 
 
+def table_names(ops) -> dict[str, str]:
+  """``{op name: its name in the tables}``: the op's module path, or its full name where ops
+  share the path (an attention's two products, ``attention_qk`` and ``attention_pv``)."""
+  paths = [op.name.split(":")[0] for op in ops]
+  return {op.name: path if paths.count(path) == 1 else op.name for op, path in zip(ops, paths)}
+
+
 def flat_per_op_ms(hlo: str, instruction_ms: dict[str, float], ops) -> dict[str, float]:
-  """``{"<op>|fwd" / "<op>|bwd" / "rest|…": ms}`` (the op's short name; legs with time only):
-  ``steptrace.per_op_ms`` flattened, as this benchmark's tables write it."""
+  """``{"<op>|fwd" / "<op>|bwd" / "rest|…": ms}`` (the op by ``table_names``; legs with time
+  only): ``steptrace.per_op_ms`` flattened, as this benchmark's tables write it."""
+  names = {**table_names(ops), "rest": "rest"}
   return {
-    f"{name.split(':')[0]}|{leg}": ms
+    f"{names[name]}|{leg}": ms
     for name, legs in steptrace.per_op_ms(hlo, instruction_ms, ops).items()
     for leg, ms in legs.items()
     if ms
@@ -79,13 +81,14 @@ def main(argv=None) -> int:
     result[name] = {**flat_per_op_ms(hlo, instruction_ms, ops), "total": total}
     print(f"# {args.model} {name}: {total:.3f} ms traced", flush=True)
   device = jax.devices()[0].device_kind
-  shorts = [op.name.split(":")[0] for op in ops] + ["rest"]
+  names_of = table_names(ops)
+  shorts = [names_of[op.name] for op in ops] + ["rest"]
   print(f"\nms per step inside the {args.model} step on {device} (forward + gradient legs)")
   print(f"{'op':14s}" + "".join(f"{n[:16]:>17s}" for n in names))
   for short in shorts:
     cells = [result[n].get(f"{short}|fwd", 0.0) + result[n].get(f"{short}|bwd", 0.0) for n in names]
     line = f"{short:14s}" + "".join(f"{c:17.3f}" for c in cells)
-    op = next((o for o in ops if o.name.startswith(f"{short}:")), None)
+    op = next((o for o in ops if names_of[o.name] == short), None)
     if prof and op:  # the standalone whole-policy times of the uniform plans, beside
       whole = [prof.op_ms.get(op.name, {}).get(f"policy:{n}") for n in names]
       line += "   standalone " + " ".join(f"{n}:{w['fwd'] + w['bwd']:.3f}" for n, w in zip(names, whole) if w)

@@ -16,6 +16,19 @@ def test_the_table_names_ops_short_and_keeps_the_legs_with_time():
   assert got == {"block0/mlp_out|bwd": 3.0, "rest|fwd": 3.5}
 
 
+def test_ops_that_share_a_module_path_keep_their_full_names_in_the_tables():
+  ops = [
+    OpShape("block0/attn:attention_qk", "attention_qk", 1, 4, 8, 3),
+    OpShape("block0/attn:attention_pv", "attention_pv", 1, 4, 8, 3),
+    OpShape("block0/mlp_out:dense", "dense", 1, 4, 8, 3),
+  ]
+  assert step_ops.table_names(ops) == {
+    "block0/attn:attention_qk": "block0/attn:attention_qk",
+    "block0/attn:attention_pv": "block0/attn:attention_pv",
+    "block0/mlp_out:dense": "block0/mlp_out",
+  }
+
+
 @pytest.mark.standard_promotion  # optax's Adam in the traced step
 def test_the_script_writes_every_plans_per_op_times(tmp_path, capsys):
   out = tmp_path / "per_op.json"
