@@ -9,7 +9,8 @@ peak the step is while each op's forward runs (``forward_headroom``), and the re
 the plan's extra bytes on top of that (``planners.replay.memory_bytes``).
 
 * ``buffer_bytes(shape)`` — bytes of an HLO result shape (tuples summed);
-* ``live_bytes(instructions)`` — temporary bytes live at each ENTRY instruction, from the
+* ``live_ranges(instructions)`` — every temporary buffer with the schedule indices it lives
+  through; ``live_bytes(instructions)`` — temporary bytes live at each ENTRY instruction, from the
   schedule (the text order of a compiled module): a value lives from its instruction to its
   last use, a library call's scratch buffer (``scratch_bytes``) only while the call runs;
   parameters, constants and values the step returns are not temporaries, and
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from planners.ops import OpShape
 from planners.steptrace import Instruction, entry_instructions, op_of
@@ -100,8 +102,20 @@ def element_bytes(shape: str) -> list[int]:
   return [buffer_bytes(p) for p in parts + [current]]
 
 
-def live_bytes(instructions: Sequence[Instruction]) -> list[int]:
-  """Temporary bytes live at each instruction of a scheduled ENTRY computation. Each element
+class LiveRange(NamedTuple):
+  """One temporary buffer of a scheduled ENTRY computation: element ``element`` of the result
+  of ``instruction`` (its index ``start`` in the schedule), ``size`` bytes, live through the
+  instruction at index ``end``."""
+
+  instruction: str
+  element: int
+  size: int
+  start: int
+  end: int
+
+
+def live_ranges(instructions: Sequence[Instruction]) -> list[LiveRange]:
+  """Every temporary buffer of a scheduled ENTRY computation with its live range. Each element
   of a tuple-shaped result (a multi-output fusion's outputs, a library call's result and
   scratch) lives until its own last use."""
   index = {ins.name: i for i, ins in enumerate(instructions)}
@@ -132,7 +146,7 @@ def live_bytes(instructions: Sequence[Instruction]) -> list[int]:
   returned = set()
   for name, element in owners(instructions[-1].name) if instructions else ():
     returned |= {(name, k) for k in (range(len(sizes.get(name, ()))) if element is None else (element,))}
-  live = [0] * len(instructions)
+  out = []
   for i, ins in enumerate(instructions):
     if ins.opcode in ALIASING or ins.opcode in NOT_TEMPORARY:
       continue
@@ -143,8 +157,17 @@ def live_bytes(instructions: Sequence[Instruction]) -> list[int]:
         continue
       # a library call's scratch (its last element) lives while the call runs
       end = i if scratch and k == len(elements) - 1 else last_use.get((ins.name, k), i)
-      for t in range(i, end + 1):
-        live[t] += size
+      out.append(LiveRange(ins.name, k, size, i, end))
+  return out
+
+
+def live_bytes(instructions: Sequence[Instruction]) -> list[int]:
+  """Temporary bytes live at each instruction of a scheduled ENTRY computation: the sum of
+  the ``live_ranges`` that cover it."""
+  live = [0] * len(instructions)
+  for r in live_ranges(instructions):
+    for t in range(r.start, r.end + 1):
+      live[t] += r.size
   return live
 
 
