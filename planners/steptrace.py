@@ -247,20 +247,62 @@ def traced_step(task, policy, batch, repeats: int) -> tuple[str, dict[str, float
   return compiled.as_text(), instruction_ms, sum(instruction_ms.values())
 
 
+RANDOM_KEY_MARKERS = ("threefry", "random_")  # jax.random's functions in a JAX name stack
+
+
+def rounding_keys_for_backward(instructions: Sequence[Instruction]) -> set[str]:
+  """Names of the forward instructions (JAX name stack outside ``transpose(``) that derive
+  random keys (``RANDOM_KEY_MARKERS``) which only the gradient legs read, directly or through
+  other such instructions: the keys of a quantized gradient leg's stochastic rounding, split
+  under the op's forward (an int8 forward with bf16 gradient legs has none of them). Reads
+  through ``bitcast`` / ``get-tuple-element`` / ``tuple`` count as their readers' reads; a value
+  the module returns is read by the forward. Only key work is moved: by dataflow alone the
+  whole forward chain of a model can look gradient-only, where XLA fuses the loss into a
+  fusion named after its gradient."""
+  readers: dict[str, list[str]] = defaultdict(list)
+  for ins in instructions:
+    for operand in ins.operands:
+      readers[operand].append(ins.name)
+  by_name = {ins.name: ins for ins in instructions}
+  root = instructions[-1].name if instructions else None
+  out: set[str] = set()
+
+  def read_by_backward(name: str) -> bool:
+    ins = by_name[name]
+    if name == root:
+      return False
+    if "transpose(" in ins.op_name or name in out:
+      return True
+    if ins.opcode in ("bitcast", "get-tuple-element", "tuple"):
+      return bool(readers[name]) and all(read_by_backward(r) for r in readers[name])
+    return False
+
+  for ins in reversed(instructions):  # an instruction's readers come after it in the schedule
+    forward = "jvp(" in ins.op_name and "transpose(" not in ins.op_name
+    if forward and any(m in ins.op_name for m in RANDOM_KEY_MARKERS) and readers[ins.name]:
+      if all(read_by_backward(r) for r in readers[ins.name]):
+        out.add(ins.name)
+  return out
+
+
 def per_op_ms(
   hlo: str, instruction_ms: dict[str, float], ops: Sequence[OpShape]
 ) -> dict[str, dict[str, float]]:
   """``{op name or "rest": {"fwd": ms, "bwd": ms}}``: each instruction's time charged to the op
-  its JAX name stack names (``op_of``), to ``bwd`` under ``transpose(`` (a gradient leg), else
-  to ``fwd``; an instruction of no op (activations, norms, the loss, the optimizer, and fusions
-  XLA named after a neighbour) to ``rest``. Attribution follows XLA's fusion names, so work fused
-  across an op boundary lands on one side of it."""
-  names = {ins.name: ins.op_name for ins in entry_instructions(hlo)}
+  its JAX name stack names (``op_of``), to ``bwd`` under ``transpose(`` (a gradient leg) or
+  where it derives keys only the gradient legs read (``rounding_keys_for_backward``), else to
+  ``fwd``; an instruction of no op (activations, norms, the loss, the optimizer, and fusions
+  XLA named after a neighbour) to ``rest``. Attribution follows XLA's fusion names, so work
+  fused across an op boundary lands on one side of it."""
+  instructions = entry_instructions(hlo)
+  names = {ins.name: ins.op_name for ins in instructions}
+  for_backward = rounding_keys_for_backward(instructions)
   out: dict[str, dict[str, float]] = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0})
   for instruction, ms in instruction_ms.items():
     stack = names.get(instruction, "")
     op = op_of(stack, ops) if stack else None
-    out[op.name if op else "rest"]["bwd" if "transpose(" in stack else "fwd"] += ms
+    backward = "transpose(" in stack or instruction in for_backward
+    out[op.name if op else "rest"]["bwd" if backward else "fwd"] += ms
   return dict(out)
 
 

@@ -98,6 +98,33 @@ def test_instructions_are_charged_to_the_op_and_leg_their_name_stack_names():
   assert got == {"block0/mlp_out:dense": {"fwd": 0.0, "bwd": 3.0}, "rest": {"fwd": 3.5, "bwd": 0.0}}
 
 
+KEYS_HLO = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (p: f32[4], k: u32[2]) -> (f32[4], f32[4]) {
+  %p = f32[4]{0} parameter(0)
+  %k = u32[2]{0} parameter(1)
+  %fold = u32[2]{0} fusion(%k), kind=kLoop, calls=%f1, metadata={op_name="jit(step)/jvp(M)/Dense_0/jit(_threefry_fold_in)/threefry2x32"}
+  %split = (u32[2]{0}, u32[2]{0}) fusion(%fold), kind=kLoop, calls=%f2, metadata={op_name="jit(step)/jvp(M)/Dense_0/Dense_0/jit(_threefry_split)/threefry2x32"}
+  %k0 = u32[2]{0} get-tuple-element(%split), index=0
+  %k1 = u32[2]{0} get-tuple-element(%split), index=1
+  %fwdkey = u32[2]{0} fusion(%k), kind=kLoop, calls=%f3, metadata={op_name="jit(step)/jvp(M)/Dense_0/jit(_threefry_split)/threefry2x32"}
+  %y = f32[4]{0} fusion(%p, %fwdkey), kind=kLoop, calls=%f4, metadata={op_name="jit(step)/jvp(M)/Dense_0/Dense_0/dot_general"}
+  %dx = f32[4]{0} fusion(%y, %k0, %k1), kind=kLoop, calls=%f5, metadata={op_name="jit(step)/transpose(jvp(M))/Dense_0/Dense_0/dot_general"}
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%dx, %y)
+}
+"""
+
+
+def test_keys_that_only_the_gradient_legs_read_are_charged_to_the_backward():
+  ops = [OpShape("Dense_0:dense", "dense", 1, 4, 8, 3)]
+  instructions = steptrace.entry_instructions(KEYS_HLO)
+  # the fold-in and split feed only the gradient product (through get-tuple-element); the
+  # forward's own key feeds its product and stays with the forward
+  assert steptrace.rounding_keys_for_backward(instructions) == {"fold", "split"}
+  ms = {"fold": 1.0, "split": 2.0, "fwdkey": 4.0, "y": 8.0, "dx": 16.0}
+  assert steptrace.per_op_ms(KEYS_HLO, ms, ops) == {"Dense_0:dense": {"fwd": 12.0, "bwd": 19.0}}
+
+
 @pytest.mark.standard_promotion  # optax's Adam in the traced step
 def test_op_leg_ms_charges_the_int8_steps_instructions_to_every_op_and_leg():
   task = tiny.mlp()
