@@ -25,7 +25,7 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
     "batch_bytes": step.tree_bytes(batch),
     "other_bytes": 0,
   }
-  peak, headroom = step_memory(task, batch, variables, ops, seed)
+  peak, forward = step_memory(task, batch, variables, ops, seed)
   skeleton = Profile(
     task.name,
     local_device_type(),
@@ -37,7 +37,8 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
     0.0,
     {},
     memory,
-    forward_headroom=headroom,
+    forward_headroom=forward.headroom,
+    forward_own_bytes=forward.own,
   )
   memory["other_bytes"] = other_bytes(skeleton, peak)
   return dataclasses.replace(skeleton, meta={**versions(), "fp32_xla_peak_bytes": peak})

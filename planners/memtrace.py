@@ -15,9 +15,9 @@ the plan's extra bytes on top of that (``planners.replay.memory_bytes``).
   last use, a library call's scratch buffer (``scratch_bytes``) only while the call runs;
   parameters, constants and values the step returns are not temporaries, and
   ``bitcast`` / ``get-tuple-element`` / ``tuple`` alias their operands;
-* ``forward_headroom(hlo, ops)`` — ``{op name: bytes}``: the step's peak of ``live_bytes``
-  minus its largest value during the op's forward instructions (those of its JAX name stack
-  outside ``transpose(...)``);
+* ``forward_memory(hlo, ops)`` — per op, the step's peak of ``live_bytes`` minus its largest
+  value during the op's forward instructions (those of its JAX name stack outside
+  ``transpose(...)``: ``headroom``), and the op's own bytes at that moment (``own``);
 * ``scratch_bytes(hlo)`` — the largest scratch buffer a library call of a compiled program
   asks for (cuDNN convolutions, cuBLAS / cuBLASLt GEMMs on GPUs).
 
@@ -171,19 +171,41 @@ def live_bytes(instructions: Sequence[Instruction]) -> list[int]:
   return live
 
 
-def forward_headroom(hlo: str, ops: Sequence[OpShape]) -> dict[str, int]:
-  """``{op name: bytes}``: the compiled step's peak live temporaries minus the most live
-  while the op's forward runs (ops whose forward is not found are left out)."""
+class ForwardMemory(NamedTuple):
+  """Of each op's forward in a compiled step (ops whose forward is not found are left out):
+
+  Attributes:
+    headroom: ``{op name: bytes}``, the step's peak live temporaries minus the most live while
+      the op's forward runs.
+    own: ``{op name: bytes}``, of those most live bytes, the op's own: the results and library
+      scratch of its forward instructions (an fp32 conv's output and cuDNN workspace).
+  """
+
+  headroom: dict[str, int]
+  own: dict[str, int]
+
+
+def forward_memory(hlo: str, ops: Sequence[OpShape]) -> ForwardMemory:
+  """The ``ForwardMemory`` of the compiled step ``hlo``: the forward instructions of an op are
+  those its JAX name stack names outside ``transpose(...)``."""
   instructions = entry_instructions(hlo)
-  live = live_bytes(instructions)
+  ranges, live = live_ranges(instructions), live_bytes(instructions)
   if not live:
-    return {}
-  peak = max(live)
-  during: dict[str, int] = {}
+    return ForwardMemory({}, {})
+  owner: dict[str, str] = {}
+  busiest: dict[str, int] = {}  # op name -> the schedule index its forward is most live at
   for i, ins in enumerate(instructions):
     if "jvp(" not in ins.op_name or "transpose(" in ins.op_name:
       continue
     op = op_of(ins.op_name, ops)
     if op is not None:
-      during[op.name] = max(during.get(op.name, 0), live[i])
-  return {name: peak - bytes_ for name, bytes_ in during.items()}
+      owner[ins.name] = op.name
+      if op.name not in busiest or live[i] > live[busiest[op.name]]:
+        busiest[op.name] = i
+  own = {name: 0 for name in busiest}
+  for r in ranges:
+    name = owner.get(r.instruction)
+    if name is not None and r.start <= busiest[name] <= r.end:
+      own[name] += r.size
+  peak = max(live)
+  return ForwardMemory({name: peak - live[i] for name, i in busiest.items()}, own)

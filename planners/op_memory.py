@@ -166,9 +166,31 @@ def forward_extra_bytes(
   if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
     return int(delta)
   act = saved_activation_elems(op, op_policy) * op.calls
+  return int(_patches_and_operands(op, op_policy, dequantized_fp8) + max(delta, 4 * act * upcast_16bit))
+
+
+def quantized_forward_bytes(
+  op: OpShape, op_policy: OpPolicy | None, upcast_16bit: bool = False, dequantized_fp8: bool = False
+) -> int:
+  """Bytes an int8/fp8 forward's own buffers hold at its busiest, all live at once (0 for a
+  float forward): an im2col conv's fp32 patch matrix, the GEMM operands (``forward_extra_bytes``
+  lists both) and, where XLA computes the dequantized activation residual in the forward
+  (``upcast_16bit``), that fp32 copy. On an H100 the all-int8 step of a 128-512-channel VGG
+  peaks at its second conv's row quantization: its fp32 patches (302.0 MB) and their int8
+  copy (75.5 MB) live, nothing else of that op (``benchmarks/step_liveness.py``)."""
+  if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
+    return 0
+  act = saved_activation_elems(op, op_policy) * op.calls
+  return int(_patches_and_operands(op, op_policy, dequantized_fp8) + 4 * act * upcast_16bit)
+
+
+def _patches_and_operands(op: OpShape, op_policy: OpPolicy, dequantized_fp8: bool) -> int:
+  """An int8/fp8 forward's fp32 im2col patches (a conv's) and its GEMM operands: 1 byte per
+  element, 4 where the backend runs fp8 GEMMs on fp32 copies (``dequantized_fp8``)."""
+  act = saved_activation_elems(op, op_policy) * op.calls
   patches = 4 * act if op.kind == "conv" else 0
   gemm = (4 if dequantized_fp8 and op_policy.fwd == "fp8" else 1) * (act + op.rhs_elems * op.calls)
-  return int(patches + gemm + max(delta, 4 * act * upcast_16bit))
+  return patches + gemm
 
 
 def _native_conv(op_policy: OpPolicy) -> bool:

@@ -29,8 +29,9 @@ def refit_memory(prof: Profile, task, seed: int = 0, progress=None) -> Profile:
   """``prof`` (measured on this device type, of ``task`` at its batch) with its memory model
   refitted here, nothing timed: each whole-policy entry's ``"scratch_bytes"`` where it lacks
   one (its forward + gradients program compiled, ``op_programs.program_scratch_bytes``, as
-  ``measure_profile`` records it), then the fp32 step compiled for ``forward_headroom`` and
-  ``other_bytes``, and, where bf16 is profiled, the all-bf16 step for ``other_bytes_16bit``
+  ``measure_profile`` records it), then the fp32 step compiled for ``forward_headroom``,
+  ``forward_own_bytes`` and ``other_bytes``, and, where bf16 is profiled, the all-bf16 step for
+  ``other_bytes_16bit``
   (``step_memory``). For profiles measured before scratch buffers were
   recorded, or with an older liveness model; ``meta["scratch_bytes"]`` says it is done."""
   if prof.device_type != local_device_type():
@@ -63,11 +64,12 @@ def refit_memory(prof: Profile, task, seed: int = 0, progress=None) -> Profile:
       f"task {task.name!r} has ops {[o.name for o in ops][:3]}…, not those of the profile of "
       f"{prof.model!r}. Fix: pass the task the profile was measured on."
     )
-  peak, headroom = step_memory(task, batch, variables, ops, seed)
+  peak, forward = step_memory(task, batch, variables, ops, seed)
   out = dataclasses.replace(
     prof,
     op_ms=op_ms,
-    forward_headroom=headroom,
+    forward_headroom=forward.headroom,
+    forward_own_bytes=forward.own,
     meta={**prof.meta, "scratch_bytes": True, "fp32_xla_peak_bytes": peak},
   )
   out = dataclasses.replace(out, memory={**prof.memory, "other_bytes": other_bytes(out, peak)})

@@ -74,6 +74,9 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
 * ``forward_headroom`` — per op, how many bytes below its peak the fp32 step is while the
   op's forward runs (``planners.memtrace``, from the compiled fp32 step's schedule): the
   replay puts a plan's forward transients on top of it.
+* ``forward_own_bytes`` — per op, how many of the bytes live at that moment are the op's own
+  forward results and library scratch (an fp32 conv's output and cuDNN workspace): a plan that
+  quantizes the op's forward has its patches and GEMM operands there instead.
 
 ``measure_profile`` measures all of it on the local device; ``planners.derived_profiles``
 derives profiles without timing: ``traced_profile`` (ops and memory) and ``modeled_profile``
@@ -130,6 +133,7 @@ class Profile:
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   relayout_ms: dict[str, float] = dataclasses.field(default_factory=dict)
   forward_headroom: dict[str, int] = dataclasses.field(default_factory=dict)
+  forward_own_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
   quantized_leg_scale: float = 1.0
   fp32_leg_scale: float = 1.0
   quantized_in_step_ms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
@@ -175,6 +179,7 @@ class Profile:
       "meta": self.meta,
       "relayout_ms": self.relayout_ms,
       "forward_headroom": self.forward_headroom,
+      "forward_own_bytes": self.forward_own_bytes,
       "quantized_leg_scale": self.quantized_leg_scale,
       "fp32_leg_scale": self.fp32_leg_scale,
       "quantized_in_step_ms": self.quantized_in_step_ms,
@@ -210,6 +215,7 @@ class Profile:
         meta=meta,
         relayout_ms={k: float(v) for k, v in obj.get("relayout_ms", {}).items()},
         forward_headroom={k: int(v) for k, v in obj.get("forward_headroom", {}).items()},
+        forward_own_bytes={k: int(v) for k, v in obj.get("forward_own_bytes", {}).items()},
         quantized_leg_scale=float(obj.get("quantized_leg_scale", 1.0)),
         fp32_leg_scale=float(obj.get("fp32_leg_scale", 1.0)),
         quantized_in_step_ms={
@@ -446,7 +452,7 @@ def measure_profile(
   op_ms, relayout_traced = steptrace.with_policy_step_relayouts(task, batch, ops, op_ms, trace_repeats, seed)
   if relayout_traced:
     say(f"relayouts traced in the {', '.join(relayout_traced)} step")
-  headroom = memtrace.forward_headroom(hlo, ops)
+  forward = memtrace.forward_memory(hlo, ops)
   memory = {
     "param_bytes": step.tree_bytes(params),
     "opt_state_bytes": step.tree_bytes(opt_state),
@@ -465,7 +471,8 @@ def measure_profile(
     cast,
     memory,
     relayout_ms=relayout,
-    forward_headroom=headroom,
+    forward_headroom=forward.headroom,
+    forward_own_bytes=forward.own,
   )
   rest, other = fit_remainder(draft, step_ms, peak)
   memory["other_bytes"] = other
@@ -498,7 +505,8 @@ def measure_profile(
     memory=memory,
     meta=meta,
     relayout_ms=relayout,
-    forward_headroom=headroom,
+    forward_headroom=forward.headroom,
+    forward_own_bytes=forward.own,
   ).with_remainder(rest)
   if QUANTIZED_FIT_PRESET in fit_steps and clock == step.DEVICE_CLOCK:  # traced: the ops' clock
     int8 = PrecisionPolicy.uniform(QUANTIZED_FIT_PRESET)
@@ -561,15 +569,15 @@ def with_precast_policies(
 
 def step_memory(
   task, batch, variables, ops, seed: int = 0, preset: str = "fp32"
-) -> tuple[int | None, dict[str, int]]:
-  """``(XLA peak bytes, forward_headroom)`` of the training step of ``task`` on ``batch`` under
-  the uniform ``preset``, compiled (not run) on the local device
-  (``planners.memtrace.forward_headroom``)."""
+) -> tuple[int | None, memtrace.ForwardMemory]:
+  """``(XLA peak bytes, the ops' forward memory)`` of the training step of ``task`` on ``batch``
+  under the uniform ``preset``, compiled (not run) on the local device
+  (``planners.memtrace.forward_memory``)."""
   optimizer = step.default_optimizer()
   opt_state = optimizer.init(variables["params"])
   train_step = step.make_train_step(task, PrecisionPolicy.uniform(preset), optimizer)
   compiled = train_step.lower(variables, opt_state, batch, jax.random.key(seed)).compile()
-  return step.xla_peak_bytes(compiled), memtrace.forward_headroom(compiled.as_text(), ops)
+  return step.xla_peak_bytes(compiled), memtrace.forward_memory(compiled.as_text(), ops)
 
 
 def other_bytes(prof: Profile, peak_bytes: int | None, preset: str = "fp32") -> int:

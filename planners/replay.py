@@ -26,7 +26,11 @@ device group (its profile, its policy, its batch), takes the longest path, and r
     (``Profile.forward_headroom``; where unmeasured, the fp32 residuals of the later ops),
     plus what the plan keeps beyond fp32 for the earlier ops, plus the op's own forward
     extra (``forward_extra_bytes``: an int8/fp8 conv's fp32 patches, GEMM operands and
-    dequantized residual at once).
+    dequantized residual at once). Where the profile measured the op's own forward bytes
+    in the fp32 step (``Profile.forward_own_bytes``), an int8/fp8 forward instead replaces
+    them by its own (``quantized_forward_bytes``), on the fp32 step's own peak (its
+    ``other_bytes`` and library scratch): on an H100 the fp32 step's largest scratch, a
+    221 MB cuDNN workspace of a backward conv, is not live at any forward.
 
 Profiles are keyed by device type; a group whose type has no profile gets one modeled from
 the catalog (``planners.derived_profiles.modeled_profile``), and its numbers are labelled so.
@@ -55,6 +59,7 @@ from planners.op_memory import (
   dequantizes_fp8_residuals,
   forward_extra_bytes,
   kept_bytes,
+  quantized_forward_bytes,
   residual_bytes,
   transient_bytes,
   upcasts_16bit_products,
@@ -141,6 +146,7 @@ class OpMemory(NamedTuple):
     fp32_kept: what it would keep as an fp32 op.
     forward_delta: kept beyond ``fp32_kept`` while later forwards run.
     forward_extra: its forward's busiest bytes beyond the fp32 op's (``forward_extra_bytes``).
+    forward_own: an int8/fp8 forward's own busiest bytes (``quantized_forward_bytes``), else 0.
   """
 
   kept: int
@@ -148,6 +154,7 @@ class OpMemory(NamedTuple):
   fp32_kept: int
   forward_delta: int
   forward_extra: int
+  forward_own: int
 
 
 def op_memory(group: GroupCost, op_index: int) -> OpMemory:
@@ -169,6 +176,7 @@ def op_memory(group: GroupCost, op_index: int) -> OpMemory:
     fp32_kept,
     kept_bytes(op, pol, upcast, differentiated, fp8) - fp32_kept,
     forward_extra_bytes(op, pol, upcast, differentiated, fp8),
+    quantized_forward_bytes(op, pol, upcast, fp8),
   )
 
 
@@ -210,14 +218,30 @@ def memory_bytes(group: GroupCost, memory_fn=None) -> int:
   )
   backward = base + sum(t.kept for t in terms) + max((t.transient for t in terms), default=0)
   fp32_peak = base + sum(t.fp32_kept for t in terms)
+  # the fp32 step's own peak, which its forward headroom is measured from: its `other_bytes`
+  # and its library scratch (on GPUs a cuDNN workspace of the backward, not live in a forward)
+  fp32_step_peak = (
+    fp32_peak + scale * (mem["other_bytes"] - other) + fp32_scratch_bytes(group) - scratch_bytes(group)
+  )
   forward, before, later = 0.0, 0, sum(t.fp32_kept for t in terms)
   for op, t in zip(prof.ops, terms):
     later -= t.fp32_kept
     # unmeasured: the fp32 step holds all but the residuals of the ops still to run
     headroom = scale * prof.forward_headroom[op.name] if op.name in prof.forward_headroom else later
-    forward = max(forward, fp32_peak - headroom + before + t.forward_extra)
+    if t.forward_own and op.name in prof.forward_headroom and op.name in prof.forward_own_bytes:
+      # the fp32 step at this forward without the op's own buffers, then the quantized op's
+      at_op = fp32_step_peak - headroom - scale * prof.forward_own_bytes[op.name]
+      forward = max(forward, at_op + before + t.forward_own)
+    else:
+      forward = max(forward, fp32_peak - headroom + before + t.forward_extra)
     before += t.forward_delta
   return int(max(backward, forward))
+
+
+def fp32_scratch_bytes(group: GroupCost) -> int:
+  """``scratch_bytes`` of ``group`` with every op at fp32: the fp32 step's largest scratch."""
+  fp32 = OpPolicy.uniform("fp32")
+  return scratch_bytes(dataclasses.replace(group, op_policies={op.name: fp32 for op in group.profile.ops}))
 
 
 def sync_step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:

@@ -176,6 +176,37 @@ def test_predict_memory_adds_the_largest_scratch_buffer_of_the_plan():
   assert extra(PrecisionPolicy.uniform("int8_fwd")) == max(max(fp32_sizes), max(bf16_sizes))
 
 
+def test_a_quantized_forward_replaces_the_fp32_ops_own_bytes_where_the_profile_measured_them():
+  # the fp32 step's peak carries its largest library scratch S (a backward's, not live in any
+  # forward); at each forward the fp32 step holds, of its live bytes, the op's own O_i. An
+  # int8 forward replaces O_i by its own GEMM operands, on top of the fp32 step at that moment.
+  rng = np.random.default_rng()
+  lhs = int(rng.integers(1000, 5000))
+  scratch = int(rng.integers(10**5, 10**6))
+  base = fake_profile([(1, 1, 1)] * 3, lhs_elems=lhs, device_type="A100")
+  names = base.op_names
+  base = _with_scratch(base, {"fp32": [scratch, 0, 0], "int8_fwd": [0, 0, 0]})
+  headroom = {n: int(h) for n, h in zip(names, rng.integers(0, lhs, 3))}
+  own = {n: int(o) for n, o in zip(names, rng.integers(0, lhs, 3))}
+  prof = dataclasses.replace(base, forward_headroom=headroom, forward_own_bytes=own)
+  cluster = _cluster(device_type="A100")
+  got = predict(cluster, {"A100": prof}, Plan.uniform(cluster, "int8_fwd")).memory_bytes["a"]
+  params = prof.memory["param_bytes"]
+  scales = 4 * (8 + 100)  # per op
+  fp32_step = 4 * params + 3 * 4 * lhs + scratch
+  delta = lhs + 1000 + scales - 4 * lhs  # what an int8 op keeps beyond the fp32 op
+  forward = max(fp32_step - headroom[n] - own[n] + i * delta + (lhs + 1000) for i, n in enumerate(names))
+  backward = 4 * params + 3 * (lhs + 1000 + scales) + 2 * (lhs + 1000)
+  assert got == max(backward, forward)
+  # without the measured own bytes: the former term, on the plan's own (scratch-free) peak
+  former = predict(
+    cluster, {"A100": dataclasses.replace(prof, forward_own_bytes={})}, Plan.uniform(cluster, "int8_fwd")
+  )
+  fp32_peak = 4 * params + 3 * 4 * lhs
+  old_forward = max(fp32_peak - headroom[n] + i * delta + (lhs + 1000) for i, n in enumerate(names))
+  assert former.memory_bytes["a"] == max(backward, old_forward)
+
+
 def test_predict_memory_on_cpu_keeps_fp32_copies_of_upcast_residuals():
   # XLA:CPU runs 16-bit legs as fp32 products: a bf16 residual is kept as fp32, and an int8
   # activation residual read by an fp16 drhs leg is kept dequantized (4 bytes, not 1)
