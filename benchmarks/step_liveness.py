@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import get_model, plans  # noqa: E402  (run as a script from the repo root)
 from planners import step  # noqa: E402
-from planners.memtrace import live_bytes, live_ranges  # noqa: E402
+from planners.memtrace import busiest_moments, live_ranges, live_totals  # noqa: E402
 from planners.profiler import task_ops  # noqa: E402
-from planners.steptrace import entry_instructions, op_of  # noqa: E402
+from planners.steptrace import entry_instructions  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 
 MB = 1e6
@@ -46,17 +46,14 @@ def liveness_report(hlo: str, ops, top: int = 8) -> dict:
   module: its live temporaries' peak, the ``top`` largest buffers live there, and each op's
   most live bytes while its forward / gradient instructions run."""
   instructions = entry_instructions(hlo)
-  ranges, live = live_ranges(instructions), live_bytes(instructions)
+  ranges = live_ranges(instructions)
+  live = live_totals(ranges, len(instructions))
   at = max(range(len(live)), key=live.__getitem__)
   covering = sorted((r for r in ranges if r.start <= at <= r.end), key=lambda r: -r.size)[:top]
   by_name = {ins.name: ins for ins in instructions}
   per_op: dict[str, dict[str, int]] = {}
-  for i, ins in enumerate(instructions):
-    op = op_of(ins.op_name, ops)
-    if op is not None:
-      leg = "bwd" if "transpose(" in ins.op_name else "fwd"
-      legs = per_op.setdefault(op.name, {"fwd": 0, "bwd": 0})
-      legs[leg] = max(legs[leg], live[i])
+  for (name, leg), i in busiest_moments(instructions, live, ops)[0].items():
+    per_op.setdefault(name, {"fwd": 0, "bwd": 0})[leg] = live[i]
   return {
     "peak": live[at],
     "at": instructions[at].name,

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from planners.ops import OpShape
-from planners.steptrace import Instruction, entry_instructions, op_of
+from planners.steptrace import ALIASING, Instruction, entry_instructions, leg_of, op_of
 
 DTYPE_BYTES = {
   "pred": 1,
@@ -57,8 +57,6 @@ DTYPE_BYTES = {
   "c64": 8,
   "c128": 16,
 }
-ALIASING = ("bitcast", "get-tuple-element", "tuple")
-"""Opcodes whose result is (a view of) their operands' buffers."""
 NOT_TEMPORARY = ("parameter", "constant")
 
 
@@ -164,11 +162,32 @@ def live_ranges(instructions: Sequence[Instruction]) -> list[LiveRange]:
 def live_bytes(instructions: Sequence[Instruction]) -> list[int]:
   """Temporary bytes live at each instruction of a scheduled ENTRY computation: the sum of
   the ``live_ranges`` that cover it."""
-  live = [0] * len(instructions)
-  for r in live_ranges(instructions):
+  return live_totals(live_ranges(instructions), len(instructions))
+
+
+def live_totals(ranges: Sequence[LiveRange], length: int) -> list[int]:
+  """Bytes of ``ranges`` live at each of ``length`` schedule indices."""
+  live = [0] * length
+  for r in ranges:
     for t in range(r.start, r.end + 1):
       live[t] += r.size
   return live
+
+
+def busiest_moments(instructions: Sequence[Instruction], live: Sequence[int], ops: Sequence[OpShape]):
+  """``({(op name, leg): schedule index}, {instruction: (op name, leg)})``: where each op's
+  forward / gradient instructions (``steptrace.leg_of``) have the most bytes live, and whose
+  leg each of those instructions is."""
+  owner: dict[str, tuple[str, str]] = {}
+  busiest: dict[tuple[str, str], int] = {}
+  for i, ins in enumerate(instructions):
+    leg = leg_of(ins.op_name)
+    op = op_of(ins.op_name, ops) if leg else None
+    if op is not None:
+      owner[ins.name] = (op.name, leg)
+      if (op.name, leg) not in busiest or live[i] > live[busiest[op.name, leg]]:
+        busiest[op.name, leg] = i
+  return busiest, owner
 
 
 class ForwardMemory(NamedTuple):
@@ -189,23 +208,16 @@ def forward_memory(hlo: str, ops: Sequence[OpShape]) -> ForwardMemory:
   """The ``ForwardMemory`` of the compiled step ``hlo``: the forward instructions of an op are
   those its JAX name stack names outside ``transpose(...)``."""
   instructions = entry_instructions(hlo)
-  ranges, live = live_ranges(instructions), live_bytes(instructions)
+  ranges = live_ranges(instructions)
+  live = live_totals(ranges, len(instructions))
   if not live:
     return ForwardMemory({}, {})
-  owner: dict[str, str] = {}
-  busiest: dict[str, int] = {}  # op name -> the schedule index its forward is most live at
-  for i, ins in enumerate(instructions):
-    if "jvp(" not in ins.op_name or "transpose(" in ins.op_name:
-      continue
-    op = op_of(ins.op_name, ops)
-    if op is not None:
-      owner[ins.name] = op.name
-      if op.name not in busiest or live[i] > live[busiest[op.name]]:
-        busiest[op.name] = i
+  moments, owner = busiest_moments(instructions, live, ops)
+  busiest = {name: i for (name, leg), i in moments.items() if leg == "fwd"}
   own = {name: 0 for name in busiest}
   for r in ranges:
-    name = owner.get(r.instruction)
-    if name is not None and r.start <= busiest[name] <= r.end:
+    name, leg = owner.get(r.instruction, (None, None))
+    if leg == "fwd" and r.start <= busiest[name] <= r.end:
       own[name] += r.size
   peak = max(live)
   return ForwardMemory({name: peak - live[i] for name, i in busiest.items()}, own)

@@ -44,6 +44,18 @@ from planners.ops import ATTENTION_EINSUMS, OpShape
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import FP32_LIKE, PRESETS
 
+ALIASING = ("bitcast", "get-tuple-element", "tuple")
+"""Opcodes whose result is (a view of) their operands' buffers."""
+
+
+def leg_of(op_name: str) -> str | None:
+  """The leg an instruction's JAX name stack ``op_name`` runs in: ``"bwd"`` under
+  ``transpose(`` (a gradient leg), ``"fwd"`` under ``jvp(`` outside it, else None (neither:
+  the optimizer, unnamed instructions)."""
+  if "transpose(" in op_name:
+    return "bwd"
+  return "fwd" if "jvp(" in op_name else None
+
 
 @dataclasses.dataclass(frozen=True)
 class Instruction:
@@ -271,15 +283,16 @@ def rounding_keys_for_backward(instructions: Sequence[Instruction]) -> set[str]:
     ins = by_name[name]
     if name == root:
       return False
-    if "transpose(" in ins.op_name or name in out:
+    if leg_of(ins.op_name) == "bwd" or name in out:
       return True
-    if ins.opcode in ("bitcast", "get-tuple-element", "tuple"):
+    if ins.opcode in ALIASING:
       return bool(readers[name]) and all(read_by_backward(r) for r in readers[name])
     return False
 
   for ins in reversed(instructions):  # an instruction's readers come after it in the schedule
-    forward = "jvp(" in ins.op_name and "transpose(" not in ins.op_name
-    if forward and any(m in ins.op_name for m in RANDOM_KEY_MARKERS) and readers[ins.name]:
+    if (
+      leg_of(ins.op_name) == "fwd" and any(m in ins.op_name for m in RANDOM_KEY_MARKERS) and readers[ins.name]
+    ):
       if all(read_by_backward(r) for r in readers[ins.name]):
         out.add(ins.name)
   return out
@@ -301,7 +314,7 @@ def per_op_ms(
   for instruction, ms in instruction_ms.items():
     stack = names.get(instruction, "")
     op = op_of(stack, ops) if stack else None
-    backward = "transpose(" in stack or instruction in for_backward
+    backward = leg_of(stack) == "bwd" or instruction in for_backward
     out[op.name if op else "rest"]["bwd" if backward else "fwd"] += ms
   return dict(out)
 
