@@ -9,7 +9,7 @@
   step's (``plan.apply_to``, ``assign_devices``, ``shard_batch``);
 * each device's loss is its group's: the model quantized under its branch's policy
   (``plan_branches``: one per distinct policy and per-device batch) on its own ``b_i`` rows,
-  picked with ``lax.switch`` on the device index when there are several branches (so plans
+  picked on the device index when there are several branches (``device_switch``; so plans
   with different policies per group, and dynamic batch sizes, work); the strategy weights
   devices by ``b_i / B`` (its ``shares``);
 * initial parameters are ``init_variables(task, seed, ...)``: the hybrid trainer's for the
@@ -29,10 +29,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -42,7 +40,14 @@ from qsync_jax.plan import Plan
 from qsync_jax.sync import get_strategy, make_step_strategy, task_loss_fn
 from qsync_jax.sync.common import AXIS
 from qsync_jax.task import Task
-from qsync_jax.train_step import Branch, StepProgram, init_sample, init_variables, plan_branches
+from qsync_jax.train_step import (
+  Branch,
+  StepProgram,
+  device_switch,
+  init_sample,
+  init_variables,
+  plan_branches,
+)
 
 
 class StrategyState(NamedTuple):
@@ -62,15 +67,7 @@ def branch_loss_fn(
     loss_fn, b = task_loss_fn(task, branch.policy), branch.batch_per_device
     return lambda params, batch, key: loss_fn(params, jax.tree.map(lambda x: x[:b], batch), key)
 
-  fns = [one(b) for b in branches]
-  if len(fns) == 1:
-    return fns[0]
-  table = np.asarray(device_branch, np.int32)
-
-  def loss_fn(params, batch, key):
-    return lax.switch(jnp.asarray(table)[lax.axis_index(axis_name)], fns, params, batch, key)
-
-  return loss_fn
+  return device_switch([one(b) for b in branches], device_branch, axis_name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,15 +50,17 @@ from jax.sharding import PartitionSpec as P
 from qsync_jax.batching import pad_shards, put_replicated, put_sharded
 from qsync_jax.cluster import ClusterSpec, assign_devices
 from qsync_jax.errors import QsyncError
-from qsync_jax.flax_quant import RNG_COLLECTION, quantize
+from qsync_jax.flax_quant import RNG_COLLECTION
 from qsync_jax.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.sync.common import AXIS, is_float, optimizer_init, shard_map, to_varying
+from qsync_jax.sync.common import AXIS, is_float, optimizer_init, to_varying
 from qsync_jax.sync.order import backward_order, from_order, in_order
 from qsync_jax.task import Task
+from qsync_jax.task_step import task_loss
+from qsync_jax.vma import shard_map
 
-GradSync = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
+SyncFn = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
 """``(weighted_local_grads, sync_state, key) -> (combined_grads, sync_state)``.
 
 Called inside ``shard_map`` with axis name ``"data"``. ``weighted_local_grads`` is this
@@ -74,7 +76,7 @@ produces them (``qsync_jax.sync.order``); ``combined_grads`` comes back in the s
 
 
 def psum_sync(weighted_local_grads, sync_state, key):
-  """Default ``GradSync``: the fp32 sum over ``data`` of the weighted local gradients."""
+  """Default ``SyncFn``: the fp32 sum over ``data`` of the weighted local gradients."""
   del key
   return lax.psum(jax.tree.map(lambda g: g.astype(jnp.float32), weighted_local_grads), AXIS), sync_state
 
@@ -223,18 +225,22 @@ def init_variables(task: Task, seed: int, sample) -> tuple[dict, jax.Array]:
   return _float32(dict(variables)), jax.random.key_data(train_key)
 
 
-def _shard_map(f, mesh, in_specs, out_specs, check_vma: bool):
-  if check_vma:
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  from jax.experimental.shard_map import shard_map as legacy  # older jax
+def device_switch(fns: Sequence[Callable], device_branch: Sequence[int], axis_name: str = AXIS) -> Callable:
+  """``f(*args)`` that runs ``fns[device_branch[i]](*args)`` on device ``i`` of ``axis_name``
+  inside ``shard_map``: ``lax.switch`` on a constant table indexed by ``lax.axis_index``;
+  ``fns[0]`` itself when there is one function."""
+  if len(fns) == 1:
+    return fns[0]
+  table = np.asarray(device_branch, np.int32)
 
-  return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+  def switched(*args):
+    return lax.switch(jnp.asarray(table)[lax.axis_index(axis_name)], list(fns), *args)
+
+  return switched
 
 
 def _split_sync(grad_sync) -> tuple[Callable, Callable[[Any], Any], str]:
-  """(sync function, per-device state init, leaf order) of a ``GradSync`` callable or an
+  """(sync function, per-device state init, leaf order) of a ``SyncFn`` callable or an
   ``(init, sync)`` object; the leaf order is its ``leaf_order`` attribute (default ``"tree"``;
   ``"backward"`` for ``psum_sync``)."""
   sync = getattr(grad_sync, "sync", grad_sync)
@@ -255,7 +261,7 @@ def make_train_step(
   cluster: ClusterSpec,
   plan: Plan | None,
   optimizer: optax.GradientTransformation,
-  grad_sync: GradSync | None = None,
+  grad_sync: SyncFn | None = None,
   *,
   devices: Sequence[Any] | None = None,
   loss_scale: DynamicLossScale | NoLossScale | None = None,
@@ -271,7 +277,7 @@ def make_train_step(
     plan: one precision policy per group (None: every group runs the float model) and optional
       per-device batch overrides.
     optimizer: an optax transformation, applied to the combined fp32 gradient.
-    grad_sync: a ``GradSync`` callable (default ``psum_sync``), or an object with ``init`` and
+    grad_sync: a ``SyncFn`` callable (default ``psum_sync``), or an object with ``init`` and
       ``sync`` such as ``qsync_jax.sync.make_grad_sync(name)``.
     devices: the devices of the job, in order (default ``jax.devices()``: all processes').
     loss_scale: default ``DynamicLossScale()`` when the plan has an fp16 leg, else ``NoLossScale()``.
@@ -300,23 +306,16 @@ def make_train_step(
     loss_scale = DynamicLossScale() if plan.needs_fp16_loss_scaling else NoLossScale()
   branches, device_branch = plan_branches(cluster, plan)
   global_batch = cluster.global_batch
-  mutable = tuple(task.mutable)
 
   def branch_fn(branch: Branch):
-    qmodel = quantize(task.model, branch.policy)
+    task_loss_fn = task_loss(task, branch.policy)
     b, weight = branch.batch_per_device, branch.batch_per_device / global_batch
 
-    def run(params, model_state, batch, rngs, scale):
+    def run(params, model_state, batch, key, scale):
       local = jax.tree.map(lambda x: x[:b], batch)
 
       def loss_fn(p):
-        variables = {"params": p, **model_state}
-        kwargs = dict(task.train_kwargs, rngs=rngs)
-        if mutable:
-          out, updated = qmodel.apply(variables, *task.inputs(local), mutable=list(mutable), **kwargs)
-        else:
-          out, updated = qmodel.apply(variables, *task.inputs(local), **kwargs), {}
-        loss, metrics = task.loss(out, local)
+        loss, metrics, updated = task_loss_fn({"params": p, **model_state}, local, key)
         loss = loss.astype(jnp.float32)
         scaled = loss * scale if loss_scale.enabled else loss
         return scaled, (loss, metrics, updated)
@@ -339,7 +338,6 @@ def make_train_step(
     return run
 
   runs = [branch_fn(b) for b in branches]
-  table = np.asarray(device_branch, np.int32)
   # One device with the default sync: every collective is the identity, so emit none (a
   # 1-device all-reduce still copies every gradient) and skip the varying/invariant typing.
   alone = mesh.size == 1 and grad_sync is psum_sync
@@ -351,11 +349,15 @@ def make_train_step(
     index = lax.axis_index(AXIS)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     sync_key, device_base = jax.random.split(step_key)
-    keys = jax.random.split(jax.random.fold_in(device_base, index), 1 + len(task.rng_streams))
-    rngs = {RNG_COLLECTION: keys[0], **{s: k for s, k in zip(task.rng_streams, keys[1:])}}
     scale = state.loss_scale.scale
     varying = (lambda t: t) if alone else to_varying
-    operands = (varying(state.params), varying(state.model_state), batch, rngs, scale)
+    operands = (
+      varying(state.params),
+      varying(state.model_state),
+      batch,
+      jax.random.fold_in(device_base, index),
+      scale,
+    )
 
     def strip(run):
       def f(*args):
@@ -365,10 +367,7 @@ def make_train_step(
 
       return f
 
-    if len(runs) == 1:
-      grads, scalars, new_state = strip(runs[0])(*operands)
-    else:
-      grads, scalars, new_state = lax.switch(jnp.asarray(table)[index], [strip(r) for r in runs], *operands)
+    grads, scalars, new_state = device_switch([strip(r) for r in runs], device_branch)(*operands)
 
     sync_state = jax.tree.map(lambda x: x[0], state.sync_state)
     if alone:
@@ -407,7 +406,9 @@ def make_train_step(
 
   state_specs = TrainState(P(), P(), P(), P(), P(), P(), P(AXIS))
   out_specs = (state_specs, P(), P()) if return_grads else (state_specs, P())
-  mapped = _shard_map(local_step, mesh, (state_specs, P(AXIS)), out_specs, check_vma=not alone)
+  mapped = shard_map(
+    local_step, mesh=mesh, in_specs=(state_specs, P(AXIS)), out_specs=out_specs, check_vma=not alone
+  )
   if donate is None:
     donate = devices[0].platform != "cpu"
   step = jax.jit(mapped, donate_argnums=(0,) if donate else ())

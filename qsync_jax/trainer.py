@@ -38,7 +38,7 @@ from qsync_jax.plan import Plan
 from qsync_jax.strategy_step import make_strategy_step
 from qsync_jax.sync import get_strategy, make_grad_sync
 from qsync_jax.task import Task
-from qsync_jax.train_step import GradSync, make_train_step
+from qsync_jax.train_step import SyncFn, make_train_step
 
 
 class Trainer:
@@ -47,7 +47,7 @@ class Trainer:
   Args:
     task, cluster, plan, optimizer, devices, loss_scale: as ``make_train_step``
       (optimizer default ``optax.adam(1e-3)``).
-    grad_sync: a ``GradSync`` as ``make_train_step``, or the name of a ``qsync_jax.sync``
+    grad_sync: a ``SyncFn`` as ``make_train_step``, or the name of a ``qsync_jax.sync``
       strategy (gradient hook or step builder, see the module doc).
     sync_options: options of the named strategy (its ``Strategy.options``).
     seed: seeds the parameters, the step RNG and the data order.
@@ -69,7 +69,7 @@ class Trainer:
     plan: Plan | None = None,
     optimizer: optax.GradientTransformation | None = None,
     *,
-    grad_sync: GradSync | str | None = None,
+    grad_sync: SyncFn | str | None = None,
     sync_options: Mapping[str, Any] | None = None,
     seed: int = 0,
     out_dir: str | None = None,

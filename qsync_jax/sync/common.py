@@ -1,4 +1,4 @@
-"""Small helpers the sync strategies share: shard_map across jax versions, VMA casts, keys.
+"""Small helpers the sync strategies share: VMA casts, keys, batch shares.
 
 Every strategy runs inside ``shard_map`` over one mesh axis (``"data"`` by default) with
 ``check_vma`` on, so values are typed *varying* (differ per device) or *invariant* (the
@@ -18,15 +18,6 @@ from qsync_jax.errors import QsyncError
 from qsync_jax.vma import pvary
 
 AXIS = "data"
-
-
-def shard_map(f, *, mesh, in_specs, out_specs):
-  """``jax.shard_map`` where present, else ``jax.experimental.shard_map.shard_map``."""
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-  from jax.experimental.shard_map import shard_map as _shard_map  # jax < 0.7
-
-  return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def to_varying(tree, axis_name: str = AXIS):

@@ -43,10 +43,10 @@ from qsync_jax.sync.common import (
   device_key,
   leaf_keys,
   optimizer_init,
-  shard_map,
   to_varying,
 )
 from qsync_jax.sync.global_qsgd import INT_PAYLOADS, dither, payload_for
+from qsync_jax.vma import shard_map
 
 
 def small_leaf(path: str, leaf) -> bool:

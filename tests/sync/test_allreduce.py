@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from qsync_jax.errors import QsyncError
 from qsync_jax.sync import allreduce, global_qsgd_allreduce, hlo, make_grad_sync
-from qsync_jax.sync.common import shard_map
+from qsync_jax.vma import shard_map
 from qsync_jax.sync.global_qsgd import payload_for
 
 N = 8

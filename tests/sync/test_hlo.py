@@ -6,7 +6,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from qsync_jax.sync import hlo
-from qsync_jax.sync.common import shard_map, to_varying
+from qsync_jax.sync.common import to_varying
+from qsync_jax.vma import shard_map
 
 
 def _program(mesh):
