@@ -55,11 +55,12 @@ from planners.profiler import Profile, measure_profile
 from planners.replay import predict, refit_remainder
 from planners.step import PIPELINED_CLOCK, timed_ms
 from planners.steptrace import gpu_kernels
+from qsync_jax import hlo
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy, Rule
 from qsync_jax.precision import OpPolicy
-from qsync_jax.sync import hlo, make_grad_sync, make_qsdp_step, make_selsync_step, task_loss_fn
+from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step, task_loss_fn
 from qsync_jax.train_step import make_train_step
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "multigpu.jsonl")

@@ -20,7 +20,7 @@ Two kinds, one registry (``STRATEGIES``, ``get_strategy(name)``):
 ``Strategy.options`` lists the options a strategy takes by name (``--sync-option KEY=VALUE``).
 
 Every strategy's state is a pytree of arrays (orbax checkpoints it as is).
-``qsync_jax.sync.hlo`` counts the bytes each one really sends, in the compiled HLO.
+``qsync_jax.hlo`` counts the bytes each one really sends, in the compiled HLO.
 
 Example::
 

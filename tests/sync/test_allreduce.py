@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from qsync_jax import hlo
 from qsync_jax.errors import QsyncError
-from qsync_jax.sync import allreduce, global_qsgd_allreduce, hlo, make_grad_sync
-from qsync_jax.vma import shard_map
+from qsync_jax.sync import allreduce, global_qsgd_allreduce, make_grad_sync
 from qsync_jax.sync.global_qsgd import payload_for
+from qsync_jax.vma import shard_map
 
 N = 8
 

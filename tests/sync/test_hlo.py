@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from qsync_jax.sync import hlo
+from qsync_jax import hlo
 from qsync_jax.sync.common import to_varying
 from qsync_jax.vma import shard_map
 

@@ -5,8 +5,9 @@ import numpy as np
 import optax
 import pytest
 
+from qsync_jax import hlo
 from qsync_jax.errors import QsyncError
-from qsync_jax.sync import hlo, make_selsync_step
+from qsync_jax.sync import make_selsync_step
 from tests.sync import toy
 
 N = 8

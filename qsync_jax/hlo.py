@@ -1,4 +1,10 @@
-"""Collectives in compiled HLO text: what each sync strategy really sends.
+"""Compiled HLO text: its instructions, and the collectives each sync strategy really sends.
+
+``parse(text)`` reads the computations of ``compiled.as_text()`` into ``Instruction`` s (name,
+result shape, opcode, operands, called computations, the JAX name stack of its ``metadata``);
+``entry_instructions(text)`` is the entry computation's, in order (a scheduled module's text
+order is its execution order). ``element_bytes(shape)`` gives the bytes of each top-level
+element of a result shape.
 
 ``collectives(text)`` lists every collective (all-reduce, all-gather, reduce-scatter,
 all-to-all, collective-permute, and their async ``-start`` forms) in the computations reachable
@@ -40,7 +46,9 @@ _ELEMENT_BYTES |= {"f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
-_REF = re.compile(r"%([\w.\-]+)")
+_REF = re.compile(r"%([\w.\-]+)(?:#(\d+))?")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_INDEX = re.compile(r"\bindex=(\d+)")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,\s]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 
@@ -82,19 +90,54 @@ class Collective:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Instr:
+class Instruction:
+  """One instruction of a computation.
+
+  Attributes:
+    name: instruction name (also the name of its trace events on XLA:CPU).
+    shape: its result shape as the text writes it (e.g. ``f32[64,8]{1,0}``).
+    opcode: e.g. ``fusion``, ``parameter``.
+    operands: names of its operands.
+    called: the computations its attributes name (``calls=``, ``to_apply=``, branches…).
+    group_size: devices in each replica group of a collective, else 1.
+    op_name: its ``metadata`` op_name (the JAX name stack), else "".
+    operand_elements: per operand, the element of a tuple-shaped operand it reads
+      (``%fusion.3#1`` in newer XLA text), else None (the whole operand).
+    tuple_index: a ``get-tuple-element``'s ``index``, else None.
+  """
+
   name: str
   shape: str
   opcode: str
   operands: tuple[str, ...]
-  called: tuple[str, ...]
-  group_size: int
+  called: tuple[str, ...] = ()
+  group_size: int = 1
+  op_name: str = ""
+  operand_elements: tuple[int | None, ...] = ()
+  tuple_index: int | None = None
 
 
 def _element_bytes(dtype: str) -> int:
   if dtype.startswith("f8"):
     return 1
   return _ELEMENT_BYTES.get(dtype, 0)
+
+
+def element_bytes(shape: str) -> list[int]:
+  """Bytes of each top-level element of a result shape (one entry for an array):
+  ``(f32[25], (s8[100], u8[4]))`` → ``[100, 104]``."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [sum(b for _, b in _arrays(shape))]
+  parts, depth, current = [], 0, ""
+  for ch in shape[1:-1]:
+    depth += (ch in "([{") - (ch in ")]}")
+    if ch == "," and depth == 0:
+      parts.append(current)
+      current = ""
+    else:
+      current += ch
+  return [sum(b for _, b in _arrays(p)) for p in parts + [current]]
 
 
 def _arrays(shape: str) -> list[tuple[str, int]]:
@@ -119,9 +162,9 @@ def _split_operands(rest: str) -> tuple[str, str]:
   return rest, ""
 
 
-def parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
+def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
   """``({computation name: instructions}, entry name)`` of an HLO module's text."""
-  comps: dict[str, list[_Instr]] = {}
+  comps: dict[str, list[Instruction]] = {}
   entry, current = "", None
   for line in text.splitlines():
     header = _HEADER.match(line)
@@ -133,17 +176,29 @@ def parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
     m = _INSTR.match(line)
     if m and current is not None:
       operands, attrs = _split_operands(m.group(4))
+      refs = _REF.findall(operands)
+      op_name = _OP_NAME.search(attrs)
+      index = _INDEX.search(attrs) if m.group(3) == "get-tuple-element" else None
       comps[current].append(
-        _Instr(
+        Instruction(
           m.group(1),
           m.group(2),
           m.group(3),
-          tuple(_REF.findall(operands)),
-          tuple(_REF.findall(attrs)),
+          tuple(r for r, _ in refs),
+          tuple(r for r, _ in _REF.findall(attrs)),
           _group_size(attrs),
+          op_name.group(1) if op_name else "",
+          tuple(int(e) if e else None for _, e in refs),
+          int(index.group(1)) if index else None,
         )
       )
   return comps, entry
+
+
+def entry_instructions(text: str) -> list[Instruction]:
+  """The entry computation's instructions of an HLO module's text, in order."""
+  comps, entry = parse(text)
+  return comps.get(entry, [])
 
 
 def _base_op(opcode: str) -> str | None:
