@@ -46,12 +46,12 @@ from examples.train_loop import LoopConfig, train_and_evaluate
 from planners.indicator.gradient import gradient_omega
 from planners.indicator.gvar import gvar_omega
 from planners.indicator.hessian import hessian_omega, hutchinson_traces
-from planners.indicator.probes import collect, mean_over_batches, op_order, rngs_for
+from planners.indicator.probes import collect, mean_over_batches, op_order
 from planners.indicator.random_ind import random_omega
 from planners.indicator.wvar import wvar_omega
-from qsync_jax.flax_quant import quantize
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
+from qsync_jax.task_step import task_loss
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "indicator.jsonl")
 TRUTH_POLICY = OpPolicy(fwd="int8")
@@ -66,17 +66,8 @@ def take(iterator, n):
 
 def loss_fn(task, policy):
   """jit (variables, batch, key) → training-mode loss, all ops under ``policy`` (None: plain)."""
-  model = task.model if policy is None else quantize(task.model, policy)
-
-  def fn(variables, batch, key):
-    kwargs = dict(task.train_kwargs, rngs=rngs_for(task, key))
-    if task.mutable:
-      outputs, _ = model.apply(variables, *task.inputs(batch), mutable=list(task.mutable), **kwargs)
-    else:
-      outputs = model.apply(variables, *task.inputs(batch), **kwargs)
-    return task.loss(outputs, batch)[0]
-
-  return jax.jit(fn)
+  loss = task_loss(task, policy)
+  return jax.jit(lambda variables, batch, key: loss(variables, batch, key)[0])
 
 
 def ground_truth(task, variables, ops, batches, seed):

@@ -1,4 +1,4 @@
-"""Allocator: one precision per op on each inference group (DESIGN §5.4, fixed).
+"""Allocator: one precision per op on each inference group (QSync's greedy allocator, fixed).
 
 Inputs: the cluster, the cost profiles, a sensitivity table ``Ω[op][precision]`` (the
 indicator's JSON) and which groups are *training* groups (they keep ``train_policy``).
@@ -42,10 +42,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from planners import catalog
-from planners.graph import DEFAULT_BUCKET_BYTES, GroupCost, op_costs
-from planners.op_memory import residual_bytes
-from planners.profiler import Profile
-from planners.replay import comm_for, memory_bytes, op_memory, profile_for, sync_step_ms
+from planners.graph import DEFAULT_BUCKET_BYTES, op_costs
+from planners.memory_model import memory_bytes, op_memory, residual_bytes
+from planners.profile import GroupCost, Profile
+from planners.replay import comm_for, profile_for, sync_step_ms
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -195,7 +195,7 @@ class Evaluator:
     return self._costs[key]
 
   def op_memory(self, group: GroupCost, op_index: int):
-    """``replay.op_memory``, memoized likewise."""
+    """``memory_model.op_memory``, memoized likewise."""
     key = ("m", group.name, op_index, group.op_policies.get(self.problem.op_names[op_index]))
     if key not in self._costs:
       self._costs[key] = op_memory(group, op_index)
@@ -370,7 +370,7 @@ def _finish(problem, ev, assignment, target, straggles) -> Allocation:
 
 
 def greedy(problem: Problem, rel_tol: float = 1e-9) -> Allocation:
-  """DESIGN §5.4 with the fixes; see the module docstring."""
+  """The greedy allocation; see the module docstring."""
   ev = Evaluator(problem)
   plan = start_assignment(problem, ev)
   target = ev.training_step_ms()

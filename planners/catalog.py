@@ -1,13 +1,12 @@
 """Device catalog: datasheet peaks per precision, memory bandwidth, memory and links.
 
-Figures are the dense datasheet peaks of ``../shared/REFERENCE.md`` (TFLOP/s, TOP/s for
-int8; GB/s; GB). They feed the roofline model that costs devices not at hand; every cost
+Figures are the vendors' dense datasheet peaks (TFLOP/s, TOP/s for int8; GB/s; GB). They
+feed the roofline model that costs devices not at hand (``planners.modeled``); every cost
 derived from them is labelled ``"modeled"``.
 
 A roofline time is ``max(flops / (peak · derate), bytes / (bandwidth · derate))``: the
-``derate`` is the fraction of the datasheet peak a real kernel reaches (XLA reaches
-~0.6–0.7 of peak on large GEMMs on an H100, REFERENCE.md; T4 and L4 throttle near 70 W, so
-they get a lower one).
+``derate`` is the fraction of the datasheet peak a real kernel reaches (T4 and L4 throttle
+near 70 W, so they get a lower one).
 
 Examples:
   >>> spec = device_spec("T4")

@@ -6,7 +6,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from planners.profiler import Profile
+from planners.profile import Profile
 from qsync_jax.errors import PlanError
 
 
@@ -26,53 +26,6 @@ def load_profiles(paths: Sequence[str]) -> dict[str, Profile]:
         "Fix: pass one profile per device type."
       )
     out[prof.device_type] = prof
-  return out
-
-
-CALIBRATE_HELP = (
-  "GROUP=MS: the median fp32 step (ms) measured on that group's devices alone (uniform fp32 policy, "
-  "its batch per device); refits the remainder of the group's profile to it (repeatable)"
-)
-
-
-def parse_calibration(items: Sequence[str]) -> dict[str, float]:
-  """``{group: ms}`` of ``--calibrate GROUP=MS`` arguments."""
-  out = {}
-  for item in items:
-    name, sep, value = item.partition("=")
-    try:
-      ms = float(value)
-    except ValueError:
-      ms = None
-    if not sep or not name or ms is None:
-      raise PlanError(f"--calibrate {item!r} is not GROUP=MS. Fix: write e.g. --calibrate train=15.4.")
-    out[name] = ms
-  return out
-
-
-CALIBRATE_DEVICES_HELP = (
-  "where the --calibrate steps were measured: 'group' (default) on each group's devices, 'one' on one "
-  "device of it, leaving the all-reduce and the growth with the device count to the replay"
-)
-
-
-def calibrated_profiles(
-  cluster, profiles: dict[str, Profile], items: Sequence[str], devices: str = "group"
-) -> dict[str, Profile]:
-  """``profiles`` refitted to the ``--calibrate GROUP=MS`` steps (``replay.calibrate``, measured
-  on ``devices``), each refit reported on stderr."""
-  from planners.replay import calibrate  # replay builds on the profiler this module loads
-
-  steps = parse_calibration(items)
-  out = calibrate(cluster, profiles, steps, devices)
-  for g in cluster.groups:
-    if g.name in steps:
-      before = sum(profiles[g.device_type].remainder_ms.values()) if g.device_type in profiles else None
-      after = sum(out[g.device_type].remainder_ms.values())
-      was = "modeled" if before is None else f"{before:.3f} ms"
-      progress(
-        f"calibrated {g.name} ({g.device_type}) to its fp32 step {steps[g.name]} ms: remainder {was} -> {after:.3f} ms"
-      )
   return out
 
 

@@ -1,21 +1,12 @@
-"""``qsync plan``: allocate per-op precisions on the inference groups (greedy, DESIGN §5.4)."""
+"""``qsync plan``: allocate per-op precisions on the inference groups (``planners.allocator``)."""
 
 from __future__ import annotations
 
 import time
 
 from planners.allocator import dynamic_batch, greedy, make_problem
-from planners.cli_common import (
-  CALIBRATE_DEVICES_HELP,
-  CALIBRATE_HELP,
-  calibrated_profiles,
-  check_model,
-  load_json,
-  load_profiles,
-  progress,
-  table,
-)
-from planners.replay import CALIBRATION_DEVICES, predict
+from planners.cli_common import check_model, load_json, load_profiles, progress, table
+from planners.replay import predict
 from qsync_jax.cli_train import load_task
 from qsync_jax.cluster import ClusterSpec
 
@@ -33,10 +24,6 @@ def add_arguments(parser) -> None:
   )
   parser.add_argument("--train-precision", default="fp32", help="policy preset of the training groups")
   parser.add_argument("--out", required=True, help="output plan JSON")
-  parser.add_argument("--calibrate", action="append", default=[], metavar="GROUP=MS", help=CALIBRATE_HELP)
-  parser.add_argument(
-    "--calibrate-devices", choices=CALIBRATION_DEVICES, default="group", help=CALIBRATE_DEVICES_HELP
-  )
 
 
 def run(args) -> int:
@@ -44,7 +31,6 @@ def run(args) -> int:
   profiles = load_profiles(args.profile)
   check_model(profiles, task.name)
   cluster = ClusterSpec.load(args.cluster)
-  profiles = calibrated_profiles(cluster, profiles, args.calibrate, args.calibrate_devices)
   indicator = load_json(args.indicator, "indicator")
   training = args.training_groups.split(",") if args.training_groups else None
   problem = make_problem(cluster, profiles, indicator, training, args.train_precision)

@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import json
 
-from planners.cli_common import (
-  CALIBRATE_DEVICES_HELP,
-  CALIBRATE_HELP,
-  calibrated_profiles,
-  check_model,
-  load_profiles,
-  table,
-)
-from planners.replay import CALIBRATION_DEVICES, predict
+from planners.cli_common import check_model, load_profiles, table
+from planners.replay import predict
 from planners.trace import save_chrome_trace, save_png
 from qsync_jax.cli_train import load_task
 from qsync_jax.cluster import ClusterSpec
@@ -27,10 +20,6 @@ def add_arguments(parser) -> None:
   parser.add_argument("--plan", required=True, help="plan JSON (from `qsync plan` or hand-written)")
   parser.add_argument("--profile", required=True, nargs="+", help="profile JSON(s) from `qsync profile`")
   parser.add_argument("--trace", help="write a Chrome trace JSON (open in ui.perfetto.dev)")
-  parser.add_argument("--calibrate", action="append", default=[], metavar="GROUP=MS", help=CALIBRATE_HELP)
-  parser.add_argument(
-    "--calibrate-devices", choices=CALIBRATION_DEVICES, default="group", help=CALIBRATE_DEVICES_HELP
-  )
   parser.add_argument("--png", help="write a PNG timeline")
   parser.add_argument("--json", help="write the prediction as JSON")
 
@@ -40,7 +29,6 @@ def run(args) -> int:
   profiles = load_profiles(args.profile)
   check_model(profiles, task.name)
   cluster = ClusterSpec.load(args.cluster)
-  profiles = calibrated_profiles(cluster, profiles, args.calibrate, args.calibrate_devices)
   plan = Plan.load(args.plan)
   pred = predict(cluster, profiles, plan)
   rows = [

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from planners import step
+from planners.timing import timed_ms
 from qsync_jax.vma import shard_map
 
 DEFAULT_SIZES = (2**20, 2**22, 2**24, 2**26)
@@ -75,5 +75,5 @@ def measure_link(
   times = []
   for size in sizes:
     x = jax.device_put(jnp.ones((n * (size // 4),), jnp.float32), sharding)
-    times.append(step.timed_ms(lambda x=x: psum(x), repeats)[0])
+    times.append(timed_ms(lambda x=x: psum(x), repeats)[0])
   return fit_link(n, sizes, times)

@@ -1,7 +1,7 @@
-"""The standalone programs the profiler times for one op: its GEMM legs (``leg_fn``) and the
-op under a whole op policy (``policy_programs``), built as the runtime runs them
-(``qsync_jax.qdot`` / ``qsync_jax.qconv``), and what XLA does with them (``producer_relayout_ms``).
-``planners.profiler`` times them into a ``Profile``."""
+"""The standalone programs the profiler times: an op's GEMM legs (``leg_fn``), the op under a
+whole op policy (``policy_programs``) and the conversions (``cast_fn``), built as the runtime
+runs them (``qsync_jax.qdot`` / ``qsync_jax.qconv`` / ``pallas_kernels.quantize``).
+``planners.measure`` times them into a ``Profile``."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.quantize import dequantize, quantize
-from planners import memtrace, step, steptrace
+from planners.fit import fit_cast_model
 from planners.ops import ATTENTION_EINSUMS, OpShape
+from planners.profile import CAST_TYPES, CastModel, cast_precisions
+from planners.timing import timed_ms
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.qconv import quantized_conv_general_dilated
 from qsync_jax.qdot import FLOAT_DTYPES, Operand, leg_dot, qformat, quantized_dot_general, quantized_einsum
@@ -35,67 +36,34 @@ def leg_operands(leg: str, batch: int, m: int, k: int, n: int):
   return ls, rs, (((lc,), (rc,)), ((), ())), *roles
 
 
-def leg_fn(
-  precision: str, leg: str, batch: int, m: int, k: int, n: int, stochastic=False, saved=False, seed: int = 0
-):
+def leg_fn(precision: str, leg: str, batch: int, m: int, k: int, n: int, seed: int = 0):
   """``(jitted f, args)``: one GEMM leg as the runtime runs it (``leg_dot`` on fp32 operands,
   converting them into ``precision`` inside the same program, where XLA fuses the
-  conversions with the product). ``stochastic``: the gradient operand rounds stochastically;
-  ``saved``: the saved operand of a gradient leg (dlhs: the weight, drhs: the input) is
-  already in ``precision`` (a bf16/fp16 forward saved it so)."""
+  conversions with the product)."""
   ls, rs, dims, lgrad, rgrad = leg_operands(leg, batch, m, k, n)
   k1, k2 = jax.random.split(jax.random.key(seed))
   lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
-  saved_is_lhs = leg == "drhs"
-  if saved and precision in QUANTIZED_PRECISIONS:
-    # the forward saved this operand quantized (per channel over its forward contraction
-    # axis); the leg dequantizes it and quantizes it again, in one program
-    x = lhs if saved_is_lhs else rhs
-    qvalue, scale = quantize(
-      x, qformat(precision, False), (x.ndim - 1 if saved_is_lhs else x.ndim - 2,), "nearest"
-    )
-    x = (qvalue, scale)
-  elif saved:
-    x = (lhs if saved_is_lhs else rhs).astype(FLOAT_DTYPES[precision])
-  if saved:
-    lhs, rhs = (x, rhs) if saved_is_lhs else (lhs, x)
-
-  def restore(x):
-    return dequantize(*x) if isinstance(x, tuple) else x
-
-  def role(is_grad):
-    return Operand("stochastic" if (stochastic and is_grad) else "nearest", is_grad)
 
   def f(a, b, key):
     lk, rk = jax.random.split(key)
-    return leg_dot(precision, "per_channel", restore(a), restore(b), dims, role(lgrad), role(rgrad), lk, rk)
+    return leg_dot(
+      precision, "per_channel", a, b, dims, Operand("nearest", lgrad), Operand("nearest", rgrad), lk, rk
+    )
 
   return jax.jit(f), (lhs, rhs, jax.random.key(seed + 1))
-
-
-def leg_variants(precision: str, leg: str) -> list[tuple[str, dict]]:
-  """``[(table key, leg_fn options)]`` timed for one leg at one precision."""
-  out = [(precision, {})]
-  if leg == "fwd" or precision not in (*FLOAT_DTYPES, *QUANTIZED_PRECISIONS):
-    return out
-  out.append((f"{precision}:saved", {"saved": True}))
-  if precision in QUANTIZED_PRECISIONS:
-    out.append((f"{precision}:sr", {"stochastic": True}))
-    out.append((f"{precision}:saved:sr", {"saved": True, "stochastic": True}))
-  return out
 
 
 def dispatch_overhead_ms(repeats: int = 50, clock: str = "wall") -> float:
   """ms to dispatch and wait for a trivial jitted program (subtracted from standalone timings)."""
   f = jax.jit(lambda x: x + 1)
   x = jnp.zeros((), jnp.float32)
-  return step.timed_ms(lambda: f(x), repeats, clock=clock)[0]
+  return timed_ms(lambda: f(x), repeats, clock=clock)[0]
 
 
-def measure_leg(precision, leg, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", **options):
+def measure_leg(precision, leg, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall"):
   """Median ms of one leg on ``clock`` (dispatch overhead removed, floored at 1 µs)."""
-  f, args = leg_fn(precision, leg, batch, m, k, n, seed=seed, **options)
-  return max(step.timed_ms(lambda: f(*args), repeats, clock=clock)[0] - overhead, 1e-3)
+  f, args = leg_fn(precision, leg, batch, m, k, n, seed=seed)
+  return max(timed_ms(lambda: f(*args), repeats, clock=clock)[0] - overhead, 1e-3)
 
 
 def real_dims(op: OpShape):
@@ -138,34 +106,14 @@ def conv_geometry(op: OpShape):
 def measure_policy(
   op_policy: OpPolicy, batch, m, k, n, repeats=10, overhead=0.0, seed=0, clock="wall", op=None, precast=False
 ):
-  """``{"fwd": ms, "bwd": ms, "scratch_bytes": bytes}`` of one op under a whole op policy, as
-  one program each: the forward alone, and forward + both gradients (``policy_programs``,
-  ``precast`` there); bwd = their difference. Captures what XLA does across legs (layouts,
-  fusing a dequantized residual into the next product), which standalone legs miss.
-  ``scratch_bytes``: the largest library scratch buffer of the forward + gradients program
-  (``program_scratch_bytes``)."""
-  programs, fwd, (lhs, rhs, key, g) = policy_programs(op_policy, batch, m, k, n, seed, op, precast)
-  fwd_prog, fwd_bwd_prog = programs
-  t_fwd = step.timed_ms(fwd_prog, repeats, clock=clock)[0]
-  t_all = step.timed_ms(fwd_bwd_prog, repeats, clock=clock)[0]
-  out = {
-    "fwd": max(t_fwd - overhead, 1e-3),
-    "bwd": max(t_all - t_fwd, 1e-3),
-    "scratch_bytes": float(program_scratch_bytes(fwd_bwd_prog)),
-  }
-  if jax.devices()[0].platform == "cpu":
-    refuses, relayout = producer_relayout_ms(fwd, lhs, rhs, key, g)
-    out["refuses_producer"] = float(refuses)
-    if relayout is not None:
-      out["relayout_ms"] = relayout
-  return out
-
-
-def program_scratch_bytes(program: functools.partial) -> int:
-  """The largest library scratch buffer (``planners.memtrace.scratch_bytes``) of an
-  argument-free program of ``policy_programs`` (a ``functools.partial`` of a jitted function):
-  compiled, not run."""
-  return memtrace.scratch_bytes(program.func.lower(*program.args).compile().as_text())
+  """``{"fwd": ms, "bwd": ms}`` of one op under a whole op policy, as one program each: the
+  forward alone, and forward + both gradients (``policy_programs``, ``precast`` there); bwd =
+  their difference. Captures what XLA does across legs (layouts, fusing a dequantized residual
+  into the next product), which standalone legs miss."""
+  fwd_prog, fwd_bwd_prog = policy_programs(op_policy, batch, m, k, n, seed, op, precast)
+  t_fwd = timed_ms(fwd_prog, repeats, clock=clock)[0]
+  t_all = timed_ms(fwd_bwd_prog, repeats, clock=clock)[0]
+  return {"fwd": max(t_fwd - overhead, 1e-3), "bwd": max(t_all - t_fwd, 1e-3)}
 
 
 def precast_dtypes(op_policy: OpPolicy) -> tuple[Any, Any]:
@@ -180,20 +128,17 @@ def precast_dtypes(op_policy: OpPolicy) -> tuple[Any, Any]:
 
 
 def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precast=False):
-  """``((forward, forward + both gradients), fwd, (lhs, rhs, key, g))``: the two argument-free
-  jitted programs ``measure_policy`` times for one op under a whole op policy, the forward
-  function and their operands. The gradients come from ``jax.vjp`` of
+  """``(forward, forward + both gradients)``: the two argument-free jitted programs
+  ``measure_policy`` times for one op under a whole op policy. The gradients come from ``jax.vjp`` of
   ``quantized_dot_general``. Given ``op`` (an ``OpShape`` with its operand shapes), attention
-  products run their real einsum and weight ops their real operand shapes (``real_dims``): on
-  XLA:CPU an int8 Dense on a 3-d input ran 10× faster than on the same data flattened to 2-d.
+  products run their real einsum, convolutions their real convolution and weight ops their
+  real operand shapes (``real_dims``), else the canonical GEMM.
 
   ``precast``: the activations come in the dtypes the training step converts them to
   (``precast_dtypes``), as if the ops around this one had converted them: in a GPU training
-  step those conversions run fused into neighbouring elementwise kernels, while a standalone
-  program runs them as kernels of their own (on an H100 the bf16 programs of a BERT-base-wide
-  LM summed to 1.8× the step's bf16 products, ``docs/results.md``). The weight stays fp32
-  (its conversion is a kernel in the step too). Convolutions likewise (their BatchNorm and
-  ReLU neighbours convert; not yet checked against a GPU step)."""
+  step those conversions are fused into neighbouring elementwise kernels, while a standalone
+  program runs them as kernels of their own. The weight stays fp32 (its conversion is a
+  kernel in the step too)."""
   ls, rs, dims, _, _ = leg_operands("fwd", batch, m, k, n)
   einsum = ATTENTION_EINSUMS.get(op.kind) if op is not None and op.lhs_shape else None
   if einsum:
@@ -236,56 +181,45 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
     y, vjp = jax.vjp(lambda a, b: fwd(a, b, key), a, b)
     return y, vjp(g)
 
-  programs = (
+  return (
     functools.partial(jax.jit(fwd), lhs, rhs, key),
     functools.partial(jax.jit(fwd_bwd), lhs, rhs, key, g),
   )
-  return programs, fwd, (lhs, rhs, key, g)
 
 
-def _produced_program(fwd, lhs, rhs, key, g):
-  """``(jitted program, its arguments)``: forward + gradients of ``fwd`` whose activation is
-  produced in the program from two inputs (``(x + c) · t``, like an activation function of a
-  product and its bias)."""
-  t = jnp.ones_like(lhs)
+def cast_fn(cast_type: str):
+  """``(f, input dtype)``: the jitted-to-be conversion of a cast type (``planners.profile.CAST_TYPES``)
+  as the runtime runs it."""
+  src, dst = cast_type.split("->")
+  dst, _, sr = dst.partition(":")
+  if dst in QUANTIZED_PRECISIONS:  # two passes: absmax, then scale and round
+    fmt = qformat(dst, bool(sr))  # stochastic rounding is for gradients (e5m2 in fp8)
+    key = jax.random.key(0) if sr else None
+    rounding = "stochastic" if sr else "nearest"
+    return lambda x: quantize(x, fmt, tuple(range(x.ndim)), rounding, key), jnp.float32
+  if src in QUANTIZED_PRECISIONS:
+    dtype = jnp.int8 if src == "int8" else jnp.float8_e4m3fn
+    scale = jnp.ones((1,), jnp.float32)
+    return lambda x: dequantize(x, scale), dtype
+  src_dtype = FLOAT_DTYPES.get(src, jnp.float32)
+  dst_dtype = FLOAT_DTYPES.get(dst, jnp.float32)
+  return lambda x: x.astype(dst_dtype), src_dtype
 
-  def produced(a, b, c, t, key, g):
-    y, vjp = jax.vjp(lambda a, b: fwd((a + c) * t, b, key), a, b)
-    return y, vjp(g)
 
-  return jax.jit(produced), (lhs, rhs, jnp.zeros((), lhs.dtype), t, key, g)
-
-
-def _rerunning_relayouts(hlo: str) -> list[steptrace.Instruction]:
-  """The relayout fusions of ``_produced_program``'s compiled text that read the producer's
-  input (ENTRY parameter 0) instead of a saved copy."""
-  return [fusion for fusion in steptrace.relayout_fusions(hlo) if 0 in fusion.operand_params]
-
-
-def producer_relayout_ms(fwd, lhs, rhs, key, g, repeats: int = 5) -> tuple[bool, float | None]:
-  """``(refuses_producer, ms)``: whether XLA, in a training step, re-runs the producer of the
-  op's activation operand to lay the saved activation out for the gradient legs
-  (``planners.steptrace``), judged on ``_produced_program``: True when a relayout fusion reads
-  the producer's inputs instead of a saved copy (an fp32 op saves the producer's output
-  itself, so XLA re-runs the producer; a bf16 copy or an int8 residual is materialized and
-  relaid out cheaply); and those fusions' ms per call from XLA:CPU's per-instruction trace
-  (the median event of each, times its events per call; None when there is none or another
-  profiler session keeps the trace from running). Under fp16 on XLA:CPU such a fusion
-  also rounds the re-run activation through fp16 element by element inside the transposing
-  loop: in the LM's fp16 step two of them took 3.7 and 7.5 ms against 0.5–0.8 ms for the
-  bf16 step's relayouts of a saved copy (``docs/results.md``)."""
-  program, args = _produced_program(fwd, lhs, rhs, key, g)
-  compiled = program.lower(*args).compile(compiler_options=steptrace.TRACE_OPTIONS)
-  names = {fusion.name for fusion in _rerunning_relayouts(compiled.as_text())}
-  if not names:
-    return False, None
-  compiled(*args)
-  try:
-    events = steptrace.traced_events(lambda: jax.block_until_ready(compiled(*args)), repeats)
-  except RuntimeError:  # another profiler session is running
-    return True, None
-  durations: dict[str, list[float]] = {n: [] for n in names}
-  for event in events:
-    if event["name"] in names:
-      durations[event["name"]].append(event["dur"] / 1e3)
-  return True, sum(float(np.median(d)) * len(d) / repeats for d in durations.values() if d) or None
+def measure_casts(
+  sizes=(2**14, 2**16, 2**18, 2**20), repeats=10, overhead=0.0, clock="wall", precisions=None
+) -> dict[str, CastModel]:
+  """A fitted ``CastModel`` per cast type (those between ``precisions``, default all), from
+  standalone jitted casts of ``sizes`` elements."""
+  models = {}
+  for cast_type in CAST_TYPES:
+    if precisions is not None and not set(cast_precisions(cast_type)) <= {"fp32", *precisions}:
+      continue
+    fn, dtype = cast_fn(cast_type)
+    f = jax.jit(fn)
+    times = []
+    for size in sizes:
+      x = jax.random.normal(jax.random.key(size), (size,), jnp.float32).astype(dtype)
+      times.append(max(timed_ms(lambda f=f, x=x: f(x), repeats, clock=clock)[0] - overhead, 1e-4))
+    models[cast_type] = fit_cast_model(sizes, times)
+  return models

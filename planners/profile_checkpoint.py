@@ -51,31 +51,6 @@ def load_partial(path: str | None, settings: dict[str, Any]) -> tuple[dict[str, 
   return op_ms, unrunnable
 
 
-def reused_op_ms(prof, settings: dict[str, Any], source: str) -> tuple[dict[str, dict], list[str]]:
-  """``(op_ms, the ops' unrunnable policies)`` of ``prof``, a saved profile (from ``source``), for a profile
-  measured under ``settings``: the same model, batch, device kind, precisions, repeats, clocks,
-  precast and op list (its seed is not recorded). Raises ``CheckpointError`` naming what differs."""
-  meta = prof.meta
-  saved = {
-    "model": prof.model,
-    "batch_per_device": prof.batch_per_device,
-    "device_kind": meta.get("device_kind"),
-    "precisions": meta.get("precisions"),
-    "repeats": meta.get("repeats"),
-    "clock": meta.get("clock"),
-    "op_clock": meta.get("op_clock"),
-    "precast": meta.get("policy_operands") == "precast",
-    "ops": list(prof.op_names),
-  }
-  detail = differences(saved, settings, saved)
-  if detail:
-    raise CheckpointError(
-      f"profile {source} cannot lend its op timings: it was measured under other settings ({detail}). "
-      "Fix: measure under its settings, or drop it to time the ops anew."
-    )
-  return dict(prof.op_ms), [u for u in meta.get("unrunnable", []) if " under " in u]  # ops', not steps'
-
-
 def save_partial(
   path: str | None, settings: dict[str, Any], op_ms: dict[str, dict], unrunnable: list[str]
 ) -> None:

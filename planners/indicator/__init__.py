@@ -2,7 +2,7 @@
 
 ``compute(task, variables, batches, methods)`` probes the training step once (``probes``)
 and returns one JSON table per method: ``gradient`` (ours), ``gvar`` (QSync), ``wvar``,
-``hessian`` (HAWQ-v2 style) and ``random``. See DESIGN §5.1.
+``hessian`` (HAWQ-v2 style) and ``random``.
 """
 
 from planners.indicator.api import FORMAT, METHODS, compute, load, make_table, save

@@ -1,4 +1,4 @@
-"""QSync's GVAR indicator (DESIGN §5.1), with the public code's defects fixed.
+"""QSync's GVAR indicator, with the public code's defects fixed.
 
 For op l with input X, weight W (for attention matmuls, which have no weight: the right
 operand K or V, and its gradient ∂L/∂K, ∂L/∂V), output Y, weight gradient ∇W, depth d_l
@@ -16,12 +16,12 @@ Choices where the paper / public code are ambiguous (each a ``GvarConfig`` field
 * The "typical magnitude" of a tensor is its mean absolute value, e = ⌊log2(mean |T|)⌋.
   The float formulas use 2^(2e) — the variance of rounding a value of binary exponent e to a
   k-bit mantissa is ∝ 2^(2(e−k)), as the int8 backward term already writes — with the
-  *signed* e capped above at 5: with DESIGN's |e| a tiny tensor (e = −10) would count as a
+  *signed* e capped above at 5: with the paper's |e| a tiny tensor (e = −10) would count as a
   huge one (2^(+20)) and fp16 would score above int8. ``exponent="linear"`` reproduces the
   public code instead: e_T = |e| capped at 5, used linearly.
 * k per format: fp16 k = 9 (the paper's value; 10 mantissa bits − 1), bf16 k = 6 and fp8
   (e4m3) k = 2 by the same rule. fp8 is not in the paper; it uses the float formulas.
-* The int8 backward term is written with e_X as in DESIGN §5.1 (QSync's int8 op runs its
+* The int8 backward term is written with e_X as in the paper (QSync's int8 op runs its
   backward in fp16, hence the fp16 2^(-2k)).
 * Depth d_l = the op's position (0-based) in forward call order; L = number of ops, so the
   first op's forward error is weighted γ·L and the last op's γ·1.
@@ -53,7 +53,7 @@ class GvarConfig:
 def typical_exponent(mean_abs: float, cap: int = 5, signed: bool = False) -> int:
   """Binary exponent ⌊log2(mean |·|)⌋ of a tensor's typical magnitude, capped at ``cap``.
 
-  ``signed=False``: its absolute value, capped (DESIGN's e_·); ``signed=True``: the exponent
+  ``signed=False``: its absolute value, capped (the paper's e_·); ``signed=True``: the exponent
   itself, capped above (an all-zero tensor gives -126, the float32 floor).
   """
   if not mean_abs > 0 or not math.isfinite(mean_abs):

@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quantize import dequantize, quantize
-from qsync_jax.flax_quant import RNG_COLLECTION, OpInfo
-from qsync_jax.flax_quant import quantize as quantize_model
+from qsync_jax.flax_quant import OpInfo
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 from qsync_jax.qdot import FLOAT_DTYPES, qformat
 from qsync_jax.task import Task
+from qsync_jax.task_step import task_loss
 
 PROBED_PRECISIONS = ("int8", "fp8", "fp16", "bf16")
 """Precisions an indicator scores by default (fp32 scores 0)."""
@@ -85,21 +85,10 @@ class _Tap:
     return y
 
 
-def rngs_for(task: Task, key: jax.Array) -> dict[str, jax.Array]:
-  """The RNG streams of one training step (same convention as the example train loop)."""
-  names = (RNG_COLLECTION, *task.rng_streams)
-  return dict(zip(names, jax.random.split(key, len(names))))
-
-
 def training_loss(task: Task, tap: Callable, variables, batch, key) -> jax.Array:
-  """The task's training loss (train kwargs, mutable collections discarded) with ``tap``."""
-  qmodel = quantize_model(task.model, PrecisionPolicy.uniform("fp32"), tap=tap)
-  kwargs = dict(task.train_kwargs, rngs=rngs_for(task, key))
-  if task.mutable:
-    outputs, _ = qmodel.apply(variables, *task.inputs(batch), mutable=list(task.mutable), **kwargs)
-  else:
-    outputs = qmodel.apply(variables, *task.inputs(batch), **kwargs)
-  return task.loss(outputs, batch)[0]
+  """The task's training loss (``qsync_jax.task_step.task_loss``, mutable collections
+  discarded) under the uniform fp32 policy, with ``tap``."""
+  return task_loss(task, PrecisionPolicy.uniform("fp32"), tap)(variables, batch, key)[0]
 
 
 def trace_calls(task: Task, variables, batch) -> list[OpCall]:

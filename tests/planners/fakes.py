@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from planners.casts import CAST_TYPES, CastModel
 from planners.ops import OpShape
-from planners.profiler import Profile
+from planners.profile import CAST_TYPES, CastModel, Profile
 
 SPEED = {"fp32": 1.0, "tf32": 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.3, "fp8": 0.3}
 """Default cost of a leg at each precision relative to fp32."""

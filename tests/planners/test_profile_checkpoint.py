@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from planners import profiler
+from planners import measure
 from planners.profile_checkpoint import load_partial
 from qsync_jax.errors import CheckpointError
 from tests.planners import tiny
@@ -26,13 +26,13 @@ def stop_at(message_start: str):
 
 def counting_measure_leg(monkeypatch):
   calls = []
-  real = profiler.measure_leg
+  real = measure.measure_leg
 
   def measure_leg(*args, **kwargs):
     calls.append(args[2:6])  # (batch, m, k, n) of the op timed
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(profiler, "measure_leg", measure_leg)
+  monkeypatch.setattr(measure, "measure_leg", measure_leg)
   return calls
 
 
@@ -41,14 +41,14 @@ def test_an_interrupted_profile_resumes_with_the_ops_already_timed(tmp_path, mon
   path = str(tmp_path / "mlp.partial.json")
   task = tiny.mlp()
   with pytest.raises(Stop):  # interrupted as the third op starts: two ops are in the checkpoint
-    profiler.measure_profile(task, 16, progress=stop_at("[3/3]"), checkpoint=path, **OPTIONS)
+    measure.measure_profile(task, 16, progress=stop_at("[3/3]"), checkpoint=path, **OPTIONS)
   with open(path) as f:
     saved = json.load(f)
   assert list(saved["op_ms"]) == ["Dense_0:dense", "Dense_1:dense"]
 
   calls = counting_measure_leg(monkeypatch)
   messages = []
-  prof = profiler.measure_profile(task, 16, progress=messages.append, checkpoint=path, **OPTIONS)
+  prof = measure.measure_profile(task, 16, progress=messages.append, checkpoint=path, **OPTIONS)
   assert any("2 of 3 ops already timed" in m for m in messages)
   assert prof.op_names == ("Dense_0:dense", "Dense_1:dense", "Dense_2:dense")
   for name in ("Dense_0:dense", "Dense_1:dense"):
@@ -61,11 +61,11 @@ def test_an_interrupted_profile_resumes_with_the_ops_already_timed(tmp_path, mon
 
 @pytest.mark.standard_promotion
 def test_a_profile_interrupted_in_its_step_fits_keeps_its_op_timings(tmp_path):
-  # the step fits come after the ops; a run killed there (a device call's time limit) must not
+  # the fit step comes after the ops; a run killed there (a device call's time limit) must not
   # lose the ops, the longest part: the checkpoint goes only once the profile is complete
   path = str(tmp_path / "mlp.partial.json")
   with pytest.raises(Stop):
-    profiler.measure_profile(tiny.mlp(), 16, progress=stop_at("fit steps"), checkpoint=path, **OPTIONS)
+    measure.measure_profile(tiny.mlp(), 16, progress=stop_at("fit step"), checkpoint=path, **OPTIONS)
   with open(path) as f:
     assert list(json.load(f)["op_ms"]) == ["Dense_0:dense", "Dense_1:dense", "Dense_2:dense"]
 
@@ -88,21 +88,3 @@ def test_a_broken_checkpoint_is_refused_naming_the_file_and_the_fix(tmp_path, co
   with pytest.raises(CheckpointError, match=rf"{path} cannot be read.*Fix: delete it"):
     load_partial(str(path), {"model": "mlp"})
   assert load_partial(str(tmp_path / "absent.json"), {"model": "mlp"}) == ({}, [])
-
-
-@pytest.mark.standard_promotion  # optax's Adam in the profiled steps
-def test_a_profile_can_take_a_saved_profiles_op_timings_and_measure_the_rest(tmp_path, monkeypatch):
-  task = tiny.mlp()
-  source = tmp_path / "mlp.json"
-  first = profiler.measure_profile(task, 16, **OPTIONS)
-  first.save(str(source))
-  calls, messages = counting_measure_leg(monkeypatch), []
-  again = profiler.measure_profile(task, 16, ops_from=str(source), progress=messages.append, **OPTIONS)
-  assert calls == []  # no op timed
-  assert f"op timings of {source}" in messages and not any("resuming" in m for m in messages)
-  assert again.op_ms == first.op_ms and again.meta["op_ms_from"] == str(source)
-  assert again.meta["fp32_step_ms_samples"] != first.meta["fp32_step_ms_samples"]  # the steps anew
-  with pytest.raises(CheckpointError, match="precisions: saved .*Fix: measure under its settings"):
-    profiler.measure_profile(task, 16, ops_from=str(source), **{**OPTIONS, "precisions": ("fp32",)})
-  with pytest.raises(CheckpointError, match="batch_per_device: saved 16, now 8"):
-    profiler.measure_profile(task, 8, ops_from=str(source), **OPTIONS)

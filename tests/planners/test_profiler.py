@@ -1,4 +1,5 @@
-"""Profiler pieces: op shapes from the tap, residual memory, cast-model fit, modeled profiles."""
+"""Profiler pieces: op shapes from the tap, residual memory, cast-model fit, modeled profiles,
+the profile's JSON and a measured profile's fits."""
 
 import dataclasses
 import json
@@ -9,16 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from planners.casts import fit_cast_model
 from planners.catalog import device_spec, gemm_roofline_ms
-from planners.derived_profiles import modeled_profile
-from planners.graph import quantized_in_step_factors
-from planners.op_memory import residual_bytes
+from planners.fit import fit_cast_model, one_device
+from planners.graph import in_step_factors
+from planners.measure import measure_profile
+from planners.memory_model import residual_bytes
+from planners.modeled import modeled_profile
 from planners.op_programs import policy_programs, precast_dtypes
 from planners.ops import OpShape, collect_ops, gemm_shape
-from planners.profiler import Profile, measure_profile, with_precast_policies
+from planners.profile import Profile
 from planners.replay import predict
-from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import ClusterSpecError, PlanError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
@@ -74,7 +75,7 @@ def test_gemm_shape_conv():
 @pytest.mark.parametrize("preset", ["bf16", "int8_fwd", "fp8"])
 def test_residual_bytes_match_the_runtime(preset):
   # attention-like product (both operands are activations): the runtime saves both
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(75)
   m, k, n = (int(x) for x in rng.integers(4, 32, 3))
   lhs, rhs = (
     jnp.asarray(rng.normal(size=(m, k)), jnp.float32),
@@ -114,19 +115,19 @@ def test_profile_json_round_trip_and_errors(tmp_path):
   prof.save(str(path))
   again = Profile.load(str(path))
   assert again == prof
-  scaled = dataclasses.replace(prof, quantized_leg_scale=0.7)
-  scaled.save(str(path))
-  assert Profile.load(str(path)) == scaled
-  older = {k: v for k, v in scaled.to_json().items() if k != "quantized_leg_scale"}
-  assert Profile.from_json(older).quantized_leg_scale == 1.0  # profiles from before the fit
   traced = dataclasses.replace(prof, quantized_in_step_ms={"Dense_0:dense": {"fwd": 0.5, "bwd": 1.25}})
   traced.save(str(path))
   assert Profile.load(str(path)) == traced
-  assert Profile.from_json(older).quantized_in_step_ms == {}  # not traced
+  # fields a profile no longer has (older files) are ignored
+  older = {**prof.to_json(), "quantized_leg_scale": 0.7, "relayout_ms": {"Dense_0:dense": 1.0}}
+  assert Profile.from_json(older) == prof
   with pytest.raises(PlanError, match="no .* time .* Fix"):
     again.leg_ms("Dense_0:dense", "fwd", "nf4")
   path.write_text(json.dumps({"format": "something else"}))
   with pytest.raises(PlanError, match="not a qsync profile"):
+    Profile.load(str(path))
+  path.write_text(json.dumps({"format": "qsync-profile/1", "model": "m"}))
+  with pytest.raises(PlanError, match="malformed profile.*Fix"):
     Profile.load(str(path))
 
 
@@ -152,9 +153,10 @@ def test_policy_programs_precast_hands_ops_their_activations_in_the_dtypes_the_s
     ("int8", True, jnp.float32, jnp.float32),  # a quantized policy quantizes fp32 inputs in the step too
     ("int8_fwd", True, jnp.float32, jnp.float16),  # int8 forward of fp32 inputs; fp16 backward
   ):
-    (fwd_prog, fwd_bwd_prog), _, (lhs, rhs, _, g) = policy_programs(
+    fwd_prog, fwd_bwd_prog = policy_programs(
       OpPolicy.preset(preset), op.batch, op.m, op.k, op.n, op=op, precast=precast
     )
+    lhs, rhs, _, g = fwd_bwd_prog.args
     assert precast_dtypes(OpPolicy.preset(preset)) == (
       (None if want_in == jnp.float32 else want_in, None if want_out == jnp.float32 else want_out)
       if precast
@@ -169,60 +171,35 @@ def test_policy_programs_precast_hands_ops_their_activations_in_the_dtypes_the_s
     assert d_lhs.shape == lhs.shape and d_rhs.shape == rhs.shape
 
 
-@pytest.mark.standard_promotion  # optax's Adam in the profiled fp32 step
-def test_precast_retimes_only_the_policies_whose_activations_the_step_converts():
+@pytest.mark.standard_promotion  # optax's Adam in the profiled steps
+def test_a_measured_profile_is_fitted_to_its_fit_step_and_its_steps_xla_peaks():
   prof = measure_profile(
     tiny.mlp(), 16, ("fp32", "bf16", "fp16", "int8"), repeats=2, step_repeats=2, clock="cpu", fit_rounds=2
   )
-  out = with_precast_policies(prof, repeats=2)
-  assert out.meta["policy_operands"] == "precast" and "policy_operands" not in prof.meta
-  # the all-int8 step is traced op by op only where the ops are timed on the device clock
-  assert prof.meta["op_clock"] == "cpu" and prof.quantized_in_step_ms == out.quantized_in_step_ms == {}
+  meta = prof.meta
+  # the ops are timed on the step's clock here; whole policies with fp32 activations (not precast)
+  assert meta["op_clock"] == "cpu" and "policy_operands" not in meta
   for op in prof.op_names:
-    assert {"policy:fp32", "policy:int8", "policy:int8_fwd"} <= set(prof.op_ms[op])
-    changed = {k for k in prof.op_ms[op] if out.op_ms[op][k] is not prof.op_ms[op][k]}
-    # re-timed (new tables); fp32, all-int8 and every leg untouched
-    assert changed == {"policy:bf16", "policy:fp16", "policy:int8_fwd"}
-    assert set(out.op_ms[op]["policy:bf16"]) >= {"fwd", "bwd"}
-    # each whole-policy program's library scratch: none on XLA:CPU
-    assert all(e["scratch_bytes"] == 0 for k, e in out.op_ms[op].items() if k.startswith("policy:"))
-  assert prof.meta["scratch_bytes"] is True
-  # both fitted to the fp32 step the profile timed: its fp32 legs scaled to it, on the
-  # remainder fitted to the all-bf16 step (below), which moves with the re-timed bf16 programs
-  one = ClusterSpec.uniform("cpu", 1, 16, memory_gb=1e3)
-  fp32 = Plan(policies={"all": PrecisionPolicy.uniform("fp32")})
-  for p in (prof, out):
-    if "fp32_leg_scale_clipped" not in p.meta:  # a busy host can time it below the rest of the step
-      assert predict(one, {"cpu": p}, fp32).step_ms == pytest.approx(prof.meta["fp32_step_ms"])
-  # and to the all-int8 step the profile timed (its programs are not precast)
-  int8 = Plan(policies={"all": PrecisionPolicy.uniform("int8")})
-  for p in (prof, out):
-    assert p.meta["quantized_fit_step_ms"] == prof.meta["quantized_fit_step_ms"]
-    assert len(p.meta["quantized_step_ms_samples"]) == 2  # one median per round (fit_rounds)
-    predicted, fit_ms = predict(one, {"cpu": p}, int8).step_ms, p.meta["quantized_fit_step_ms"]
-    if "quantized_leg_scale_clipped" in p.meta:  # a busy host can time it below the rest of the step
-      floor = p.meta["quantized_leg_scale_clipped"]  # the step with the int8 legs free
-      assert p.quantized_leg_scale == 0.0 and predicted == pytest.approx(floor) and floor >= fit_ms
-    else:
-      assert predicted == pytest.approx(fit_ms)
-  # the all-bf16 step fits the remainder, refitted to it after the re-timing
-  bf16 = Plan(policies={"all": PrecisionPolicy.uniform("bf16")})
-  for p in (prof, out):
-    predicted, fit_ms = predict(one, {"cpu": p}, bf16).step_ms, prof.meta["sixteen_bit_fit_step_ms"]
-    if predicted != pytest.approx(fit_ms):
-      # a busy host (tests run two at a time) timed the step below its ops' programs: the fitted
-      # remainder is negative enough that the forward ends the replayed step, as it can with
-      # the fp32 remainder (``refit_remainder``); the forward alone then exceeds the step
-      replay = predict(one, {"cpu": p}, bf16)
-      first_remainder = next(i for i, node in enumerate(replay.nodes) if node.kind == "remainder")
-      forward_end = max(end for _, end in replay.times[:first_remainder])
-      assert sum(p.remainder_ms.values()) < 0 and forward_end > fit_ms
-      assert predicted == pytest.approx(forward_end)
-  assert len(prof.meta["sixteen_bit_step_ms_samples"]) == 2
-  # and its XLA peak the 16-bit memory correction: the memory model reproduces it
-  assert predict(one, {"cpu": prof}, bf16).memory_bytes["all"] == prof.meta["sixteen_bit_xla_peak_bytes"]
-  with pytest.raises(PlanError, match="cannot be re-timed on this"):
-    with_precast_policies(fake_profile([(1, 2, 3)], device_type="H100"))
+    assert {"policy:fp32", "policy:bf16", "policy:int8", "policy:int8_fwd"} <= set(prof.op_ms[op])
+  # the all-int8 step is traced op by op only where the ops are timed on the device clock
+  assert prof.quantized_in_step_ms == {}
+  assert meta["fit_preset"] == "bf16" and len(meta["fit_step_round_ms"]) == 2  # one median per round
+  assert meta["fit_step_ms"] == pytest.approx(float(np.median(meta["fit_step_round_ms"])))
+  one = one_device(prof)
+  bf16, fp32 = (Plan(policies={"all": PrecisionPolicy.uniform(p)}) for p in ("bf16", "fp32"))
+  replay = predict(one, {"cpu": prof}, bf16)
+  if replay.step_ms != pytest.approx(meta["fit_step_ms"]):
+    # a busy host (tests run two at a time) timed the step below its ops' programs: the fitted
+    # remainder is negative enough that the forward ends the replayed step
+    first_remainder = next(i for i, node in enumerate(replay.nodes) if node.kind == "remainder")
+    forward_end = max(end for _, end in replay.times[:first_remainder])
+    assert sum(prof.remainder_ms.values()) < 0 and replay.step_ms == pytest.approx(forward_end)
+  # the memory model reproduces the XLA peaks it is fitted to: fp32 and all-bf16
+  assert predict(one, {"cpu": prof}, fp32).memory_bytes["all"] == meta["fp32_xla_peak_bytes"]
+  assert replay.memory_bytes["all"] == meta["bf16_xla_peak_bytes"]
+  # without bf16 the remainder is fitted to the fp32 step
+  fp32_only = measure_profile(tiny.mlp(), 16, ("fp32",), repeats=2, step_repeats=2, clock="cpu", fit_rounds=1)
+  assert fp32_only.meta["fit_preset"] == "fp32" and "other_bytes_16bit" not in fp32_only.memory
 
 
 @pytest.mark.gpu
@@ -231,8 +208,9 @@ def test_on_a_gpu_the_all_int8_step_is_traced_op_by_op_and_gives_every_op_its_fa
   # tests/conftest.py puts JAX on the CPU unless JAX_PLATFORMS is set: run with JAX_PLATFORMS=cuda
   assert jax.devices()[0].platform == "gpu", "run the gpu tests with JAX_PLATFORMS=cuda"
   prof = measure_profile(tiny.mlp(), 16, ("fp32", "bf16", "int8"), repeats=3, step_repeats=20, fit_rounds=2)
-  assert prof.meta["op_clock"] == "device" and set(prof.quantized_in_step_ms) == set(prof.op_names)
+  assert prof.meta["op_clock"] == "device" and prof.meta["policy_operands"] == "precast"
+  assert set(prof.quantized_in_step_ms) == set(prof.op_names)
   for i, op in enumerate(prof.op_names):
     legs = prof.quantized_in_step_ms[op]
     assert legs["fwd"] > 0 and legs["bwd"] > 0, op  # kernels named by their instruction
-    assert quantized_in_step_factors(prof, i) is not None
+    assert in_step_factors(prof, i) is not None

@@ -1,4 +1,4 @@
-"""``planners.step``'s step timing: the pipelined clock and the round-robin timing of policies."""
+"""``planners.timing``'s step timing: the pipelined clock and the round-robin timing of policies."""
 
 import itertools
 import time
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from planners import step
+from planners import timing
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners import tiny
 
@@ -37,7 +37,7 @@ def test_pipelined_clock_dispatches_every_call_and_waits_once():
   mean per call."""
   fn, calls, waited = recorded(itertools.repeat(0.02))
 
-  ms, samples = step.timed_ms(fn, repeats=5, warmup=2, clock=step.PIPELINED_CLOCK)
+  ms, samples = timing.timed_ms(fn, repeats=5, warmup=2, clock=timing.PIPELINED_CLOCK)
   assert len(calls) == 7 and samples == [ms]
   assert waited == [1, 2, 7]  # each warm-up call, then only the last timed one
   assert 20 <= ms < 40  # the mean per call of five 20 ms calls (generous above: a busy CI host)
@@ -49,10 +49,10 @@ def test_interleaved_steps_are_timed_on_every_clock_over_every_round():
   batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(16, 0)))
   policies = {"fp32": PrecisionPolicy.uniform("fp32"), "bf16": PrecisionPolicy.uniform("bf16")}
   seen = []
-  out = step.time_train_steps_interleaved(
-    task, policies, batch, 3, 3, clocks=("wall", step.PIPELINED_CLOCK), progress=seen.append
+  out = timing.time_train_steps_interleaved(
+    task, policies, batch, 3, 3, clocks=("wall", timing.PIPELINED_CLOCK), progress=seen.append
   )
-  assert set(out) == {"wall", step.PIPELINED_CLOCK}
+  assert set(out) == {"wall", timing.PIPELINED_CLOCK}
   for by_name in out.values():
     assert set(by_name) == set(policies)
     for ms, medians, peak in by_name.values():
@@ -64,7 +64,7 @@ def test_interleaved_steps_are_timed_on_every_clock_over_every_round():
 def test_round_robin_numbers_its_rounds_within_a_longer_run():
   order, seen = [], []
   runs = {name: (lambda name=name: order.append(name)) for name in ("a", "b")}
-  out = step.time_round_robin(runs, 2, 2, progress=seen.append, first_round=3, total_rounds=4)
+  out = timing.time_round_robin(runs, 2, 2, progress=seen.append, first_round=3, total_rounds=4)
   assert list(out) == ["wall"] and {n: len(m) for n, m in out["wall"].items()} == {"a": 2, "b": 2}
   assert order == ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4  # 2 warm-up + 2 timed per round
   assert [line.split(",")[0] for line in seen] == ["round 3/4", "round 4/4"]
@@ -73,15 +73,15 @@ def test_round_robin_numbers_its_rounds_within_a_longer_run():
 def test_pipelined_clock_takes_the_median_of_its_windows(monkeypatch):
   """25 repeats in windows of 10: two windows (the 5 left over are not run), each waited for
   once at its end; a stall in one window does not move the median of three."""
-  monkeypatch.setattr(step, "PIPELINE_WINDOW", 10)
+  monkeypatch.setattr(timing, "PIPELINE_WINDOW", 10)
   fn, calls, waited = recorded(itertools.repeat(0.0))
 
-  ms, samples = step.timed_ms(fn, repeats=25, warmup=1, clock=step.PIPELINED_CLOCK)
+  ms, samples = timing.timed_ms(fn, repeats=25, warmup=1, clock=timing.PIPELINED_CLOCK)
   assert len(calls) == 21 and waited == [1, 11, 21] and len(samples) == 2
   assert ms == pytest.approx(sum(samples) / 2)
 
   stalling, _, _ = recorded(iter([0.0] * 10 + [0.03] + [0.0] * 19))
 
-  ms, samples = step.timed_ms(stalling, repeats=30, warmup=0, clock=step.PIPELINED_CLOCK)
+  ms, samples = timing.timed_ms(stalling, repeats=30, warmup=0, clock=timing.PIPELINED_CLOCK)
   assert len(samples) == 3 and max(samples) >= 3  # the second window: 30 ms over 10 calls
   assert ms < 1.5  # the median window has no stall (generous: a busy CI host)

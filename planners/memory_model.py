@@ -1,21 +1,32 @@
-"""Op memory model: what each quantizable op keeps between its forward and backward.
+"""Memory model: the peak bytes of a plan's training step on one device of a group.
 
-Plain functions of an op's shape (``planners.ops.OpShape``) and its policy:
+Per op, plain functions of its shape (``planners.ops.OpShape``) and its policy:
 
-* ``residual_bytes`` — what the op itself saves (inputs at their stored precision, scales);
-* ``kept_bytes`` — what the compiled step really keeps for it (backend effects: XLA:CPU
-  keeps fp32 copies where its products upcast 16-bit operands, fp8 residuals as fp32, and the
-  threefry words of stochastic rounding);
+* ``residual_bytes`` — what the op itself saves for its backward (inputs at their stored
+  precision, scales);
+* ``kept_bytes`` — what the compiled step really keeps for it (XLA:CPU keeps fp32 copies where
+  its products upcast 16-bit operands, and fp8 residuals as fp32);
 * ``transient_bytes`` — what its backward materializes on top (dequantized residuals);
-* ``forward_extra_bytes`` — what its forward holds beyond the fp32 op's at its busiest.
+* ``forward_extra_bytes`` — what its forward holds at its busiest beyond the fp32 op's.
 
-Each rule names the buffer-assignment evidence it rests on. ``planners.replay`` sums them
-into a group's peak.
+``memory_bytes(group)`` puts them together into the group's peak, the larger of two moments:
+
+* where the backward starts: parameters + optimizer state + gradients + batch + what every op
+  keeps + the largest backward transient + the profile's fitted ``other_bytes`` (mixed with
+  ``other_bytes_16bit``, where fitted, by the plan's share of 16-bit activations,
+  ``sixteen_bit_share``);
+* during each op's forward: the fp32 step's peak less its headroom there
+  (``Profile.forward_headroom``; where unmeasured, the fp32 residuals of the later ops), plus
+  what the plan keeps beyond fp32 for the earlier ops, plus the op's own forward extra.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 from planners.ops import OpShape
+from planners.profile import GroupCost, Profile
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.qdot import FLOAT_DTYPES
 
@@ -159,7 +170,7 @@ def forward_extra_bytes(
     dequantized residual in the forward (``upcast_16bit``; an int8 one is re-quantized from
     there for a quantized drhs leg).
 
-  The residuals earlier ops keep are live too: the replay adds their excess over fp32.
+  The residuals earlier ops keep are live too: ``memory_bytes`` adds their excess over fp32.
   """
   kept = kept_bytes(op, op_policy, upcast_16bit, lhs_differentiated, dequantized_fp8)
   delta = kept - residual_bytes(op, None)
@@ -167,21 +178,6 @@ def forward_extra_bytes(
     return int(delta)
   act = saved_activation_elems(op, op_policy) * op.calls
   return int(_patches_and_operands(op, op_policy, dequantized_fp8) + max(delta, 4 * act * upcast_16bit))
-
-
-def quantized_forward_bytes(
-  op: OpShape, op_policy: OpPolicy | None, upcast_16bit: bool = False, dequantized_fp8: bool = False
-) -> int:
-  """Bytes an int8/fp8 forward's own buffers hold at its busiest, all live at once (0 for a
-  float forward): an im2col conv's fp32 patch matrix, the GEMM operands (``forward_extra_bytes``
-  lists both) and, where XLA computes the dequantized activation residual in the forward
-  (``upcast_16bit``), that fp32 copy. On an H100 the all-int8 step of a 128-512-channel VGG
-  peaks at its second conv's row quantization: its fp32 patches (302.0 MB) and their int8
-  copy (75.5 MB) live, nothing else of that op (``benchmarks/step_liveness.py``)."""
-  if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
-    return 0
-  act = saved_activation_elems(op, op_policy) * op.calls
-  return int(_patches_and_operands(op, op_policy, dequantized_fp8) + 4 * act * upcast_16bit)
 
 
 def _patches_and_operands(op: OpShape, op_policy: OpPolicy, dequantized_fp8: bool) -> int:
@@ -196,3 +192,88 @@ def _patches_and_operands(op: OpShape, op_policy: OpPolicy, dequantized_fp8: boo
 def _native_conv(op_policy: OpPolicy) -> bool:
   p = op_policy.fwd
   return p not in QUANTIZED_PRECISIONS and op_policy.dlhs == p and op_policy.drhs == p
+
+
+class OpMemory(NamedTuple):
+  """Bytes of one op of a group at its batch (see ``memory_bytes``).
+
+  Attributes:
+    kept: what the step keeps for its backward (``kept_bytes``).
+    transient: live only while its backward runs (``transient_bytes``).
+    fp32_kept: what it would keep as an fp32 op.
+    forward_delta: kept beyond ``fp32_kept`` while later forwards run.
+    forward_extra: its forward's busiest bytes beyond the fp32 op's (``forward_extra_bytes``).
+  """
+
+  kept: int
+  transient: int
+  fp32_kept: int
+  forward_delta: int
+  forward_extra: int
+
+
+def op_memory(group: GroupCost, op_index: int) -> OpMemory:
+  """The ``OpMemory`` of one op of ``group`` at its batch."""
+  prof = group.profile
+  op = prof.ops[op_index].scaled(group.batch_per_device / prof.batch_per_device)
+  pol = group.op_policies.get(op.name)
+  upcast, fp8 = upcasts_16bit_products(prof.device_type), dequantizes_fp8_residuals(prof.device_type)
+  kept = kept_bytes(op, pol, upcast, op_index > 0, fp8)
+  fp32_kept = residual_bytes(op, None)
+  return OpMemory(
+    kept,
+    transient_bytes(op, pol, upcast, fp8),
+    fp32_kept,
+    kept - fp32_kept,
+    forward_extra_bytes(op, pol, upcast, op_index > 0, fp8),
+  )
+
+
+SIXTEEN_BIT = ("bf16", "fp16")
+
+
+def sixteen_bit_share(profile: Profile, op_policies: Mapping[str, OpPolicy | None]) -> float:
+  """The share of the step's activations that bf16/fp16 ops produce: the output elements of the
+  ops whose forward runs at a 16-bit float, over those of all ops (0 without outputs)."""
+  total = sum(op.out_elems * op.calls for op in profile.ops)
+  sixteen = sum(
+    op.out_elems * op.calls
+    for op in profile.ops
+    if (pol := op_policies.get(op.name)) is not None and pol.fwd in SIXTEEN_BIT
+  )
+  return sixteen / total if total > 0 else 0.0
+
+
+def other_bytes(profile: Profile, op_policies: Mapping[str, OpPolicy | None]) -> float:
+  """The fitted ``other_bytes`` of the profile for a plan: mixed with ``other_bytes_16bit``
+  (where fitted) by the plan's ``sixteen_bit_share``."""
+  mem = profile.memory
+  if mem.get("other_bytes_16bit") is None:
+    return mem["other_bytes"]
+  share = sixteen_bit_share(profile, op_policies)
+  return (1 - share) * mem["other_bytes"] + share * mem["other_bytes_16bit"]
+
+
+def memory_bytes(group: GroupCost, memory_fn=None) -> int:
+  """Peak bytes on one device of ``group``; see the module docstring. ``memory_fn`` defaults
+  to ``op_memory`` (a caller evaluating many plans may pass a memoized one)."""
+  memory_fn = memory_fn or op_memory
+  prof = group.profile
+  scale = group.batch_per_device / prof.batch_per_device
+  mem = prof.memory
+  terms = [memory_fn(group, i) for i in range(len(prof.ops))]
+  base = (
+    2 * mem["param_bytes"]
+    + mem["opt_state_bytes"]
+    + scale * (mem["batch_bytes"] + other_bytes(prof, group.op_policies))
+  )
+  backward = base + sum(t.kept for t in terms) + max((t.transient for t in terms), default=0)
+  fp32_peak = base + sum(t.fp32_kept for t in terms)
+  forward, before, later = 0.0, 0, sum(t.fp32_kept for t in terms)
+  for op, t in zip(prof.ops, terms):
+    later -= t.fp32_kept
+    # unmeasured: the fp32 step holds all but the residuals of the ops still to run
+    headroom = scale * prof.forward_headroom[op.name] if op.name in prof.forward_headroom else later
+    forward = max(forward, fp32_peak - headroom + before + t.forward_extra)
+    before += t.forward_delta
+  return int(max(backward, forward))

@@ -1,0 +1,172 @@
+"""The cost profile of one model's training step on one device type: plain data and its JSON.
+
+A ``Profile`` is what ``qsync profile`` writes and ``qsync predict|plan`` read. ``docs/predictor.md``
+describes every field (which are measured, fitted or modeled); in short:
+
+* ``ops`` — the model's quantizable ops as GEMMs (``planners.ops.OpShape``);
+* ``op_ms[op][leg][precision]`` — ms of one call of a GEMM leg (``fwd``, ``dlhs``, ``drhs``),
+  its operand conversions included; ``op_ms[op]["policy:<preset>"] = {"fwd": ms, "bwd": ms}`` —
+  the op under a whole preset op policy, forward alone and the backward (both gradients);
+* ``remainder_ms`` — the rest of the step (elementwise ops, norms, the loss), ``{"fwd", "bwd"}``;
+* ``optimizer_ms`` — the optax update;
+* ``cast[type]`` — ``CastModel`` per conversion (``CAST_TYPES``);
+* ``memory`` — ``param_bytes``, ``opt_state_bytes``, ``batch_bytes``, ``other_bytes`` and,
+  where fitted, ``other_bytes_16bit``;
+* ``forward_headroom[op]`` — bytes below its peak the fp32 step is while the op's forward runs;
+* ``quantized_in_step_ms[op]`` — ``{"fwd": ms, "bwd": ms}``: the op's time inside the all-int8
+  step, from a kernel trace;
+* ``meta`` — versions, clocks, the fit step and XLA peaks the fitted fields come from.
+
+``GroupCost`` is what costs one device group of a plan: a profile, the group's op policies
+and its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from planners.ops import OpShape
+from qsync_jax.errors import PlanError
+from qsync_jax.precision import OpPolicy
+
+FORMAT = "qsync-profile/1"
+CAST_TYPES = (
+  "fp32->bf16",
+  "fp32->fp16",
+  "fp32->int8",
+  "fp32->fp8",
+  "fp32->int8:sr",
+  "fp32->fp8:sr",
+  "bf16->fp32",
+  "fp16->fp32",
+  "int8->fp32",
+  "fp8->fp32",
+)
+"""Conversions a profile has a cost model for (``:sr``: stochastic rounding)."""
+
+
+def cast_precisions(cast_type: str) -> tuple[str, str]:
+  """``(source, destination)`` precision of a cast type such as ``"fp32->int8:sr"``."""
+  src, dst = cast_type.split(":")[0].split("->")
+  return src, dst
+
+
+@dataclasses.dataclass(frozen=True)
+class CastModel:
+  """``ms = a · numel + b`` for one cast type; ``rel_error`` is the RMS relative fit error."""
+
+  a: float
+  b: float
+  rel_error: float
+  source: str = "measured"
+
+  def ms(self, numel: float) -> float:
+    return self.a * numel + self.b
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """Cost of one model's training step on one device type; see the module docstring."""
+
+  model: str
+  device_type: str
+  source: str  # measured | traced | modeled
+  batch_per_device: int
+  ops: tuple[OpShape, ...]
+  op_ms: dict[str, dict[str, dict[str, float]]]
+  remainder_ms: dict[str, float]
+  optimizer_ms: float
+  cast: dict[str, CastModel]
+  memory: dict[str, int]
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+  forward_headroom: dict[str, int] = dataclasses.field(default_factory=dict)
+  quantized_in_step_ms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+  @property
+  def op_names(self) -> tuple[str, ...]:
+    return tuple(o.name for o in self.ops)
+
+  def leg_ms(self, op: str, leg: str, precision: str) -> float:
+    """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch)."""
+    table = self.op_ms[op][leg]
+    if precision not in table:
+      raise PlanError(
+        f"profile of {self.model!r} on {self.device_type} has no {leg} time for op {op!r} at "
+        f"{precision!r} (it has {sorted(table)}). Fix: profile with --precisions including {precision}."
+      )
+    return table[precision]
+
+  def with_remainder(self, rest_ms: float) -> Profile:
+    """This profile with the remainder of the step set to ``rest_ms``: a third in the forward,
+    two thirds in the backward."""
+    return dataclasses.replace(self, remainder_ms={"fwd": rest_ms / 3, "bwd": 2 * rest_ms / 3})
+
+  def to_json(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    return {"format": FORMAT, **out, "ops": [o.to_json() for o in self.ops]}
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=1)
+      f.write("\n")
+
+  @classmethod
+  def from_json(cls, obj: Any, source: str = "<profile>") -> Profile:
+    """The profile of a JSON object; keys it does not know are ignored."""
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+      raise PlanError(
+        f'{source} is not a qsync profile (no "format": "{FORMAT}"). '
+        "Fix: pass a file written by `qsync profile`."
+      )
+    try:
+      return cls(
+        model=obj["model"],
+        device_type=obj["device_type"],
+        source=obj["source"],
+        batch_per_device=int(obj["batch_per_device"]),
+        ops=tuple(OpShape.from_json(o) for o in obj["ops"]),
+        op_ms=obj["op_ms"],
+        remainder_ms=obj["remainder_ms"],
+        optimizer_ms=float(obj["optimizer_ms"]),
+        cast={k: CastModel(**v) for k, v in obj["cast"].items()},
+        memory=obj["memory"],
+        meta=dict(obj.get("meta", {})),
+        forward_headroom={k: int(v) for k, v in obj.get("forward_headroom", {}).items()},
+        quantized_in_step_ms={
+          op: {leg: float(ms) for leg, ms in legs.items()}
+          for op, legs in obj.get("quantized_in_step_ms", {}).items()
+        },
+      )
+    except (KeyError, TypeError, ValueError) as e:
+      raise PlanError(f"{source}: malformed profile ({e!r}). Fix: re-run `qsync profile`.") from None
+
+  @classmethod
+  def load(cls, path: str) -> Profile:
+    try:
+      with open(path) as f:
+        obj = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise PlanError(
+        f"profile {path!r} cannot be read ({e}). Fix: pass a file from `qsync profile`."
+      ) from None
+    return cls.from_json(obj, source=path)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCost:
+  """What costs one device group's share of a step.
+
+  Attributes:
+    name: group name.
+    profile: the cost profile of the group's device type.
+    op_policies: op name → OpPolicy (None or absent: the unmodified float op).
+    batch_per_device: the group's per-device batch.
+  """
+
+  name: str
+  profile: Profile
+  op_policies: Mapping[str, OpPolicy | None]
+  batch_per_device: int
