@@ -23,9 +23,9 @@ import numpy as np
 from result_rows import result_row, save_rows
 
 from planners.allocator import dynamic_batch, exhaustive, greedy, make_problem
-from planners.derived_profiles import modeled_profile
+from planners.modeled import modeled_profile
 from planners.ops import OpShape
-from planners.profiler import Profile
+from planners.profile import Profile
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
@@ -138,7 +138,7 @@ def small_case(trials, rows):
       op_ms[o.name] = {
         leg: {p: float(t * jitter[p]) for p in speed} for leg, t in zip(("fwd", "dlhs", "drhs"), legs)
       }
-    from planners.casts import CAST_TYPES, CastModel
+    from planners.profile import CAST_TYPES, CastModel
 
     casts = {c: CastModel(0.0, 0.0, 0.0) for c in CAST_TYPES}
     train = Profile(**{**base.__dict__, "op_ms": op_ms, "cast": casts, "device_type": "A100"})

@@ -25,7 +25,7 @@ from result_rows import result_row, save_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planners import step  # noqa: E402  (run as a script from the repo root)
+from planners import timing  # noqa: E402  (run as a script from the repo root)
 from qsync_jax import OpPolicy, qconv, quantized_conv_general_dilated  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "im2col.jsonl")
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   platform = jax.devices()[0].platform
   device = jax.devices()[0].device_kind
-  clock = "wall" if platform == "cpu" else step.PIPELINED_CLOCK
+  clock = "wall" if platform == "cpu" else timing.PIPELINED_CLOCK
   cases = CPU_CASES if platform == "cpu" else GPU_CASES
   quantized, bf16 = OpPolicy.preset(args.precision), OpPolicy.preset("bf16")
   rows = []
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     medians = {key: [] for key in runs}
     for _ in range(args.rounds):
       for key, fn in runs.items():
-        medians[key].append(step.timed_ms(lambda fn=fn, x=x, k=k: fn(x, k), args.repeats, clock=clock)[0])
+        medians[key].append(timing.timed_ms(lambda fn=fn, x=x, k=k: fn(x, k), args.repeats, clock=clock)[0])
     ms = {key: float(np.median(m)) for key, m in medians.items()}
     spread = max((max(m) - min(m)) / np.median(m) for m in medians.values())
     print(

@@ -1,7 +1,7 @@
 """Where a plan's GPU kernel time goes, in the training step and in the profile's programs.
 
 For each uniform policy: the kernels of one ``lm_base`` (or ``--model``) training step on the
-first GPU (``planners.step.compiled_train_step``, traced with ``planners.steptrace``), and the
+first GPU (``planners.timing.compiled_train_step``, traced with ``planners.timing.traced_events``), and the
 sum over every op of the standalone whole-policy program the profiler times for it
 (``planners.op_programs.policy_programs``, forward + both gradients, precast), each summed by
 kernel category (``category``). The replay charges the programs' time plus one remainder fitted
@@ -27,10 +27,10 @@ from result_rows import append_rows, result_row
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
+from planners import timing  # noqa: E402
+from planners.measure import policy_key, task_ops  # noqa: E402
 from planners.op_programs import policy_programs  # noqa: E402
-from planners.profiler import policy_key, task_ops  # noqa: E402
-from planners.steptrace import kernels_by, traced_events  # noqa: E402
+from planners.timing import kernels_by, traced_events  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 from qsync_jax.precision import OpPolicy  # noqa: E402
 
@@ -58,8 +58,8 @@ def by_category(run, repeats: int = 5) -> dict[str, tuple[float, float]]:
 
 def policy_categories(task, batch_size: int, policy: str, say) -> dict[str, dict]:
   """``{"step": {...}, "programs": {...}}`` of ``policy`` (``by_category``)."""
-  batch = step.device_batch(task, batch_size)
-  run, _ = step.compiled_train_step(task, PrecisionPolicy.uniform(policy), batch)
+  batch = timing.device_batch(task, batch_size)
+  run, _ = timing.compiled_train_step(task, PrecisionPolicy.uniform(policy), batch)
   for _ in range(3):
     jax.block_until_ready(run())
   out = {"step": by_category(lambda: jax.block_until_ready(run()))}
@@ -68,7 +68,7 @@ def policy_categories(task, batch_size: int, policy: str, say) -> dict[str, dict
   for op in task_ops(task, batch_size)[2]:
     key = policy_key(policy, op)
     if key not in cache:
-      programs, *_ = policy_programs(OpPolicy.preset(policy), op.batch, op.m, op.k, op.n, op=op, precast=True)
+      programs = policy_programs(OpPolicy.preset(policy), op.batch, op.m, op.k, op.n, op=op, precast=True)
       fwd_bwd = programs[1]
       jax.block_until_ready(fwd_bwd())
       cache[key] = by_category(lambda fwd_bwd=fwd_bwd: jax.block_until_ready(fwd_bwd()))

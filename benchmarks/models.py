@@ -20,10 +20,9 @@ For each policy and clock (``--clocks``): the measured median step (jitted singl
 training step fed its own donated outputs; the policies compiled first, then timed round-robin
 over ``--rounds`` rounds, the median of the round medians, with their spread — max − min), its
 ratio to bf16 measured in the same run, and the replay's
-predicted step from a profile measured first in the same run (op legs standalone, casts,
-optimizer; the fp32 step fits the remainder and the all-int8 step the quantized legs' scale —
-neither counts in the mean error; with ``--refit``, refitted to those two steps on each clock;
-an older profile without the scale fits fp32 only). Clocks: ``wall`` waits for every step (rows ``step_ms_median``);
+predicted step from a profile measured first in the same run (``planners.measure``; its fit step
+does not count in the mean error; with ``--refit``, the remainder refitted to that step as timed
+on each clock). Clocks: ``wall`` waits for every step (rows ``step_ms_median``);
 ``pipelined`` dispatches them back to back as the trainer does (rows ``step_ms_pipelined``) — on
 a GPU the step a training run sees. Rows go to ``benchmarks/results/models.jsonl``.
 
@@ -47,17 +46,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from result_rows import append_rows, result_row
 
 from benchmarks.predictor import get_model, plans, saved_profile  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
+from benchmarks.predictor_replay import with_measurements  # noqa: E402
+from planners import timing  # noqa: E402
 from planners.allocator import greedy, make_problem  # noqa: E402
+from planners.fit import fit_profile, fit_remainder  # noqa: E402
 from planners.indicator import compute  # noqa: E402
-from planners.profiler import Profile, measure_profile, task_ops, with_precast_policies  # noqa: E402
-from planners.replay import (  # noqa: E402
-  QUANTIZED_FIT_PRESET,
-  SIXTEEN_BIT_FIT_PRESET,
-  fit_presets,
-  predict,
-  refit_profile,
-)
+from planners.measure import measure_profile, task_ops  # noqa: E402
+from planners.profile import Profile  # noqa: E402
+from planners.replay import predict  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
@@ -81,8 +77,8 @@ def evaluation_policies(op_names, mixed: bool) -> dict[str, PrecisionPolicy]:
 
 def qsync_policy(task, prof, batch_size: int, say) -> PrecisionPolicy:
   """The allocator's plan for an inference group next to a bf16 training group (same GPU)."""
-  batch = step.device_batch(task, batch_size)
-  variables = step.init_variables(task, batch, 0)
+  batch = timing.device_batch(task, batch_size)
+  variables = timing.init_variables(task, batch, 0)
   stream = task.train_batches(batch_size, 2)
   t0 = time.perf_counter()
   omega = compute(task, variables, [next(stream) for _ in range(2)], ("gradient",), ("int8", "bf16"))
@@ -96,8 +92,8 @@ def qsync_policy(task, prof, batch_size: int, say) -> PrecisionPolicy:
   return alloc.plan.policies["inference"]
 
 
-STEP_METRICS = {"wall": "step_ms_median", step.PIPELINED_CLOCK: "step_ms_pipelined", "cpu": "step_ms_cpu"}
-"""The metric of a step timed on each clock (``planners.step``): ``wall`` waits for every step,
+STEP_METRICS = {"wall": "step_ms_median", timing.PIPELINED_CLOCK: "step_ms_pipelined", "cpu": "step_ms_cpu"}
+"""The metric of a step timed on each clock (``planners.timing``): ``wall`` waits for every step,
 ``pipelined`` dispatches them back to back as the trainer does."""
 
 
@@ -117,18 +113,15 @@ def steps_from(path: str, run: str, model: str, clock: str = "wall") -> tuple[di
   return found, device
 
 
-def precast_profile(prof, saved: str | None, repeats: int, progress):
-  """``prof`` with its whole-policy programs re-timed with their activations in the dtypes the
-  step converts them to (``with_precast_policies``): loaded from ``<saved>.precast.json`` if there, else
-  measured here and saved there."""
+def precast_profile(saved: str | None, progress) -> Profile:
+  """The profile saved at ``<saved>.precast.json``: the model's whole-policy programs timed with
+  their activations in the dtypes the step converts them to (as ``measure_profile`` times them on
+  a GPU)."""
   path = saved[: -len(".json")] + ".precast.json" if saved else None
-  if path and os.path.exists(path):
-    progress(f"profile {path}")
-    return Profile.load(path)
-  out = with_precast_policies(prof, repeats=repeats, progress=progress)
-  if path:
-    out.save(path)
-  return out
+  if not path or not os.path.exists(path):
+    raise SystemExit(f"--precast: no {path or '<profile-dir>/<model>.precast.json'}. Fix: drop --precast.")
+  progress(f"profile {path}")
+  return Profile.load(path)
 
 
 def row(model, case, metric, value, baseline, device, **extra):
@@ -150,8 +143,8 @@ def main(argv=None) -> int:
     "--clocks",
     nargs="+",
     choices=sorted(STEP_METRICS),
-    default=["wall", step.PIPELINED_CLOCK],
-    help="clocks the steps are timed on (planners.step; default: wall — every step waited for — and "
+    default=["wall", timing.PIPELINED_CLOCK],
+    help="clocks the steps are timed on (planners.timing; default: wall — every step waited for — and "
     "pipelined — steps dispatched back to back, as the trainer runs them); each is predicted on its own",
   )
   ap.add_argument("--profile-repeats", type=int, default=5)
@@ -171,16 +164,14 @@ def main(argv=None) -> int:
   ap.add_argument(
     "--precast",
     action="store_true",
-    help="also predict with the whole-policy programs re-timed with their activations in the dtypes the "
-    "step converts them to (planners.profiler.with_precast_policies; <model>.precast.json in "
-    "--profile-dir)",
+    help="also predict from <model>.precast.json in --profile-dir: the whole-policy programs timed with "
+    "their activations in the dtypes the step converts them to",
   )
   ap.add_argument(
     "--refit",
     action="store_true",
-    help="refit the profile's remainder to this run's fp32 step and its quantized-leg scale to its int8 "
-    "step (planners.replay.refit_profile; the remainder alone is what "
-    "`qsync predict --calibrate` does): for a profile measured on another host",
+    help="refit the profile's remainder to this run's fit step (planners.fit.fit_remainder): for a "
+    "profile measured on another host",
   )
   ap.add_argument("--no-plan", action="store_true", help="skip the qsync plan (its indicator, plan and step)")
   ap.add_argument("--mixed", action="store_true", help="also time fp16 and two mixed plans (MIXED)")
@@ -203,12 +194,12 @@ def main(argv=None) -> int:
   for model in args.models:
     task, batch_size = get_model(model)
     batch_size = args.batch or batch_size
-    batch = step.device_batch(task, batch_size)
+    batch = timing.device_batch(task, batch_size)
     measured = {clock: {} for clock in args.clocks}  # clock -> policy -> (ms, spread ms, XLA peak)
 
     def measure(policies):
       """Times ``policies`` round-robin on every clock and records their rows."""
-      timed = step.time_train_steps_interleaved(
+      timed = timing.time_train_steps_interleaved(
         task,  # noqa: B023
         policies,
         batch,  # noqa: B023
@@ -264,9 +255,8 @@ def main(argv=None) -> int:
     )
     variants = {prof.meta.get("policy_operands", "fp32"): prof}  # a GPU profile measured now is precast
     if args.precast and "precast" not in variants:
-      variants["precast"] = precast_profile(
-        prof, saved, args.profile_repeats, lambda msg, model=model: say(f"{model} precast: {msg}")
-      )
+      variants["precast"] = precast_profile(saved, lambda msg, model=model: say(f"{model} precast: {msg}"))
+    variants = {name: fit_profile(with_measurements(p)) for name, p in variants.items()}
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
     if args.steps_from or args.no_plan:
       say(f"{model}: no qsync plan ({'--steps-from' if args.steps_from else '--no-plan'})")
@@ -278,18 +268,12 @@ def main(argv=None) -> int:
         say(f"{model}: no qsync plan: {type(e).__name__}: {str(e)[:300]}")
     for clock, steps in measured.items():
       for variant, vprof in variants.items():
-        if args.refit:
-          vprof = refit_profile(
-            cluster,
-            vprof,
-            *(steps.get(p, (None,))[0] for p in ("fp32", QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET)),
-          )
-          say(
-            f"{model}: {variant} profile refitted to this run's {' and '.join(fit_presets(vprof))} steps on the {clock} clock"
-          )
+        preset = vprof.meta["fit_preset"]
+        if args.refit and preset in steps:
+          vprof = fit_remainder(vprof, preset, steps[preset][0])
+          say(f"{model}: {variant} profile refitted to this run's {preset} step on the {clock} clock")
         tags = {"operands": variant, "clock": clock, **({"refit": True} if args.refit else {})}
-        tags["quantized_leg_scale"] = vprof.quantized_leg_scale
-        fits.update((model, variant, clock, name) for name in fit_presets(vprof))
+        fits.add((model, variant, clock, preset))
         for name, (meas, spread, peak) in steps.items():
           pred = predict(cluster, {vprof.device_type: vprof}, Plan(policies={"all": policies[name]}))
           err = (pred.step_ms - meas) / meas

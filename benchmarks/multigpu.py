@@ -9,7 +9,7 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 * scaling: uniform fp32 (the predictor's fit plan), uniform bf16 and a mixed plan (MLP Dense
   layers ``int8_fwd``, the rest bf16) on 1, 2, 4… devices with a fixed per-device batch (weak
   scaling): step time and efficiency t(1) / t(n); each step's kernels on the first GPU
-  (``planners.steptrace.gpu_kernels``: time, count, of it collectives and matrix products)
+  (``benchmarks.step_kernels.gpu_kernels``: time, count, of it collectives and matrix products)
   and, for n > 1, the compute the schedule places under each async collective
   (``hlo.async_spans``) are also reported;
 * all-reduce order (bf16 policy, 2, 4… devices): the trainer's default (gradient leaves in the
@@ -26,7 +26,7 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
   (``measure_profile``, or ``--profile-file``) and, per device count, the all-reduce line of
   a ``psum`` microbenchmark (``planners.link``); then again with the profile's remainder
   refitted to the fp32 step measured on the same device count
-  (``planners.replay.refit_remainder``). The baseline of the ratio is the measured step.
+  (``planners.fit.fit_remainder``). The baseline of the ratio is the measured step.
 
   python benchmarks/multigpu.py [--d-model 768 --layers 12 --seq 256 --batch 8] [--steps 20]
                                 [--processes 2 4] [--profile-file PROFILE.json]
@@ -49,12 +49,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from result_rows import append_rows, result_row
 
+from benchmarks.step_kernels import gpu_kernels
 from examples.registry import get_task
+from planners.fit import fit_remainder
 from planners.link import measure_link
-from planners.profiler import Profile, measure_profile
-from planners.replay import predict, refit_remainder
-from planners.step import PIPELINED_CLOCK, timed_ms
-from planners.steptrace import gpu_kernels
+from planners.measure import measure_profile
+from planners.profile import Profile
+from planners.replay import predict
+from planners.timing import PIPELINED_CLOCK, timed_ms
 from qsync_jax import hlo
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
@@ -165,7 +167,7 @@ def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync
 
 def pipelined_step_s(step, state, batches, steps: int):
   """``(s per step, last state)`` of ``steps`` steps dispatched back to back and waited for
-  once, as a training loop runs them (``planners.step.PIPELINED_CLOCK``): the host's dispatch
+  once, as a training loop runs them (``planners.timing.PIPELINED_CLOCK``): the host's dispatch
   of one step overlaps the devices' work on the one before, which ``time_steps`` (one wait per
   step) does not allow."""
   run, current = stepper(step, state, batches)
@@ -175,7 +177,7 @@ def pipelined_step_s(step, state, batches, steps: int):
 
 def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
   """``(median s, IQR s, collectives)`` of the trainer's step, with the first GPU's kernels
-  (``kernel``: a ``steptrace.KernelSummary``, None without a GPU) and the step's time when
+  (``kernel``: a ``benchmarks.step_kernels.KernelSummary``, None without a GPU) and the step's time when
   steps are dispatched back to back (``pipelined_s``, ``pipelined_step_s``)."""
   ts, state, batches = build_case(task, n, batch, policy, sync_name)
   coll = collective_summary(ts.step, state, batches[0], dump=dump)
@@ -186,7 +188,7 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
 
 
 def first_gpu_kernels(step, state, batch, repeats: int = 5):
-  """The ``steptrace.KernelSummary`` of ``step``'s kernels on the first GPU (with its
+  """The ``benchmarks.step_kernels.KernelSummary`` of ``step``'s kernels on the first GPU (with its
   collectives' kernels, which run on a stream of their own); None without a GPU."""
   run, _ = stepper(step, state, [batch])
   return gpu_kernels(lambda: jax.block_until_ready(run()), repeats)
@@ -314,7 +316,7 @@ def predictor_rows(
   """Predicted vs measured step of every scaling case in ``measured`` (``{(case, devices):
   median s}``), three times: from the profile as it is (``<label>/…``); with its remainder
   refitted to the fp32 case on the same device count (``<label>-fit/…``,
-  ``planners.replay.refit_remainder``); and refitted once, to the fp32 step on one device
+  ``planners.fit.fit_remainder``); and refitted once, to the fp32 step on one device
   (``fp32_one_device_s``, default ``measured[("fp32", 1)]``; ``<label>-fit1/…``), so that the
   replay alone predicts what changes with the device count. fp32 is the fit, never evaluated.
   Prints a table, returns the JSON rows."""
@@ -322,11 +324,11 @@ def predictor_rows(
   for (name, n), meas in measured.items():
     if name == "fp32":
       cluster, extra = case_cluster(prof, n, batch, links.get(n))
-      fitted[n] = refit_remainder(cluster, prof, meas * 1e3, **extra)
+      fitted[n] = fit_remainder(prof, "fp32", meas * 1e3, cluster, **extra)
   one_s = fp32_one_device_s if fp32_one_device_s is not None else measured.get(("fp32", 1))
   fitted_one = None
   if one_s is not None:
-    fitted_one = refit_remainder(case_cluster(prof, 1, batch)[0], prof, one_s * 1e3)
+    fitted_one = fit_remainder(prof, "fp32", one_s * 1e3, case_cluster(prof, 1, batch)[0])
   print(f"\n{label}: measured steps against the replay")
   for n, p in sorted(fitted.items()):
     print(

@@ -25,7 +25,7 @@ from multigpu import RESULTS, predictor_rows
 from result_rows import append_rows
 
 from planners.link import LinkModel
-from planners.profiler import Profile
+from planners.profile import Profile
 
 STEP_METRICS = {"wall": "step_time_ms_median", "pipelined": "step_time_ms_pipelined"}
 """The rows of the steps waited for one by one, and of those dispatched back to back."""

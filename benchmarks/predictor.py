@@ -1,38 +1,31 @@
 """Predictor error: predicted vs measured step time and memory on plans not used to fit anything.
 
-For each model: measure its profile on the local device (op legs standalone, casts, the
-optimizer, the fp32 step — which fits the remainder and memory correction —, the all-int8
-step — which fits the scale of the quantized legs inside the step — and the all-bf16 step —
-which fits the remainder of a 16-bit step), then for every evaluation plan (uniform and mixed,
-never those three; marked ``(fit)``) compare
+For each model: measure its profile on the local device (``planners.measure.measure_profile``:
+op legs and whole-policy programs standalone, casts, the optimizer, the all-bf16 step — which
+fits the remainder — and the compiled fp32 and all-bf16 steps — which fit the memory
+corrections), then for every evaluation plan (uniform and mixed, never the fit step; marked
+``(fit)``) compare
 
 * the replay's predicted step time with the measured median of the jitted single-device
   training step (the step is fed its own donated outputs, as in training), and
 * the predicted peak memory with XLA's ``compiled.memory_analysis()`` (arguments + outputs
-  − aliased + temporaries), for every plan but those memory is fitted to: fp32, and all-bf16
-  where the profile compiled its step (``other_bytes_16bit``).
+  − aliased + temporaries), for every plan but those memory is fitted to: fp32, and all-bf16.
 
 The baseline of the ratio column is the measured step time (ratio = predicted / measured).
-Targets (DESIGN §5.3): mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), memory within 10 %.
+Targets: mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), memory within 10 %.
 
-The plans (fp32 included) are compiled first and timed round-robin over ``--rounds`` rounds
-(``planners.step.time_train_steps_interleaved``: the median of the round medians), so that
+The plans are compiled first and timed round-robin over ``--rounds`` rounds
+(``planners.timing.time_train_steps_interleaved``: the median of the round medians), so that
 slow drift of the host falls on every plan alike. With ``--refit`` the error is reported a
-second time with the profile refitted to the fp32, all-int8 and all-bf16 steps timed among the
-plans (``planners.replay.refit_profile``; they stay the only fit plans): on a shared CPU host the
-same fp32 step has measured 49–67 ms in different minutes, and the profile's one fit timing
-carries that drift into every prediction. Every plan is also predicted from the alternative
-profiles of ``alternative_profiles`` (``--precast``; ``no_in_step`` on a GPU, where the profile
-traced its all-int8 step).
+second time with the remainder refitted to the fit step timed among the plans
+(``planners.fit.fit_remainder``). Where the profile traced its all-int8 step (on a GPU) every plan
+is also predicted from the same profile without the in-step factors (``no_in_step``).
 
-  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats N] [--rounds 3] [--refit] [--precast]
+  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats N] [--rounds 3] [--refit]
 
 On a GPU, the GPU-sized models and saved profiles (a profile cut short resumes):
 
-  python benchmarks/predictor.py --models mlp_base vgg_base lm_base --profile-dir DIR --refit
-
-``--ops-from DIR2`` measures each profile with the op timings of ``DIR2/<model>.json`` (the
-same settings) and the rest anew: a few minutes of device time instead of tens.
+  python benchmarks/predictor.py --models mlp_base vgg_wide lm_base --profile-dir DIR --refit
 """
 
 from __future__ import annotations
@@ -49,16 +42,11 @@ import numpy as np
 import optax
 from result_rows import append_rows, result_row
 
-from planners import step
-from planners.profiler import (
-  QUANTIZED_FIT_PRESET,
-  SIXTEEN_BIT_FIT_PRESET,
-  Profile,
-  measure_profile,
-  refit_to_fit_steps,
-  with_precast_policies,
-)
-from planners.replay import fit_presets, memory_fit_presets, predict, refit_profile
+from planners import timing
+from planners.fit import SIXTEEN_BIT_PRESET, fit_profile, fit_remainder
+from planners.measure import measure_profile
+from planners.profile import Profile
+from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -99,8 +87,8 @@ def mlp_task(features: int = 512, hidden: int = 1024) -> Task:
 
 def measured_clock(requested: str | None = None) -> str:
   """The clock every timing of a benchmark run uses: ``requested``, else process CPU time on a
-  CPU host (shared with other work) and ``step.default_step_clock()`` on an accelerator."""
-  return requested or ("cpu" if jax.devices()[0].platform == "cpu" else step.default_step_clock())
+  CPU host (shared with other work) and ``timing.default_step_clock()`` on an accelerator."""
+  return requested or ("cpu" if jax.devices()[0].platform == "cpu" else timing.default_step_clock())
 
 
 def get_model(name: str) -> tuple[Task, int]:
@@ -141,8 +129,7 @@ def mixed(op_names, pattern) -> PrecisionPolicy:
 
 
 def plans(op_names) -> dict[str, PrecisionPolicy]:
-  """Uniform presets and mixed per-op assignments (all-int8 is a fit plan once the profile fits its
-  quantized-leg scale; fp32, the other, is added by the caller)."""
+  """Uniform presets and mixed per-op assignments (the caller adds fp32)."""
   half = len(op_names) // 2
   return {
     "bf16": PrecisionPolicy.uniform("bf16"),
@@ -185,24 +172,19 @@ def model_profile(model: str, task: Task, batch_size: int, clock: str, args) -> 
       clock=clock,
       progress=lambda msg: print(f"# {model} profile: {msg}", flush=True),
       checkpoint=checkpoint,
-      ops_from=os.path.join(args.ops_from, f"{model}.json") if args.ops_from else None,
     ),
     lambda msg: print(f"# {model}: {msg}", flush=True),
   )
 
 
-def alternative_profiles(prof: Profile, args) -> dict[str, Profile]:
+def alternative_profiles(prof: Profile) -> dict[str, Profile]:
   """Other profiles every plan is also predicted from, by name (its rows' metric suffix):
-  ``precast`` (``--precast``: the whole-policy programs re-timed with their activations precast,
-  ``with_precast_policies``), and ``no_in_step`` where the profile traced its all-int8 step (the
-  same profile without ``quantized_in_step_ms``, refitted to its own fit steps): the in-step
-  factors' gain, measured on the same steps."""
-  out = {}
-  if args.precast:
-    out["precast"] = with_precast_policies(prof, repeats=args.profile_repeats)
-  if prof.quantized_in_step_ms:
-    out["no_in_step"] = refit_to_fit_steps(dataclasses.replace(prof, quantized_in_step_ms={}))
-  return out
+  ``no_in_step`` where the profile traced its all-int8 step (the same profile without
+  ``quantized_in_step_ms``, refitted to its own fit step): the in-step factors' gain, measured
+  on the same steps."""
+  if not prof.quantized_in_step_ms:
+    return {}
+  return {"no_in_step": fit_profile(dataclasses.replace(prof, quantized_in_step_ms={}))}
 
 
 def priceable(model: str, cluster, prof: Profile, cases: dict[str, PrecisionPolicy]) -> dict:
@@ -232,7 +214,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["mlp", "lm", "vgg"])
   ap.add_argument(
-    "--repeats", type=int, help="timed repeats of each step (default: step.default_step_repeats of the clock)"
+    "--repeats", type=int, help="timed repeats of each step (default: timing.default_step_repeats of the clock)"
   )
   ap.add_argument("--profile-repeats", type=int, default=10)
   ap.add_argument(
@@ -249,10 +231,6 @@ def main(argv=None):
     help="each model's profile: loaded from <dir>/<model>.json if there, else measured and saved there "
     "(an interrupted profile resumes from <model>.json.partial)",
   )
-  ap.add_argument(
-    "--ops-from",
-    help="a profile is measured with the op timings of <dir>/<model>.json (same settings), the rest anew",
-  )
   ap.add_argument("--results", default=RESULTS, help=f"JSON lines file to append to (default {RESULTS})")
   ap.add_argument(
     "--rounds",
@@ -263,29 +241,21 @@ def main(argv=None):
   ap.add_argument(
     "--refit",
     action="store_true",
-    help="also report the error with the remainder refitted to the fp32 step timed among the plans",
-  )
-  ap.add_argument(
-    "--precast",
-    action="store_true",
-    help="also predict from the profile with its whole-policy programs re-timed with their activations "
-    "precast (planners.profiler.with_precast_policies; the default on GPUs)",
+    help="also report the error with the remainder refitted to the fit step timed among the plans",
   )
   args = ap.parse_args(argv)
   device = jax.devices()[0].device_kind
   clock = measured_clock(args.clock)
-  args.repeats = args.repeats or step.default_step_repeats(clock)
+  args.repeats = args.repeats or timing.default_step_repeats(clock)
   rows, out, refitted = [], [], []
   variant_errors: dict[str, list[float]] = {}
   for model in args.models:
     task, batch_size = get_model(model)
     prof = model_profile(model, task, batch_size, clock, args)
-    variants = alternative_profiles(prof, args)
+    variants = alternative_profiles(prof)
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)
-    batch = step.device_batch(task, batch_size)
-    fit = fit_presets(prof)
-    if args.refit:
-      fit = tuple(dict.fromkeys(("fp32", QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET, *fit)))
+    batch = timing.device_batch(task, batch_size)
+    fit = (prof.meta["fit_preset"],)
     cases = priceable(
       model,
       cluster,
@@ -295,7 +265,7 @@ def main(argv=None):
         for name, pol in {"fp32": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}.items()
       },
     )
-    timed = step.time_train_steps_interleaved(
+    timed = timing.time_train_steps_interleaved(
       task,
       cases,
       batch,
@@ -306,12 +276,9 @@ def main(argv=None):
       skip=(jax.errors.JaxRuntimeError,),  # e.g. XLA:CPU has no batched bf16 x bf16 -> f32 dot
     )[clock]
     fitted = None
-    if args.refit and "fp32 (fit)" in timed:
-      quantized, sixteen = (
-        timed.get(f"{p} (fit)", (None,))[0] for p in (QUANTIZED_FIT_PRESET, SIXTEEN_BIT_FIT_PRESET)
-      )
-      fitted = refit_profile(cluster, prof, timed["fp32 (fit)"][0], quantized, sixteen)
-    memory_fits = memory_fit_presets(prof)
+    if args.refit and f"{fit[0]} (fit)" in timed:
+      fitted = fit_remainder(prof, fit[0], timed[f"{fit[0]} (fit)"][0])
+    memory_fits = ("fp32", SIXTEEN_BIT_PRESET) if "other_bytes_16bit" in prof.memory else ("fp32",)
     for case, (meas, round_medians, peak) in timed.items():
       plan = Plan(policies={"all": cases[case]})
       pred = predict(cluster, {prof.device_type: prof}, plan)
@@ -338,7 +305,7 @@ def main(argv=None):
         f"err {100 * err_m:+6.1f} %",
         flush=True,
       )
-      if case.split(" ")[0] not in memory_fits:  # memory is fitted to fp32 (and all-bf16) alone
+      if case.split(" ")[0] not in memory_fits:  # memory is fitted to fp32 and all-bf16 alone
         out.append(row_json(model, case, "peak_bytes", mem, peak, device))
       if "(fit)" in case:  # its measured step, for offline refits; no step prediction to score
         out.append(
@@ -361,7 +328,7 @@ def main(argv=None):
         pred_fit = predict(cluster, {prof.device_type: fitted}, plan).step_ms
         refitted.append(abs(pred_fit - meas) / meas)
         print(
-          f"      refitted to the fp32 step timed among the plans: pred {pred_fit:8.2f} ms, "
+          f"      refitted to the fit step timed among the plans: pred {pred_fit:8.2f} ms, "
           f"err {100 * (pred_fit - meas) / meas:+6.1f} %",
           flush=True,
         )
@@ -388,7 +355,7 @@ def main(argv=None):
   )
   if refitted:
     print(
-      f"refitted to the fp32 step timed among the plans: step-time |error| mean "
+      f"refitted to the fit step timed among the plans: step-time |error| mean "
       f"{100 * np.mean(refitted):.1f} %, median {100 * np.median(refitted):.1f} %, max {100 * np.max(refitted):.1f} %"
     )
   for variant, errors in variant_errors.items():

@@ -1,17 +1,18 @@
 """Replays a ``benchmarks/predictor.py`` run offline: its measured steps and XLA peaks against
-the replay of saved profiles, as the code predicts now.
+the replay of its saved profiles, as the code predicts now.
 
 For each model of the run (its rows in ``predictor.jsonl``, chosen by ``--run``): the profile
-``<profile-dir>/<model>.json`` refitted to the run's fit steps — fp32, all-int8 and, unless
-``--no-16bit``, all-bf16 (``planners.replay.refit_profile``; its XLA peak fits
-``other_bytes_16bit``, ``planners.profiler.with_16bit_other_bytes``) — then every other plan's
-predicted step against the run's measured one, and the predicted peak of every plan memory is
-not fitted to (fp32, all-bf16) against XLA's. Prints the table and appends the rows tagged
-``replay-<run>``. Nothing is timed or compiled: it runs on any machine, so a change of the
-replay can be scored on GPU runs after the GPU is gone.
+``<profile-dir>/<model>.json`` fitted as the profiler fits it now (``planners.fit.fit_profile``)
+to the fit step and XLA peaks its meta records — "as profiled" — and, with ``--refit``, to the
+fit step timed among the run's plans; then every plan's predicted step against the run's
+measured one, and every plan's predicted peak against XLA's. The mean errors are over the plans
+the run did not fit anything to (its ``(fit)`` rows are left out, whatever the code fits now),
+and memory's over the plans memory is not fitted to (fp32, all-bf16). Nothing is timed or
+compiled: it runs on any machine, so a change of the replay can be scored on GPU runs after the
+GPU is gone. Prints the table and appends the rows tagged ``replay-<run>``.
 
-  python benchmarks/predictor_replay.py --run gpu-run-3-h100 \
-      --profile-dir benchmarks/results/profiles/predictor_h100
+  python benchmarks/predictor_replay.py --run gpu-run-8-h100 \
+      --profile-dir benchmarks/results/profiles/predictor_h100_run8
 """
 
 from __future__ import annotations
@@ -29,21 +30,42 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import RESULTS, plans  # noqa: E402  (run as a script from the repo root)
 from benchmarks.step_ops import table_names  # noqa: E402
-from planners.profiler import (  # noqa: E402
-  QUANTIZED_FIT_PRESET,
-  SIXTEEN_BIT_FIT_PRESET,
-  Profile,
-  with_16bit_other_bytes,
-)
-from planners.replay import fit_presets, memory_fit_presets, predict, refit_profile  # noqa: E402
-from qsync_jax.cluster import ClusterSpec  # noqa: E402
+from planners.fit import SIXTEEN_BIT_PRESET, fit_profile, fit_remainder, one_device  # noqa: E402
+from planners.graph import QUANTIZED_TRACE_PRESET  # noqa: E402
+from planners.profile import Profile  # noqa: E402
+from planners.replay import predict  # noqa: E402
 from qsync_jax.plan import Plan  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 
+FORMER_META = {
+  "sixteen_bit_fit_step_ms": "fit_step_ms",
+  "sixteen_bit_step_ms_samples": "fit_step_round_ms",
+  "sixteen_bit_xla_peak_bytes": "bf16_xla_peak_bytes",
+}
+"""Meta keys of profiles measured before ``fit_step_ms`` (their all-bf16 fit step and peak)."""
+
+
+def with_measurements(prof: Profile) -> Profile:
+  """``prof`` with the fit step and XLA peaks ``fit_profile`` reads, from the keys an older
+  profile recorded them under (``FORMER_META``: its all-bf16 step; without one, its fp32 step)."""
+  meta = dict(prof.meta)
+  if "fit_preset" not in meta:
+    for old, new in FORMER_META.items():
+      if old in meta:
+        meta[new] = meta[old]
+    meta["fit_preset"] = SIXTEEN_BIT_PRESET if "fit_step_ms" in meta else "fp32"
+    meta.setdefault("fit_step_ms", meta.get("fp32_step_ms"))
+  return dataclasses.replace(prof, meta=meta)
+
+
+def fit_preset_of(prof: Profile) -> str:
+  """The uniform preset the current code fits ``prof``'s remainder to."""
+  return with_measurements(prof).meta["fit_preset"]
+
 
 def run_rows(path: str, run: str) -> dict[str, dict[str, dict]]:
-  """``{model: {plan: {"step": ms, "peak": bytes, "device": …, "metric": …}}}`` of ``run``'s
-  measured steps (``step_ms_<clock>_clock``, fit steps included) and XLA peaks."""
+  """``{model: {plan: {"step": ms, "peak": bytes, "fit": bool, "device": …, "metric": …}}}`` of
+  ``run``'s measured steps (``step_ms_<clock>_clock``, fit steps included) and XLA peaks."""
   out: dict[str, dict[str, dict]] = {}
   with open(path) as f:
     for line in f:
@@ -52,6 +74,7 @@ def run_rows(path: str, run: str) -> dict[str, dict[str, dict]]:
         continue
       model, _, plan = r["case"].partition("/")
       entry = out.setdefault(model, {}).setdefault(plan.removesuffix(" (fit)"), {})
+      entry["fit"] = entry.get("fit", False) or plan.endswith(" (fit)")
       if r["metric"] == "peak_bytes":
         entry["peak"] = r["baseline"]
       elif r["metric"].startswith("step_ms_") and r["metric"].endswith("_clock"):
@@ -61,19 +84,17 @@ def run_rows(path: str, run: str) -> dict[str, dict[str, dict]]:
 
 def with_in_step_table(prof: Profile, path: str) -> Profile:
   """``prof`` with ``quantized_in_step_ms`` from a ``benchmarks/step_ops.py`` table of the same
-  model: its all-int8 plan's ``<op>|fwd`` and ``<op>|bwd`` entries (ops by ``table_names``), as the
-  profiler now traces them itself (``planners.steptrace.op_leg_ms``)."""
+  model: its all-int8 plan's ``<op>|fwd`` and ``<op>|bwd`` entries (ops by ``table_names``)."""
   with open(path) as f:
     tables = json.load(f)
-  if QUANTIZED_FIT_PRESET not in tables:
+  if QUANTIZED_TRACE_PRESET not in tables:
     raise SystemExit(
-      f"{path} has no {QUANTIZED_FIT_PRESET!r} plan (it has {sorted(tables)}). "
-      f"Fix: trace it with benchmarks/step_ops.py --plans {QUANTIZED_FIT_PRESET}."
+      f"{path} has no {QUANTIZED_TRACE_PRESET!r} plan (it has {sorted(tables)}). "
+      f"Fix: trace it with benchmarks/step_ops.py --plans {QUANTIZED_TRACE_PRESET}."
     )
-  table, names = tables[QUANTIZED_FIT_PRESET], table_names(prof.ops)
+  table, names = tables[QUANTIZED_TRACE_PRESET], table_names(prof.ops)
   traced = {
-    op.name: {leg: float(table.get(f"{names[op.name]}|{leg}", 0.0)) for leg in ("fwd", "bwd")}
-    for op in prof.ops
+    op.name: {leg: float(table.get(f"{names[op.name]}|{leg}", 0.0)) for leg in ("fwd", "bwd")} for op in prof.ops
   }
   return dataclasses.replace(prof, quantized_in_step_ms=traced)
 
@@ -93,38 +114,26 @@ def in_step_tables(specs: list[str], models: set[str]) -> dict[str, str]:
   return out
 
 
-def replay_model(prof: Profile, measured: dict[str, dict], sixteen_bit: bool) -> list[tuple]:
-  """``[(plan, step fitted?, predicted ms, measured ms, memory fitted?, predicted bytes, XLA
-  bytes)]`` of one model."""
-  cluster = ClusterSpec.uniform(prof.device_type, 1, prof.batch_per_device, memory_gb=1e3)
-  fits = ["fp32", QUANTIZED_FIT_PRESET] + [SIXTEEN_BIT_FIT_PRESET] * sixteen_bit
-  steps = [measured.get(p, {}).get("step") for p in fits]
-  if steps[0] is None:
-    raise SystemExit(
-      f"the run has no fp32 step of {prof.model!r}. Fix: pass a run whose rows hold its fit steps."
-    )
-  if not sixteen_bit:  # the remainder on fp32 alone: no fp32 legs' scale beside it
-    prof = dataclasses.replace(prof, fp32_leg_scale=1.0)
-  fitted = refit_profile(cluster, prof, *steps)
-  if sixteen_bit:  # memory too: the all-bf16 step's XLA peak fits the 16-bit correction
-    fitted = with_16bit_other_bytes(fitted, measured.get(SIXTEEN_BIT_FIT_PRESET, {}).get("peak"))
+def replay_model(prof: Profile, measured: dict[str, dict], refit: bool) -> list[tuple]:
+  """``[(plan, fitted in the run?, predicted ms, measured ms, memory fitted?, predicted bytes,
+  XLA bytes)]`` of one model, its profile fitted ``as profiled`` or, with ``refit``, its
+  remainder to the run's own fit step."""
+  fitted = fit_profile(with_measurements(prof))
+  preset = fitted.meta["fit_preset"]
+  if refit:
+    if "step" not in measured.get(preset, {}):
+      raise SystemExit(f"the run has no {preset} step of {prof.model!r}. Fix: pass a run with its fit step.")
+    fitted = fit_remainder(fitted, preset, measured[preset]["step"])
+  memory_fits = ("fp32", SIXTEEN_BIT_PRESET) if "other_bytes_16bit" in fitted.memory else ("fp32",)
+  cluster = one_device(prof)
   out = []
   for plan, policy in {"fp32": PrecisionPolicy.uniform("fp32"), **plans(prof.op_names)}.items():
     if plan not in measured or "step" not in measured[plan]:
       continue
     pred = predict(cluster, {prof.device_type: fitted}, Plan(policies={"all": policy}))
     entry = measured[plan]
-    memory_fit = plan in memory_fit_presets(fitted)
     out.append(
-      (
-        plan,
-        plan in fits or plan in fit_presets(prof),  # fp16 where its step's relayouts were traced
-        pred.step_ms,
-        entry["step"],
-        memory_fit,
-        pred.memory_bytes["all"],
-        entry.get("peak"),
-      )
+      (plan, entry["fit"], pred.step_ms, entry["step"], plan in memory_fits, pred.memory_bytes["all"], entry.get("peak"))
     )
   return out
 
@@ -134,11 +143,7 @@ def main(argv=None) -> int:
   ap.add_argument("--run", required=True, help="run tag of the measured rows")
   ap.add_argument("--profile-dir", required=True, help="holds <model>.json for every model of the run")
   ap.add_argument("--models", nargs="+", help="default: every model of the run")
-  ap.add_argument(
-    "--no-16bit",
-    action="store_true",
-    help="refit to fp32 and all-int8 only (the remainder on fp32, no fp32 leg scale)",
-  )
+  ap.add_argument("--refit", action="store_true", help="fit the remainder to the run's own fit step")
   ap.add_argument(
     "--in-step",
     nargs="+",
@@ -154,22 +159,24 @@ def main(argv=None) -> int:
   if not measured:
     raise SystemExit(f"no rows of run {args.run!r} in {args.results}. Fix: pass a run tag of that file.")
   in_step = in_step_tables(args.in_step, set(args.models or measured))
-  tag, rows, t_err, m_err = args.tag or f"replay-{args.run}", [], [], []
+  tag, rows, t_err, m_err, unfitted = args.tag or f"replay-{args.run}", [], [], [], []
+  metric_suffix = "_refit" if args.refit else "_replay"
   print(
     f"{'model':9s} {'plan':26s} {'pred ms':>8s} {'meas ms':>8s} {'err':>7s} {'pred MB':>8s} {'xla MB':>8s} {'err':>7s}"
   )
+  device = None
   for model in args.models or sorted(measured):
     prof = Profile.load(os.path.join(args.profile_dir, f"{model}.json"))
     if model in in_step:
       prof = with_in_step_table(prof, in_step[model])
-    for plan, fit, pred, meas, memory_fit, mem, peak in replay_model(
-      prof, measured[model], not args.no_16bit
-    ):
+    for plan, fit, pred, meas, memory_fit, mem, peak in replay_model(prof, measured[model], args.refit):
       device, metric = measured[model][plan]["device"], measured[model][plan]["metric"]
-      extra = {"run": tag, "fit": fit, "sixteen_bit_fit": not args.no_16bit}
-      rows.append(result_row("predictor", f"{model}/{plan}", f"{metric}_refit", pred, meas, device, **extra))
+      extra = {"run": tag, "fit": fit}
+      rows.append(result_row("predictor", f"{model}/{plan}", f"{metric}{metric_suffix}", pred, meas, device, **extra))
       if not fit:
         t_err.append(abs(pred - meas) / meas)
+      elif plan != fit_preset_of(prof):  # fitted in the run, predicted now
+        unfitted.append(abs(pred - meas) / meas)
       if peak and not memory_fit:
         m_err.append(abs(mem - peak) / peak)
         rows.append(result_row("predictor", f"{model}/{plan}", "peak_bytes", mem, peak, device, **extra))
@@ -180,33 +187,21 @@ def main(argv=None) -> int:
       )
   summary = [
     result_row(
-      "predictor",
-      "all/mean_abs_step_error_refit",
-      "abs_rel_error",
-      float(np.mean(t_err)),
-      None,
-      device,
-      run=tag,
+      "predictor", f"all/mean_abs_step_error{metric_suffix}", "abs_rel_error", float(np.mean(t_err)), None, device, run=tag
     )
   ]
   memory = "no XLA peaks"
   if m_err:  # a run may log no peaks (e.g. a backend without memory analysis)
     summary.append(
-      result_row(
-        "predictor",
-        "all/mean_abs_memory_error",
-        "abs_rel_error",
-        float(np.mean(m_err)),
-        None,
-        device,
-        run=tag,
-      )
+      result_row("predictor", "all/mean_abs_memory_error", "abs_rel_error", float(np.mean(m_err)), None, device, run=tag)
     )
     memory = f"mean {100 * np.mean(m_err):.1f} %, max {100 * np.max(m_err):.1f} %"
   print(
     f"\n{len(t_err)} evaluation plans: step |error| mean {100 * np.mean(t_err):.1f} %, max {100 * np.max(t_err):.1f} %; "
     f"memory ({len(m_err)} plans but its fits) {memory}"
   )
+  if unfitted:
+    print(f"the run's other {len(unfitted)} fit plans, predicted now: mean {100 * np.mean(unfitted):.1f} %")
   if not args.no_save:
     append_rows(args.results, rows + summary)
     print(f"appended {len(rows) + len(summary)} rows tagged {tag} to {args.results}")

@@ -6,7 +6,7 @@ its plans in one process; on an H100 ``vgg_wide``'s all-bf16 step came out at 1.
 first and 1.60-1.67 ms in the second (``docs/results.md``, thirteenth session). This benchmark
 compiles each of ``--presets`` ``--compiles`` times (each compile is its own executable, with
 its own state) plus ``--others`` once each, then times all of them round-robin
-(``planners.step.time_train_steps_interleaved``, the predictor's timing) and prints every
+(``planners.timing.time_train_steps_interleaved``, the predictor's timing) and prints every
 round, so that a drift over the rounds, a slow executable, or a dependence on how many
 executables share the process shows. Each copy's median is reported against the first copy of
 its preset, measured in the same rounds. On a GPU each round's line also gives the GPU's SM
@@ -30,7 +30,7 @@ from result_rows import append_rows, result_row
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import get_model, measured_clock  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
+from planners import timing  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_drift.jsonl")
@@ -84,19 +84,19 @@ def rows_of(model, timed, device, clock, run=None) -> list[dict]:
 
 
 def timed_with_late_copies(task, policies, batch, args) -> dict[str, tuple[float, list[float], int | None]]:
-  """As ``step.time_train_steps_interleaved`` on ``args``'s clock, with one more copy of each of
+  """As ``timing.time_train_steps_interleaved`` on ``args``'s clock, with one more copy of each of
   ``args.presets`` (``<preset>#late``) compiled after the first half of the rounds and timed in
   the second half beside the others."""
   clock = measured_clock(args.clock)
-  compiled = {name: step.compiled_train_step(task, pol, batch) for name, pol in policies.items()}
+  compiled = {name: timing.compiled_train_step(task, pol, batch) for name, pol in policies.items()}
   first = args.rounds // 2
-  medians = step.time_round_robin(
+  medians = timing.time_round_robin(
     {n: run for n, (run, _) in compiled.items()}, args.repeats, first, (clock,), progress, 1, args.rounds
   )[clock]
   for preset in args.presets:
-    compiled[f"{preset}#late"] = step.compiled_train_step(task, PrecisionPolicy.uniform(preset), batch)
+    compiled[f"{preset}#late"] = timing.compiled_train_step(task, PrecisionPolicy.uniform(preset), batch)
     progress(f"compiled {preset}#late")
-  later = step.time_round_robin(
+  later = timing.time_round_robin(
     {n: run for n, (run, _) in compiled.items()},
     args.repeats,
     args.rounds - first,
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
   ap.add_argument(
     "--repeats",
     type=int,
-    help="steps per executable and round (default: step.default_step_repeats of the clock)",
+    help="steps per executable and round (default: timing.default_step_repeats of the clock)",
   )
   ap.add_argument("--clock", choices=["wall", "cpu", "pipelined"], help="default: as predictor.py's")
   ap.add_argument(
@@ -137,14 +137,14 @@ def main(argv=None) -> int:
       "--compiles must be at least 1 and --rounds at least 1 (2 with --late). Fix: pass larger counts."
     )
   clock = measured_clock(args.clock)
-  args.repeats = args.repeats or step.default_step_repeats(clock)
+  args.repeats = args.repeats or timing.default_step_repeats(clock)
   task, batch_size = get_model(args.model)
-  batch = step.device_batch(task, batch_size)
+  batch = timing.device_batch(task, batch_size)
   policies = executables(args.presets, args.compiles, args.others)
   timed = (
     timed_with_late_copies(task, policies, batch, args)
     if args.late
-    else step.time_train_steps_interleaved(
+    else timing.time_train_steps_interleaved(
       task,
       policies,
       batch,

@@ -1,8 +1,8 @@
 """Where a GPU training step's time goes: matrix products, the other kernels, and the gaps.
 
-For each model and uniform policy: the jitted single-device training step (``planners.step``,
+For each model and uniform policy: the jitted single-device training step (``planners.timing``,
 fed its own donated outputs) is timed on the wall clock (median of ``--repeats``, IQR), then
-traced (``planners.steptrace.gpu_kernels``): GPU kernel time and launches per step, the part of
+traced (``gpu_kernels``): GPU kernel time and launches per step, the part of
 it in matrix-product kernels (name-based, ``GEMM_KERNEL_MARKS``), and the gap — wall time in
 which the GPU runs no kernel (launches, host work, waits). The predictor's profile times each
 op standalone; this says what the step around the ops costs under each policy (the baseline
@@ -20,6 +20,7 @@ what a standalone program runs that the step fuses away. Needs a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,24 +33,67 @@ from result_rows import append_rows, result_row
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
-from planners.derived_profiles import traced_profile  # noqa: E402
+from planners import timing  # noqa: E402
+from planners.measure import traced_profile  # noqa: E402
 from planners.op_programs import policy_programs  # noqa: E402
-from planners.steptrace import gpu_kernels  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 from qsync_jax.precision import OpPolicy  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "step_kernels.jsonl")
 
+GEMM_KERNEL_MARKS = ("gemm", "nvjet", "cublas", "cutlass", "xmma", "matmul", "mosaic_gpu")
+"""Substrings (lower case) of the names of GPU matrix-product kernels: cuBLAS / cuBLASLt
+(``nvjet_sm90…``, ``sm80_xmma_gemm…``, ``cutlass…``), XLA's Triton GEMM fusions
+(``gemm_fusion_dot…``) and our Mosaic GPU GEMM (``anonymous_mosaic_gpu_kernel``). Name-based,
+so approximate: a kernel that does a product under another name counts as other work."""
+COMM_KERNEL_MARKS = ("nccl",)
+"""Substrings (lower case) of the names of GPU collective kernels (``ncclDevKernel_AllReduce…``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSummary:
+  """GPU kernels per call of a program (means over the traced calls)."""
+
+  ms: float  # kernel time
+  kernels: float  # kernel launches
+  gemm_ms: float  # of it, matrix products (``GEMM_KERNEL_MARKS``)
+  gemm_kernels: float
+  comm_ms: float  # of it, collectives (``COMM_KERNEL_MARKS``), which may overlap the rest
+  top: tuple[tuple[str, float], ...]  # (kernel name, ms per call), the 20 largest
+
+
+def summarize_kernels(events: list[dict], repeats: int, device: str = "/device:GPU:0") -> KernelSummary | None:
+  """The ``KernelSummary`` of ``planners.timing.traced_events`` of ``repeats`` calls, on the trace
+  process ``device`` (the first GPU); None where it has no kernel (e.g. on a CPU)."""
+  mine = [e for e in events if e["process"].startswith(device)]
+  if not mine:
+    return None
+  per_name = {name: ms for name, (ms, _) in timing.kernels_by(mine, repeats, device=device).items()}
+  gemm = [e for e in mine if any(m in e["name"].lower() for m in GEMM_KERNEL_MARKS)]
+  comm = [e for e in mine if any(m in e["name"].lower() for m in COMM_KERNEL_MARKS)]
+  return KernelSummary(
+    ms=sum(e["dur"] for e in mine) / 1e3 / repeats,
+    kernels=len(mine) / repeats,
+    gemm_ms=sum(e["dur"] for e in gemm) / 1e3 / repeats,
+    gemm_kernels=len(gemm) / repeats,
+    comm_ms=sum(e["dur"] for e in comm) / 1e3 / repeats,
+    top=tuple(sorted(per_name.items(), key=lambda kv: -kv[1])[:20]),
+  )
+
+
+def gpu_kernels(run, repeats: int) -> KernelSummary | None:
+  """The ``KernelSummary`` of ``repeats`` calls of ``run`` on the first GPU; None without one."""
+  return summarize_kernels(timing.traced_events(run, repeats), repeats)
+
 
 def step_kernels(task, policy, batch, repeats: int, traced: int = 5):
   """``(wall median ms, IQR ms, KernelSummary | None)`` of the jitted training step."""
-  run, _ = step.compiled_train_step(task, policy, batch)
+  run, _ = timing.compiled_train_step(task, policy, batch)
 
   def blocked():
     jax.block_until_ready(run())
 
-  med, samples = step.timed_ms(blocked, repeats)
+  med, samples = timing.timed_ms(blocked, repeats)
   iqr = float(np.percentile(samples, 75) - np.percentile(samples, 25))
   return med, iqr, gpu_kernels(blocked, traced)
 
@@ -63,7 +107,7 @@ def op_program_rows(task, batch_size: int, policies, n_ops: int, device: str, tr
   )
   for op in prof.ops[:n_ops]:
     for name in policies:
-      programs, *_ = policy_programs(OpPolicy.preset(name), op.batch, op.m, op.k, op.n, op=op)
+      programs = policy_programs(OpPolicy.preset(name), op.batch, op.m, op.k, op.n, op=op)
       for label, prog in zip(("fwd", "fwd+bwd"), programs):
         jax.block_until_ready(prog())
         k = gpu_kernels(lambda prog=prog: jax.block_until_ready(prog()), traced)
@@ -99,7 +143,7 @@ def main(argv=None) -> int:
   )
   for model in args.models:
     task, batch_size = get_model(model)
-    batch = step.device_batch(task, batch_size)
+    batch = timing.device_batch(task, batch_size)
     base = {}
     for name in args.policies:
       t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Where a compiled training step's memory peaks, by the schedule's liveness
-(``planners.memtrace.live_ranges``), beside XLA's own peak (``compiled.memory_analysis()``).
+(``planners.step_hlo.live_ranges``), beside XLA's own peak (``compiled.memory_analysis()``).
 
 For each plan of ``benchmarks/predictor.py`` the jitted single-device training step of
 ``--model`` is compiled on the local device — or, with ``--hlo``, modules saved earlier are
@@ -12,7 +12,7 @@ buffers live there, and each op's largest live bytes during its forward and its 
   python benchmarks/step_liveness.py --model vgg_wide [--plans fp32 int8 ...] [--save-hlo DIR]
   python benchmarks/step_liveness.py --model vgg_wide --hlo DIR/vgg_wide_int8.hlo.gz ...
 
-A diagnostic of the replay's memory model (``planners.replay.memory_bytes``): nothing is
+A diagnostic of the replay's memory model (``planners.memory_model.memory_bytes``): nothing is
 timed and no row is written.
 """
 
@@ -26,10 +26,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import get_model, plans  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
-from planners.memtrace import busiest_moments, live_ranges, live_totals  # noqa: E402
-from planners.profiler import task_ops  # noqa: E402
-from planners.steptrace import entry_instructions  # noqa: E402
+from planners import timing  # noqa: E402
+from planners.measure import task_ops  # noqa: E402
+from planners.step_hlo import busiest_moments, live_ranges, live_totals  # noqa: E402
+from qsync_jax.hlo import entry_instructions  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 
 MB = 1e6
@@ -72,10 +72,10 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   task, batch_size = get_model(args.model)
   batch, variables, ops = task_ops(task, batch_size)
-  state_bytes = step.tree_bytes(variables) + step.tree_bytes(
-    step.default_optimizer().init(variables["params"])
+  state_bytes = timing.tree_bytes(variables) + timing.tree_bytes(
+    timing.default_optimizer().init(variables["params"])
   )
-  arguments = state_bytes + step.tree_bytes(batch)
+  arguments = state_bytes + timing.tree_bytes(batch)
   modules: dict[str, tuple[str, int | None]] = {}
   if args.hlo:
     for path in args.hlo:
@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     if unknown:
       raise SystemExit(f"unknown plans {unknown}. Fix: choose from {sorted(every)}.")
     for name in names:
-      compiled, _ = step.compile_train_step(task, every[name], batch)
-      modules[name] = (compiled.as_text(), step.xla_peak_bytes(compiled))
+      compiled, _ = timing.compile_train_step(task, every[name], batch)
+      modules[name] = (compiled.as_text(), timing.xla_peak_bytes(compiled))
       if args.save_hlo:
         os.makedirs(args.save_hlo, exist_ok=True)
         with gzip.open(os.path.join(args.save_hlo, file_name(args.model, name)), "wt") as f:

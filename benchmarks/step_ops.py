@@ -2,11 +2,11 @@
 standalone programs: where the predictor's op costs and its fitted remainder differ from the step.
 
 For each plan of ``benchmarks/predictor.py`` (uniform and mixed) the jitted single-device
-training step of ``--model`` is traced (``planners.steptrace.traced_events``): on a GPU its
+training step of ``--model`` is traced (``planners.timing.traced_step``): on a GPU its
 kernel events, each charged to the HLO instruction it runs (``hlo_op``; command buffers are
 switched off so that every kernel names its instruction, not its CUDA graph); on XLA:CPU its
-per-instruction events (``steptrace.step_instruction_ms``). Each instruction's time goes to the
-op its JAX name stack names (``steptrace.op_of``) — gradient legs are those under
+per-instruction events. Each instruction's time goes to the
+op its JAX name stack names (``planners.step_hlo.op_of``) — gradient legs are those under
 ``transpose(...)`` — and the rest (activations, norms, the loss, the optimizer, and fusions that
 XLA named after a neighbour) to ``rest``. With ``--profile`` the table shows, for the uniform
 plans, each op's standalone whole-policy time (``policy:<preset>``, forward + backward) beside
@@ -32,8 +32,9 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.predictor import get_model, plans  # noqa: E402  (run as a script from the repo root)
-from planners import step, steptrace  # noqa: E402
-from planners.profiler import Profile, task_ops  # noqa: E402
+from planners import step_hlo, timing  # noqa: E402
+from planners.measure import task_ops  # noqa: E402
+from planners.profile import Profile  # noqa: E402
 from qsync_jax.policy import PrecisionPolicy  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_kernels")
@@ -48,11 +49,11 @@ def table_names(ops) -> dict[str, str]:
 
 def flat_per_op_ms(hlo: str, instruction_ms: dict[str, float], ops) -> dict[str, float]:
   """``{"<op>|fwd" / "<op>|bwd" / "rest|…": ms}`` (the op by ``table_names``; legs with time
-  only): ``steptrace.per_op_ms`` flattened, as this benchmark's tables write it."""
+  only): ``step_hlo.per_op_ms`` flattened, as this benchmark's tables write it."""
   names = {**table_names(ops), "rest": "rest"}
   return {
     f"{names[name]}|{leg}": ms
-    for name, legs in steptrace.per_op_ms(hlo, instruction_ms, ops).items()
+    for name, legs in step_hlo.per_op_ms(hlo, instruction_ms, ops).items()
     for leg, ms in legs.items()
     if ms
   }
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out")
   args = ap.parse_args(argv)
   task, batch_size = get_model(args.model)
-  batch = step.device_batch(task, batch_size)
+  batch = timing.device_batch(task, batch_size)
   ops = task_ops(task, batch_size)[2]
   prof = Profile.load(args.profile) if args.profile else None
   every = {"fp32": PrecisionPolicy.uniform("fp32"), **plans([op.name for op in ops])}
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
     raise SystemExit(f"unknown plans {unknown}. Fix: choose from {sorted(every)}.")
   result = {}
   for name in names:
-    hlo, instruction_ms, total = steptrace.traced_step(task, every[name], batch, args.repeats)
+    hlo, instruction_ms = timing.traced_step(task, every[name], batch, args.repeats)
+    total = sum(instruction_ms.values())
     result[name] = {**flat_per_op_ms(hlo, instruction_ms, ops), "total": total}
     print(f"# {args.model} {name}: {total:.3f} ms traced", flush=True)
   device = jax.devices()[0].device_kind

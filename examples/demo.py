@@ -114,7 +114,7 @@ def demo_cluster(batch_per_device: int):
 
 def least_memory_policy(profile, device_type: str):
   """Per op, the op policy (of fp32, fp16, QSync's int8) that stores the least for backward."""
-  from planners.op_memory import residual_bytes
+  from planners.memory_model import residual_bytes
   from qsync_jax.policy import PrecisionPolicy
   from qsync_jax.precision import OpPolicy, supported_precisions
 
@@ -141,20 +141,11 @@ def scale_inference_memory(cluster, profiles, position: float):
   return dataclasses.replace(cluster, groups=groups), least, fp32
 
 
-def _unavailable(stage: str, error: Exception, say) -> None:
-  say(f"{stage}: UNAVAILABLE in this checkout ({type(error).__name__}: {error})")
-
-
 # -- stages ---------------------------------------------------------------------------------
 
 
-def stage_indicator(task, args, say) -> dict | None:
-  """fp32 pre-training, then the gradient indicator's Ω table (or None if unavailable)."""
-  try:
-    from planners.indicator import compute
-  except ImportError as e:
-    _unavailable("indicator", e, say)
-    return None
+def stage_indicator(task, args, say) -> dict:
+  """fp32 pre-training, then the gradient indicator's Ω table."""
   from examples.train_loop import LoopConfig, train_and_evaluate
 
   say(f"indicator: {args.pretrain_steps} fp32 pre-training steps of {task.name}")
@@ -164,17 +155,16 @@ def stage_indicator(task, args, say) -> dict | None:
   stream = task.train_batches(32, args.seed + 1)
   batches = [next(stream) for _ in range(args.indicator_batches)]
   say(f"indicator: probing every op at int8 and fp16 on {len(batches)} batches")
+  from planners.indicator import compute
+
   return compute(task, variables, batches, ("gradient",), ("int8", "fp16"), seed=args.seed)["gradient"]
 
 
-def stage_profile(task, batch_per_device: int, say) -> dict | None:
+def stage_profile(task, batch_per_device: int, say) -> dict:
   """``{device type: Profile}``: measured on the local CPU, modeled for V100 and T4."""
-  try:
-    from planners.derived_profiles import modeled_profile
-    from planners.profiler import measure_profile
-  except ImportError as e:
-    _unavailable("profile", e, say)
-    return None
+  from planners.measure import measure_profile
+  from planners.modeled import modeled_profile
+
   # The profiler traces the model's ops with ``train_kwargs`` but without ``mutable``, which
   # BatchNorm in training mode needs; the op shapes are the same in eval mode.
   probe_task = dataclasses.replace(task, train_kwargs=task.eval_kwargs) if task.mutable else task
@@ -192,14 +182,10 @@ def stage_profile(task, batch_per_device: int, say) -> dict | None:
   return {"cpu": local, "V100": modeled_profile(local, "V100"), "T4": modeled_profile(local, "T4")}
 
 
-def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any] | None:
+def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any]:
   """The four configurations' plans and predictions: ``{config: (Plan, Prediction)}``."""
-  try:
-    from planners.allocator import dynamic_batch, greedy, make_problem
-    from planners.replay import predict
-  except ImportError as e:
-    _unavailable("plan", e, say)
-    return None
+  from planners.allocator import dynamic_batch, greedy, make_problem
+  from planners.replay import predict
   from qsync_jax.plan import Plan
   from qsync_jax.policy import PrecisionPolicy
 

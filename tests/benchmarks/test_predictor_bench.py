@@ -7,7 +7,8 @@ import json
 import predictor
 import pytest
 
-from planners.profiler import Profile, refit_to_fit_steps
+from planners.fit import fit_profile
+from planners.profile import Profile
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
@@ -26,23 +27,23 @@ def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path
   assert {r["run"] for r in rows} == {"t"}
   as_profiled = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock" and not r.get("fit")}
   fits = {r["case"] for r in rows if r.get("fit")}
-  assert fits == {"mlp/fp32 (fit)", "mlp/int8 (fit)", "mlp/bf16 (fit)"}  # their steps, for offline refits
+  assert fits == {"mlp/bf16 (fit)"}  # the remainder's fit step, for offline refits
   for r in rows:  # with their round medians, as the evaluated plans' (a drift shows per round)
     if r.get("fit") and r["metric"] == "step_ms_cpu_clock":
       assert len(r["rounds"]) == 2 and r["baseline"] == pytest.approx(sum(r["rounds"]) / 2)
   refit = {r["case"]: r for r in rows if r["metric"] == "step_ms_cpu_clock_refit"}
   plans = predictor.plans(["Dense_0:dense", "Dense_1:dense"])
-  evaluated = {f"mlp/{case}" for case in plans if case not in ("int8", "bf16")}
-  assert set(as_profiled) == set(refit) == evaluated  # fp32, all-int8 and all-bf16 are the fits
+  evaluated = {f"mlp/{case}" for case in [*plans, "fp32"] if case != "bf16"}
+  assert set(as_profiled) == set(refit) == evaluated  # all-bf16 is the fit
   # memory is fitted to the fp32 and all-bf16 steps' peaks: every other plan's is scored
   memory = {r["case"] for r in rows if r["metric"] == "peak_bytes"}
-  assert memory == evaluated | {"mlp/int8 (fit)"}
+  assert memory == evaluated - {"mlp/fp32"}
   for case, r in as_profiled.items():
     assert len(r["rounds"]) == 2 and r["baseline"] == pytest.approx(sum(r["rounds"]) / 2)
     assert refit[case]["baseline"] == r["baseline"]  # the same measured step, two predictions
   summary = {r["case"] for r in rows if r["metric"] == "abs_rel_error"}
   assert summary == {"all/mean_abs_step_error", "all/mean_abs_memory_error", "all/mean_abs_step_error_refit"}
-  assert "refitted to the fp32 step timed among the plans" in capsys.readouterr().out
+  assert "refitted to the fit step timed among the plans" in capsys.readouterr().out
   # a second run reuses the saved profile instead of measuring one
   again = ["--models", "mlp", "--repeats", "1", "--rounds", "1", "--no-save"]
   predictor.main([*again, "--profile-dir", str(tmp_path / "profiles")])
@@ -57,10 +58,10 @@ def test_a_profile_with_in_step_factors_is_also_scored_without_them(tmp_path, ca
   predictor.main([*argv, "--profile-dir", str(profiles), "--no-save"])
   path = str(profiles / "mlp.json")
   plain = Profile.load(path)
-  assert plain.quantized_in_step_ms == {}  # XLA:CPU: not traced (planners.profiler)
+  assert plain.quantized_in_step_ms == {}  # XLA:CPU: not traced (planners.measure)
   # as a GPU profile would hold them: every op's int8 legs twice as dear in the step
   traced = {op: {"fwd": 1.0, "bwd": 2.0} for op in plain.op_names}
-  refit_to_fit_steps(dataclasses.replace(plain, quantized_in_step_ms=traced)).save(path)
+  fit_profile(dataclasses.replace(plain, quantized_in_step_ms=traced)).save(path)
   predictor.main([*argv, "--profile-dir", str(profiles), "--results", str(results)])
   rows = [json.loads(line) for line in results.read_text().splitlines()]
   by = {(r["case"], r["metric"]): r["value"] for r in rows}
@@ -70,7 +71,7 @@ def test_a_profile_with_in_step_factors_is_also_scored_without_them(tmp_path, ca
   cluster = ClusterSpec.uniform("cpu", 1, plain.batch_per_device, memory_gb=1e3)
   int8_fwd = Plan(policies={"all": PrecisionPolicy.uniform("int8_fwd")})
   assert by[("mlp/int8_fwd", "step_ms_cpu_clock_no_in_step")] == pytest.approx(
-    predict(cluster, {"cpu": plain}, int8_fwd).step_ms  # the profile as it was, fitted to the same steps
+    predict(cluster, {"cpu": plain}, int8_fwd).step_ms  # the profile as it was, fitted to the same step
   )
   assert by[("mlp/int8_fwd", "step_ms_cpu_clock")] != pytest.approx(
     by[("mlp/int8_fwd", "step_ms_cpu_clock_no_in_step")]

@@ -4,8 +4,7 @@ import json
 
 import pytest
 import step_kernels
-
-from planners.steptrace import KernelSummary
+from step_kernels import KernelSummary
 
 FAKE = KernelSummary(
   ms=2.0,

@@ -7,7 +7,7 @@ import pytest
 import step_ops
 
 from planners.ops import OpShape
-from tests.planners.test_steptrace import HLO
+from tests.planners.test_step_hlo import HLO
 
 
 def test_the_table_names_ops_short_and_keeps_the_legs_with_time():
