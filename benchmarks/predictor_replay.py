@@ -94,7 +94,8 @@ def with_in_step_table(prof: Profile, path: str) -> Profile:
     )
   table, names = tables[QUANTIZED_TRACE_PRESET], table_names(prof.ops)
   traced = {
-    op.name: {leg: float(table.get(f"{names[op.name]}|{leg}", 0.0)) for leg in ("fwd", "bwd")} for op in prof.ops
+    op.name: {leg: float(table.get(f"{names[op.name]}|{leg}", 0.0)) for leg in ("fwd", "bwd")}
+    for op in prof.ops
   }
   return dataclasses.replace(prof, quantized_in_step_ms=traced)
 
@@ -133,7 +134,15 @@ def replay_model(prof: Profile, measured: dict[str, dict], refit: bool) -> list[
     pred = predict(cluster, {prof.device_type: fitted}, Plan(policies={"all": policy}))
     entry = measured[plan]
     out.append(
-      (plan, entry["fit"], pred.step_ms, entry["step"], plan in memory_fits, pred.memory_bytes["all"], entry.get("peak"))
+      (
+        plan,
+        entry["fit"],
+        pred.step_ms,
+        entry["step"],
+        plan in memory_fits,
+        pred.memory_bytes["all"],
+        entry.get("peak"),
+      )
     )
   return out
 
@@ -172,7 +181,9 @@ def main(argv=None) -> int:
     for plan, fit, pred, meas, memory_fit, mem, peak in replay_model(prof, measured[model], args.refit):
       device, metric = measured[model][plan]["device"], measured[model][plan]["metric"]
       extra = {"run": tag, "fit": fit}
-      rows.append(result_row("predictor", f"{model}/{plan}", f"{metric}{metric_suffix}", pred, meas, device, **extra))
+      rows.append(
+        result_row("predictor", f"{model}/{plan}", f"{metric}{metric_suffix}", pred, meas, device, **extra)
+      )
       if not fit:
         t_err.append(abs(pred - meas) / meas)
       elif plan != fit_preset_of(prof):  # fitted in the run, predicted now
@@ -187,13 +198,27 @@ def main(argv=None) -> int:
       )
   summary = [
     result_row(
-      "predictor", f"all/mean_abs_step_error{metric_suffix}", "abs_rel_error", float(np.mean(t_err)), None, device, run=tag
+      "predictor",
+      f"all/mean_abs_step_error{metric_suffix}",
+      "abs_rel_error",
+      float(np.mean(t_err)),
+      None,
+      device,
+      run=tag,
     )
   ]
   memory = "no XLA peaks"
   if m_err:  # a run may log no peaks (e.g. a backend without memory analysis)
     summary.append(
-      result_row("predictor", "all/mean_abs_memory_error", "abs_rel_error", float(np.mean(m_err)), None, device, run=tag)
+      result_row(
+        "predictor",
+        "all/mean_abs_memory_error",
+        "abs_rel_error",
+        float(np.mean(m_err)),
+        None,
+        device,
+        run=tag,
+      )
     )
     memory = f"mean {100 * np.mean(m_err):.1f} %, max {100 * np.max(m_err):.1f} %"
   print(

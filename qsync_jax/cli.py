@@ -15,22 +15,14 @@ import qsync_jax
 from qsync_jax.errors import QsyncError
 
 # name -> module that defines ``HELP``, ``add_arguments(parser)`` and ``run(args)``.
-SUBCOMMANDS: dict[str, str] = {}
-
-
-def _register_optional():
-  """Subcommands whose modules exist in this checkout (stages land one by one)."""
-  candidates = {
-    "indicator": "planners.cli_indicator",
-    "profile": "planners.cli_profile",
-    "predict": "planners.cli_predict",
-    "plan": "planners.cli_plan",
-    "train": "qsync_jax.cli_train",
-    "demo": "examples.demo",
-  }
-  for name, module in candidates.items():
-    if importlib.util.find_spec(module) is not None:
-      SUBCOMMANDS[name] = module
+SUBCOMMANDS: dict[str, str] = {
+  "indicator": "planners.cli_indicator",
+  "profile": "planners.cli_profile",
+  "predict": "planners.cli_predict",
+  "plan": "planners.cli_plan",
+  "train": "qsync_jax.cli_train",
+  "demo": "examples.demo",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
   )
   parser.add_argument("--version", action="version", version=f"qsync-jax {qsync_jax.__version__}")
   sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-  _register_optional()
   for name, module_name in SUBCOMMANDS.items():
     module = importlib.import_module(module_name)
     p = sub.add_parser(name, help=module.HELP, description=module.HELP)

@@ -59,7 +59,10 @@ def test_models_refits_and_predicts_every_plan_from_both_profiles(tmp_path):
   # a precast variant, as a GPU would time it: the bf16 programs half as long
   prof = Profile.load(str(profiles / "mlp.json"))
   op_ms = {
-    op: {k: ({**t, "fwd": t["fwd"] / 2, "bwd": t["bwd"] / 2} if k == "policy:bf16" else t) for k, t in table.items()}
+    op: {
+      k: ({**t, "fwd": t["fwd"] / 2, "bwd": t["bwd"] / 2} if k == "policy:bf16" else t)
+      for k, t in table.items()
+    }
     for op, table in prof.op_ms.items()
   }
   meta = {**prof.meta, "policy_operands": "precast"}

@@ -12,7 +12,12 @@ from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners.fakes import fake_profile
 
-MEASUREMENTS = {"fit_preset": "bf16", "fit_step_ms": 6.0, "fp32_xla_peak_bytes": 3 * 10**6, "bf16_xla_peak_bytes": 25 * 10**5}
+MEASUREMENTS = {
+  "fit_preset": "bf16",
+  "fit_step_ms": 6.0,
+  "fp32_xla_peak_bytes": 3 * 10**6,
+  "bf16_xla_peak_bytes": 25 * 10**5,
+}
 
 
 def _logged_run(tmp_path, measured: dict[str, float], peaks: dict[str, int], meta=None):
@@ -31,8 +36,12 @@ def _logged_run(tmp_path, measured: dict[str, float], peaks: dict[str, int], met
     case = f"mlp/{plan}" + (" (fit)" if fit else "")
     rows.append({"run": "r", "case": case, "metric": "step_ms_cpu_clock", "baseline": ms, "device": "cpu"})
     if plan in peaks:
-      rows.append({"run": "r", "case": case, "metric": "peak_bytes", "baseline": peaks[plan], "device": "cpu"})
-  rows.append({"run": "other", "case": "mlp/fp16", "metric": "step_ms_cpu_clock", "baseline": 1.0, "device": "cpu"})
+      rows.append(
+        {"run": "r", "case": case, "metric": "peak_bytes", "baseline": peaks[plan], "device": "cpu"}
+      )
+  rows.append(
+    {"run": "other", "case": "mlp/fp16", "metric": "step_ms_cpu_clock", "baseline": 1.0, "device": "cpu"}
+  )
   results = tmp_path / "predictor.jsonl"
   results.write_text("".join(json.dumps(r) + "\n" for r in rows))
   return prof, results
@@ -76,7 +85,9 @@ def test_replay_fits_as_profiled_or_to_the_runs_fit_step_and_scores_the_rest(tmp
   refit = {r["case"]: r["value"] for r in _rows(results, "t") if r["metric"] == "step_ms_cpu_clock_refit"}
   assert refit["mlp/fp16"] == pytest.approx(pred(fit_remainder(fitted, "bf16", 6.5), "fp16").step_ms)
   with pytest.raises(SystemExit, match="no rows of run 'nope'.*Fix: pass a run tag"):
-    predictor_replay.main(["--run", "nope", "--profile-dir", str(tmp_path / "profiles"), "--results", str(results)])
+    predictor_replay.main(
+      ["--run", "nope", "--profile-dir", str(tmp_path / "profiles"), "--results", str(results)]
+    )
 
 
 def test_an_older_profile_is_fitted_to_the_measurements_it_recorded_under_former_keys(tmp_path):
