@@ -24,7 +24,7 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 * predictor: the replay's step time for every bf16 / mixed scaling case (one process, and one
   process per device) against the measured one, from the op profile on one device
   (``measure_profile``, or ``--profile-file``) and, per device count, the all-reduce line of
-  a ``psum`` microbenchmark (``planners.link``); then again with the profile's remainder
+  a ``psum`` microbenchmark (``benchmarks.link``); then again with the profile's remainder
   refitted to the fp32 step measured on the same device count
   (``planners.fit.fit_remainder``). The baseline of the ratio is the measured step.
 
@@ -49,10 +49,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from result_rows import append_rows, result_row
 
+from benchmarks.link import measure_link
 from benchmarks.step_kernels import gpu_kernels
 from examples.registry import get_task
 from planners.fit import fit_remainder
-from planners.link import measure_link
 from planners.measure import measure_profile
 from planners.profile import Profile
 from planners.replay import predict
@@ -262,7 +262,7 @@ def row(case, metric, value, baseline, device, **extra):
 
 def case_cluster(prof, n: int, batch: int, link=None) -> tuple[ClusterSpec, dict]:
   """``(cluster, predict kwargs)`` of ``n`` devices of ``prof``'s type at ``batch`` per device,
-  with ``link`` (a ``planners.link.LinkModel``, or anything with ``link_gbps`` and
+  with ``link`` (a ``benchmarks.link.LinkModel``, or anything with ``link_gbps`` and
   ``latency_us``) for ``n`` > 1."""
   group = DeviceGroup("gpus", prof.device_type, n, 1e3, batch)
   if link is None:

@@ -1,7 +1,7 @@
 """Replays measured multi-GPU scaling steps with a saved profile: the predictor, offline.
 
 ``benchmarks/multigpu.py`` measures scaling steps on a multi-GPU host and prints the link fits
-(``planners.link``) it measured there; the op profile may come from another machine of the same
+(``benchmarks.link``) it measured there; the op profile may come from another machine of the same
 GPU type (``--profile-file``). This script predicts the scaling cases of one run (its rows in
 ``multigpu.jsonl``, chosen by ``--run``) from a profile and the link fits given on the command
 line, prints predicted against measured — from the profile as it is, and refitted to the
@@ -24,7 +24,7 @@ import sys
 from multigpu import RESULTS, predictor_rows
 from result_rows import append_rows
 
-from planners.link import LinkModel
+from benchmarks.link import LinkModel
 from planners.profile import Profile
 
 STEP_METRICS = {"wall": "step_time_ms_median", "pipelined": "step_time_ms_pipelined"}

@@ -12,9 +12,9 @@ steps in fp32 (a fresh init's gradients say little about a trained model's sensi
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+from qsync_jax.cli_train import load_task
 from qsync_jax.errors import QsyncError
 
 HELP = "Score every quantizable op's sensitivity to each precision (Ω table, JSON)."
@@ -47,22 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--seed", type=int, default=0)
 
 
-def resolve_task(spec: str):
-  """A Task from a registered example name or ``package.module:function``."""
-  if ":" in spec:
-    module_name, _, fn_name = spec.partition(":")
-    try:
-      fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as e:
-      raise QsyncError(
-        f"--model {spec!r} cannot be loaded ({e}). Fix: give package.module:function."
-      ) from None
-    return fn()
-  from examples.registry import get_task
-
-  return get_task(spec)
-
-
 def initial_variables(task, batch, seed: int, train_steps: int, batch_size: int):
   """The model's variables: a fresh init, or after ``train_steps`` fp32 steps."""
   import jax
@@ -86,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
   if args.batches < 1:
     raise QsyncError(f"--batches {args.batches} must be at least 1. Fix: pass e.g. --batches 8.")
-  task = resolve_task(args.model)
+  task = load_task(args.model)
   stream = task.train_batches(args.batch_size, args.seed + 1)
   batches = [next(stream) for _ in range(args.batches)]
   variables = initial_variables(task, batches[0], args.seed, args.train_steps, args.batch_size)

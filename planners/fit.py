@@ -2,15 +2,11 @@
 
 * ``fit_cast_model`` — a cast's ``ms = a·numel + b``, least squares over standalone casts;
 * ``fit_remainder`` — ``remainder_ms``: the measured step of the uniform fit preset
-  (``fit_preset``: all-bf16 where bf16 is profiled, else fp32) minus what the replay of that
-  plan predicts without a remainder; it may be negative where standalone op timings exceed
-  their cost inside the fused step;
-* ``fit_memory`` — ``memory["other_bytes"]``: XLA's peak of the compiled fp32 step minus what
-  the memory model accounts for, and ``memory["other_bytes_16bit"]`` likewise on the all-bf16
-  step where it was compiled;
+  (``fit_preset``) minus what the replay of that plan predicts without a remainder (negative
+  where standalone op timings exceed their cost inside the fused step);
+* ``fit_memory`` — ``other_bytes``: XLA's peak of the compiled fp32 step minus what the memory
+  model accounts for, and ``other_bytes_16bit`` likewise on the all-bf16 step;
 * ``fit_profile`` — both, from the measurements a profile's ``meta`` records.
-
-Everything else in a profile is measured or modeled.
 """
 
 from __future__ import annotations

@@ -1,32 +1,23 @@
 """The op graph of one synchronous training step, costed for a plan.
 
-``build_graph(groups, comm)`` returns a DAG of ``Node`` s (in topological order). Each
-``GroupCost`` (one device group: its profile, its op policies, its batch) contributes a chain
-on its own ``compute`` stream:
-
-  forward ops in order → forward remainder → backward remainder → for each op
-  in reverse: [cast] → dlhs → drhs → … → optimizer
+``build_graph(groups, comm)`` returns a DAG of ``Node`` s in topological order. Each
+``GroupCost`` contributes a chain on its own ``compute`` stream: forward ops in order →
+remainder (forward, backward) → for each op in reverse: [cast] → dlhs → drhs → … → optimizer.
 
 * An op costs its standalone timings (``standalone_costs``): under a preset op policy the
   whole-policy program's forward and backward (the backward split between dlhs and drhs in
-  proportion to their leg times), else its legs, each with its own operand conversions. The
-  one conversion outside any leg is a cast node before the gradient legs when the forward ran
-  int8/fp8 and a gradient leg does not: the saved 1-byte operands dequantized to fp32.
-* Where the profile traced the op inside the all-int8 step (``Profile.quantized_in_step_ms``),
-  its int8/fp8 legs cost their standalone time times the op's in-step factors: the traced
-  forward (backward) over the standalone all-int8 forward (backward) (``in_step``).
-* The remainder (what is not an op: norms, activations, the loss) costs ``remainder_ms``.
-* The first op takes the model input, which is not differentiated: it has no dlhs leg.
-* Gradients are all-reduced in buckets of at most ``bucket_bytes`` of fp32 weight gradients
-  (``buckets``): one ``comm`` node per bucket, shared by all groups, starts when *every*
-  group's backward has produced the whole bucket and after the previous bucket (one comm
-  stream), and overlaps the remaining backward — as XLA's all-reduce combiner packs the
-  trainer's ``psum`` (parameter-tree order, up to ``DEFAULT_BUCKET_BYTES``).
-* The optimizer is split by buckets, in proportion to their bytes: each group's update of a
-  bucket's parameters runs after its own backward and that bucket's all-reduce.
+  proportion to their leg times), else its legs, each with its own operand conversions, and a
+  cast node (the saved 8-bit operands dequantized) where an int8/fp8 forward has a gradient leg
+  at another precision. The first op takes the model input: it has no dlhs leg.
+* Where the profile traced the op inside the all-int8 step, its int8/fp8 legs cost their
+  standalone time times the op's in-step factors (``in_step_factors``).
+* Gradients are all-reduced in buckets of at most ``bucket_bytes`` (``buckets``): one ``comm``
+  node per bucket, shared by all groups, starts when every group's backward has produced the
+  bucket and after the previous bucket, overlapping the rest of the backward. Each group's
+  optimizer update of a bucket runs after that bucket's all-reduce.
 
-Times scale linearly with the group's batch relative to the profiled batch. ``longest_path``
-gives every node's start and end; the synchronous step is the latest end.
+Times scale linearly with the group's batch over the profiled batch. ``longest_path`` gives
+every node's start and end; the synchronous step is the latest end.
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ from typing import NamedTuple
 
 from planners.catalog import allreduce_ms
 from planners.profile import GroupCost, Profile
-from qsync_jax.precision import FP32_LIKE, PRESETS, QUANTIZED_PRECISIONS, OpPolicy
+from qsync_jax.precision import PRESETS, QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.sync.allreduce import pack
 
 DEFAULT_BUCKET_BYTES = 30 * 2**20
@@ -78,20 +69,6 @@ def float_precision(profile: Profile) -> str:
   return "tf32" if "tf32" in profile.op_ms.get(profile.ops[0].name, {}).get("fwd", {}) else "fp32"
 
 
-def cast_ms(profile: Profile, src: str, dst: str, numel: float, stochastic: bool = False) -> float:
-  """ms to convert ``numel`` elements from ``src`` to ``dst`` precision (0 if they agree).
-
-  fp32 and tf32 share storage; between two non-fp32 types the value goes through fp32.
-  """
-  src, dst = ("fp32" if x in FP32_LIKE else x for x in (src, dst))
-  if src == dst or numel <= 0:
-    return 0.0
-  if src != "fp32" and dst != "fp32":
-    return cast_ms(profile, src, "fp32", numel) + cast_ms(profile, "fp32", dst, numel, stochastic)
-  sr = ":sr" if stochastic and dst in QUANTIZED_PRECISIONS else ""
-  return profile.cast[f"{src}->{dst}{sr}"].ms(numel)
-
-
 QUANTIZED_TRACE_PRESET = "int8"
 """The uniform preset whose step the profiler traces for ``Profile.quantized_in_step_ms``."""
 
@@ -126,8 +103,8 @@ def standalone_costs(
   costs = {"fwd": (calls * prof.leg_ms(op.name, "fwd", p), p)}
   if p in QUANTIZED_PRECISIONS and any(q != p for q in legs.values()):
     lhs = op.batch * op.m * op.k if op.kind == "conv" else op.lhs_elems  # a conv saved its patches
-    dequantize = cast_ms(prof, p, "fp32", lhs) + cast_ms(prof, p, "fp32", op.rhs_elems)
-    costs["cast_bwd"] = (op.calls * dequantize, p)
+    dequantize = prof.cast[f"{p}->fp32"]
+    costs["cast_bwd"] = (op.calls * (dequantize.ms(lhs) + dequantize.ms(op.rhs_elems)), p)
   for name, q in legs.items():
     costs[name] = (calls * prof.leg_ms(op.name, name, q), q)
   return costs

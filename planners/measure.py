@@ -1,24 +1,15 @@
 """Measuring a profile on the local device (``measure_profile``), or tracing one without timing
 anything (``traced_profile``).
 
-``measure_profile`` takes, in order:
-
-1. the ops of the model (``planners.ops.collect_ops``, traced, not run);
-2. per op, every GEMM leg at every profiled precision and the op under every preset op policy
-   whose precisions are profiled (``planners.op_programs``), on the op clock: the device clock
-   on a GPU (kernel time), else the step clock with the dispatch overhead subtracted; on a GPU
-   the whole-policy programs get their activations in the dtypes the step converts them to
-   (``precast``). The op tables so far are kept in a checkpoint file after every op
-   (``planners.profile_checkpoint``), so that an interrupted profile resumes;
-3. the optimizer update and the cast models;
-4. the fit step: the uniform ``fit.fit_preset`` plan's training step, timed over ``fit_rounds``
-   rounds (median of the round medians);
-5. memory: the fp32 step compiled (XLA's peak and each op's forward headroom,
-   ``planners.step_hlo``) and XLA's peak of the all-bf16 step where bf16 is profiled;
-6. on the device clock, where int8 is profiled: the all-int8 step traced, its kernels charged to
-   the ops' forward and gradient legs (``Profile.quantized_in_step_ms``);
-
-then fits the remainder and the memory corrections (``planners.fit.fit_profile``).
+``measure_profile`` traces the model's quantizable ops; times every GEMM leg at every profiled
+precision and every preset op policy whose precisions are profiled (``planners.op_programs``;
+on a GPU on the device clock with the activations precast, elsewhere on the step clock less the
+dispatch overhead), keeping the op tables in a checkpoint file after every op so that an
+interrupted profile resumes (``planners.profile_checkpoint``); times the optimizer, the casts
+and, over ``fit_rounds`` rounds, the fit step (``planners.fit.fit_preset``); compiles the fp32
+step (XLA's peak, each op's forward headroom) and takes the all-bf16 step's peak; on the device
+clock traces the all-int8 step op by op (``Profile.quantized_in_step_ms``); then fits the
+remainder and the memory corrections (``planners.fit.fit_profile``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Memory model: the peak bytes of a plan's training step on one device of a group.
 
-Per op, plain functions of its shape (``planners.ops.OpShape``) and its policy:
-
-* ``residual_bytes`` — what the op itself saves for its backward (inputs at their stored
-  precision, scales);
-* ``kept_bytes`` — what the compiled step really keeps for it (XLA:CPU keeps fp32 copies where
-  its products upcast 16-bit operands, and fp8 residuals as fp32);
-* ``transient_bytes`` — what its backward materializes on top (dequantized residuals);
-* ``forward_extra_bytes`` — what its forward holds at its busiest beyond the fp32 op's.
-
-``memory_bytes(group)`` puts them together into the group's peak, the larger of two moments:
+Per op, functions of its shape and policy: ``residual_bytes`` (what the op saves for its
+backward), ``kept_bytes`` (what the compiled step really keeps for it), ``transient_bytes``
+(what its backward materializes on top), ``forward_extra_bytes`` (what its forward holds at its
+busiest beyond the fp32 op's). ``memory_bytes(group)`` is the larger of two moments:
 
 * where the backward starts: parameters + optimizer state + gradients + batch + what every op
-  keeps + the largest backward transient + the profile's fitted ``other_bytes`` (mixed with
-  ``other_bytes_16bit``, where fitted, by the plan's share of 16-bit activations,
-  ``sixteen_bit_share``);
+  keeps + the largest backward transient + the fitted ``other_bytes`` (mixed with
+  ``other_bytes_16bit`` by the plan's share of 16-bit activations, ``sixteen_bit_share``);
 * during each op's forward: the fp32 step's peak less its headroom there
   (``Profile.forward_headroom``; where unmeasured, the fp32 residuals of the later ops), plus
   what the plan keeps beyond fp32 for the earlier ops, plus the op's own forward extra.
@@ -70,13 +63,9 @@ def upcasts_16bit_products(device_type: str) -> bool:
 
 
 def dequantizes_fp8_residuals(device_type: str) -> bool:
-  """Whether the compiled step on ``device_type`` keeps an fp8 forward's residuals as fp32.
-
-  XLA:CPU has no fp8 arithmetic: it runs an fp8 GEMM on fp32 copies of the fp8-rounded
-  operands, and converts a saved fp8 residual back to fp32 (times its scale) as soon as the
-  forward made it, keeping that fp32 copy, laid out for the backward leg that reads it,
-  instead of the 1-byte one (buffer assignment of the VGG and MLP steps; fp8 with nearest or
-  stochastic gradient rounding alike). An int8 residual stays 1-byte there."""
+  """Whether the compiled step on ``device_type`` keeps an fp8 forward's residuals as fp32: XLA:CPU
+  has no fp8 arithmetic, runs fp8 GEMMs on fp32 copies and keeps a saved fp8 residual
+  dequantized (an int8 residual stays 1-byte there)."""
   return device_type == "cpu"
 
 
@@ -101,8 +90,7 @@ def kept_bytes(
     as fp32 — the activation (read by drhs) and, when the dlhs leg runs, the right operand.
   * The first op's dlhs (``lhs_differentiated=False``: the model input) is never computed.
   * Stochastic rounding keeps nothing extra: its noise is a hash of each element's index
-    (``pallas_kernels.quantize.noise``), computed where the rounding reads it. (With
-    ``jax.random.uniform`` XLA:CPU kept threefry's two 32-bit words per element of dY.)
+    (``pallas_kernels.quantize.noise``), computed where the rounding reads it.
   """
   kept = residual_bytes(op, op_policy)
   if op_policy is None:
@@ -114,9 +102,7 @@ def kept_bytes(
     rhs = op.rhs_elems * op.calls
     kept += 3 * act - rhs + 4 * rhs * lhs_differentiated
   elif upcast_16bit and op_policy.fwd in QUANTIZED_PRECISIONS:
-    # a float drhs leg reads the 8-bit activation residual dequantized, as fp32 (XLA hoists
-    # that elementwise dequantization into the forward as well): 4 bytes instead of 1 per
-    # element. (A weight residual is dequantized where the dlhs leg reads it.)
+    # a float drhs leg reads the 8-bit activation residual as fp32, dequantized in the forward
     kept += 3 * act * (op_policy.drhs not in QUANTIZED_PRECISIONS)
   return int(kept)
 
@@ -131,9 +117,7 @@ def transient_bytes(
 
   On a backend with native 16-bit and 8-bit products (neither flag: GPUs) each residual is
   dequantized to the precision of the leg that reads it: none for a leg at the forward's own
-  8-bit precision (it reads the 1-byte values and their scales), 2 bytes per element for a
-  bf16/fp16 leg, 4 for an fp32 one (buffer assignment of a VGG step on an H100: the int8_fwd
-  plan's fp16 drhs legs hold ``f16`` im2col patches, the all-int8 plan none)."""
+  8-bit precision, 2 bytes per element for a bf16/fp16 leg, 4 for an fp32 one."""
   if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
     return 0
   if dequantized_fp8 and op_policy.fwd == "fp8":
@@ -159,18 +143,10 @@ def forward_extra_bytes(
 ) -> int:
   """Bytes one op's forward holds at its busiest beyond what the fp32 op's forward holds.
 
-  A float op: what it keeps beyond the fp32 op (``kept_bytes`` minus the fp32 residual,
-  random bits aside). An int8/fp8 forward, all live at once (buffer assignment of the VGG
-  step on XLA:CPU: the peak sits in a quantized conv's forward):
-
-  * an im2col conv's fp32 patch matrix (4 bytes per patch element);
-  * its GEMM operands: 1 byte per element, or 4 where the backend runs fp8 GEMMs on fp32
-    copies (``dequantized_fp8``);
-  * the activation residual in its kept form, at least fp32 where XLA computes the
-    dequantized residual in the forward (``upcast_16bit``; an int8 one is re-quantized from
-    there for a quantized drhs leg).
-
-  The residuals earlier ops keep are live too: ``memory_bytes`` adds their excess over fp32.
+  A float op: what it keeps beyond the fp32 op (``kept_bytes`` minus the fp32 residual). An
+  int8/fp8 forward, all live at once: an im2col conv's fp32 patch matrix, its GEMM operands (1
+  byte per element, 4 where fp8 GEMMs run on fp32 copies: ``dequantized_fp8``) and the
+  activation residual in its kept form (at least fp32 with ``upcast_16bit``).
   """
   kept = kept_bytes(op, op_policy, upcast_16bit, lhs_differentiated, dequantized_fp8)
   delta = kept - residual_bytes(op, None)

@@ -190,20 +190,14 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
 def cast_fn(cast_type: str):
   """``(f, input dtype)``: the jitted-to-be conversion of a cast type (``planners.profile.CAST_TYPES``)
   as the runtime runs it."""
-  src, dst = cast_type.split("->")
-  dst, _, sr = dst.partition(":")
+  src, dst = cast_precisions(cast_type)
   if dst in QUANTIZED_PRECISIONS:  # two passes: absmax, then scale and round
-    fmt = qformat(dst, bool(sr))  # stochastic rounding is for gradients (e5m2 in fp8)
-    key = jax.random.key(0) if sr else None
-    rounding = "stochastic" if sr else "nearest"
-    return lambda x: quantize(x, fmt, tuple(range(x.ndim)), rounding, key), jnp.float32
+    fmt = qformat(dst, False)
+    return lambda x: quantize(x, fmt, tuple(range(x.ndim)), "nearest", None), jnp.float32
   if src in QUANTIZED_PRECISIONS:
-    dtype = jnp.int8 if src == "int8" else jnp.float8_e4m3fn
     scale = jnp.ones((1,), jnp.float32)
-    return lambda x: dequantize(x, scale), dtype
-  src_dtype = FLOAT_DTYPES.get(src, jnp.float32)
-  dst_dtype = FLOAT_DTYPES.get(dst, jnp.float32)
-  return lambda x: x.astype(dst_dtype), src_dtype
+    return lambda x: dequantize(x, scale), jnp.int8 if src == "int8" else jnp.float8_e4m3fn
+  return lambda x: x.astype(FLOAT_DTYPES[dst]), jnp.float32
 
 
 def measure_casts(

@@ -1,10 +1,9 @@
 """The quantizable ops of a model, in forward order, each as a canonical GEMM.
 
-``collect_ops(model, variables, *args, **kwargs)`` traces ``apply`` abstractly under a
-uniform fp32 policy with a ``tap`` (``qsync_jax.quantize(model, policy, tap)``) and
-records, for every quantizable op call, its name, kind and operand shapes. Each op becomes
-an ``OpShape``: the ``batch × (m×k)·(k×n)`` product its forward computes, from which the two
-gradient GEMMs follow (dlhs: ``(m×n)·(n×k)``, drhs: ``(k×m)·(m×n)``).
+``collect_ops(model, variables, *args, **kwargs)`` traces ``apply`` abstractly with a ``tap``
+(``qsync_jax.quantize``) and records every quantizable op call as an ``OpShape``: the
+``batch × (m×k)·(k×n)`` product its forward computes (dlhs: ``(m×n)·(n×k)``, drhs:
+``(k×m)·(m×n)``).
 
 Canonical GEMM of each kind (``lhs``, ``rhs``, ``out`` shapes as the tap sees them):
 

@@ -1,24 +1,11 @@
 """The cost profile of one model's training step on one device type: plain data and its JSON.
 
-A ``Profile`` is what ``qsync profile`` writes and ``qsync predict|plan`` read. ``docs/predictor.md``
-describes every field (which are measured, fitted or modeled); in short:
-
-* ``ops`` — the model's quantizable ops as GEMMs (``planners.ops.OpShape``);
-* ``op_ms[op][leg][precision]`` — ms of one call of a GEMM leg (``fwd``, ``dlhs``, ``drhs``),
-  its operand conversions included; ``op_ms[op]["policy:<preset>"] = {"fwd": ms, "bwd": ms}`` —
-  the op under a whole preset op policy, forward alone and the backward (both gradients);
-* ``remainder_ms`` — the rest of the step (elementwise ops, norms, the loss), ``{"fwd", "bwd"}``;
-* ``optimizer_ms`` — the optax update;
-* ``cast[type]`` — ``CastModel`` per conversion (``CAST_TYPES``);
-* ``memory`` — ``param_bytes``, ``opt_state_bytes``, ``batch_bytes``, ``other_bytes`` and,
-  where fitted, ``other_bytes_16bit``;
-* ``forward_headroom[op]`` — bytes below its peak the fp32 step is while the op's forward runs;
-* ``quantized_in_step_ms[op]`` — ``{"fwd": ms, "bwd": ms}``: the op's time inside the all-int8
-  step, from a kernel trace;
-* ``meta`` — versions, clocks, the fit step and XLA peaks the fitted fields come from.
-
-``GroupCost`` is what costs one device group of a plan: a profile, the group's op policies
-and its batch.
+A ``Profile`` is what ``qsync profile`` writes and ``qsync predict|plan`` read: the model's
+quantizable ops (``planners.ops.OpShape``), each op's standalone leg and whole-policy times
+(``op_ms``), the fitted remainder of the step, the optimizer, cast models, memory, each op's
+forward headroom and in-step times, and ``meta`` (versions, clocks, the fit step and XLA peaks).
+``docs/predictor.md`` describes every field and which are measured, fitted or modeled.
+``GroupCost`` is what costs one device group of a plan: a profile, its op policies and batch.
 """
 
 from __future__ import annotations
@@ -33,24 +20,14 @@ from qsync_jax.errors import PlanError
 from qsync_jax.precision import OpPolicy
 
 FORMAT = "qsync-profile/1"
-CAST_TYPES = (
-  "fp32->bf16",
-  "fp32->fp16",
-  "fp32->int8",
-  "fp32->fp8",
-  "fp32->int8:sr",
-  "fp32->fp8:sr",
-  "bf16->fp32",
-  "fp16->fp32",
-  "int8->fp32",
-  "fp8->fp32",
-)
-"""Conversions a profile has a cost model for (``:sr``: stochastic rounding)."""
+CAST_TYPES = ("fp32->bf16", "fp32->fp16", "fp32->int8", "fp32->fp8", "int8->fp32", "fp8->fp32")
+"""Conversions a profile has a cost model for: into each precision (a modeled leg's operands),
+and the dequantization of a saved 8-bit residual (``planners.graph``)."""
 
 
 def cast_precisions(cast_type: str) -> tuple[str, str]:
-  """``(source, destination)`` precision of a cast type such as ``"fp32->int8:sr"``."""
-  src, dst = cast_type.split(":")[0].split("->")
+  """``(source, destination)`` precision of a cast type such as ``"fp32->int8"``."""
+  src, dst = cast_type.split("->")
   return src, dst
 
 

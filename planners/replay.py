@@ -1,18 +1,12 @@
 """Replay simulator: predicted step time and peak memory of a plan on a cluster.
 
 ``predict(cluster, profiles, plan)`` costs the step graph of ``planners.graph`` for every
-device group (its profile, its policy, its batch), takes the longest path, and returns a
-``Prediction``:
-
-* ``step_ms`` — the synchronous step: every group's forward and backward, the shared
-  bucketed all-reduce (overlapping the backward), then the optimizer;
-* ``group_step_ms`` — each group's step if every device were like it (its own graph with the
-  same all-reduce), which tells the straggler;
-* ``group_compute_ms`` — forward + backward + optimizer of each group, no communication;
-* ``memory_bytes`` — peak memory per device of each group (``planners.memory_model``).
-
-Profiles are keyed by device type; a group whose type has no profile gets one modeled from
-the catalog (``planners.modeled``), and its numbers are labelled so.
+device group (its profile, policy and batch) and the memory model of ``planners.memory_model``,
+and returns a ``Prediction``: ``step_ms`` (the synchronous step, the longest path),
+``group_step_ms`` (each group's step were every device like it: the straggler),
+``group_compute_ms`` (forward + backward + optimizer, no communication) and ``memory_bytes``
+(peak per device of each group). A group whose device type has no profile gets one modeled
+from the catalog (``planners.modeled``), labelled so in ``sources``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """What a compiled training step's HLO says about its ops: whose each instruction is, and how
 much memory is live while each op's forward runs.
 
-Instructions come from ``qsync_jax.hlo.entry_instructions`` (the schedule: a compiled module's
-text order). An instruction belongs to the op its JAX name stack names (``op_of``) and to its
-forward or its gradient legs (``leg_of``):
-
-* ``per_op_ms(hlo, instruction_ms, ops)`` — each instruction's time (from a trace) charged to
-  its op and leg (``Profile.quantized_in_step_ms``);
-* ``live_ranges(instructions)`` / ``live_totals`` — every temporary buffer and the bytes live
-  at each instruction: a value lives from its instruction to its last use, a library call's
-  scratch buffer only while the call runs; parameters, constants and values the step returns
-  are not temporaries, and ``bitcast`` / ``get-tuple-element`` / ``tuple`` alias their operands;
-* ``forward_headroom(hlo, ops)`` — per op, the step's peak of live temporaries minus the most
-  live while the op's forward runs (``Profile.forward_headroom``).
-
-The liveness is the schedule's, not XLA's heap packing (which may leave some fragmentation).
+An instruction (``qsync_jax.hlo.entry_instructions``, in schedule order) belongs to the op its
+JAX name stack names (``op_of``), in its forward or gradient legs (``leg_of``).
+``per_op_ms`` charges a trace's instruction times to ops and legs; ``live_ranges`` /
+``live_totals`` give the schedule's liveness (a value lives from its instruction to its last
+use, a library call's scratch only while the call runs; parameters, constants and returned
+values are not temporaries; ``ALIASING`` opcodes alias their operands); ``forward_headroom``
+gives, per op, the step's peak of live temporaries minus the most live during its forward.
+The liveness is the schedule's, not XLA's heap packing.
 """
 
 from __future__ import annotations

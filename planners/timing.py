@@ -1,15 +1,11 @@
 """Timing programs on the local device: clocks, the single-device training step, traces.
 
-* ``make_train_step(task, policy, optimizer)`` — a jitted single-device training step
-  ``step(variables, opt_state, batch, key) -> (variables, opt_state, loss)``: the task's loss
-  under ``policy`` (``qsync_jax.task_step.task_loss``), its gradient w.r.t. the parameters and
-  the optax update; variables and optimizer state are donated, as in training.
-* ``timed_ms(fn, repeats, clock)`` — the median time of a program on one of ``CLOCKS``,
-  ``PIPELINED_CLOCK`` or ``DEVICE_CLOCK``; ``time_round_robin`` times several round-robin.
-* ``traced_events(run, repeats)`` — the events of a ``jax.profiler`` trace: GPU kernels
-  (``device_kernel_ms``) or XLA:CPU's per-instruction events; ``traced_step`` charges a
-  training step's trace to its HLO instructions.
-* ``xla_peak_bytes(compiled)`` — arguments + outputs − aliased (donated) bytes + temporaries.
+``make_train_step(task, policy, optimizer)`` is a jitted single-device step
+``(variables, opt_state, batch, key) -> (variables, opt_state, loss)``: the task's loss under
+``policy`` (``qsync_jax.task_step.task_loss``), its gradient and the optax update (variables and
+optimizer state donated). ``timed_ms`` times a program on a clock; ``time_round_robin`` several,
+round-robin; ``traced_events`` reads a ``jax.profiler`` trace (GPU kernels, XLA:CPU's
+per-instruction events), which ``traced_step`` charges to a step's HLO instructions.
 """
 
 from __future__ import annotations
@@ -121,20 +117,17 @@ def compiled_train_step(task: Task, policy: PrecisionPolicy, batch, optimizer=No
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-"""``wall``: elapsed time. ``cpu``: CPU time of this process, all threads (on a CPU host shared
-with other work it counts only this program's time)."""
+"""``wall``: elapsed time. ``cpu``: CPU time of this process, all threads."""
 PIPELINED_CLOCK = "pipelined"
-"""Wall time per call of calls dispatched back to back and waited for once per window of
-``PIPELINE_WINDOW``, as a training loop runs its steps (the host dispatches a call while the
-device runs the one before); a sample is one window."""
+"""Calls dispatched back to back, as a training loop runs its steps, waited for once per window
+of ``PIPELINE_WINDOW`` calls: a sample is the window's wall time per call."""
 PIPELINE_WINDOW = 10
 DEVICE_CLOCK = "device"
-"""The GPU kernel time of a program per call, from a ``jax.profiler`` trace
-(``device_kernel_ms``): no dispatch, launch or wait."""
+"""The GPU kernel time of a program per call (``device_kernel_ms``)."""
 
 
 def default_step_clock() -> str:
-  """``PIPELINED_CLOCK`` on a GPU (the step a training run sees), ``wall`` elsewhere."""
+  """``PIPELINED_CLOCK`` on a GPU, ``wall`` elsewhere."""
   return PIPELINED_CLOCK if jax.devices()[0].platform == "gpu" else "wall"
 
 
@@ -148,8 +141,7 @@ def timed_ms(
 ) -> tuple[float, list[float]]:
   """``(median, samples)``: time of ``fn()`` in ms on ``clock``, blocking on its result. On
   ``DEVICE_CLOCK`` the one sample is the mean kernel time per call over ``repeats`` calls; on
-  ``PIPELINED_CLOCK`` a sample is the wall time per call of a window of ``PIPELINE_WINDOW``
-  calls (one window where ``repeats`` is smaller), ``repeats // window`` windows."""
+  ``PIPELINED_CLOCK`` ``repeats // window`` windows (one where ``repeats`` is smaller)."""
   for _ in range(warmup):
     jax.block_until_ready(fn())
   if clock == PIPELINED_CLOCK:
@@ -183,9 +175,9 @@ def time_round_robin(
   total_rounds: int | None = None,
 ) -> dict[str, dict[str, list[float]]]:
   """``{clock: {name: [round medians]}}``: each of ``runs`` timed ``repeats`` times
-  (``timed_ms``) per round and clock, round-robin over ``rounds`` rounds, so that slow drift of
-  the host or the device falls on every run alike; ``progress`` gets one line per round and
-  clock, numbered from ``first_round`` of ``total_rounds`` (default: these rounds alone)."""
+  (``timed_ms``) per round and clock, round-robin over ``rounds`` rounds (slow drift of the
+  host falls on every run alike); ``progress`` gets a line per round, numbered from
+  ``first_round`` of ``total_rounds`` (default: these rounds alone)."""
   total_rounds = total_rounds or first_round - 1 + rounds
   medians = {clock: {name: [] for name in runs} for clock in clocks}
   for r in range(first_round, first_round + rounds):
@@ -212,8 +204,7 @@ def time_train_steps_interleaved(
 ) -> dict[str, dict[str, tuple[float, list[float], int | None]]]:
   """``{clock: {name: (ms, round medians, xla peak bytes)}}``: every policy's training step
   compiled first, then timed round-robin (``time_round_robin``); ``ms`` is the median of the
-  round medians. A policy whose step raises one of ``skip`` when compiled is left out (and
-  reported)."""
+  round medians. A policy whose step raises one of ``skip`` when compiled is left out."""
   runs = {}
   for name, policy in policies.items():
     try:
@@ -238,9 +229,8 @@ def time_train_steps_interleaved(
 
 def traced_events(run, repeats: int) -> list[dict]:
   """The complete ("X") events of a ``jax.profiler`` trace of ``repeats`` calls of ``run``, each
-  with ``process``: the name of its trace process (``/device:GPU:0 …`` for GPU kernels,
-  ``/host:CPU`` for XLA:CPU's per-instruction events). ``RuntimeError`` while another
-  profiler session runs."""
+  with ``process``, its trace process's name (``/device:GPU:0 …``: GPU kernels). ``RuntimeError``
+  while another profiler session runs."""
   out = []
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):

@@ -9,7 +9,7 @@ import multigpu
 import multigpu_replay
 import pytest
 
-from planners.link import LinkModel
+from benchmarks.link import LinkModel
 from tests.benchmarks import result, write_rows
 from tests.planners.fakes import fake_profile
 
