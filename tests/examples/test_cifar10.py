@@ -24,7 +24,7 @@ def _write_fixture(root, rng, per_batch=3, n_test=4):
 
 
 def test_load_matches_the_pickled_pixels(tmp_path):
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(101)
   written = _write_fixture(tmp_path, rng)
   train, test = cifar10.load(tmp_path)
   assert train["image"].shape == (15, 32, 32, 3) and train["image"].dtype == np.float32
@@ -38,7 +38,7 @@ def test_load_matches_the_pickled_pixels(tmp_path):
 
 
 def test_write_batch_round_trips(tmp_path):
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(102)
   images = rng.integers(0, 256, size=(5, 32, 32, 3), dtype=np.uint8)
   labels = rng.integers(0, 10, size=5)
   cifar10.write_batch(tmp_path / "b", images, labels)
@@ -48,7 +48,7 @@ def test_write_batch_round_trips(tmp_path):
 
 
 def test_missing_file_is_named(tmp_path):
-  _write_fixture(tmp_path, np.random.default_rng())
+  _write_fixture(tmp_path, np.random.default_rng(103))
   (tmp_path / "data_batch_4").unlink()
   with pytest.raises(QsyncError, match="data_batch_4 is missing.*--data-dir"):
     cifar10.load(tmp_path)
@@ -60,7 +60,7 @@ def test_task_needs_a_data_dir():
 
 
 def test_not_a_cifar_batch(tmp_path):
-  _write_fixture(tmp_path, np.random.default_rng())
+  _write_fixture(tmp_path, np.random.default_rng(104))
   with open(tmp_path / "test_batch", "wb") as f:
     pickle.dump([1, 2, 3], f)
   with pytest.raises(QsyncError, match="not a CIFAR-10 python batch"):
@@ -68,7 +68,7 @@ def test_not_a_cifar_batch(tmp_path):
 
 
 def test_registered_task_reads_the_fixture(tmp_path):
-  _write_fixture(tmp_path, np.random.default_rng(), per_batch=4)
+  _write_fixture(tmp_path, np.random.default_rng(105), per_batch=4)
   task = get_task("resnet_cifar10", data_dir=str(tmp_path), widths=(4, 8), stage_sizes=(1, 1))
   batch = next(task.train_batches(8, 0))
   assert batch["image"].shape == (8, 32, 32, 3)

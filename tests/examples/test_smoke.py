@@ -14,7 +14,7 @@ TINY_VGG = {"stages": ((8,), (16,)), "hidden": 16}
 
 
 def test_vision_one_step_under_int8_policy():
-  seed = int(np.random.randint(1 << 16))
+  seed = 101
   config = VisionConfig(model="vgg", steps=1, batch_size=8, seed=seed, eval_max_batches=1, policy="int8")
   result = train_vision(config, log=None, **TINY_VGG)
   assert result["policy"] is not None
@@ -28,9 +28,7 @@ def test_vision_one_step_under_int8_policy():
 
 
 def test_vision_learns_digits():
-  config = VisionConfig(
-    model="vgg", steps=80, batch_size=32, learning_rate=3e-3, seed=int(np.random.randint(1 << 16))
-  )
+  config = VisionConfig(model="vgg", steps=80, batch_size=32, learning_rate=3e-3, seed=102)
   result = train_vision(config, log=None, **TINY_VGG)
   assert result["eval"]["accuracy"] > 0.5  # chance is 0.1; 8 seeds of this setting gave 0.66 to 0.89
 

@@ -1,6 +1,8 @@
 """scaled_dot_general: one suite over every implementation (reference, XLA contraction-major,
 the Pallas kernel in interpret mode, the compiled kernel on a GPU) against the reference."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,7 +65,7 @@ def test_matches_reference(impl, types, case):
   if on_gpu:  # sizes that fill a 128x256 tile on the GPU
     ls, rs = scale_up(ls, 8), scale_up(rs, 8)
   (lc, rc), _ = dims
-  seed = hash((case, types)) % 1000
+  seed = zlib.crc32(repr((case, types)).encode()) % 1000
   lq, lsc = operand(ls, lc, TYPES[types][0], seed)
   rq, rsc = operand(rs, rc, TYPES[types][1], seed + 1)
   config = SMALL_CONFIG if interpret else None

@@ -2,6 +2,8 @@
 interpret mode on the CPU, the compiled kernels on a GPU), checked against the jnp
 reference on fresh random inputs."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +69,7 @@ def assert_codes_match(impl, q, q_ref):
 def test_nearest_matches_reference(impl, layout, fmt):
   reduce_axes, contract = LAYOUTS[layout]
   shape = (256, 384) if impl == ("pallas", False) else (32, 48)
-  x = draw(shape, hash((layout, fmt)) % 997, jnp.bfloat16)
+  x = draw(shape, zlib.crc32(repr((layout, fmt)).encode()) % 997, jnp.bfloat16)
   q, s = run(impl, x, fmt, reduce_axes, contract_axes=contract)
   q_ref, s_ref = expected(x, fmt, reduce_axes, contract)
   assert_codes_match(impl, q, q_ref)

@@ -38,7 +38,7 @@ legs_st = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(
   leg_ms=legs_st,
   slow=st.floats(0.8, 4.0),
@@ -67,12 +67,12 @@ def test_greedy_never_violates_memory_or_straggles(leg_ms, slow, seed, memory_kb
     assert alloc.target_ms >= predict(train_only, profiles, Plan()).step_ms - 1e-9
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(
   leg_ms=st.lists(st.tuples(*[st.floats(0.1, 5.0)] * 3), min_size=1, max_size=4), slow=st.floats(1.0, 3.0)
 )
 def test_greedy_vs_exhaustive(leg_ms, slow):
-  sens = np.random.default_rng().exponential(size=len(leg_ms)).tolist()
+  sens = np.random.default_rng(101).exponential(size=len(leg_ms)).tolist()
   cluster, profiles, indicator = _setup(leg_ms, slow, sens)
   problem = make_problem(cluster, profiles, indicator)
   g, e = greedy(problem), exhaustive(problem)
@@ -83,7 +83,7 @@ def test_greedy_vs_exhaustive(leg_ms, slow):
 
 
 def test_greedy_matches_exhaustive_when_recoveries_cost_the_same():
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(102)
   n = 5
   sens = rng.exponential(size=n).tolist()
   # one step per op (int8 -> fp32) and identical ops: every recovery costs the same time, so

@@ -6,6 +6,7 @@ the float32 op.
 """
 
 import itertools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +63,7 @@ LEG_CASES = [(leg, p) for leg in ("fwd", "dlhs", "drhs") for p in PRECISIONS]
 @pytest.mark.parametrize("leg,precision", LEG_CASES)
 def test_each_leg_against_fake_quant_and_float(leg, precision):
   m, k, n = 24, 48, 40
-  seed = hash((leg, precision)) % 1000
+  seed = zlib.crc32(repr((leg, precision)).encode()) % 1000
   x, w, g = draw((m, k), seed), draw((k, n), seed + 1), draw((m, n), seed + 2)
   policy = OpPolicy(**{"fwd": "fp32", "dlhs": "fp32", "drhs": "fp32", leg: precision})
   got = dense_run(x, w, g, policy)

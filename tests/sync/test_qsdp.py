@@ -14,10 +14,6 @@ N = 8
 BUCKET = 64
 
 
-def _seed():
-  return np.random.randint(1 << 30)
-
-
 def _sgd_reference(params, batch, lr):
   loss, grads = jax.value_and_grad(toy.loss_fn)(params, batch, None)
   return loss, jax.tree.map(lambda p, g: p - lr * g, params, grads)
@@ -25,8 +21,8 @@ def _sgd_reference(params, batch, lr):
 
 def test_full_precision_qsdp_equals_full_batch_sgd(mesh):
   """With fp32 payloads QSDP is exactly FSDP: the sharding and padding change nothing."""
-  params = toy.init_params(jax.random.key(_seed()))
-  batch = toy.make_batch(jax.random.key(_seed()), 8 * N)
+  params = toy.init_params(jax.random.key(201))
+  batch = toy.make_batch(jax.random.key(202), 8 * N)
   trainer = make_qsdp_step(
     toy.loss_fn, optax.sgd(0.5), params, mesh, bucket_size=BUCKET, weight_payload="fp32", grad_payload="fp32"
   )
@@ -40,10 +36,10 @@ def test_full_precision_qsdp_equals_full_batch_sgd(mesh):
 
 
 def test_quantized_qsdp_step_is_close_to_sgd(mesh):
-  params = toy.init_params(jax.random.key(_seed()))
-  batch = toy.make_batch(jax.random.key(_seed()), 8 * N)
+  params = toy.init_params(jax.random.key(203))
+  batch = toy.make_batch(jax.random.key(204), 8 * N)
   trainer = make_qsdp_step(toy.loss_fn, optax.sgd(0.5), params, mesh, bucket_size=BUCKET)
-  state, metrics = trainer.step(trainer.init(params), batch, jax.random.key(_seed()))
+  state, metrics = trainer.step(trainer.init(params), batch, jax.random.key(205))
   loss, want = _sgd_reference(params, batch, 0.5)
   # int8 weights (absmax/127 per 64-value bucket): the loss moves by well under 1 %
   np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-2)

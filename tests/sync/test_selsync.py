@@ -13,15 +13,11 @@ from tests.sync import toy
 N = 8
 
 
-def _seed():
-  return np.random.randint(1 << 30)
-
-
 @pytest.mark.parametrize("mode,sync_opt_state", [("params", False), ("params", True), ("grads", False)])
 def test_synchronous_selsync_equals_full_batch_sgd(mesh, mode, sync_opt_state):
   """During warm-up every step synchronizes: with momentum SGD, one step is full-batch SGD."""
-  params = toy.init_params(jax.random.key(_seed()))
-  batch = toy.make_batch(jax.random.key(_seed()), 8 * N)
+  params = toy.init_params(jax.random.key(201))
+  batch = toy.make_batch(jax.random.key(202), 8 * N)
   opt = optax.sgd(0.5, momentum=0.9)
   trainer = make_selsync_step(toy.loss_fn, opt, mesh, warmup=10, mode=mode, sync_opt_state=sync_opt_state)
   state, metrics = trainer.step(trainer.init(params), batch, jax.random.key(0))
@@ -38,11 +34,11 @@ def test_synchronous_selsync_equals_full_batch_sgd(mesh, mode, sync_opt_state):
 
 
 def test_non_sync_steps_update_locally(mesh):
-  params = toy.init_params(jax.random.key(_seed()))
+  params = toy.init_params(jax.random.key(203))
   trainer = make_selsync_step(toy.loss_fn, optax.sgd(0.1), mesh, warmup=0, delta=1e9)
   state = trainer.init(params)
   for i in range(3):
-    state, metrics = trainer.step(state, toy.make_batch(jax.random.key(_seed()), 8 * N), jax.random.key(i))
+    state, metrics = trainer.step(state, toy.make_batch(jax.random.key(204 + i), 8 * N), jax.random.key(i))
     assert not bool(metrics["synced"])
   assert int(state["syncs"]) == 0 and int(state["step"]) == 3
   kernel = np.asarray(state["params"]["hidden"]["kernel"])

@@ -30,7 +30,7 @@ def _spec_json(rng):
 
 
 def test_cluster_round_trip_and_shares(tmp_path):
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(101)
   obj = _spec_json(rng)
   spec = ClusterSpec.from_json(obj)
   a, t = obj["groups"][0]["count"], obj["groups"][1]["count"]
@@ -64,7 +64,7 @@ def test_cluster_round_trip_and_shares(tmp_path):
   ],
 )
 def test_cluster_validation_names_field_and_fix(mutate, needle):
-  obj = _spec_json(np.random.default_rng())
+  obj = _spec_json(np.random.default_rng(102))
   mutate(obj)
   with pytest.raises(ClusterSpecError, match="Fix") as e:
     ClusterSpec.from_json(obj)
@@ -90,7 +90,7 @@ def test_assign_devices_counts_must_match():
 
 
 def test_plan_round_trip_validation_and_fingerprint(tmp_path):
-  spec = ClusterSpec.from_json(_spec_json(np.random.default_rng()))
+  spec = ClusterSpec.from_json(_spec_json(np.random.default_rng(103)))
   plan = Plan.from_json(
     {"policies": {"infer": "int8_fwd"}, "batch_per_device": {"infer": 2}, "predictions": {"step_s": 0.5}}
   )
@@ -118,7 +118,7 @@ def test_plan_round_trip_validation_and_fingerprint(tmp_path):
   ],
 )
 def test_plan_errors(obj, needle):
-  spec = ClusterSpec.from_json(_spec_json(np.random.default_rng()))
+  spec = ClusterSpec.from_json(_spec_json(np.random.default_rng(104)))
   with pytest.raises(PlanError, match="Fix") as e:
     Plan.from_json(obj).validate_for(spec)
   assert needle in str(e.value)
