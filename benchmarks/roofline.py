@@ -205,6 +205,8 @@ def measure_model(name: str, tiny: bool, repeats: int, say) -> dict:
   convs: dict[str, float] = {}
   t0 = time.perf_counter()
   for op in ops:
+    if op.kind == "embed":  # a lookup (gather), not a product: no roofline to compare with
+      continue
     for leg in LEGS:
       if op.kind == "conv":  # the step runs the convolution itself at 16/32 bits
         for p in ("fp32", "bf16"):
@@ -348,11 +350,13 @@ def main(argv=None) -> int:
     runs = [m for path in args.measured for m in json.load(open(path))]
   else:
     models = [m for m in args.models if not args.tiny or m in TINY]
-    runs = [measure_model(m, args.tiny, args.repeats, say) for m in models]
-    if args.save_measured:
-      with open(args.save_measured, "w") as f:
-        json.dump(runs, f)
-      say(f"raw timings in {args.save_measured}")
+    runs = []
+    for m in models:
+      runs.append(measure_model(m, args.tiny, args.repeats, say))
+      if args.save_measured:  # after every model, so that a run cut short keeps what it measured
+        with open(args.save_measured, "w") as f:
+          json.dump(runs, f)
+        say(f"raw timings so far in {args.save_measured}")
   rows, lines = [], []
   for measured in runs:
     r, ls = score(measured)
