@@ -92,7 +92,6 @@ LEG_GEMM = {
 }
 """A leg's product ``(m, k, n)`` from the op's forward ``(m, k, n)`` (as ``modeled_profile``)."""
 
-GEMM_PRECISIONS = ("fp32", "bf16", "int8", "fp8")
 LEGS = ("fwd", "dlhs", "drhs")
 
 
@@ -129,17 +128,18 @@ def model_ops(task, data) -> tuple[list[OpShape], int]:
 # -- timing -----------------------------------------------------------------------------------
 
 
-def _median_ms(fn, args, repeats: int) -> float:
-  """Median wall time of ``fn(*args)`` over windows of 10 calls dispatched back to back."""
-  jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(max(1, repeats)):
-    t0 = time.perf_counter()
-    for _ in range(9):
-      fn(*args)
-    jax.block_until_ready(fn(*args))
-    samples.append((time.perf_counter() - t0) / 10 * 1e3)
-  return float(np.median(samples))
+def _kernel_ms(fn, args, repeats: int) -> float:
+  """ms per call of ``fn(*args)``: on a GPU its kernels' time from a profiler trace (a standalone
+  call's wall time is mostly dispatch for kernels of tens of µs, which a step does not pay), else
+  the median wall time of ``repeats`` calls."""
+  clock = step.DEVICE_CLOCK if jax.devices()[0].platform == "gpu" else "wall"
+  return step.timed_ms(lambda: fn(*args), 10 * max(1, repeats), clock=clock)[0]
+
+
+GEMM_PRECISIONS = ("fp32", "tf32", "bf16", "int8", "fp8")
+LAX_PRECISION = {"fp32": jax.lax.Precision.HIGHEST, "tf32": jax.lax.Precision.DEFAULT}
+"""``fp32`` as the runtime's fp32 legs run it (full precision); ``tf32`` as XLA runs a float32
+product by default (TF32 tensor cores on GPUs that have them)."""
 
 
 def _operands(key, batch, m, k, n, precision):
@@ -149,7 +149,9 @@ def _operands(key, batch, m, k, n, precision):
   rhs = jax.random.normal(k2, (batch, n, k), jnp.float32)
   if precision == "int8":
     return (jnp.clip(lhs * 32, -127, 127).astype(jnp.int8), jnp.clip(rhs * 32, -127, 127).astype(jnp.int8))
-  dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[precision]
+  dtype = {"fp32": jnp.float32, "tf32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[
+    precision
+  ]
   return lhs.astype(dtype), rhs.astype(dtype)
 
 
@@ -163,10 +165,19 @@ def conv_key(op: OpShape, leg: str, precision: str) -> str:
 
 
 def gemm_ms(batch, m, k, n, precision, repeats) -> float:
-  out = {"int8": jnp.int32, "fp8": jnp.float32, "fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+  out = {
+    "int8": jnp.int32,
+    "fp8": jnp.float32,
+    "fp32": jnp.float32,
+    "tf32": jnp.float32,
+    "bf16": jnp.bfloat16,
+  }
   dims = (((2,), (2,)), ((0,), (0,)))
-  f = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=out))
-  return _median_ms(f, _operands(jax.random.key(0), batch, m, k, n, precision), repeats)
+  prec = LAX_PRECISION.get(precision)
+  f = jax.jit(
+    lambda a, b: jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=out[precision])
+  )
+  return _kernel_ms(f, _operands(jax.random.key(0), batch, m, k, n, precision), repeats)
 
 
 def conv_leg_ms(op: OpShape, leg: str, precision: str, repeats: int) -> float:
@@ -175,27 +186,32 @@ def conv_leg_ms(op: OpShape, leg: str, precision: str, repeats: int) -> float:
   kh, kw, _, c_out = op.rhs_shape
   spatial_out = op.m // n_img
   stride = max(1, round((h * w / spatial_out) ** 0.5))
-  dtype = jnp.float32 if precision == "fp32" else jnp.bfloat16
+  dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
   x = jax.random.normal(jax.random.key(1), op.lhs_shape, dtype)
   kernel = jax.random.normal(jax.random.key(2), op.rhs_shape, dtype)
 
   def conv(x, kernel):
     return jax.lax.conv_general_dilated(
-      x, kernel, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      x,
+      kernel,
+      (stride, stride),
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      precision=LAX_PRECISION.get(precision),
     )
 
   y = jax.eval_shape(conv, x, kernel)
   g = jax.random.normal(jax.random.key(3), y.shape, dtype)
   if leg == "fwd":
-    return _median_ms(jax.jit(conv), (x, kernel), repeats)
+    return _kernel_ms(jax.jit(conv), (x, kernel), repeats)
   if leg == "dlhs":
     f = jax.jit(lambda kernel, g: jax.linear_transpose(lambda x: conv(x, kernel), x)(g)[0])
-    return _median_ms(f, (kernel, g), repeats)
+    return _kernel_ms(f, (kernel, g), repeats)
   f = jax.jit(lambda x, g: jax.linear_transpose(lambda kernel: conv(x, kernel), kernel)(g)[0])
-  return _median_ms(f, (x, g), repeats)
+  return _kernel_ms(f, (x, g), repeats)
 
 
-def measure_model(name: str, tiny: bool, repeats: int, say) -> dict:
+def measure_model(name: str, tiny: bool, repeats: int, say, steps: bool = True) -> dict:
   """Raw timings of one model on the local device: per distinct GEMM and conv leg, and per step."""
   task, data, batch = build(name, tiny)
   ops, param_bytes = model_ops(task, data)
@@ -209,7 +225,7 @@ def measure_model(name: str, tiny: bool, repeats: int, say) -> dict:
       continue
     for leg in LEGS:
       if op.kind == "conv":  # the step runs the convolution itself at 16/32 bits
-        for p in ("fp32", "bf16"):
+        for p in ("fp32", "tf32", "bf16"):
           key = conv_key(op, leg, p)
           if key not in convs:
             convs[key] = conv_leg_ms(op, leg, p, repeats)
@@ -222,7 +238,7 @@ def measure_model(name: str, tiny: bool, repeats: int, say) -> dict:
   steps = {}
   from qsync_jax.policy import PrecisionPolicy
 
-  for policy in ("fp32", "bf16"):
+  for policy in ("fp32", "bf16") if steps else ():
     t0 = time.perf_counter()
     run, _ = step.compiled_train_step(task, PrecisionPolicy.uniform(policy), data)
     steps[policy] = step.timed_ms(run, 10 * max(1, repeats), clock=step.PIPELINED_CLOCK)[0]
@@ -332,11 +348,34 @@ def score(measured: dict) -> tuple[list[dict], list[str]]:
   return rows, lines
 
 
+def merged(runs: list[dict]) -> list[dict]:
+  """One entry per model: the timings of later runs of a model added to (and replacing) the earlier."""
+  out: dict[str, dict] = {}
+  for r in runs:
+    if r["model"] not in out:
+      out[r["model"]] = {
+        **r,
+        "gemm_ms": dict(r["gemm_ms"]),
+        "conv_ms": dict(r["conv_ms"]),
+        "step_ms": dict(r["step_ms"]),
+      }
+      continue
+    for key in ("gemm_ms", "conv_ms", "step_ms"):
+      out[r["model"]][key].update(r[key])
+  return list(out.values())
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
   ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, batch 2")
   ap.add_argument("--repeats", type=int, default=5, help="timing windows of 10 calls per GEMM (median)")
+  ap.add_argument(
+    "--step-models",
+    nargs="*",
+    default=list(MODELS),
+    help="models whose fp32/bf16 steps are timed (default all)",
+  )
   ap.add_argument("--save-measured", help="write the raw timings (JSON) here")
   ap.add_argument("--measured", nargs="+", help="score saved raw timings instead of measuring")
   ap.add_argument("--results", default=RESULTS)
@@ -347,12 +386,12 @@ def main(argv=None) -> int:
     print(f"# {msg}", flush=True)
 
   if args.measured:
-    runs = [m for path in args.measured for m in json.load(open(path))]
+    runs = merged([m for path in args.measured for m in json.load(open(path))])
   else:
     models = [m for m in args.models if not args.tiny or m in TINY]
     runs = []
     for m in models:
-      runs.append(measure_model(m, args.tiny, args.repeats, say))
+      runs.append(measure_model(m, args.tiny, args.repeats, say, steps=m in args.step_models))
       if args.save_measured:  # after every model, so that a run cut short keeps what it measured
         with open(args.save_measured, "w") as f:
           json.dump(runs, f)
