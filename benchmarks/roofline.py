@@ -38,10 +38,10 @@ import numpy as np
 from benchmarks.result_rows import result_row, save_rows
 from examples.tasks.language import synthetic_lm
 from examples.tasks.vision import resnet_synthetic
-from planners import catalog, step
-from planners.derived_profiles import modeled_profile
+from planners import catalog, timing
+from planners.modeled import modeled_profile
 from planners.ops import OpShape, collect_ops
-from planners.profiler import Profile
+from planners.profile import Profile
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
@@ -112,17 +112,17 @@ def build(name: str, tiny: bool):
   if tiny:
     config, batch = TINY[name], 2
   task = factory(**config)
-  data = step.device_batch(task, batch)
+  data = timing.device_batch(task, batch)
   return task, data, batch
 
 
 def model_ops(task, data) -> tuple[list[OpShape], int]:
   """The model's quantizable ops at this batch and its parameter bytes (fp32)."""
-  variables = jax.eval_shape(lambda: step.init_variables(task, data))
+  variables = jax.eval_shape(lambda: timing.init_variables(task, data))
   ops = collect_ops(
     task.model, variables, *task.inputs(data), **task.train_kwargs, mutable=task.mutable or False
   )
-  return ops, step.tree_bytes(variables["params"])
+  return ops, timing.tree_bytes(variables["params"])
 
 
 # -- timing -----------------------------------------------------------------------------------
@@ -132,8 +132,8 @@ def _kernel_ms(fn, args, repeats: int) -> float:
   """ms per call of ``fn(*args)``: on a GPU its kernels' time from a profiler trace (a standalone
   call's wall time is mostly dispatch for kernels of tens of µs, which a step does not pay), else
   the median wall time of ``repeats`` calls."""
-  clock = step.DEVICE_CLOCK if jax.devices()[0].platform == "gpu" else "wall"
-  return step.timed_ms(lambda: fn(*args), 10 * max(1, repeats), clock=clock)[0]
+  clock = timing.DEVICE_CLOCK if jax.devices()[0].platform == "gpu" else "wall"
+  return timing.timed_ms(lambda: fn(*args), 10 * max(1, repeats), clock=clock)[0]
 
 
 GEMM_PRECISIONS = ("fp32", "tf32", "bf16", "int8", "fp8")
@@ -240,8 +240,8 @@ def measure_model(name: str, tiny: bool, repeats: int, say, steps: bool = True) 
 
   for policy in ("fp32", "bf16") if steps else ():
     t0 = time.perf_counter()
-    run, _ = step.compiled_train_step(task, PrecisionPolicy.uniform(policy), data)
-    steps[policy] = step.timed_ms(run, 10 * max(1, repeats), clock=step.PIPELINED_CLOCK)[0]
+    run, _ = timing.compiled_train_step(task, PrecisionPolicy.uniform(policy), data)
+    steps[policy] = timing.timed_ms(run, 10 * max(1, repeats), clock=timing.PIPELINED_CLOCK)[0]
     say(
       f"{name}: {policy} step {steps[policy]:.2f} ms (compiled and timed in {time.perf_counter() - t0:.0f} s)"
     )
