@@ -214,7 +214,9 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["mlp", "lm", "vgg"])
   ap.add_argument(
-    "--repeats", type=int, help="timed repeats of each step (default: timing.default_step_repeats of the clock)"
+    "--repeats",
+    type=int,
+    help="timed repeats of each step (default: timing.default_step_repeats of the clock)",
   )
   ap.add_argument("--profile-repeats", type=int, default=10)
   ap.add_argument(

@@ -62,7 +62,9 @@ class KernelSummary:
   top: tuple[tuple[str, float], ...]  # (kernel name, ms per call), the 20 largest
 
 
-def summarize_kernels(events: list[dict], repeats: int, device: str = "/device:GPU:0") -> KernelSummary | None:
+def summarize_kernels(
+  events: list[dict], repeats: int, device: str = "/device:GPU:0"
+) -> KernelSummary | None:
   """The ``KernelSummary`` of ``planners.timing.traced_events`` of ``repeats`` calls, on the trace
   process ``device`` (the first GPU); None where it has no kernel (e.g. on a CPU)."""
   mine = [e for e in events if e["process"].startswith(device)]
