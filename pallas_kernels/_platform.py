@@ -18,10 +18,6 @@ def on_gpu() -> bool:
     return False
 
 
-def is_pow2(n: int) -> bool:
-  return n > 0 and (n & (n - 1)) == 0
-
-
 def largest_pow2_divisor(n: int, cap: int) -> int:
   """Largest power of two that divides ``n`` and is at most ``cap`` (1 if ``n`` is odd)."""
   d = 1
