@@ -50,7 +50,8 @@ convolution. Where the two formats differ (an int8 forward with an fp8 gradient 
 fp8 with int8) the saved operand is dequantized and quantized again in the leg's format
 along the new contraction, the one case that rounds it twice. A 16-bit leg (QSync's
 ``int8_fwd``: int8 forward, fp16/bf16 backward) dequantizes the saved operand straight
-into its own dtype inside the leg's program and multiplies in that dtype.
+into its own dtype inside the leg's program and multiplies 16-bit operands (float32
+accumulation), as for a float residual.
 """
 
 from __future__ import annotations
@@ -118,10 +119,10 @@ def quantize_operand(x, axes, precision: str, granularity: str, operand: Operand
 
   ``x`` is a float array or a pair ``(value, in_scale)`` standing for ``value * in_scale``
   (a quantized residual re-quantized without a float copy, or a gradient with a saved
-  operand's scale folded in, ``reuse_saved``); ``axes[i]`` is the logical axis its physical axis ``i`` holds, ``contract``
-  the logical contraction axes. The result's contraction axes come last (the layout the
-  8-bit GEMM kernels read fastest), ``axes`` updated to match. Same values as quantizing
-  the logical float operand.
+  operand's scale folded in, ``reuse_saved``); ``axes[i]`` is the logical axis its
+  physical axis ``i`` holds, ``contract`` the logical contraction axes. The result's
+  contraction axes come last (the layout the 8-bit GEMM kernels read fastest), ``axes``
+  updated to match. Same values as quantizing the logical float operand.
   """
   value, in_scale = x if _is_quantized(x) else (x, None)
   axes = tuple(range(value.ndim)) if axes is None else tuple(axes)
@@ -158,11 +159,12 @@ def reuse_saved(
   ``saved`` is an 8-bit residual ``(qvalue, scale)`` whose physical axis ``i`` holds logical
   axis ``saved_axes[i]``; ``own_pairs`` / ``other_pairs`` are the logical axes of it and of
   the float ``other`` operand that the leg contracts or batches together (in matching order).
-  None where the residual is not in the leg's format (``precision``, ``operand``) or
-  ``other`` is not a float array: the caller quantizes both afresh. Otherwise the values
-  are reused as they are; the scale stays on them where it is constant along the leg's
-  contraction (the GEMM epilogue applies it), else it is folded into ``other``, returned as
-  ``(other, scale laid out for it)`` for ``quantize_operand`` to quantize the product.
+  None where the residual is not in the leg's format (``precision``, ``operand``), its scale
+  varies along an axis the leg does not pair with ``other`` (an output axis) or ``other``
+  is not a float array: the caller quantizes both afresh. Otherwise the values are reused
+  as they are; a per-tensor scale stays on them (the GEMM epilogue applies it to the
+  output), any other is folded into ``other``, returned as ``(other, scale laid out for
+  it)`` for ``quantize_operand`` to quantize the product.
   """
   if not _is_quantized(saved) or _is_quantized(other):
     return None
