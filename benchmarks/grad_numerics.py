@@ -165,6 +165,7 @@ def main(argv=None) -> int:
   ap.add_argument("--chunk", type=int, default=50, help="keys per vmapped program")
   ap.add_argument("--formats", nargs="+", default=sorted(POLICIES), choices=sorted(POLICIES))
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--results", default=RESULTS, help="JSON lines file the rows are appended to")
   ap.add_argument("--no-save", action="store_true")
   args = ap.parse_args(argv)
 
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
             **extra,
           )
         )
-  save_rows(RESULTS, rows, not args.no_save)
+  save_rows(args.results, rows, not args.no_save)
   return 0
 
 
