@@ -1,6 +1,6 @@
 """Gradient numerics of the 8-bit Dense op: how far its dX and dW sit from float32, per scheme.
 
-  python benchmarks/grad_numerics.py [--shape 256 512 128] [--keys 2000] [--chunk 50] [--no-save]
+  python -m benchmarks.grad_numerics [--shape 256 512 128] [--keys 2000] [--chunk 50] [--no-save]
 
 Y = X·W with X: M×K, W: K×N and an upstream gradient dY (seeded normal draws; W scaled by
 1/√K), under the all-int8 op policy (stochastic gradient rounding) and fp8 with stochastic
@@ -32,20 +32,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from result_rows import result_row, save_rows
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pallas_kernels.quantize import dequantize, quantize  # noqa: E402  (run as a script from the repo root)
-from qsync_jax import OpPolicy, quantized_dot_general  # noqa: E402
-from qsync_jax.qdot import Operand, dlhs_dims, drhs_dims, leg_dot, qformat  # noqa: E402
+from benchmarks.result_rows import result_row, save_rows
+from pallas_kernels.quantize import dequantize, quantize
+from qsync_jax import OpPolicy, quantized_dot_general
+from qsync_jax.qdot import Operand, dlhs_dims, drhs_dims, leg_dot, qformat
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "grad_numerics.jsonl")
 DIMS = (((1,), (0,)), ((), ()))
@@ -234,4 +231,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  raise SystemExit(main())

@@ -2,7 +2,7 @@
 
 import json
 
-import grad_numerics
+from benchmarks import grad_numerics
 
 
 def test_rows_of_every_scheme_and_format(tmp_path, capsys):
