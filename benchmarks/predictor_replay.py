@@ -11,7 +11,7 @@ and memory's over the plans memory is not fitted to (fp32, all-bf16). Nothing is
 compiled: it runs on any machine, so a change of the replay can be scored on GPU runs after the
 GPU is gone. Prints the table and appends the rows tagged ``replay-<run>``.
 
-  python benchmarks/predictor_replay.py --run gpu-run-8-h100 \
+  python -m benchmarks.predictor_replay --run gpu-run-8-h100 \
       --profile-dir benchmarks/results/profiles/predictor_h100_run8
 """
 
@@ -24,18 +24,16 @@ import os
 import sys
 
 import numpy as np
-from result_rows import append_rows, result_row
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.predictor import RESULTS, plans  # noqa: E402  (run as a script from the repo root)
-from benchmarks.step_ops import table_names  # noqa: E402
-from planners.fit import SIXTEEN_BIT_PRESET, fit_profile, fit_remainder, one_device  # noqa: E402
-from planners.graph import QUANTIZED_TRACE_PRESET  # noqa: E402
-from planners.profile import Profile  # noqa: E402
-from planners.replay import predict  # noqa: E402
-from qsync_jax.plan import Plan  # noqa: E402
-from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+from benchmarks.predictor import RESULTS, plans
+from benchmarks.result_rows import append_rows, result_row
+from benchmarks.step_ops import table_names
+from planners.fit import SIXTEEN_BIT_PRESET, fit_profile, fit_remainder, one_device
+from planners.graph import QUANTIZED_TRACE_PRESET
+from planners.profile import Profile
+from planners.replay import predict
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 
 FORMER_META = {
   "sixteen_bit_fit_step_ms": "fit_step_ms",
@@ -90,7 +88,7 @@ def with_in_step_table(prof: Profile, path: str) -> Profile:
   if QUANTIZED_TRACE_PRESET not in tables:
     raise SystemExit(
       f"{path} has no {QUANTIZED_TRACE_PRESET!r} plan (it has {sorted(tables)}). "
-      f"Fix: trace it with benchmarks/step_ops.py --plans {QUANTIZED_TRACE_PRESET}."
+      f"Fix: trace it with python -m benchmarks.step_ops --plans {QUANTIZED_TRACE_PRESET}."
     )
   table, names = tables[QUANTIZED_TRACE_PRESET], table_names(prof.ops)
   traced = {
@@ -148,7 +146,9 @@ def replay_model(prof: Profile, measured: dict[str, dict], refit: bool) -> list[
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.predictor_replay", description=__doc__.splitlines()[0]
+  )
   ap.add_argument("--run", required=True, help="run tag of the measured rows")
   ap.add_argument("--profile-dir", required=True, help="holds <model>.json for every model of the run")
   ap.add_argument("--models", nargs="+", help="default: every model of the run")

@@ -7,8 +7,8 @@ import time
 from planners.allocator import dynamic_batch, greedy, make_problem
 from planners.cli_common import check_model, load_json, load_profiles, progress, table
 from planners.replay import predict
-from qsync_jax.cli_train import load_task
 from qsync_jax.cluster import ClusterSpec
+from qsync_jax.tasks import load_task
 
 HELP = "Plan one precision policy per device group: fastest that fits, then recover sensitive ops."
 

@@ -7,9 +7,9 @@ import json
 from planners.cli_common import check_model, load_profiles, table
 from planners.replay import predict
 from planners.trace import save_chrome_trace, save_png
-from qsync_jax.cli_train import load_task
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
+from qsync_jax.tasks import load_task
 
 HELP = "Predict the synchronous step time and per-group peak memory of a plan (replay simulator)."
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from planners.cli_common import progress, table
 from planners.measure import local_device_type, measure_profile, traced_profile
 from planners.modeled import modeled_profile
-from qsync_jax.cli_train import load_task
 from qsync_jax.errors import UnsupportedPrecisionError
 from qsync_jax.precision import LEGS, supported_precisions
+from qsync_jax.tasks import load_task
 
 HELP = "Measure op × leg × precision costs, casts and memory of a model's training step (JSON)."
 

@@ -58,7 +58,7 @@ def residual_bytes(op: OpShape, op_policy: OpPolicy | None) -> int:
 
 def upcasts_16bit_products(device_type: str) -> bool:
   """Whether the runtime runs bf16/fp16 legs on ``device_type`` as fp32 products of 16-bit-rounded
-  values (``qsync_jax.qdot.leg_dot`` does so on XLA:CPU, which lacks some 16-bit products)."""
+  values (``qsync_jax.qdot.leg_dot`` on XLA:CPU)."""
   return device_type == "cpu"
 
 
@@ -144,16 +144,35 @@ def forward_extra_bytes(
   """Bytes one op's forward holds at its busiest beyond what the fp32 op's forward holds.
 
   A float op: what it keeps beyond the fp32 op (``kept_bytes`` minus the fp32 residual). An
-  int8/fp8 forward, all live at once: an im2col conv's fp32 patch matrix, its GEMM operands (1
-  byte per element, 4 where fp8 GEMMs run on fp32 copies: ``dequantized_fp8``) and the
-  activation residual in its kept form (at least fp32 with ``upcast_16bit``).
+  int8/fp8 forward: the larger of its two busiest moments (``_busiest_forward``).
   """
   kept = kept_bytes(op, op_policy, upcast_16bit, lhs_differentiated, dequantized_fp8)
   delta = kept - residual_bytes(op, None)
   if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
     return int(delta)
+  return _busiest_forward(op, op_policy, upcast_16bit, dequantized_fp8, delta)
+
+
+def _busiest_forward(
+  op: OpShape, op_policy: OpPolicy, upcast_16bit: bool, dequantized_fp8: bool, kept: int
+) -> int:
+  """An int8/fp8 forward's busiest bytes, the larger of two moments: its GEMM (an im2col conv's
+  fp32 patches and the GEMM operands, beside ``kept`` or, if larger, the activation residual
+  where XLA computes it dequantized in the forward, ``_dequantized_in_forward``); and on
+  XLA:CPU (``upcast_16bit``) an im2col conv's stacking of its patches beside as many fp32
+  elements of strided input slices."""
   act = saved_activation_elems(op, op_policy) * op.calls
-  return int(_patches_and_operands(op, op_policy, dequantized_fp8) + max(delta, 4 * act * upcast_16bit))
+  dequantized = 4 * act * _dequantized_in_forward(op_policy, upcast_16bit, dequantized_fp8)
+  gemm = _patches_and_operands(op, op_policy, dequantized_fp8) + max(kept, dequantized)
+  stacking = 2 * 4 * act if upcast_16bit and op.kind == "conv" else 0
+  return int(max(gemm, stacking))
+
+
+def _dequantized_in_forward(op_policy: OpPolicy, upcast_16bit: bool, dequantized_fp8: bool) -> bool:
+  """Whether XLA computes an int8/fp8 forward's activation residual as fp32 in the forward: an
+  fp8 one where fp8 GEMMs run on fp32 copies (``dequantized_fp8``), and on XLA:CPU
+  (``upcast_16bit``) one the drhs leg reads in another precision."""
+  return (dequantized_fp8 and op_policy.fwd == "fp8") or (upcast_16bit and op_policy.drhs != op_policy.fwd)
 
 
 def _patches_and_operands(op: OpShape, op_policy: OpPolicy, dequantized_fp8: bool) -> int:

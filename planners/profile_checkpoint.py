@@ -1,10 +1,7 @@
 """A profile measured so far: the op timings ``measure_profile`` has taken, kept in a JSON file
-after every op, so that an interrupted profile (a time limit, a lost machine) resumes where it
-stopped instead of starting over.
-
-The file holds the measurement settings next to the timings; it is only read back under the
-same settings (model, batch, device, precisions, repeats, clocks, precast, seed and the op
-list). Writes replace the file atomically, so a kill mid-write leaves the previous version.
+after every op, so that an interrupted profile resumes where it stopped. The file holds the
+measurement settings next to the timings and is only read back under the same settings; writes
+replace it atomically, so a kill mid-write leaves the previous version.
 """
 
 from __future__ import annotations
@@ -16,13 +13,6 @@ from typing import Any
 from qsync_jax.errors import CheckpointError
 
 FORMAT = "qsync-profile-partial/1"
-
-
-def differences(saved: dict[str, Any], now: dict[str, Any], keys) -> str:
-  """``"key: saved …, now …; …"`` for each of ``keys`` whose setting differs; ``""`` if none."""
-  return "; ".join(
-    f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(keys) if saved.get(k) != now.get(k)
-  )
 
 
 def load_partial(path: str | None, settings: dict[str, Any]) -> tuple[dict[str, dict], list[str]]:
@@ -42,7 +32,11 @@ def load_partial(path: str | None, settings: dict[str, Any]) -> tuple[dict[str, 
       f"profile checkpoint {path} cannot be read ({type(e).__name__}: {e}). "
       "Fix: delete it to measure the profile from the start."
     ) from None
-  detail = differences(saved, settings, {*settings, *saved})
+  detail = "; ".join(
+    f"{k}: saved {saved.get(k)!r}, now {settings.get(k)!r}"
+    for k in sorted({*settings, *saved})
+    if saved.get(k) != settings.get(k)
+  )
   if detail:
     raise CheckpointError(
       f"profile checkpoint {path} was measured under other settings ({detail}). "

@@ -3,9 +3,9 @@
 import dataclasses
 import json
 
-import models
 import pytest
 
+from benchmarks import models
 from planners.profile import Profile
 from tests.benchmarks import result, write_rows
 

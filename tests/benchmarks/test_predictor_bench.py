@@ -4,9 +4,9 @@ numbers are noise; the test checks what is timed, fitted and written)."""
 import dataclasses
 import json
 
-import predictor
 import pytest
 
+from benchmarks import predictor
 from planners.fit import fit_profile
 from planners.profile import Profile
 from planners.replay import predict

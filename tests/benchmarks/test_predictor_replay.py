@@ -3,9 +3,9 @@
 import dataclasses
 import json
 
-import predictor_replay
 import pytest
 
+from benchmarks import predictor_replay
 from planners.fit import fit_profile, fit_remainder, one_device
 from planners.replay import predict
 from qsync_jax.plan import Plan

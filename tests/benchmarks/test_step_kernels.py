@@ -3,8 +3,9 @@
 import json
 
 import pytest
-import step_kernels
-from step_kernels import KernelSummary
+
+from benchmarks import step_kernels
+from benchmarks.step_kernels import KernelSummary
 
 FAKE = KernelSummary(
   ms=2.0,
