@@ -8,6 +8,7 @@ name               model / data                                                 
 ``lm``             causal transformer LM on the Python stdlib source (bytes)    ``LMConfig``
 ``resnet_cifar10`` ResNet on CIFAR-10 from ``data_dir`` (python-pickle batches)  ``ResNetCifar10Config``
 ``resnet_synthetic`` ResNet on random images (step timing; ResNet-18 at 224×224)  ``ResNetSyntheticConfig``
+``lm_synthetic``   causal transformer LM on random tokens (step timing)          ``LMSyntheticConfig``
 =================  ===========================================================  ==========
 
 Defaults are tiny (a 4-device CPU training step well under a second); overrides give the
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from examples.tasks.language import stdlib_lm
+from examples.tasks.language import stdlib_lm, synthetic_lm
 from examples.tasks.vision import resnet_cifar10, resnet_digits, resnet_synthetic, vgg_digits
 from qsync_jax.errors import QsyncError
 from qsync_jax.task import Task
@@ -37,6 +38,7 @@ TASKS: dict[str, Callable[..., Task]] = {
   "lm": stdlib_lm,
   "resnet_cifar10": resnet_cifar10,
   "resnet_synthetic": resnet_synthetic,
+  "lm_synthetic": synthetic_lm,
 }
 
 

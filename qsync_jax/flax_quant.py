@@ -22,7 +22,9 @@ output head, ``query · tableᵀ``) is a GEMM like a Dense layer's. A tap sees t
 product ``one_hot(ids) · table`` it equals (``lhs`` the one-hot, built only for the tap).
 
 (The projections of an attention module are ``DenseGeneral`` children, named e.g.
-``Block_0/attn/query``.) The module is re-bound to its own scope with the hook set
+``Block_0/attn/query``. Inside ``qsync_jax.qattention.fused_attention()``, an attention whose
+two products are at one 16-bit float type runs ``jax.nn.dot_product_attention`` through
+Flax's ``attention_fn=`` hook instead.) The module is re-bound to its own scope with the hook set
 (``module.clone(parent=module.scope, ...)``), so parameters, names and RNG streams are
 those of the plain model. An op no rule matches is not touched: the plain model's code runs,
 bit-identical. Stochastic rounding draws keys from the ``"qsync"`` RNG stream
@@ -40,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qsync_jax import qattention
 from qsync_jax.policy import PrecisionPolicy, op_name
 from qsync_jax.precision import OpPolicy
 from qsync_jax.qconv import quantized_conv_general_dilated
@@ -233,12 +236,17 @@ class _Interceptor:
         module, method, args, kwargs, conv_general_dilated=op, conv_general_dilated_cls=None
       )
     if isinstance(module, nn.MultiHeadDotProductAttention) and method == "__call__":
-      if getattr(module.qk_attn_weights_einsum_cls, "_qsync", False):
+      if getattr(module.qk_attn_weights_einsum_cls, "_qsync", False) or getattr(
+        module.attention_fn, "_qsync", False
+      ):
         return next_fun(*args, **kwargs)
       qk = self._make(QuantizedEinsum, module, "attention_qk")
       pv = self._make(QuantizedEinsum, module, "attention_pv")
       if qk is None and pv is None:
         return next_fun(*args, **kwargs)
+      fused = qattention.fused_dtype(qk and qk.op_policy, pv and pv.op_policy)
+      if fused is not None and module.attention_fn is nn.dot_product_attention and module.dropout_rate == 0:
+        return self._rebind(module, method, args, kwargs, attention_fn=qattention.attention_fn(fused))
       # Flax needs both einsums or neither: an unquantized one keeps jnp.einsum's numerics.
       return self._rebind(
         module,

@@ -121,6 +121,8 @@ def quantized_embed_lookup(
   table_scale = None
   if op_policy.fwd in QUANTIZED_PRECISIONS:
     fmt = qformat(op_policy.fwd, False)
-    table_scale = jax.lax.stop_gradient(absmax_scale(table, fmt, _scale_axes(table.ndim, op_policy.granularity)))
+    table_scale = jax.lax.stop_gradient(
+      absmax_scale(table, fmt, _scale_axes(table.ndim, op_policy.granularity))
+    )
   keys = (None, None) if key is None else tuple(jax.random.split(key))
   return _rounded_rows(rows, table_scale, op_policy, keys)

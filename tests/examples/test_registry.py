@@ -24,7 +24,7 @@ def test_registry_names():
   assert {"resnet", "vgg", "lm", "resnet_cifar10"} <= set(TASKS)
 
 
-@pytest.mark.parametrize("name", ["resnet", "vgg", "lm"])
+@pytest.mark.parametrize("name", ["resnet", "vgg", "lm", "lm_synthetic", "resnet_synthetic"])
 def test_train_batches_are_deterministic_given_the_seed(name):
   task = get_task(name)
   assert isinstance(task, Task)

@@ -169,7 +169,9 @@ def test_uniform_bf16_on_the_example_lm_differs_only_by_the_lookup_rounding():
   float32: a bf16 policy rounds the looked-up rows to bf16 (and the table gradients), which
   the plain model does not; every other op is the plain program."""
   ids = jax.random.randint(jax.random.key(0), (2, 9), 0, VOCAB)
-  model = TransformerLM(vocab_size=VOCAB, d_model=32, num_heads=2, num_layers=1, max_len=8, dtype=jnp.bfloat16)
+  model = TransformerLM(
+    vocab_size=VOCAB, d_model=32, num_heads=2, num_layers=1, max_len=8, dtype=jnp.bfloat16
+  )
   plain = step_jaxpr(model, None, ids)
   no_lookup_rounding = PrecisionPolicy(
     rules=(Rule(".*", OpPolicy.preset("fp32"), kind="embed"),), default=OpPolicy.preset("bf16")
