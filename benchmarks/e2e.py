@@ -59,6 +59,7 @@ import gc
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -189,18 +190,24 @@ def jaxpr_stats(jaxpr) -> dict:
   return {**counts, "distinct_pallas_kernels": len(kernels)}
 
 
-def custom_call_stats(module_text: str) -> dict:
-  """Custom calls of a lowered (StableHLO) module by target, and how many distinct bodies
-  (backend configs) each target has."""
+def custom_call_stats(lowered_text: str, compiled_text: str) -> dict:
+  """Custom calls (our Pallas kernels among them) by target: in the lowered StableHLO module,
+  how many distinct kernels (bodies and launch parameters) among them, and in XLA's compiled
+  module (fewer there: XLA merged identical calls on the same operands, e.g. the same
+  activation quantized for the query, key and value projections)."""
   calls, bodies = collections.Counter(), collections.defaultdict(set)
-  for line in module_text.splitlines():
-    if "stablehlo.custom_call" not in line:
+  for line in lowered_text.splitlines():
+    if "stablehlo.custom_call @" not in line:
       continue
-    target = line.split("@", 1)[1].split("(", 1)[0] if "@" in line else "?"
+    target = line.split("stablehlo.custom_call @", 1)[1].split("(", 1)[0]
     calls[target] += 1
-    config = line.split("backend_config", 1)[1][:4000] if "backend_config" in line else ""
-    bodies[target].add(hash(config))
-  return {"custom_calls": dict(calls), "distinct_custom_call_bodies": {k: len(v) for k, v in bodies.items()}}
+    bodies[target].add(hash(re.sub(r"%[\w#:]+", "", line.split("=", 1)[-1])))
+  compiled = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled_text))
+  return {
+    "custom_calls": dict(calls),
+    "distinct_custom_call_bodies": {k: len(v) for k, v in bodies.items()},
+    "compiled_custom_calls": dict(compiled),
+  }
 
 
 def device_peak_bytes() -> int | None:
@@ -223,7 +230,7 @@ def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only:
   built = build(task, policy_name, batch)
   out = {f"{k[:-2]}_s": v for k, v in built.seconds.items()}  # trace_s, lower_s, compile_s
   out.update(jaxpr_stats(built.traced.jaxpr))
-  out.update(custom_call_stats(built.lowered.as_text()))
+  out.update(custom_call_stats(built.lowered.as_text(), built.compiled.as_text()))
   t0 = time.perf_counter()
   jax.block_until_ready(built.run())
   out["first_call_s"] = time.perf_counter() - t0
@@ -511,6 +518,7 @@ def run_unit(unit: Unit, args) -> list[dict]:
       **extra,
       **{k: res.get(k, 0) for k in structure[1:]},
       distinct_custom_call_bodies=res.get("distinct_custom_call_bodies", {}),
+      compiled_custom_calls=res.get("compiled_custom_calls", {}),
     )
     row(
       case,
