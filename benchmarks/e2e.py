@@ -64,6 +64,7 @@ import signal
 import subprocess
 import sys
 import time
+import unittest.mock
 import uuid
 
 import flax.linen as nn
@@ -75,6 +76,7 @@ from jax import lax
 
 from benchmarks.result_rows import append_rows, result_row
 from examples.registry import get_task
+from pallas_kernels.gemm import api as gemm_api
 from planners import step
 from planners.steptrace import entry_instructions, kernels_by, traced_events
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantized_conv_general_dilated
@@ -218,10 +220,76 @@ def device_peak_bytes() -> int | None:
 # -- one training step cell -----------------------------------------------------------------
 
 
-def build(task, policy_name: str, batch):
-  context = fused_attention() if policy_name in FUSED_ATTENTION else contextlib.nullcontext()
-  with context:
-    return step.build_train_step(task, POLICIES[policy_name], batch, optimizer())
+GEMM_IMPLS = ("auto", "pallas", "mosaic", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """A policy and how its step is built: ``name[@key=value;...]`` (``parse_variant``).
+
+  Attributes:
+    policy: a key of ``POLICIES``.
+    gemm: the 8-bit GEMM implementation forced while tracing (``auto``: the api's choice).
+    short_k: the api's ``SHORT_K`` while tracing (None: as it is).
+    xla: XLA compile options (``xla_...``) of the step.
+  """
+
+  policy: str
+  gemm: str = "auto"
+  short_k: int | None = None
+  xla: tuple[tuple[str, object], ...] = ()
+
+
+def parse_variant(text: str) -> Variant:
+  """``int8_dense@gemm=pallas;xla_gpu_autotune_level=0`` → ``Variant``; ``SystemExit`` naming
+  what is wrong."""
+  name, _, options = text.partition("@")
+  if name not in POLICIES:
+    raise SystemExit(f"--plan / --policies: unknown policy {name!r}. Fix: use one of {sorted(POLICIES)}.")
+  fields = {"policy": name}
+  xla = []
+  for item in filter(None, options.split(";")):
+    key, _, value = item.partition("=")
+    if key == "gemm" and value in GEMM_IMPLS:
+      fields["gemm"] = value
+    elif key == "short_k" and value.isdigit():
+      fields["short_k"] = int(value)
+    elif key.startswith("xla_") and value:
+      xla.append(
+        (key, int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value))
+      )
+    else:
+      raise SystemExit(
+        f"policy {text!r}: option {item!r} is not gemm=({'|'.join(GEMM_IMPLS)}), short_k=N or xla_<option>=value."
+      )
+  return Variant(**fields, xla=tuple(xla))
+
+
+def build(task, policy_spec: str, batch):
+  """The training step of ``task`` under ``policy_spec`` (a ``Variant``'s text), built and compiled."""
+  v = parse_variant(policy_spec)
+  with contextlib.ExitStack() as stack:
+    if v.policy in FUSED_ATTENTION:
+      stack.enter_context(fused_attention())
+    if v.gemm != "auto":
+      stack.enter_context(gemm_api.use_impl(v.gemm))
+    if v.short_k is not None:
+      stack.enter_context(unittest.mock.patch.object(gemm_api, "SHORT_K", v.short_k))
+    return step.build_train_step(
+      task,
+      POLICIES[v.policy],
+      batch,
+      optimizer(),
+      compiler_options=dict(v.xla) or None,
+      variables=init(task, batch),
+    )
+
+
+def init(task, batch):
+  """The model's variables, initialised by one jitted program (op by op, a 4096-wide GPT's
+  initialisation dispatches and compiles hundreds of small programs)."""
+  init_fn = jax.jit(lambda key, inputs: task.model.init(key, *inputs, **task.train_kwargs))
+  return init_fn(jax.random.key(0), task.inputs(batch))
 
 
 def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only: bool, repeat_compile: bool):
@@ -459,8 +527,7 @@ def parse_plan(text: str, args) -> list[Unit]:
       raise SystemExit(f"--plan: unknown unit {item!r}. Fix: use gpt, cnn, profile, attention or conv.")
     for u in units:
       for p in u.policies:
-        if p not in POLICIES:
-          raise SystemExit(f"--plan / --policies: unknown policy {p!r}. Fix: use one of {sorted(POLICIES)}.")
+        parse_variant(p)
   return units
 
 
@@ -596,7 +663,7 @@ def child_command(unit: Unit, args, remaining_s: float) -> list[str]:
   if args.compilation_cache:
     cmd += [
       "--compilation-cache",
-      os.path.join(args.compilation_cache, unit.name.replace(":", "_").replace("+", "_")),
+      os.path.join(args.compilation_cache, re.sub(r"[^\w.-]", "_", unit.name)),
     ]
   return cmd
 

@@ -215,11 +215,18 @@ class BuiltStep:
 
 
 def build_train_step(
-  task: Task, policy: PrecisionPolicy, batch, optimizer=None, seed: int = 0, compiler_options=None
+  task: Task,
+  policy: PrecisionPolicy,
+  batch,
+  optimizer=None,
+  seed: int = 0,
+  compiler_options=None,
+  variables=None,
 ) -> BuiltStep:
-  """The training step of ``compile_train_step``, with its stages (``BuiltStep``)."""
+  """The training step of ``compile_train_step``, with its stages (``BuiltStep``); it starts
+  from ``variables`` if given (else ``init_variables(task, batch, seed)``)."""
   optimizer = optimizer or default_optimizer()
-  variables = init_variables(task, batch, seed)
+  variables = init_variables(task, batch, seed) if variables is None else variables
   opt_state = optimizer.init(variables["params"])
   step = make_train_step(task, policy, optimizer)
   key = jax.random.key(seed)
