@@ -645,26 +645,30 @@ def estimate_s(unit: Unit, done: dict[str, list[float]], backend: str) -> float:
   return UNIT_ESTIMATE_S.get(key, 60) if backend == "gpu" else 0.0
 
 
-def child_command(unit: Unit, args, remaining_s: float) -> list[str]:
-  cmd = [sys.executable, "-m", "benchmarks.e2e", "--plan", unit.name, "--run-id", args.run_id]
-  cmd += [
-    "--steps",
-    str(args.steps),
-    "--out-jsonl",
-    args.out_jsonl,
-    "--budget-s",
-    str(int(remaining_s)),
-    "--child",
-  ]
+def unit_groups(units: list[Unit], isolate: bool) -> list[list[Unit]]:
+  """Units run together: each alone, except that with ``isolate`` consecutive units of one
+  section other than the step cells (profile, attention, conv) share a process."""
+  groups: list[list[Unit]] = []
+  for unit in units:
+    shared = isolate and unit.section not in ("gpt", "cnn")
+    if shared and groups and groups[-1][0].section == unit.section:
+      groups[-1].append(unit)
+    else:
+      groups.append([unit])
+  return groups
+
+
+def child_command(group: list[Unit], args, remaining_s: float) -> list[str]:
+  """The command that runs ``group`` in a fresh process, its rows appended to the same file."""
+  plan = ",".join(u.name for u in group)
+  cmd = [sys.executable, "-m", "benchmarks.e2e", "--plan", plan, "--run-id", args.run_id, "--child"]
+  cmd += ["--steps", str(args.steps), "--out-jsonl", args.out_jsonl, "--budget-s", f"{remaining_s:.0f}"]
   cmd += ["--widths", *map(str, args.widths), "--policies", *args.policies]
   for flag in ("compile_only", "repeat_compile", "tiny"):
     if getattr(args, flag):
       cmd.append("--" + flag.replace("_", "-"))
   if args.compilation_cache:
-    cmd += [
-      "--compilation-cache",
-      os.path.join(args.compilation_cache, re.sub(r"[^\w.-]", "_", unit.name)),
-    ]
+    cmd += ["--compilation-cache", os.path.join(args.compilation_cache, re.sub(r"[^\w.-]", "_", plan))]
   return cmd
 
 
@@ -797,34 +801,35 @@ def main(argv=None) -> int:
   args.backend, args.device = backend_and_device(args.isolate)
   say(f"run {args.run_id}: {len(units)} units on {args.backend} ({args.device}), budget {args.budget_s} s")
   try:
-    for unit in units:
+    for group in unit_groups(units, args.isolate):
       remaining = args.budget_s - (time.perf_counter() - t_start)
-      need = estimate_s(unit, done, args.backend)
+      need = estimate_s(group[0], done, args.backend)
       if need > remaining:
         reason = f"budget: needs ~{need:.0f} s, {remaining:.0f} s left"
-        emit([skip_row(unit, args, "skipped", reason)], args)
-        say(f"{unit.name}: skipped ({reason})")
+        emit([skip_row(unit, args, "skipped", reason) for unit in group], args)
+        say(f"{', '.join(u.name for u in group)}: skipped ({reason})")
         continue
       t0 = time.perf_counter()
       try:
         if args.isolate:
-          proc = subprocess.run(child_command(unit, args, remaining), timeout=max(remaining, 1), check=False)
+          timeout = max(remaining, 1) if math.isfinite(remaining) else None
+          proc = subprocess.run(child_command(group, args, remaining), timeout=timeout, check=False)
           if proc.returncode != 0:
             raise RuntimeError(f"exit status {proc.returncode}")
         else:
-          emit(run_unit(unit, args), args)
+          emit(run_unit(group[0], args), args)
       except subprocess.TimeoutExpired:
-        emit(
-          [skip_row(unit, args, "failed", f"stopped at the budget after {time.perf_counter() - t0:.0f} s")],
-          args,
-        )
+        reason = f"stopped at the budget after {time.perf_counter() - t0:.0f} s"
+        emit([skip_row(unit, args, "failed", reason) for unit in group], args)
       except OutOfTime:
         raise
       except Exception as e:  # noqa: BLE001 - one failing unit is reported, the rest still run
-        emit([skip_row(unit, args, "failed", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")], args)
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        emit([skip_row(unit, args, "failed", reason) for unit in group], args)
       took = time.perf_counter() - t0
-      done.setdefault(unit.policies[0] if unit.policies else unit.section, []).append(took)
-      say(f"{unit.name}: {took:.0f} s")
+      for unit in group:
+        done.setdefault(unit.policies[0] if unit.policies else unit.section, []).append(took / len(group))
+      say(f"{', '.join(u.name for u in group)}: {took:.0f} s")
   except (OutOfTime, KeyboardInterrupt) as e:
     say(f"stopped: {e}")
   if not args.child:
