@@ -8,7 +8,7 @@ name               model / data                                                 
 ``lm``             causal transformer LM on the Python stdlib source (bytes)    ``LMConfig``
 ``resnet_cifar10`` ResNet on CIFAR-10 from ``data_dir`` (python-pickle batches)  ``ResNetCifar10Config``
 ``resnet_synthetic`` ResNet on random images (step timing; ResNet-18 at 224×224)  ``ResNetSyntheticConfig``
-``lm_synthetic``   causal transformer LM on random tokens (step timing)          ``LMSyntheticConfig``
+``lm_synthetic``   causal transformer LM on random tokens (step timing)          ``SyntheticLMConfig``
 =================  ===========================================================  ==========
 
 Defaults are tiny (a 4-device CPU training step well under a second); overrides give the

@@ -1,5 +1,4 @@
-"""Causal language modelling: on the Python standard library's source (byte-level), or on
-random tokens (step timing)."""
+"""Causal language modelling on the Python standard library's source (byte-level)."""
 
 from __future__ import annotations
 
@@ -64,9 +63,14 @@ def stdlib_lm(**overrides) -> Task:
 
 
 @dataclasses.dataclass(frozen=True)
-class LMSyntheticConfig:
-  """A GPT-style causal LM on uniform random tokens, for step timing (no held-out split: the
-  tokens are noise)."""
+class SyntheticLMConfig:
+  """Causal LM on uniform random tokens, for step timing and planning at real size (the loss
+  cannot fall below log(vocab_size): there is nothing to learn, and no held-out split).
+
+  GPT-2 medium (355M parameters): ``vocab_size=50257, d_model=1024, num_heads=16,
+  num_layers=24, seq_len=1024``; BERT-base-sized: ``vocab_size=30522, d_model=768,
+  num_heads=12, num_layers=12, seq_len=128`` (or 512).
+  """
 
   vocab_size: int = 256
   d_model: int = 64
@@ -75,15 +79,15 @@ class LMSyntheticConfig:
   seq_len: int = 64
 
 
-def random_token_batches(cfg: LMSyntheticConfig, batch_size: int, seed: int):
-  """Uniform random ``{"tokens": int32[batch, seq_len + 1]}``, deterministic given ``seed``, forever."""
+def uniform_token_batches(cfg: SyntheticLMConfig, batch_size: int, seed: int):
+  """``{"tokens": int32[batch, seq_len + 1]}`` drawn uniformly, deterministic given ``seed``, forever."""
   rng = np.random.default_rng(seed)
   while True:
     yield {"tokens": rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1)).astype(np.int32)}
 
 
 def synthetic_lm(**overrides) -> Task:
-  cfg = make_config(LMSyntheticConfig, overrides, "lm_synthetic")
+  cfg = make_config(SyntheticLMConfig, overrides, "lm_synthetic")
   model = TransformerLM(
     vocab_size=cfg.vocab_size,
     d_model=cfg.d_model,
@@ -96,5 +100,5 @@ def synthetic_lm(**overrides) -> Task:
     model=model,
     inputs=lm_inputs,
     loss=lm_loss,
-    train_batches=functools.partial(random_token_batches, cfg),
+    train_batches=functools.partial(uniform_token_batches, cfg),
   )

@@ -25,3 +25,13 @@ def test_resnet_parameter_counts_match_the_published_models(stage_sizes, block, 
 def test_resnet_rejects_an_unknown_block():
   with pytest.raises(ValueError, match="block='wide'"):
     _param_count(ResNet(block="wide"), jnp.zeros((1, 8, 8, 1)), train=False)
+
+
+def test_gpt2_medium_sized_synthetic_lm_has_355m_parameters():
+  from examples.tasks.language import synthetic_lm
+
+  task = synthetic_lm(vocab_size=50257, d_model=1024, num_heads=16, num_layers=24, seq_len=1024)
+  batch = next(task.train_batches(2, 0))
+  assert batch["tokens"].shape == (2, 1025) and batch["tokens"].max() < 50257
+  # GPT-2 medium ties its head to the token embedding (354.8M); this model's head is untied.
+  assert _param_count(task.model, *task.inputs(batch)) == pytest.approx(355e6 + 50257 * 1024, rel=0.01)
