@@ -78,7 +78,7 @@ from benchmarks.result_rows import append_rows, result_row
 from examples.registry import get_task
 from pallas_kernels.gemm import api as gemm_api
 from planners import step
-from planners.steptrace import entry_instructions, kernels_by, traced_events
+from planners.steptrace import kernels_by, traced_events
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantized_conv_general_dilated
 from qsync_jax.flax_quant import QuantizedEinsum
 from qsync_jax.qattention import fused_attention
@@ -344,6 +344,16 @@ def kernel_kind(name: str) -> str:
   return next((kind for kind, marks in KERNEL_KINDS if any(m in lower for m in marks)), "other_fusion")
 
 
+def instruction_stacks(hlo: str) -> dict[str, str]:
+  """``{instruction name: JAX name stack}`` of every instruction of a compiled module (fusions
+  sit inside command-buffer computations on a GPU, not only in ENTRY), keyed as XLA:GPU names
+  their kernels (``.`` written ``_``)."""
+  out = {}
+  for m in re.finditer(r'^\s*(?:ROOT )?%(\S+) = [^\n]*?op_name="([^"]*)"', hlo, re.M):
+    out[m.group(1).replace(".", "_")] = m.group(2)
+  return out
+
+
 def profile_cell(task, batch_size: int, policy_name: str, repeats: int = 5) -> dict:
   """GPU kernel time of one step: total, per ``kernel_kind``, and the 40 largest kernels with
   the JAX name stack of the HLO instruction of the same name (where there is one)."""
@@ -352,7 +362,7 @@ def profile_cell(task, batch_size: int, policy_name: str, repeats: int = 5) -> d
   jax.block_until_ready(built.run())
   events = traced_events(lambda: jax.block_until_ready(built.run()), repeats)
   per_kernel = kernels_by(events, repeats)
-  stacks = {ins.name: ins.op_name for ins in entry_instructions(built.compiled.as_text())}
+  stacks = instruction_stacks(built.compiled.as_text())
   kinds = collections.defaultdict(lambda: [0.0, 0.0])
   for name, (ms, n) in per_kernel.items():
     kinds[kernel_kind(name)][0] += ms
@@ -364,7 +374,7 @@ def profile_cell(task, batch_size: int, policy_name: str, repeats: int = 5) -> d
     "by_kind": {
       k: {"ms": v[0], "launches": v[1]} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])
     },
-    "top": [[name, ms, n, stacks.get(name, "")[-160:]] for name, (ms, n) in top],
+    "top": [[name, ms, n, stacks.get(name.replace(".", "_"), "")[-160:]] for name, (ms, n) in top],
   }
 
 
