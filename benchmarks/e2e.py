@@ -10,12 +10,12 @@ the ResNet cells):
 
 * ``gpt[:WIDTH[:POLICY+POLICY...]]`` — one training step cell per width and policy (default:
   ``--widths`` × ``--policies``). The model is the examples' ``TransformerLM`` on random tokens
-  (task ``lm_synthetic``) with every module in bf16 (``dtype=jnp.bfloat16``, float32
+  (``examples.tasks.language.synthetic_lm``) with every module in bf16 (``dtype=jnp.bfloat16``, float32
   parameters): token and position ``nn.Embed``, pre-LN blocks of
   ``nn.MultiHeadDotProductAttention`` and a 4d GELU MLP of ``nn.Dense``, an untied ``nn.Dense``
   head; vocabulary 32768, sequence 1024 × batch 8 = 8192 tokens per step, 4 blocks, heads of
   64 (d ≤ 1024) or 128 dims; AdamW.
-* ``cnn[:POLICY+...]`` — ResNet-50 (bottleneck blocks, task ``resnet_synthetic``) on random
+* ``cnn[:POLICY+...]`` — ResNet-50 (bottleneck blocks, ``examples.tasks.vision.resnet_synthetic``) on random
   224×224 images, batch 32, bf16 modules; policies ``CNN_POLICIES``.
 * ``profile[:WIDTH[:POLICY+...]]`` — the GPU kernels of one GPT step (default: the first
   width, ``plain`` and ``int8_dense``): time per kernel and per kind of kernel
@@ -75,7 +75,8 @@ import optax
 from jax import lax
 
 from benchmarks.result_rows import append_rows, result_row
-from examples.registry import get_task
+from examples.tasks.language import synthetic_lm
+from examples.tasks.vision import resnet_synthetic
 from pallas_kernels.gemm import api as gemm_api
 from planners import step
 from planners.steptrace import kernels_by, traced_events
@@ -141,7 +142,7 @@ def gpt_task(width: int, tiny: bool):
     cfg = dict(vocab_size=32768, d_model=width, num_heads=width // (64 if width <= 1024 else 128))
     cfg.update(num_layers=4, seq_len=1024)
     batch = 8
-  task = get_task("lm_synthetic", **cfg)
+  task = synthetic_lm(**cfg)
   return dataclasses.replace(task, model=task.model.clone(dtype=jnp.bfloat16)), batch
 
 
@@ -154,7 +155,7 @@ def cnn_task(tiny: bool):
     cfg = dict(image_size=224, stage_sizes=(3, 4, 6, 3), widths=(64, 128, 256, 512), block="bottleneck")
     cfg.update(num_classes=1000, imagenet_stem=True)
     batch = 32
-  task = get_task("resnet_synthetic", **cfg)
+  task = resnet_synthetic(**cfg)
   return dataclasses.replace(task, model=task.model.clone(dtype=jnp.bfloat16)), batch
 
 
