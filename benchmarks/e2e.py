@@ -287,10 +287,13 @@ def build(task, policy_spec: str, batch):
 
 
 def init(task, batch):
-  """The model's variables, initialised by one jitted program (op by op, a 4096-wide GPT's
-  initialisation dispatches and compiles hundreds of small programs)."""
+  """The model's variables, initialised by one jitted program on the batch's first example
+  (no variable depends on the batch size), compiled without GEMM autotuning: op by op, a
+  4096-wide GPT's initialisation dispatches and compiles hundreds of small programs."""
+  inputs = jax.tree.map(lambda x: x[:1], task.inputs(batch))
   init_fn = jax.jit(lambda key, inputs: task.model.init(key, *inputs, **task.train_kwargs))
-  return init_fn(jax.random.key(0), task.inputs(batch))
+  options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
+  return init_fn.lower(jax.random.key(0), inputs).compile(options)(jax.random.key(0), inputs)
 
 
 def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only: bool, repeat_compile: bool):
