@@ -30,9 +30,8 @@ peak fits ``other_bytes_16bit``."""
 
 
 def fit_preset(precisions: Sequence[str]) -> str:
-  """The uniform preset whose step fits the remainder: ``SIXTEEN_BIT_PRESET`` where profiled
-  (its step is as fast as a plan gets without quantizing, so its remainder is the step's own
-  overhead), else fp32."""
+  """The uniform preset whose step fits the remainder: ``SIXTEEN_BIT_PRESET`` where profiled,
+  else fp32."""
   return SIXTEEN_BIT_PRESET if SIXTEEN_BIT_PRESET in precisions else "fp32"
 
 

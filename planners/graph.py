@@ -144,13 +144,11 @@ def buckets(profile: Profile, bucket_bytes: int, order: str = "tree") -> list[tu
   """``[(index of the op whose drhs completes the bucket, fp32 gradient bytes)]``, in the order
   the collectives run (the one completed first first).
 
-  The weights are packed greedily, in ``order``, into buckets of at most ``bucket_bytes`` (a
-  weight larger than that is a bucket of its own; ``qsync_jax.sync.allreduce.pack``, as the
-  all-reduce packs its own buckets): ``"tree"`` — parameter-tree order
-  (``tree_position``), as XLA's all-reduce combiner packs the operands of the trainer's
-  ``psum``; ``"backward"`` — the order the backward pass produces them. A bucket is complete
-  when the earliest of its ops in the forward (the latest in the backward) has its gradient.
-  The parameters outside quantizable ops (biases, norms) join the bucket completed last.
+  The weights are packed greedily (``qsync_jax.sync.allreduce.pack``) into buckets of at most
+  ``bucket_bytes`` in ``order``: ``"tree"`` — parameter-tree order (``tree_position``), as XLA's
+  combiner packs the trainer's ``psum``; ``"backward"`` — the order the backward produces them.
+  A bucket is complete when its earliest op in the forward has its gradient. The parameters
+  outside quantizable ops (biases, norms) join the bucket completed last.
   """
   if order not in ("tree", "backward"):
     raise ValueError(f"bucket order {order!r} must be 'tree' or 'backward'.")

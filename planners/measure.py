@@ -66,6 +66,15 @@ def task_ops(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, tupl
   return batch, variables, tuple(collect_ops(task.model, variables, *task.inputs(batch), **kwargs))
 
 
+def memory_sizes(params, opt_state, batch) -> dict[str, int]:
+  """A profile's ``memory``: the sizes measured, ``other_bytes`` not fitted yet."""
+  sizes = {
+    f"{k}_bytes": timing.tree_bytes(v)
+    for k, v in (("param", params), ("opt_state", opt_state), ("batch", batch))
+  }
+  return {**sizes, "other_bytes": 0}
+
+
 def policy_key(preset: str, op: OpShape) -> tuple:
   """Cache key of one whole-policy timing: ops of equal kind and shapes share it."""
   return (preset, op.kind, op.lhs_shape, op.rhs_shape, op.batch, op.m, op.k, op.n)
@@ -103,11 +112,9 @@ def measure_profile(
   checkpoint: str | None = None,
   fit_rounds: int = 3,
 ) -> Profile:
-  """Measures the profile of ``task`` at ``batch_per_device`` on the local device; see the
-  module docstring. ``clock``: of the fit step (``timing.CLOCKS``, or ``pipelined``; default
-  ``timing.default_step_clock()``); ``repeats``: per standalone timing; ``step_repeats``: per
-  round of the fit step (default ``timing.default_step_repeats``); ``checkpoint``: the file the
-  op timings are kept in while measuring (removed once the profile is complete)."""
+  """The profile of ``task`` at ``batch_per_device`` on the local device (module docstring):
+  ``repeats`` per standalone timing, ``step_repeats`` per round of the fit step on ``clock``
+  (default ``timing.default_step_clock()``), the op timings kept in ``checkpoint`` meanwhile."""
   say = progress or (lambda msg: None)
   device_type = local_device_type()
   gpu = jax.devices()[0].platform == "gpu"
@@ -215,12 +222,6 @@ def measure_profile(
     "fp32_xla_peak_bytes": fp32_peak,
     **({"bf16_xla_peak_bytes": sixteen_bit_peak} if sixteen_bit_peak is not None else {}),
   }
-  memory = {
-    "param_bytes": timing.tree_bytes(params),
-    "opt_state_bytes": timing.tree_bytes(opt_state),
-    "batch_bytes": timing.tree_bytes(batch),
-    "other_bytes": 0,
-  }
   draft = Profile(
     task.name,
     device_type,
@@ -231,7 +232,7 @@ def measure_profile(
     {"fwd": 0.0, "bwd": 0.0},
     optimizer_ms,
     cast,
-    memory,
+    memory_sizes(params, opt_state, batch),
     meta,
     headroom,
     in_step,
@@ -246,12 +247,7 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
   base ``planners.modeled.modeled_profile`` costs. Compiles the fp32 step once."""
   batch, variables, ops = task_ops(task, batch_per_device, seed)
   opt_state = timing.default_optimizer().init(variables["params"])
-  memory = {
-    "param_bytes": timing.tree_bytes(variables["params"]),
-    "opt_state_bytes": timing.tree_bytes(opt_state),
-    "batch_bytes": timing.tree_bytes(batch),
-    "other_bytes": 0,
-  }
+  memory = memory_sizes(variables["params"], opt_state, batch)
   peak, headroom = step_memory(task, batch, ops, seed)
   meta = {**versions(), "fp32_xla_peak_bytes": peak}
   skeleton = Profile(

@@ -78,14 +78,11 @@ def kept_bytes(
 ) -> int:
   """Bytes the compiled training step keeps live for one op's backward pass.
 
-  ``residual_bytes`` (what the op's ``custom_vjp`` saves) with corrections for what XLA
-  does with it inside a whole step:
+  ``residual_bytes`` (what the op's ``custom_vjp`` saves) with what XLA does with it in a step:
 
-  * ``upcast_16bit`` (``upcasts_16bit_products``): a bf16/fp16 forward's backward legs read
-    its 16-bit residual as fp32; XLA fuses that conversion into the residual's producer and
-    keeps the fp32 values, so the residual costs 4 bytes per element, as an fp32 forward's.
-    Likewise an int8/fp8 activation residual (a conv's patches) read by a float drhs leg is
-    kept dequantized.
+  * ``upcast_16bit`` (``upcasts_16bit_products``): a 16-bit residual read by fp32 products is
+    kept as fp32 (XLA fuses the conversion into its producer); likewise an int8/fp8 activation
+    residual read by a float drhs leg is kept dequantized.
   * ``dequantized_fp8`` (``dequantizes_fp8_residuals``): an fp8 forward's residuals are kept
     as fp32 — the activation (read by drhs) and, when the dlhs leg runs, the right operand.
   * The first op's dlhs (``lhs_differentiated=False``: the model input) is never computed.
@@ -190,15 +187,8 @@ def _native_conv(op_policy: OpPolicy) -> bool:
 
 
 class OpMemory(NamedTuple):
-  """Bytes of one op of a group at its batch (see ``memory_bytes``).
-
-  Attributes:
-    kept: what the step keeps for its backward (``kept_bytes``).
-    transient: live only while its backward runs (``transient_bytes``).
-    fp32_kept: what it would keep as an fp32 op.
-    forward_delta: kept beyond ``fp32_kept`` while later forwards run.
-    forward_extra: its forward's busiest bytes beyond the fp32 op's (``forward_extra_bytes``).
-  """
+  """Bytes of one op of a group at its batch: ``kept_bytes``, ``transient_bytes``, what it would
+  keep as an fp32 op, the excess of kept over that, and ``forward_extra_bytes``."""
 
   kept: int
   transient: int

@@ -67,10 +67,9 @@ def measure_leg(precision, leg, batch, m, k, n, repeats=10, overhead=0.0, seed=0
 
 
 def real_dims(op: OpShape):
-  """The ``dot_general`` dimension numbers of a weight op on its real operand shapes: Dense,
-  DenseGeneral and Embed contract the trailing axes of the input with the leading axes of the
-  weight; ``embed_attend`` contracts the last axis with the table's second. None for others
-  (conv, einsum: timed as their canonical GEMM)."""
+  """The ``dot_general`` dimension numbers of a weight op on its real operand shapes (Dense,
+  DenseGeneral, Embed: the input's trailing axes with the weight's leading ones; ``embed_attend``:
+  the last axis with the table's second); None for others (timed as their canonical GEMM)."""
   lhs, rhs = op.lhs_shape, op.rhs_shape
   if op.kind == "embed_attend":
     return (((len(lhs) - 1,), (1,)), ((), ()))

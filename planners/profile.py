@@ -100,16 +100,11 @@ class Profile:
       )
     try:
       return cls(
-        model=obj["model"],
-        device_type=obj["device_type"],
-        source=obj["source"],
+        **{k: obj[k] for k in ("model", "device_type", "source", "op_ms", "remainder_ms", "memory")},
         batch_per_device=int(obj["batch_per_device"]),
         ops=tuple(OpShape.from_json(o) for o in obj["ops"]),
-        op_ms=obj["op_ms"],
-        remainder_ms=obj["remainder_ms"],
         optimizer_ms=float(obj["optimizer_ms"]),
         cast={k: CastModel(**v) for k, v in obj["cast"].items()},
-        memory=obj["memory"],
         meta=dict(obj.get("meta", {})),
         forward_headroom={k: int(v) for k, v in obj.get("forward_headroom", {}).items()},
         quantized_in_step_ms={
@@ -134,14 +129,8 @@ class Profile:
 
 @dataclasses.dataclass(frozen=True)
 class GroupCost:
-  """What costs one device group's share of a step.
-
-  Attributes:
-    name: group name.
-    profile: the cost profile of the group's device type.
-    op_policies: op name → OpPolicy (None or absent: the unmodified float op).
-    batch_per_device: the group's per-device batch.
-  """
+  """What costs one device group's share of a step: its name, its device type's profile, its op
+  policies (op name → OpPolicy; None or absent: the unmodified float op) and per-device batch."""
 
   name: str
   profile: Profile

@@ -42,15 +42,8 @@ class Prediction:
     return all(self.memory_bytes[g] <= self.memory_limit_bytes[g] for g in self.memory_bytes)
 
   def to_json(self) -> dict:
-    return {
-      "step_ms": self.step_ms,
-      "group_step_ms": self.group_step_ms,
-      "group_compute_ms": self.group_compute_ms,
-      "memory_bytes": self.memory_bytes,
-      "memory_limit_bytes": self.memory_limit_bytes,
-      "comm_ms": self.comm_ms,
-      "cost_source": self.sources,
-    }
+    fields = ("step_ms", "group_step_ms", "group_compute_ms", "memory_bytes", "memory_limit_bytes", "comm_ms")
+    return {**{f: getattr(self, f) for f in fields}, "cost_source": self.sources}
 
 
 def profile_for(profiles: Mapping[str, Profile], device_type: str) -> Profile:

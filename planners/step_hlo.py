@@ -113,8 +113,8 @@ def per_op_ms(
 
 
 class LiveRange(NamedTuple):
-  """One temporary buffer: element ``element`` of the result of ``instruction`` (its index
-  ``start`` in the schedule), ``size`` bytes, live through the instruction at index ``end``."""
+  """Element ``element`` of ``instruction``'s result (schedule index ``start``), ``size`` bytes,
+  live through schedule index ``end``."""
 
   instruction: str
   element: int

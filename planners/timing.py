@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,25 +90,65 @@ def xla_peak_bytes(compiled) -> int | None:
   )
 
 
-def compile_train_step(
-  task: Task, policy: PrecisionPolicy, batch, optimizer=None, seed: int = 0, compiler_options=None
-):
-  """``(compiled, run)``: the training step on ``batch`` compiled with XLA ``compiler_options``
-  (None: the defaults), and ``run()``, which takes one step and returns its loss; the step is
-  fed its own outputs (donated buffers), as in training."""
+def staged_compile(jitted, *args, compiler_options=None):
+  """``(traced, lowered, compiled, seconds)``: ``jitted.trace(*args).lower().compile()`` and each
+  stage's seconds (``trace_s``: to a jaxpr; ``lower_s``: to StableHLO; ``compile_s``: XLA's)."""
+  times = [time.perf_counter()]
+  traced = jitted.trace(*args)
+  times.append(time.perf_counter())
+  lowered = traced.lower()
+  times.append(time.perf_counter())
+  compiled = lowered.compile(compiler_options=compiler_options)
+  times.append(time.perf_counter())
+  return traced, lowered, compiled, dict(zip(("trace_s", "lower_s", "compile_s"), np.diff(times).tolist()))
+
+
+class BuiltStep(NamedTuple):
+  """A compiled training step: ``run()`` takes one step and returns its loss, fed its own outputs
+  (donated buffers) as in training; ``traced`` and ``lowered`` are JAX's earlier stages of the
+  same program, ``seconds`` ``staged_compile``'s."""
+
+  compiled: Any
+  run: Callable[[], Any]
+  traced: Any
+  lowered: Any
+  seconds: dict[str, float]
+
+
+def build_train_step(
+  task: Task,
+  policy: PrecisionPolicy,
+  batch,
+  optimizer=None,
+  seed: int = 0,
+  compiler_options=None,
+  variables=None,
+) -> BuiltStep:
+  """The training step on ``batch`` compiled with XLA ``compiler_options`` (None: the defaults),
+  from ``variables`` (default ``init_variables(task, batch, seed)``)."""
   optimizer = optimizer or default_optimizer()
-  variables = init_variables(task, batch, seed)
+  variables = init_variables(task, batch, seed) if variables is None else variables
   opt_state = optimizer.init(variables["params"])
   key = jax.random.key(seed)
   step = make_train_step(task, policy, optimizer)
-  compiled = step.lower(variables, opt_state, batch, key).compile(compiler_options=compiler_options)
+  traced, lowered, compiled, seconds = staged_compile(
+    step, variables, opt_state, batch, key, compiler_options=compiler_options
+  )
   state = [variables, opt_state]
 
   def run():
     state[0], state[1], loss = compiled(state[0], state[1], batch, key)
     return loss
 
-  return compiled, run
+  return BuiltStep(compiled, run, traced, lowered, seconds)
+
+
+def compile_train_step(
+  task: Task, policy: PrecisionPolicy, batch, optimizer=None, seed: int = 0, compiler_options=None
+):
+  """``(compiled, run)`` of ``build_train_step``."""
+  built = build_train_step(task, policy, batch, optimizer, seed, compiler_options)
+  return built.compiled, built.run
 
 
 def compiled_train_step(task: Task, policy: PrecisionPolicy, batch, optimizer=None, seed: int = 0):
@@ -277,8 +318,7 @@ def device_kernel_ms(run, repeats: int) -> float:
 CPU_TRACE_OPTIONS = {"xla_cpu_enable_xprof_traceme": True}
 """XLA:CPU compile option: one trace event per executed instruction."""
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-"""XLA:GPU compile option: no CUDA graphs, so that each kernel of a trace names the instruction
-it runs (its ``hlo_op``) instead of the graph that launched it."""
+"""XLA:GPU compile option: no CUDA graphs, so that each traced kernel names its instruction."""
 
 
 def traced_step(task: Task, policy: PrecisionPolicy, batch, repeats: int) -> tuple[str, dict[str, float]]:

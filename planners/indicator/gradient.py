@@ -19,22 +19,15 @@ estimated from the N = (batches × R) probed samples: m̂ = mean s, Ŝ = mean s�
 batch the loss change is judged on (default: the probed batches' R). Two regimes meet here:
 
 * the mean μ: a network that is still training has ∇L ≠ 0 over the data, so ⟨∇L, δY⟩ — fixed
-  by where nearest rounding happens to fall — is a systematic, signed change. Measured on the
-  example tasks it is 10–100× the second-order term (``benchmarks/indicator.py``);
+  by where nearest rounding happens to fall — is a systematic, signed change;
 * the spread Var[s]/B: over batches the first-order term fluctuates around μ. Neither
   term alone ranks ops well (E[s²] alone — B = 1, ``sample`` — over-weights the spread).
 
-BatchNorm in training mode couples the samples of a batch: ∂L/∂Y is taken through the batch
-statistics, so s_i already excludes the parts of δY that BN normalizes away, but the s_i of
-one batch are not independent. Measured on the VGG example, Var[s]/B overestimates the batch
-spread of a BN'd conv by up to 1.4× in standard deviation; the variance across probed batches
-would be unbiased there but ranks worse (far fewer degrees of freedom).
-
+BatchNorm in training mode couples the samples of a batch (∂L/∂Y is taken through the batch
+statistics), so the s_i of one batch are not independent and Var[s]/B is approximate there.
 Estimating μ needs many samples where Var[s] is large (its standard error is √(v̂/N)): use
-more probed batches rather than larger ones when the ranking of small ops matters. An op
-called several times sums its calls' Ω (cross terms between calls are ignored). Only the
-forward product's δY is scored (the default probed op policy quantizes only the forward
-product; see ``probes``).
+more probed batches rather than larger ones. An op called several times sums its calls' Ω.
+Only the forward product's δY is scored (the default probed op policy; see ``probes``).
 """
 
 from __future__ import annotations
