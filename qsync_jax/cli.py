@@ -26,6 +26,7 @@ def _register_optional():
     "predict": "planners.cli_predict",
     "plan": "planners.cli_plan",
     "train": "qsync_jax.cli_train",
+    "export": "qsync_jax.cli_export",
     "demo": "examples.demo",
   }
   for name, module in candidates.items():
