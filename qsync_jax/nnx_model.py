@@ -182,9 +182,12 @@ class NnxModel:
 def _rng_dict(rngs) -> dict[str, Any]:
   if rngs is None:
     return {}
-  if isinstance(rngs, Mapping):
-    return dict(rngs)
-  return {"default": rngs}  # one key, as linen's apply(rngs=key) would take it for "params"
+  if not isinstance(rngs, Mapping):
+    raise QsyncError(
+      f"apply's rngs is a {type(rngs).__name__}, not a dict. Fix: pass rngs={{stream name: key}}, "
+      "e.g. rngs={'dropout': key}."
+    )
+  return dict(rngs)
 
 
 def _seed(module: nnx.Module, rngs: Mapping[str, Any]) -> list[tuple[str, str, nnx.RngStream, Any]]:

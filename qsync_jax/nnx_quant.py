@@ -24,9 +24,9 @@ own function and runs bit-identical to the plain model. Each op runs under ``jax
 of its path (as linen's module scopes name a step's instructions). Stochastic rounding draws a
 fresh key per op call from ``apply(..., rngs={"qsync": key})``.
 
-``nnx.Embed`` has no hook for its products, so its copy in ``apply`` is re-classed as
-``_HookedEmbed`` (same attributes and variables) whose ``__call__`` / ``attend`` run the quantized
-product, as the linen version re-implements ``nn.Embed``'s. ``nnx.MultiHeadAttention``'s
+``nnx.Embed`` has no hook for its products, so its copy in ``apply`` is re-classed as a subclass
+(same attributes and variables) whose ``__call__`` / ``attend`` run the quantized product, as the linen version re-implements ``nn.Embed``'s (an ``nnx.Embed``
+subclass with its own ``__call__`` or ``attend`` is left alone: it calls no op qsync knows). ``nnx.MultiHeadAttention``'s
 ``attention_fn`` becomes ``quantized_attention``: ``nnx.dot_product_attention`` with its two
 products at their op policies (grouped-query attention repeats the key and value heads); with
 neither product matched the module keeps its own ``attention_fn``.
@@ -35,6 +35,7 @@ neither product matched the module keeps its own ``attention_fn``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,12 @@ OP_KINDS_OF: tuple[tuple[type, tuple[str, ...]], ...] = (
 
 
 def kinds_of(module) -> tuple[str, ...]:
+  """The op kinds ``module`` may call (none for an ``nnx.Embed`` subclass with its own lookup
+  or attend: qsync would replace them, so it leaves such a module alone)."""
+  if isinstance(module, nnx.Embed) and (
+    type(module).__call__ is not nnx.Embed.__call__ or type(module).attend is not nnx.Embed.attend
+  ):
+    return ()
   for cls, kinds in OP_KINDS_OF:
     if isinstance(module, cls):
       return kinds
@@ -247,31 +254,39 @@ def quantized_attention(
   return pv("...hqk,...khd->...qhd", weights, value, **einsum_kwargs)
 
 
-class _HookedEmbed(nnx.Embed):
-  """An ``nnx.Embed`` whose lookup and attend run as products at their op policies."""
+def _embed_lookup(self, inputs, out_sharding=None):
+  """``nnx.Embed.__call__`` as the product one_hot(ids) · table at the op's policy (the linen
+  version's ``_embed_lookup``); the module's own lookup when no rule matches."""
+  ops, path = self._qsync_ops, self._qsync_path
+  with jax.named_scope(path):
+    op = ops.op(QuantizedDotGeneral, path, "embed")
+    if op is None:
+      return nnx.Embed.__call__(self, inputs, out_sharding=out_sharding)
+    _no_out_sharding(path, out_sharding)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError(f"Embed {path!r}: input dtype {inputs.dtype} must be integer.")
+    (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+    one_hot = jax.nn.one_hot(inputs, self.num_embeddings, dtype=table.dtype)
+    return op(one_hot, table, (((one_hot.ndim - 1,), (0,)), ((), ())))
 
-  def __call__(self, inputs, out_sharding=None):
-    ops, path = self._qsync_ops, self._qsync_path
-    with jax.named_scope(path):
-      op = ops.op(QuantizedDotGeneral, path, "embed")
-      if op is None:
-        return super().__call__(inputs, out_sharding=out_sharding)
-      _no_out_sharding(path, out_sharding)
-      if not jnp.issubdtype(inputs.dtype, jnp.integer):
-        raise ValueError(f"Embed {path!r}: input dtype {inputs.dtype} must be integer.")
-      (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
-      one_hot = jax.nn.one_hot(inputs, self.num_embeddings, dtype=table.dtype)
-      return op(one_hot, table, (((one_hot.ndim - 1,), (0,)), ((), ())))
 
-  def attend(self, query, out_sharding=None):
-    ops, path = self._qsync_ops, self._qsync_path
-    with jax.named_scope(path):
-      op = ops.op(QuantizedDotGeneral, path, "embed_attend")
-      if op is None:
-        return super().attend(query, out_sharding=out_sharding)
-      _no_out_sharding(path, out_sharding)
-      query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-      return op(query, table, (((query.ndim - 1,), (1,)), ((), ())))
+def _embed_attend(self, query, out_sharding=None):
+  """``nnx.Embed.attend``: ``query · tableᵀ`` at the op's policy; the module's own when no rule
+  matches."""
+  ops, path = self._qsync_ops, self._qsync_path
+  with jax.named_scope(path):
+    op = ops.op(QuantizedDotGeneral, path, "embed_attend")
+    if op is None:
+      return nnx.Embed.attend(self, query, out_sharding=out_sharding)
+    _no_out_sharding(path, out_sharding)
+    query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+    return op(query, table, (((query.ndim - 1,), (1,)), ((), ())))
+
+
+@functools.cache
+def _hooked_embed_class(cls: type) -> type:
+  """``cls`` (``nnx.Embed`` or a subclass keeping its lookup and attend) with them quantized."""
+  return type(f"Hooked{cls.__name__}", (cls,), {"__call__": _embed_lookup, "attend": _embed_attend})
 
 
 def install(module: nnx.Module, ops: _Ops) -> None:
@@ -290,7 +305,7 @@ def install(module: nnx.Module, ops: _Ops) -> None:
     elif isinstance(m, nnx.MultiHeadAttention):
       m.attention_fn = _AttentionHook(ops, path, m.attention_fn)
     elif isinstance(m, nnx.Embed):
-      m.__class__ = _HookedEmbed
+      m.__class__ = _hooked_embed_class(type(m))
       m._qsync_ops, m._qsync_path = ops, path
 
 

@@ -249,3 +249,41 @@ def test_bridge_wrapped_nnx_module_is_refused_with_the_fix():
       {"params": NnxModel.of(_NnxMLP(nnx.Rngs(0))).init(None)["params"]}, x
     )
   ) == {"hidden:dense", "out:dense"}
+
+
+def test_grouped_query_attention_and_embed_subclasses():
+  class Attend(nnx.Module):
+    def __init__(self, rngs):
+      self.attn = nnx.MultiHeadAttention(4, 16, num_kv_heads=2, decode=False, rngs=rngs)
+
+    def __call__(self, x):
+      return self.attn(x)
+
+  module = Attend(nnx.Rngs(0))
+  variables = NnxModel.of(module).init(None)
+  x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+  fp32 = quantize(module, "fp32")
+  assert set(fp32.ops(variables, x)) >= {"attn:attention_qk", "attn:attention_pv"}
+  # Key and value heads repeated per group: the grouped products, to fp32 rounding.
+  np.testing.assert_allclose(fp32.apply(variables, x), module(x), rtol=1e-5, atol=1e-6)
+  int8 = quantize(module, "int8_fwd").apply(variables, x)
+  assert int8.shape == (2, 5, 16) and np.abs(np.asarray(int8) - np.asarray(module(x))).max() < 0.1
+
+  class ScaledEmbed(nnx.Embed):  # its own lookup: qsync leaves it alone, and says so
+    def __call__(self, ids):
+      return 2.0 * super().__call__(ids)
+
+  class Both(nnx.Module):
+    def __init__(self, rngs):
+      self.plain = nnx.Embed(8, 4, rngs=rngs)
+      self.scaled = ScaledEmbed(8, 4, rngs=rngs)
+
+    def __call__(self, ids):
+      return self.plain(ids) + self.scaled(ids)
+
+  both = Both(nnx.Rngs(0))
+  ids = jnp.arange(6) % 8
+  qmodel = quantize(both, "int8_fwd")
+  variables = NnxModel.of(both).init(None)
+  assert set(qmodel.ops(variables, ids)) == {"plain:embed"}
+  np.testing.assert_allclose(qmodel.apply(variables, ids), both(ids), atol=0.05)
