@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from examples.data import stdlib_text
@@ -58,4 +59,46 @@ def stdlib_lm(**overrides) -> Task:
       train, cfg.seq_len, global_batch, seed
     ),
     eval_batches=functools.partial(stdlib_text.eval_windows, test, cfg.seq_len),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticLMConfig:
+  """Causal LM on uniform random tokens, for step timing and planning at real size (the loss
+  cannot fall below log(vocab_size): there is nothing to learn, and no held-out split).
+
+  GPT-2 medium (355M parameters): ``vocab_size=50257, d_model=1024, num_heads=16,
+  num_layers=24, seq_len=1024``; BERT-base-sized: ``vocab_size=30522, d_model=768,
+  num_heads=12, num_layers=12, seq_len=128`` (or 512).
+  """
+
+  vocab_size: int = 256
+  d_model: int = 64
+  num_heads: int = 4
+  num_layers: int = 2
+  seq_len: int = 64
+
+
+def uniform_token_batches(cfg: SyntheticLMConfig, batch_size: int, seed: int):
+  """``{"tokens": int32[batch, seq_len + 1]}`` drawn uniformly, deterministic given ``seed``, forever."""
+  rng = np.random.default_rng(seed)
+  while True:
+    yield {"tokens": rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1)).astype(np.int32)}
+
+
+def synthetic_lm(**overrides) -> Task:
+  cfg = make_config(SyntheticLMConfig, overrides, "lm_synthetic")
+  model = TransformerLM(
+    vocab_size=cfg.vocab_size,
+    d_model=cfg.d_model,
+    num_heads=cfg.num_heads,
+    num_layers=cfg.num_layers,
+    max_len=cfg.seq_len,
+  )
+  return Task(
+    name="lm_synthetic",
+    model=model,
+    inputs=lm_inputs,
+    loss=lm_loss,
+    train_batches=functools.partial(uniform_token_batches, cfg),
   )

@@ -100,7 +100,8 @@ class ResNetSyntheticConfig:
   """ResNet on random images, for step timing (no held-out split: the labels are noise).
 
   ResNet-18 at ImageNet size: ``image_size=224, stage_sizes=(2, 2, 2, 2),
-  widths=(64, 128, 256, 512), num_classes=1000, imagenet_stem=True``.
+  widths=(64, 128, 256, 512), num_classes=1000, imagenet_stem=True``; ResNet-50 adds
+  ``stage_sizes=(3, 4, 6, 3), block="bottleneck"``.
   """
 
   image_size: int = 16
@@ -109,6 +110,7 @@ class ResNetSyntheticConfig:
   stage_sizes: tuple[int, ...] = (1, 1)
   widths: tuple[int, ...] = (8, 16)
   imagenet_stem: bool = False
+  block: str = "basic"
 
 
 def synthetic_image_batches(cfg: ResNetSyntheticConfig, batch_size: int, seed: int):
@@ -129,6 +131,7 @@ def resnet_synthetic(**overrides) -> Task:
     widths=cfg.widths,
     num_classes=cfg.num_classes,
     imagenet_stem=cfg.imagenet_stem,
+    block=cfg.block,
   )
   return Task(
     name="resnet_synthetic",
