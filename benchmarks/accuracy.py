@@ -1,7 +1,7 @@
 """Accuracy of the four demo configurations over several seeds → ``docs/results.md``.
 
-  python benchmarks/accuracy.py                       # vgg (digits) and lm (stdlib), seeds 0 1 2
-  python benchmarks/accuracy.py --tasks vgg --seeds 0 1 2 3 4 --steps 300
+  python -m benchmarks.accuracy                       # vgg (digits) and lm (stdlib), seeds 0 1 2
+  python -m benchmarks.accuracy --tasks vgg --seeds 0 1 2 3 4 --steps 300
 
 For each task it runs the ``qsync demo`` pipeline once (fp32 pre-training → gradient
 indicator → local profile + modeled V100/T4 → replay → greedy plan; T4 memory scaled so the
@@ -23,18 +23,21 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
+from examples import demo
+from qsync_jax.tasks import get_task
 
-from examples import demo  # noqa: E402  (sets up the simulated devices before JAX starts)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TARGET_POINTS = 0.3
 """QSync's target: ≥ uniform int8 + 0.3 points and within 0.3 points of fp32."""
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks.accuracy",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("--tasks", nargs="+", default=["vgg", "lm"])
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--steps", type=int, default=150)
@@ -58,8 +61,6 @@ def mean_std(values):
 
 def run_task(name, args, devices, say):
   """Plans once, trains every configuration for every seed; returns (planned, trained, cluster)."""
-  from examples.registry import get_task
-
   task = get_task(name)
   cluster = demo.demo_cluster(args.batch_per_device)
   stage_args = argparse.Namespace(
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
   say = demo.Progress()
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   device = "this machine's CPU (2 cores, shared), 4 simulated devices"
-  command = "python benchmarks/accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  command = "python -m benchmarks.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
   results = {}
   t0 = time.perf_counter()
   for name in args.tasks:

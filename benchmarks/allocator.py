@@ -9,7 +9,7 @@
 2. Greedy vs exhaustive on random small graphs (3–6 ops, random costs and Ω): how often
    greedy is optimal and its mean Ω gap. Baseline: the exhaustive optimum.
 
-  python benchmarks/allocator.py [--trials 100]
+  python -m benchmarks.allocator [--trials 100]
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 
 import jax
 import numpy as np
-from result_rows import result_row, save_rows
 
+from benchmarks.result_rows import result_row, save_rows
 from planners.allocator import dynamic_batch, exhaustive, greedy, make_problem
 from planners.derived_profiles import modeled_profile
 from planners.ops import OpShape
@@ -175,7 +175,7 @@ def small_case(trials, rows):
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.allocator", description=__doc__.splitlines()[0])
   ap.add_argument("--trials", type=int, default=100)
   ap.add_argument("--no-save", action="store_true")
   args = ap.parse_args()

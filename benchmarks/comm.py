@@ -19,7 +19,7 @@ order) for ``--steps`` steps and report:
 Ratios are against the fp32 all-reduce measured in the same run. The CPU "devices" share
 memory, so step times measure the strategies' compute overhead, not network savings.
 
-  python benchmarks/comm.py [--steps 150] [--strategies fp32 bf16 ...]
+  python -m benchmarks.comm [--steps 150] [--strategies fp32 bf16 ...]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from result_rows import result_row, save_rows  # noqa: E402
 
+from benchmarks.result_rows import result_row, save_rows  # noqa: E402
 from examples.data import digits  # noqa: E402
 from examples.tasks.vision import classification_task  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
@@ -164,7 +164,7 @@ def builder_case(task, name, steps, initial, mesh):
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.comm", description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=150)
   parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
   parser.add_argument("--no-save", action="store_true", help="do not append to benchmarks/results/comm.jsonl")

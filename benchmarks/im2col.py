@@ -2,7 +2,7 @@
 against the library's patch extraction (``lax.conv_general_dilated_patches``, a convolution
 with a one-hot kernel) and against the native bf16 convolution, in the same run.
 
-  python benchmarks/im2col.py [--repeats 20] [--rounds 3] [--precision int8] [--no-save]
+  python -m benchmarks.im2col [--repeats 20] [--rounds 3] [--precision int8] [--no-save]
 
 Cases: 3×3 SAME convolutions, NHWC. On a GPU the shapes of ``vgg_wide``'s convolutions (the
 predictor's wide VGG, batch 256); on a CPU smaller ones. Each is timed round-robin over
@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from result_rows import result_row, save_rows
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from planners import step  # noqa: E402  (run as a script from the repo root)
-from qsync_jax import OpPolicy, qconv, quantized_conv_general_dilated  # noqa: E402
+from benchmarks.result_rows import result_row, save_rows
+from planners import step
+from qsync_jax import OpPolicy, qconv, quantized_conv_general_dilated
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "im2col.jsonl")
 
@@ -56,7 +53,7 @@ def fwd_bwd(policy: OpPolicy):
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.im2col", description=__doc__.splitlines()[0])
   ap.add_argument("--repeats", type=int, default=20)
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--precision", default="int8", help="the quantized policy preset (int8, fp8, int8_fwd)")

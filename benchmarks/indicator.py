@@ -26,7 +26,7 @@ The ``truth_ceiling`` row is the ρ between the truths of the two halves of the 
 expected to beat it by more than noise; the full truth (both halves) is less noisy than
 either half.
 
-  python benchmarks/indicator.py [--tasks vgg lm] [--steps 100] [--batches 32] [--verbose]
+  python -m benchmarks.indicator [--tasks vgg lm] [--steps 100] [--batches 32] [--verbose]
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ import time
 
 import jax
 import numpy as np
-from result_rows import append_rows
 from scipy.stats import spearmanr
 
-from examples.registry import get_task
+from benchmarks.result_rows import append_rows
 from examples.train_loop import LoopConfig, train_and_evaluate
 from planners.indicator.gradient import gradient_omega
 from planners.indicator.gvar import gvar_omega
@@ -52,6 +51,7 @@ from planners.indicator.wvar import wvar_omega
 from qsync_jax.flax_quant import quantize
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
+from qsync_jax.tasks import get_task
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "indicator.jsonl")
 TRUTH_POLICY = OpPolicy(fwd="int8")
@@ -159,7 +159,11 @@ def run_task(name, args):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks.indicator",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("--tasks", nargs="+", default=["vgg", "lm"])
   parser.add_argument("--steps", type=int, default=100, help="fp32 training steps before probing")
   parser.add_argument("--batch-size", type=int, default=32)

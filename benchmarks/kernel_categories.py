@@ -8,7 +8,7 @@ kernel category (``category``). The replay charges the programs' time plus one r
 on the fp32 step; the per-category difference says which kernels the step runs that the
 programs do not, or the reverse.
 
-  python benchmarks/kernel_categories.py [--model lm_base] [--policies int8 int8_fwd bf16]
+  python -m benchmarks.kernel_categories [--model lm_base] [--policies int8 int8_fwd bf16]
 
 Needs a GPU (on a CPU the traces hold no GPU kernels and every table is empty).
 """
@@ -22,17 +22,15 @@ import os
 import sys
 
 import jax
-from result_rows import append_rows, result_row
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
-from planners.op_programs import policy_programs  # noqa: E402
-from planners.profiler import policy_key, task_ops  # noqa: E402
-from planners.steptrace import kernels_by, traced_events  # noqa: E402
-from qsync_jax.policy import PrecisionPolicy  # noqa: E402
-from qsync_jax.precision import OpPolicy  # noqa: E402
+from benchmarks.predictor import get_model
+from benchmarks.result_rows import append_rows, result_row
+from planners import step
+from planners.op_programs import policy_programs
+from planners.profiler import policy_key, task_ops
+from planners.steptrace import kernels_by, traced_events
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import OpPolicy
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kernel_categories.jsonl")
 CATEGORIES = (
@@ -109,7 +107,9 @@ def print_table(results: dict[str, dict]) -> None:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.kernel_categories", description=__doc__.splitlines()[0]
+  )
   ap.add_argument("--model", default="lm_base")
   ap.add_argument("--policies", nargs="+", default=["int8", "int8_fwd", "bf16"])
   ap.add_argument("--results", default=RESULTS)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """int8 / fp8 GEMMs and Dense training steps against XLA bf16, on the GPU.
 
-  PYTHONPATH=. python3 benchmarks/kernels.py [--out DIR] [--shapes NAME,...] [--sweep]
+  python3 -m benchmarks.kernels [--out DIR] [--shapes NAME,...] [--sweep]
                                             [--variants] [--reps 15]
 
 Cases, per GEMM shape M×K×N, all against XLA bf16 measured in the same run:
@@ -502,7 +502,11 @@ def bench_steps(name, shape, reps, variants, profile_dir=None):
 
 def main(argv=None):
   global DEVICE, OUT_JSONL
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m benchmarks.kernels",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   p.add_argument("--shapes", default=",".join(SHAPES))
   p.add_argument("--sections", default="gemm,quantize,step")

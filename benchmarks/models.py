@@ -27,7 +27,7 @@ an older profile without the scale fits fp32 only). Clocks: ``wall`` waits for e
 ``pipelined`` dispatches them back to back as the trainer does (rows ``step_ms_pipelined``) — on
 a GPU the step a training run sees. Rows go to ``benchmarks/results/models.jsonl``.
 
-  python -u benchmarks/models.py [--models resnet18_224 lm_base] [--repeats 20] [--results PATH]
+  python -u -m benchmarks.models [--models resnet18_224 lm_base] [--repeats 20] [--results PATH]
                                  [--steps-only]
 """
 
@@ -42,25 +42,22 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from result_rows import append_rows, result_row
-
-from benchmarks.predictor import get_model, plans, saved_profile  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
-from planners.allocator import greedy, make_problem  # noqa: E402
-from planners.indicator import compute  # noqa: E402
-from planners.profiler import Profile, measure_profile, task_ops, with_precast_policies  # noqa: E402
-from planners.replay import (  # noqa: E402
+from benchmarks.predictor import get_model, plans, saved_profile
+from benchmarks.result_rows import append_rows, result_row
+from planners import step
+from planners.allocator import greedy, make_problem
+from planners.indicator import compute
+from planners.profiler import Profile, measure_profile, task_ops, with_precast_policies
+from planners.replay import (
   QUANTIZED_FIT_PRESET,
   SIXTEEN_BIT_FIT_PRESET,
   fit_presets,
   predict,
   refit_profile,
 )
-from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
-from qsync_jax.plan import Plan  # noqa: E402
-from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "models.jsonl")
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
@@ -136,7 +133,7 @@ def row(model, case, metric, value, baseline, device, **extra):
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.models", description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["resnet18_224", "lm_base"])
   ap.add_argument("--repeats", type=int, default=20, help="timed steps per policy (and per round; median)")
   ap.add_argument(

@@ -28,7 +28,7 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
   refitted to the fp32 step measured on the same device count
   (``planners.replay.refit_remainder``). The baseline of the ratio is the measured step.
 
-  python benchmarks/multigpu.py [--d-model 768 --layers 12 --seq 256 --batch 8] [--steps 20]
+  python -m benchmarks.multigpu [--d-model 768 --layers 12 --seq 256 --batch 8] [--steps 20]
                                 [--processes 2 4] [--profile-file PROFILE.json]
 """
 
@@ -47,9 +47,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from result_rows import append_rows, result_row
 
-from examples.registry import get_task
+from benchmarks.result_rows import append_rows, result_row
+from examples.tasks.language import stdlib_lm
 from planners.link import measure_link
 from planners.profiler import Profile, measure_profile
 from planners.replay import predict, refit_remainder
@@ -63,6 +63,7 @@ from qsync_jax.sync import hlo, make_grad_sync, make_qsdp_step, make_selsync_ste
 from qsync_jax.train_step import make_train_step
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "multigpu.jsonl")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the children run from here
 
 
 def device_type() -> str:
@@ -399,7 +400,9 @@ def multiprocess_steps(args, n: int) -> dict[str, tuple[float, float, float]]:
   flags += ["--batch", args.batch, "--steps", args.steps, "--world", n, "--port", args.port + n]
   procs = [
     subprocess.Popen(
-      [sys.executable, __file__, "--process-id", str(pid), *map(str, flags), "--policies", *args.policies],
+      [sys.executable, "-m", "benchmarks.multigpu", "--process-id", str(pid), *map(str, flags)]
+      + ["--policies", *args.policies],
+      cwd=ROOT,
       env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(pid)),
       stdout=subprocess.PIPE,
       text=True,
@@ -421,11 +424,11 @@ def multiprocess_steps(args, n: int) -> dict[str, tuple[float, float, float]]:
 
 
 def make_lm(args):
-  return get_task("lm", d_model=args.d_model, num_heads=args.heads, num_layers=args.layers, seq_len=args.seq)
+  return stdlib_lm(d_model=args.d_model, num_heads=args.heads, num_layers=args.layers, seq_len=args.seq)
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.multigpu", description=__doc__.splitlines()[0])
   parser.add_argument("--d-model", type=int, default=768)
   parser.add_argument("--heads", type=int, default=12)
   parser.add_argument("--layers", type=int, default=12)

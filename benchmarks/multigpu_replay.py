@@ -9,7 +9,7 @@ run's fp32 step per device count (``multigpu.predictor_rows``), for the one-proc
 one-process-per-GPU steps — and appends those rows tagged ``replay-<run>``. Nothing here is
 timed: it runs on any machine.
 
-  python benchmarks/multigpu_replay.py --run run5-h100x4-order \
+  python -m benchmarks.multigpu_replay --run run5-h100x4-order \
       --profile benchmarks/results/profiles/lm_d768_l4_b8_h100_device_clock.json \
       --link 2:197:152 --link 4:269:269
 """
@@ -21,9 +21,8 @@ import json
 import os
 import sys
 
-from multigpu import RESULTS, predictor_rows
-from result_rows import append_rows
-
+from benchmarks.multigpu import RESULTS, predictor_rows
+from benchmarks.result_rows import append_rows
 from planners.link import LinkModel
 from planners.profiler import Profile
 
@@ -55,7 +54,9 @@ def parse_link(text: str) -> tuple[int, float, float]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks.multigpu_replay", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--run", required=True, help="run tag of the measured rows in the results file")
   parser.add_argument(
     "--profile", required=True, help="profile JSON (qsync profile / multigpu.py --profile-file)"

@@ -25,11 +25,11 @@ carries that drift into every prediction. Every plan is also predicted from the 
 profiles of ``alternative_profiles`` (``--precast``; ``no_in_step`` on a GPU, where the profile
 traced its all-int8 step).
 
-  python benchmarks/predictor.py [--models lm vgg mlp] [--repeats N] [--rounds 3] [--refit] [--precast]
+  python -m benchmarks.predictor [--models lm vgg mlp] [--repeats N] [--rounds 3] [--refit] [--precast]
 
 On a GPU, the GPU-sized models and saved profiles (a profile cut short resumes):
 
-  python benchmarks/predictor.py --models mlp_base vgg_base lm_base --profile-dir DIR --refit
+  python -m benchmarks.predictor --models mlp_base vgg_base lm_base --profile-dir DIR --refit
 
 ``--ops-from DIR2`` measures each profile with the op timings of ``DIR2/<model>.json`` (the
 same settings) and the rest anew: a few minutes of device time instead of tens.
@@ -47,8 +47,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
-from result_rows import append_rows, result_row
 
+from benchmarks.result_rows import append_rows, result_row
 from planners import step
 from planners.profiler import (
   QUANTIZED_FIT_PRESET,
@@ -107,29 +107,30 @@ def get_model(name: str) -> tuple[Task, int]:
   """(task, per-device batch) of the benchmark models, sized for a CPU step of tens of ms."""
   if name == "mlp":
     return mlp_task(), 128
-  from examples.registry import get_task
+  from examples.tasks.language import stdlib_lm
+  from examples.tasks.vision import resnet_digits, resnet_synthetic, vgg_digits
 
   if name == "lm":
-    return get_task("lm", d_model=128, num_heads=4, num_layers=2, seq_len=64, max_bytes=200_000), 16
+    return stdlib_lm(d_model=128, num_heads=4, num_layers=2, seq_len=64, max_bytes=200_000), 16
   if name == "vgg":
-    return get_task("vgg"), 64
+    return vgg_digits(), 64
   if name == "resnet":
-    return get_task("resnet"), 64
+    return resnet_digits(), 64
   # GPU sizes: a 4096-wide MLP, VGGs with 64-256 and 128-512 channels on digits, a
   # BERT-base-wide LM (4 layers) and ResNet-18 on digits.
   if name == "mlp_base":
     return mlp_task(features=1024, hidden=4096), 4096
   if name == "vgg_base":  # its H100 step is paced by the host: 0.57 ms of kernels in 1.3-1.6 ms
-    return get_task("vgg", stages=((64, 64), (128, 128), (256, 256)), hidden=512), 512
+    return vgg_digits(stages=((64, 64), (128, 128), (256, 256)), hidden=512), 512
   if name == "vgg_wide":  # twice the channels, twice the batch: kernel-bound on an H100
-    return get_task("vgg", stages=((128, 128), (256, 256), (512, 512)), hidden=1024), 1024
+    return vgg_digits(stages=((128, 128), (256, 256), (512, 512)), hidden=1024), 1024
   if name == "lm_base":
-    return get_task("lm", d_model=768, num_heads=12, num_layers=4, seq_len=256, max_bytes=2_000_000), 16
+    return stdlib_lm(d_model=768, num_heads=12, num_layers=4, seq_len=256, max_bytes=2_000_000), 16
   if name == "resnet18":
-    return get_task("resnet", stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512)), 256
+    return resnet_digits(stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512)), 256
   if name == "resnet18_224":  # issue 7's GPU model: ResNet-18 on synthetic 224×224 images
     full = dict(stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512), num_classes=1000)
-    return get_task("resnet_synthetic", image_size=224, imagenet_stem=True, **full), 64
+    return resnet_synthetic(image_size=224, imagenet_stem=True, **full), 64
   raise SystemExit(f"unknown model {name!r}")
 
 
@@ -229,7 +230,7 @@ def row_json(model, case, metric, value, baseline, device):
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.predictor", description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["mlp", "lm", "vgg"])
   ap.add_argument(
     "--repeats", type=int, help="timed repeats of each step (default: step.default_step_repeats of the clock)"

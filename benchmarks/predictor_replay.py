@@ -10,7 +10,7 @@ not fitted to (fp32, all-bf16) against XLA's. Prints the table and appends the r
 ``replay-<run>``. Nothing is timed or compiled: it runs on any machine, so a change of the
 replay can be scored on GPU runs after the GPU is gone.
 
-  python benchmarks/predictor_replay.py --run gpu-run-3-h100 \
+  python -m benchmarks.predictor_replay --run gpu-run-3-h100 \
       --profile-dir benchmarks/results/profiles/predictor_h100
 """
 
@@ -23,22 +23,20 @@ import os
 import sys
 
 import numpy as np
-from result_rows import append_rows, result_row
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.predictor import RESULTS, plans  # noqa: E402  (run as a script from the repo root)
-from benchmarks.step_ops import table_names  # noqa: E402
-from planners.profiler import (  # noqa: E402
+from benchmarks.predictor import RESULTS, plans
+from benchmarks.result_rows import append_rows, result_row
+from benchmarks.step_ops import table_names
+from planners.profiler import (
   QUANTIZED_FIT_PRESET,
   SIXTEEN_BIT_FIT_PRESET,
   Profile,
   with_16bit_other_bytes,
 )
-from planners.replay import fit_presets, memory_fit_presets, predict, refit_profile  # noqa: E402
-from qsync_jax.cluster import ClusterSpec  # noqa: E402
-from qsync_jax.plan import Plan  # noqa: E402
-from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+from planners.replay import fit_presets, memory_fit_presets, predict, refit_profile
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 
 
 def run_rows(path: str, run: str) -> dict[str, dict[str, dict]]:
@@ -68,7 +66,7 @@ def with_in_step_table(prof: Profile, path: str) -> Profile:
   if QUANTIZED_FIT_PRESET not in tables:
     raise SystemExit(
       f"{path} has no {QUANTIZED_FIT_PRESET!r} plan (it has {sorted(tables)}). "
-      f"Fix: trace it with benchmarks/step_ops.py --plans {QUANTIZED_FIT_PRESET}."
+      f"Fix: trace it with python -m benchmarks.step_ops --plans {QUANTIZED_FIT_PRESET}."
     )
   table, names = tables[QUANTIZED_FIT_PRESET], table_names(prof.ops)
   traced = {
@@ -130,7 +128,9 @@ def replay_model(prof: Profile, measured: dict[str, dict], sixteen_bit: bool) ->
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.predictor_replay", description=__doc__.splitlines()[0]
+  )
   ap.add_argument("--run", required=True, help="run tag of the measured rows")
   ap.add_argument("--profile-dir", required=True, help="holds <model>.json for every model of the run")
   ap.add_argument("--models", nargs="+", help="default: every model of the run")

@@ -1,7 +1,7 @@
 """The JSON line a benchmark appends to ``benchmarks/results/<name>.jsonl``.
 
-Imported by the benchmark scripts as a sibling module (``python benchmarks/<name>.py`` puts
-this folder first on ``sys.path``).
+Shared by the benchmark scripts (``from benchmarks.result_rows import ...``; they run from
+the repository root as ``python -m benchmarks.<name>``).
 """
 
 from __future__ import annotations

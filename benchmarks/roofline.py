@@ -366,7 +366,7 @@ def merged(runs: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.split("\n\n")[0])
   ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
   ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, batch 2")
   ap.add_argument("--repeats", type=int, default=5, help="timing windows of 10 calls per GEMM (median)")

@@ -12,7 +12,7 @@ executables share the process shows. Each copy's median is reported against the 
 its preset, measured in the same rounds. On a GPU each round's line also gives the GPU's SM
 clock, power and temperature after it (``nvidia-smi``), so that a clock or thermal drift shows.
 
-  python benchmarks/step_drift.py --model vgg_wide --presets bf16 --compiles 3 \
+  python -m benchmarks.step_drift --model vgg_wide --presets bf16 --compiles 3 \
       --others fp32 int8 --rounds 10
 """
 
@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
-from result_rows import append_rows, result_row
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.predictor import get_model, measured_clock  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
-from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+from benchmarks.predictor import get_model, measured_clock
+from benchmarks.result_rows import append_rows, result_row
+from planners import step
+from qsync_jax.policy import PrecisionPolicy
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_drift.jsonl")
 
@@ -110,7 +107,7 @@ def timed_with_late_copies(task, policies, batch, args) -> dict[str, tuple[float
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.step_drift", description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="mlp", help="a model of benchmarks/predictor.py")
   ap.add_argument("--presets", nargs="+", default=["bf16"], help="compiled --compiles times each")
   ap.add_argument("--compiles", type=int, default=2)

@@ -13,7 +13,7 @@ programs the profiler times per op and policy (``planners.op_programs.policy_pro
 forward, and forward + both gradients), with their product / other split and largest kernels:
 what a standalone program runs that the step fuses away. Needs a GPU.
 
-  python benchmarks/step_kernels.py [--models lm_base resnet18_224] [--policies fp32 bf16 int8_fwd int8]
+  python -m benchmarks.step_kernels [--models lm_base resnet18_224] [--policies fp32 bf16 int8_fwd int8]
                                     [--ops 4]
 """
 
@@ -27,17 +27,15 @@ import time
 
 import jax
 import numpy as np
-from result_rows import append_rows, result_row
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.predictor import get_model  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
-from planners.derived_profiles import traced_profile  # noqa: E402
-from planners.op_programs import policy_programs  # noqa: E402
-from planners.steptrace import gpu_kernels  # noqa: E402
-from qsync_jax.policy import PrecisionPolicy  # noqa: E402
-from qsync_jax.precision import OpPolicy  # noqa: E402
+from benchmarks.predictor import get_model
+from benchmarks.result_rows import append_rows, result_row
+from planners import step
+from planners.derived_profiles import traced_profile
+from planners.op_programs import policy_programs
+from planners.steptrace import gpu_kernels
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import OpPolicy
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "step_kernels.jsonl")
 
@@ -83,7 +81,7 @@ def op_program_rows(task, batch_size: int, policies, n_ops: int, device: str, tr
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.step_kernels", description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=["lm_base"])
   ap.add_argument("--policies", nargs="+", default=["fp32", "bf16", "int8_fwd", "int8"])
   ap.add_argument("--repeats", type=int, default=20)

@@ -9,8 +9,8 @@ step's arguments (parameters, optimizer state, batch) against XLA's peak — the
 XLA's heap packing, which the liveness ignores —, the instruction it peaks at, the largest
 buffers live there, and each op's largest live bytes during its forward and its gradient legs.
 
-  python benchmarks/step_liveness.py --model vgg_wide [--plans fp32 int8 ...] [--save-hlo DIR]
-  python benchmarks/step_liveness.py --model vgg_wide --hlo DIR/vgg_wide_int8.hlo.gz ...
+  python -m benchmarks.step_liveness --model vgg_wide [--plans fp32 int8 ...] [--save-hlo DIR]
+  python -m benchmarks.step_liveness --model vgg_wide --hlo DIR/vgg_wide_int8.hlo.gz ...
 
 A diagnostic of the replay's memory model (``planners.replay.memory_bytes``): nothing is
 timed and no row is written.
@@ -23,14 +23,12 @@ import gzip
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.predictor import get_model, plans  # noqa: E402  (run as a script from the repo root)
-from planners import step  # noqa: E402
-from planners.memtrace import busiest_moments, live_ranges, live_totals  # noqa: E402
-from planners.profiler import task_ops  # noqa: E402
-from planners.steptrace import entry_instructions  # noqa: E402
-from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+from benchmarks.predictor import get_model, plans
+from planners import step
+from planners.memtrace import busiest_moments, live_ranges, live_totals
+from planners.profiler import task_ops
+from planners.steptrace import entry_instructions
+from qsync_jax.policy import PrecisionPolicy
 
 MB = 1e6
 
@@ -64,7 +62,7 @@ def liveness_report(hlo: str, ops, top: int = 8) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.step_liveness", description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="vgg")
   ap.add_argument("--plans", nargs="+", help="default: fp32 and every plan of benchmarks/predictor.py")
   ap.add_argument("--hlo", nargs="+", help="saved modules (.hlo or .hlo.gz) to read instead of compiling")

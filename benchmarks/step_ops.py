@@ -12,7 +12,7 @@ XLA named after a neighbour) to ``rest``. With ``--profile`` the table shows, fo
 plans, each op's standalone whole-policy time (``policy:<preset>``, forward + backward) beside
 its in-step time.
 
-  python benchmarks/step_ops.py --model vgg_wide [--profile P.json] [--plans fp32 int8 ...] [--repeats 20]
+  python -m benchmarks.step_ops --model vgg_wide [--profile P.json] [--plans fp32 int8 ...] [--repeats 20]
 
 Writes ``{plan: {"<op>|fwd": ms, "<op>|bwd": ms, "rest|fwd": …, "total": kernel ms per step}}`` to
 ``--out`` (default ``benchmarks/results/step_kernels/per_op_<device>_<model>.json``). A
@@ -29,12 +29,10 @@ import sys
 
 import jax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.predictor import get_model, plans  # noqa: E402  (run as a script from the repo root)
-from planners import step, steptrace  # noqa: E402
-from planners.profiler import Profile, task_ops  # noqa: E402
-from qsync_jax.policy import PrecisionPolicy  # noqa: E402
+from benchmarks.predictor import get_model, plans
+from planners import step, steptrace
+from planners.profiler import Profile, task_ops
+from qsync_jax.policy import PrecisionPolicy
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_kernels")
 
@@ -59,7 +57,7 @@ def flat_per_op_ms(hlo: str, instruction_ms: dict[str, float], ops) -> dict[str,
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.step_ops", description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="vgg")
   ap.add_argument("--profile", help="a saved profile of the model: its standalone times beside")
   ap.add_argument("--plans", nargs="+", help="default: fp32 and every plan of benchmarks/predictor.py")

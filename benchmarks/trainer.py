@@ -16,8 +16,8 @@ plain interleaved; the table shows median and min–max in ms/step and the overh
 ``benchmarks/results/trainer.jsonl`` (benchmark, case, device, jax_version, date, metric,
 value, baseline, ratio).
 
-  python benchmarks/trainer.py                 # CPU, or the first GPU (bigger default model)
-  python benchmarks/trainer.py --width 2048 --batch 512 --repeats 21
+  python -m benchmarks.trainer                 # CPU, or the first GPU (bigger default model)
+  python -m benchmarks.trainer --width 2048 --batch 512 --repeats 21
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from result_rows import append_rows, result_row  # noqa: E402
-
-from qsync_jax.cluster import ClusterSpec  # noqa: E402
-from qsync_jax.task import Task  # noqa: E402
-from qsync_jax.train_step import make_train_step  # noqa: E402
-from qsync_jax.trainer import Trainer  # noqa: E402
+from benchmarks.result_rows import append_rows, result_row
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.task import Task
+from qsync_jax.train_step import make_train_step
+from qsync_jax.trainer import Trainer
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "trainer.jsonl")
 
@@ -96,7 +93,7 @@ def _time(fn, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.trainer", description=__doc__.splitlines()[0])
   # Defaults give a step of a few ms: MLP 3x512, batch 128 on the CPU; 4x4096, batch 4096 on a GPU.
   parser.add_argument("--width", type=int, help="hidden width (default 512 CPU, 4096 GPU)")
   parser.add_argument("--depth", type=int, help="hidden layers (default 3 CPU, 4 GPU)")

@@ -20,7 +20,6 @@ then prints one table and writes to ``--out``: ``plan.json`` (the QSync plan),
 ``trace.json`` (Chrome trace of the QSync plan's predicted step; open in ui.perfetto.dev),
 ``timeline.png``, ``sensitivity.png`` and ``results.json``. Times are the replay's
 predictions for the modeled V100/T4 devices, not CPU times; the CPU only runs the numerics.
-A stage whose module is missing from this checkout is reported as unavailable, never faked.
 """
 
 from __future__ import annotations
@@ -43,7 +42,9 @@ CONFIGS = ("fp32", "uniform int8", "dynamic batch", "qsync")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", default="qsync_demo", help="output directory (default: qsync_demo)")
-  parser.add_argument("--model", default="vgg", help="registered example task (default: vgg on digits)")
+  parser.add_argument(
+    "--model", default="vgg", help="registered task or package.module:make_task (default: vgg on digits)"
+  )
   parser.add_argument("--batch-per-device", type=int, default=16, help="per-device batch (default 16)")
   parser.add_argument("--steps", type=int, default=150, help="training steps per configuration (default 150)")
   parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
@@ -141,40 +142,27 @@ def scale_inference_memory(cluster, profiles, position: float):
   return dataclasses.replace(cluster, groups=groups), least, fp32
 
 
-def _unavailable(stage: str, error: Exception, say) -> None:
-  say(f"{stage}: UNAVAILABLE in this checkout ({type(error).__name__}: {error})")
-
-
 # -- stages ---------------------------------------------------------------------------------
 
 
-def stage_indicator(task, args, say) -> dict | None:
-  """fp32 pre-training, then the gradient indicator's Ω table (or None if unavailable)."""
-  try:
-    from planners.indicator import compute
-  except ImportError as e:
-    _unavailable("indicator", e, say)
-    return None
-  from examples.train_loop import LoopConfig, train_and_evaluate
+def stage_indicator(task, args, say) -> dict:
+  """fp32 pre-training, then the gradient indicator's Ω table (as ``qsync indicator``)."""
+  from planners.cli_indicator import initial_variables
+  from planners.indicator import compute
 
   say(f"indicator: {args.pretrain_steps} fp32 pre-training steps of {task.name}")
-  config = LoopConfig(steps=args.pretrain_steps, batch_size=32, seed=args.seed, eval_max_batches=1)
-  carry = train_and_evaluate(task, config, log=None)["variables"]
-  variables = {"params": carry["params"], **carry["state"]}
+  variables = initial_variables(task, args.seed, args.pretrain_steps, 32)
   stream = task.train_batches(32, args.seed + 1)
   batches = [next(stream) for _ in range(args.indicator_batches)]
   say(f"indicator: probing every op at int8 and fp16 on {len(batches)} batches")
   return compute(task, variables, batches, ("gradient",), ("int8", "fp16"), seed=args.seed)["gradient"]
 
 
-def stage_profile(task, batch_per_device: int, say) -> dict | None:
+def stage_profile(task, batch_per_device: int, say) -> dict:
   """``{device type: Profile}``: measured on the local CPU, modeled for V100 and T4."""
-  try:
-    from planners.derived_profiles import modeled_profile
-    from planners.profiler import measure_profile
-  except ImportError as e:
-    _unavailable("profile", e, say)
-    return None
+  from planners.derived_profiles import modeled_profile
+  from planners.profiler import measure_profile
+
   # The profiler traces the model's ops with ``train_kwargs`` but without ``mutable``, which
   # BatchNorm in training mode needs; the op shapes are the same in eval mode.
   probe_task = dataclasses.replace(task, train_kwargs=task.eval_kwargs) if task.mutable else task
@@ -192,14 +180,10 @@ def stage_profile(task, batch_per_device: int, say) -> dict | None:
   return {"cpu": local, "V100": modeled_profile(local, "V100"), "T4": modeled_profile(local, "T4")}
 
 
-def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any] | None:
+def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any]:
   """The four configurations' plans and predictions: ``{config: (Plan, Prediction)}``."""
-  try:
-    from planners.allocator import dynamic_batch, greedy, make_problem
-    from planners.replay import predict
-  except ImportError as e:
-    _unavailable("plan", e, say)
-    return None
+  from planners.allocator import dynamic_batch, greedy, make_problem
+  from planners.replay import predict
   from qsync_jax.plan import Plan
   from qsync_jax.policy import PrecisionPolicy
 
@@ -209,18 +193,15 @@ def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any] | None:
   }
   batches, _ = dynamic_batch(cluster, profiles)
   plans["dynamic batch"] = Plan(batch_per_device=batches)
-  if indicator is not None:
-    say("plan: greedy allocation on the inference group (T* = the V100 group's step)")
-    try:
-      alloc = greedy(make_problem(cluster, profiles, indicator, ["training"]))
-    except PlanError as e:
-      say(f"plan: no QSync plan fits ({e})")
-    else:
-      plans["qsync"] = alloc.plan
-      if alloc.straggles:
-        say("plan: NOTE the T4 group is slower than the V100 group even at its fastest plan (it straggles)")
+  say("plan: greedy allocation on the inference group (T* = the V100 group's step)")
+  try:
+    alloc = greedy(make_problem(cluster, profiles, indicator, ["training"]))
+  except PlanError as e:
+    say(f"plan: no QSync plan fits ({e})")
   else:
-    say("plan: qsync plan UNAVAILABLE (no indicator)")
+    plans["qsync"] = alloc.plan
+    if alloc.straggles:
+      say("plan: NOTE the T4 group is slower than the V100 group even at its fastest plan (it straggles)")
   return {name: (plan, predict(cluster, profiles, plan)) for name, plan in plans.items()}
 
 
@@ -313,20 +294,18 @@ def results_table(cluster, planned, trained, op_names) -> str:
   from planners.cli_common import table
 
   rows = []
-  for name in planned or trained:
-    plan, pred = planned[name] if planned else (None, None)
+  for name, (plan, pred) in planned.items():
     metrics = trained.get(name, {})
-    batches = plan.apply_to(cluster) if plan is not None else cluster
     rows.append(
       [
         name,
-        precision_mix(plan, "inference", op_names) if plan is not None else "-",
-        "/".join(str(g.batch_per_device) for g in batches.groups),
-        pred.group_step_ms["training"] if pred else "-",
-        pred.group_step_ms["inference"] if pred else "-",
-        pred.step_ms if pred else "-",
-        f"{pred.memory_bytes['inference'] / 1e6:.2f}" if pred else "-",
-        ("yes" if pred.fits else "NO") if pred else "-",
+        precision_mix(plan, "inference", op_names),
+        "/".join(str(g.batch_per_device) for g in plan.apply_to(cluster).groups),
+        pred.group_step_ms["training"],
+        pred.group_step_ms["inference"],
+        pred.step_ms,
+        f"{pred.memory_bytes['inference'] / 1e6:.2f}",
+        "yes" if pred.fits else "NO",
         metrics.get("train_loss", "-"),
         metrics.get("eval_loss", "-"),
         metrics.get("eval_accuracy", "-"),
@@ -351,30 +330,23 @@ def results_table(cluster, planned, trained, op_names) -> str:
 def write_outputs(out, cluster, indicator, profiles, planned, trained, say) -> None:
   os.makedirs(os.path.join(out, "plans"), exist_ok=True)
   cluster.save(os.path.join(out, "cluster.json"))
-  if indicator is not None:
-    from planners.indicator import save
+  from planners.indicator import save
+  from planners.trace import save_chrome_trace, save_png
 
-    save(indicator, os.path.join(out, "indicator.json"))
-    save_sensitivity_png(indicator, os.path.join(out, "sensitivity.png"))
-  for device_type, prof in (profiles or {}).items():
+  save(indicator, os.path.join(out, "indicator.json"))
+  save_sensitivity_png(indicator, os.path.join(out, "sensitivity.png"))
+  for device_type, prof in profiles.items():
     prof.save(os.path.join(out, f"profile_{device_type}.json"))
-  if planned:
-    from planners.trace import save_chrome_trace, save_png
-
-    for name, (plan, pred) in planned.items():
-      plan = dataclasses.replace(plan, predictions={**plan.predictions, **pred.to_json()})
-      plan.save(os.path.join(out, "plans", name.replace(" ", "_") + ".json"))
-      if name == "qsync":
-        plan.save(os.path.join(out, "plan.json"))
-    shown = planned.get("qsync", planned["fp32"])[1]
-    save_chrome_trace(shown, os.path.join(out, "trace.json"))
-    save_png(shown, os.path.join(out, "timeline.png"))
+  for name, (plan, pred) in planned.items():
+    plan = dataclasses.replace(plan, predictions={**plan.predictions, **pred.to_json()})
+    plan.save(os.path.join(out, "plans", name.replace(" ", "_") + ".json"))
+    if name == "qsync":
+      plan.save(os.path.join(out, "plan.json"))
+  shown = planned.get("qsync", planned["fp32"])[1]
+  save_chrome_trace(shown, os.path.join(out, "trace.json"))
+  save_png(shown, os.path.join(out, "timeline.png"))
   summary = {
-    name: {
-      **({"predicted": planned[name][1].to_json()} if planned and name in planned else {}),
-      **trained.get(name, {}),
-    }
-    for name in (planned or trained)
+    name: {"predicted": pred.to_json(), **trained.get(name, {})} for name, (_, pred) in planned.items()
   }
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(summary, f, indent=1, default=float)
@@ -391,37 +363,26 @@ def run(args: argparse.Namespace) -> int:
   if unknown:
     raise QsyncError(f"--configs: unknown configuration(s) {unknown}. Fix: choose from {list(CONFIGS)}.")
   devices = simulated_devices(NUM_DEVICES)
-  from examples.registry import get_task
+  from qsync_jax.tasks import load_task
 
-  task = get_task(args.model)
+  task = load_task(args.model)
   cluster = demo_cluster(args.batch_per_device)
   say(f"{task.name} on {len(devices)} simulated devices: 2 × V100 (training) + 2 × T4 (inference)")
   indicator = stage_indicator(task, args, say)
   profiles = stage_profile(task, args.batch_per_device, say)
-  if profiles and args.t4_memory >= 0:
+  if args.t4_memory >= 0:
     cluster, least, fp32 = scale_inference_memory(cluster, profiles, args.t4_memory)
     say(
       f"plan: T4 memory {cluster.group('inference').memory_gb * 1e3:.3f} MB, between the least any plan "
       f"needs ({least / 1e6:.3f} MB) and the fp32 step's need ({fp32 / 1e6:.3f} MB)"
     )
-  planned = stage_plan(cluster, profiles, indicator, say) if profiles else None
-  if planned is None:
-    from qsync_jax.plan import Plan
-    from qsync_jax.policy import PrecisionPolicy
-
-    planned_plans = {
-      "fp32": Plan(),
-      "uniform int8": Plan(policies={"inference": PrecisionPolicy.uniform("int8_fwd")}),
-    }
-  else:
-    planned_plans = {k: v[0] for k, v in planned.items()}
-  to_train = {k: v for k, v in planned_plans.items() if k in configs}
+  planned = stage_plan(cluster, profiles, indicator, say)
+  to_train = {name: plan for name, (plan, _) in planned.items() if name in configs}
   trained = {
     k: v[0]
     for k, v in stage_train(task, cluster, to_train, devices, args.steps, args.lr, [args.seed], say).items()
   }
-  op_names = profiles["cpu"].op_names if profiles else ()
-  print(results_table(cluster, planned, trained, op_names))
+  print(results_table(cluster, planned, trained, profiles["cpu"].op_names))
   print(
     "times and memory: replay predictions for the modeled V100 / T4 groups (not CPU times); "
     f"loss and accuracy: trained on the CPU devices, evaluated on {task.name}'s held-out split"

@@ -4,18 +4,20 @@
                   [--train-steps 40] [--batch-size 32] [--precisions int8 fp16]
                   [--estimator moments|sample|batch|signed]
 
-``--model`` is a registered example task (``examples.registry``) or ``package.module:fn``
-returning a ``qsync_jax.task.Task``. With ``--train-steps N`` the model is first trained N
-steps in fp32 (a fresh init's gradients say little about a trained model's sensitivity).
+``--model`` is a registered task name (``qsync_jax.tasks``, e.g. the examples' ``vgg``) or
+``package.module:fn`` returning a ``qsync_jax.task.Task``. The model starts from the parameters
+``qsync train --seed S`` starts from; with ``--train-steps N`` it is first trained N steps in
+fp32 by the library's ``Trainer`` (a fresh init's gradients say little about a trained model's
+sensitivity).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 from qsync_jax.errors import QsyncError
+from qsync_jax.tasks import load_task
 
 HELP = "Score every quantizable op's sensitivity to each precision (Ω table, JSON)."
 
@@ -25,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   from planners.indicator.gradient import ESTIMATORS
 
   parser.add_argument(
-    "--model", required=True, help="example task name (e.g. vgg, lm) or package.module:make_task"
+    "--model", required=True, help="registered task name (e.g. vgg, lm) or package.module:make_task"
   )
   parser.add_argument("--out", required=True, help="where to write the JSON table")
   parser.add_argument("--batches", type=int, default=16, help="training batches to average over (default 16)")
@@ -47,33 +49,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--seed", type=int, default=0)
 
 
-def resolve_task(spec: str):
-  """A Task from a registered example name or ``package.module:function``."""
-  if ":" in spec:
-    module_name, _, fn_name = spec.partition(":")
-    try:
-      fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as e:
-      raise QsyncError(
-        f"--model {spec!r} cannot be loaded ({e}). Fix: give package.module:function."
-      ) from None
-    return fn()
-  from examples.registry import get_task
-
-  return get_task(spec)
-
-
-def initial_variables(task, batch, seed: int, train_steps: int, batch_size: int):
-  """The model's variables: a fresh init, or after ``train_steps`` fp32 steps."""
+def initial_variables(task, seed: int, train_steps: int, batch_size: int):
+  """The variables the indicator scores: ``qsync_jax.Trainer``'s initial ones for ``seed``, after
+  ``train_steps`` fp32 steps on one device (global batch ``batch_size``, AdamW with learning rate
+  3e-3 and weight decay 1e-4); ``train_steps=0`` gives the initial ones."""
   import jax
+  import optax
 
-  if train_steps > 0:
-    from examples.train_loop import LoopConfig, train_and_evaluate
+  from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.trainer import Trainer
 
-    config = LoopConfig(steps=train_steps, batch_size=batch_size, seed=seed, eval_max_batches=1)
-    carry = train_and_evaluate(task, config, log=None)["variables"]
-    return {"params": carry["params"], **carry["state"]}
-  return task.model.init({"params": jax.random.key(seed)}, *task.inputs(batch), **task.eval_kwargs)
+  # The group's device type only bounds the precisions a plan may use; this fp32 plan runs anywhere.
+  cluster = ClusterSpec.uniform("cpu", 1, batch_size)
+  optimizer = optax.adamw(3e-3, weight_decay=1e-4)
+  trainer = Trainer(task, cluster, optimizer=optimizer, seed=seed, devices=jax.devices()[:1])
+  trainer.run(train_steps)
+  return trainer.program.variables_of(trainer.state)
 
 
 def _progress(done: int, total: int) -> None:
@@ -86,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
 
   if args.batches < 1:
     raise QsyncError(f"--batches {args.batches} must be at least 1. Fix: pass e.g. --batches 8.")
-  task = resolve_task(args.model)
+  task = load_task(args.model)
   stream = task.train_batches(args.batch_size, args.seed + 1)
   batches = [next(stream) for _ in range(args.batches)]
-  variables = initial_variables(task, batches[0], args.seed, args.train_steps, args.batch_size)
+  variables = initial_variables(task, args.seed, args.train_steps, args.batch_size)
   print(f"qsync indicator: {args.method} on {task.name}, {args.batches} batches of {args.batch_size}")
   tables = compute(
     task,

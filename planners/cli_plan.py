@@ -16,8 +16,8 @@ from planners.cli_common import (
   table,
 )
 from planners.replay import CALIBRATION_DEVICES, predict
-from qsync_jax.cli_train import load_task
 from qsync_jax.cluster import ClusterSpec
+from qsync_jax.tasks import load_task
 
 HELP = "Plan one precision policy per device group: fastest that fits, then recover sensitive ops."
 

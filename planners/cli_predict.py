@@ -14,9 +14,9 @@ from planners.cli_common import (
 )
 from planners.replay import CALIBRATION_DEVICES, predict
 from planners.trace import save_chrome_trace, save_png
-from qsync_jax.cli_train import load_task
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
+from qsync_jax.tasks import load_task
 
 HELP = "Predict the synchronous step time and per-group peak memory of a plan (replay simulator)."
 

@@ -7,9 +7,9 @@ import argparse
 from planners.cli_common import progress, table
 from planners.derived_profiles import modeled_profile, traced_profile
 from planners.profiler import local_device_type, measure_profile
-from qsync_jax.cli_train import load_task
 from qsync_jax.errors import UnsupportedPrecisionError
 from qsync_jax.precision import LEGS, supported_precisions
+from qsync_jax.tasks import load_task
 
 HELP = "Measure op × leg × precision costs, casts and memory of a model's training step (JSON)."
 

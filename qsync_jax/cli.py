@@ -1,8 +1,15 @@
 """The ``qsync`` command line: one subcommand per pipeline stage.
 
-Each stage registers itself in ``SUBCOMMANDS`` as ``name -> (help, add_arguments, run)``;
-``run(args)`` returns an exit code. Bad input raises ``QsyncError`` subclasses, which the
-CLI prints as one clear line (no traceback) and exits with status 2.
+Each stage is a module that defines ``HELP``, ``add_arguments(parser)`` and ``run(args)``;
+``run(args)`` returns an exit code. The pipeline's stages are listed in ``SUBCOMMANDS``; an
+installed package adds commands of its own as entry points of group ``qsync_jax.commands``
+(``COMMAND_GROUP``) naming such a module, e.g. this project's examples::
+
+  [project.entry-points."qsync_jax.commands"]
+  demo = "examples.demo"
+
+Bad input raises ``QsyncError`` subclasses, which the CLI prints as one clear line (no
+traceback) and exits with status 2.
 """
 
 from __future__ import annotations
@@ -10,28 +17,37 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import entry_points
 
 import qsync_jax
 from qsync_jax.errors import QsyncError
 
 # name -> module that defines ``HELP``, ``add_arguments(parser)`` and ``run(args)``.
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+  "indicator": "planners.cli_indicator",
+  "profile": "planners.cli_profile",
+  "predict": "planners.cli_predict",
+  "plan": "planners.cli_plan",
+  "train": "qsync_jax.cli_train",
+  "export": "qsync_jax.cli_export",
+}
+COMMAND_GROUP = "qsync_jax.commands"
 
 
-def _register_optional():
-  """Subcommands whose modules exist in this checkout (stages land one by one)."""
-  candidates = {
-    "indicator": "planners.cli_indicator",
-    "profile": "planners.cli_profile",
-    "predict": "planners.cli_predict",
-    "plan": "planners.cli_plan",
-    "train": "qsync_jax.cli_train",
-    "export": "qsync_jax.cli_export",
-    "demo": "examples.demo",
-  }
-  for name, module in candidates.items():
-    if importlib.util.find_spec(module) is not None:
-      SUBCOMMANDS[name] = module
+def _installed_commands() -> dict:
+  """``{name: module}`` of the commands that installed packages declare (``COMMAND_GROUP``).
+  One that cannot be loaded, or that reuses a pipeline stage's name, is left out with a
+  warning on stderr; the other commands still work."""
+  commands = {}
+  for ep in entry_points(group=COMMAND_GROUP):
+    if ep.name in SUBCOMMANDS or ep.name in commands:
+      print(f"qsync: warning: command {ep.name!r} ({ep.value}) is already defined; ignored", file=sys.stderr)
+      continue
+    try:
+      commands[ep.name] = ep.load()
+    except ImportError as e:
+      print(f"qsync: warning: command {ep.name!r} ({ep.value}) cannot be loaded: {e}", file=sys.stderr)
+  return commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
   )
   parser.add_argument("--version", action="version", version=f"qsync-jax {qsync_jax.__version__}")
   sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-  _register_optional()
-  for name, module_name in SUBCOMMANDS.items():
-    module = importlib.import_module(module_name)
+  modules = {name: importlib.import_module(module) for name, module in SUBCOMMANDS.items()}
+  for name, module in {**modules, **_installed_commands()}.items():
     p = sub.add_parser(name, help=module.HELP, description=module.HELP)
     module.add_arguments(p)
     p.set_defaults(_run=module.run)
@@ -51,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] not in SUBCOMMANDS and argv[0][:1] != "-" and not entry_points(group=COMMAND_GROUP):
+    print(
+      f"qsync: error: unknown command {argv[0]!r}, and no installed package adds commands (entry points "
+      f"of group {COMMAND_GROUP!r}; the examples' `demo` is one). Fix: run `pip install -e '.[examples]'` "
+      f"in the qsync-jax checkout (`python3 dev.py` does it), or use one of {sorted(SUBCOMMANDS)}.",
+      file=sys.stderr,
+    )
+    return 2
   parser = build_parser()
   args = parser.parse_args(argv)
   if not getattr(args, "_run", None):

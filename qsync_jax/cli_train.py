@@ -7,18 +7,17 @@
 qsdp), ``--sync-option KEY=VALUE`` (repeatable, JSON values) sets its options, e.g.
 ``--sync selsync --sync-option delta=0.2 --sync-option warmup=10``.
 
-``--model`` is a registered example (``examples.registry``) or ``package.module:attr`` naming
-a ``Task`` or a function returning one. Without ``--cluster`` every local device forms one
-``cpu`` group. Progress (steps/s, loss, ETA) goes to stderr; metrics to ``OUT/metrics.jsonl``;
-checkpoints to ``OUT/checkpoints``. Multi-process: start one process per host (or several on
-one CPU host) with the same arguments plus ``--coordinator HOST:PORT --num-processes N
---process-id I``.
+``--model`` is a registered task name (``qsync_jax.tasks``: the examples' ``vgg``, ``resnet``,
+``lm`` …) or ``package.module:attr`` naming a ``Task`` or a function returning one. Without
+``--cluster`` every local device forms one ``cpu`` group. Progress (steps/s, loss, ETA) goes
+to stderr; metrics to ``OUT/metrics.jsonl``; checkpoints to ``OUT/checkpoints``. Multi-process:
+start one process per host (or several on one CPU host) with the same arguments plus
+``--coordinator HOST:PORT --num-processes N --process-id I``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -32,7 +31,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
-    "--model", required=True, help="registered example name, or package.module:attr (a Task factory)"
+    "--model", required=True, help="registered task name (e.g. vgg), or package.module:attr (a Task factory)"
   )
   parser.add_argument(
     "--cluster", help="cluster spec (JSON, or YAML); default: all local devices, one 'cpu' group"
@@ -100,40 +99,6 @@ def _overrides(items: list[str], flag: str = "--set", example: str = "hidden=64"
   return out
 
 
-def load_task(spec: str, **overrides):
-  """A ``Task`` from a registered example name or ``package.module:attr``."""
-  from qsync_jax.task import Task
-
-  if ":" in spec:
-    module_name, _, attr = spec.partition(":")
-    try:
-      module = importlib.import_module(module_name)
-    except ImportError as e:
-      raise QsyncError(
-        f"--model {spec!r}: cannot import {module_name!r} ({e}). Fix: make it importable (PYTHONPATH) or fix the name."
-      ) from None
-    if not hasattr(module, attr):
-      raise QsyncError(
-        f"--model {spec!r}: module {module_name!r} has no attribute {attr!r}. Fix: name an existing one."
-      )
-    obj = getattr(module, attr)
-    task = obj if isinstance(obj, Task) else obj(**overrides)
-  else:
-    try:
-      registry = importlib.import_module("examples.registry")
-    except ImportError:
-      raise QsyncError(
-        f"--model {spec!r}: the example registry (examples.registry) is not available here. "
-        "Fix: pass your own task as package.module:make_task."
-      ) from None
-    task = registry.get_task(spec, **overrides)
-  if not isinstance(task, Task):
-    raise QsyncError(
-      f"--model {spec!r} gave a {type(task).__name__}, not a qsync_jax.task.Task. Fix: return a Task from the factory."
-    )
-  return task
-
-
 def _optimizer(name: str, lr: float):
   import optax
 
@@ -175,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
+  from qsync_jax.tasks import load_task
   from qsync_jax.trainer import Trainer
 
   if args.steps <= 0:

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from examples import train_loop
-from examples.registry import get_task
+from examples.tasks.language import stdlib_lm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +29,7 @@ class Config(train_loop.LoopConfig):
 
 
 def train_and_evaluate(config: Config, log=print) -> dict[str, Any]:
-  task = get_task(
-    "lm",
+  task = stdlib_lm(
     d_model=config.d_model,
     num_heads=config.num_heads,
     num_layers=config.num_layers,

@@ -2,8 +2,9 @@
 
 import json
 
-import kernel_categories as kc
 import pytest
+
+from benchmarks import kernel_categories as kc
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,9 @@
 
 import json
 
-import models
 import pytest
 
+from benchmarks import models
 from tests.benchmarks import result, write_rows
 
 

@@ -5,10 +5,9 @@ time that measured the steps cannot be spent again), so they are tested here on 
 """
 
 import jax
-import multigpu
-import multigpu_replay
 import pytest
 
+from benchmarks import multigpu, multigpu_replay
 from planners.link import LinkModel
 from tests.benchmarks import result, write_rows
 from tests.planners.fakes import fake_profile

@@ -4,9 +4,9 @@ numbers are noise; the test checks what is timed, fitted and written)."""
 import dataclasses
 import json
 
-import predictor
 import pytest
 
+from benchmarks import predictor
 from planners.profiler import Profile, refit_to_fit_steps
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec

@@ -3,9 +3,9 @@
 import dataclasses
 import json
 
-import predictor_replay
 import pytest
 
+from benchmarks import predictor_replay
 from planners.profiler import with_16bit_other_bytes
 from planners.replay import predict, refit_profile
 from qsync_jax.cluster import ClusterSpec

@@ -5,7 +5,8 @@ import types
 
 import numpy as np
 import pytest
-import step_drift
+
+from benchmarks import step_drift
 
 
 def test_each_preset_is_compiled_as_often_as_asked_and_the_others_once():

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-import step_kernels
 
+from benchmarks import step_kernels
 from planners.steptrace import KernelSummary
 
 FAKE = KernelSummary(

@@ -3,8 +3,8 @@
 import gzip
 
 import pytest
-import step_liveness
 
+from benchmarks import step_liveness
 from benchmarks.predictor import get_model
 from planners.profiler import task_ops
 

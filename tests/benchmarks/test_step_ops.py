@@ -4,8 +4,8 @@ end on the CPU (XLA:CPU's per-instruction events stand for the GPU's kernels).""
 import json
 
 import pytest
-import step_ops
 
+from benchmarks import step_ops
 from planners.ops import OpShape
 from tests.planners.test_steptrace import HLO
 

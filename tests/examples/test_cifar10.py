@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from examples.data import cifar10
-from examples.registry import get_task
+from examples.tasks.vision import resnet_cifar10
 from qsync_jax.errors import QsyncError
 
 
@@ -56,7 +56,7 @@ def test_missing_file_is_named(tmp_path):
 
 def test_task_needs_a_data_dir():
   with pytest.raises(QsyncError, match="needs a local data directory.*--data-dir"):
-    get_task("resnet_cifar10")
+    resnet_cifar10()
 
 
 def test_not_a_cifar_batch(tmp_path):
@@ -67,9 +67,9 @@ def test_not_a_cifar_batch(tmp_path):
     cifar10.load(tmp_path)
 
 
-def test_registered_task_reads_the_fixture(tmp_path):
+def test_task_reads_the_fixture(tmp_path):
   _write_fixture(tmp_path, np.random.default_rng(), per_batch=4)
-  task = get_task("resnet_cifar10", data_dir=str(tmp_path), widths=(4, 8), stage_sizes=(1, 1))
+  task = resnet_cifar10(data_dir=str(tmp_path), widths=(4, 8), stage_sizes=(1, 1))
   batch = next(task.train_batches(8, 0))
   assert batch["image"].shape == (8, 32, 32, 3)
   assert sum(len(b["label"]) for b in task.eval_batches(3)) == 4

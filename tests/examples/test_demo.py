@@ -60,7 +60,7 @@ def test_results_table_and_outputs(tmp_path):
   lines = text.splitlines()
   assert "sync step ms" in lines[0] and "fits" in lines[0] and len(lines) == 2 + 4
   assert lines[2].startswith("fp32") and lines[5].startswith("qsync")
-  demo.write_outputs(str(tmp_path), cluster, indicator, None, planned, trained, lambda m: None)
+  demo.write_outputs(str(tmp_path), cluster, indicator, profiles, planned, trained, lambda m: None)
   plan = Plan.load(str(tmp_path / "plan.json"))
   assert plan.policies["inference"].rules  # the per-op rules of the allocator
   trace = json.loads((tmp_path / "trace.json").read_text())
@@ -115,10 +115,10 @@ def test_scaled_t4_memory_excludes_fp32_but_admits_a_plan():
 
 
 def test_stage_train_runs_each_plan_per_seed_and_evaluates():
-  from examples.registry import get_task
+  from examples.tasks.vision import vgg_digits
   from qsync_jax.policy import PrecisionPolicy
 
-  task = get_task("vgg", stages=((4,), (8,)), hidden=8)
+  task = vgg_digits(stages=((4,), (8,)), hidden=8)
   cluster = demo.demo_cluster(4)
   plans = {
     "fp32": Plan(),

@@ -24,7 +24,7 @@ def _train(tmp_path, *extra):
   [
     (["--model", "no_such_task"], "unknown task"),
     (["--model", "tests.trainer.tiny:nope"], "has no attribute 'nope'"),
-    (["--model", "no_such_pkg.mod:make"], "cannot import 'no_such_pkg.mod'"),
+    (["--model", "no_such_pkg.mod:make"], "no module named 'no_such_pkg' on the Python path"),
     (["--model", "tests.trainer.tiny:make_task", "--set", "hidden"], "is not KEY=VALUE"),
   ],
 )

@@ -1,13 +1,33 @@
-"""The task registry: names, overrides, deterministic batches, held-out splits."""
+"""The example tasks: registered by name, overrides, deterministic batches, held-out splits."""
+
+from importlib.metadata import entry_points
 
 import jax
 import numpy as np
 import pytest
 
 from examples.data import digits, stdlib_text
-from examples.registry import TASKS, get_task
+from examples.tasks.language import stdlib_lm
+from examples.tasks.vision import resnet_cifar10, resnet_digits, resnet_synthetic, vgg_digits
 from qsync_jax.errors import QsyncError
 from qsync_jax.task import Task
+from qsync_jax.tasks import ENTRY_POINT_GROUP, get_task, task_names
+
+EXAMPLE_TASKS = {
+  "resnet": resnet_digits,
+  "vgg": vgg_digits,
+  "lm": stdlib_lm,
+  "resnet_cifar10": resnet_cifar10,
+  "resnet_synthetic": resnet_synthetic,
+}
+
+
+def test_each_example_name_loads_its_factory():
+  """pyproject.toml's entry points, as installed (``pip install -e .``): name -> factory."""
+  installed = entry_points(group=ENTRY_POINT_GROUP)
+  assert set(EXAMPLE_TASKS) <= set(task_names())
+  for name, factory in EXAMPLE_TASKS.items():
+    assert installed[name].load() is factory
 
 
 def test_unknown_task_lists_the_names():
@@ -20,13 +40,9 @@ def test_unknown_override_lists_the_fields():
     get_task("resnet", depth=18)
 
 
-def test_registry_names():
-  assert {"resnet", "vgg", "lm", "resnet_cifar10"} <= set(TASKS)
-
-
 @pytest.mark.parametrize("name", ["resnet", "vgg", "lm"])
 def test_train_batches_are_deterministic_given_the_seed(name):
-  task = get_task(name)
+  task = EXAMPLE_TASKS[name]()
   assert isinstance(task, Task)
   first = [next(task.train_batches(16, 7)) for _ in range(2)]
   a, b = first
@@ -53,7 +69,7 @@ def test_digits_split_is_disjoint_and_complete():
 
 
 def test_eval_batches_cover_the_held_out_split_once():
-  task = get_task("vgg")
+  task = vgg_digits()
   _, test = digits.load()
   labels = np.concatenate([b["label"] for b in task.eval_batches(100)])
   np.testing.assert_array_equal(labels, test["label"])
@@ -74,7 +90,7 @@ def test_stdlib_corpus_split_is_the_tail_and_is_deterministic():
 # seeds: 5 beyond the 1.0 bound, at most 1.17; seeds 0-3 at 0.12-0.78).
 @pytest.mark.parametrize("seed", range(4))
 def test_lm_task_shapes_and_loss_is_near_uniform_at_init(seed):
-  task = get_task("lm", d_model=16, num_heads=2, num_layers=1, seq_len=12)
+  task = stdlib_lm(d_model=16, num_heads=2, num_layers=1, seq_len=12)
   batch = next(task.train_batches(4, 0))
   assert batch["tokens"].shape == (4, 13)
   (tokens,) = task.inputs(batch)
@@ -87,14 +103,14 @@ def test_lm_task_shapes_and_loss_is_near_uniform_at_init(seed):
 
 
 def test_bad_batch_size_names_the_fix():
-  task = get_task("resnet")
+  task = resnet_digits()
   with pytest.raises(QsyncError, match="global_batch=100000 exceeds"):
     next(task.train_batches(100_000, 0))
 
 
 @pytest.mark.standard_promotion  # the trainer's optimizer (optax) as users run it
 def test_resnet_synthetic_batches_are_deterministic_and_train_one_step():
-  task = get_task("resnet_synthetic")
+  task = resnet_synthetic()
   a, b = next(task.train_batches(4, 3)), next(task.train_batches(4, 3))
   np.testing.assert_array_equal(a["image"], b["image"])
   assert a["image"].shape == (4, 16, 16, 3) and a["label"].max() < 10
@@ -107,4 +123,4 @@ def test_resnet_synthetic_batches_are_deterministic_and_train_one_step():
     has_aux=True,
   )(variables["params"])
   assert np.isfinite(float(loss)) and 0.0 <= float(metrics["accuracy"]) <= 1.0
-  assert get_task("resnet_synthetic", image_size=224, imagenet_stem=True).model.imagenet_stem
+  assert resnet_synthetic(image_size=224, imagenet_stem=True).model.imagenet_stem
