@@ -4,7 +4,7 @@
 module itself, and the trainer, ``qsync_jax.quantize``, the profiler and the indicator run it
 through ``qsync_jax.nnx_model.NnxModel``. Also usable from the command line::
 
-  qsync train --model examples.nnx.train:make_task --steps 100 --out runs/nnx
+  qsync train --model nnx_digits --steps 100 --out runs/nnx    # or examples.nnx.train:make_task
 
 Examples:
   >>> from examples.nnx.train import Config, train_and_evaluate
@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from examples.data import batches, digits
+from examples.tasks.config import make_config
 from examples.tasks.vision import classification_loss, image_inputs
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
@@ -48,14 +49,24 @@ class DigitsCNN(nnx.Module):
     return self.head(self.dropout(x, deterministic=not train))
 
 
-def make_task(seed: int = 0, width: int = 16, hidden: int = 64, dropout: float = 0.1) -> Task:
-  """The digits task with a ``DigitsCNN`` built from ``seed`` (its parameters and dropout)."""
+@dataclasses.dataclass(frozen=True)
+class NnxDigitsConfig:
+  """The model's sizes and the seed of its ``nnx.Rngs`` (parameters and dropout)."""
+
+  seed: int = 0
+  width: int = 16
+  hidden: int = 64
+  dropout: float = 0.1
+
+
+def make_task(**overrides) -> Task:
+  """The digits task with a ``DigitsCNN`` (overrides: the fields of ``NnxDigitsConfig``)."""
+  cfg = make_config(NnxDigitsConfig, overrides, "nnx_digits")
   train, test = digits.load()
+  rngs = nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1)
   return Task(
     name="nnx_digits",
-    model=DigitsCNN(
-      width=width, hidden=hidden, dropout=dropout, rngs=nnx.Rngs(params=seed, dropout=seed + 1)
-    ),
+    model=DigitsCNN(width=cfg.width, hidden=cfg.hidden, dropout=cfg.dropout, rngs=rngs),
     inputs=image_inputs,
     loss=classification_loss,
     train_batches=functools.partial(batches.train_batches, train),
@@ -86,7 +97,7 @@ def train_and_evaluate(config: Config, log=print) -> dict[str, Any]:
   from examples.train_loop import load_policy
   from qsync_jax.trainer import Trainer
 
-  task = make_task(config.seed)
+  task = make_task(seed=config.seed)
   devices = jax.devices()[: config.devices]
   device_type = "cpu" if jax.default_backend() == "cpu" else "H100"  # as qsync train without --cluster
   cluster = ClusterSpec.uniform(device_type, len(devices), config.batch_per_device)
