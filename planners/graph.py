@@ -142,7 +142,7 @@ def standalone_costs(
 
   A leg's own operand conversions are inside its profiled time. A gradient leg at the
   forward's precision uses the ``:saved`` time (bf16/fp16: the saved operand needs no cast;
-  int8/fp8: the leg dequantizes it itself). ``cast_bwd`` — the saved int8/fp8 operands
+  int8/fp8: the leg reads the saved values, their scale folded into dY). ``cast_bwd`` — the saved int8/fp8 operands
   dequantized to fp32 — appears when some gradient leg runs at another precision.
 
   The relayout (``Profile.relayout_ms``) is paid when the op's policy makes XLA re-run the

@@ -149,15 +149,9 @@ def forward_extra_bytes(
   """Bytes one op's forward holds at its busiest beyond what the fp32 op's forward holds.
 
   A float op: what it keeps beyond the fp32 op (``kept_bytes`` minus the fp32 residual,
-  random bits aside). An int8/fp8 forward, all live at once (buffer assignment of the VGG
-  step on XLA:CPU: the peak sits in a quantized conv's forward):
-
-  * an im2col conv's fp32 patch matrix (4 bytes per patch element);
-  * its GEMM operands: 1 byte per element, or 4 where the backend runs fp8 GEMMs on fp32
-    copies (``dequantized_fp8``);
-  * the activation residual in its kept form, at least fp32 where XLA computes the
-    dequantized residual in the forward (``upcast_16bit``; an int8 one is re-quantized from
-    there for a quantized drhs leg).
+  random bits aside). An int8/fp8 forward: the larger of its two busiest moments
+  (``_busiest_forward``), at the GEMM with the activation residual in its kept form beside
+  (at least fp32 where XLA computes it dequantized in the forward).
 
   The residuals earlier ops keep are live too: the replay adds their excess over fp32.
   """
@@ -165,23 +159,50 @@ def forward_extra_bytes(
   delta = kept - residual_bytes(op, None)
   if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
     return int(delta)
-  act = saved_activation_elems(op, op_policy) * op.calls
-  return int(_patches_and_operands(op, op_policy, dequantized_fp8) + max(delta, 4 * act * upcast_16bit))
+  return _busiest_forward(op, op_policy, upcast_16bit, dequantized_fp8, delta)
 
 
 def quantized_forward_bytes(
   op: OpShape, op_policy: OpPolicy | None, upcast_16bit: bool = False, dequantized_fp8: bool = False
 ) -> int:
-  """Bytes an int8/fp8 forward's own buffers hold at its busiest, all live at once (0 for a
-  float forward): an im2col conv's fp32 patch matrix, the GEMM operands (``forward_extra_bytes``
-  lists both) and, where XLA computes the dequantized activation residual in the forward
-  (``upcast_16bit``), that fp32 copy. On an H100 the all-int8 step of a 128-512-channel VGG
-  peaks at its second conv's row quantization: its fp32 patches (302.0 MB) and their int8
-  copy (75.5 MB) live, nothing else of that op (``benchmarks/step_liveness.py``)."""
+  """Bytes an int8/fp8 forward's own buffers hold at its busiest (0 for a float forward):
+  ``_busiest_forward`` with nothing kept beyond its own buffers. On an H100 the all-int8
+  step of a 128-512-channel VGG peaks at its second conv's row quantization: its fp32
+  patches (302.0 MB) and their int8 copy (75.5 MB) live, nothing else of that op
+  (``benchmarks/step_liveness.py``)."""
   if op_policy is None or op_policy.fwd not in QUANTIZED_PRECISIONS:
     return 0
+  return _busiest_forward(op, op_policy, upcast_16bit, dequantized_fp8, 0)
+
+
+def _busiest_forward(
+  op: OpShape, op_policy: OpPolicy, upcast_16bit: bool, dequantized_fp8: bool, kept: int
+) -> int:
+  """An int8/fp8 forward's busiest bytes, the larger of two moments (buffer assignment of
+  small CNN and VGG steps on XLA:CPU):
+
+  * its GEMM: an im2col conv's fp32 patch matrix and the GEMM operands
+    (``_patches_and_operands``), beside ``kept`` (what the op keeps) or, where XLA computes
+    the activation residual dequantized in the forward (``_dequantized_in_forward``), that
+    fp32 copy if larger;
+  * on XLA:CPU (``upcast_16bit``) an im2col conv's stacking of its patches: the strided
+    slices of the input, as many fp32 elements as the patch matrix, live beside it.
+  """
   act = saved_activation_elems(op, op_policy) * op.calls
-  return int(_patches_and_operands(op, op_policy, dequantized_fp8) + 4 * act * upcast_16bit)
+  dequantized = 4 * act * _dequantized_in_forward(op_policy, upcast_16bit, dequantized_fp8)
+  gemm = _patches_and_operands(op, op_policy, dequantized_fp8) + max(kept, dequantized)
+  stacking = 2 * 4 * act if upcast_16bit and op.kind == "conv" else 0
+  return int(max(gemm, stacking))
+
+
+def _dequantized_in_forward(op_policy: OpPolicy, upcast_16bit: bool, dequantized_fp8: bool) -> bool:
+  """Whether XLA computes an int8/fp8 forward's activation residual as fp32 in the forward:
+  an fp8 one where the backend runs fp8 GEMMs on fp32 copies (``dequantized_fp8``), and on
+  XLA:CPU (``upcast_16bit``) one the drhs leg reads in another precision (a float leg, or
+  the other 8-bit format, which rounds it again from there). An int8 drhs leg of an int8
+  forward reads the saved values as they are (a small CNN's all-int8 step on XLA:CPU holds
+  no fp32 copy of the activation)."""
+  return (dequantized_fp8 and op_policy.fwd == "fp8") or (upcast_16bit and op_policy.drhs != op_policy.fwd)
 
 
 def _patches_and_operands(op: OpShape, op_policy: OpPolicy, dequantized_fp8: bool) -> int:

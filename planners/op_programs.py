@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quantize import dequantize, quantize
+from pallas_kernels.quantize import quantize
 from planners import memtrace, step, steptrace
 from planners.ops import ATTENTION_EINSUMS, OpShape
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
@@ -49,7 +49,7 @@ def leg_fn(
   saved_is_lhs = leg == "drhs"
   if saved and precision in QUANTIZED_PRECISIONS:
     # the forward saved this operand quantized (per channel over its forward contraction
-    # axis); the leg dequantizes it and quantizes it again, in one program
+    # axis); the leg reuses its values and folds its scale into the gradient (leg_dot)
     x = lhs if saved_is_lhs else rhs
     qvalue, scale = quantize(
       x, qformat(precision, False), (x.ndim - 1 if saved_is_lhs else x.ndim - 2,), "nearest"
@@ -60,15 +60,12 @@ def leg_fn(
   if saved:
     lhs, rhs = (x, rhs) if saved_is_lhs else (lhs, x)
 
-  def restore(x):
-    return dequantize(*x) if isinstance(x, tuple) else x
-
   def role(is_grad):
     return Operand("stochastic" if (stochastic and is_grad) else "nearest", is_grad)
 
   def f(a, b, key):
     lk, rk = jax.random.split(key)
-    return leg_dot(precision, "per_channel", restore(a), restore(b), dims, role(lgrad), role(rgrad), lk, rk)
+    return leg_dot(precision, "per_channel", a, b, dims, role(lgrad), role(rgrad), lk, rk)
 
   return jax.jit(f), (lhs, rhs, jax.random.key(seed + 1))
 

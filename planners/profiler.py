@@ -9,7 +9,8 @@ A ``Profile`` is plain data (JSON round trip) tagged with the device and softwar
   from pure GEMMs + standalone casts came out at half its measured time). Variants:
   ``"<p>:sr"`` — the gradient operand rounds stochastically; ``"<p>:saved"`` — the forward
   ran at ``p`` too and saved the operand so (bf16/fp16: no conversion; int8/fp8: the leg
-  dequantizes and re-quantizes it in one program); ``"<p>:saved:sr"`` — both.
+  reuses the saved values and folds their scale into the gradient operand it quantizes);
+  ``"<p>:saved:sr"`` — both.
   ``op_ms[op]["policy:<preset>"] = {"fwd": ms, "bwd": ms}`` — the op under a whole preset
   op policy, timed as one forward program and one forward + backward program
   (``planners.op_programs.measure_policy``); the replay prefers it for ops whose policy is that preset. On XLA:CPU

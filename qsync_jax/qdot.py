@@ -20,6 +20,38 @@ fp8        e4m3 values, e5m2 gradients, per-tensor/per-channel scales, fp32 accu
 When the forward leg is int8 / fp8 the op saves its *quantized* operands (plus scales) as
 residuals for the backward pass, not float copies; a float forward leg saves the operands
 in its own dtype (bf16/fp16 copies for a 16-bit forward).
+
+Gradient legs of an 8-bit forward (Y = X·W, X: M×K with scale s_x, W: K×N with scale s_w)
+-------------------------------------------------------------------------------------------
+A gradient leg at the forward's own 8-bit format reads the saved values ``q`` as they are
+(no second rounding) and only the gradient dY is quantized (``grad_rounding``):
+
+=============  ============================  ============================================
+granularity    dX = dY·Wᵀ (contracts N)      dW = Xᵀ·dY (contracts M)
+=============  ============================  ============================================
+per_tensor     s_w stays on q_w: the GEMM     s_x stays on q_x: the GEMM epilogue
+               epilogue multiplies the        multiplies the output; dY quantized per
+               output; dY quantized per       tensor.
+               tensor.
+per_channel    s_w (per column n) lies on     s_x (per row m) lies on the contraction:
+               the contraction: folded into   folded into dY, ``dW = q_xᵀ·Q(s_x ⊙ dY)``,
+               dY, ``dX = Q(dY ⊙ s_w)·q_wᵀ``, Q per column n of dY (absmax over M).
+               Q per row m of dY (absmax
+               over N).
+=============  ============================  ============================================
+
+``Q`` takes its scale from the folded tensor (absmax of ``s ⊙ dY``), so stochastic rounding
+stays unbiased and never saturates. The same holds for every ``dot_general``: a per-channel
+scale of a saved operand varies over its forward free and batch axes, which are the leg's
+contraction and batch axes and all axes of dY, so it always folds into dY (the fold is
+fused into dY's quantization, ``quantize(..., in_scale=)``); this covers DenseGeneral,
+einsums and the attention products, where both operands are activations, and the im2col
+convolution. Where the two formats differ (an int8 forward with an fp8 gradient leg, or
+fp8 with int8) the saved operand is dequantized and quantized again in the leg's format
+along the new contraction, the one case that rounds it twice. A 16-bit leg (QSync's
+``int8_fwd``: int8 forward, fp16/bf16 backward) dequantizes the saved operand straight
+into its own dtype inside the leg's program and multiplies 16-bit operands (float32
+accumulation), as for a float residual.
 """
 
 from __future__ import annotations
@@ -34,6 +66,7 @@ from jax import lax
 from pallas_kernels.gemm import scaled_dot_general
 from pallas_kernels.gemm.reference import free_axes
 from pallas_kernels.quantize import dequantize, quantize
+from pallas_kernels.quantize.reference import QFORMATS
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.vma import match_vma
 
@@ -68,13 +101,14 @@ def _is_quantized(x) -> bool:
   return isinstance(x, tuple)
 
 
-def _logical(x, axes):
-  """A float operand in its logical layout, from an array or a quantized residual.
+def _logical(x, axes, dtype=jnp.float32):
+  """A float operand in its logical layout, from an array or a quantized residual
+  (dequantized into ``dtype``).
 
   ``axes[i]`` is the logical axis that physical axis ``i`` of ``x`` holds (None: the same).
   """
   if _is_quantized(x):
-    x = dequantize(*x)
+    x = dequantize(*x, dtype)
   if axes is None or tuple(axes) == tuple(range(x.ndim)):
     return x
   return jnp.transpose(x, tuple(sorted(range(x.ndim), key=lambda i: axes[i])))
@@ -83,11 +117,12 @@ def _logical(x, axes):
 def quantize_operand(x, axes, precision: str, granularity: str, operand: Operand, contract, key=None):
   """``(qvalue, scale, axes)``: one GEMM operand quantized, contraction axes moved last.
 
-  ``x`` is a float array or a quantized residual ``(qvalue, scale)`` (re-quantized without
-  a float copy); ``axes[i]`` is the logical axis its physical axis ``i`` holds, ``contract``
-  the logical contraction axes. The result's contraction axes come last (the layout the
-  8-bit GEMM kernels read fastest), ``axes`` updated to match. Same values as quantizing
-  the logical float operand.
+  ``x`` is a float array or a pair ``(value, in_scale)`` standing for ``value * in_scale``
+  (a quantized residual re-quantized without a float copy, or a gradient with a saved
+  operand's scale folded in, ``reuse_saved``); ``axes[i]`` is the logical axis its
+  physical axis ``i`` holds, ``contract`` the logical contraction axes. The result's
+  contraction axes come last (the layout the 8-bit GEMM kernels read fastest), ``axes``
+  updated to match. Same values as quantizing the logical float operand.
   """
   value, in_scale = x if _is_quantized(x) else (x, None)
   axes = tuple(range(value.ndim)) if axes is None else tuple(axes)
@@ -102,6 +137,51 @@ def quantize_operand(x, axes, precision: str, granularity: str, operand: Operand
     contract_axes=phys,
   )
   return qvalue, scale, tuple(axes[p] for p in _contract_last(value.ndim, phys))
+
+
+def _scale_onto(scale, own_axes, other_axes, other_ndim: int):
+  """``scale`` (keepdims, size 1 off ``own_axes``) laid out for the other operand of a
+  product, whose axis ``other_axes[i]`` is paired (contracted or batched) with
+  ``own_axes[i]``; broadcasts against the other operand."""
+  order = sorted(range(len(own_axes)), key=lambda i: other_axes[i])
+  rest = [a for a in range(scale.ndim) if a not in own_axes]
+  shape = [1] * other_ndim
+  for i in order:
+    shape[other_axes[i]] = scale.shape[own_axes[i]]
+  return jnp.transpose(scale, [own_axes[i] for i in order] + rest).reshape(shape)
+
+
+def reuse_saved(
+  saved, saved_axes, own_pairs, other, other_axes, other_pairs, precision: str, operand: Operand
+):
+  """``(saved operand for the GEMM as (qvalue, scale, axes), other operand)`` or None.
+
+  ``saved`` is an 8-bit residual ``(qvalue, scale)`` whose physical axis ``i`` holds logical
+  axis ``saved_axes[i]``; ``own_pairs`` / ``other_pairs`` are the logical axes of it and of
+  the float ``other`` operand that the leg contracts or batches together (in matching order).
+  None where the residual is not in the leg's format (``precision``, ``operand``), its scale
+  varies along an axis the leg does not pair with ``other`` (an output axis) or ``other``
+  is not a float array: the caller quantizes both afresh. Otherwise the values are reused
+  as they are; a per-tensor scale stays on them (the GEMM epilogue applies it to the
+  output), any other is folded into ``other``, returned as ``(other, scale laid out for
+  it)`` for ``quantize_operand`` to quantize the product.
+  """
+  if not _is_quantized(saved) or _is_quantized(other):
+    return None
+  qvalue, scale = saved
+  if qvalue.dtype != QFORMATS[qformat(precision, operand.is_grad)][0]:
+    return None
+  saved_axes = tuple(range(qvalue.ndim)) if saved_axes is None else tuple(saved_axes)
+  other_axes = tuple(range(other.ndim)) if other_axes is None else tuple(other_axes)
+  own = [saved_axes.index(a) for a in own_pairs]
+  varying = {a for a in range(scale.ndim) if scale.shape[a] != 1}
+  if not varying:  # per tensor: stays on the values
+    return (qvalue, scale, saved_axes), other
+  if not varying <= set(own):  # varies along an output axis too: not separable
+    return None
+  onto = _scale_onto(scale, own, [other_axes.index(a) for a in other_pairs], other.ndim)
+  ones = jnp.ones((1,) * qvalue.ndim, jnp.float32)
+  return (qvalue, ones, saved_axes), (other, onto)
 
 
 def _physical_dims(dims, lhs_axes, rhs_axes):
@@ -144,17 +224,31 @@ def leg_dot(
   """One GEMM ``dot_general(lhs, rhs, dims)`` at ``precision``; ``out_dtype`` result.
 
   ``lhs`` / ``rhs`` are float arrays or quantized residuals ``(qvalue, scale)``, whose
-  physical axis ``i`` holds logical axis ``*_axes[i]`` (None: the logical layout).
+  physical axis ``i`` holds logical axis ``*_axes[i]`` (None: the logical layout). At int8 /
+  fp8 a residual in the leg's own format is reused with its scale folded into the other,
+  float operand (``reuse_saved``, the module docstring's table); any other operand is
+  quantized along the contraction (a residual in another format: again, from its values).
   """
-  (lc, rc), _ = dims
+  (lc, rc), (lb, rb) = dims
   if precision in QUANTIZED_PRECISIONS:
-    lq, ls, la = quantize_operand(lhs, lhs_axes, precision, granularity, lhs_operand, lc, lhs_key)
-    rq, rs, ra = quantize_operand(rhs, rhs_axes, precision, granularity, rhs_operand, rc, rhs_key)
+    lhs_q = rhs_q = None
+    reused = reuse_saved(lhs, lhs_axes, lc + lb, rhs, rhs_axes, rc + rb, precision, lhs_operand)
+    if reused is not None:
+      lhs_q, rhs = reused
+    else:
+      reused = reuse_saved(rhs, rhs_axes, rc + rb, lhs, lhs_axes, lc + lb, precision, rhs_operand)
+      if reused is not None:
+        rhs_q, lhs = reused
+    if lhs_q is None:
+      lhs_q = quantize_operand(lhs, lhs_axes, precision, granularity, lhs_operand, lc, lhs_key)
+    if rhs_q is None:
+      rhs_q = quantize_operand(rhs, rhs_axes, precision, granularity, rhs_operand, rc, rhs_key)
+    (lq, ls, la), (rq, rs, ra) = lhs_q, rhs_q
     out = scaled_dot_general(lq, rq, ls, rs, _physical_dims(dims, la, ra), out_dtype)
     return _free_axes_in_logical_order(out, dims, la, ra)
-  lhs, rhs = _logical(lhs, lhs_axes), _logical(rhs, rhs_axes)
+  dtype = FLOAT_DTYPES.get(precision, jnp.float32)
+  lhs, rhs = _logical(lhs, lhs_axes, dtype), _logical(rhs, rhs_axes, dtype)
   if precision in FLOAT_DTYPES:
-    dtype = FLOAT_DTYPES[precision]
     # float32 accumulation either way; a 16-bit result of the leg's own dtype comes straight
     # out of the GEMM (one rounding, as the cast of the float32 result) instead of a float32
     # copy in memory and a second pass to cast it.
@@ -226,8 +320,9 @@ def drhs_dims(lhs_ndim: int, rhs_ndim: int, dims):
 #
 # An int8 / fp8 forward saves its quantized operands as residuals, contraction axes moved
 # last (the layout its GEMM read): ``(qvalue, scale)``, whose physical axes hold the logical
-# axes ``_contract_last(ndim, contract)``. The backward legs re-quantize them from there
-# (``in_scale``) or dequantize them (float legs).
+# axes ``_contract_last(ndim, contract)``. The backward legs reuse them with their scales
+# folded into dY (8-bit legs of the same format; ``leg_dot``), quantize them again (8-bit
+# legs of the other format) or dequantize them (float legs).
 
 
 def _keys(key, n):

@@ -89,6 +89,27 @@ def test_requantize_from_in_scale(impl, layout):
   np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), rtol=1e-6)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["per_row", "per_col_transposed"])
+@pytest.mark.parametrize(
+  "fmt,rounding", [("int8", "stochastic"), ("e5m2", "stochastic"), ("int8", "nearest")]
+)
+def test_fold_a_scale_along_the_reduced_axis(impl, layout, fmt, rounding):
+  """A gradient with a saved operand's scale folded in (``in_scale`` varying along the axis
+  the absmax reduces, as in the backward legs of an 8-bit forward): the kernels quantize the
+  product, scale from its absmax, as the reference does."""
+  reduce_axes, contract = LAYOUTS[layout]
+  shape = (128, 256) if impl == ("pallas", False) else (32, 64)
+  g = draw(shape, 13)
+  fold_shape = tuple(d if a in reduce_axes else 1 for a, d in enumerate(shape))
+  in_scale = jnp.exp(jax.random.normal(jax.random.key(14), fold_shape))
+  key = jax.random.key(15) if rounding == "stochastic" else None
+  q, s = run(impl, g, fmt, reduce_axes, rounding, key, in_scale=in_scale, contract_axes=contract)
+  q_ref, s_ref = expected(g * in_scale, fmt, reduce_axes, contract, rounding=rounding, key=key)
+  assert_codes_match(impl, q, q_ref)
+  np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), rtol=1e-6)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "e5m2"])
 @pytest.mark.parametrize("layout", ["per_row", "per_col_transposed", "per_tensor"])
 def test_stochastic_kernel_draws_the_references_noise(fmt, layout):

@@ -243,7 +243,7 @@ def test_predict_memory_keeps_no_stochastic_rounding_bits():
     assert got["stochastic"].memory_bytes["a"] == got["nearest"].memory_bytes["a"]
   params = prof.memory["param_bytes"]
   scales = 3 * 4 * (8 + 100)
-  residuals = 3 * (lhs + 1000) + scales  # int8 legs re-quantize the 1-byte residuals
+  residuals = 3 * (lhs + 1000) + scales  # int8 gradient legs read the 1-byte residuals
   # int8 gradient legs read the 1-byte residuals: nothing is dequantized in the backward
   backward = 4 * params + residuals
   below = 4 * lhs - (lhs + 1000 + scales // 3)  # the last op's forward, as for int8_fwd above

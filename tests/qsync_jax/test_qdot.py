@@ -14,11 +14,12 @@ import pytest
 from jax import lax
 
 from pallas_kernels.quantize.reference import dequantize_reference, quantize_reference
-from qsync_jax import OpPolicy, quantized_conv_general_dilated, quantized_dot_general, residual_bytes
+from qsync_jax import OpPolicy, qconv, quantized_conv_general_dilated, quantized_dot_general, residual_bytes
 from tests.tolerances import LOOSE, TIGHT, rel_err, rel_tol
 
 PRECISIONS = ["fp32", "tf32", "bf16", "fp16", "int8", "fp8"]
 CAST = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+QUANTIZED = {"int8": "int8", "fp8": "e4m3"}  # storage format of forward values
 
 
 def fake(x, precision, axes, is_grad=False):
@@ -37,12 +38,25 @@ def hi(a, b):
 
 
 def dense_reference(x, w, g, policy):
-  """Y, dX, dW of Y = X·W (X: M×K, W: K×N) for ``policy`` with per-channel scales."""
-  y = hi(fake(x, policy.fwd, (1,)), fake(w, policy.fwd, (0,)))
-  xr = fake(x, policy.fwd, (1,))  # residuals are stored at the forward precision
-  wr = fake(w, policy.fwd, (0,))
-  dx = hi(fake(g, policy.dlhs, (1,), True), fake(wr, policy.dlhs, (1,)).T)
-  dw = hi(fake(xr, policy.drhs, (0,)).T, fake(g, policy.drhs, (0,), True))
+  """Y, dX, dW of Y = X·W (X: M×K, W: K×N) for ``policy`` (nearest rounding everywhere).
+
+  Residuals are stored at the forward precision. A gradient leg at the forward's own 8-bit
+  format reuses the saved values and folds their scale into dY before quantizing it
+  (dX = Q(dY ⊙ s_w)·q_wᵀ, dW = q_xᵀ·Q(s_x ⊙ dY)); any other leg rounds its two operands
+  along its own contraction."""
+  per = (lambda axes: (0, 1)) if policy.granularity == "per_tensor" else (lambda axes: axes)
+  y = hi(fake(x, policy.fwd, per((1,))), fake(w, policy.fwd, per((0,))))
+  xr, wr = fake(x, policy.fwd, per((1,))), fake(w, policy.fwd, per((0,)))
+  if policy.fwd in QUANTIZED and policy.dlhs == policy.fwd:
+    qw, sw = quantize_reference(w, QUANTIZED[policy.fwd], per((0,)))
+    dx = hi(fake(g * sw, policy.dlhs, per((1,)), True), qw.astype(jnp.float32).T)
+  else:
+    dx = hi(fake(g, policy.dlhs, per((1,)), True), fake(wr, policy.dlhs, per((1,))).T)
+  if policy.fwd in QUANTIZED and policy.drhs == policy.fwd:
+    qx, sx = quantize_reference(x, QUANTIZED[policy.fwd], per((1,)))
+    dw = hi(qx.astype(jnp.float32).T, fake(sx * g, policy.drhs, per((0,)), True))
+  else:
+    dw = hi(fake(xr, policy.drhs, per((0,))).T, fake(g, policy.drhs, per((0,)), True))
   return y, dx, dw
 
 
@@ -74,6 +88,42 @@ def test_each_leg_against_fake_quant_and_float(leg, precision):
   assert rel_err(got[i], exact[i]) < rel_tol(LOOSE, precision), (leg, precision)
   for j in {0, 1, 2} - {i}:  # the other legs: float32 products of the stored residuals
     assert rel_err(got[j], ref[j]) < TIGHT["fp32"], (leg, precision, j)
+
+
+BACKWARD_CASES = {
+  # an 8-bit forward's saved operands read by every kind of gradient leg
+  "int8": OpPolicy.uniform("int8"),
+  "fp8": OpPolicy.uniform("fp8"),
+  "int8_fwd": OpPolicy.preset("int8_fwd"),  # QSync's op: fp16 legs dequantize the int8 residuals
+  "int8_bf16": OpPolicy(fwd="int8", dlhs="bf16", drhs="bf16"),
+  "int8_fwd_fp8_dlhs": OpPolicy(fwd="int8", dlhs="fp8", drhs="int8"),  # fp8 leg: int8 re-rounded
+  "fp8_fwd_int8_drhs": OpPolicy(fwd="fp8", dlhs="fp32", drhs="int8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BACKWARD_CASES))
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_backward_of_an_8bit_forward_against_fake_quant(case, granularity):
+  m, k, n = 24, 48, 40
+  x, w, g = draw((m, k), 21), draw((k, n), 22), draw((m, n), 23)
+  x = x * jnp.exp(draw((m, 1), 24))  # rows of different ranges: per-row scales differ
+  policy = BACKWARD_CASES[case].replace(granularity=granularity)
+  got, ref = dense_run(x, w, g, policy), dense_reference(x, w, g, policy)
+  for i, leg in enumerate(("fwd", "dlhs", "drhs")):
+    precision = getattr(policy, leg)
+    assert rel_err(got[i], ref[i]) < rel_tol(TIGHT, precision, k), (leg, precision)
+
+
+def test_folded_gradient_legs_round_the_saved_operand_once():
+  """Guards the reference above: the scheme that re-quantizes the saved operand along the
+  gradient leg's contraction (a second rounding) is measurably different from it."""
+  x, w, g = draw((24, 48), 21), draw((48, 40), 22), draw((24, 40), 23)
+  policy = OpPolicy.uniform("int8")
+  _, dx, dw = dense_reference(x, w, g, policy)
+  xr, wr = fake(x, "int8", (1,)), fake(w, "int8", (0,))
+  dx_twice = hi(fake(g, "int8", (1,), True), fake(wr, "int8", (1,)).T)
+  dw_twice = hi(fake(xr, "int8", (0,)).T, fake(g, "int8", (0,), True))
+  assert rel_err(dx_twice, dx) > 100 * TIGHT["int8"] and rel_err(dw_twice, dw) > 100 * TIGHT["int8"]
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8", "bf16", "fp16"])
@@ -128,6 +178,72 @@ def test_general_dimension_numbers_quantized_close_to_float(case, precision):
   for got, want in zip(vjp(g), vjp_ref(g)):
     assert got.shape == want.shape
     assert rel_err(got, want) < 3 * LOOSE[precision]
+
+
+def folded_reference(a, b, g, dims, precision, granularity):
+  """(dA, dB) of ``lax.dot_general(a, b, dims)``, forward and both legs at the 8-bit
+  ``precision`` (nearest rounding): each leg multiplies the saved values of one operand
+  (rounded along the forward contraction) by dY with that operand's scale folded in,
+  rounded along the leg's contraction (dY's free axes that come from the saved operand)."""
+  fmt = QUANTIZED[precision]
+  (lc, rc), (lb, rb) = dims
+  nb, n_lhs_free = len(lb), a.ndim - len(lc) - len(lb)
+
+  def per(x, axes):
+    return tuple(range(x.ndim)) if granularity == "per_tensor" else tuple(axes)
+
+  qa, sa = quantize_reference(a, fmt, per(a, lc))
+  qb, sb = quantize_reference(b, fmt, per(b, rc))
+
+  def on_output(scale, lhs):  # an operand's scale, broadcast onto dY's layout
+    if scale.size == 1:
+      return scale.reshape(())
+    if lhs:
+      return lax.dot_general(scale, jnp.ones([1 if i in rc else d for i, d in enumerate(b.shape)]), dims)
+    return lax.dot_general(jnp.ones([1 if i in lc else d for i, d in enumerate(a.shape)]), scale, dims)
+
+  rhs_free, lhs_free = range(nb + n_lhs_free, g.ndim), range(nb, nb + n_lhs_free)
+  ga = fake(g * on_output(sb, False), precision, per(g, rhs_free), True)
+  gb = fake(g * on_output(sa, True), precision, per(g, lhs_free), True)
+  qa, qb = qa.astype(jnp.float32), qb.astype(jnp.float32)
+  (da,) = jax.vjp(lambda a: lax.dot_general(a, qb, dims, precision="highest"), a)[1](ga)
+  (db,) = jax.vjp(lambda b: lax.dot_general(qa, b, dims, precision="highest"), b)[1](gb)
+  return da, db
+
+
+@pytest.mark.parametrize("case", sorted(DIMS_CASES))
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_general_dimension_numbers_gradients_against_folded_reference(case, precision, granularity):
+  """DenseGeneral, einsum and attention products (both operands activations, batch axes):
+  the folded scales land on the right axes of dY."""
+  ls, rs, dims = DIMS_CASES[case]
+  a, b = draw(ls, 15) * jnp.exp(draw(ls[:1] + (1,) * (len(ls) - 1), 16)), draw(rs, 17)
+  g = draw(lax.dot_general(a, b, dims).shape, 18)
+  policy = OpPolicy.uniform(precision, granularity=granularity)
+  _, vjp = jax.vjp(lambda a, b: quantized_dot_general(a, b, dims, policy), a, b)
+  for got, want in zip(vjp(g), folded_reference(a, b, g, dims, precision, granularity)):
+    assert rel_err(got, want) < rel_tol(TIGHT, precision, 64), case
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_conv_gradients_against_folded_reference(precision):
+  """The im2col convolution: its legs are the folded dot_general over the patch matrix."""
+  x, w = draw((2, 8, 8, 4), 19), draw((3, 3, 4, 6), 20)
+  dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+  policy = OpPolicy.uniform(precision)
+
+  def conv(x, w):
+    return quantized_conv_general_dilated(x, w, (1, 1), "SAME", None, None, dn, op_policy=policy)
+
+  y, vjp = jax.vjp(conv, x, w)
+  g = draw(y.shape, 25)
+  dx, dw = vjp(g)
+  patches, to_patches = jax.vjp(lambda x: qconv.library_patches(x, (3, 3), (1, 1), "SAME", (1, 1), (1, 1)), x)
+  w_mat = jnp.transpose(w, (2, 0, 1, 3)).reshape(-1, w.shape[-1])  # (C, kh, kw) flattened C-major
+  dp, dw_mat = folded_reference(patches, w_mat, g, (((3,), (0,)), ((), ())), precision, "per_channel")
+  assert rel_err(dx, to_patches(dp)[0]) < rel_tol(TIGHT, precision, 36)
+  assert rel_err(dw, jnp.transpose(dw_mat.reshape(4, 3, 3, 6), (1, 2, 0, 3))) < rel_tol(TIGHT, precision, 128)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
