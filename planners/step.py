@@ -12,8 +12,10 @@ arguments + outputs − aliased (donated) bytes + temporaries.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -176,19 +178,68 @@ def compile_train_step(
 ):
   """``(compiled, run)``: the training step compiled with XLA ``compiler_options`` (None: the
   defaults; ``compiled.as_text()`` is its module) and ``run`` as in ``compiled_train_step``."""
+  built = build_train_step(task, policy, batch, optimizer, seed, compiler_options)
+  return built.compiled, built.run
+
+
+def staged_compile(jitted, *args, compiler_options=None):
+  """``(traced, lowered, compiled, seconds)``: ``jitted`` on ``args`` through JAX's three
+  stages, ``jitted.trace(...).lower().compile()``, and each stage's seconds (``trace_s``:
+  tracing to a jaxpr — the model's Python, the policy's ops; ``lower_s``: lowering to
+  StableHLO; ``compile_s``: XLA's compilation — fusion, autotuning, kernel code generation)."""
+  t0 = time.perf_counter()
+  traced = jitted.trace(*args)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  compiled = lowered.compile(compiler_options=compiler_options)
+  t3 = time.perf_counter()
+  return traced, lowered, compiled, {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2}
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltStep:
+  """A compiled training step (``build_train_step``) and how it was built.
+
+  Attributes:
+    compiled: the XLA executable; ``run()`` takes one step with it, fed its own outputs.
+    traced, lowered: JAX's earlier stages of the same program (its jaxpr, its StableHLO).
+    seconds: ``staged_compile``'s seconds per stage.
+  """
+
+  compiled: Any
+  run: Callable[[], Any]
+  traced: Any
+  lowered: Any
+  seconds: dict[str, float]
+
+
+def build_train_step(
+  task: Task,
+  policy: PrecisionPolicy,
+  batch,
+  optimizer=None,
+  seed: int = 0,
+  compiler_options=None,
+  variables=None,
+) -> BuiltStep:
+  """The training step of ``compile_train_step``, with its stages (``BuiltStep``); it starts
+  from ``variables`` if given (else ``init_variables(task, batch, seed)``)."""
   optimizer = optimizer or default_optimizer()
-  variables = init_variables(task, batch, seed)
+  variables = init_variables(task, batch, seed) if variables is None else variables
   opt_state = optimizer.init(variables["params"])
   step = make_train_step(task, policy, optimizer)
   key = jax.random.key(seed)
-  compiled = step.lower(variables, opt_state, batch, key).compile(compiler_options=compiler_options)
+  traced, lowered, compiled, seconds = staged_compile(
+    step, variables, opt_state, batch, key, compiler_options=compiler_options
+  )
   state = [variables, opt_state]
 
   def run():
     state[0], state[1], loss = compiled(state[0], state[1], batch, key)
     return loss
 
-  return compiled, run
+  return BuiltStep(compiled, run, traced, lowered, seconds)
 
 
 def time_train_step(

@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--log-every", type=int, default=1, help="steps between metrics lines (default 1)")
   parser.add_argument("--eval", action="store_true", help="evaluate on the task's held-out set at the end")
   parser.add_argument(
+    "--compilation-cache",
+    metavar="DIR",
+    help="JAX's persistent compilation cache in DIR (as JAX_COMPILATION_CACHE_DIR=DIR): a run that "
+    "compiles a step already compiled there loads it instead",
+  )
+  parser.add_argument(
     "--set",
     action="append",
     default=[],
@@ -137,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
     jax.config.update("jax_num_cpu_devices", args.local_devices)
 
   import jax
+
+  if args.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
 
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan

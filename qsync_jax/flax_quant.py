@@ -16,8 +16,15 @@ module                           op kind(s)                    hook
 ``nn.Embed``                     ``embed``, ``embed_attend``   (no hook: its lookup/attend)
 ===============================  ============================  ===========================
 
+An ``embed`` op stays a lookup at every precision (``qsync_jax.qembed``: the gathered rows
+rounded as the policy says, the table's gradient a scatter-add); ``embed_attend`` (a tied
+output head, ``query · tableᵀ``) is a GEMM like a Dense layer's. A tap sees the lookup as the
+product ``one_hot(ids) · table`` it equals (``lhs`` the one-hot, built only for the tap).
+
 (The projections of an attention module are ``DenseGeneral`` children, named e.g.
-``Block_0/attn/query``.) The module is re-bound to its own scope with the hook set
+``Block_0/attn/query``. Inside ``qsync_jax.qattention.fused_attention()``, an attention whose
+two products are at one 16-bit float type runs ``jax.nn.dot_product_attention`` through
+Flax's ``attention_fn=`` hook instead.) The module is re-bound to its own scope with the hook set
 (``module.clone(parent=module.scope, ...)``), so parameters, names and RNG streams are
 those of the plain model. An op no rule matches is not touched: the plain model's code runs,
 bit-identical. Stochastic rounding draws keys from the ``"qsync"`` RNG stream
@@ -35,10 +42,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qsync_jax import qattention
 from qsync_jax.policy import PrecisionPolicy, op_name
 from qsync_jax.precision import OpPolicy
 from qsync_jax.qconv import quantized_conv_general_dilated
 from qsync_jax.qdot import quantized_dot_general, quantized_einsum
+from qsync_jax.qembed import quantized_embed_lookup
 
 RNG_COLLECTION = "qsync"
 
@@ -149,6 +158,24 @@ class QuantizedEinsum(_QsyncOp):
     return self._tapped(lhs, rhs, out, rerun)
 
 
+class QuantizedLookup(_QsyncOp):
+  """An embedding lookup ``table[ids]`` at the op policy (``quantized_embed_lookup``)."""
+
+  def __call__(self, table, ids):
+    out = quantized_embed_lookup(table, ids, self.op_policy, self.key)
+    if self.tap is None:
+      return out
+    one_hot = jax.nn.one_hot(ids, table.shape[0], dtype=table.dtype)
+    dims = (((one_hot.ndim - 1,), (0,)), ((), ()))
+
+    def rerun(op_policy, lhs, rhs, key=None):
+      if op_policy is None:
+        return lax.dot_general(lhs, rhs, dims)
+      return quantized_dot_general(lhs, rhs, dims, op_policy, key)
+
+    return self._tapped(one_hot, table, out, rerun)
+
+
 class _Interceptor:
   def __init__(self, policy: PrecisionPolicy, tap: Tap | None):
     self.policy, self.tap = policy, tap
@@ -212,12 +239,17 @@ class _Interceptor:
         module, method, args, kwargs, conv_general_dilated=op, conv_general_dilated_cls=None
       )
     if isinstance(module, nn.MultiHeadDotProductAttention) and method == "__call__":
-      if getattr(module.qk_attn_weights_einsum_cls, "_qsync", False):
+      if getattr(module.qk_attn_weights_einsum_cls, "_qsync", False) or getattr(
+        module.attention_fn, "_qsync", False
+      ):
         return next_fun(*args, **kwargs)
       qk = self._make(QuantizedEinsum, module, "attention_qk")
       pv = self._make(QuantizedEinsum, module, "attention_pv")
       if qk is None and pv is None:
         return next_fun(*args, **kwargs)
+      fused = qattention.fused_dtype(qk and qk.op_policy, pv and pv.op_policy)
+      if fused is not None and module.attention_fn is nn.dot_product_attention and module.dropout_rate == 0:
+        return self._rebind(module, method, args, kwargs, attention_fn=qattention.attention_fn(fused))
       # Flax needs both einsums or neither: an unquantized one keeps jnp.einsum's numerics.
       return self._rebind(
         module,
@@ -232,12 +264,16 @@ class _Interceptor:
       if op is None:
         return next_fun(*args, **kwargs)
       return _einsum_body(module, op, *args, **kwargs)
-    if isinstance(module, nn.Embed) and method in ("__call__", "attend"):
-      kind = "embed" if method == "__call__" else "embed_attend"
-      op = self._make(QuantizedDotGeneral, module, kind)
+    if isinstance(module, nn.Embed) and method == "__call__":
+      op = self._make(QuantizedLookup, module, "embed")
       if op is None:
         return next_fun(*args, **kwargs)
-      return (_embed_lookup if kind == "embed" else _embed_attend)(module, op, *args, **kwargs)
+      return _embed_lookup(module, op, *args, **kwargs)
+    if isinstance(module, nn.Embed) and method == "attend":
+      op = self._make(QuantizedDotGeneral, module, "embed_attend")
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return _embed_attend(module, op, *args, **kwargs)
     return next_fun(*args, **kwargs)
 
 
@@ -266,17 +302,12 @@ def _einsum_body(module: nn.Einsum, op: QuantizedEinsum, inputs, einsum_str=None
   return y
 
 
-def _embed_lookup(module: nn.Embed, op: QuantizedDotGeneral, inputs):
-  """``nn.Embed.__call__`` as the product one_hot(ids) · table at the op's precisions.
-
-  Equivalent to ``jnp.take(table, ids, axis=0)`` computed as a GEMM, so the forward reads a
-  quantized table and the table's gradient (``drhs``) is a GEMM at its own precision.
-  """
+def _embed_lookup(module: nn.Embed, op: QuantizedLookup, inputs):
+  """``nn.Embed.__call__`` with its lookup at the op's precisions (a gather, no GEMM)."""
   if not jnp.issubdtype(inputs.dtype, jnp.integer):
     raise ValueError(f"Embed {module_path(module)!r}: input dtype {inputs.dtype} must be integer.")
   (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
-  one_hot = jax.nn.one_hot(inputs, module.num_embeddings, dtype=table.dtype)
-  return op(one_hot, table, (((one_hot.ndim - 1,), (0,)), ((), ())))
+  return op(table, inputs)
 
 
 def _embed_attend(module: nn.Embed, op: QuantizedDotGeneral, query):

@@ -9,6 +9,10 @@
   same code as Dense layers. The patch extraction is exact (it moves data), and so is its
   transpose (pads and adds back into the input gradient, in the input's dtype).
 
+With ``impl="native"`` the quantized legs instead run XLA's own convolution on int8 / fp8
+operands (``qsync_jax.qconv_native``: scales per sample / per channel along the axes a
+convolution does not sum over; ungrouped, undilated convolutions only).
+
 Residual memory of the im2col path: the int8 *patches* are saved, i.e. ``prod(kernel)``
 times the input's element count at one byte per element (2.25× the fp32 input for a 3×3
 kernel). Grouped convolutions run quantized legs only at float precisions.
@@ -23,7 +27,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from qsync_jax.precision import FLOAT_PRECISIONS, OpPolicy
+from qsync_jax.qconv_native import native_quantized_conv
 from qsync_jax.qdot import FLOAT_DTYPES, LAX_PRECISION, quantized_dot_general
+
+IMPLS = ("im2col", "native")
 
 _SPATIAL = "DHW"
 
@@ -96,8 +103,15 @@ def quantized_conv_general_dilated(
   op_policy: OpPolicy,
   key: jax.Array | None = None,
   out_dtype=None,
+  impl: str = "im2col",
 ) -> jax.Array:
-  """``lax.conv_general_dilated`` with per-leg precisions; see the module docstring."""
+  """``lax.conv_general_dilated`` with per-leg precisions; see the module docstring.
+
+  ``impl``: how int8 / fp8 and mixed legs run — ``"im2col"`` (a quantized GEMM over the
+  patches) or ``"native"`` (XLA's convolution on the quantized operands).
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} is not one of {IMPLS}. Fix: pass one of them.")
   if out_dtype is None:
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   n_spatial = lhs.ndim - 2
@@ -126,6 +140,14 @@ def quantized_conv_general_dilated(
     )
   lhs_spec, rhs_spec, out_spec = dn
   x = jnp.transpose(lhs, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))  # N, spatial..., C
+  if impl == "native":
+    if any(d != 1 for d in (*lhs_dilation, *rhs_dilation)):
+      raise ValueError(
+        "impl='native' takes undilated convolutions only. Fix: use impl='im2col' for dilated ones."
+      )
+    w = jnp.transpose(rhs, (*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))  # spatial..., I, O
+    y = native_quantized_conv(x, w, window_strides, padding, op_policy, key, out_dtype)
+    return _to_out_spec(y, out_spec)
   w = jnp.transpose(rhs, (rhs_spec[1], *rhs_spec[2:], rhs_spec[0]))  # I, spatial..., O
   filter_shape = w.shape[1:-1]
   patches = im2col(x, filter_shape, window_strides, padding, lhs_dilation, rhs_dilation)
@@ -139,8 +161,12 @@ def quantized_conv_general_dilated(
     key,
     out_dtype,
   )  # N, spatial'..., O
-  # Current axis of each logical output dim (N, O, spatial...).
-  current = (0, y.ndim - 1, *range(1, y.ndim - 1))
+  return _to_out_spec(y, out_spec)
+
+
+def _to_out_spec(y, out_spec):
+  """``y`` (N, spatial'..., O) in the layout ``out_spec`` names."""
+  current = (0, y.ndim - 1, *range(1, y.ndim - 1))  # the axis of each logical dim (N, O, spatial...)
   perm = [0] * y.ndim
   for logical, axis in enumerate(out_spec):
     perm[axis] = current[logical]

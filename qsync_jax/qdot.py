@@ -417,6 +417,11 @@ def quantized_dot_general(
     value = Operand(op_policy.rounding, False)
     dims = _canonical_dims(dimension_numbers)
     return leg_dot(op_policy.fwd, op_policy.granularity, lhs, rhs, dims, value, value, out_dtype=out_dtype)
+  if _is_plain_16bit(op_policy, lhs.dtype, rhs.dtype, out_dtype):
+    # every leg at the 16-bit type the operands and the result already have: the plain
+    # model's own product (float32 accumulation, one rounding; JAX's gradients compute the
+    # same legs), so a uniform bf16 policy on a bf16 model compiles to the plain program
+    return lax.dot_general(lhs, rhs, dimension_numbers)
   lhs, rhs = match_vma(lhs, rhs)  # under shard_map: cotangents must be typed like the inputs
   return _qdot(lhs, rhs, _canonical_dims(dimension_numbers), op_policy, key, jnp.dtype(out_dtype))
 
@@ -428,11 +433,25 @@ def _runs_native(op_policy: OpPolicy) -> bool:
   return p in LAX_PRECISION and op_policy.dlhs == p and op_policy.drhs == p
 
 
+def _is_plain_16bit(op_policy: OpPolicy, lhs_dtype, rhs_dtype, out_dtype) -> bool:
+  """Whether every leg of ``op_policy`` is one 16-bit float type that the operands and the
+  result already have: then each leg is the plain ``lax.dot_general`` of those operands."""
+  p = op_policy.fwd
+  if p not in FLOAT_DTYPES or op_policy.dlhs != p or op_policy.drhs != p:
+    return False
+  dtype = jnp.dtype(FLOAT_DTYPES[p])
+  return jnp.dtype(lhs_dtype) == dtype and jnp.dtype(rhs_dtype) == dtype and jnp.dtype(out_dtype) == dtype
+
+
 def quantized_einsum(subscripts: str, lhs, rhs, op_policy: OpPolicy, key=None, out_dtype=None):
   """``jnp.einsum(subscripts, lhs, rhs)`` with its contraction as a quantized dot_general."""
 
   def dot_general(a, b, dimension_numbers, precision=None, preferred_element_type=None):
-    del precision, preferred_element_type  # the op policy decides precision
+    if _is_plain_16bit(op_policy, a.dtype, b.dtype, out_dtype or jnp.result_type(a.dtype, b.dtype)):
+      # jnp.einsum's own call (the plain model's program, to the jaxpr)
+      return lax.dot_general(
+        a, b, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
+      )
     return quantized_dot_general(a, b, dimension_numbers, op_policy, key, out_dtype)
 
   return jnp.einsum(subscripts, lhs, rhs, _dot_general=dot_general)

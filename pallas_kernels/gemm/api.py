@@ -151,7 +151,12 @@ def mosaic_nt(c: Canonical, out_dtype) -> jax.Array:
   otherwise), on contraction-major operands."""
   if c.bias is not None or not on_gpu():
     raise NotImplementedError("the Mosaic GPU GEMM takes no bias and runs on a GPU only")
-  return _hopper.scaled_matmul_nt(*c.kmajor(), c.a_scale, c.b_scale, out_dtype)
+  a, b = c.kmajor()
+  if not _hopper._supported(a.dtype, b.dtype) and _hopper._supported(b.dtype, a.dtype):
+    # e4m3 · e5m2 (a weight gradient, Xᵀ·dY): the kernel reads the e5m2 operand on the left,
+    # so it computes the transposed product; the transpose is of the (weight-sized) result
+    return _hopper.scaled_matmul_nt(b, a, c.b_scale, c.a_scale, out_dtype).T
+  return _hopper.scaled_matmul_nt(a, b, c.a_scale, c.b_scale, out_dtype)
 
 
 def _validate(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, impl):

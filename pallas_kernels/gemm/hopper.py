@@ -143,6 +143,9 @@ def _supported(a_dtype, b_dtype) -> bool:
   return a_dtype in FP8 and b_dtype == jnp.dtype(jnp.float8_e4m3fn)
 
 
+@functools.partial(
+  jax.jit, static_argnames=("out_dtype", "config")
+)  # traced, lowered once per distinct kernel
 def scaled_matmul_nt(a, b, a_scale, b_scale, out_dtype=jnp.bfloat16, config: HopperConfig | None = None):
   """See the module docstring. ``NotImplementedError`` for shapes or types it cannot take."""
   if not _supported(a.dtype, b.dtype):

@@ -76,6 +76,9 @@ def _check(name: str, n: int, b: int) -> None:
     )
 
 
+@functools.partial(
+  jax.jit, static_argnames=("a_kmajor", "b_kmajor", "out_dtype", "config", "interpret")
+)  # traced and lowered once per distinct kernel of a step (its calls share one lowered function)
 def scaled_matmul(
   a: jax.Array,
   b: jax.Array,

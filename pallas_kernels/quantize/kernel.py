@@ -123,6 +123,12 @@ def _rows_kernel(*refs, fmt, stochastic, in_kind, n_cols, bc, br):
   lax.fori_loop(0, n_chunks, write, 0)
 
 
+_STATIC = ("fmt", "in_scale_axis", "config", "interpret")
+"""The launchers are jitted on their static arguments: a step that quantizes many tensors of one
+shape traces and lowers each distinct kernel once (its calls share one lowered function)."""
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def quantize_rows(
   x: jax.Array,
   fmt: str,
@@ -198,6 +204,7 @@ def _tiled_kernel(*refs, fmt, stochastic, in_kind, transpose, n_cols, br, bc):
   q_ref[...] = q.T if transpose else q
 
 
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "transpose"))
 def quantize_tiled(
   x: jax.Array,
   fmt: str,

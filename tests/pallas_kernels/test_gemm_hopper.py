@@ -114,3 +114,34 @@ def test_training_gemms_through_the_api_run_the_mosaic_kernel(lhs, rhs, dims):
   f = jax.jit(lambda *a: api.scaled_dot_general(*a, dims, jnp.float32, impl="mosaic"))
   assert "mosaic_gpu" in f.lower(lq, rq, ls, rs).as_text()
   assert rel_err(f(lq, rq, ls, rs), scaled_dot_general_reference(lq, rq, ls, rs, dims)) < 1e-6
+
+
+def test_api_mosaic_runs_e4m3_times_e5m2_as_the_transposed_product(monkeypatch):
+  """The kernel takes e5m2 on the left only; a weight gradient's e4m3 · e5m2 product runs as
+  (e5m2 · e4m3)ᵀ. On the CPU the kernel is replaced by its reference to check the swap."""
+  calls = []
+
+  def kernel(a, b, sa, sb, out_dtype=jnp.bfloat16, config=None):
+    calls.append((a.dtype, b.dtype))
+    return reference_nt(a, b, sa, sb, out_dtype)
+
+  monkeypatch.setattr(api, "on_gpu", lambda: True)
+  monkeypatch.setattr(hopper, "scaled_matmul_nt", kernel)
+  monkeypatch.setattr(hopper, "_supported", lambda a, b: jnp.dtype(b) == jnp.dtype(jnp.float8_e4m3fn))
+  lq, ls = quantize_reference(jax.random.normal(jax.random.key(1), (256, 128)), "e4m3", (0,))  # Xᵀ
+  rq, rs = quantize_reference(jax.random.normal(jax.random.key(2), (256, 512)), "e5m2", (0,))  # dY
+  dims = (((0,), (0,)), ((), ()))
+  out = api.scaled_dot_general(lq, rq, ls, rs, dims, jnp.float32, impl="mosaic")
+  assert calls == [(jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.float8_e4m3fn))]
+  assert out.shape == (128, 512)
+  assert rel_err(out, scaled_dot_general_reference(lq, rq, ls, rs, dims)) < 1e-6
+
+
+@pytest.mark.gpu
+def test_weight_gradient_e4m3_times_e5m2_runs_the_mosaic_kernel():
+  lq, ls = quantize_reference(jax.random.normal(jax.random.key(1), (512, 256)), "e4m3", (0,))
+  rq, rs = quantize_reference(jax.random.normal(jax.random.key(2), (512, 256)), "e5m2", (0,))
+  dims = (((0,), (0,)), ((), ()))
+  f = jax.jit(lambda *a: api.scaled_dot_general(*a, dims, jnp.float32, impl="mosaic"))
+  assert ("mosaic_gpu" in f.lower(lq, rq, ls, rs).as_text()) == MIXED_FP8
+  assert rel_err(f(lq, rq, ls, rs), scaled_dot_general_reference(lq, rq, ls, rs, dims)) < 2e-3

@@ -56,3 +56,30 @@ def test_train_is_registered():
   parser = cli.build_parser()
   args = parser.parse_args(["train", "--model", "m", "--steps", "3", "--out", "o", "--resume"])
   assert args.resume and args.steps == 3 and args.command == "train"
+
+
+def test_compilation_cache_is_written_and_reused(tmp_path):
+  """``--compilation-cache``: the first run writes its compiled programs there, a second run
+  with the same step finds them (fresh processes: JAX initialises its cache once)."""
+  import os
+  import subprocess
+  import sys
+
+  cache = tmp_path / "cache"
+  env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu"}
+  cmd = [
+    sys.executable,
+    "-m",
+    "qsync_jax",
+    "train",
+    "--model",
+    "tests.trainer.tiny:make_task",
+    "--steps",
+    "1",
+  ]
+  cmd += ["--local-devices", "2", "--batch-per-device", "2", "--compilation-cache", str(cache)]
+  subprocess.run([*cmd, "--out", str(tmp_path / "a")], env=env, check=True, capture_output=True)
+  entries = set(os.listdir(cache))
+  assert entries  # compiled programs were written
+  subprocess.run([*cmd, "--out", str(tmp_path / "b")], env=env, check=True, capture_output=True)
+  assert set(os.listdir(cache)) == entries  # the same programs: found, none added

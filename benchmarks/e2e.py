@@ -1,0 +1,875 @@
+"""Whole-model training steps on one device: plain Flax bf16 against qsync policies.
+
+  python -m benchmarks.e2e [--plan UNIT,...] [--widths 768 1024 2048 4096] [--policies ...]
+                           [--steps 30] [--compile-only] [--budget-s S] [--isolate]
+                           [--compilation-cache DIR] [--repeat-compile] [--tiny]
+                           [--out-jsonl PATH]
+
+Units of work (``--plan``, comma-separated, run in that order; default: every GPT cell, then
+the ResNet cells):
+
+* ``gpt[:WIDTH[:POLICY+POLICY...]]`` — one training step cell per width and policy (default:
+  ``--widths`` × ``--policies``). The model is the examples' ``TransformerLM`` on random tokens
+  (``examples.tasks.language.synthetic_lm``) with every module in bf16 (``dtype=jnp.bfloat16``, float32
+  parameters): token and position ``nn.Embed``, pre-LN blocks of
+  ``nn.MultiHeadDotProductAttention`` and a 4d GELU MLP of ``nn.Dense``, an untied ``nn.Dense``
+  head; vocabulary 32768, sequence 1024 × batch 8 = 8192 tokens per step, 4 blocks, heads of
+  64 (d ≤ 1024) or 128 dims; AdamW.
+* ``cnn[:POLICY+...]`` — ResNet-50 (bottleneck blocks, ``examples.tasks.vision.resnet_synthetic``) on random
+  224×224 images, batch 32, bf16 modules; policies ``CNN_POLICIES``.
+* ``profile[:WIDTH[:POLICY+...]]`` — the GPU kernels of one GPT step (default: the first
+  width, ``plain`` and ``int8_dense``): time per kernel and per kind of kernel
+  (``kernel_kind``), each kernel with the module path of the HLO instruction it runs.
+* ``attention[:SEQ]`` — one attention's forward + backward (12 heads of 64, 8192 tokens,
+  causal): Flax's bf16 einsums against quantized QKᵀ / PV (``QuantizedEinsum``, int8, int8
+  forward, fp8) and ``jax.nn.dot_product_attention`` (cuDNN on a GPU) with the mask as an
+  array and as ``is_causal``; default sequences 512, 1024, 2048.
+* ``conv[:SHAPE]`` — one convolution's forward + both gradients at ResNet-50 layer shapes
+  (batch 32): the native bf16 convolution against quantized ones through im2col and through
+  XLA's convolution on int8 / fp8 operands (``qsync_jax.qconv_native``).
+
+Policies (``qsync_jax.quantize`` on the same bf16 model; ``plain`` is the model alone):
+``POLICIES``. A GPT or ResNet cell records: the training step's median time over windows of
+steps dispatched back to back (``planners.step.PIPELINED_CLOCK``; its ratio to ``plain`` of
+the same width in the same run, ``speed`` = plain / this), compile time split into JAX's
+stages (``planners.step.staged_compile``: trace, lower, XLA compile) plus the first call,
+what the program holds (jaxpr equations, dot_generals, Pallas kernels and their distinct
+shapes, custom calls in the lowered module), and memory (XLA's ``memory_analysis`` peak and
+the device's ``peak_bytes_in_use``). With ``--repeat-compile`` the cell is built a second time
+(with ``--compilation-cache``, from JAX's persistent compilation cache: a repeat run's compile).
+
+``--isolate`` runs every unit in a fresh Python process (compile caches, memory and the
+device's peak start empty for each; each unit gets its own subfolder of
+``--compilation-cache``); ``--budget-s`` skips units that would not end before the budget
+(estimated from what was measured, or ``UNIT_ESTIMATE_S`` on a GPU) and, with ``--isolate``,
+stops a unit that runs past it; either way a row says what was skipped. Rows append to
+``--out-jsonl`` (default ``benchmarks/results/e2e.jsonl``) and, when ``$OUT`` is set, to
+``$OUT/e2e.jsonl``; a table of this run's rows prints last. ``--tiny`` shrinks every model
+and shape for a CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import functools
+import gc
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import unittest.mock
+import uuid
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from benchmarks.result_rows import append_rows, result_row
+from examples.tasks.language import synthetic_lm
+from examples.tasks.vision import resnet_synthetic
+from pallas_kernels.gemm import api as gemm_api
+from planners import step
+from planners.steptrace import kernels_by, traced_events
+from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantized_conv_general_dilated
+from qsync_jax.flax_quant import QuantizedEinsum
+from qsync_jax.qattention import fused_attention
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
+
+DENSE_KINDS = ("dense", "dense_general")
+ATTENTION_KINDS = ("attention_qk", "attention_pv")
+
+
+def kinds_policy(preset: str, kinds) -> PrecisionPolicy:
+  """``preset`` on every op of ``kinds``; other ops untouched (the plain model's code)."""
+  return PrecisionPolicy(rules=tuple(Rule(".*", OpPolicy.preset(preset), kind=k) for k in kinds))
+
+
+POLICIES = {
+  "plain": PrecisionPolicy(),  # matches nothing: the plain model's program, bit-identical
+  "bf16": PrecisionPolicy.uniform("bf16"),
+  "bf16_fused_attn": PrecisionPolicy.uniform("bf16"),  # traced under qattention.fused_attention()
+  "int8_dense": kinds_policy("int8", DENSE_KINDS),
+  "fp8_dense": kinds_policy("fp8", DENSE_KINDS),
+  "int8_fwd_dense": kinds_policy("int8_fwd", DENSE_KINDS),
+  "int8_dense_attn": kinds_policy("int8", DENSE_KINDS + ATTENTION_KINDS),
+  "int8_conv": kinds_policy("int8", ("conv", "dense")),
+  "int8_fwd_conv": kinds_policy("int8_fwd", ("conv", "dense")),
+}
+"""Every Dense is the examples' ``nn.Dense`` (MLP, head) and the attention's ``DenseGeneral``
+projections (query, key, value, out)."""
+FUSED_ATTENTION = ("bf16_fused_attn",)
+GPT_POLICIES = ("plain", "bf16", "int8_dense", "fp8_dense", "int8_fwd_dense", "int8_dense_attn")
+CNN_POLICIES = ("plain", "bf16", "int8_conv", "int8_fwd_conv")
+PROFILE_POLICIES = ("plain", "int8_dense")
+
+UNIT_ESTIMATE_S = {
+  "plain": 40,
+  "bf16": 40,
+  "bf16_fused_attn": 50,
+  "int8_fwd_dense": 90,
+  "int8_dense": 100,
+  "int8_dense_attn": 130,
+  "fp8_dense": 180,
+  "int8_conv": 150,
+  "int8_fwd_conv": 150,
+  "attention": 60,
+  "conv": 60,
+}
+"""Seconds a unit is assumed to take on a GPU before one like it was measured (compile times
+of an H100: plain bf16 11-14 s, int8 on every Dense 33-123 s, fp8 97-160 s), for the budget."""
+
+
+# -- models -------------------------------------------------------------------------------
+
+
+def gpt_task(width: int, tiny: bool):
+  """``(task with bf16 modules, batch size)`` of the GPT at ``width``."""
+  if tiny:
+    cfg = dict(vocab_size=256, d_model=width, num_heads=max(1, width // 16), num_layers=2, seq_len=32)
+    batch = 4
+  else:
+    cfg = dict(vocab_size=32768, d_model=width, num_heads=width // (64 if width <= 1024 else 128))
+    cfg.update(num_layers=4, seq_len=1024)
+    batch = 8
+  task = synthetic_lm(**cfg)
+  return dataclasses.replace(task, model=task.model.clone(dtype=jnp.bfloat16)), batch
+
+
+def cnn_task(tiny: bool):
+  """``(task with bf16 modules, batch size)`` of the ResNet-50."""
+  if tiny:
+    cfg = dict(image_size=16, stage_sizes=(1, 1), widths=(4, 8), block="bottleneck", num_classes=10)
+    batch = 2
+  else:
+    cfg = dict(image_size=224, stage_sizes=(3, 4, 6, 3), widths=(64, 128, 256, 512), block="bottleneck")
+    cfg.update(num_classes=1000, imagenet_stem=True)
+    batch = 32
+  task = resnet_synthetic(**cfg)
+  return dataclasses.replace(task, model=task.model.clone(dtype=jnp.bfloat16)), batch
+
+
+def optimizer() -> optax.GradientTransformation:
+  return optax.adamw(1e-4)
+
+
+# -- what a compiled step holds -------------------------------------------------------------
+
+
+def jaxpr_stats(jaxpr) -> dict:
+  """Equations, dot_generals (and those on 8-bit operands) and Pallas kernels (and their
+  distinct shapes) of a jaxpr, nested jaxprs included."""
+  counts = collections.Counter()
+  kernels = set()
+
+  def walk(j):
+    for eqn in j.eqns:
+      counts["eqns"] += 1
+      name = eqn.primitive.name
+      if name == "dot_general":
+        counts["dot_generals"] += 1
+        counts["dot_generals_8bit"] += any(v.aval.dtype.itemsize == 1 for v in eqn.invars)
+      if name == "pallas_call":
+        counts["pallas_calls"] += 1
+        shapes = tuple((str(v.aval.dtype), tuple(v.aval.shape)) for v in eqn.invars)
+        kernels.add((str(eqn.params.get("name_and_src_info", eqn.params.get("name", ""))), shapes))
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else (value,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(getattr(jaxpr, "jaxpr", jaxpr))
+  return {**counts, "distinct_pallas_kernels": len(kernels)}
+
+
+def custom_call_stats(lowered_text: str, compiled_text: str) -> dict:
+  """Custom calls (our Pallas kernels among them) by target: in the lowered StableHLO module,
+  how many distinct kernels (bodies and launch parameters) among them, and in XLA's compiled
+  module (fewer there: XLA merged identical calls on the same operands, e.g. the same
+  activation quantized for the query, key and value projections)."""
+  calls, bodies = collections.Counter(), collections.defaultdict(set)
+  for line in lowered_text.splitlines():
+    if "stablehlo.custom_call @" not in line:
+      continue
+    target = line.split("stablehlo.custom_call @", 1)[1].split("(", 1)[0]
+    calls[target] += 1
+    bodies[target].add(hash(re.sub(r"%[\w#:]+", "", line.split("=", 1)[-1])))
+  compiled = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled_text))
+  return {
+    "custom_calls": dict(calls),
+    "distinct_custom_call_bodies": {k: len(v) for k, v in bodies.items()},
+    "compiled_custom_calls": dict(compiled),
+  }
+
+
+def device_peak_bytes() -> int | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+# -- one training step cell -----------------------------------------------------------------
+
+
+GEMM_IMPLS = ("auto", "pallas", "mosaic", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """A policy and how its step is built: ``name[@key=value;...]`` (``parse_variant``).
+
+  Attributes:
+    policy: a key of ``POLICIES``.
+    gemm: the 8-bit GEMM implementation forced while tracing (``auto``: the api's choice).
+    short_k: the api's ``SHORT_K`` while tracing (None: as it is).
+    xla: XLA compile options (``xla_...``) of the step.
+  """
+
+  policy: str
+  gemm: str = "auto"
+  short_k: int | None = None
+  xla: tuple[tuple[str, object], ...] = ()
+
+
+def parse_variant(text: str) -> Variant:
+  """``int8_dense@gemm=pallas;xla_gpu_autotune_level=0`` → ``Variant``; ``SystemExit`` naming
+  what is wrong."""
+  name, _, options = text.partition("@")
+  if name not in POLICIES:
+    raise SystemExit(f"--plan / --policies: unknown policy {name!r}. Fix: use one of {sorted(POLICIES)}.")
+  fields = {"policy": name}
+  xla = []
+  for item in filter(None, options.split(";")):
+    key, _, value = item.partition("=")
+    if key == "gemm" and value in GEMM_IMPLS:
+      fields["gemm"] = value
+    elif key == "short_k" and value.isdigit():
+      fields["short_k"] = int(value)
+    elif key.startswith("xla_") and value:
+      xla.append(
+        (key, int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value))
+      )
+    else:
+      raise SystemExit(
+        f"policy {text!r}: option {item!r} is not gemm=({'|'.join(GEMM_IMPLS)}), short_k=N or xla_<option>=value."
+      )
+  return Variant(**fields, xla=tuple(xla))
+
+
+def build(task, policy_spec: str, batch):
+  """The training step of ``task`` under ``policy_spec`` (a ``Variant``'s text), built and compiled."""
+  v = parse_variant(policy_spec)
+  with contextlib.ExitStack() as stack:
+    if v.policy in FUSED_ATTENTION:
+      stack.enter_context(fused_attention())
+    if v.gemm != "auto":
+      stack.enter_context(gemm_api.use_impl(v.gemm))
+    if v.short_k is not None:
+      stack.enter_context(unittest.mock.patch.object(gemm_api, "SHORT_K", v.short_k))
+    return step.build_train_step(
+      task,
+      POLICIES[v.policy],
+      batch,
+      optimizer(),
+      compiler_options=dict(v.xla) or None,
+      variables=init(task, batch),
+    )
+
+
+def init(task, batch):
+  """The model's variables, initialised by one jitted program on the batch's first example
+  (no variable depends on the batch size), compiled without GEMM autotuning: op by op, a
+  4096-wide GPT's initialisation dispatches and compiles hundreds of small programs."""
+  inputs = jax.tree.map(lambda x: x[:1], task.inputs(batch))
+  init_fn = jax.jit(lambda key, inputs: task.model.init(key, *inputs, **task.train_kwargs))
+  options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
+  return init_fn.lower(jax.random.key(0), inputs).compile(options)(jax.random.key(0), inputs)
+
+
+def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only: bool, repeat_compile: bool):
+  """``{metric: value, ...}`` of one training step cell (see the module docstring)."""
+  batch = step.device_batch(task, batch_size)
+  built = build(task, policy_name, batch)
+  out = {f"{k[:-2]}_s": v for k, v in built.seconds.items()}  # trace_s, lower_s, compile_s
+  out.update(jaxpr_stats(built.traced.jaxpr))
+  out.update(custom_call_stats(built.lowered.as_text(), built.compiled.as_text()))
+  t0 = time.perf_counter()
+  jax.block_until_ready(built.run())
+  out["first_call_s"] = time.perf_counter() - t0
+  out["compile_total_s"] = sum(built.seconds.values()) + out["first_call_s"]
+  out["xla_peak_bytes"] = step.xla_peak_bytes(built.compiled)
+  stats = built.compiled.memory_analysis()
+  out["xla_temp_bytes"] = getattr(stats, "temp_size_in_bytes", None)
+  if not compile_only:
+    clock = step.default_step_clock()
+    ms, samples = step.timed_ms(built.run, steps, clock=clock)
+    out.update(
+      step_ms=ms, step_ms_min=min(samples), step_ms_max=max(samples), clock=clock, samples=len(samples)
+    )
+  out["device_peak_bytes"] = device_peak_bytes()
+  del built
+  gc.collect()
+  if repeat_compile:
+    again = build(task, policy_name, batch)
+    t0 = time.perf_counter()
+    jax.block_until_ready(again.run())
+    out["repeat_first_call_s"] = time.perf_counter() - t0
+    out["repeat_compile_total_s"] = sum(again.seconds.values()) + out["repeat_first_call_s"]
+    out.update({f"repeat_{k[:-2]}_s": v for k, v in again.seconds.items()})
+  return out
+
+
+# -- profile ----------------------------------------------------------------------------------
+
+KERNEL_KINDS = (
+  ("our_gemm", ("mosaic", "scaled_matmul")),
+  ("our_quantize", ("quantize",)),
+  ("float_gemm", ("nvjet", "gemm", "cublas", "cutlass", "xmma", "matmul", "dot")),
+  ("attention", ("flash", "fmha", "cudnn")),
+  ("reduce", ("reduce",)),
+  ("transpose_copy", ("transpose", "copy")),
+  ("convert", ("convert",)),
+)
+"""Kernel name marks per kind, first match wins; any other kernel is ``other_fusion``."""
+
+
+def kernel_kind(name: str) -> str:
+  lower = name.lower()
+  return next((kind for kind, marks in KERNEL_KINDS if any(m in lower for m in marks)), "other_fusion")
+
+
+def instruction_stacks(hlo: str) -> dict[str, str]:
+  """``{instruction name: JAX name stack}`` of every instruction of a compiled module (fusions
+  sit inside command-buffer computations on a GPU, not only in ENTRY), keyed as XLA:GPU names
+  their kernels (``.`` written ``_``)."""
+  out = {}
+  for m in re.finditer(r'^\s*(?:ROOT )?%(\S+) = [^\n]*?op_name="([^"]*)"', hlo, re.M):
+    out[m.group(1).replace(".", "_")] = m.group(2)
+  return out
+
+
+def profile_cell(task, batch_size: int, policy_name: str, repeats: int = 5) -> dict:
+  """GPU kernel time of one step: total, per ``kernel_kind``, and the 40 largest kernels with
+  the JAX name stack of the HLO instruction of the same name (where there is one)."""
+  batch = step.device_batch(task, batch_size)
+  built = build(task, policy_name, batch)
+  jax.block_until_ready(built.run())
+  events = traced_events(lambda: jax.block_until_ready(built.run()), repeats)
+  per_kernel = kernels_by(events, repeats)
+  stacks = instruction_stacks(built.compiled.as_text())
+  kinds = collections.defaultdict(lambda: [0.0, 0.0])
+  for name, (ms, n) in per_kernel.items():
+    kinds[kernel_kind(name)][0] += ms
+    kinds[kernel_kind(name)][1] += n
+  top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:40]
+  return {
+    "kernel_ms": sum(ms for ms, _ in per_kernel.values()),
+    "kernels": sum(n for _, n in per_kernel.values()),
+    "by_kind": {
+      k: {"ms": v[0], "launches": v[1]} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])
+    },
+    "top": [[name, ms, n, stacks.get(name.replace(".", "_"), "")[-160:]] for name, (ms, n) in top],
+  }
+
+
+# -- attention and convolution micro-benchmarks -------------------------------------------
+
+
+def attention_cases(seq: int, tiny: bool):
+  """``{case: fn(q, k, v, mask) -> out}`` and the operands (8192 tokens, 12 heads of 64)."""
+  heads, dim, tokens = (2, 16, 256) if tiny else (12, 64, 8192)
+  batch = max(1, tokens // seq)
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, (batch, seq, heads, dim), jnp.float32).astype(jnp.bfloat16) for kk in keys)
+  mask = nn.make_causal_mask(jnp.zeros((batch, seq), jnp.int32))
+  impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+  def flax_attention(q, k, v, mask, preset=None):
+    if preset is None:
+      return nn.dot_product_attention(q, k, v, mask=mask)
+    policy, key = OpPolicy.preset(preset), jax.random.key(1)
+    qk, pv = (QuantizedEinsum(None, policy, key if policy.needs_rng else None, None) for _ in range(2))
+    return nn.dot_product_attention(
+      q, k, v, mask=mask, qk_attn_weights_einsum=qk, attn_weights_value_einsum=pv
+    )
+
+  def fused(q, k, v, mask, causal):
+    with jax.numpy_dtype_promotion("standard"):
+      if causal:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+      return jax.nn.dot_product_attention(q, k, v, mask=mask.astype(jnp.bool_), implementation=impl)
+
+  cases = {
+    "bf16_einsum": flax_attention,
+    "int8": functools.partial(flax_attention, preset="int8"),
+    "int8_fwd": functools.partial(flax_attention, preset="int8_fwd"),
+    "fp8": functools.partial(flax_attention, preset="fp8"),
+    f"{impl}_mask": functools.partial(fused, causal=False),
+    f"{impl}_causal": functools.partial(fused, causal=True),
+  }
+  return cases, (q, k, v, mask)
+
+
+CONV_SHAPES = {  # (N, H, W, C_in, C_out, kernel, stride): ResNet-50 layers at batch 32
+  "56x56x64_3x3_64": (32, 56, 56, 64, 64, 3, 1),
+  "28x28x128_3x3_128": (32, 28, 28, 128, 128, 3, 1),
+  "14x14x256_3x3_256": (32, 14, 14, 256, 256, 3, 1),
+  "7x7x512_3x3_512": (32, 7, 7, 512, 512, 3, 1),
+  "56x56x256_1x1_64": (32, 56, 56, 256, 64, 1, 1),
+  "14x14x1024_1x1_256": (32, 14, 14, 1024, 256, 1, 1),
+}
+TINY_CONV_SHAPES = {"8x8x8_3x3_8": (2, 8, 8, 8, 8, 3, 1)}
+CONV_CASES = {  # case: (op policy preset, impl); "bf16" is the native bf16 convolution
+  "bf16": ("bf16", "im2col"),
+  "int8_im2col": ("int8", "im2col"),
+  "int8_native": ("int8", "native"),
+  "int8_fwd_im2col": ("int8_fwd", "im2col"),
+  "int8_fwd_native": ("int8_fwd", "native"),
+  "fp8_native": ("fp8", "native"),
+}
+
+
+def conv_case(preset: str, impl: str, stride: int):
+  policy = OpPolicy.preset(preset)
+  key = jax.random.key(1) if policy.needs_rng else None
+
+  def conv(x, w):
+    dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+    return quantized_conv_general_dilated(
+      x, w, (stride, stride), "SAME", None, None, dn, op_policy=policy, key=key, impl=impl
+    )
+
+  return conv
+
+
+def fwd_bwd(fn, n_args: int):
+  """A jitted forward + the gradients to the first ``n_args`` arguments of ``sum(fn(...) · g)``."""
+
+  def loss(*args):
+    *operands, g = args
+    return jnp.sum(fn(*operands).astype(jnp.float32) * g)
+
+  return jax.jit(jax.grad(loss, argnums=tuple(range(n_args))))
+
+
+def time_micro(cases: dict, operands, n_grads: int, steps: int) -> dict:
+  """``{case: {"ms", "ms_min", "ms_max", "compile_s", "rel_err"}}`` of forward + backward of each
+  case; ``rel_err`` of its gradients against the first case's."""
+  out, reference = {}, None
+  clock = step.default_step_clock()
+  for case, fn in cases.items():
+    try:
+      g = jnp.ones(jax.eval_shape(fn, *operands).shape, jnp.float32)
+      f = fwd_bwd(fn, n_grads)
+      t0 = time.perf_counter()
+      f = f.lower(*operands, g).compile()
+      compile_s = time.perf_counter() - t0
+      grads = f(*operands, g)
+      ms, samples = step.timed_ms(lambda f=f, g=g: f(*operands, g), steps, clock=clock)
+    except Exception as e:  # noqa: BLE001 - a case a backend cannot run is reported, the rest go on
+      out[case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+      continue
+    flat = np.concatenate([np.asarray(x, np.float32).ravel() for x in grads])
+    reference = flat if reference is None else reference
+    err = float(np.linalg.norm(flat - reference) / max(np.linalg.norm(reference), 1e-30))
+    out[case] = {
+      "ms": ms,
+      "ms_min": min(samples),
+      "ms_max": max(samples),
+      "compile_s": compile_s,
+      "rel_err": err,
+    }
+  return out
+
+
+def conv_operands(shape):
+  n, h, w, c, o, k, _ = shape
+  x = jax.random.normal(jax.random.key(0), (n, h, w, c), jnp.float32).astype(jnp.bfloat16)
+  wt = (jax.random.normal(jax.random.key(1), (k, k, c, o), jnp.float32) / math.sqrt(k * k * c)).astype(
+    jnp.bfloat16
+  )
+  return x, wt
+
+
+# -- units, budget, rows ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  section: str  # gpt, cnn, profile, attention, conv
+  arg: str = ""  # width, sequence or shape name
+  policies: tuple[str, ...] = ()
+
+  @property
+  def name(self) -> str:
+    return ":".join(x for x in (self.section, self.arg, "+".join(self.policies)) if x)
+
+
+def parse_plan(text: str, args) -> list[Unit]:
+  """``--plan``'s units (see the module docstring), defaults filled in."""
+  units = []
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    section, *rest = item.split(":")
+    arg = rest[0] if rest else ""
+    policies = tuple(rest[1].split("+")) if len(rest) > 1 else ()
+    if section == "gpt":
+      for width in [arg] if arg else [str(w) for w in args.widths]:
+        for p in policies or args.policies:
+          units.append(Unit("gpt", width, (p,)))
+    elif section == "cnn":
+      units += [Unit("cnn", "", (p,)) for p in (tuple(arg.split("+")) if arg else CNN_POLICIES)]
+    elif section == "profile":
+      width = arg or str(args.widths[0])
+      units += [Unit("profile", width, (p,)) for p in policies or PROFILE_POLICIES]
+    elif section == "attention":
+      seqs = [arg] if arg else (["32", "64"] if args.tiny else ["512", "1024", "2048"])
+      units += [Unit("attention", s) for s in seqs]
+    elif section == "conv":
+      shapes = TINY_CONV_SHAPES if args.tiny else CONV_SHAPES
+      units += [Unit("conv", s) for s in ([arg] if arg else list(shapes))]
+    else:
+      raise SystemExit(f"--plan: unknown unit {item!r}. Fix: use gpt, cnn, profile, attention or conv.")
+    for u in units:
+      for p in u.policies:
+        parse_variant(p)
+  return units
+
+
+def run_unit(unit: Unit, args) -> list[dict]:
+  """The rows of one unit, measured in this process."""
+  device = jax.devices()[0].device_kind
+  tags = {"run": args.run_id, "unit": unit.name}
+  rows = []
+
+  def row(case, metric, value, baseline=None, **extra):
+    rows.append(result_row("e2e", case, metric, value, baseline, device, **tags, **extra))
+
+  if unit.section in ("gpt", "cnn"):
+    task, batch = gpt_task(int(unit.arg), args.tiny) if unit.section == "gpt" else cnn_task(args.tiny)
+    policy = unit.policies[0]
+    case = f"gpt/d{unit.arg}/{policy}" if unit.section == "gpt" else f"resnet50/{policy}"
+    res = step_cell(task, batch, policy, args.steps, args.compile_only, args.repeat_compile)
+    extra = {"batch": batch, "policy": policy, "model": unit.section}
+    plain = {
+      r["metric"]: r["value"] for r in run_rows(args.out_jsonl, args.run_id) if r["case"] == plain_case(case)
+    }
+    if "step_ms" in res:
+      base = plain.get("step_ms")
+      timing = {k: res[k] for k in ("step_ms_min", "step_ms_max", "clock")}
+      row(
+        case,
+        "step_ms",
+        res["step_ms"],
+        base,
+        **extra,
+        **timing,
+        speed=base / res["step_ms"] if base else None,
+      )
+    compile_keys = [k for k in res if k.endswith("_s") and k != "compile_total_s"]
+    row(
+      case,
+      "compile_s",
+      res["compile_total_s"],
+      plain.get("compile_s"),
+      **extra,
+      **{k: res[k] for k in compile_keys},
+    )
+    structure = (
+      "eqns",
+      "dot_generals",
+      "dot_generals_8bit",
+      "pallas_calls",
+      "distinct_pallas_kernels",
+      "custom_calls",
+    )
+    row(
+      case,
+      "program",
+      res.get("eqns", 0),
+      **extra,
+      **{k: res.get(k, 0) for k in structure[1:]},
+      distinct_custom_call_bodies=res.get("distinct_custom_call_bodies", {}),
+      compiled_custom_calls=res.get("compiled_custom_calls", {}),
+    )
+    row(
+      case,
+      "peak_bytes",
+      res["xla_peak_bytes"],
+      **extra,
+      xla_temp_bytes=res["xla_temp_bytes"],
+      device_peak_bytes=res["device_peak_bytes"],
+      isolated=args.isolate,
+    )
+  elif unit.section == "profile":
+    task, batch = gpt_task(int(unit.arg), args.tiny)
+    policy = unit.policies[0]
+    res = profile_cell(task, batch, policy)
+    row(
+      f"profile/d{unit.arg}/{policy}",
+      "kernel_ms",
+      res["kernel_ms"],
+      policy=policy,
+      kernels=res["kernels"],
+      by_kind=res["by_kind"],
+      top=res["top"],
+    )
+  elif unit.section in ("attention", "conv"):
+    if unit.section == "attention":
+      cases, operands = attention_cases(int(unit.arg), args.tiny)
+      res, base_case = time_micro(cases, operands, 3, args.steps), "bf16_einsum"
+    else:
+      shape = {**CONV_SHAPES, **TINY_CONV_SHAPES}[unit.arg]
+      cases = {c: conv_case(p, impl, shape[-1]) for c, (p, impl) in CONV_CASES.items()}
+      res, base_case = time_micro(cases, conv_operands(shape), 2, args.steps), "bf16"
+    base = res.get(base_case, {}).get("ms")
+    prefix = f"attention/seq{unit.arg}" if unit.section == "attention" else f"conv/{unit.arg}"
+    for case, r in res.items():
+      ms = r.get("ms")
+      row(
+        f"{prefix}/{case}",
+        "fwd_bwd_ms",
+        ms,
+        base if ms else None,
+        **{k: v for k, v in r.items() if k != "ms"},
+      )
+  return rows
+
+
+def plain_case(case: str) -> str:
+  """The case of the plain model's cell next to ``case`` (same model and width)."""
+  return case.rsplit("/", 1)[0] + "/plain"
+
+
+def estimate_s(unit: Unit, done: dict[str, list[float]], backend: str) -> float:
+  """Seconds ``unit`` is expected to take: the longest like unit measured so far (same section
+  and policy) × 1.2, else ``UNIT_ESTIMATE_S`` on a GPU (0 elsewhere)."""
+  key = unit.policies[0] if unit.policies else unit.section
+  if done.get(key):
+    return 1.2 * max(done[key])
+  return UNIT_ESTIMATE_S.get(key, 60) if backend == "gpu" else 0.0
+
+
+def unit_groups(units: list[Unit], isolate: bool) -> list[list[Unit]]:
+  """Units run together: each alone, except that with ``isolate`` consecutive units of one
+  section other than the step cells (profile, attention, conv) share a process."""
+  groups: list[list[Unit]] = []
+  for unit in units:
+    shared = isolate and unit.section not in ("gpt", "cnn")
+    if shared and groups and groups[-1][0].section == unit.section:
+      groups[-1].append(unit)
+    else:
+      groups.append([unit])
+  return groups
+
+
+def child_command(group: list[Unit], args, remaining_s: float) -> list[str]:
+  """The command that runs ``group`` in a fresh process, its rows appended to the same file."""
+  plan = ",".join(u.name for u in group)
+  cmd = [sys.executable, "-m", "benchmarks.e2e", "--plan", plan, "--run-id", args.run_id, "--child"]
+  cmd += ["--steps", str(args.steps), "--out-jsonl", args.out_jsonl, "--budget-s", f"{remaining_s:.0f}"]
+  cmd += ["--widths", *map(str, args.widths), "--policies", *args.policies]
+  for flag in ("compile_only", "repeat_compile", "tiny"):
+    if getattr(args, flag):
+      cmd.append("--" + flag.replace("_", "-"))
+  if args.compilation_cache:
+    cmd += ["--compilation-cache", os.path.join(args.compilation_cache, re.sub(r"[^\w.-]", "_", plan))]
+  return cmd
+
+
+def emit(rows: list[dict], args) -> None:
+  append_rows(args.out_jsonl, rows)
+  out_dir = os.environ.get("OUT")
+  if out_dir and os.path.abspath(os.path.join(out_dir, "e2e.jsonl")) != os.path.abspath(args.out_jsonl):
+    append_rows(os.path.join(out_dir, "e2e.jsonl"), rows)
+
+
+def run_rows(path: str, run_id: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [r for r in map(json.loads, f) if r.get("run") == run_id]
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def table(rows: list[dict]) -> str:
+  """The run's rows as text tables: step cells (by model and width), micro-benchmarks, profiles."""
+  lines = []
+  cells = collections.defaultdict(dict)
+  for r in rows:
+    if r["metric"] in ("step_ms", "compile_s", "peak_bytes", "skipped", "failed"):
+      cells[r["case"]][r["metric"]] = r
+  if cells:
+    lines.append(
+      f"{'cell':32s} {'step ms':>8s} {'speed':>6s} {'compile s':>9s} {'x plain':>7s} "
+      f"{'trace':>6s} {'lower':>6s} {'xla':>6s} {'1st':>6s} {'again':>6s} {'peak GB':>7s}  note"
+    )
+  for case, m in cells.items():
+    prefix = case.rsplit("/", 1)[0]
+    plain = cells.get(f"{prefix}/plain", {})
+    st, cp, pk = m.get("step_ms"), m.get("compile_s"), m.get("peak_bytes")
+    note = (m.get("skipped") or m.get("failed") or {}).get("reason", "")
+    ms = f"{st['value']:8.2f}" if st else f"{'-':>8s}"
+    speed = f"{plain['step_ms']['value'] / st['value']:6.2f}" if st and plain.get("step_ms") else f"{'-':>6s}"
+    if cp:
+      plain_c = plain.get("compile_s", {}).get("value")
+      stages = " ".join(
+        f"{cp.get(k, float('nan')):6.1f}" for k in ("trace_s", "lower_s", "compile_s", "first_call_s")
+      )
+      again = cp.get("repeat_compile_total_s")
+      comp = f"{cp['value']:9.1f} {cp['value'] / plain_c if plain_c else float('nan'):7.2f} {stages} "
+      comp += f"{again:6.1f}" if again is not None else f"{'-':>6s}"
+    else:
+      comp = f"{'-':>9s} {'-':>7s} " + " ".join(f"{'-':>6s}" for _ in range(5))
+    peak = f"{pk['value'] / 2**30:7.2f}" if pk and pk["value"] else f"{'-':>7s}"
+    lines.append(f"{case:32s} {ms} {speed} {comp} {peak}  {note[:60]}")
+  micro = [r for r in rows if r["metric"] == "fwd_bwd_ms"]
+  if micro:
+    lines.append(
+      f"\n{'micro-benchmark (fwd + bwd)':44s} {'ms':>8s} {'x bf16':>7s} {'rel err':>8s} {'compile s':>9s}"
+    )
+    for r in micro:
+      if r["value"] is None:
+        lines.append(f"{r['case']:44s} failed: {r.get('error', '')[:70]}")
+        continue
+      ratio = f"{r['baseline'] / r['value']:7.2f}" if r.get("baseline") else f"{'-':>7s}"
+      lines.append(
+        f"{r['case']:44s} {r['value']:8.3f} {ratio} {r.get('rel_err', 0):8.4f} {r.get('compile_s', 0):9.1f}"
+      )
+  for r in rows:
+    if r["metric"] == "kernel_ms":
+      kinds = ", ".join(f"{k} {v['ms']:.2f}" for k, v in r["by_kind"].items())
+      lines.append(f"\n{r['case']}: {r['value']:.2f} ms of kernels, {r['kernels']:.0f} launches: {kinds}")
+      for name, ms, n, stack in r["top"][:12]:
+        lines.append(f"  {ms:7.3f} ms x{n:<4.0f} {name[:60]:60s} {stack[-60:]}")
+  return "\n".join(lines)
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+class OutOfTime(Exception):
+  pass
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--plan", default="gpt,cnn", help="units, comma-separated (see the module docstring)")
+  ap.add_argument(
+    "--widths", nargs="+", type=int, default=None, help="GPT widths (default 768 1024 2048 4096)"
+  )
+  ap.add_argument(
+    "--policies", nargs="+", default=list(GPT_POLICIES), help=f"GPT policies, of {sorted(POLICIES)}"
+  )
+  ap.add_argument("--steps", type=int, default=30, help="timed steps per cell (windows of 10 on a GPU)")
+  ap.add_argument("--compile-only", action="store_true", help="compile (and run once); no step timing")
+  ap.add_argument("--repeat-compile", action="store_true", help="build every cell twice: the second compile")
+  ap.add_argument(
+    "--compilation-cache", help="JAX's persistent compilation cache folder (a repeat run's compile)"
+  )
+  ap.add_argument(
+    "--budget-s", type=float, default=float("inf"), help="stop cleanly within this many seconds"
+  )
+  ap.add_argument("--isolate", action="store_true", help="every unit in a fresh process")
+  ap.add_argument("--tiny", action="store_true", help="tiny models and shapes (CPU smoke test)")
+  ap.add_argument("--out-jsonl", default=RESULTS)
+  ap.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  t_start = time.perf_counter()
+  args.widths = args.widths or ([64] if args.tiny else [768, 1024, 2048, 4096])
+  args.run_id = args.run_id or f"e2e-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+  args.out_jsonl = os.path.abspath(args.out_jsonl)
+  units = parse_plan(args.plan, args)
+  try:
+    os.makedirs(os.path.dirname(args.out_jsonl), exist_ok=True)
+    with open(args.out_jsonl, "a"):
+      pass
+  except OSError as e:
+    raise SystemExit(
+      f"--out-jsonl {args.out_jsonl!r} cannot be written ({e}). Fix: pass a writable path."
+    ) from None
+  if args.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+
+  def say(msg):
+    if not args.child:
+      print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", flush=True)
+
+  def stop(signum, frame):
+    raise OutOfTime(f"signal {signum}")
+
+  signal.signal(signal.SIGTERM, stop)
+  done: dict[str, list[float]] = {}
+  args.backend, args.device = backend_and_device(args.isolate)
+  say(f"run {args.run_id}: {len(units)} units on {args.backend} ({args.device}), budget {args.budget_s} s")
+  try:
+    for group in unit_groups(units, args.isolate):
+      remaining = args.budget_s - (time.perf_counter() - t_start)
+      need = estimate_s(group[0], done, args.backend)
+      if need > remaining:
+        reason = f"budget: needs ~{need:.0f} s, {remaining:.0f} s left"
+        emit([skip_row(unit, args, "skipped", reason) for unit in group], args)
+        say(f"{', '.join(u.name for u in group)}: skipped ({reason})")
+        continue
+      t0 = time.perf_counter()
+      try:
+        if args.isolate:
+          timeout = max(remaining, 1) if math.isfinite(remaining) else None
+          proc = subprocess.run(child_command(group, args, remaining), timeout=timeout, check=False)
+          if proc.returncode != 0:
+            raise RuntimeError(f"exit status {proc.returncode}")
+        else:
+          emit(run_unit(group[0], args), args)
+      except subprocess.TimeoutExpired:
+        reason = f"stopped at the budget after {time.perf_counter() - t0:.0f} s"
+        emit([skip_row(unit, args, "failed", reason) for unit in group], args)
+      except OutOfTime:
+        raise
+      except Exception as e:  # noqa: BLE001 - one failing unit is reported, the rest still run
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        emit([skip_row(unit, args, "failed", reason) for unit in group], args)
+      took = time.perf_counter() - t0
+      for unit in group:
+        done.setdefault(unit.policies[0] if unit.policies else unit.section, []).append(took / len(group))
+      say(f"{', '.join(u.name for u in group)}: {took:.0f} s")
+  except (OutOfTime, KeyboardInterrupt) as e:
+    say(f"stopped: {e}")
+  if not args.child:
+    print("\n" + table(run_rows(args.out_jsonl, args.run_id)))
+  return 0
+
+
+def skip_row(unit: Unit, args, metric: str, reason: str) -> dict:
+  """A row saying a unit was skipped or failed (``metric``), with why."""
+  case = {"gpt": f"gpt/d{unit.arg}/{'+'.join(unit.policies)}", "cnn": f"resnet50/{'+'.join(unit.policies)}"}
+  name = case.get(unit.section, unit.name)
+  return result_row(
+    "e2e", name, metric, None, None, args.device, run=args.run_id, unit=unit.name, reason=reason
+  )
+
+
+def backend_and_device(isolate: bool) -> tuple[str, str]:
+  """JAX's backend and device kind. With ``isolate`` they are read in a child process, so that
+  this one never takes the accelerator (and its memory) from the units' processes."""
+  if not isolate:
+    return jax.default_backend(), jax.devices()[0].device_kind
+  code = "import jax; print(jax.default_backend()); print(jax.devices()[0].device_kind)"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+  backend, device = out.strip().splitlines()[-2:]
+  return backend, device
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,72 @@
+"""benchmarks/e2e.py at tiny sizes on the CPU: the rows it writes and the table it prints."""
+
+import json
+
+import pytest
+
+from benchmarks import e2e
+
+pytestmark = pytest.mark.standard_promotion  # optax's AdamW and Flax's bf16 LayerNorm
+
+
+def rows_of(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_tiny_gpt_cells_write_their_rows(tmp_path, capsys):
+  out = tmp_path / "e2e.jsonl"
+  e2e.main(["--tiny", "--plan", "gpt:32:plain+int8_dense", "--steps", "4", "--out-jsonl", str(out)])
+  rows = rows_of(out)
+  assert {r["benchmark"] for r in rows} == {"e2e"}
+  assert len({r["run"] for r in rows}) == 1
+  by = {(r["case"], r["metric"]): r for r in rows}
+  for policy in ("plain", "int8_dense"):
+    case = f"gpt/d32/{policy}"
+    step, comp, program, peak = (by[(case, m)] for m in ("step_ms", "compile_s", "program", "peak_bytes"))
+    assert step["value"] > 0 and step["step_ms_min"] <= step["value"] <= step["step_ms_max"]
+    stages = [comp[k] for k in ("trace_s", "lower_s", "compile_s", "first_call_s")]
+    assert all(s > 0 for s in stages) and comp["value"] == pytest.approx(sum(stages))
+    assert program["value"] > 0 and peak["value"] > 0
+    assert step["device"] and step["jax_version"] and step["policy"] == policy
+  plain, int8 = by[("gpt/d32/plain", "step_ms")], by[("gpt/d32/int8_dense", "step_ms")]
+  # ratios against plain bf16 of the same run
+  assert int8["baseline"] == plain["value"]
+  assert int8["speed"] == pytest.approx(plain["value"] / int8["value"])
+  assert by[("gpt/d32/int8_dense", "compile_s")]["baseline"] == by[("gpt/d32/plain", "compile_s")]["value"]
+  # the quantized Dense products run on 8-bit operands; the plain model has none
+  assert by[("gpt/d32/int8_dense", "program")]["dot_generals_8bit"] > 0
+  assert by[("gpt/d32/plain", "program")]["dot_generals_8bit"] == 0
+  table = capsys.readouterr().out.rsplit("\n\n", 1)[-1]
+  assert "gpt/d32/plain" in table and "gpt/d32/int8_dense" in table
+
+
+def test_budget_skips_units_with_a_row_saying_so(tmp_path, monkeypatch):
+  out = tmp_path / "e2e.jsonl"
+  monkeypatch.setattr(e2e, "estimate_s", lambda unit, done, backend: 10.0)
+  e2e.main(["--tiny", "--plan", "gpt:32:plain,conv", "--budget-s", "5", "--out-jsonl", str(out)])
+  rows = rows_of(out)
+  assert [r["metric"] for r in rows] == ["skipped", "skipped"]
+  assert all("budget" in r["reason"] for r in rows)
+
+
+def test_unknown_plan_unit_and_policy_are_clear_errors(tmp_path):
+  with pytest.raises(SystemExit, match="unknown unit 'gtp'"):
+    e2e.main(["--tiny", "--plan", "gtp", "--out-jsonl", str(tmp_path / "x.jsonl")])
+  with pytest.raises(SystemExit, match="unknown policy 'int4'"):
+    e2e.main(["--tiny", "--plan", "gpt:32:int4", "--out-jsonl", str(tmp_path / "x.jsonl")])
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(SystemExit, match="cannot be written"):
+    e2e.main(["--tiny", "--plan", "gpt:32:plain", "--out-jsonl", str(tmp_path / "a_file" / "x.jsonl")])
+
+
+def test_micro_benchmarks_report_every_case(tmp_path):
+  out = tmp_path / "e2e.jsonl"
+  e2e.main(["--tiny", "--plan", "attention:16", "--steps", "2", "--out-jsonl", str(out)])
+  rows = {r["case"].rsplit("/", 1)[1]: r for r in rows_of(out)}
+  assert set(rows) == {"bf16_einsum", "int8", "int8_fwd", "fp8", "xla_mask", "xla_causal"}
+  for name, r in rows.items():
+    assert r["value"] > 0, (name, r.get("error"))
+    assert r["baseline"] == rows["bf16_einsum"]["value"]
+    # every attention computes the same gradients up to its precision's rounding
+    assert r["rel_err"] < (0.1 if name == "fp8" else 0.03)
