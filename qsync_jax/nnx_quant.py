@@ -24,12 +24,18 @@ own function and runs bit-identical to the plain model. Each op runs under ``jax
 of its path (as linen's module scopes name a step's instructions). Stochastic rounding draws a
 fresh key per op call from ``apply(..., rngs={"qsync": key})``.
 
-``nnx.Embed`` has no hook for its products, so its copy in ``apply`` is re-classed as a subclass
-(same attributes and variables) whose ``__call__`` / ``attend`` run the quantized product, as the linen version re-implements ``nn.Embed``'s (an ``nnx.Embed``
-subclass with its own ``__call__`` or ``attend`` is left alone: it calls no op qsync knows). ``nnx.MultiHeadAttention``'s
-``attention_fn`` becomes ``quantized_attention``: ``nnx.dot_product_attention`` with its two
-products at their op policies (grouped-query attention repeats the key and value heads); with
-neither product matched the module keeps its own ``attention_fn``.
+An ``embed`` op is a lookup at every precision (``qsync_jax.qembed``, as for linen), an
+``embed_attend`` op a GEMM. ``nnx.Embed`` has no hook for them, so its copy in ``apply`` is
+re-classed as a subclass (same attributes and variables) whose ``__call__`` / ``attend`` run
+them, as the linen version re-implements ``nn.Embed``'s; an ``nnx.Embed`` subclass with its own
+``__call__`` or ``attend`` is left alone (it calls no op qsync knows).
+
+``nnx.MultiHeadAttention``'s ``attention_fn`` becomes ``quantized_attention``:
+``nnx.dot_product_attention`` with its two products at their op policies (grouped-query
+attention repeats the key and value heads); with neither product matched the module keeps its
+own ``attention_fn``. Inside ``qsync_jax.qattention.fused_attention()``, products both at one
+16-bit float type run ``jax.nn.dot_product_attention`` as for linen (with nnx's default
+``attention_fn``, no dropout, no ``is_causal``, no sown weights).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from jax import lax
 
+from qsync_jax import qattention
 from qsync_jax.errors import QsyncError
 from qsync_jax.flax_quant import (
   RNG_COLLECTION,
@@ -52,6 +59,7 @@ from qsync_jax.flax_quant import (
   QuantizedConv,
   QuantizedDotGeneral,
   QuantizedEinsum,
+  QuantizedLookup,
   Tap,
 )
 from qsync_jax.nnx_model import NnxModel, path_name
@@ -196,6 +204,12 @@ class _AttentionHook:
       pv = self.ops.op(QuantizedEinsum, self.path, "attention_pv")
       if qk is None and pv is None:
         return self.own(query, key, value, **kwargs)
+      fused = qattention.fused_dtype(qk and qk.op_policy, pv and pv.op_policy)
+      plain = (
+        self.own is nnx.dot_product_attention and not kwargs.get("module") and not kwargs.get("is_causal")
+      )
+      if fused is not None and plain and kwargs.get("dropout_rate", 0.0) == 0.0:
+        return qattention.attention_fn(fused)(query, key, value, kwargs.get("bias"), kwargs.get("mask"))
       return quantized_attention(query, key, value, qk=qk or jnp.einsum, pv=pv or jnp.einsum, **kwargs)
 
 
@@ -255,19 +269,18 @@ def quantized_attention(
 
 
 def _embed_lookup(self, inputs, out_sharding=None):
-  """``nnx.Embed.__call__`` as the product one_hot(ids) · table at the op's policy (the linen
-  version's ``_embed_lookup``); the module's own lookup when no rule matches."""
+  """``nnx.Embed.__call__`` with its lookup at the op's policy (``QuantizedLookup``: a gather, as
+  the linen version's); the module's own lookup when no rule matches."""
   ops, path = self._qsync_ops, self._qsync_path
   with jax.named_scope(path):
-    op = ops.op(QuantizedDotGeneral, path, "embed")
+    op = ops.op(QuantizedLookup, path, "embed")
     if op is None:
       return nnx.Embed.__call__(self, inputs, out_sharding=out_sharding)
     _no_out_sharding(path, out_sharding)
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError(f"Embed {path!r}: input dtype {inputs.dtype} must be integer.")
     (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
-    one_hot = jax.nn.one_hot(inputs, self.num_embeddings, dtype=table.dtype)
-    return op(one_hot, table, (((one_hot.ndim - 1,), (0,)), ((), ())))
+    return op(table, inputs)
 
 
 def _embed_attend(self, query, out_sharding=None):

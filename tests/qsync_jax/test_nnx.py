@@ -17,6 +17,11 @@ from tests.qsync_jax.models import cnn_data
 from tests.qsync_jax.nnx_models import CNN, CNN_OPS, LM, LM_OPS, lm_ids
 
 
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
 def lm_setup():
   module = LM(nnx.Rngs(params=0, dropout=1))
   return module, NnxModel.of(module), lm_ids()
@@ -287,3 +292,28 @@ def test_grouped_query_attention_and_embed_subclasses():
   variables = NnxModel.of(both).init(None)
   assert set(qmodel.ops(variables, ids)) == {"plain:embed"}
   np.testing.assert_allclose(qmodel.apply(variables, ids), both(ids), atol=0.05)
+
+
+@pytest.mark.standard_promotion  # jax.nn.dot_product_attention's gradient promotes bf16 with float32
+def test_bf16_attention_is_fused_inside_the_block_as_for_linen():
+  from qsync_jax.qattention import fused_attention
+  from tests.qsync_jax.test_fused_attention import float32_logits
+
+  class Attend(nnx.Module):
+    def __init__(self, rngs, dropout=0.0):
+      self.attn = nnx.MultiHeadAttention(
+        2, 16, dtype=jnp.bfloat16, dropout_rate=dropout, decode=False, rngs=rngs
+      )
+
+    def __call__(self, x):
+      return self.attn(x, mask=nnx.make_causal_mask(x[..., 0]), deterministic=True)
+
+  x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+  for dropout, fused, want in ((0.0, True, 1), (0.0, False, 0), (0.1, True, 0)):
+    module = Attend(nnx.Rngs(0), dropout)
+    qmodel, variables = quantize(module, "bf16"), NnxModel.of(module).init(None)
+    with fused_attention(fused):
+      text = str(jax.make_jaxpr(lambda v, q=qmodel: q.apply(v, x))(variables))
+      y = qmodel.apply(variables, x)
+    assert float32_logits(text) == want, (dropout, fused)
+    assert y.dtype == jnp.bfloat16 and rel_err(y, module(x)) < 0.03
