@@ -103,12 +103,18 @@ POLICIES = {
   "fp8_dense": kinds_policy("fp8", DENSE_KINDS),
   "int8_fwd_dense": kinds_policy("int8_fwd", DENSE_KINDS),
   "int8_dense_attn": kinds_policy("int8", DENSE_KINDS + ATTENTION_KINDS),
+  "int8_dense_fused_attn": PrecisionPolicy(  # traced under qattention.fused_attention()
+    rules=kinds_policy("int8", DENSE_KINDS).rules + kinds_policy("bf16", ATTENTION_KINDS).rules
+  ),
+  "fp8_dense_fused_attn": PrecisionPolicy(  # traced under qattention.fused_attention()
+    rules=kinds_policy("fp8", DENSE_KINDS).rules + kinds_policy("bf16", ATTENTION_KINDS).rules
+  ),
   "int8_conv": kinds_policy("int8", ("conv", "dense")),
   "int8_fwd_conv": kinds_policy("int8_fwd", ("conv", "dense")),
 }
 """Every Dense is the examples' ``nn.Dense`` (MLP, head) and the attention's ``DenseGeneral``
 projections (query, key, value, out)."""
-FUSED_ATTENTION = ("bf16_fused_attn",)
+FUSED_ATTENTION = ("bf16_fused_attn", "int8_dense_fused_attn", "fp8_dense_fused_attn")
 GPT_POLICIES = ("plain", "bf16", "int8_dense", "fp8_dense", "int8_fwd_dense", "int8_dense_attn")
 CNN_POLICIES = ("plain", "bf16", "int8_conv", "int8_fwd_conv")
 PROFILE_POLICIES = ("plain", "int8_dense")
@@ -117,6 +123,8 @@ UNIT_ESTIMATE_S = {
   "plain": 40,
   "bf16": 40,
   "bf16_fused_attn": 50,
+  "int8_dense_fused_attn": 100,
+  "fp8_dense_fused_attn": 120,
   "int8_fwd_dense": 90,
   "int8_dense": 100,
   "int8_dense_attn": 130,

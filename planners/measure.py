@@ -63,6 +63,8 @@ def task_ops(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, tupl
   batch = timing.device_batch(task, batch_per_device, seed)
   variables = timing.init_variables(task, batch, seed)
   kwargs = {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
+  keys = jax.random.split(jax.random.key(seed), len(task.rng_streams))
+  kwargs["rngs"] = dict(zip(task.rng_streams, keys))  # dropout… (their masks do not change shapes)
   return batch, variables, tuple(collect_ops(task.model, variables, *task.inputs(batch), **kwargs))
 
 

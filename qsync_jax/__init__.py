@@ -29,11 +29,18 @@ from qsync_jax.task import Task
 
 __version__ = "0.1.0"
 
-_LAZY = {"Trainer": "qsync_jax.trainer", "make_train_step": "qsync_jax.train_step"}
+_LAZY = {
+  "Trainer": "qsync_jax.trainer",
+  "make_train_step": "qsync_jax.train_step",
+  "NnxModel": "qsync_jax.nnx_model",
+  "QuantizedNnxModel": "qsync_jax.nnx_quant",
+  "export_params": "qsync_jax.cli_export",
+}
 
 
 def __getattr__(name):
-  """The trainer (and orbax behind it) loads on first use, keeping ``import qsync_jax`` light."""
+  """The trainer (and orbax behind it) and the nnx support (flax.nnx) load on first use,
+  keeping ``import qsync_jax`` light."""
   if name in _LAZY:
     import importlib
 
@@ -48,6 +55,7 @@ __all__ = [
   "DeviceGroup",
   "DEVICE_PRECISIONS",
   "LEGS",
+  "NnxModel",
   "OP_KINDS",
   "OpInfo",
   "OpPolicy",
@@ -59,10 +67,12 @@ __all__ = [
   "PrecisionPolicy",
   "QsyncError",
   "QuantizedModel",
+  "QuantizedNnxModel",
   "Rule",
   "Task",
   "Trainer",
   "UnsupportedPrecisionError",
+  "export_params",
   "op_name",
   "make_train_step",
   "quantize",

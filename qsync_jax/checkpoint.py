@@ -1,20 +1,34 @@
 """Checkpoints of a training run (orbax-checkpoint), checked before anything is restored.
 
-A checkpoint holds every leaf of the ``TrainState`` (params, optimizer state, model state,
-step, RNG key, loss-scale state, per-device sync state) and a JSON ``meta`` item: the data
-position, the plan, the cluster, a signature (path, shape, dtype) of every state leaf and a
-checksum of every leaf. Leaves are saved under their index in the flattened state, so any
-pytree (optax's empty states, named tuples) round-trips exactly.
+Checkpoint ``STEP`` of a run is the directory ``OUT/checkpoints/STEP`` with three items::
 
-``restore`` checks, before touching any array: that the checkpoint is readable, that its
-params have the model's paths and shapes, that its plan and cluster are the run's, and that
-the rest of the state (optimizer) matches; after reading the arrays it verifies their
-checksums. Any mismatch raises ``CheckpointError`` naming the difference and the fix; the
+  params/   the model's parameters (the trainer's ``params``) as the model's own pytree: linen
+            module names ({"Dense_0": {"kernel": ...}}), or the nnx graph's (list items "0", "1"…)
+  state/    the whole training state, for resume, as a tree of named fields: the hybrid
+            trainer's {"step", "params", "opt_state", "model_state", "rng", "loss_scale",
+            "sync_state"}, optax states by field ({"count", "mu", "nu"}); a step-builder
+            strategy's {"strategy": {...}, "rng"}
+  meta/     JSON: the plan, its fingerprint, the cluster, the task, seed and data position, and
+            a signature (path, shape, dtype) and checksum of every leaf
+
+Arrays replicated over the devices are written host-local (as numpy arrays), so ``params/`` —
+and all of ``state/`` but per-device arrays (a sync strategy's per-device state, SelSync's and
+QSDP's working copies, which keep their sharding) — restore with a plain orbax call, in any
+process, on any devices, without qsync::
+
+  import orbax.checkpoint as ocp
+  params = ocp.StandardCheckpointer().restore("OUT/checkpoints/200/params")
+
+``restore`` checks, before touching any array: that the checkpoint is readable and of this
+format, that its params have the model's paths and shapes, that its plan and cluster are the
+run's, and that the rest of the state (optimizer) matches; after reading the arrays it verifies
+their checksums. Any mismatch raises ``CheckpointError`` naming the difference and the fix; the
 checkpoint directory and the caller's state are left untouched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,10 +38,16 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import serialization
 
 from qsync_jax.errors import CheckpointError
 
-FORMAT = 1
+FORMAT = 2
+"""Version of the layout above (format 1 stored the state as numbered leaves "0000"…)."""
+
+FIX_CORRUPTED = (
+  "Fix: delete that step's directory to resume from an earlier checkpoint, or start fresh in a new --out."
+)
 
 
 def signature(tree) -> list[list[str]]:
@@ -51,8 +71,27 @@ def _checksum(x) -> str | None:
   return hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()[:16]
 
 
-def _leaves(state) -> dict[str, Any]:
-  return {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(state))}
+def _host_local(x):
+  """A replicated array as a numpy array (restorable anywhere); a sharded one as it is."""
+  if isinstance(x, jax.Array) and x.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  return x
+
+
+def as_saved(tree) -> dict:
+  """``tree`` as a checkpoint item stores it: named fields (``flax.serialization.to_state_dict``:
+  NamedTuple fields by name, tuple items and int keys as "0", "1"…), replicated arrays host-local."""
+  return jax.tree.map(_host_local, serialization.to_state_dict(tree))
+
+
+def _manager_options(max_to_keep: int) -> ocp.CheckpointManagerOptions:
+  options = dict(max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False)
+  # Steps are kept by number: the manager needs no step metadata (times, metrics). Not reading
+  # it also keeps orbax from logging errors about that file in the step directories a killed
+  # run leaves (one being deleted, one whose metadata write was cut short).
+  if "lightweight_initialize" in {f.name for f in dataclasses.fields(ocp.CheckpointManagerOptions)}:
+    options["lightweight_initialize"] = True
+  return ocp.CheckpointManagerOptions(**options)
 
 
 class CheckpointStore:
@@ -66,10 +105,7 @@ class CheckpointStore:
   @property
   def manager(self) -> ocp.CheckpointManager:
     if self._manager is None:
-      options = ocp.CheckpointManagerOptions(
-        max_to_keep=self._max_to_keep, create=True, enable_async_checkpointing=False
-      )
-      self._manager = ocp.CheckpointManager(self.directory, options=options)
+      self._manager = ocp.CheckpointManager(self.directory, options=_manager_options(self._max_to_keep))
     return self._manager
 
   def latest_step(self) -> int | None:
@@ -77,15 +113,25 @@ class CheckpointStore:
       return None
     return self.manager.latest_step()
 
-  def save(self, step: int, state, meta: Mapping[str, Any]) -> None:
-    """Saves ``state`` and ``meta`` (JSON) as checkpoint ``step`` (atomically: a kill mid-save
-    leaves no checkpoint ``step``)."""
+  def save(self, step: int, state, params, meta: Mapping[str, Any]) -> None:
+    """Saves ``state`` (the whole training state), ``params`` (the model's parameters) and
+    ``meta`` (JSON) as checkpoint ``step`` (atomically: a kill mid-save leaves no checkpoint
+    ``step``)."""
+    state, params = as_saved(state), as_saved(params)
     meta = dict(
-      meta, format=FORMAT, state=signature(state), checksums=[_checksum(x) for x in jax.tree.leaves(state)]
+      meta,
+      format=FORMAT,
+      state=signature(state),
+      checksums={
+        "state": [_checksum(x) for x in jax.tree.leaves(state)],
+        "params": [_checksum(x) for x in jax.tree.leaves(params)],
+      },
     )
     self.manager.save(
       step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(_leaves(state)), meta=ocp.args.JsonSave(meta)),
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+      ),
       force=True,
     )
     self.manager.wait_until_finished()
@@ -95,58 +141,84 @@ class CheckpointStore:
       self._manager.close()
       self._manager = None
 
+  def _step(self, step: int | None) -> int:
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise CheckpointError(
+        f"no checkpoint in {self.directory}. Fix: start without --resume, or point --out at the run's directory."
+      )
+    return step
+
+  def read_meta(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
+    """``(step, meta)`` of checkpoint ``step`` (default: latest), checked to be of this format."""
+    step = self._step(step)
+    where = f"checkpoint {step} in {self.directory}"
+    try:
+      meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception:  # orbax raises many types for unreadable files
+      raise CheckpointError(f"{where} is corrupted: its metadata cannot be read. {FIX_CORRUPTED}") from None
+    if isinstance(meta, Mapping) and meta.get("format") == 1:
+      raise CheckpointError(
+        f"{where} was written by an older qsync-jax (checkpoint format 1, its state stored as numbered "
+        f"leaves), which this version (format {FORMAT}) cannot read. Fix: start a new run in a new --out, "
+        "or resume or export that run with the qsync-jax version that wrote it."
+      )
+    if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
+      raise CheckpointError(
+        f"{where} is corrupted or from another version: its metadata has no format {FORMAT}. "
+        "Fix: delete that step's directory, or start fresh in a new --out."
+      )
+    return step, dict(meta)
+
+  def _read(self, step: int, item: str, abstract, checksums: list) -> dict:
+    """Item ``item`` of checkpoint ``step`` (``abstract``: its target, or None for a plain
+    restore), checked against ``checksums``."""
+    where = f"checkpoint {step} in {self.directory}"
+    restore = ocp.args.StandardRestore(abstract) if abstract is not None else ocp.args.StandardRestore()
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(**{item: restore}))[item]
+    except Exception:
+      raise CheckpointError(
+        f"{where} is corrupted: its {item} arrays cannot be read. {FIX_CORRUPTED}"
+      ) from None
+    leaves = jax.tree_util.tree_flatten_with_path(restored)[0]
+    if len(leaves) != len(checksums):
+      raise CheckpointError(f"{where} is corrupted: its {item} item has missing arrays. {FIX_CORRUPTED}")
+    for (path, x), want in zip(leaves, checksums):
+      got = _checksum(x)
+      if want is not None and got is not None and got != want:
+        raise CheckpointError(
+          f"{where} is corrupted: {item}{jax.tree_util.keystr(path)} does not match its checksum. {FIX_CORRUPTED}"
+        )
+    return restored
+
   def restore(self, like, expected: Mapping[str, Any], step: int | None = None) -> tuple[Any, dict[str, Any]]:
     """The state (shaped and sharded like ``like``) and meta of checkpoint ``step`` (default: latest).
 
     ``expected`` maps meta keys (e.g. ``"params"``, ``"plan_fingerprint"``, ``"cluster"``)
     to the values this run needs; a mismatch raises ``CheckpointError``.
     """
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise CheckpointError(
-        f"no checkpoint in {self.directory}. Fix: start without --resume, or point --out at the run's directory."
-      )
+    step, meta = self.read_meta(step)
     where = f"checkpoint {step} in {self.directory}"
-    try:
-      meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except Exception as e:  # orbax raises many types for unreadable files
-      raise CheckpointError(
-        f"{where} is corrupted: its metadata cannot be read ({type(e).__name__}: {_short(e)}). "
-        "Fix: delete that step's directory to resume from an earlier checkpoint, or start fresh in a new --out."
-      ) from None
-    if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
-      raise CheckpointError(
-        f"{where} is corrupted or from another version: its metadata has no format {FORMAT}. "
-        "Fix: delete that step's directory, or start fresh in a new --out."
-      )
     _check(where, meta, expected)
-    if meta.get("state") != signature(like):
+    target = serialization.to_state_dict(like)
+    if meta.get("state") != signature(target):
       raise CheckpointError(
         f"{where} holds a different training state (optimizer or sync strategy) than this run: "
-        f"{_first_difference(meta.get('state', []), signature(like))}. "
+        f"{_first_difference(meta.get('state', []), signature(target))}. "
         "Fix: resume with the optimizer and --sync the run used, or start fresh in a new --out."
       )
-    abstract = {
-      k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in _leaves(like).items()
-    }
-    try:
-      restored = self.manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-      )["state"]
-    except Exception as e:
-      raise CheckpointError(
-        f"{where} is corrupted: its arrays cannot be read ({type(e).__name__}: {_short(e)}). "
-        "Fix: delete that step's directory to resume from an earlier checkpoint, or start fresh in a new --out."
-      ) from None
-    leaves = [restored[k] for k in sorted(restored)]
-    for i, (x, want) in enumerate(zip(leaves, meta.get("checksums", []))):
-      got = _checksum(x)
-      if want is not None and got is not None and got != want:
-        raise CheckpointError(
-          f"{where} is corrupted: leaf {meta['state'][i][0]} does not match its checksum. "
-          "Fix: delete that step's directory to resume from an earlier checkpoint, or start fresh in a new --out."
-        )
-    return jax.tree.unflatten(jax.tree.structure(like), leaves), dict(meta)
+    abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)), target
+    )
+    restored = self._read(step, "state", abstract, meta["checksums"]["state"])
+    return serialization.from_state_dict(like, restored), meta
+
+  def read_params(self, step: int | None = None) -> tuple[dict, dict[str, Any]]:
+    """``(params, meta)`` of checkpoint ``step`` (default: latest): the model's parameters as the
+    checkpoint stores them (a plain restore, checked against their checksums)."""
+    step, meta = self.read_meta(step)
+    return self._read(step, "params", None, meta["checksums"]["params"]), meta
 
 
 _WHAT = {
@@ -180,8 +252,3 @@ def _first_difference(got, want) -> str:
   if len(got) != len(want):
     return f"checkpoint has {len(got)} entries, this run {len(want)}"
   return "no difference found"
-
-
-def _short(e: Exception, limit: int = 200) -> str:
-  text = " ".join(str(e).split())
-  return text if len(text) <= limit else text[:limit] + "…"

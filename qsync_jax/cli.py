@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, str] = {
   "predict": "planners.cli_predict",
   "plan": "planners.cli_plan",
   "train": "qsync_jax.cli_train",
+  "export": "qsync_jax.cli_export",
 }
 COMMAND_GROUP = "qsync_jax.commands"
 

@@ -180,6 +180,7 @@ class _Interceptor:
   def __init__(self, policy: PrecisionPolicy, tap: Tap | None):
     self.policy, self.tap = policy, tap
     self.seen: dict[str, OpPolicy | None] = {}
+    self.bridged: list[str] = []  # paths of nnx modules wrapped as linen ones (nnx.bridge.to_linen)
 
   # -- helpers --------------------------------------------------------------------------
   def _op(self, module, kind) -> tuple[str, str, OpPolicy | None]:
@@ -218,6 +219,8 @@ class _Interceptor:
   # -- the interceptor ------------------------------------------------------------------
   def __call__(self, next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
+    if type(module).__module__.startswith("flax.nnx.bridge"):
+      self.bridged.append(module_path(module))
     if isinstance(module, (nn.Dense, nn.DenseGeneral)) and method == "__call__":
       if isinstance(module.dot_general, _QsyncOp):
         return next_fun(*args, **kwargs)
@@ -321,16 +324,20 @@ class QuantizedModel:
   policy: PrecisionPolicy
   tap: Tap | None = None
 
-  def _run(self, fn, *args, **kwargs):
+  def _run(self, fn, *args, check: bool = True, **kwargs):
     interceptor = _Interceptor(self.policy, self.tap)
     with nn.intercept_methods(interceptor):
       out = fn(*args, **kwargs)
+    if check:
+      self.policy.check_quantizes_some(interceptor.seen, _bridge_hint(interceptor.bridged))
     return out, interceptor.seen
 
   def init(self, rngs, *args, **kwargs):
+    """``model.init`` under the policy; refuses a policy that would quantize none of its ops."""
     return self._run(self.model.init, rngs, *args, **kwargs)[0]
 
   def apply(self, variables, *args, **kwargs):
+    """``model.apply`` under the policy; refuses a policy that would quantize none of its ops."""
     return self._run(self.model.apply, variables, *args, **kwargs)[0]
 
   def ops(self, variables, *args, **kwargs) -> dict[str, OpPolicy | None]:
@@ -346,7 +353,7 @@ class QuantizedModel:
       kwargs["rngs"] = rngs
 
     def run(v, *a):
-      out, s = self._run(self.model.apply, v, *a, **kwargs)
+      out, s = self._run(self.model.apply, v, *a, check=False, **kwargs)
       seen.update(s)
       return out
 
@@ -357,8 +364,21 @@ class QuantizedModel:
     return self.policy.unused_rules(self.ops(variables, *args, **kwargs))
 
 
+def _bridge_hint(bridged: list[str]) -> str:
+  if not bridged:
+    return ""
+  return (
+    f"The model wraps nnx modules as linen ones (nnx.bridge.to_linen) at {bridged}, whose ops the "
+    "linen interceptor cannot see. Fix: quantize the nnx module directly: "
+    "qsync_jax.quantize(MyNnxModel(..., rngs=nnx.Rngs(0)), policy)."
+  )
+
+
 def quantize(model: nn.Module, policy: PrecisionPolicy | Any, tap: Tap | None = None) -> QuantizedModel:
   """Runs ``model`` under ``policy`` (a PrecisionPolicy, its JSON object, or a preset name).
+
+  ``model`` is a ``flax.linen`` module, or a ``flax.nnx`` module (or ``NnxModel``), which gets
+  the nnx twin ``qsync_jax.nnx_quant.QuantizedNnxModel`` with the same interface.
 
   Examples:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -372,9 +392,16 @@ def quantize(model: nn.Module, policy: PrecisionPolicy | Any, tap: Tap | None = 
     policy = PrecisionPolicy.uniform(policy)
   elif not isinstance(policy, PrecisionPolicy):
     policy = PrecisionPolicy.from_json(policy)
+  from qsync_jax.nnx_model import NnxModel, as_functional  # flax.nnx loads on first use
+
+  model = as_functional(model)
+  if isinstance(model, NnxModel):
+    from qsync_jax.nnx_quant import quantize_nnx
+
+    return quantize_nnx(model, policy, tap)
   if not isinstance(model, nn.Module):
     raise TypeError(
-      f"quantize() takes a flax.linen Module, got {type(model).__name__}. "
+      f"quantize() takes a flax.linen or flax.nnx Module, got {type(model).__name__}. "
       "Fix: pass the model object (e.g. MyModel(...)), not its variables or a function."
     )
   return QuantizedModel(model, policy, tap)

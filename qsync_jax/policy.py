@@ -136,6 +136,34 @@ class PrecisionPolicy:
     return {n: self.lookup_name(n) for n in op_names}
 
   @property
+  def is_fp32(self) -> bool:
+    """True when no rule and no default asks for another precision than fp32."""
+    policies = [r.policy for r in self.rules] + ([self.default] if self.default else [])
+    return all(p.is_fp32 for p in policies)
+
+  def check_quantizes_some(self, op_names: Iterable[str], hint: str = "") -> None:
+    """Raises ``PolicyError`` when the policy asks for another precision than fp32 but gives it
+    to none of ``op_names`` (``"path:kind"``): the model would silently run in fp32."""
+    names = list(op_names)
+    if self.is_fp32 or any(p is not None and not p.is_fp32 for p in self.resolve(names).values()):
+      return
+    found = (
+      f"its {len(names)} quantizable ops are e.g. {names[:4]}"
+      if names
+      else "it calls no quantizable op (flax.linen Dense/DenseGeneral/Conv/Einsum/Embed/attention, "
+      "or their flax.nnx twins)"
+    )
+    raise PolicyError(
+      "the precision policy asks for quantization but matches none of the model's ops, so the model "
+      f"would run in fp32: {found}. "
+      + (
+        hint
+        or "Fix: write rules whose path regex matches those module paths (qmodel.ops(variables, *inputs) "
+        "lists them), or a __default__."
+      )
+    )
+
+  @property
   def needs_rng(self) -> bool:
     policies = [r.policy for r in self.rules] + ([self.default] if self.default else [])
     return any(p.needs_rng for p in policies)

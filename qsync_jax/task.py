@@ -30,7 +30,8 @@ class Task:
 
   Attributes:
     name: short name (used in logs and checkpoints).
-    model: the unmodified ``flax.linen`` model.
+    model: the unmodified ``flax.linen`` model, or a ``flax.nnx`` module (held as an
+      ``NnxModel``, which gives it the same ``init`` / ``apply``; see ``qsync_jax.nnx_model``).
     inputs: batch → positional arguments of ``model.apply`` after the variables.
     loss: (model outputs, batch) → (scalar mean loss over the batch, metrics dict).
     train_batches: (global batch size, seed) → iterator over training batches, forever.
@@ -51,3 +52,8 @@ class Task:
   eval_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   mutable: tuple[str, ...] = ()
   rng_streams: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    from qsync_jax.nnx_model import as_functional  # flax.nnx loads on first use
+
+    object.__setattr__(self, "model", as_functional(self.model))

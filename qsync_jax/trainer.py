@@ -166,7 +166,7 @@ class Trainer:
     meta = dict(
       self._meta(), step=self.step, data_position=self.data_position, plan=self.program.plan.to_json()
     )
-    self.checkpoints.save(self.step, self.state, meta)
+    self.checkpoints.save(self.step, self.state, self.params, meta)
 
   def resume(self, step: int | None = None) -> bool:
     """Restores checkpoint ``step`` (default: latest); False if there is none. The trainer

@@ -50,7 +50,7 @@ def test_demo_without_installed_commands_names_the_install_fix(monkeypatch, caps
 
 def test_the_pipeline_stages_need_no_entry_points(monkeypatch, capsys):
   _installed(monkeypatch)
-  assert _commands(cli.build_parser()) == {"indicator", "profile", "predict", "plan", "train"}
+  assert _commands(cli.build_parser()) == {"indicator", "profile", "predict", "plan", "train", "export"}
   with pytest.raises(SystemExit):
     cli.main(["--help"])
   assert "train" in capsys.readouterr().out

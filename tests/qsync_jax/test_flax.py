@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantize
+from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, Rule, quantize
 from tests.jaxpr_dtypes import gemm_dtypes
 from tests.qsync_jax.models import SmallCNN, SmallTransformer, cnn_data, lm_data
 
@@ -126,9 +126,25 @@ def test_cnn_conv_structure_under_int8_and_fp16():
     assert counts[key] == count, counts
 
 
-def test_policy_matching_nothing_is_bit_identical():
+def test_quantizing_policy_matching_nothing_is_refused_but_ops_still_list():
   model, variables, seq = transformer_setup()
   qmodel = quantize(model, PrecisionPolicy(rules=(Rule("no_such_module", OpPolicy.preset("int8")),)))
+  # ops() and unused_rules() still work, so the user can find the right paths ...
+  assert set(qmodel.ops(variables, seq[:, :-1])) == TRANSFORMER_OPS
+  assert [r.path for r in qmodel.unused_rules(variables, seq[:, :-1])] == ["no_such_module"]
+  # ... but running the model would silently train in fp32.
+  for run in (
+    lambda: qmodel.apply(variables, seq[:, :-1]),
+    lambda: qmodel.init(jax.random.key(1), seq[:, :-1]),
+  ):
+    with pytest.raises(PolicyError, match=r"matches none of the model's ops.*'Embed_0:embed'.*Fix:"):
+      run()
+
+
+def test_policy_matching_nothing_is_bit_identical():
+  model, variables, seq = transformer_setup()
+  # An fp32 rule asks for no quantization, so matching nothing is not refused.
+  qmodel = quantize(model, PrecisionPolicy(rules=(Rule("no_such_module", OpPolicy.preset("fp32")),)))
   assert [r.path for r in qmodel.unused_rules(variables, seq[:, :-1])] == ["no_such_module"]
 
   def plain_loss(v):
@@ -198,7 +214,7 @@ def test_stochastic_rounding_without_key_is_a_clear_error():
 
 
 def test_quantize_rejects_non_modules():
-  with pytest.raises(TypeError, match="flax.linen Module"):
+  with pytest.raises(TypeError, match="flax.linen or flax.nnx Module"):
     quantize({"params": {}}, "int8")
 
 

@@ -62,7 +62,7 @@ def test_step_builder_state_resumes(tmp_path, mesh, name):
   for i in range(2):
     state, _ = trainer.step(state, batches[i], jax.random.key(i))
   store = CheckpointStore(str(tmp_path))
-  store.save(2, state, {"strategy": name})
+  store.save(2, state, trainer.params_of(state), {"strategy": name})
   restored, meta = store.restore(trainer.init(params), {"strategy": name})
   store.close()
   _same(restored, state)

@@ -11,6 +11,7 @@ import time
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from qsync_jax.task import Task
 
@@ -70,4 +71,35 @@ def make_task(hidden: int = 16, batchnorm: bool = False) -> Task:
     inputs=lambda b: (b["x"],),
     loss=_mse,
     train_batches=lambda n, seed: _batches(n, seed, delay),
+  )
+
+
+class NnxNet(nnx.Module):
+  """The flax.nnx twin of the BatchNorm classifier, with dropout (BatchNorm optional)."""
+
+  def __init__(self, rngs: nnx.Rngs, batchnorm: bool = True):
+    self.hidden = nnx.Linear(FEATURES, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, momentum=0.5, rngs=rngs) if batchnorm else None
+    self.dropout = nnx.Dropout(0.1, rngs=rngs)
+    self.out = nnx.Linear(16, 3, rngs=rngs)
+
+  def __call__(self, x, train: bool = True):
+    x = self.hidden(x)
+    if self.norm is not None:
+      x = self.norm(x, use_running_average=not train)
+    return self.out(self.dropout(nnx.relu(x), deterministic=not train))
+
+
+def make_nnx_task(seed: int = 0, batchnorm: bool = True) -> Task:
+  """A Task whose model is an nnx module (``tests.trainer.tiny:make_nnx_task`` on the CLI)."""
+  return Task(
+    name="tiny_nnx",
+    model=NnxNet(nnx.Rngs(params=seed, dropout=seed + 1), batchnorm),
+    inputs=lambda b: (b["x"],),
+    loss=_mse,
+    train_batches=lambda n, seed: _batches(n, seed),
+    train_kwargs={"train": True},
+    eval_kwargs={"train": False},
+    mutable=("batch_stats",) if batchnorm else (),
+    rng_streams=("dropout",),
   )

@@ -1,0 +1,41 @@
+"""docs/nnx_and_checkpoints.md runs as written: its python blocks in order, in one namespace,
+and its ``qsync`` commands through the CLI, in a fresh directory."""
+
+import pathlib
+import re
+import shlex
+
+import jax
+import numpy as np
+import pytest
+
+from qsync_jax.cli import main as cli_main
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx_and_checkpoints.md"
+
+
+@pytest.mark.standard_promotion  # user code as written in the docs, under default promotion
+def test_doc_examples_run(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  blocks = re.findall(r"```(python|bash)\n(.*?)```", DOC.read_text(), re.S)
+  assert [kind for kind, _ in blocks] == ["python", "python", "python", "bash", "python"]
+  namespace: dict = {}
+  for i, (kind, code) in enumerate(blocks):
+    if kind == "python":
+      exec(compile(code, f"{DOC.name}[{i}]", "exec"), namespace)
+      continue
+    for line in code.strip().splitlines():
+      argv = shlex.split(line)
+      assert argv[0] == "qsync"
+      assert cli_main(argv[1:]) == 0, capsys.readouterr().err
+  out = capsys.readouterr().out
+  assert "'hidden:dense': OpPolicy(fwd='int8'" in out and "'out:dense': None" in out
+  ns = namespace
+  # The plain restores, the nnx module updated from them and the export are the trained params.
+  trained = ns["trainer"].params
+  for tree in (ns["params"], ns["checkpoint"]["params"], ns["exported"]):
+    jax.tree.map(np.testing.assert_array_equal, dict(tree), jax.tree.map(np.asarray, trained))
+  np.testing.assert_array_equal(ns["model"].hidden.kernel[...], trained["hidden"]["kernel"])
+  assert ns["checkpoint"]["meta"]["step"] == 20
+  assert jax.tree.structure(ns["adam_mu"]) == jax.tree.structure(trained)
+  assert (tmp_path / "nnx_mlp_params").is_dir()
