@@ -81,8 +81,8 @@ from pallas_kernels.gemm import api as gemm_api
 from planners import timing
 from planners.timing import kernels_by, traced_events
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantized_conv_general_dilated
-from qsync_jax.flax_quant import QuantizedEinsum
 from qsync_jax.qattention import fused_attention
+from qsync_jax.quant_ops import QuantizedEinsum
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
 

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qsync_jax.flax_quant import RNG_COLLECTION, quantize
+from qsync_jax.flax_quant import quantize
 from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.quant_ops import RNG_COLLECTION
 from qsync_jax.task import Task
 
 

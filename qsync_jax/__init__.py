@@ -12,7 +12,7 @@ from qsync_jax.errors import (
   QsyncError,
   UnsupportedPrecisionError,
 )
-from qsync_jax.flax_quant import OpInfo, QuantizedModel, quantize
+from qsync_jax.flax_quant import QuantizedModel, quantize
 from qsync_jax.plan import Plan
 from qsync_jax.policy import OP_KINDS, PrecisionPolicy, Rule, op_name, split_op_name
 from qsync_jax.precision import (
@@ -25,6 +25,7 @@ from qsync_jax.precision import (
 )
 from qsync_jax.qconv import quantized_conv_general_dilated
 from qsync_jax.qdot import quantized_dot_general, quantized_einsum, residual_bytes
+from qsync_jax.quant_ops import OpInfo
 from qsync_jax.task import Task
 
 __version__ = "0.1.0"

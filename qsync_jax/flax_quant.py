@@ -34,146 +34,29 @@ bit-identical. Stochastic rounding draws keys from the ``"qsync"`` RNG stream
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from qsync_jax import qattention
 from qsync_jax.policy import PrecisionPolicy, op_name
 from qsync_jax.precision import OpPolicy
-from qsync_jax.qconv import quantized_conv_general_dilated
-from qsync_jax.qdot import quantized_dot_general, quantized_einsum
-from qsync_jax.qembed import quantized_embed_lookup
-
-RNG_COLLECTION = "qsync"
-
-
-@dataclasses.dataclass(frozen=True)
-class OpInfo:
-  """What a tap learns about an op call: its name, kind, module path and operand shapes.
-
-  ``lhs`` / ``rhs`` are the call's operands (X and W; Q and K, or P and V for attention) and
-  ``rerun(op_policy, lhs, rhs)`` computes the same op (same dimension numbers, strides...) on
-  other operands and/or at another op policy; ``op_policy=None`` runs the plain float op
-  (``lax.dot_general`` / ``lax.conv_general_dilated``, differentiable to any order). Probes
-  and indicators use them; they take no part in equality or hashing.
-  """
-
-  name: str
-  path: str
-  kind: str
-  lhs_shape: tuple[int, ...]
-  rhs_shape: tuple[int, ...]
-  op_policy: OpPolicy
-  lhs: Any = dataclasses.field(default=None, compare=False, repr=False)
-  rhs: Any = dataclasses.field(default=None, compare=False, repr=False)
-  rerun: Callable[..., jax.Array] | None = dataclasses.field(default=None, compare=False, repr=False)
-
-
-Tap = Callable[[OpInfo, jax.Array], jax.Array]
-"""Called with every quantized op's output; returns the (possibly changed) output."""
+from qsync_jax.quant_ops import (
+  RNG_COLLECTION,
+  OpInfo,
+  QuantizedConv,
+  QuantizedDotGeneral,
+  QuantizedEinsum,
+  QuantizedLookup,
+  QuantizedOp,
+  Tap,
+)
 
 
 def module_path(module: nn.Module) -> str:
   return "/".join(str(p) for p in module.scope.path)
-
-
-class _QsyncOp:
-  """Base of the callables handed to Flax hooks; marks a module as already quantized."""
-
-  def __init__(self, info_fn, op_policy: OpPolicy, key, tap: Tap | None):
-    self.info_fn, self.op_policy, self.key, self.tap = info_fn, op_policy, key, tap
-
-  def _tapped(self, lhs, rhs, out, rerun=None):
-    if self.tap is None:
-      return out
-    return self.tap(self.info_fn(lhs, rhs, rerun), out)
-
-
-class QuantizedDotGeneral(_QsyncOp):
-  """A ``dot_general`` for Flax's ``dot_general=`` hook."""
-
-  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    del precision  # the op policy decides the precision of each leg
-    out = quantized_dot_general(lhs, rhs, dimension_numbers, self.op_policy, self.key, preferred_element_type)
-
-    def rerun(op_policy, lhs, rhs, key=None):
-      if op_policy is None:
-        return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type)
-      return quantized_dot_general(lhs, rhs, dimension_numbers, op_policy, key, preferred_element_type)
-
-    return self._tapped(lhs, rhs, out, rerun)
-
-
-class QuantizedConv(_QsyncOp):
-  """A ``conv_general_dilated`` for Flax's ``conv_general_dilated=`` hook."""
-
-  def __call__(
-    self,
-    lhs,
-    rhs,
-    window_strides,
-    padding,
-    lhs_dilation=None,
-    rhs_dilation=None,
-    dimension_numbers=None,
-    feature_group_count=1,
-    batch_group_count=1,
-    precision=None,
-    preferred_element_type=None,
-  ):
-    del precision
-    if batch_group_count != 1:
-      raise ValueError(f"batch_group_count={batch_group_count} is not supported by quantized convs.")
-    conv_args = (window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers, feature_group_count)
-
-    def rerun(op_policy, lhs, rhs, key=None):
-      if op_policy is None:
-        return lax.conv_general_dilated(lhs, rhs, *conv_args, preferred_element_type=preferred_element_type)
-      return quantized_conv_general_dilated(
-        lhs, rhs, *conv_args, op_policy=op_policy, key=key, out_dtype=preferred_element_type
-      )
-
-    out = rerun(self.op_policy, lhs, rhs, self.key)
-    return self._tapped(lhs, rhs, out, rerun)
-
-
-class QuantizedEinsum(_QsyncOp):
-  """An ``einsum(subscripts, a, b)`` for attention's ``*_einsum_cls`` hooks."""
-
-  def __call__(self, subscripts, lhs, rhs, **kwargs):
-    kwargs.pop("precision", None)
-    out_dtype = kwargs.pop("preferred_element_type", None)
-    out = quantized_einsum(subscripts, lhs, rhs, self.op_policy, self.key, out_dtype)
-
-    def rerun(op_policy, lhs, rhs, key=None):
-      if op_policy is None:
-        return jnp.einsum(subscripts, lhs, rhs, preferred_element_type=out_dtype)
-      return quantized_einsum(subscripts, lhs, rhs, op_policy, key, out_dtype)
-
-    return self._tapped(lhs, rhs, out, rerun)
-
-
-class QuantizedLookup(_QsyncOp):
-  """An embedding lookup ``table[ids]`` at the op policy (``quantized_embed_lookup``)."""
-
-  def __call__(self, table, ids):
-    out = quantized_embed_lookup(table, ids, self.op_policy, self.key)
-    if self.tap is None:
-      return out
-    one_hot = jax.nn.one_hot(ids, table.shape[0], dtype=table.dtype)
-    dims = (((one_hot.ndim - 1,), (0,)), ((), ()))
-
-    def rerun(op_policy, lhs, rhs, key=None):
-      if op_policy is None:
-        return lax.dot_general(lhs, rhs, dims)
-      return quantized_dot_general(lhs, rhs, dims, op_policy, key)
-
-    return self._tapped(one_hot, table, out, rerun)
 
 
 class _Interceptor:
@@ -222,7 +105,7 @@ class _Interceptor:
     if type(module).__module__.startswith("flax.nnx.bridge"):
       self.bridged.append(module_path(module))
     if isinstance(module, (nn.Dense, nn.DenseGeneral)) and method == "__call__":
-      if isinstance(module.dot_general, _QsyncOp):
+      if isinstance(module.dot_general, QuantizedOp):
         return next_fun(*args, **kwargs)
       kind = "dense" if isinstance(module, nn.Dense) else "dense_general"
       op = self._make(QuantizedDotGeneral, module, kind)
@@ -230,7 +113,7 @@ class _Interceptor:
         return next_fun(*args, **kwargs)
       return self._rebind(module, method, args, kwargs, dot_general=op, dot_general_cls=None)
     if isinstance(module, nn.Conv) and method == "__call__" and module.shared_weights:
-      if isinstance(module.conv_general_dilated, _QsyncOp):
+      if isinstance(module.conv_general_dilated, QuantizedOp):
         return next_fun(*args, **kwargs)
       op = self._make(QuantizedConv, module, "conv")
       if op is None:

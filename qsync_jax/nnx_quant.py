@@ -53,7 +53,10 @@ from jax import lax
 
 from qsync_jax import qattention
 from qsync_jax.errors import QsyncError
-from qsync_jax.flax_quant import (
+from qsync_jax.nnx_model import NnxModel, path_name
+from qsync_jax.policy import PrecisionPolicy, op_name
+from qsync_jax.precision import OpPolicy
+from qsync_jax.quant_ops import (
   RNG_COLLECTION,
   OpInfo,
   QuantizedConv,
@@ -62,9 +65,6 @@ from qsync_jax.flax_quant import (
   QuantizedLookup,
   Tap,
 )
-from qsync_jax.nnx_model import NnxModel, path_name
-from qsync_jax.policy import PrecisionPolicy, op_name
-from qsync_jax.precision import OpPolicy
 
 OP_KINDS_OF: tuple[tuple[type, tuple[str, ...]], ...] = (
   (nnx.Linear, ("dense",)),

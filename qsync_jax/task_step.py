@@ -22,8 +22,9 @@ from typing import Any
 
 import jax
 
-from qsync_jax.flax_quant import RNG_COLLECTION, Tap, quantize
+from qsync_jax.flax_quant import quantize
 from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.quant_ops import RNG_COLLECTION, Tap
 from qsync_jax.task import Task
 
 LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, dict, dict]]

@@ -50,10 +50,10 @@ from jax.sharding import PartitionSpec as P
 from qsync_jax.batching import pad_shards, put_replicated, put_sharded
 from qsync_jax.cluster import ClusterSpec, assign_devices
 from qsync_jax.errors import QsyncError
-from qsync_jax.flax_quant import RNG_COLLECTION
 from qsync_jax.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.quant_ops import RNG_COLLECTION
 from qsync_jax.sync.common import AXIS, is_float, optimizer_init, to_varying
 from qsync_jax.sync.order import backward_order, from_order, in_order
 from qsync_jax.task import Task

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quantize import dequantize, quantize
-from qsync_jax.flax_quant import OpInfo
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 from qsync_jax.qdot import FLOAT_DTYPES, qformat
+from qsync_jax.quant_ops import OpInfo
 from qsync_jax.task import Task
 from qsync_jax.task_step import task_loss
 
