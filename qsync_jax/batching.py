@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from qsync_jax.errors import BatchError
+
 
 def batch_size(batch: Any) -> int:
   """The common leading dimension of a batch's leaves."""
@@ -25,15 +27,26 @@ def batch_size(batch: Any) -> int:
   return sizes.pop()
 
 
+def check_batch(batch: Any, sizes: Sequence[int], source: str = "the task") -> None:
+  """Raises ``BatchError`` unless ``batch`` has ``sum(sizes)`` examples (``sizes``: per device)."""
+  got = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+  if len(got) != 1:
+    raise BatchError(
+      f"{source} gave a batch whose leaves have different leading sizes {sorted(got)}. "
+      "Fix: make every leaf of a batch share its leading (example) axis."
+    )
+  if got != {sum(sizes)}:
+    raise BatchError(
+      f"{source} gave a batch of {got.pop()} examples but the cluster's {len(sizes)} devices take "
+      f"{sum(sizes)} ({list(sizes)} per device). Fix: make train_batches(global_batch, seed) yield "
+      "exactly global_batch examples, or set the cluster's batch_per_device so they add up to its batches."
+    )
+
+
 def pad_shards(batch: Any, sizes: Sequence[int]) -> Any:
   """Host-side: the global batch (sum(sizes) rows) → (len(sizes) * max(sizes)) rows, padded per device."""
-  total, width = sum(sizes), max(sizes)
-  if batch_size(batch) != total:
-    raise ValueError(
-      f"the task gave a batch of {batch_size(batch)} examples but the cluster's global batch is "
-      f"{total} ({list(sizes)} per device). Fix: make train_batches(global_batch, seed) yield "
-      "exactly global_batch examples."
-    )
+  width = max(sizes)
+  check_batch(batch, sizes)
   if len(set(sizes)) == 1:  # equal shards: the batch already has the padded layout
     return batch
   offsets = np.cumsum([0, *sizes])

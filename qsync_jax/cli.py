@@ -8,8 +8,13 @@ installed package adds commands of its own as entry points of group ``qsync_jax.
   [project.entry-points."qsync_jax.commands"]
   demo = "examples.demo"
 
+Before a command runs, its output paths are checked (``qsync_jax.outputs``): the pipeline's
+stages list theirs in ``OUTPUT_PATHS``, an installed command in its module's ``OUTPUTS``
+(``{option dest: "file" | "dir" | "run"}``).
+
 Bad input raises ``QsyncError`` subclasses, which the CLI prints as one clear line (no
-traceback) and exits with status 2.
+traceback) and exits with status 2. Ctrl-C ends a command with one line (``Interrupted``'s
+message: where it stopped and how to resume) and status 130.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import sys
 from importlib.metadata import entry_points
 
 import qsync_jax
-from qsync_jax.errors import QsyncError
+from qsync_jax.errors import Interrupted, QsyncError
+from qsync_jax.outputs import check_outputs
 
 # name -> module that defines ``HELP``, ``add_arguments(parser)`` and ``run(args)``.
 SUBCOMMANDS: dict[str, str] = {
@@ -32,6 +38,16 @@ SUBCOMMANDS: dict[str, str] = {
   "export": "qsync_jax.cli_export",
 }
 COMMAND_GROUP = "qsync_jax.commands"
+
+# name -> {option dest: output kind (qsync_jax.outputs.KINDS)}; `export` checks its own --out
+# (a new file or directory, never overwritten).
+OUTPUT_PATHS: dict[str, dict[str, str]] = {
+  "indicator": {"out": "file"},
+  "profile": {"out": "file"},
+  "predict": {"trace": "file", "png": "file", "json": "file"},
+  "plan": {"out": "file"},
+  "train": {"out": "run"},
+}
 
 
 def _installed_commands() -> dict:
@@ -61,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
   for name, module in {**modules, **_installed_commands()}.items():
     p = sub.add_parser(name, help=module.HELP, description=module.HELP)
     module.add_arguments(p)
-    p.set_defaults(_run=module.run)
+    p.set_defaults(_run=module.run, _outputs=OUTPUT_PATHS.get(name, getattr(module, "OUTPUTS", {})))
   return parser
 
 
@@ -81,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.print_help()
     return 0
   try:
+    check_outputs(args, args._outputs)
     return int(args._run(args) or 0)
   except QsyncError as e:
     print(f"qsync {args.command}: error: {e}", file=sys.stderr)
     return 2
+  except (Interrupted, KeyboardInterrupt) as e:
+    print(f"qsync {args.command}: {e or 'interrupted'}", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

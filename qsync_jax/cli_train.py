@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
-from qsync_jax.errors import QsyncError
+from qsync_jax.errors import Interrupted, PlanError, QsyncError
 
 HELP = "train a model on a hybrid cluster under a plan (synchronous data parallel)"
 
@@ -126,6 +127,34 @@ def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
   return ("fp32" if name == "psum" else name), options
 
 
+def check_memory(task, cluster, plan, optimizer) -> None:
+  """Raises ``PlanError`` when a group's devices cannot hold ``plan``'s training step: the need of
+  ``qsync plan``'s memory model (``planners.memory_model``) for the model's traced ops, parameters,
+  ``optimizer`` state and batch, without the XLA buffers ``qsync profile`` fits — a lower bound
+  of the planner's estimate, so a plan the planner accepted passes. Traces the model; runs nothing."""
+  from planners.measure import memory_sizes, task_ops
+  from planners.memory_model import memory_bytes
+  from planners.profile import GroupCost, Profile
+
+  cluster = plan.apply_to(cluster)
+  batch_per_device = cluster.max_batch_per_device
+  batch, variables, ops = task_ops(task, batch_per_device)
+  memory = memory_sizes(variables["params"], optimizer.init(variables["params"]), batch)
+  for g in cluster.groups:
+    prof = Profile(task.name, g.device_type, "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory)
+    need = memory_bytes(
+      GroupCost(g.name, prof, plan.policy_for(g.name).resolve(prof.op_names), g.batch_per_device)
+    )
+    if need > g.memory_gb * 1e9:
+      gb = math.ceil(need / 1e7) / 100
+      raise PlanError(
+        f"device group {g.name!r} ({g.device_type}, {g.batch_per_device} per device) needs at least {gb:.2f} GB "
+        f"per device for this plan's step (parameters, optimizer state, batch and saved activations), but "
+        f"the cluster spec gives it memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ {gb:.2f} if the device "
+        "has it, lower its batch_per_device, or plan it (`qsync plan`) to a precision that stores less."
+      )
+
+
 def run(args: argparse.Namespace) -> int:
   if args.coordinator:
     from qsync_jax.distributed import initialize
@@ -163,19 +192,13 @@ def run(args: argparse.Namespace) -> int:
     )
   plan = Plan.load(args.plan) if args.plan else Plan()
   sync, sync_options = _sync(args.sync, args.sync_option)
-  if (
-    not args.resume
-    and os.path.isdir(os.path.join(args.out, "checkpoints"))
-    and os.listdir(os.path.join(args.out, "checkpoints"))
-  ):
-    raise QsyncError(
-      f"--out {args.out!r} already holds checkpoints. Fix: pass --resume to continue that run, or choose a new --out."
-    )
+  optimizer = _optimizer(args.optimizer, args.lr)
+  check_memory(task, cluster, plan, optimizer)
   trainer = Trainer(
     task,
     cluster,
     plan,
-    _optimizer(args.optimizer, args.lr),
+    optimizer,
     grad_sync=sync,
     sync_options=sync_options,
     seed=args.seed,
@@ -190,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"resumed {args.out} at step {trainer.step}", file=sys.stderr)
   try:
     last = trainer.run(args.steps)
+  except Interrupted as e:
+    raise Interrupted(f"{e}. Resume with the same command and --resume.") from None
   finally:
     trainer.close()
   record = {"step": trainer.step, **last}

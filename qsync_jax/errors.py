@@ -27,3 +27,15 @@ class PlanError(QsyncError):
 
 class CheckpointError(QsyncError):
   """A checkpoint is corrupted or belongs to a different model or plan."""
+
+
+class BatchError(QsyncError):
+  """A task's batches do not match the cluster (their number of examples, their leaves' sizes)."""
+
+
+class OutputPathError(QsyncError):
+  """An output path cannot be written (a file where a directory is needed, a missing parent…)."""
+
+
+class Interrupted(Exception):
+  """The user interrupted a command (Ctrl-C); the message says where it stopped and how to resume."""

@@ -163,6 +163,19 @@ class PrecisionPolicy:
       )
     )
 
+  def check_rules_match(self, op_names: Iterable[str], where: str = "the precision policy") -> None:
+    """Raises ``PolicyError`` naming the rules that match none of ``op_names`` (``"path:kind"``):
+    rules written for another model, or for modules since renamed."""
+    names = list(op_names)
+    unused = self.unused_rules(names)
+    if unused:
+      raise PolicyError(
+        f"{where}: rule path(s) {[r.path for r in unused][:4]} match none of the model's {len(names)} "
+        f"quantizable ops (e.g. {names[:4]}), so the policy was written for another model or its modules "
+        "were renamed. Fix: plan again for this model (`qsync plan`), or correct the rules' paths "
+        "(qmodel.ops(variables, *inputs) lists the ops)."
+      )
+
   @property
   def needs_rng(self) -> bool:
     policies = [r.policy for r in self.rules] + ([self.default] if self.default else [])

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
@@ -29,12 +31,15 @@ import jax
 import optax
 
 from qsync_jax.batching import batch_size as batch_size_of
-from qsync_jax.batching import put_replicated
+from qsync_jax.batching import check_batch, put_replicated
 from qsync_jax.checkpoint import CheckpointStore, signature
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.distributed import Watchdog
-from qsync_jax.errors import CheckpointError, QsyncError
+from qsync_jax.errors import CheckpointError, Interrupted, PlanError, PolicyError, QsyncError
+from qsync_jax.flax_quant import quantize
+from qsync_jax.outputs import check_run_dir
 from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.strategy_step import make_strategy_step
 from qsync_jax.sync import get_strategy, make_grad_sync
 from qsync_jax.task import Task
@@ -83,10 +88,14 @@ class Trainer:
     step_timeout_s: float | None = None,
     donate: bool | None = None,
   ):
+    if out_dir and jax.process_index() == 0:
+      check_run_dir("out_dir", out_dir, resume)
     self.task, self.seed = task, int(seed)
     optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
     self.sync = _sync_meta(grad_sync, sync_options)
-    sample = next(iter(task.train_batches((plan or Plan()).apply_to(cluster).global_batch, self.seed)))
+    sizes = (plan or Plan()).apply_to(cluster).device_batch_sizes()
+    sample = next(iter(task.train_batches(sum(sizes), self.seed)))
+    check_batch(sample, sizes, f"task {task.name!r}")
     if isinstance(grad_sync, str) and get_strategy(grad_sync).kind == "train_step":
       if loss_scale is not None:
         raise QsyncError(
@@ -111,17 +120,18 @@ class Trainer:
     self.checkpoints = (
       CheckpointStore(os.path.join(out_dir, "checkpoints"), keep_checkpoints) if out_dir else None
     )
-    if out_dir and self.is_primary:
-      os.makedirs(out_dir, exist_ok=True)
     self.state = self.program.init(self.seed, sample)
+    check_plan_matches_model(task, self.program.plan, self.program.variables_of(self.state), sample)
     self.data_position = 0
     self._batches = None
     self._eval_fn = None
     if step_timeout_s is None and jax.process_count() > 1:
       step_timeout_s = 120.0
     self.step_timeout_s = step_timeout_s
-    if resume:
-      self.resume()
+    if resume and not self.resume():
+      raise CheckpointError(
+        f"resume: out_dir {out_dir!r} holds no checkpoint. Fix: start without resume, or pass the run's directory."
+      )
 
   # -- properties -------------------------------------------------------------------------
   @property
@@ -175,6 +185,8 @@ class Trainer:
       return False
     state, meta = self.checkpoints.restore(self.state, self._meta(), step)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
+    if self.out_dir and self.is_primary:
+      _drop_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.step)
     return True
 
   # -- training -----------------------------------------------------------------------------
@@ -188,56 +200,83 @@ class Trainer:
   ) -> dict[str, float]:
     """Trains until ``steps`` steps in total have run (a resumed run continues); returns the
     last metrics. Logs every ``log_every`` steps, checkpoints every ``checkpoint_every`` steps
-    and at the end."""
-    start_step, t0 = self.step, time.perf_counter()
+    and at the end.
+
+    Ctrl-C (SIGINT, in the main thread) stops the run between two steps: it logs and, in a
+    one-process run with ``out_dir``, checkpoints the last finished step, then raises
+    ``Interrupted`` naming that step. A second Ctrl-C stops at once (``KeyboardInterrupt``).
+    """
+    start_step = step = self.step
     last: dict[str, float] = {}
     watchdog = None
     pending = None  # metrics of the previous step, read after the next one is dispatched
-    step = start_step
+    clock = _Clock(start_step)
+    if step < steps:
+      self._say(
+        f"compiling the step ({self.program.cluster.num_devices} devices, global batch {self.global_batch})…"
+      )
+    stop = _StopOnSigint()
     try:
-      while step < steps:
-        self.state, metrics = self.program(self.state, self._next_batch())
-        if self._one_step_in_flight:
-          jax.block_until_ready(metrics)
-        step += 1
-        if pending is not None:
-          last = self._log(*pending, start_step, steps, t0, callback)
-        pending = (step, metrics) if step % self.log_every == 0 or step == steps else None
-        if watchdog is not None:
-          watchdog.beat()
-        if self.checkpoint_every and step % self.checkpoint_every == 0:
+      with stop:
+        while step < steps and not stop.requested:
+          self.state, metrics = self.program(self.state, self._next_batch())
+          if self._one_step_in_flight or step == start_step:
+            jax.block_until_ready(metrics)
+          step += 1
+          if step == start_step + 1:
+            self._say(f"compiled and ran the first step in {clock.first_step_done(step):.1f} s")
           if pending is not None:
-            last, pending = self._log(*pending, start_step, steps, t0, callback), None
-          self.save()
+            last = self._log(*pending, steps, clock, callback)
+          pending = (step, metrics) if step % self.log_every == 0 or step == steps else None
           if watchdog is not None:
             watchdog.beat()
-        if watchdog is None and self.step_timeout_s:  # after the first step, which compiles
-          jax.block_until_ready(self.program.step_count(self.state))
-          watchdog = Watchdog(self.step_timeout_s).start()
+          if self.checkpoint_every and step % self.checkpoint_every == 0:
+            if pending is not None:
+              last, pending = self._log(*pending, steps, clock, callback), None
+            self.save()
+            if watchdog is not None:
+              watchdog.beat()
+          if watchdog is None and self.step_timeout_s:  # after the first step, which compiles
+            jax.block_until_ready(self.program.step_count(self.state))
+            watchdog = Watchdog(self.step_timeout_s).start()
       if pending is not None:
-        last = self._log(*pending, start_step, steps, t0, callback)
-      if self.checkpoints is not None and self.step > 0 and self.checkpoints.latest_step() != self.step:
+        last = self._log(*pending, steps, clock, callback)
+      saves = self.checkpoints is not None and (not stop.requested or jax.process_count() == 1)
+      if saves and self.step > 0 and self.checkpoints.latest_step() != self.step:
         self.save()
     finally:
       if watchdog is not None:
         watchdog.stop()
+    if stop.requested:
+      saved = self.checkpoints.latest_step() if self.checkpoints is not None else None
+      raise Interrupted(
+        f"interrupted at step {self.step}"
+        + (
+          f"; checkpoint {saved} is in {self.checkpoints.directory}"
+          if saved is not None
+          else "; nothing saved"
+        )
+      )
     return last
 
-  def _log(self, step, metrics, start_step, steps, t0, callback) -> dict[str, float]:
+  def _say(self, msg: str) -> None:
+    if self.progress is not None and self.is_primary:
+      print(msg, file=self.progress, flush=True)
+
+  def _log(self, step, metrics, steps, clock, callback) -> dict[str, float]:
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer
-    elapsed = time.perf_counter() - t0
-    rate = (step - start_step) / elapsed if elapsed > 0 else 0.0
-    record = {"step": step, **values, "steps_per_s": rate, "time_s": elapsed}
+    rate = clock.steps_per_s(step)
+    record = {"step": step, **values, "steps_per_s": rate, "samples_per_s": rate * self.global_batch}
+    record["time_s"] = clock.elapsed()
     if self.out_dir and self.is_primary:
+      os.makedirs(self.out_dir, exist_ok=True)
       with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
-    if self.progress is not None and self.is_primary:
-      eta = (steps - step) / rate if rate > 0 else float("nan")
-      print(
-        f"step {step}/{steps}  loss {values['loss']:.4f}  {rate:.2f} steps/s  ETA {eta:.0f}s",
-        file=self.progress,
-        flush=True,
-      )
+    eta = f"ETA {(steps - step) / rate:.0f}s" if rate > 0 else "ETA after the next step"
+    self._say(
+      f"step {step}/{steps}  loss {values['loss']:.4f}  {rate * self.global_batch:.1f} samples/s  "
+      f"{rate:.2f} steps/s  {eta}"
+    )
     if callback is not None:
       callback(step, values)
     return values
@@ -275,6 +314,87 @@ class Trainer:
   def close(self) -> None:
     if self.checkpoints is not None:
       self.checkpoints.close()
+
+
+def check_plan_matches_model(task: Task, plan: Plan, variables, batch) -> None:
+  """Raises ``PlanError`` if a rule of a group's policy matches none of the model's ops (traced
+  abstractly on ``batch`` in training mode; nothing runs)."""
+  if not any(p.rules for p in plan.policies.values()):
+    return
+  kwargs = {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
+  kwargs["rngs"] = {name: jax.random.key(0) for name in task.rng_streams}
+  ops = quantize(task.model, PrecisionPolicy()).ops(jax.device_get(variables), *task.inputs(batch), **kwargs)
+  for group, policy in sorted(plan.policies.items()):
+    try:
+      policy.check_rules_match(ops, f"plan: group {group!r}")
+    except PolicyError as e:
+      raise PlanError(str(e)) from None
+
+
+def _drop_metrics_after(path: str, step: int) -> None:
+  """Removes the lines of metrics file ``path`` logged after ``step`` (the steps a resumed run
+  will log again) and a line a kill cut short, atomically; keeps other lines it cannot parse."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.readlines()
+
+  def keep(line: str) -> bool:
+    try:
+      return int(json.loads(line)["step"]) <= step
+    except (ValueError, KeyError, TypeError):
+      return True
+
+  kept = [line for line in lines if line.endswith("\n") and keep(line)]
+  if len(kept) != len(lines):
+    with open(f"{path}.tmp", "w") as f:
+      f.writelines(kept)
+    os.replace(f"{path}.tmp", path)
+
+
+class _Clock:
+  """Throughput of a run, measured from the end of its first (compiling) step."""
+
+  def __init__(self, start_step: int):
+    self.t0 = time.perf_counter()
+    self.t_first, self.first = None, start_step + 1
+
+  def first_step_done(self, step: int) -> float:
+    """Seconds the first step took (compilation included); the rate counts from here."""
+    self.t_first, self.first = time.perf_counter(), step
+    return self.t_first - self.t0
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.t0
+
+  def steps_per_s(self, step: int) -> float:
+    """Steps per second since the first step (0.0 until a second one has finished)."""
+    if self.t_first is None or step <= self.first:
+      return 0.0
+    return (step - self.first) / (time.perf_counter() - self.t_first)
+
+
+class _StopOnSigint:
+  """Within ``with``: the first SIGINT sets ``requested`` (the loop stops between two steps), a
+  second raises ``KeyboardInterrupt``. Does nothing outside the main thread."""
+
+  def __init__(self):
+    self.requested, self._previous = False, None
+
+  def _handle(self, signum, frame):
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+      self._previous = None
 
 
 def _sync_meta(grad_sync, options) -> dict[str, Any]:
