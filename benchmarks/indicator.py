@@ -3,7 +3,7 @@
 For each example task (``vgg``: a CNN with BatchNorm; ``lm``: a transformer LM with stock
 ``nn.MultiHeadDotProductAttention``): train briefly in fp32, compute every indicator's
 Ω[op][int8] on ``--batches`` training batches, then measure the ground truth: for each op
-alone quantized to int8 *in the forward product only* (``OpPolicy(fwd="int8")``: per-channel
+alone quantized to int8 *in the forward product only* (``OpPolicy(fwd="int8", dlhs="fp32", drhs="fp32")``: per-channel
 absmax scales, nearest rounding, backward legs fp32) through ``qsync_jax.quantize`` with a
 one-op policy, the training-mode loss change over the fp32 model on each of
 ``--truth-batches`` *other* batches of ``--truth-batch-size``. Two truths:
@@ -54,7 +54,7 @@ from qsync_jax.task_step import task_loss
 from qsync_jax.tasks import get_task
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "indicator.jsonl")
-TRUTH_POLICY = OpPolicy(fwd="int8")
+TRUTH_POLICY = OpPolicy(fwd="int8", dlhs="fp32", drhs="fp32")
 METHODS = ("gradient", "gvar", "wvar", "hessian", "random")
 VARIANTS = ("gradient_moments", "gradient_sample", "gradient_batch", "gradient_signed")
 OMEGA_FNS = {"gvar": gvar_omega, "wvar": wvar_omega, "random": random_omega}

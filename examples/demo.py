@@ -7,8 +7,9 @@ Four simulated CPU devices form two groups: ``training`` (2 devices modeled as V
 
 1. **indicator** — trains the model briefly in fp32, then scores every op's sensitivity to
    int8 and fp16 (``planners.indicator``, gradient method);
-2. **profile** — measures the op costs on the local CPU, and models V100 and T4 costs from
-   the device catalog (roofline; labelled *modeled*);
+2. **profile** — traces the model's ops and memory and models V100 and T4 costs from the
+   device catalog (roofline; labelled *modeled*); no group runs on the local CPU, so nothing
+   is measured;
 3. **plan** — predicts (replay) four configurations and allocates the QSync plan (greedy):
    ``fp32`` everywhere, ``uniform int8`` on the inference group, ``dynamic batch`` sizing
    (fp32, batch proportional to predicted speed) and the ``qsync`` plan;
@@ -35,6 +36,7 @@ from typing import Any
 from qsync_jax.errors import PlanError, QsyncError
 
 HELP = "End-to-end demo: indicator → profile → plan → train on a simulated V100 + T4 cluster."
+OUTPUTS = {"out": "dir"}  # checked by the CLI before any work (qsync_jax.outputs)
 
 NUM_DEVICES = 4
 CONFIGS = ("fp32", "uniform int8", "dynamic batch", "qsync")
@@ -159,25 +161,20 @@ def stage_indicator(task, args, say) -> dict:
 
 
 def stage_profile(task, batch_per_device: int, say) -> dict:
-  """``{device type: Profile}``: measured on the local CPU, modeled for V100 and T4."""
-  from planners.measure import measure_profile
+  """``{device type: Profile}``: V100 and T4 costs modeled from the device catalog on the model's
+  traced ops and memory; no group runs on the local device, so nothing is measured."""
+  from planners.measure import traced_profile
   from planners.modeled import modeled_profile
 
   # The profiler traces the model's ops with ``train_kwargs`` but without ``mutable``, which
   # BatchNorm in training mode needs; the op shapes are the same in eval mode.
   probe_task = dataclasses.replace(task, train_kwargs=task.eval_kwargs) if task.mutable else task
-  say("profile: measuring op × leg × precision costs on the local CPU (fp32, int8)")
-  local = measure_profile(
-    probe_task,
-    batch_per_device,
-    ("fp32", "int8"),
-    repeats=3,
-    step_repeats=5,
-    cast_sizes=(2**14, 2**17),
-    progress=lambda m: say(f"profile: {m}") if not m.startswith("[") else None,
+  say(
+    "profile: every group is a modeled type (V100, T4), not the local CPU: tracing the ops, measuring nothing"
   )
+  traced = traced_profile(probe_task, batch_per_device)
   say("profile: modeling V100 and T4 from the device catalog (roofline)")
-  return {"cpu": local, "V100": modeled_profile(local, "V100"), "T4": modeled_profile(local, "T4")}
+  return {"cpu": traced, "V100": modeled_profile(traced, "V100"), "T4": modeled_profile(traced, "T4")}
 
 
 def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 
 from planners.profile import Profile
-from qsync_jax.errors import PlanError
+from qsync_jax.errors import PlanError, PolicyError
+from qsync_jax.jsonio import parse_json, read_text
 
 
 def progress(msg: str) -> None:
@@ -38,12 +38,29 @@ def check_model(profiles: dict[str, Profile], task_name: str) -> None:
       )
 
 
+def check_profiles_fit(profiles: dict[str, Profile], cluster, plan=None) -> None:
+  """Each group's profile was measured at the group's per-device batch of the cluster spec (a
+  plan's ``batch_per_device`` overrides are scaled from there), and every rule of a group's policy
+  in ``plan`` matches an op of the profiled model; else ``PlanError``."""
+  for g in cluster.groups:
+    prof = profiles.get(g.device_type)
+    if prof is None:
+      continue  # the replay names the missing profile
+    if prof.batch_per_device != g.batch_per_device:
+      raise PlanError(
+        f"the {g.device_type} profile was measured at batch {prof.batch_per_device} per device, but group "
+        f"{g.name!r} runs {g.batch_per_device}; op costs do not scale linearly with the batch. Fix: "
+        f"profile at that batch (`qsync profile --batch {g.batch_per_device} ...`)."
+      )
+    if plan is not None:
+      try:
+        plan.policy_for(g.name).check_rules_match(prof.op_names, f"plan: group {g.name!r}")
+      except PolicyError as e:
+        raise PlanError(str(e)) from None
+
+
 def load_json(path: str, what: str):
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise PlanError(f"{what} {path!r} cannot be read ({e}). Fix: pass a valid JSON file.") from None
+  return parse_json(read_text(path, what, PlanError), path, PlanError)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from planners.cli_common import check_model, load_profiles, table
+from planners.cli_common import check_model, check_profiles_fit, load_profiles, table
 from planners.replay import predict
 from planners.trace import save_chrome_trace, save_png
 from qsync_jax.cluster import ClusterSpec
+from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
 from qsync_jax.tasks import load_task
 
@@ -30,6 +31,7 @@ def run(args) -> int:
   check_model(profiles, task.name)
   cluster = ClusterSpec.load(args.cluster)
   plan = Plan.load(args.plan)
+  check_profiles_fit(profiles, cluster, plan)
   pred = predict(cluster, profiles, plan)
   rows = [
     [
@@ -47,11 +49,6 @@ def run(args) -> int:
   print(table(["group", "device", "n", "compute ms", "step ms", "mem GB", "limit GB", "costs"], rows))
   slowest = max(pred.group_step_ms, key=pred.group_step_ms.get)
   print(f"synchronous step {pred.step_ms:.3f} ms (slowest group {slowest}); all-reduce {pred.comm_ms:.3f} ms")
-  if not pred.fits:
-    print(
-      "WARNING: the plan does not fit in memory on "
-      + ", ".join(g for g in pred.memory_bytes if pred.memory_bytes[g] > pred.memory_limit_bytes[g])
-    )
   if args.trace:
     save_chrome_trace(pred, args.trace)
     print(f"wrote {args.trace}")
@@ -62,4 +59,10 @@ def run(args) -> int:
     with open(args.json, "w") as f:
       json.dump(pred.to_json(), f, indent=2)
     print(f"wrote {args.json}")
+  over = [g for g in pred.memory_bytes if pred.memory_bytes[g] > pred.memory_limit_bytes[g]]
+  if over:
+    raise PlanError(
+      f"the plan does not fit in memory on group(s) {over} (predicted peak above memory_gb, table above). "
+      "Fix: plan again (`qsync plan` keeps every group within its memory), or lower their batch_per_device."
+    )
   return 0

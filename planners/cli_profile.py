@@ -5,7 +5,7 @@ from __future__ import annotations
 from planners.cli_common import progress, table
 from planners.measure import local_device_type, measure_profile, traced_profile
 from planners.modeled import modeled_profile
-from qsync_jax.errors import UnsupportedPrecisionError
+from qsync_jax.errors import Interrupted, UnsupportedPrecisionError
 from qsync_jax.precision import LEGS, supported_precisions
 from qsync_jax.tasks import load_task
 
@@ -52,18 +52,26 @@ def run(args) -> int:
       f"Fix: choose from {list(supported_precisions(local))}."
     )
   if args.device_type and args.device_type != local:
-    progress(f"tracing {task.name}; {args.device_type} costs are modeled from the catalog (roofline)")
+    progress(
+      f"{args.device_type} is not the local device ({local}): nothing is measured here; tracing {task.name} "
+      f"and modeling {args.device_type}'s costs from the catalog (roofline)"
+    )
     prof = modeled_profile(traced_profile(task, args.batch), args.device_type)
   else:
-    prof = measure_profile(
-      task,
-      args.batch,
-      precisions,
-      args.repeats,
-      progress=progress,
-      clock=args.clock,
-      checkpoint=f"{args.out}.partial",
-    )
+    try:
+      prof = measure_profile(
+        task,
+        args.batch,
+        precisions,
+        args.repeats,
+        progress=progress,
+        clock=args.clock,
+        checkpoint=f"{args.out}.partial",
+      )
+    except KeyboardInterrupt:
+      raise Interrupted(
+        f"interrupted; the timings measured so far are kept in {args.out}.partial. Resume with the same command."
+      ) from None
   prof.save(args.out)
   rows = []
   for op in prof.ops:

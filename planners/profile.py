@@ -17,6 +17,7 @@ from typing import Any
 
 from planners.ops import OpShape
 from qsync_jax.errors import PlanError
+from qsync_jax.jsonio import parse_json, read_text
 from qsync_jax.precision import OpPolicy
 
 FORMAT = "qsync-profile/1"
@@ -117,14 +118,7 @@ class Profile:
 
   @classmethod
   def load(cls, path: str) -> Profile:
-    try:
-      with open(path) as f:
-        obj = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-      raise PlanError(
-        f"profile {path!r} cannot be read ({e}). Fix: pass a file from `qsync profile`."
-      ) from None
-    return cls.from_json(obj, source=path)
+    return cls.from_json(parse_json(read_text(path, "profile", PlanError), path, PlanError), source=path)
 
 
 @dataclasses.dataclass(frozen=True)

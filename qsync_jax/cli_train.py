@@ -83,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   dist.add_argument("--process-id", type=int, default=0)
   dist.add_argument("--local-devices", type=int, help="simulated CPU devices per process")
   dist.add_argument(
+    "--simulate-device-types",
+    action="store_true",
+    help="let GPUs run groups of another device_type (simulation); without it a GPU whose kind differs "
+    "from its group's device_type is refused (CPU devices always simulate)",
+  )
+  dist.add_argument(
     "--step-timeout", type=float, help="seconds a step may take before a process gives up (default 120)"
   )
   dist.add_argument(
@@ -177,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
 
   from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.distributed import check_device_types, device_type_of
   from qsync_jax.plan import Plan
   from qsync_jax.tasks import load_task
   from qsync_jax.trainer import Trainer
@@ -188,9 +195,10 @@ def run(args: argparse.Namespace) -> int:
     cluster = ClusterSpec.load(args.cluster)
   else:
     cluster = ClusterSpec.uniform(
-      "cpu" if jax.default_backend() == "cpu" else "H100", jax.device_count(), args.batch_per_device
+      device_type_of(jax.devices()[0]) or "H100", jax.device_count(), args.batch_per_device
     )
   plan = Plan.load(args.plan) if args.plan else Plan()
+  check_device_types(plan.apply_to(cluster), jax.devices(), args.simulate_device_types)
   sync, sync_options = _sync(args.sync, args.sync_option)
   optimizer = _optimizer(args.optimizer, args.lr)
   check_memory(task, cluster, plan, optimizer)

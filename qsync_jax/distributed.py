@@ -20,7 +20,42 @@ import time
 
 import jax
 
+from qsync_jax.errors import ClusterSpecError
+from qsync_jax.precision import DEVICE_PRECISIONS
+
 EXIT_PEER_LOST = 3
+
+
+def device_type_of(device) -> str | None:
+  """The device type (a key of ``DEVICE_PRECISIONS``) a device's ``device_kind`` names, e.g.
+  ``"H100"`` for "NVIDIA H100 80GB HBM3"; ``"cpu"`` for a CPU device; None when none matches."""
+  if device.platform == "cpu":
+    return "cpu"
+  kind = device.device_kind.lower()
+  names = sorted((t for t in DEVICE_PRECISIONS if t != "cpu"), key=len, reverse=True)
+  return next((t for t in names if t.replace("-", " ").lower() in kind), None)
+
+
+def check_device_types(cluster, devices, simulate: bool = False) -> None:
+  """Raises ``ClusterSpecError`` when one of this process's GPUs among ``devices`` (the job's, in
+  ``jax.devices()`` order, which assigns them to the cluster's groups) is not of its group's
+  ``device_type``. CPU devices simulate any type and are not checked; ``simulate=True`` lets GPUs
+  stand in for other types too."""
+  if simulate:
+    return
+  groups = [cluster.groups[i] for i in cluster.device_group_indices()]
+  for index, (device, group) in enumerate(zip(devices, groups)):
+    if device.platform != "gpu" or device.process_index != jax.process_index():
+      continue
+    found = device_type_of(device)
+    if found != group.device_type:
+      raise ClusterSpecError(
+        f"device {index} of the job ({device.device_kind!r}, process {device.process_index}) falls in group "
+        f"{group.name!r}, whose device_type is {group.device_type!r}; groups take the devices in "
+        "jax.devices() order (by process, then local index). Fix: order the cluster spec's groups (and the "
+        "processes' --process-id) as the hosts' GPUs, or pass --simulate-device-types to run the groups on "
+        "these GPUs anyway."
+      )
 
 
 def initialize(

@@ -60,8 +60,10 @@ def module_path(module: nn.Module) -> str:
 
 
 class _Interceptor:
-  def __init__(self, policy: PrecisionPolicy, tap: Tap | None):
-    self.policy, self.tap = policy, tap
+  """``listing``: record every op and its policy but run the float ops (for ``ops()``)."""
+
+  def __init__(self, policy: PrecisionPolicy, tap: Tap | None, listing: bool = False):
+    self.policy, self.tap, self.listing = policy, tap, listing
     self.seen: dict[str, OpPolicy | None] = {}
     self.bridged: list[str] = []  # paths of nnx modules wrapped as linen ones (nnx.bridge.to_linen)
 
@@ -87,7 +89,7 @@ class _Interceptor:
 
   def _make(self, cls, module, kind):
     path, name, op_policy = self._op(module, kind)
-    if op_policy is None:
+    if op_policy is None or self.listing:
       return None
 
     def info_fn(lhs, rhs, rerun):
@@ -208,7 +210,7 @@ class QuantizedModel:
   tap: Tap | None = None
 
   def _run(self, fn, *args, check: bool = True, **kwargs):
-    interceptor = _Interceptor(self.policy, self.tap)
+    interceptor = _Interceptor(self.policy, self.tap, listing=not check)
     with nn.intercept_methods(interceptor):
       out = fn(*args, **kwargs)
     if check:
@@ -226,14 +228,10 @@ class QuantizedModel:
   def ops(self, variables, *args, **kwargs) -> dict[str, OpPolicy | None]:
     """Every quantizable op the model calls (``"path:kind"``) → its op policy (None = float).
 
-    Traces ``apply`` abstractly (``jax.eval_shape``): nothing is computed.
+    Traces the float ``apply`` abstractly (``jax.eval_shape``): nothing is computed, and an op
+    its policy cannot run (a grouped convolution at int8) is listed all the same.
     """
     seen = {}
-
-    if self.policy.needs_rng:
-      rngs = dict(kwargs.pop("rngs", None) or {})
-      rngs.setdefault(RNG_COLLECTION, jax.random.key(0))
-      kwargs["rngs"] = rngs
 
     def run(v, *a):
       out, s = self._run(self.model.apply, v, *a, check=False, **kwargs)

@@ -8,7 +8,10 @@ from typing import Any
 
 
 def parse_json(text: str, source: str, error: type[Exception]) -> Any:
-  """``json.loads(text)``; bad syntax raises ``error`` naming ``source`` and the position."""
+  """``json.loads(text)``; an empty text or bad syntax raises ``error`` naming ``source`` (and the
+  position)."""
+  if not text.strip():
+    raise error(f"{source} is empty. Fix: pass the file the command that writes it wrote, or write it anew.")
   try:
     return json.loads(text)
   except json.JSONDecodeError as e:

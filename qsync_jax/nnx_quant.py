@@ -98,8 +98,9 @@ def quantizable_modules(module: nnx.Module) -> list[tuple[str, nnx.Module]]:
 class _Ops:
   """One ``apply``'s ops: what each quantizable module called (``seen``) and its keys."""
 
-  def __init__(self, policy: PrecisionPolicy, tap: Tap | None, key):
-    self.policy, self.tap, self.key = policy, tap, key
+  def __init__(self, policy: PrecisionPolicy, tap: Tap | None, key, listing: bool = False):
+    """``listing``: record every op and its policy but run the module's own (float) ops."""
+    self.policy, self.tap, self.key, self.listing = policy, tap, key, listing
     self.seen: dict[str, OpPolicy | None] = {}
     self.calls = 0
 
@@ -108,7 +109,7 @@ class _Ops:
     name = op_name(path, kind)
     op_policy = self.policy.lookup(path, kind)
     self.seen[name] = op_policy
-    if op_policy is None:
+    if op_policy is None or self.listing:
       return None
 
     def info_fn(lhs, rhs, rerun):
@@ -330,10 +331,10 @@ class QuantizedNnxModel:
   policy: PrecisionPolicy
   tap: Tap | None = None
 
-  def _call(self, variables, args, kwargs) -> tuple[Any, dict[str, OpPolicy | None]]:
+  def _call(self, variables, args, kwargs, listing=False) -> tuple[Any, dict[str, OpPolicy | None]]:
     kwargs = dict(kwargs)
     rngs, mutable = dict(kwargs.pop("rngs", None) or {}), kwargs.pop("mutable", False)
-    ops = _Ops(self.policy, self.tap, rngs.get(RNG_COLLECTION))
+    ops = _Ops(self.policy, self.tap, rngs.get(RNG_COLLECTION), listing)
     out = self.model.call(
       variables, args, kwargs, rngs=rngs, mutable=mutable, prepare=lambda module, _: install(module, ops)
     )
@@ -348,16 +349,13 @@ class QuantizedNnxModel:
   def ops(self, variables, *args, **kwargs) -> dict[str, OpPolicy | None]:
     """Every quantizable op the model calls (``"path:kind"``) → its op policy (None = float).
 
-    Traces ``apply`` abstractly (``jax.eval_shape``): nothing is computed.
+    Traces the float ``apply`` abstractly (``jax.eval_shape``): nothing is computed, and an op
+    its policy cannot run (a grouped convolution at int8) is listed all the same.
     """
     seen = {}
-    if self.policy.needs_rng:
-      rngs = dict(kwargs.pop("rngs", None) or {})
-      rngs.setdefault(RNG_COLLECTION, jax.random.key(0))
-      kwargs["rngs"] = rngs
 
     def run(v, *a):
-      out, s = self._call(v, a, kwargs)
+      out, s = self._call(v, a, kwargs, listing=True)
       seen.update(s)
       return out
 

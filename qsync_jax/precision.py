@@ -62,7 +62,7 @@ def _check_choice(what: str, value: Any, choices: tuple[str, ...], context: str)
 class OpPolicy:
   """Precision of each GEMM of one op's training step.
 
-  Attributes:
+  Attributes (``fwd``, ``dlhs`` and ``drhs`` are required, as in the JSON form):
     fwd: precision of the forward product Y = X·W.
     dlhs: precision of the product that gives the gradient to the activation, dY·Wᵀ.
     drhs: precision of the product that gives the gradient to the weight, Xᵀ·dY.
@@ -73,14 +73,21 @@ class OpPolicy:
       left operand and per column of the right operand, reduced over the contraction).
   """
 
-  fwd: str = "fp32"
-  dlhs: str = "fp32"
-  drhs: str = "fp32"
+  fwd: str | None = None
+  dlhs: str | None = None
+  drhs: str | None = None
   rounding: str = "nearest"
   grad_rounding: str = "nearest"
   granularity: str = "per_channel"
 
   def __post_init__(self):
+    missing = [leg for leg in LEGS if getattr(self, leg) is None]
+    if missing:
+      raise PolicyError(
+        f"OpPolicy: missing leg(s) {missing}. Fix: give a precision for each of fwd, dlhs, drhs "
+        f"(one of {list(PRECISIONS)}), e.g. OpPolicy(fwd='int8', dlhs='fp32', drhs='fp32'), or use "
+        "OpPolicy.uniform(precision) / OpPolicy.preset(name)."
+      )
     for leg in LEGS:
       _check_choice(leg, getattr(self, leg), PRECISIONS, "OpPolicy")
     _check_choice("rounding", self.rounding, ROUNDINGS, "OpPolicy")

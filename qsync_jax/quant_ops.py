@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -13,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qsync_jax.errors import PolicyError
 from qsync_jax.precision import OpPolicy
-from qsync_jax.qconv import quantized_conv_general_dilated
+from qsync_jax.qconv import is_native, quantized_conv_general_dilated
 from qsync_jax.qdot import quantized_dot_general, quantized_einsum
 from qsync_jax.qembed import quantized_embed_lookup
 
@@ -94,6 +96,14 @@ class QuantizedConv(QuantizedOp):
     del precision
     if batch_group_count != 1:
       raise ValueError(f"batch_group_count={batch_group_count} is not supported by quantized convs.")
+    if feature_group_count != 1 and not is_native(self.op_policy):
+      info = self.info_fn(lhs, rhs, None)
+      raise PolicyError(
+        f"op {info.name!r} is a grouped convolution (feature_group_count={feature_group_count}), which "
+        f"runs only uniform float policies (fp32, tf32, bf16 or fp16 on every leg), not {self.op_policy}. "
+        f'Fix: keep it in float with a rule before the others, e.g. {{"path": "{re.escape(info.path)}", '
+        '"kind": "conv", "policy": "fp32"}.'
+      )
     conv_args = (window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers, feature_group_count)
 
     def rerun(op_policy, lhs, rhs, key=None):

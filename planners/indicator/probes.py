@@ -42,7 +42,7 @@ PROBED_PRECISIONS = ("int8", "fp8", "fp16", "bf16")
 
 def forward_op_policy(precision: str) -> OpPolicy:
   """Default op policy probed for ``precision``: that precision in the forward product only."""
-  return OpPolicy(fwd=precision)
+  return OpPolicy(fwd=precision, dlhs="fp32", drhs="fp32")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,3 +173,96 @@ def test_help_on_each(capsys):
       main([cmd, "--help"])
     assert e.value.code == 0
     assert "--model" in capsys.readouterr().out
+
+
+def test_predict_refuses_what_it_cannot_predict_faithfully(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  plan = d / "fp32.json"
+  plan.write_text(json.dumps({"policies": {}}))
+  predict = ["predict", "--model", MODEL, "--plan", str(plan), "--profile", cpu, t4]
+  big = json.loads(open(cluster).read())
+  big["groups"][1]["memory_gb"] = 1e-6  # the T4 group cannot hold the fp32 step
+  over = d / "over.json"
+  over.write_text(json.dumps(big))
+  out_json = d / "pred.json"
+  assert main([*predict, "--cluster", str(over), "--json", str(out_json)]) == 2
+  captured = capsys.readouterr()
+  assert "synchronous step" in captured.out  # the table still shows where memory runs out
+  assert "does not fit in memory on group(s) ['infer']" in captured.err and "Fix:" in captured.err
+  assert json.load(open(out_json))["memory_bytes"]
+  big["groups"][1]["memory_gb"], big["groups"][1]["batch_per_device"] = 16, 32
+  other_batch = d / "b32.json"
+  other_batch.write_text(json.dumps(big))
+  assert main([*predict, "--cluster", str(other_batch)]) == 2
+  err = capsys.readouterr().err
+  assert "measured at batch 16 per device, but group 'infer' runs 32" in err and "--batch 32" in err
+  plan.write_text(
+    json.dumps({"policies": {"infer": {"rules": [{"path": "renamed_.*", "policy": "int8_fwd"}]}}})
+  )
+  assert main([*predict, "--cluster", cluster]) == 2
+  assert "rule path(s) ['renamed_.*'] match none" in capsys.readouterr().err
+  plan.write_text("")
+  assert main([*predict, "--cluster", cluster]) == 2
+  assert "fp32.json is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+  "command",
+  [
+    ["indicator", "--model", MODEL],
+    ["profile", "--model", MODEL],
+    ["plan", "--model", MODEL, "--cluster", "c", "--indicator", "i", "--profile", "p"],
+    ["predict", "--model", MODEL, "--cluster", "c", "--plan", "p", "--profile", "p", "--json"],
+  ],
+)
+def test_unusable_output_files_are_refused_before_any_work(tmp_path, capsys, command):
+  # the inputs "c", "i", "p" do not exist: an output error proves it was checked first
+  for out, needle in [
+    (tmp_path, "is a directory, not a file"),
+    (tmp_path / "missing" / "x.json", "does not exist"),
+    ("/sys/x.json", "not writable"),
+  ]:
+    flag = [] if command[-1] == "--json" else ["--out"]
+    assert main([*command, *flag, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Fix:" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_demo_refuses_a_non_empty_directory_before_any_work(tmp_path, capsys, monkeypatch):
+  from importlib.metadata import EntryPoint, EntryPoints
+
+  from qsync_jax import cli
+
+  found = EntryPoints([EntryPoint("demo", "examples.demo", cli.COMMAND_GROUP)])
+  monkeypatch.setattr(cli, "entry_points", lambda group: found if group == cli.COMMAND_GROUP else ())
+  (tmp_path / "mine.txt").write_text("keep")
+  assert main(["demo", "--out", str(tmp_path), "--model", "no_such_task"]) == 2
+  err = capsys.readouterr().err
+  assert "is a directory that is not empty" in err and (tmp_path / "mine.txt").read_text() == "keep"
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_profile_keeps_the_timings_and_says_how_to_resume(tmp_path):
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  from tests.trainer import procs
+
+  out = tmp_path / "p.json"
+  cmd = [sys.executable, "-m", "qsync_jax", "profile", "--model", MODEL, "--batch", "16", "--out", str(out)]
+  proc = subprocess.Popen([*cmd, "--repeats", "50"], env=procs.env(), stderr=subprocess.PIPE, text=True)
+  partial = tmp_path / "p.json.partial"
+  deadline = time.monotonic() + 180
+  while not partial.exists():
+    assert proc.poll() is None and time.monotonic() < deadline
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and "Traceback" not in err, err
+  assert err.strip().splitlines()[-1] == (
+    f"qsync profile: interrupted; the timings measured so far are kept in {out}.partial. "
+    "Resume with the same command."
+  )
+  assert partial.exists() and not out.exists()

@@ -93,7 +93,7 @@ def test_first_order_term_is_the_measured_loss_change_for_a_linear_loss():
   base = loss(task.model.apply(variables, batch["x"]), batch)[0]
   for op in ("zeroth:dense", "first:dense"):
     for p in ("int8", "bf16"):
-      qmodel = quantize(task.model, PrecisionPolicy.from_ops({op: OpPolicy(fwd=p)}))
+      qmodel = quantize(task.model, PrecisionPolicy.from_ops({op: OpPolicy(fwd=p, dlhs="fp32", drhs="fp32")}))
       change = float(loss(qmodel.apply(variables, batch["x"]), batch)[0] - base)
       # fp32 sums of differently ordered products: agreement to float32 rounding of the loss.
       assert per_batch[0][op][f"first:{p}"] == pytest.approx(change, rel=1e-3, abs=1e-7)

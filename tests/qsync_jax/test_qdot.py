@@ -152,7 +152,7 @@ def test_general_dimension_numbers_match_lax(case, granularity):
   """fp32 legs through the custom_vjp equal lax.dot_general and its autodiff exactly."""
   ls, rs, dims = DIMS_CASES[case]
   a, b = draw(ls, 3), draw(rs, 4)
-  policy = OpPolicy(granularity=granularity)
+  policy = OpPolicy.uniform("fp32", granularity=granularity)
 
   def ours(a, b):
     return jnp.sum(jnp.sin(quantized_dot_general(a, b, dims, policy)))

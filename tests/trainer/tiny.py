@@ -51,9 +51,14 @@ def _mse(out, batch):
   return loss, {"mae": jnp.mean(jnp.abs(err))}
 
 
-def make_task(hidden: int = 16, batchnorm: bool = False) -> Task:
-  """``QSYNC_TEST_BATCH_DELAY_S`` slows data loading (for kill tests)."""
+def make_task(hidden: int = 16, batchnorm: bool = False, fixed_batch: int = 0) -> Task:
+  """``QSYNC_TEST_BATCH_DELAY_S`` slows data loading (for kill tests); ``fixed_batch`` > 0 makes
+  every batch that many examples, whatever the global batch asked (a task that ignores it)."""
   delay = float(os.environ.get("QSYNC_TEST_BATCH_DELAY_S", "0"))
+  if fixed_batch:
+    return Task(
+      "tiny_fixed", MLP(hidden), lambda b: (b["x"],), _mse, lambda n, seed: _batches(fixed_batch, seed)
+    )
   if batchnorm:
     return Task(
       name="tiny_bn",
