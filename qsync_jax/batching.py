@@ -37,8 +37,8 @@ def check_batch(batch: Any, sizes: Sequence[int], source: str = "the task") -> N
     )
   if got != {sum(sizes)}:
     raise BatchError(
-      f"{source} gave a batch of {got.pop()} examples but the cluster's {len(sizes)} devices take "
-      f"{sum(sizes)} ({list(sizes)} per device). Fix: make train_batches(global_batch, seed) yield "
+      f"{source} gave a batch of {got.pop()} examples but the cluster's global batch is {sum(sizes)} "
+      f"({list(sizes)} per device over its {len(sizes)} devices). Fix: make train_batches(global_batch, seed) yield "
       "exactly global_batch examples, or set the cluster's batch_per_device so they add up to its batches."
     )
 

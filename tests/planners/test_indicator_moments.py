@@ -50,7 +50,9 @@ def test_moments_predicts_the_mean_square_loss_change_of_a_batch():
   calls, per_batch = collect(task, variables, batches, ("int8",))
   base = task.model.apply(variables, x)
   for op in ("zeroth:dense", "first:dense"):
-    qmodel = quantize(task.model, PrecisionPolicy.from_ops({op: OpPolicy(fwd="int8", dlhs="fp32", drhs="fp32")}))
+    qmodel = quantize(
+      task.model, PrecisionPolicy.from_ops({op: OpPolicy(fwd="int8", dlhs="fp32", drhs="fp32")})
+    )
     # Per-row activation scales: a sample's quantized output does not depend on its batch.
     change = np.asarray(jnp.mean((qmodel.apply(variables, x) - base) * c[None, :], axis=1), np.float64)
     m, var = change.mean(), change.var()

@@ -87,7 +87,7 @@ def test_memory_is_checked_against_the_cluster_spec(tmp_path, capsys):
 def test_batches_that_do_not_fit_the_devices(tmp_path, capsys, cluster8):
   out = tmp_path / "r"
   code, err = _train(capsys, *MODEL, "--set", "fixed_batch=10", "--cluster", cluster8, "--out", str(out))
-  assert code == 2 and "gave a batch of 10 examples but the cluster's 8 devices take 12" in err
+  assert code == 2 and "gave a batch of 10 examples but the cluster's global batch is 12" in err
   assert not out.exists()  # no empty run directory left behind
   with pytest.raises(BatchError, match="batch of 10 examples"):
     Trainer(make_task(fixed_batch=10), CLUSTER, out_dir=str(out))
