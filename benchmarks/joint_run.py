@@ -18,6 +18,7 @@ the same global batch, and the measured step against the replay's prediction.
 Rows go to ``benchmarks/results/joint_run.jsonl``.
 
   python -m benchmarks.joint_run --out $OUT/joint [--processes 2] [--d-model 1024 --layers 8]
+      [--profile-file benchmarks/results/profiles/joint_run_h100.json]
   python -m benchmarks.joint_run --out /tmp/jr --tiny      # CPU smoke run (2 processes, gloo)
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -122,15 +124,15 @@ def role_worker(args) -> int:
     batch = next(task.train_batches(ts.global_batch, 7))
     state = ts.init(3, batch)
     sharded = ts.shard(batch)
-    _, metrics, grads = ts(state, sharded)
+    params = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state.params)  # the step donates
+    state, _, grads = ts(state, sharded)
     times = []
-    for _ in range(args.steps):
+    for _ in range(args.steps):  # sgd(0): the parameters stay those of the gradient above
       start = time.perf_counter()
-      jax.block_until_ready(ts(state, sharded))
+      state, _, _ = jax.block_until_ready(ts(state, sharded))
       times.append(time.perf_counter() - start)
     if jax.process_index() != 0:
       continue
-    params = jax.tree.map(lambda x: x.addressable_data(0), state.params)
     host = jax.device_put(batch, jax.local_devices()[0])
 
     def full_loss(p, host=host):
@@ -208,6 +210,7 @@ def main(argv=None) -> int:
   ap.add_argument("--train-precision", default="bf16")
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--port", type=int, default=29411)
+  ap.add_argument("--profile-file", default="", help="a saved profile.json of the same model (skips step 1)")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny LM, 2 gloo processes")
   ap.add_argument("--role", default="main", choices=("main", "profile", "worker"))
   ap.add_argument("--process-id", type=int, default=0)
@@ -227,7 +230,10 @@ def main(argv=None) -> int:
   if args.role == "worker":
     return role_worker(args)
   os.makedirs(args.out, exist_ok=True)
-  spawn(args, "profile", 1, 900)
+  if args.profile_file:
+    shutil.copy(args.profile_file, os.path.join(args.out, "profile.json"))
+  else:
+    spawn(args, "profile", 1, 900)
   from planners.profile import Profile
 
   prof = Profile.load(os.path.join(args.out, "profile.json"))
@@ -249,9 +255,7 @@ def main(argv=None) -> int:
       f"({100 * (r['predicted_ms'] / r['median_ms'] - 1):+.1f} %)"
     )
     case = f"lm d{args.d_model} l{args.layers} s{args.seq}/{r['plan']}"
-    rows.append(
-      result_row("joint_run", case, "grad_rel_error_vs_fp32", r["grad_rel_error"], None, device)
-    )
+    rows.append(result_row("joint_run", case, "grad_rel_error_vs_fp32", r["grad_rel_error"], None, device))
     rows.append(
       result_row(
         "joint_run",
