@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
       device_type_of(jax.devices()[0]) or "H100", jax.device_count(), args.batch_per_device
     )
   plan = Plan.load(args.plan) if args.plan else Plan()
-  check_device_types(plan.apply_to(cluster), jax.devices(), args.simulate_device_types)
+  check_device_types(cluster, jax.devices(), args.simulate_device_types)
   sync, sync_options = _sync(args.sync, args.sync_option)
   optimizer = _optimizer(args.optimizer, args.lr)
   check_memory(task, cluster, plan, optimizer)
