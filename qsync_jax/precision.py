@@ -42,6 +42,7 @@ DEVICE_PRECISIONS: dict[str, tuple[str, ...]] = {
   "T4": ("fp32", "fp16", "int8"),
   "A10": ("fp32", "tf32", "bf16", "fp16", "int8"),
   "L4": ("fp32", "tf32", "bf16", "fp16", "int8", "fp8"),
+  "L40S": ("fp32", "tf32", "bf16", "fp16", "int8", "fp8"),
   "A100": ("fp32", "tf32", "bf16", "fp16", "int8"),
   "H100": PRECISIONS,
   "H100-PCIe": PRECISIONS,
