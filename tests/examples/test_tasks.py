@@ -119,7 +119,8 @@ def test_resnet_synthetic_batches_are_deterministic_and_train_one_step():
   (loss, metrics), _ = jax.jit(  # one compiled step: op-by-op dispatch of a ResNet's gradient is slow
     jax.value_and_grad(
       lambda p: task.loss(
-        task.model.apply({**variables, "params": p}, *task.inputs(a), mutable=["batch_stats"], train=True)[0], a
+        task.model.apply({**variables, "params": p}, *task.inputs(a), mutable=["batch_stats"], train=True)[0],
+        a,
       ),
       has_aux=True,
     )
