@@ -1,25 +1,28 @@
-"""``qsync demo``: the whole QSync pipeline on a simulated hybrid cluster, end to end.
+"""``qsync demo``: the whole pipeline on a simulated hybrid cluster, end to end.
 
   qsync demo --out demo_out          # ≈ 3-5 minutes on a 2-core CPU
 
-Four simulated CPU devices form two groups: ``training`` (2 devices modeled as V100) and
-``inference`` (2 devices modeled as T4, which has half the V100's memory). The demo runs
+Four simulated CPU devices form two groups at their real memory: ``training`` (2 devices
+modeled as V100, 32 GB) and ``inference`` (2 devices modeled as T4, 16 GB). The demo runs
 
 1. **indicator** — trains the model briefly in fp32, then scores every op's sensitivity to
    int8 and fp16 (``planners.indicator``, gradient method);
 2. **profile** — measures the op costs on the local CPU, and models V100 and T4 costs from
    the device catalog (roofline; labelled *modeled*);
-3. **plan** — predicts (replay) four configurations and allocates the QSync plan (greedy):
-   ``fp32`` everywhere, ``uniform int8`` on the inference group, ``dynamic batch`` sizing
-   (fp32, batch proportional to predicted speed) and the ``qsync`` plan;
-4. **train** — trains each configuration on the 4 CPU devices with the hybrid trainer and
+3. **plan** — the joint planner (``planners.joint``) chooses every group's per-device batch
+   and the T4s' per-op precisions, and predicts the alternatives it compared: the training
+   groups alone, dynamic batching, uniform low precision, QSync's precision-only plan;
+4. **train** — trains each of them on the 4 CPU devices with the hybrid trainer and
    evaluates held-out loss and accuracy (fp32 master weights);
 
-then prints one table and writes to ``--out``: ``plan.json`` (the QSync plan),
-``plans/<config>.json``, ``cluster.json``, ``indicator.json``, ``profile_*.json``,
-``trace.json`` (Chrome trace of the QSync plan's predicted step; open in ui.perfetto.dev),
-``timeline.png``, ``sensitivity.png`` and ``results.json``. Times are the replay's
-predictions for the modeled V100/T4 devices, not CPU times; the CPU only runs the numerics.
+then prints one table (predicted step and samples/s of the modeled V100/T4 pool, accuracy
+cost, and the CPU run's loss and accuracy), a line for each alternative the joint plan does
+not beat outright saying why, and writes to ``--out``: ``plan.json`` (the joint plan, its
+alternatives under ``predictions.alternatives``), ``plans/<config>.json``, ``cluster.json``,
+``indicator.json``, ``profile_*.json``, ``trace.json`` (Chrome trace of the joint plan's
+predicted step; open in ui.perfetto.dev), ``timeline.png``, ``sensitivity.png`` and
+``results.json``. Times are the replay's predictions for the modeled devices, not CPU times;
+the CPU only runs the numerics.
 """
 
 from __future__ import annotations
@@ -32,12 +35,19 @@ import sys
 import time
 from typing import Any
 
-from qsync_jax.errors import PlanError, QsyncError
+from qsync_jax.errors import QsyncError
 
 HELP = "End-to-end demo: indicator → profile → plan → train on a simulated V100 + T4 cluster."
 
 NUM_DEVICES = 4
-CONFIGS = ("fp32", "uniform int8", "dynamic batch", "qsync")
+CONFIGS = (
+  "training groups only",
+  "dynamic batching",
+  "uniform low precision",
+  "QSync (precision only)",
+  "joint",
+)
+"""The planner's candidates the demo trains (``planners.joint``'s names)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,13 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     type=int,
     default=16,
     help="batches the indicator averages (default 16, as `qsync indicator`)",
-  )
-  parser.add_argument(
-    "--t4-memory",
-    type=float,
-    default=0.5,
-    help="T4 memory between the least any plan needs (0) and the fp32 step's need (1); default 0.5, "
-    "so the fp32 step does not fit, as a large model overflows a 16 GB T4; negative: the catalog's 16 GB",
   )
   parser.add_argument(
     "--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}"
@@ -113,35 +116,6 @@ def demo_cluster(batch_per_device: int):
   )
 
 
-def least_memory_policy(profile, device_type: str):
-  """Per op, the op policy (of fp32, fp16, QSync's int8) that stores the least for backward."""
-  from planners.memory_model import residual_bytes
-  from qsync_jax.policy import PrecisionPolicy
-  from qsync_jax.precision import OpPolicy, supported_precisions
-
-  supported = supported_precisions(device_type)
-  candidates = [OpPolicy.preset(p) for p in ("fp32", "fp16", "int8_fwd")]
-  candidates = [c for c in candidates if all(leg in supported for leg in c.precisions)]
-  return PrecisionPolicy.from_ops(
-    {op.name: min(candidates, key=lambda c, op=op: residual_bytes(op, c)) for op in profile.ops}
-  )
-
-
-def scale_inference_memory(cluster, profiles, position: float):
-  """The cluster with the T4 group's memory at ``position`` between the least any plan needs
-  (0) and what the fp32 step needs (1), as predicted by the replay."""
-  from planners.replay import predict, profile_for
-  from qsync_jax.plan import Plan
-
-  group = cluster.group("inference")
-  least_policy = least_memory_policy(profile_for(profiles, group.device_type), group.device_type)
-  fp32 = predict(cluster, profiles, Plan()).memory_bytes["inference"]
-  least = predict(cluster, profiles, Plan(policies={"inference": least_policy})).memory_bytes["inference"]
-  memory = least + position * (fp32 - least)
-  groups = tuple(g.replace(memory_gb=memory / 1e9) if g.name == "inference" else g for g in cluster.groups)
-  return dataclasses.replace(cluster, groups=groups), least, fp32
-
-
 # -- stages ---------------------------------------------------------------------------------
 
 
@@ -181,28 +155,39 @@ def stage_profile(task, batch_per_device: int, say) -> dict:
 
 
 def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any]:
-  """The four configurations' plans and predictions: ``{config: (Plan, Prediction)}``."""
-  from planners.allocator import dynamic_batch, greedy, make_problem
+  """The joint planner's candidates: ``{name: (Plan, Prediction, Candidate)}``, the joint
+  plan under ``"joint"`` (with every alternative in its predictions)."""
+  from planners.allocator import make_problem
+  from planners.joint import joint_plan, plan_of
   from planners.replay import predict
-  from qsync_jax.plan import Plan
-  from qsync_jax.policy import PrecisionPolicy
 
-  plans = {
-    "fp32": Plan(),
-    "uniform int8": Plan(policies={"inference": PrecisionPolicy.uniform("int8_fwd")}),
-  }
-  batches, _ = dynamic_batch(cluster, profiles)
-  plans["dynamic batch"] = Plan(batch_per_device=batches)
-  say("plan: greedy allocation on the inference group (T* = the V100 group's step)")
-  try:
-    alloc = greedy(make_problem(cluster, profiles, indicator, ["training"]))
-  except PlanError as e:
-    say(f"plan: no QSync plan fits ({e})")
-  else:
-    plans["qsync"] = alloc.plan
-    if alloc.straggles:
-      say("plan: NOTE the T4 group is slower than the V100 group even at its fastest plan (it straggles)")
-  return {name: (plan, predict(cluster, profiles, plan)) for name, plan in plans.items()}
+  say("plan: joint batch × precision search (the V100 group trains in fp32)")
+  problem = make_problem(cluster, profiles, indicator, ["training"])
+  chosen, cands, _ = joint_plan(problem)
+  alternatives = [c.to_json(problem) for c in cands]
+  out = {}
+  for cand in cands:
+    extra = {"chosen": chosen.name, "alternatives": alternatives} if cand.name == "joint" else {}
+    plan = plan_of(problem, cand, {"accuracy_cost": cand.cost, "samples_per_s": cand.samples_per_s, **extra})
+    out[cand.name] = (plan, predict(cluster, profiles, plan), cand)
+  return out
+
+
+def why_not_beaten(planned) -> list[str]:
+  """One line per alternative whose predicted throughput is not below the joint plan's."""
+  _, _, joint = planned["joint"]
+  lines = []
+  for name, (_, _, cand) in planned.items():
+    if name == "joint" or not cand.fits or cand.samples_per_s < joint.samples_per_s * (1 - 1e-9):
+      continue
+    if cand.batches == joint.batches and cand.rows == joint.rows:
+      lines.append(f"joint = {name}: no batch or precision change predicts a faster step at less cost")
+    else:
+      lines.append(
+        f"{name} is predicted {100 * (cand.samples_per_s / joint.samples_per_s - 1):.1f} % faster (within the "
+        f"slack) at accuracy cost {cand.cost:.3g} against the joint plan's {joint.cost:.3g}"
+      )
+  return lines
 
 
 def stage_train(task, cluster, plans, devices, steps, lr, seeds, say, eval_max_batches=None):
@@ -293,34 +278,34 @@ def precision_mix(plan, group: str, op_names) -> str:
 def results_table(cluster, planned, trained, op_names) -> str:
   from planners.cli_common import table
 
+  dynamic = planned["dynamic batching"][2].samples_per_s if "dynamic batching" in planned else None
   rows = []
-  for name, (plan, pred) in planned.items():
+  for name, (plan, pred, cand) in planned.items():
     metrics = trained.get(name, {})
+    t4 = precision_mix(plan, "inference", op_names) if cand.batches[1] else "(sits out)"
     rows.append(
       [
         name,
-        precision_mix(plan, "inference", op_names),
-        "/".join(str(g.batch_per_device) for g in plan.apply_to(cluster).groups),
-        pred.group_step_ms["training"],
-        pred.group_step_ms["inference"],
+        "/".join(str(b) for b in cand.batches),
+        t4,
         pred.step_ms,
-        f"{pred.memory_bytes['inference'] / 1e6:.2f}",
-        "yes" if pred.fits else "NO",
-        metrics.get("train_loss", "-"),
+        f"{cand.samples_per_s:.0f}",
+        f"{cand.samples_per_s / dynamic:.2f}×" if dynamic else "-",
+        f"{cand.cost:.3g}",
+        "yes" if cand.fits else "NO",
         metrics.get("eval_loss", "-"),
         metrics.get("eval_accuracy", "-"),
       ]
     )
   headers = [
     "config",
-    "T4 fwd precisions",
     "batch V100/T4",
-    "V100 ms",
-    "T4 ms",
-    "sync step ms",
-    "T4 peak MB",
+    "T4 fwd precisions",
+    "step ms",
+    "samples/s",
+    "vs dynamic",
+    "acc. cost",
     "fits",
-    "train loss",
     "held-out loss",
     "held-out acc",
   ]
@@ -337,20 +322,30 @@ def write_outputs(out, cluster, indicator, profiles, planned, trained, say) -> N
   save_sensitivity_png(indicator, os.path.join(out, "sensitivity.png"))
   for device_type, prof in profiles.items():
     prof.save(os.path.join(out, f"profile_{device_type}.json"))
-  for name, (plan, pred) in planned.items():
+  for name, (plan, pred, _) in planned.items():
     plan = dataclasses.replace(plan, predictions={**plan.predictions, **pred.to_json()})
-    plan.save(os.path.join(out, "plans", name.replace(" ", "_") + ".json"))
-    if name == "qsync":
+    plan.save(os.path.join(out, "plans", file_name(name) + ".json"))
+    if name == "joint":
       plan.save(os.path.join(out, "plan.json"))
-  shown = planned.get("qsync", planned["fp32"])[1]
+  shown = planned["joint"][1]
   save_chrome_trace(shown, os.path.join(out, "trace.json"))
   save_png(shown, os.path.join(out, "timeline.png"))
   summary = {
-    name: {"predicted": pred.to_json(), **trained.get(name, {})} for name, (_, pred) in planned.items()
+    name: {
+      "predicted": {**pred.to_json(), "samples_per_s": cand.samples_per_s, "accuracy_cost": cand.cost},
+      "batch_per_device": dict(zip(cluster.group_names, cand.batches)),
+      **trained.get(name, {}),
+    }
+    for name, (_, pred, cand) in planned.items()
   }
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(summary, f, indent=1, default=float)
   say(f"wrote {out}/: plan.json, plans/, cluster.json, indicator.json, profile_*.json, trace.json, PNGs")
+
+
+def file_name(config: str) -> str:
+  """``"QSync (precision only)"`` → ``"qsync_precision_only"``."""
+  return "_".join("".join(c if c.isalnum() else " " for c in config.lower()).split())
 
 
 # -- entry point ----------------------------------------------------------------------------
@@ -370,22 +365,18 @@ def run(args: argparse.Namespace) -> int:
   say(f"{task.name} on {len(devices)} simulated devices: 2 × V100 (training) + 2 × T4 (inference)")
   indicator = stage_indicator(task, args, say)
   profiles = stage_profile(task, args.batch_per_device, say)
-  if args.t4_memory >= 0:
-    cluster, least, fp32 = scale_inference_memory(cluster, profiles, args.t4_memory)
-    say(
-      f"plan: T4 memory {cluster.group('inference').memory_gb * 1e3:.3f} MB, between the least any plan "
-      f"needs ({least / 1e6:.3f} MB) and the fp32 step's need ({fp32 / 1e6:.3f} MB)"
-    )
   planned = stage_plan(cluster, profiles, indicator, say)
-  to_train = {name: plan for name, (plan, _) in planned.items() if name in configs}
+  to_train = {name: plan for name, (plan, _, cand) in planned.items() if name in configs and cand.fits}
   trained = {
     k: v[0]
     for k, v in stage_train(task, cluster, to_train, devices, args.steps, args.lr, [args.seed], say).items()
   }
   print(results_table(cluster, planned, trained, profiles["cpu"].op_names))
+  for line in why_not_beaten(planned):
+    print(line)
   print(
-    "times and memory: replay predictions for the modeled V100 / T4 groups (not CPU times); "
-    f"loss and accuracy: trained on the CPU devices, evaluated on {task.name}'s held-out split"
+    "step and samples/s: replay predictions for the modeled V100 / T4 pool (not CPU times); accuracy cost: "
+    f"the planner's Σ share·Ω; loss and accuracy: trained on the CPU devices, on {task.name}'s held-out split"
   )
   write_outputs(args.out, cluster, indicator, profiles, planned, trained, say)
   return 0

@@ -28,8 +28,8 @@ device supports, one per bit width (the least sensitive of a width), ordered 8 â
    Plans are immutable tuples, so a rejected move leaves no trace.
 
 ``exhaustive`` searches every combination of ladder levels for the plan of least total Î©
-under the same constraints (small graphs only); ``dynamic_batch`` is the baseline that
-gives each group a batch proportional to its predicted speed at the training precision.
+under the same constraints (small graphs only). ``planners.joint`` chooses the groups'
+batches too, with ``greedy`` for the precisions at each batch.
 """
 
 from __future__ import annotations
@@ -189,14 +189,14 @@ class Evaluator:
 
   def cost(self, group: GroupCost, op_index: int):
     """``graph.op_costs``, memoized on (group, op, its policy)."""
-    key = ("t", group.name, op_index, group.op_policies.get(self.problem.op_names[op_index]))
+    key = ("t", group.name, group.batch_per_device, op_index, group.op_policies.get(self.problem.op_names[op_index]))
     if key not in self._costs:
       self._costs[key] = op_costs(group, op_index)
     return self._costs[key]
 
   def op_memory(self, group: GroupCost, op_index: int):
     """``memory_model.op_memory``, memoized likewise."""
-    key = ("m", group.name, op_index, group.op_policies.get(self.problem.op_names[op_index]))
+    key = ("m", group.name, group.batch_per_device, op_index, group.op_policies.get(self.problem.op_names[op_index]))
     if key not in self._costs:
       self._costs[key] = op_memory(group, op_index)
     return self._costs[key]
@@ -236,9 +236,9 @@ def _op_time(group: GroupCost, op_index: int) -> float:
   return sum(ms for ms, _ in op_costs(group, op_index).values())
 
 
-def fastest_levels(problem: Problem) -> Assignment:
-  """Each op at its own fastest level; memory-reducing moves if that does not fit (PlanError
-  if impossible)."""
+def fastest_levels(problem: Problem, fit_memory: bool = True) -> Assignment:
+  """Each op at its own fastest level; with ``fit_memory``, memory-reducing moves if that does
+  not fit (PlanError if impossible)."""
   out = []
   for j, gi in enumerate(problem.inference):
     g = problem.groups[gi]
@@ -259,7 +259,7 @@ def fastest_levels(problem: Problem) -> Assignment:
       pols = {n: problem.ladders[j][i][lv[i]][1] for i, n in enumerate(problem.op_names)}
       return memory_bytes(dataclasses.replace(g, op_policies=pols))
 
-    limit = problem.limits[j]
+    limit = problem.limits[j] if fit_memory else math.inf
     for i in sorted(range(len(levels)), key=lambda i: -savings[i]):
       if mem(levels) <= limit:
         break
@@ -369,11 +369,12 @@ def _finish(problem, ev, assignment, target, straggles) -> Allocation:
   return Allocation(assignment, plan, step, target, ev.omega(assignment), ev.replays, straggles)
 
 
-def greedy(problem: Problem, rel_tol: float = 1e-9) -> Allocation:
-  """The greedy allocation; see the module docstring."""
+def greedy(problem: Problem, rel_tol: float = 1e-9, target_ms: float | None = None) -> Allocation:
+  """The greedy allocation; see the module docstring. ``target_ms`` replaces T* (the joint
+  planner's target)."""
   ev = Evaluator(problem)
   plan = start_assignment(problem, ev)
-  target = ev.training_step_ms()
+  target = ev.training_step_ms() if target_ms is None else target_ms
   start_step = ev.step_ms(plan)
   straggles = start_step > target * (1 + rel_tol)
   if straggles or not problem.inference:
@@ -429,35 +430,3 @@ def exhaustive(problem: Problem, max_combinations: int = 200_000, rel_tol: float
       continue
     best, best_omega = cand, w
   return _finish(problem, ev, best, target, straggles)
-
-
-def dynamic_batch(
-  cluster: ClusterSpec,
-  profiles: Mapping[str, Profile],
-  train_policy: str = "fp32",
-  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> tuple[dict[str, int], float]:
-  """Baseline: per-device batches proportional to each group's predicted speed, same global batch.
-
-  Returns ``(batch_per_device by group, predicted synchronous step ms)``.
-  """
-  plan = Plan.uniform(cluster, train_policy)
-  comm = comm_for(cluster, bucket_bytes)
-  speed = {}
-  for g in cluster.groups:
-    prof = profile_for(profiles, g.device_type)
-    cost = GroupCost(g.name, prof, plan.policy_for(g.name).resolve(prof.op_names), g.batch_per_device)
-    speed[g.name] = g.batch_per_device / sync_step_ms([cost], dataclasses.replace(comm, n_devices=1))
-  total = cluster.global_batch
-  weight = sum(speed[g.name] * g.count for g in cluster.groups)
-  batches = {g.name: max(1, round(total * speed[g.name] / weight)) for g in cluster.groups}
-  # fix rounding so the global batch is unchanged (adjust the fastest group)
-  fastest = max(cluster.groups, key=lambda g: speed[g.name])
-  rest = total - sum(batches[g.name] * g.count for g in cluster.groups if g is not fastest)
-  batches[fastest.name] = max(1, rest // fastest.count)
-  resized = cluster.with_batch_per_device(batches)
-  groups = []
-  for g in resized.groups:
-    prof = profile_for(profiles, g.device_type)
-    groups.append(GroupCost(g.name, prof, plan.policy_for(g.name).resolve(prof.op_names), g.batch_per_device))
-  return batches, sync_step_ms(groups, comm)

@@ -1,21 +1,24 @@
-"""``qsync plan``: allocate per-op precisions on the inference groups (``planners.allocator``)."""
+"""``qsync plan``: every group's per-device batch and per-op precisions (``planners.joint``)."""
 
 from __future__ import annotations
 
 import time
 
-from planners.allocator import dynamic_batch, greedy, make_problem
+from planners.allocator import make_problem
 from planners.cli_common import check_model, load_json, load_profiles, progress, table
+from planners.joint import joint_plan, plan_of, precision_counts
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.tasks import load_task
 
-HELP = "Plan one precision policy per device group: fastest that fits, then recover sensitive ops."
+HELP = "Plan every group's batch and per-op precisions: fastest within --slack, then least accuracy cost."
 
 
 def add_arguments(parser) -> None:
   parser.add_argument("--model", required=True, help="example name or package.module:make_task")
-  parser.add_argument("--cluster", required=True, help="cluster spec JSON/YAML")
+  parser.add_argument(
+    "--cluster", required=True, help="cluster spec JSON/YAML (its batches set the global batch)"
+  )
   parser.add_argument("--indicator", required=True, help="sensitivity JSON from `qsync indicator`")
   parser.add_argument("--profile", required=True, nargs="+", help="profile JSON(s) from `qsync profile`")
   parser.add_argument(
@@ -23,7 +26,19 @@ def add_arguments(parser) -> None:
     help="comma-separated groups that keep --train-precision (default: fastest device type)",
   )
   parser.add_argument("--train-precision", default="fp32", help="policy preset of the training groups")
+  parser.add_argument(
+    "--batch",
+    choices=("joint", "equal"),
+    default="joint",
+    help="joint: choose per-device batches too; equal: keep the spec's (e.g. for BatchNorm statistics)",
+  )
+  parser.add_argument("--slack", type=float, default=0.02, help="throughput given up for accuracy (fraction)")
+  parser.add_argument("--granularity", type=int, default=1, help="per-device batches are multiples of this")
   parser.add_argument("--out", required=True, help="output plan JSON")
+
+
+def mix(counts: dict[str, int]) -> str:
+  return ", ".join(f"{p}×{n}" for p, n in sorted(counts.items()))
 
 
 def run(args) -> int:
@@ -34,42 +49,62 @@ def run(args) -> int:
   indicator = load_json(args.indicator, "indicator")
   training = args.training_groups.split(",") if args.training_groups else None
   problem = make_problem(cluster, profiles, indicator, training, args.train_precision)
-  progress(f"{len(problem.op_names)} ops, {len(problem.inference)} inference group(s): greedy allocation")
+  progress(
+    f"{len(problem.op_names)} ops, {len(cluster.groups)} groups, global batch {cluster.global_batch}: "
+    f"{args.batch} batch × precision search"
+  )
   t0 = time.perf_counter()
-  alloc = greedy(problem)
+  chosen, cands, search = joint_plan(problem, args.granularity, args.slack, args.batch)
   seconds = time.perf_counter() - t0
-  batches, dbs_ms = dynamic_batch(cluster, profiles, args.train_precision)
-  pred = predict(cluster, profiles, alloc.plan)
-  plan = alloc.plan
-  plan = type(plan)(
-    plan.policies,
-    plan.batch_per_device,
+  alternatives = [c.to_json(problem) for c in cands]
+  plan = plan_of(problem, chosen)
+  pred = predict(cluster, profiles, plan)
+  plan = plan_of(
+    problem,
+    chosen,
     {
-      **plan.predictions,
       **pred.to_json(),
-      "replays": alloc.replays,
+      "chosen": chosen.name,
+      "samples_per_s": chosen.samples_per_s,
+      "accuracy_cost": chosen.cost,
+      "alternatives": alternatives,
+      "replays": search.replays,
       "planning_s": seconds,
-      "dynamic_batch_baseline": {"batch_per_device": batches, "step_ms": dbs_ms},
     },
   )
   plan.save(args.out)
-  levels = plan.predictions["levels"]
+  counts = precision_counts(problem, chosen)
   rows = []
-  for g in cluster.groups:
-    counts = {}
-    for p in levels.get(g.name, {}).values():
-      counts[p] = counts.get(p, 0) + 1
-    mix = ", ".join(f"{p}×{n}" for p, n in sorted(counts.items())) or args.train_precision + " (all)"
+  for g, b in zip(cluster.groups, chosen.batches):
+    if b == 0:
+      rows.append([g.name, g.device_type, g.count, 0, "(sits out)", "-", "-", g.memory_gb])
+      continue
     rows.append(
-      [g.name, g.device_type, mix, pred.group_step_ms[g.name], pred.memory_bytes[g.name] / 1e9, g.memory_gb]
+      [
+        g.name,
+        g.device_type,
+        g.count,
+        b,
+        mix(counts[g.name]),
+        pred.group_step_ms[g.name],
+        pred.memory_bytes[g.name] / 1e9,
+        g.memory_gb,
+      ]
     )
-  print(table(["group", "device", "precisions", "step ms", "mem GB", "limit GB"], rows))
+  print(table(["group", "device", "count", "batch", "precisions", "step ms", "mem GB", "limit GB"], rows))
+  modeled = sorted({g for g, src in pred.sources.items() if src.startswith("modeled")})
+  label = f" (modeled costs for {', '.join(modeled)})" if modeled else ""
   print(
-    f"synchronous step {pred.step_ms:.3f} ms (target T* {alloc.target_ms:.3f} ms), Σ Ω {alloc.omega:.4g}; "
-    f"{alloc.replays} replays in {seconds:.3f} s"
+    f"chosen: {chosen.name}; predicted step {chosen.step_ms:.3f} ms, {chosen.samples_per_s:.1f} samples/s"
+    f"{label}, accuracy cost {chosen.cost:.4g}; {search.replays} replays in {seconds:.2f} s"
   )
-  if alloc.straggles:
-    print("NOTE: even the fastest plan of the inference groups is slower than the training groups.")
-  print(f"dynamic batch sizing baseline: batches {batches}, step {dbs_ms:.3f} ms")
+  alt_rows = []
+  for c in cands:
+    batches = "/".join(str(b) for b in c.batches)
+    ratio = c.samples_per_s / chosen.samples_per_s
+    fits = "" if c.fits else " (does not fit)"
+    alt_rows.append([c.name + fits, batches, c.step_ms, c.samples_per_s, f"{ratio:.2f}×", f"{c.cost:.4g}"])
+  print("\nalternatives (predicted; batch per device in group order):")
+  print(table(["plan", "batches", "step ms", "samples/s", "vs chosen", "accuracy cost"], alt_rows))
   print(f"wrote {args.out}")
   return 0

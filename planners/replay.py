@@ -98,7 +98,7 @@ def predict(
   gradients are packed into buckets: ``"tree"`` by XLA's combiner (the trainer's default),
   ``"backward"`` by an all-reduce with ``bucket_bytes``."""
   groups = group_costs(cluster, profiles, plan)
-  comm = comm_for(cluster, bucket_bytes, latency_us, bucket_order)
+  comm = comm_for(plan.apply_to(cluster), bucket_bytes, latency_us, bucket_order)
   nodes = build_graph(groups, comm)
   times = longest_path(nodes)
   return Prediction(

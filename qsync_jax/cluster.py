@@ -175,13 +175,26 @@ class ClusterSpec:
     return tuple(self.groups[i].batch_per_device for i in self.device_group_indices())
 
   def with_batch_per_device(self, batches: Mapping[str, int]) -> ClusterSpec:
-    """A copy with some groups' per-device batch replaced (dynamic batch sizing)."""
+    """A copy with some groups' per-device batch replaced; a batch of 0 leaves the group out
+    (its devices sit the job out)."""
     for name in batches:
       self.group(name)
-    return dataclasses.replace(
-      self,
-      groups=tuple(g.replace(batch_per_device=batches.get(g.name, g.batch_per_device)) for g in self.groups),
+    kept = tuple(
+      g.replace(batch_per_device=batches.get(g.name, g.batch_per_device))
+      for g in self.groups
+      if batches.get(g.name) != 0
     )
+    if not kept:
+      raise ClusterSpecError(
+        f"every group of cluster {self.name!r} has batch 0. Fix: give at least one group a positive batch."
+      )
+    return dataclasses.replace(self, groups=kept)
+
+  def devices_of(self, kept: ClusterSpec, devices: Sequence[Any]) -> list[Any]:
+    """The devices of ``kept``'s groups among ``devices`` (this spec's devices, in order): a
+    group left out by ``with_batch_per_device`` leaves its devices out."""
+    names = set(kept.group_names)
+    return [d for d, gi in zip(devices, self.device_group_indices()) if self.groups[gi].name in names]
 
   # -- JSON / YAML ----------------------------------------------------------------------
   def to_json(self) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 The allocator writes a plan, a person may edit it, the trainer executes it. A group the plan
 does not name runs the unmodified float model (an empty policy). ``batch_per_device``
-optionally overrides the cluster spec's per-device batch of some groups (dynamic batch
-sizing, the paper's baseline); ``predictions`` is free-form JSON (predicted step time,
-memory…) that the trainer stores but never reads.
+optionally overrides the cluster spec's per-device batch of some groups (0 leaves a group's
+devices out of the job); ``predictions`` is free-form JSON (predicted step time, memory, the
+alternatives the planner compared…) that the trainer stores but never reads.
 
 JSON form::
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qsync_jax.cluster import ClusterSpec
+from qsync_jax.cluster import ClusterSpec, assign_devices
 from qsync_jax.errors import PlanError, PolicyError, UnsupportedPrecisionError
 from qsync_jax.jsonio import parse_json, read_text, reject_unknown_keys
 from qsync_jax.policy import PrecisionPolicy
@@ -54,9 +54,10 @@ class Plan:
           "Fix: use PrecisionPolicy(...) or PrecisionPolicy.uniform(preset)."
         )
     for group, b in self.batch_per_device.items():
-      if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+      if isinstance(b, bool) or not isinstance(b, int) or b < 0:
         raise PlanError(
-          f"plan: batch_per_device[{group!r}]={b!r} must be a positive integer. Fix: set it to 1 or more."
+          f"plan: batch_per_device[{group!r}]={b!r} must be an integer ≥ 0 (0: the group sits out). "
+          "Fix: set it to 0 or more."
         )
 
   def policy_for(self, group: str) -> PrecisionPolicy:
@@ -83,6 +84,13 @@ class Plan:
     """The cluster with this plan's per-device batch overrides applied (after validation)."""
     self.validate_for(cluster)
     return cluster.with_batch_per_device(self.batch_per_device)
+
+  def place(self, cluster: ClusterSpec, devices: Sequence[Any]) -> tuple[ClusterSpec, list[Any]]:
+    """``(apply_to(cluster), the devices that run it)``: ``devices`` are the whole spec's, in
+    order (``ClusterSpecError`` if their number differs); a group with batch 0 leaves its own out."""
+    assign_devices(cluster, devices)
+    kept = self.apply_to(cluster)
+    return kept, cluster.devices_of(kept, devices)
 
   @property
   def needs_fp16_loss_scaling(self) -> bool:

@@ -6,7 +6,7 @@
 ``Trainer`` feeds data, logs, checkpoints and evaluates either one alike. Semantics:
 
 * the mesh, the device-to-group assignment and the cut of the global batch are the hybrid
-  step's (``plan.apply_to``, ``assign_devices``, ``shard_batch``);
+  step's (``plan.place``, ``shard_batch``);
 * each device's loss is its group's: the model quantized under its branch's policy
   (``plan_branches``: one per distinct policy and per-device batch) on its own ``b_i`` rows,
   picked on the device index when there are several branches (``device_switch``; so plans
@@ -34,7 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qsync_jax.cluster import ClusterSpec, assign_devices
+from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError, QsyncError
 from qsync_jax.plan import Plan
 from qsync_jax.sync import get_strategy, make_step_strategy, task_loss_fn
@@ -120,9 +120,7 @@ def make_strategy_step(
       "step without it. Fix: use bf16 instead of fp16 in the plan, or a gradient-hook strategy "
       "(fp32, bf16, fp16, global_qsgd)."
     )
-  cluster = plan.apply_to(cluster)
-  devices = list(jax.devices() if devices is None else devices)
-  assign_devices(cluster, devices)
+  cluster, devices = plan.place(cluster, list(jax.devices() if devices is None else devices))
   mesh = Mesh(np.asarray(devices), (AXIS,))
   branches, device_branch = plan_branches(cluster, plan)
   if host_batch is None:

@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qsync_jax.batching import pad_shards, put_replicated, put_sharded
-from qsync_jax.cluster import ClusterSpec, assign_devices
+from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import QsyncError
 from qsync_jax.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
 from qsync_jax.plan import Plan
@@ -291,9 +291,7 @@ def make_train_step(
       option existed).
   """
   plan = plan if plan is not None else Plan()
-  cluster = plan.apply_to(cluster)
-  devices = list(jax.devices() if devices is None else devices)
-  assign_devices(cluster, devices)
+  cluster, devices = plan.place(cluster, list(jax.devices() if devices is None else devices))
   mesh = Mesh(np.asarray(devices), (AXIS,))
   grad_sync, sync_init, leaf_order = _split_sync(grad_sync if grad_sync is not None else psum_sync)
   if sync_leaf_order not in ("auto", "tree"):

@@ -34,23 +34,28 @@ def _planned(rng):
   return cluster, profiles, indicator, demo.stage_plan(cluster, profiles, indicator, lambda m: None)
 
 
-def test_stage_plan_gives_four_configurations_and_qsync_keeps_pace():
+def test_stage_plan_gives_the_joint_plan_and_its_alternatives():
   cluster, profiles, indicator, planned = _planned(np.random.default_rng(101))
-  assert list(planned) == ["fp32", "uniform int8", "dynamic batch", "qsync"]
-  preds = {name: pred for name, (_, pred) in planned.items()}
+  assert set(demo.CONFIGS) <= set(planned)
+  preds = {name: pred for name, (_, pred, _) in planned.items()}
   assert all(isinstance(p, Prediction) for p in preds.values())
-  # fp32: the T4 group straggles; uniform int8 speeds it up; QSync is no slower than the V100 group's pace.
-  assert preds["fp32"].group_step_ms["inference"] > preds["fp32"].group_step_ms["training"]
-  assert preds["uniform int8"].group_step_ms["inference"] < preds["fp32"].group_step_ms["inference"]
-  assert preds["qsync"].step_ms <= preds["fp32"].step_ms
-  # Dynamic batch sizing moves examples from the T4s to the V100s and keeps the global batch.
-  dbs = planned["dynamic batch"][0].apply_to(cluster)
-  assert dbs.global_batch == cluster.global_batch
-  assert dbs.group("inference").batch_per_device < dbs.group("training").batch_per_device
-  # The QSync plan keeps some op above int8 on the T4s (it recovers sensitive ops) unless none fits.
-  mix = demo.precision_mix(planned["qsync"][0], "inference", profiles["T4"].op_names)
-  assert "int8" in demo.precision_mix(planned["uniform int8"][0], "inference", profiles["T4"].op_names)
-  assert mix and sum(int(part.split("×")[1]) for part in mix.split(", ")) == N_OPS
+  joint = planned["joint"][2]
+  for name, (plan, pred, cand) in planned.items():
+    # the prediction is the plan's, and the joint plan is never slower beyond the slack
+    assert pred.step_ms == pytest.approx(cand.step_ms)
+    assert plan.apply_to(cluster).global_batch == cluster.global_batch
+    if cand.fits:
+      assert joint.samples_per_s >= cand.samples_per_s / 1.02 * (1 - 1e-9), name
+  # Dynamic batching moves examples from the T4s to the V100s (2x faster at fp32).
+  dyn = planned["dynamic batching"][2]
+  assert dyn.batches[1] < dyn.batches[0] and dyn.cost == 0.0
+  # Uniform low precision runs int8 on every T4 op; its plan keeps the spec's batches.
+  mix = demo.precision_mix(planned["uniform low precision"][0], "inference", profiles["T4"].op_names)
+  assert mix == f"int8×{N_OPS}"
+  alternatives = planned["joint"][0].predictions["alternatives"]
+  assert {a["name"] for a in alternatives} == set(planned)
+  for line in demo.why_not_beaten(planned):
+    assert "joint" in line or "faster" in line
 
 
 def test_results_table_and_outputs(tmp_path):
@@ -58,23 +63,18 @@ def test_results_table_and_outputs(tmp_path):
   trained = {name: {"train_loss": 0.5, "eval_loss": 0.6, "eval_accuracy": 0.9} for name in planned}
   text = demo.results_table(cluster, planned, trained, profiles["T4"].op_names)
   lines = text.splitlines()
-  assert "sync step ms" in lines[0] and "fits" in lines[0] and len(lines) == 2 + 4
-  assert lines[2].startswith("fp32") and lines[5].startswith("qsync")
+  assert "samples/s" in lines[0] and "vs dynamic" in lines[0] and len(lines) == 2 + len(planned)
+  assert any(line.startswith("joint") for line in lines)
   demo.write_outputs(str(tmp_path), cluster, indicator, profiles, planned, trained, lambda m: None)
   plan = Plan.load(str(tmp_path / "plan.json"))
-  assert plan.policies["inference"].rules  # the per-op rules of the allocator
+  assert plan.predictions["alternatives"] and plan.batch_per_device
   trace = json.loads((tmp_path / "trace.json").read_text())
   assert any(e.get("ph") == "X" for e in trace["traceEvents"])
   for png in ("timeline.png", "sensitivity.png"):
     assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   results = json.loads((tmp_path / "results.json").read_text())
-  assert set(results) == set(planned) and results["qsync"]["eval_accuracy"] == 0.9
-  assert {p.name for p in (tmp_path / "plans").iterdir()} == {
-    "fp32.json",
-    "uniform_int8.json",
-    "dynamic_batch.json",
-    "qsync.json",
-  }
+  assert set(results) == set(planned) and results["joint"]["eval_accuracy"] == 0.9
+  assert "qsync_precision_only.json" in {p.name for p in (tmp_path / "plans").iterdir()}
 
 
 def test_simulated_devices_uses_the_first_four():
@@ -87,7 +87,7 @@ def test_simulated_devices_uses_the_first_four():
 def test_unknown_config_is_named():
   parser = argparse.ArgumentParser()
   demo.add_arguments(parser)
-  args = parser.parse_args(["--configs", "fp32,bf16"])
+  args = parser.parse_args(["--configs", "joint,bf16"])
   with pytest.raises(QsyncError, match=r"unknown configuration\(s\) \['bf16'\]"):
     demo.run(args)
 
@@ -97,21 +97,6 @@ def test_demo_is_a_cli_subcommand():
 
   args = build_parser().parse_args(["demo", "--out", "x", "--steps", "3"])
   assert args.steps == 3 and args._run is demo.run
-
-
-def test_scaled_t4_memory_excludes_fp32_but_admits_a_plan():
-  rng = np.random.default_rng(103)
-  profiles, ops = _profiles(rng)
-  indicator = fake_indicator(ops, rng.uniform(0.1, 1.0, size=N_OPS))
-  position = float(rng.uniform(0.2, 0.8))
-  cluster, least, fp32 = demo.scale_inference_memory(demo.demo_cluster(8), profiles, position)
-  assert least < fp32
-  assert cluster.group("inference").memory_gb * 1e9 == pytest.approx(least + position * (fp32 - least))
-  assert cluster.group("training").memory_gb == 32.0
-  planned = demo.stage_plan(cluster, profiles, indicator, lambda m: None)
-  assert not planned["fp32"][1].fits
-  assert planned["qsync"][1].fits
-  assert planned["dynamic batch"][0].batch_per_device  # a real batch split
 
 
 def test_stage_train_runs_each_plan_per_seed_and_evaluates():

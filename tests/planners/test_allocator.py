@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planners.allocator import dynamic_batch, exhaustive, greedy, make_problem
+from planners.allocator import exhaustive, greedy, make_problem
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import PlanError
@@ -126,13 +126,3 @@ def test_missing_indicator_ops_are_named():
   cluster, profiles, _ = _setup([(1.0, 1.0, 1.0)] * 2, 2.0, [1.0, 1.0])
   with pytest.raises(PlanError, match="Dense_0:dense"):
     make_problem(cluster, profiles, {"omega": {}})
-
-
-def test_dynamic_batch_proportional_to_speed():
-  cluster, profiles, _ = _setup([(1.0, 1.0, 1.0)] * 3, 3.0, [1.0] * 3)
-  batches, step = dynamic_batch(cluster, profiles)
-  assert batches["train"] * 2 + batches["infer"] * 2 == cluster.global_batch
-  assert batches["train"] == pytest.approx(3 * batches["infer"], rel=0.35)
-  # faster than running the slow group at the full batch
-  plain = predict(cluster, profiles, Plan())
-  assert step < plain.step_ms

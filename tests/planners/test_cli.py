@@ -93,10 +93,15 @@ def test_plan_then_predict(files, capsys):
     == 0
   )
   out = capsys.readouterr().out
-  assert "synchronous step" in out and "replays" in out and "dynamic batch" in out
+  assert "chosen:" in out and "replays" in out and "dynamic batching" in out and "(modeled costs for" in out
   plan = Plan.load(plan_path)
   assert set(plan.policies) == {"train", "infer"}
-  assert plan.predictions["step_ms"] <= plan.predictions["target_ms"] * (1 + 1e-9)
+  alternatives = {a["name"]: a for a in plan.predictions["alternatives"]}
+  assert {"dynamic batching", "QSync (precision only)", "uniform low precision"} <= set(alternatives)
+  assert plan.predictions["chosen"] in alternatives
+  best = max(a["samples_per_s"] for a in alternatives.values() if a["fits_memory"])
+  assert plan.predictions["samples_per_s"] >= best / 1.02 * (1 - 1e-9)  # the default --slack
+  assert sum(plan.batch_per_device.values()) * 2 == 64  # 2 devices a group, the spec's global batch
   assert (
     main(
       [
@@ -157,7 +162,7 @@ def test_bad_inputs_exit_2_with_fix(files, capsys):
     == 2
   )
   err = capsys.readouterr().err
-  assert "needs at least" in err and "Fix: set memory_gb" in err
+  assert "'infer' (T4) cannot fit even 1 example" in err and "Fix: set memory_gb" in err
   assert main(["profile", "--model", MODEL, "--device-type", "TPU", "--out", str(d / "x.json")]) == 2
   assert "catalog" in capsys.readouterr().err
   (d / "y.json.partial").write_text("{truncated")  # an interrupted profile's checkpoint, damaged

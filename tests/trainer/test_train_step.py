@@ -43,6 +43,7 @@ def test_pad_shards_round_trip():
     (_cluster(4, 3, 4, 3), None),  # equal batches: one branch
     (_cluster(5, 3, 3, 3), Plan(batch_per_device={"a": 4, "t": 1})),  # dynamic batch sizing: two branches
     (ClusterSpec.uniform("cpu", 1, 6), None),  # one device: no collectives at all
+    (_cluster(2, 3, 3, 2), Plan(batch_per_device={"a": 6, "t": 0})),  # the t group sits out
   ],
 )
 def test_fp32_step_equals_single_device_grad(cluster, plan):
@@ -50,6 +51,8 @@ def test_fp32_step_equals_single_device_grad(cluster, plan):
   task = make_task()
   devices = jax.devices()[: cluster.num_devices]
   ts = make_train_step(task, cluster, plan, optax.sgd(0.1), devices=devices, return_grads=True)
+  if plan is not None and 0 in plan.batch_per_device.values():
+    assert ts.mesh.devices.size == plan.apply_to(cluster).num_devices < cluster.num_devices
   batch = _fresh_batch(task, ts.global_batch)
   state = ts.init(103, batch)
   _, metrics, grads = ts(state, ts.shard(batch))
