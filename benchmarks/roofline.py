@@ -1,27 +1,32 @@
-"""How far the device catalog's roofline is from a measured device: per op leg and per step.
+"""How far the device catalog's roofline is from a measured device: per op and per step.
 
-Devices that are not at hand are costed from the catalog (``planners.catalog``: datasheet peak
-per precision, memory bandwidth, a derate). This benchmark measures, on the local device, the
+Devices that are not at hand are costed from the catalog (``planners.catalog``,
+``planners.modeled``; ``docs/catalog.md``). This benchmark measures, on the local device, the
 models the hybrid-pool study plans (``MODELS``: ResNet-50 at 224², a BERT-base-sized
-transformer at sequence 128 and 512, a GPT-2-medium-sized LM at sequence 1024) and compares:
+transformer at sequence 128 and 512, a GPT-2-medium-sized LM at sequence 1024) under the uniform
+``fp32`` and ``bf16`` policies, and compares with the catalog-modeled profile of the same ops:
 
-* **per op leg**: every distinct canonical GEMM of the model's quantizable ops (``planners.ops``)
-  — forward, dlhs and drhs — timed alone at each precision the device runs (``fp32`` as XLA
-  runs a float32 product by default, operands stored at ``bf16``, ``int8`` with int32
-  accumulation, ``fp8`` e4m3 with fp32 accumulation; both operands contraction-major), and the
-  convolutions also as the real convolution at ``fp32``/``bf16`` (forward and the two
-  gradients, as ``jax.linear_transpose`` of the forward); against
-  ``catalog.gemm_roofline_ms``;
-* **per step**: the training step under the uniform ``fp32`` and ``bf16`` policies (dispatched
-  back to back, median) against the replay of the model's catalog-modeled profile.
+* **per step**: the training step as the trainer compiles it, dispatched back to back
+  (``timing.PIPELINED_CLOCK``, median of windows), against the replay of the modeled profile;
+* **per op, inside the step**: the step traced (``timing.traced_step``: on a GPU every kernel on
+  the device clock, on a CPU XLA's per-instruction events) and charged to the ops by their JAX
+  name stacks (``planners.step_hlo.per_op_ms``): per op kind, the forward and the gradient legs
+  against the modeled legs (``planners.modeled.leg_ms``), and the rest of the step (elementwise
+  work, norms, the loss, the optimizer) against the modeled remainder and optimizer;
+* **per op leg alone** (``--standalone``): every distinct canonical GEMM of the model's ops —
+  forward, dlhs and drhs — timed alone at each precision the device runs (``fp32`` at full
+  precision as the runtime's fp32 legs, ``tf32`` as XLA runs a float32 product by default,
+  ``bf16``, ``int8`` with int32 accumulation, ``fp8`` e4m3; operands stored at the precision,
+  contraction-major), and the convolutions as the real convolution at ``fp32``/``tf32``/``bf16``,
+  against the roofline of the product (``catalog.gemm_roofline_ms``).
 
-``--save-measured FILE`` keeps the raw timings and op shapes, so that the catalog can be
-re-scored offline (``--measured FILE``, on any machine) as it changes. Rows go to
-``benchmarks/results/roofline.jsonl``; a table is printed last.
+``--save-measured FILE`` keeps the raw timings and op shapes (after every model), so that the
+catalog can be re-scored offline (``--measured FILE…``, on any machine) as it changes. Rows go
+to ``benchmarks/results/roofline.jsonl``; a table is printed last.
 
-  python -m benchmarks.roofline --save-measured $OUT/roofline_h100.json       # on the GPU
-  python -m benchmarks.roofline --measured benchmarks/results/roofline_h100.json  # offline
-  python -m benchmarks.roofline --tiny                                        # CPU smoke run
+  python -m benchmarks.roofline --save-measured $OUT/roofline_h100.json                # on the GPU
+  python -m benchmarks.roofline --measured benchmarks/results/roofline/h100_steps.json  # offline
+  python -m benchmarks.roofline --tiny                                                 # CPU smoke run
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ from benchmarks.result_rows import result_row, save_rows
 from examples.tasks.language import synthetic_lm
 from examples.tasks.vision import resnet_synthetic
 from planners import catalog, timing
-from planners.modeled import modeled_profile
+from planners.measure import local_device_type
+from planners.modeled import LEG_TENSORS, modeled_profile
 from planners.ops import OpShape, collect_ops
 from planners.profile import Profile
 from planners.replay import predict
+from planners.step_hlo import per_op_ms
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "roofline.jsonl")
 
@@ -82,8 +90,11 @@ MODELS = {
 TINY = {
   "resnet50": dict(image_size=16, stage_sizes=(1, 1), widths=(8, 16), num_classes=10, block="bottleneck"),
   "bert_s128": dict(vocab_size=64, d_model=32, num_heads=2, num_layers=1, seq_len=16),
+  "gpt_350m": dict(vocab_size=96, d_model=32, num_heads=2, num_layers=2, seq_len=32),
 }
 """``--tiny``: the same families at CPU size, batch 2."""
+POLICIES = ("fp32", "bf16")
+"""The uniform policies whose steps are measured and modeled."""
 
 LEG_GEMM = {
   "fwd": lambda m, k, n: (m, k, n),
@@ -93,18 +104,6 @@ LEG_GEMM = {
 """A leg's product ``(m, k, n)`` from the op's forward ``(m, k, n)`` (as ``modeled_profile``)."""
 
 LEGS = ("fwd", "dlhs", "drhs")
-
-
-def device_type() -> str:
-  """The catalog name of the local device (``H100`` for an H100 SXM, ``cpu`` on a CPU)."""
-  kind = jax.devices()[0].device_kind
-  if "H100" in kind:
-    return "H100-PCIe" if "PCIe" in kind else "H100"
-  if "H200" in kind:
-    return "H200"
-  if "A100" in kind:
-    return "A100"
-  return "cpu"
 
 
 def build(name: str, tiny: bool):
@@ -211,17 +210,14 @@ def conv_leg_ms(op: OpShape, leg: str, precision: str, repeats: int) -> float:
   return _kernel_ms(f, (x, g), repeats)
 
 
-def measure_model(name: str, tiny: bool, repeats: int, say, steps: bool = True) -> dict:
-  """Raw timings of one model on the local device: per distinct GEMM and conv leg, and per step."""
-  task, data, batch = build(name, tiny)
-  ops, param_bytes = model_ops(task, data)
-  device = device_type()
+def standalone_legs(ops: list[OpShape], device: str, repeats: int) -> tuple[dict, dict]:
+  """``(gemm_ms, conv_ms)``: every distinct GEMM leg at each precision the device runs, and every
+  convolution leg at fp32/tf32/bf16, each timed alone (module docstring)."""
   precisions = [p for p in GEMM_PRECISIONS if p in catalog.device_spec(device).peak_tflops or device == "cpu"]
   gemms: dict[str, float] = {}
   convs: dict[str, float] = {}
-  t0 = time.perf_counter()
   for op in ops:
-    if op.kind == "embed":  # a lookup (gather), not a product: no roofline to compare with
+    if op.kind == "embed":  # a lookup (gather), not a product: no product to time alone
       continue
     for leg in LEGS:
       if op.kind == "conv":  # the step runs the convolution itself at 16/32 bits
@@ -234,16 +230,38 @@ def measure_model(name: str, tiny: bool, repeats: int, say, steps: bool = True) 
         key = gemm_key(op, leg, p)
         if key not in gemms:
           gemms[key] = gemm_ms(op.batch, *LEG_GEMM[leg](op.m, op.k, op.n), p, repeats)
-  say(f"{name}: {len(gemms)} GEMMs, {len(convs)} convolution legs timed in {time.perf_counter() - t0:.0f} s")
-  steps = {}
-  from qsync_jax.policy import PrecisionPolicy
+  return gemms, convs
 
-  for policy in ("fp32", "bf16") if steps else ():
+
+def measure_model(
+  name: str, tiny: bool, say, step_windows: int = 3, trace_steps: int = 3, standalone_repeats: int = 0
+) -> dict:
+  """Raw timings of one model on the local device, per policy: the step (``step_windows``
+  windows of ``timing.PIPELINE_WINDOW`` steps), its kernels charged to ops and the rest
+  (``in_step_ms``, a trace of ``trace_steps`` steps) and their total (``step_kernel_ms``); with
+  ``standalone_repeats``, every GEMM and convolution leg alone (``standalone_legs``)."""
+  task, data, batch = build(name, tiny)
+  ops, param_bytes = model_ops(task, data)
+  device = local_device_type()
+  t0 = time.perf_counter()
+  gemms, convs = standalone_legs(ops, device, standalone_repeats) if standalone_repeats else ({}, {})
+  if standalone_repeats:
+    say(
+      f"{name}: {len(gemms)} GEMMs, {len(convs)} convolution legs timed in {time.perf_counter() - t0:.0f} s"
+    )
+  step_ms, in_step, kernel_ms = {}, {}, {}
+  clock = timing.default_step_clock()
+  for policy in POLICIES if step_windows else ():
     t0 = time.perf_counter()
     run, _ = timing.compiled_train_step(task, PrecisionPolicy.uniform(policy), data)
-    steps[policy] = timing.timed_ms(run, 10 * max(1, repeats), clock=timing.PIPELINED_CLOCK)[0]
+    step_ms[policy] = timing.timed_ms(run, step_windows * timing.PIPELINE_WINDOW, clock=clock)[0]
+    del run  # its state, before the traced step builds its own
+    hlo, instruction_ms = timing.traced_step(task, PrecisionPolicy.uniform(policy), data, trace_steps)
+    in_step[policy] = per_op_ms(hlo, instruction_ms, ops)
+    kernel_ms[policy] = sum(instruction_ms.values())
     say(
-      f"{name}: {policy} step {steps[policy]:.2f} ms (compiled and timed in {time.perf_counter() - t0:.0f} s)"
+      f"{name}: {policy} step {step_ms[policy]:.2f} ms, traced kernels {kernel_ms[policy]:.2f} ms "
+      f"({time.perf_counter() - t0:.0f} s)"
     )
   return {
     "model": name,
@@ -254,7 +272,9 @@ def measure_model(name: str, tiny: bool, repeats: int, say, steps: bool = True) 
     "ops": [o.to_json() for o in ops],
     "gemm_ms": gemms,
     "conv_ms": convs,
-    "step_ms": steps,
+    "step_ms": step_ms,
+    "in_step_ms": in_step,
+    "step_kernel_ms": kernel_ms,
   }
 
 
@@ -289,26 +309,46 @@ def modeled_step_ms(measured: dict, policy: str) -> float:
 
 
 def op_leg_times(measured: dict, spec: catalog.DeviceSpec) -> dict[str, list[tuple[float, float]]]:
-  """``{precision: [(measured ms, roofline ms)]}`` over every op leg of the model (an op applied
-  several times counts as often)."""
+  """``{precision: [(measured ms, roofline ms)]}`` over every op leg timed alone (an op applied
+  several times counts as often), against the roofline of the leg's product alone."""
   out: dict[str, list[tuple[float, float]]] = {}
   for o in measured["ops"]:
     op = OpShape.from_json(o)
+    sizes = {"lhs": op.lhs_elems, "rhs": op.rhs_elems, "out": op.out_elems}
     for leg in LEGS:
       m, k, n = LEG_GEMM[leg](op.m, op.k, op.n)
+      elems = tuple(sizes[t] for t in LEG_TENSORS[leg])
       for p in spec.peak_tflops:
         key = conv_key(op, leg, p) if op.kind == "conv" else gemm_key(op, leg, p)
         ms = (measured["conv_ms"] if op.kind == "conv" else measured["gemm_ms"]).get(key)
         if ms is not None:
-          out.setdefault(p, []).extend(
-            [(ms, catalog.gemm_roofline_ms(spec, p, m, k, n, op.batch))] * op.calls
-          )
+          roofline = catalog.gemm_roofline_ms(spec, p, m, k, n, op.batch, elems, op.kind == "conv")
+          out.setdefault(p, []).extend([(ms, roofline)] * op.calls)
+  return out
+
+
+def in_step_times(measured: dict, policy: str) -> dict[str, dict[str, tuple[float, float]]]:
+  """``{op kind: {"fwd" | "bwd": (measured ms, modeled ms)}, "rest": {"all": (…)}}`` of one step:
+  the traced time charged to the ops of each kind against their modeled legs (the first op has
+  no dlhs), and the rest of the step against the modeled remainder plus optimizer."""
+  modeled = modeled_profile(base_profile(measured), measured["device_type"])
+  traced = measured["in_step_ms"][policy]
+  out: dict[str, dict[str, tuple[float, float]]] = {}
+  for i, op in enumerate(modeled.ops):
+    legs = {leg: op.calls * modeled.leg_ms(op.name, leg, policy) for leg in LEGS}
+    model = {"fwd": legs["fwd"], "bwd": legs["drhs"] + (legs["dlhs"] if i else 0.0)}
+    row = out.setdefault(op.kind, {"fwd": (0.0, 0.0), "bwd": (0.0, 0.0)})
+    for part, (a, b) in row.items():
+      row[part] = (a + traced.get(op.name, {}).get(part, 0.0), b + model[part])
+  rest = sum(traced.get("rest", {}).values())
+  out["rest"] = {"all": (rest, sum(modeled.remainder_ms.values()) + modeled.optimizer_ms)}
   return out
 
 
 def score(measured: dict) -> tuple[list[dict], list[str]]:
-  """Rows and table lines: per precision, the op legs' measured / roofline ratio (median, range)
-  and the error of their summed time; per step policy, measured and modeled step and the error."""
+  """Rows and table lines: per precision, the standalone op legs' measured / roofline ratio (median,
+  range) and the error of their summed time; per policy, the in-step time of each op kind and
+  of the rest against the model's; per policy, the measured and modeled step and the error."""
   spec = catalog.device_spec(measured["device_type"])
   name, device = measured["model"], measured["device_kind"]
   rows, lines = [], []
@@ -334,34 +374,63 @@ def score(measured: dict) -> tuple[list[dict], list[str]]:
       f"{name:10s} op legs {p:5s}: measured/roofline median {np.median(r):5.2f} "
       f"(min {r.min():.2f}, max {r.max():.2f}) over {len(r):3d} legs; summed {100 * total_err:+6.1f} %"
     )
+  for policy in measured.get("in_step_ms", {}):
+    for kind, parts in in_step_times(measured, policy).items():
+      meas = sum(a for a, _ in parts.values())
+      model = sum(b for _, b in parts.values())
+      err = (model - meas) / meas if meas > 0 else float("nan")
+      rows.append(
+        result_row(
+          "roofline",
+          f"{name} in-step {policy} {kind}",
+          "step_share_ms",
+          meas,
+          model,
+          device,
+          modeled_ms=model,
+          error=err,
+          **{part: list(v) for part, v in parts.items()},
+        )
+      )
+      detail = [", ".join(f"{part} {v[j]:.2f}" for part, v in parts.items() if part != "all") for j in (0, 1)]
+      meas_s, model_s = (f" ({d})" if d else "" for d in detail)
+      lines.append(
+        f"{name:10s} in step {policy:4s} {kind:14s}: measured {meas:8.2f} ms{meas_s}  "
+        f"modeled {model:8.2f} ms{model_s}  error {100 * err:+7.1f} %"
+      )
   for policy, ms in measured["step_ms"].items():
     modeled = modeled_step_ms(measured, policy)
     err = (modeled - ms) / ms
+    kernels = measured.get("step_kernel_ms", {}).get(policy)
     rows.append(
       result_row(
-        "roofline", f"{name} step {policy}", "step_ms", ms, modeled, device, modeled_ms=modeled, error=err
+        "roofline",
+        f"{name} step {policy}",
+        "step_ms",
+        ms,
+        modeled,
+        device,
+        modeled_ms=modeled,
+        error=err,
+        **({"kernel_ms": kernels} if kernels is not None else {}),
       )
     )
+    busy = f"  (traced kernels {kernels:8.2f} ms)" if kernels is not None else ""
     lines.append(
-      f"{name:10s} step {policy:5s}: measured {ms:9.2f} ms  modeled {modeled:9.2f} ms  error {100 * err:+7.1f} %"
+      f"{name:10s} step {policy:5s}: measured {ms:9.2f} ms  modeled {modeled:9.2f} ms  "
+      f"error {100 * err:+7.1f} %{busy}"
     )
   return rows, lines
 
 
 def merged(runs: list[dict]) -> list[dict]:
   """One entry per model: the timings of later runs of a model added to (and replacing) the earlier."""
+  keys = ("gemm_ms", "conv_ms", "step_ms", "in_step_ms", "step_kernel_ms")
   out: dict[str, dict] = {}
   for r in runs:
-    if r["model"] not in out:
-      out[r["model"]] = {
-        **r,
-        "gemm_ms": dict(r["gemm_ms"]),
-        "conv_ms": dict(r["conv_ms"]),
-        "step_ms": dict(r["step_ms"]),
-      }
-      continue
-    for key in ("gemm_ms", "conv_ms", "step_ms"):
-      out[r["model"]][key].update(r[key])
+    entry = out.setdefault(r["model"], {**r, **{key: {} for key in keys}})
+    for key in keys:
+      entry[key].update(r.get(key, {}))
   return list(out.values())
 
 
@@ -369,12 +438,17 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.split("\n\n")[0])
   ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
   ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, batch 2")
-  ap.add_argument("--repeats", type=int, default=5, help="timing windows of 10 calls per GEMM (median)")
+  ap.add_argument("--step-windows", type=int, default=3, help="windows of 10 steps per step time (median)")
+  ap.add_argument("--trace-steps", type=int, default=3, help="steps traced for the in-step op times")
   ap.add_argument(
-    "--step-models",
-    nargs="*",
-    default=list(MODELS),
-    help="models whose fp32/bf16 steps are timed (default all)",
+    "--standalone",
+    type=int,
+    default=0,
+    metavar="N",
+    help="also time every op leg alone, N windows of 10 calls",
+  )
+  ap.add_argument(
+    "--step-models", nargs="*", default=list(MODELS), help="models whose steps are measured (default all)"
   )
   ap.add_argument("--save-measured", help="write the raw timings (JSON) here")
   ap.add_argument("--measured", nargs="+", help="score saved raw timings instead of measuring")
@@ -388,14 +462,14 @@ def main(argv=None) -> int:
   if args.measured:
     runs = merged([m for path in args.measured for m in json.load(open(path))])
   else:
-    models = [m for m in args.models if not args.tiny or m in TINY]
-    runs = []
-    for m in models:
-      runs.append(measure_model(m, args.tiny, args.repeats, say, steps=m in args.step_models))
+    runs, t0 = [], time.perf_counter()
+    for m in [m for m in args.models if not args.tiny or m in TINY]:
+      windows = args.step_windows if m in args.step_models else 0
+      runs.append(measure_model(m, args.tiny, say, windows, args.trace_steps, args.standalone))
       if args.save_measured:  # after every model, so that a run cut short keeps what it measured
         with open(args.save_measured, "w") as f:
           json.dump(runs, f)
-        say(f"raw timings so far in {args.save_measured}")
+        say(f"raw timings so far in {args.save_measured} ({time.perf_counter() - t0:.0f} s in all)")
   rows, lines = [], []
   for measured in runs:
     r, ls = score(measured)

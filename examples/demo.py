@@ -170,6 +170,19 @@ def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any]:
   return out
 
 
+def _why_same(planned) -> str:
+  """Why the joint plan found nothing better than a plain alternative, in one clause."""
+  low = planned.get("uniform low precision")
+  full = planned.get("equal batches, training precision")
+  if low and full and low[2].step_ms >= full[2].step_ms:
+    return (
+      f"lower precision does not pay on the inference group here (uniform low precision's step is "
+      f"{low[2].step_ms / full[2].step_ms:.2f}× the training precision's at the same batches: the "
+      "model's ops are too small for the saved GEMM time to cover the casts)"
+    )
+  return "no batch or precision change predicts a faster step at less cost"
+
+
 def why_not_beaten(planned) -> list[str]:
   """One line per alternative whose predicted throughput is not below the joint plan's."""
   _, _, joint = planned["joint"]
@@ -178,7 +191,7 @@ def why_not_beaten(planned) -> list[str]:
     if name == "joint" or not cand.fits or cand.samples_per_s < joint.samples_per_s * (1 - 1e-9):
       continue
     if cand.batches == joint.batches and cand.rows == joint.rows:
-      lines.append(f"joint = {name}: no batch or precision change predicts a faster step at less cost")
+      lines.append(f"joint = {name}: {_why_same(planned)}")
     else:
       lines.append(
         f"{name} is predicted {100 * (cand.samples_per_s / joint.samples_per_s - 1):.1f} % faster (within the "

@@ -34,16 +34,8 @@ def run(args) -> int:
   check_profiles_fit(profiles, cluster, plan)
   pred = predict(cluster, profiles, plan)
   rows = [
-    [
-      g.name,
-      g.device_type,
-      g.count,
-      pred.group_compute_ms[g.name],
-      pred.group_step_ms[g.name],
-      pred.memory_bytes[g.name] / 1e9,
-      g.memory_gb,
-      pred.sources[g.name],
-    ]
+    [g.name, g.device_type, g.count, pred.group_compute_ms[g.name], pred.group_step_ms[g.name]]
+    + [pred.memory_bytes[g.name] / 1e9, g.memory_gb, pred.sources[g.name]]
     for g in cluster.groups
   ]
   print(table(["group", "device", "n", "compute ms", "step ms", "mem GB", "limit GB", "costs"], rows))

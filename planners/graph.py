@@ -212,18 +212,8 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
   for b, (op_index, nbytes) in enumerate(plan):
     ready = tuple(closing[j][op_index] for j in range(len(groups)))
     ms = allreduce_ms(nbytes, comm.n_devices, comm.link_gbps, comm.latency_us)
-    comm_prev = (
-      add(
-        Node(
-          f"all-reduce bucket {b} ({nbytes / 2**20:.1f} MiB)",
-          "comm",
-          "allreduce",
-          "comm",
-          ms,
-          ready + comm_prev,
-        )
-      ),
-    )
+    name = f"all-reduce bucket {b} ({nbytes / 2**20:.1f} MiB)"
+    comm_prev = (add(Node(name, "comm", "allreduce", "comm", ms, ready + comm_prev)),)
     comm_nodes.append(comm_prev[0])
 
   total = sum(nbytes for _, nbytes in plan)

@@ -42,12 +42,15 @@ DEVICE_PRECISIONS: dict[str, tuple[str, ...]] = {
   "T4": ("fp32", "fp16", "int8"),
   "A10": ("fp32", "tf32", "bf16", "fp16", "int8"),
   "L4": ("fp32", "tf32", "bf16", "fp16", "int8", "fp8"),
+  "L40S": ("fp32", "tf32", "bf16", "fp16", "int8", "fp8"),
   "A100": ("fp32", "tf32", "bf16", "fp16", "int8"),
   "H100": PRECISIONS,
   "H100-PCIe": PRECISIONS,
   "H200": PRECISIONS,
 }
-"""Which precisions each device type can run (see ``../shared/REFERENCE.md``)."""
+"""Which precisions each device type can run: its tensor cores' dense formats (fp16 on V100; int8
+from Turing; tf32 and bf16 from Ampere; fp8 from Ada and Hopper). ``"cpu"`` runs every precision
+(through the jnp references)."""
 
 
 def _check_choice(what: str, value: Any, choices: tuple[str, ...], context: str) -> None:

@@ -6,7 +6,7 @@
 * ``reference``: the jnp definition (CPU, fallback, oracle).
 * ``xla``: the same arithmetic, with both operands handed to XLA's 8-bit ``dot_general``
   contraction-major ("NT": ``[M, K]·[N, K]ᵀ``), the layout Hopper's 8-bit tensor cores read
-  (int8 about 1.2–1.5× faster than the row-major right operand); XLA fuses the scale
+  (faster than a row-major right operand, ``docs/kernels.md``); XLA fuses the scale
   epilogue into one elementwise pass over the accumulator.
 * ``pallas``: ``kernel.scaled_matmul``, the epilogue fused into the GEMM.
 * ``mosaic``: ``hopper.scaled_matmul_nt`` (Pallas Mosaic GPU: TMA + wgmma,
@@ -36,11 +36,9 @@ from pallas_kernels.gemm.reference import accumulator_dtype, free_axes, scaled_d
 
 IMPLS = ("auto", "pallas", "mosaic", "xla", "reference")
 
-# What 'auto' runs on a GPU, per operand kind (set from benchmarks/kernels.py's table):
-# int8: the Mosaic GPU kernel (16384x8192x8192 on an H200, bf16 out: 1405 TOP/s against XLA's
-# 1176 with its epilogue and 1281 for its bare int32 dot; our Triton-backend kernel: 1075 on
-# the H100); shapes off its tile grid fall back to XLA. fp8: the same kernel (e4m3, H100:
-# 1298 TFLOP/s against XLA's 1257 with its epilogue; the fp8 Dense step 1.52x bf16 against 1.40x).
+# What 'auto' runs on a GPU, per operand kind: the fastest in benchmarks/kernels.py's tables
+# (docs/kernels.md). int8 and fp8: the Mosaic GPU kernel; shapes off its tile grid fall back
+# to XLA.
 # For short contractions the accumulator round trip dominates XLA's path (int32/float32 out,
 # read back, bf16 written: 10 bytes an output element against a fused kernel's 2), so at
 # K <= SHORT_K the Triton-backend kernel with its in-register epilogue runs.

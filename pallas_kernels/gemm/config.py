@@ -32,10 +32,8 @@ def default_config(m: int, n: int, k: int, itemsize: int = 1) -> GemmConfig:
   """Largest tiles up to 128×256×(128 bytes of K) that divide the problem.
 
   Hopper 8-bit tiles: 128×256 outputs with 8 warps and a 128-deep K step, 3 stages (48 KB
-  of shared memory each). In the sweep of ``benchmarks/kernels.py --sweep`` (int8,
-  16384×8192×8192, H200) it ran at 1058 TOP/s, within noise of the best (256×128×128 and
-  128×256×128 with 4 stages, 1073); 128×128 tiles ran 900-940, 64-deep K steps 876,
-  256×256×64 (register spills) 214. See ``docs/kernels.md``.
+  of shared memory each); ``benchmarks/kernels.py --sweep`` times the alternatives
+  (``docs/kernels.md``).
   """
   bm = largest_pow2_divisor(m, 128)
   bn = largest_pow2_divisor(n, 256)
@@ -72,8 +70,7 @@ SMEM_BYTES = 232448  # shared memory a Hopper CTA may use (227 KB)
 def default_hopper_config(m: int, n: int, out_dtype) -> HopperConfig:
   """128×128 tiles per warpgroup (a 128×256 CTA tile) where N allows, else 128×64; as many
   pipeline buffers (at most 6) as fit beside the epilogue's in 227 KB of shared memory: 4 with
-  a bf16 output and 128-wide tiles (16384×8192×8192 int8 on an H200: 1405 TOP/s; 3 buffers
-  1401, 64-wide tiles with 6 buffers 1278)."""
+  a bf16 output and 128-wide tiles."""
   del m  # M only needs to be a multiple of tile_m (128)
   base = HopperConfig()
   tile_n = base.tile_n if n % (2 * base.tile_n) == 0 else base.tile_n // 2

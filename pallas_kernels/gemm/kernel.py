@@ -11,7 +11,7 @@ Each operand comes in either layout, read in place (no transposed copy):
 ``[K, N]``. The training GEMMs map onto these: forward X·W (a K-major, b ``[K, N]``), dlhs
 dY·Wᵀ (both K-major), drhs Xᵀ·dY (a ``[K, M]``, b ``[K, N]``). On Hopper, 8-bit tensor-core
 instructions read both operands contraction-major; other layouts compile to a slower path
-(about 3× slower for int8, see ``docs/kernels.md``), so the api hands this kernel
+(``docs/kernels.md``), so the api hands this kernel
 K-major operands where it can.
 
 e5m2×e4m3 (gradient GEMMs in fp8): the Pallas Triton lowering takes one element type per

@@ -8,10 +8,8 @@ whatever the tiling or the output layout.
 
 Why not ``jax.random.uniform``: threefry costs about 20 integer rounds per element and on
 XLA:CPU runs as a while loop whose two 32-bit words per element are materialized ahead of
-the backward pass. On the CPU LM benchmark (``benchmarks/predictor.get_model("lm")``) the
-all-int8 training step took 154.0 ms with it and 56.7 ms with this hash (fp32: 63 ms;
-``docs/results.md``). Indices are uint32: a tensor of more than 2**32 elements repeats
-its noise.
+the backward pass; this hash is elementwise and fuses into the rounding. Indices are uint32:
+a tensor of more than 2**32 elements repeats its noise.
 """
 
 from __future__ import annotations

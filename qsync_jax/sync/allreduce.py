@@ -78,12 +78,11 @@ def allreduce(
   flattening order, are concatenated into buckets of at most that many payload bytes and each
   bucket is one ``psum``, so each collective waits only for its own leaves. Left ``None``,
   every leaf is its own ``psum`` and XLA's all-reduce combiner packs them into collectives of
-  up to 30 MiB (on GPUs) — in parameter-tree order whatever order they come in (seen in the
-  compiled HLO of the 4-layer LM on 4 H100s), so most of the all-reduce waits for the end of
-  the backward pass. Given leaves in backward order (the trainer's ``sync_leaf_order="auto"``),
-  buckets of about XLA's threshold complete as the backward produces them, and XLA cannot
-  merge two of them (together they exceed its threshold). On 4 × H100 such buckets made a
-  4-layer LM's step 0.94× (2 GPUs) and 0.98× (4 GPUs) the combiner's (``docs/results.md``)."""
+  up to 30 MiB (on GPUs) — in parameter-tree order whatever order they come in, so most of
+  the all-reduce waits for the end of the backward pass. Given leaves in backward order (the
+  trainer's ``sync_leaf_order="auto"``), buckets of about XLA's threshold complete as the
+  backward produces them, and XLA cannot merge two of them (together they exceed its
+  threshold). ``docs/results.md`` times them against the combiner."""
   check_options(dtype, accumulate, bucket_bytes)
   payload = PAYLOAD_DTYPES[dtype]
   leaves, treedef = jax.tree.flatten(tree)

@@ -10,11 +10,9 @@ the collectives:
   layers' backward and can run while the earlier layers' backward does (PyTorch DDP's
   reverse-order buckets, obtained from the program rather than from hooks);
 * without buckets each leaf is its own ``psum`` and XLA's all-reduce combiner packs them — in
-  parameter-tree order whatever order they come in: the compiled step of a 4-layer LM on 4
-  H100s held the same four collectives (30.7, 30.7, 30.7, 23.6 MB; three of them after the
-  backward) with the leaves in tree or in backward order, and timed round-robin the two
-  orders measured alike (1.005× and 1.008× on 2 and 4 GPUs), while 30 MiB buckets of our own
-  measured 0.94× and 0.98× (``docs/results.md``).
+  parameter-tree order whatever order they come in, so the compiled step holds the same
+  collectives with the leaves in tree or in backward order (``docs/results.md`` times both
+  against buckets).
 
 * ``backward_order(grad_jaxpr)`` — the permutation of the gradient leaves by the position
   of the equation that produces each in the jaxpr of the gradient (``jax.make_jaxpr`` of

@@ -16,7 +16,7 @@ from qsync_jax.policy import PrecisionPolicy
 
 
 @pytest.mark.standard_promotion  # optax's Adam in the timed steps
-def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path, capsys):
+def test_plans_timed_round_robin_predicted_and_scored_with_and_without_in_step_factors(tmp_path, capsys):
   results = tmp_path / "predictor.jsonl"
   argv = ["--models", "mlp", "--repeats", "2", "--rounds", "2", "--profile-repeats", "2", "--refit"]
   predictor.main(
@@ -44,25 +44,19 @@ def test_plans_timed_round_robin_and_predicted_as_profiled_and_refitted(tmp_path
   summary = {r["case"] for r in rows if r["metric"] == "abs_rel_error"}
   assert summary == {"all/mean_abs_step_error", "all/mean_abs_memory_error", "all/mean_abs_step_error_refit"}
   assert "refitted to the fit step timed among the plans" in capsys.readouterr().out
-  # a second run reuses the saved profile instead of measuring one
-  again = ["--models", "mlp", "--repeats", "1", "--rounds", "1", "--no-save"]
-  predictor.main([*again, "--profile-dir", str(tmp_path / "profiles")])
-  out = capsys.readouterr().out
-  assert f"# mlp: profile {tmp_path / 'profiles' / 'mlp.json'}" in out and "profiled" not in out
 
-
-@pytest.mark.standard_promotion  # optax's Adam in the timed steps
-def test_a_profile_with_in_step_factors_is_also_scored_without_them(tmp_path, capsys):
-  profiles, results = tmp_path / "profiles", tmp_path / "predictor.jsonl"
-  argv = ["--models", "mlp", "--repeats", "1", "--rounds", "1", "--profile-repeats", "2"]
-  predictor.main([*argv, "--profile-dir", str(profiles), "--no-save"])
-  path = str(profiles / "mlp.json")
+  # A second run reuses the saved profile instead of measuring one; given in-step factors (as a
+  # GPU profile holds them), it also scores every plan without them. One test, not two, so that
+  # the profile is measured once.
+  path = str(tmp_path / "profiles" / "mlp.json")
   plain = Profile.load(path)
   assert plain.quantized_in_step_ms == {}  # XLA:CPU: not traced (planners.measure)
-  # as a GPU profile would hold them: every op's int8 legs twice as dear in the step
-  traced = {op: {"fwd": 1.0, "bwd": 2.0} for op in plain.op_names}
+  traced = {op: {"fwd": 1.0, "bwd": 2.0} for op in plain.op_names}  # int8 legs twice as dear in the step
   fit_profile(dataclasses.replace(plain, quantized_in_step_ms=traced)).save(path)
-  predictor.main([*argv, "--profile-dir", str(profiles), "--results", str(results)])
+  again, results = ["--models", "mlp", "--repeats", "1", "--rounds", "1"], tmp_path / "again.jsonl"
+  predictor.main([*again, "--profile-dir", str(tmp_path / "profiles"), "--results", str(results)])
+  out = capsys.readouterr().out
+  assert f"# mlp: profile {path}" in out and "profiled" not in out
   rows = [json.loads(line) for line in results.read_text().splitlines()]
   by = {(r["case"], r["metric"]): r["value"] for r in rows}
   without = {case for case, metric in by if metric == "step_ms_cpu_clock_no_in_step"}
@@ -77,4 +71,4 @@ def test_a_profile_with_in_step_factors_is_also_scored_without_them(tmp_path, ca
     by[("mlp/int8_fwd", "step_ms_cpu_clock_no_in_step")]
   )
   assert ("all/mean_abs_step_error_no_in_step", "abs_rel_error") in by
-  assert "no_in_step profile: step-time |error|" in capsys.readouterr().out
+  assert "no_in_step profile: step-time |error|" in out

@@ -116,11 +116,14 @@ def test_resnet_synthetic_batches_are_deterministic_and_train_one_step():
   assert a["image"].shape == (4, 16, 16, 3) and a["label"].max() < 10
   assert not np.array_equal(a["image"], next(task.train_batches(4, 4))["image"])
   variables = task.model.init(jax.random.key(0), *task.inputs(a), train=False)
-  (loss, metrics), _ = jax.value_and_grad(
-    lambda p: task.loss(
-      task.model.apply({**variables, "params": p}, *task.inputs(a), mutable=["batch_stats"], train=True)[0], a
-    ),
-    has_aux=True,
+  (loss, metrics), _ = jax.jit(  # one compiled step: op-by-op dispatch of a ResNet's gradient is slow
+    jax.value_and_grad(
+      lambda p: task.loss(
+        task.model.apply({**variables, "params": p}, *task.inputs(a), mutable=["batch_stats"], train=True)[0],
+        a,
+      ),
+      has_aux=True,
+    )
   )(variables["params"])
   assert np.isfinite(float(loss)) and 0.0 <= float(metrics["accuracy"]) <= 1.0
   assert resnet_synthetic(image_size=224, imagenet_stem=True).model.imagenet_stem

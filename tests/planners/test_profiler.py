@@ -101,9 +101,11 @@ def test_modeled_profile_is_labelled_and_follows_the_roofline():
   t4 = modeled_profile(base, "T4")
   assert t4.source == "modeled" and t4.device_type == "T4"
   assert set(t4.op_ms["Dense_0:dense"]["fwd"]) == {"fp32", "fp16", "int8"}
-  op = base.ops[0]
+  op = base.ops[0]  # the product over the tensors the op moves
   assert t4.op_ms[op.name]["fwd"]["fp32"] == pytest.approx(
-    gemm_roofline_ms(device_spec("T4"), "fp32", op.m, op.k, op.n)
+    gemm_roofline_ms(
+      device_spec("T4"), "fp32", op.m, op.k, op.n, 1, (op.lhs_elems, op.rhs_elems, op.out_elems)
+    )
   )
   with pytest.raises(ClusterSpecError, match="Fix: use one of"):
     modeled_profile(base, "TPUv9")

@@ -150,9 +150,11 @@ def test_policy_matching_nothing_is_bit_identical():
   def plain_loss(v):
     return cross_entropy(model.apply(v, seq[:, :-1]), seq[:, 1:])
 
-  np.testing.assert_array_equal(lm_loss(qmodel, variables, seq, jax.random.key(0)), plain_loss(variables))
-  got = jax.grad(lambda v: lm_loss(qmodel, v, seq, jax.random.key(0)))(variables)
-  want = jax.grad(plain_loss)(variables)
+  # jitted, both: the same program compiles to the same code (op-by-op dispatch is slow here)
+  got_loss = jax.jit(lambda v: lm_loss(qmodel, v, seq, jax.random.key(0)))(variables)
+  np.testing.assert_array_equal(got_loss, jax.jit(plain_loss)(variables))
+  got = jax.jit(jax.grad(lambda v: lm_loss(qmodel, v, seq, jax.random.key(0))))(variables)
+  want = jax.jit(jax.grad(plain_loss))(variables)
   jax.tree.map(np.testing.assert_array_equal, got, want)
   # init through the wrapper creates the same parameters
   jax.tree.map(np.testing.assert_array_equal, qmodel.init(jax.random.key(1), seq[:, :-1]), variables)

@@ -36,9 +36,9 @@ def float32_logits(jaxpr_text: str) -> int:
 
 
 def run(qmodel, variables, x, fused):
-  with fused_attention(fused):
-    y = qmodel.apply(variables, x)
-    grads = jax.grad(lambda v: jnp.sum(qmodel.apply(v, x).astype(jnp.float32) ** 2))(variables)
+  with fused_attention(fused):  # a trace-time switch: fresh functions, traced (and jitted) in it
+    y = jax.jit(lambda v: qmodel.apply(v, x))(variables)
+    grads = jax.jit(jax.grad(lambda v: jnp.sum(qmodel.apply(v, x).astype(jnp.float32) ** 2)))(variables)
     text = str(jax.make_jaxpr(lambda v: qmodel.apply(v, x))(variables))
   return y, grads, text
 

@@ -112,7 +112,7 @@ def test_plan_round_trip_validation_and_fingerprint(tmp_path):
   [
     ({"policies": {"nope": "fp32"}}, "does not have"),
     ({"policies": {"train": "fp8"}}, "'train' (A100)"),  # A100 has no fp8
-    ({"batch_per_device": {"infer": 0}}, "positive integer"),
+    ({"batch_per_device": {"infer": -1}}, "integer ≥ 0"),
     ({"policies": {"infer": "int9"}}, "'infer'"),
     ({"policy": {}}, "unknown key"),
   ],
