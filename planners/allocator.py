@@ -133,7 +133,7 @@ def make_problem(
       if need > g.memory_gb * 1e9:
         raise PlanError(
           f"training group {g.name!r} ({g.device_type}, {g.batch_per_device} per device, {train_policy}) "
-          f"needs {need / 1e9:.3f} GB per device but has memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ "
+          f"needs {math.ceil(need / 1e7) / 100:.2f} GB per device but has memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ "
           f"{math.ceil(need / 1e7) / 100:.2f}, lower its batch_per_device, or plan it as an inference group."
         )
       groups.append(cost)
@@ -189,14 +189,26 @@ class Evaluator:
 
   def cost(self, group: GroupCost, op_index: int):
     """``graph.op_costs``, memoized on (group, op, its policy)."""
-    key = ("t", group.name, group.batch_per_device, op_index, group.op_policies.get(self.problem.op_names[op_index]))
+    key = (
+      "t",
+      group.name,
+      group.batch_per_device,
+      op_index,
+      group.op_policies.get(self.problem.op_names[op_index]),
+    )
     if key not in self._costs:
       self._costs[key] = op_costs(group, op_index)
     return self._costs[key]
 
   def op_memory(self, group: GroupCost, op_index: int):
     """``memory_model.op_memory``, memoized likewise."""
-    key = ("m", group.name, group.batch_per_device, op_index, group.op_policies.get(self.problem.op_names[op_index]))
+    key = (
+      "m",
+      group.name,
+      group.batch_per_device,
+      op_index,
+      group.op_policies.get(self.problem.op_names[op_index]),
+    )
     if key not in self._costs:
       self._costs[key] = op_memory(group, op_index)
     return self._costs[key]
@@ -268,7 +280,7 @@ def fastest_levels(problem: Problem, fit_memory: bool = True) -> Assignment:
       need = mem(mem_levels)
       raise PlanError(
         f"device group {g.name!r} ({prof.device_type}, {g.batch_per_device} per device) needs at least "
-        f"{need / 1e9:.3f} GB per device even with every op at its least-memory precision, but has "
+        f"{math.ceil(need / 1e7) / 100:.2f} GB per device even with every op at its least-memory precision, but has "
         f"memory_gb={limit / 1e9:g}. Fix: set memory_gb ≥ {math.ceil(need / 1e7) / 100:.2f}, lower its "
         "batch_per_device, or move it to a bigger device."
       )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from planners.allocator import make_problem
-from planners.cli_common import check_model, load_json, load_profiles, progress, table
+from planners.cli_common import check_model, check_profiles_fit, load_json, load_profiles, progress, table
 from planners.joint import joint_plan, plan_of, precision_counts
 from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec
@@ -46,6 +46,7 @@ def run(args) -> int:
   profiles = load_profiles(args.profile)
   check_model(profiles, task.name)
   cluster = ClusterSpec.load(args.cluster)
+  check_profiles_fit(profiles, cluster)
   indicator = load_json(args.indicator, "indicator")
   training = args.training_groups.split(",") if args.training_groups else None
   problem = make_problem(cluster, profiles, indicator, training, args.train_precision)

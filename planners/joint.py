@@ -270,7 +270,7 @@ def joint_plan(problem: Problem, granularity: int = 1, slack: float = 0.02, batc
       need = min(memory_bytes(s.group_at(gi, granularity, r)) for r in rows)
       raise PlanError(
         f"device group {g.name!r} ({g.device_type}) cannot fit even {granularity} example(s) per device: it "
-        f"needs {need / 1e9:.3f} GB, and has memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ "
+        f"needs {math.ceil(need / 1e7) / 100:.2f} GB, and has memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ "
         f"{math.ceil(need / 1e7) / 100:.2f} if the device has it, or remove the group from the cluster spec."
       )
   cands = [s.candidate("equal batches, training precision", spec, train_rows)]
