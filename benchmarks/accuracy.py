@@ -1,16 +1,19 @@
-"""Accuracy of the four demo configurations over several seeds → ``docs/results.md``.
+"""Accuracy of the demo's plans over several seeds → ``docs/results.md``.
 
   python -m benchmarks.accuracy                       # vgg (digits) and lm (stdlib), seeds 0 1 2
   python -m benchmarks.accuracy --tasks vgg --seeds 0 1 2 3 4 --steps 300
 
 For each task it runs the ``qsync demo`` pipeline once (fp32 pre-training → gradient
-indicator → local profile + modeled V100/T4 → replay → greedy plan; T4 memory scaled so the
-fp32 step does not fit), then trains every configuration — fp32, uniform int8 on the T4
-group, dynamic batch sizing, the QSync plan — on 4 simulated CPU devices with the hybrid
-trainer, once per seed, and evaluates the fp32 master weights on the held-out split.
+indicator → traced ops with V100/T4 costs modeled → the joint planner, for the pool at
+``--pool-batch-per-device``), then trains every candidate the demo trains — the training
+groups alone, dynamic batching (fp32), uniform low precision on the T4 group, QSync's
+precision-only plan, the joint plan — with its precisions and batch shares on 4 simulated CPU
+devices at ``--batch-per-device``, once per seed, and evaluates the fp32 master weights on
+the held-out split.
 
-Prints a table (mean ± std over seeds; ratio against fp32 of the same run), appends JSON
-lines to ``benchmarks/results/accuracy.jsonl`` and rewrites ``docs/results.md``.
+Prints a table (mean ± std over seeds; ratio against dynamic batching, the full-precision
+plan, of the same run), appends JSON lines to ``benchmarks/results/accuracy.jsonl`` and
+rewrites ``docs/results.md``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from qsync_jax.tasks import get_task
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TARGET_POINTS = 0.3
-"""QSync's target: ≥ uniform int8 + 0.3 points and within 0.3 points of fp32."""
+"""QSync's target: ≥ uniform low precision + 0.3 points and within 0.3 points of full precision."""
+
+FULL = "dynamic batching"
+"""The full-precision (fp32) candidate the others are compared with."""
 
 
 def parse_args(argv=None):
@@ -41,11 +47,11 @@ def parse_args(argv=None):
   parser.add_argument("--tasks", nargs="+", default=["vgg", "lm"])
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--steps", type=int, default=150)
-  parser.add_argument("--batch-per-device", type=int, default=16)
+  parser.add_argument("--batch-per-device", type=int, default=16, help="as `qsync demo`")
+  parser.add_argument("--pool-batch-per-device", type=int, default=128, help="as `qsync demo`")
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--pretrain-steps", type=int, default=40)
   parser.add_argument("--indicator-batches", type=int, default=16)
-  parser.add_argument("--t4-memory", type=float, default=0.5, help="as `qsync demo --t4-memory`")
   parser.add_argument("--eval-max-batches", type=int, default=8, help="held-out batches of 256 (LM)")
   parser.add_argument("--jsonl", default=os.path.join(ROOT, "benchmarks", "results", "accuracy.jsonl"))
   parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "results.md"))
@@ -62,18 +68,20 @@ def mean_std(values):
 def run_task(name, args, devices, say):
   """Plans once, trains every configuration for every seed; returns (planned, trained, cluster)."""
   task = get_task(name)
-  cluster = demo.demo_cluster(args.batch_per_device)
+  cluster, cpu = demo.demo_cluster(args.pool_batch_per_device), demo.demo_cluster(args.batch_per_device)
   stage_args = argparse.Namespace(
     pretrain_steps=args.pretrain_steps, seed=args.seeds[0], indicator_batches=args.indicator_batches
   )
   indicator = demo.stage_indicator(task, stage_args, say)
-  profiles = demo.stage_profile(task, args.batch_per_device, say)
-  if args.t4_memory >= 0:
-    cluster = demo.scale_inference_memory(cluster, profiles, args.t4_memory)[0]
+  profiles = demo.stage_profile(task, args.pool_batch_per_device, say)
   planned = demo.stage_plan(cluster, profiles, indicator, say)
-  plans = {k: plan for k, (plan, _) in planned.items()}
+  plans = {
+    k: demo.cpu_plan(plan, cluster, cpu)
+    for k, (plan, _, cand) in planned.items()
+    if k in demo.CONFIGS and cand.fits
+  }
   eval_max = args.eval_max_batches if name == "lm" else None
-  trained = demo.stage_train(task, cluster, plans, devices, args.steps, args.lr, args.seeds, say, eval_max)
+  trained = demo.stage_train(task, cpu, plans, devices, args.steps, args.lr, args.seeds, say, eval_max)
   return planned, trained, cluster, profiles
 
 
@@ -99,7 +107,7 @@ def jsonl_rows(task, summary, device, date):
   rows = []
   for config, metrics in summary.items():
     for metric, (mean, std) in metrics.items():
-      base = summary["fp32"][metric][0]
+      base = summary[FULL][metric][0]
       rows.append(
         {
           "benchmark": "accuracy",
@@ -119,14 +127,15 @@ def jsonl_rows(task, summary, device, date):
 
 def verdict(summary) -> str:
   """Whether the QSync plan met the target, and whether seeds can resolve the differences."""
-  if "qsync" not in summary or "uniform int8" not in summary:
+  names = ("joint", "uniform low precision", FULL)
+  if any(c not in summary for c in names):
     return "not evaluated (a configuration is missing)"
-  (q, q_sd), (u, u_sd), (f, f_sd) = (summary[c]["accuracy"] for c in ("qsync", "uniform int8", "fp32"))
+  (q, q_sd), (u, u_sd), (f, f_sd) = (summary[c]["accuracy"] for c in names)
   over_uniform, gap = q - u, q - f
   ok = over_uniform >= TARGET_POINTS and abs(gap) <= TARGET_POINTS
   text = (
-    f"{'MET' if ok else 'MISSED'}: QSync − uniform int8 = {over_uniform:+.2f} points "
-    f"(target ≥ +{TARGET_POINTS}), QSync − fp32 = {gap:+.2f} points (target within ±{TARGET_POINTS})"
+    f"{'MET' if ok else 'MISSED'}: joint − uniform low precision = {over_uniform:+.2f} points "
+    f"(target ≥ +{TARGET_POINTS}), joint − fp32 ({FULL}) = {gap:+.2f} points (target within ±{TARGET_POINTS})"
   )
   spread = max(q_sd, u_sd, f_sd)
   if spread > TARGET_POINTS:
@@ -152,7 +161,7 @@ def source_commit() -> str:
 
 def markdown(results, args, device, date, command) -> str:
   lines = [
-    f"### The QSync plan against uniform int8, dynamic batch sizing and fp32 (CPU): {', '.join(results)}",
+    f"### The joint plan against its alternatives (CPU numerics, modeled pool): {', '.join(results)}",
     "",
     f"Generated by `benchmarks/accuracy.py` on {date} ({device}) at commit {source_commit()}; command:",
     "",
@@ -161,15 +170,13 @@ def markdown(results, args, device, date, command) -> str:
     "```",
     "",
     "Setup (the `qsync demo` pipeline): 4 simulated CPU devices in two groups, 2 × V100 (`training`)",
-    "and 2 × T4 (`inference`), per-device batch "
-    f"{args.batch_per_device}, {args.steps} Adam steps (lr {args.lr}), seeds {args.seeds}. "
-    "The plan is made once per task (seed "
-    f"{args.seeds[0]}): {args.pretrain_steps} fp32 pre-training steps, the gradient indicator on "
-    f"{args.indicator_batches} batches, a local CPU profile with V100/T4 costs modeled from the catalog, "
-    f"the T4 memory set {args.t4_memory:g} of the way from the least any plan needs to the fp32 step's "
-    "need (so the fp32 step does not fit there), and the greedy allocator. Numerics run on the CPU exactly as planned per group "
-    "(the T4 group's ops at their planned precision); the held-out metrics are of the fp32 master weights. "
-    "`uniform int8` is QSync's int8 op (int8 forward, fp16 backward) on every op of the T4 group.",
+    f"and 2 × T4 (`inference`), planned at {args.pool_batch_per_device} per device and trained at "
+    f"{args.batch_per_device} per device with each plan's batch shares, {args.steps} Adam steps (lr {args.lr}), "
+    f"seeds {args.seeds}. The plans are made once per task (seed {args.seeds[0]}): {args.pretrain_steps} fp32 "
+    f"pre-training steps, the gradient indicator on {args.indicator_batches} batches, V100/T4 costs modeled "
+    "from the catalog on the traced ops, and the joint planner. Numerics run on the CPU exactly as planned "
+    "per group; the held-out metrics are of the fp32 master weights. `uniform low precision` is QSync's int8 "
+    "op (int8 forward, fp16 backward) on every op of the T4 group.",
     "",
   ]
   for task, (summary, planned, op_names) in results.items():
@@ -179,14 +186,14 @@ def markdown(results, args, device, date, command) -> str:
     lines += [
       f"#### `{task}`",
       "",
-      f"| config | T4 fwd precisions | predicted sync step ms | T4 fits | {kind} | held-out loss |{extra}",
+      f"| config | T4 fwd precisions | pool batch V100/T4 | predicted samples/s (modeled) | {kind} | held-out loss |{extra}",
       "|---|---|---|---|---|---|" + ("---|" if lm else ""),
     ]
     for config, m in summary.items():
-      plan, pred = planned[config]
-      mix = demo.precision_mix(plan, "inference", op_names)
+      plan, _, cand = planned[config]
+      mix = demo.precision_mix(plan, "inference", op_names) if cand.batches[1] else "(sits out)"
       row = (
-        f"| {config} | {mix} | {pred.step_ms:.3f} | {'yes' if pred.fits else 'no'} | "
+        f"| {config} | {mix} | {'/'.join(map(str, cand.batches))} | {cand.samples_per_s:.0f} | "
         f"{m['accuracy'][0]:.2f} ± {m['accuracy'][1]:.2f} | {m['loss'][0]:.4f} ± {m['loss'][1]:.4f} |"
       )
       if lm:
@@ -231,9 +238,9 @@ def main(argv=None) -> int:
       row["values"] = [_metric(r, metric) for r in trained[config]]
     print(f"\n{name}: mean ± std over seeds {args.seeds}")
     for config, m in summary.items():
-      ratio = m["accuracy"][0] / summary["fp32"]["accuracy"][0]
+      ratio = m["accuracy"][0] / summary[FULL]["accuracy"][0]
       print(
-        f"  {config:14s} accuracy {m['accuracy'][0]:6.2f} ± {m['accuracy'][1]:.2f}  (×{ratio:.4f} of fp32)  "
+        f"  {config:22s} accuracy {m['accuracy'][0]:6.2f} ± {m['accuracy'][1]:.2f}  (×{ratio:.4f} of {FULL})  "
         f"loss {m['loss'][0]:.4f} ± {m['loss'][1]:.4f}  perplexity {m['perplexity'][0]:.3f}"
       )
     print(f"  {verdict(summary)}")

@@ -57,7 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--model", default="vgg", help="registered task or package.module:make_task (default: vgg on digits)"
   )
-  parser.add_argument("--batch-per-device", type=int, default=16, help="per-device batch (default 16)")
+  parser.add_argument(
+    "--batch-per-device", type=int, default=16, help="per-device batch the CPU trains (default 16)"
+  )
+  parser.add_argument(
+    "--pool-batch-per-device",
+    type=int,
+    default=128,
+    help="per-device batch the modeled V100/T4 pool is planned at (default 128, a job whose ops are big "
+    "enough for precision to matter); the CPU trains each plan's batch shares at --batch-per-device",
+  )
   parser.add_argument("--steps", type=int, default=150, help="training steps per configuration (default 150)")
   parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
   parser.add_argument("--seed", type=int, default=0)
@@ -200,6 +209,30 @@ def why_not_beaten(planned) -> list[str]:
   return lines
 
 
+def cpu_plan(plan, pool, cpu):
+  """``plan`` (per-device batches for the ``pool`` cluster) with its batches scaled to ``cpu``'s
+  global batch, shares kept as closely as integers allow (a group out stays out)."""
+  import dataclasses as dc
+
+  factor = cpu.global_batch / pool.global_batch
+  groups = pool.groups
+  batches = {g.name: plan.batch_per_device.get(g.name, g.batch_per_device) for g in groups}
+  scaled = {n: (max(1, round(b * factor)) if b else 0) for n, b in batches.items()}
+  for _ in range(cpu.global_batch):  # move one example per device at a time toward the target
+    missing = cpu.global_batch - sum(g.count * scaled[g.name] for g in groups)
+    fits = [g for g in groups if scaled[g.name] and g.count <= abs(missing)]
+    if not missing or not fits:
+      break
+    g = max(fits, key=lambda g: scaled[g.name])
+    scaled[g.name] += 1 if missing > 0 else -1
+  if sum(g.count * scaled[g.name] for g in groups) != cpu.global_batch:
+    raise QsyncError(
+      f"the plan's batches {batches} do not scale to the CPU's global batch {cpu.global_batch}. Fix: "
+      "choose --batch-per-device so that the global batch divides over the groups' devices."
+    )
+  return dc.replace(plan, batch_per_device=scaled)
+
+
 def stage_train(task, cluster, plans, devices, steps, lr, seeds, say, eval_max_batches=None):
   """Trains each plan with the hybrid data-parallel step (``qsync_jax.train_step``) once per
   seed; returns ``{config: [metrics per seed]}`` with held-out metrics of the fp32 weights.
@@ -293,10 +326,12 @@ def results_table(cluster, planned, trained, op_names) -> str:
   for name, (plan, pred, cand) in planned.items():
     metrics = trained.get(name, {})
     t4 = precision_mix(plan, "inference", op_names) if cand.batches[1] else "(sits out)"
+    cpu_batches = metrics.get("cpu_batch_per_device")
     rows.append(
       [
         name,
         "/".join(str(b) for b in cand.batches),
+        "/".join(str(cpu_batches[g.name]) for g in cluster.groups) if cpu_batches else "-",
         t4,
         pred.step_ms,
         f"{cand.samples_per_s:.0f}",
@@ -310,6 +345,7 @@ def results_table(cluster, planned, trained, op_names) -> str:
   headers = [
     "config",
     "batch V100/T4",
+    "CPU batch",
     "T4 fwd precisions",
     "step ms",
     "samples/s",
@@ -371,22 +407,31 @@ def run(args: argparse.Namespace) -> int:
   from qsync_jax.tasks import load_task
 
   task = load_task(args.model)
-  cluster = demo_cluster(args.batch_per_device)
-  say(f"{task.name} on {len(devices)} simulated devices: 2 × V100 (training) + 2 × T4 (inference)")
+  cluster = demo_cluster(args.pool_batch_per_device)
+  cpu = demo_cluster(args.batch_per_device)
+  say(
+    f"{task.name}: a 2 × V100 (training) + 2 × T4 (inference) pool planned at {args.pool_batch_per_device} "
+    f"per device; its plans trained on {len(devices)} simulated CPU devices at {cpu.global_batch} per step"
+  )
   indicator = stage_indicator(task, args, say)
-  profiles = stage_profile(task, args.batch_per_device, say)
+  profiles = stage_profile(task, args.pool_batch_per_device, say)
   planned = stage_plan(cluster, profiles, indicator, say)
-  to_train = {name: plan for name, (plan, _, cand) in planned.items() if name in configs and cand.fits}
+  to_train = {
+    name: cpu_plan(plan, cluster, cpu)
+    for name, (plan, _, cand) in planned.items()
+    if name in configs and cand.fits
+  }
   trained = {
-    k: v[0]
-    for k, v in stage_train(task, cluster, to_train, devices, args.steps, args.lr, [args.seed], say).items()
+    k: {**v[0], "cpu_batch_per_device": to_train[k].batch_per_device}
+    for k, v in stage_train(task, cpu, to_train, devices, args.steps, args.lr, [args.seed], say).items()
   }
   print(results_table(cluster, planned, trained, profiles["cpu"].op_names))
   for line in why_not_beaten(planned):
     print(line)
   print(
-    "step and samples/s: replay predictions for the modeled V100 / T4 pool (not CPU times); accuracy cost: "
-    f"the planner's Σ share·Ω; loss and accuracy: trained on the CPU devices, on {task.name}'s held-out split"
+    "batch, step and samples/s: the modeled V100 / T4 pool's plan and replay predictions (not CPU times); "
+    "accuracy cost: the planner's Σ share·Ω; loss and accuracy: each plan's precisions and batch shares "
+    f"trained on the CPU devices (CPU batch), on {task.name}'s held-out split"
   )
   write_outputs(args.out, cluster, indicator, profiles, planned, trained, say)
   return 0

@@ -117,3 +117,15 @@ def test_stage_train_runs_each_plan_per_seed_and_evaluates():
     assert all(np.isfinite(r["train_loss"]) and 0.0 <= r["eval_accuracy"] <= 1.0 for r in rows)
   # Different seeds start from different parameters, so their losses differ.
   assert trained["fp32"][0]["train_loss"] != trained["fp32"][1]["train_loss"]
+
+
+def test_cpu_plan_keeps_each_plan_s_shares_at_the_cpu_global_batch():
+  pool, cpu = demo.demo_cluster(128), demo.demo_cluster(16)
+  for batches, expected in [
+    ({"training": 86, "inference": 170}, {"training": 11, "inference": 21}),
+    ({"training": 256, "inference": 0}, {"training": 32, "inference": 0}),
+    ({}, {"training": 16, "inference": 16}),
+  ]:
+    scaled = demo.cpu_plan(Plan(batch_per_device=batches), pool, cpu)
+    assert scaled.batch_per_device == expected
+    assert scaled.apply_to(cpu).global_batch == cpu.global_batch
