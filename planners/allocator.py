@@ -93,8 +93,10 @@ Assignment = tuple[tuple[int, ...], ...]
 """Ladder level of every op, per inference group."""
 
 
-def _ladder(ops_omega: Mapping[str, float], device_type: str) -> list[tuple[str, float]]:
-  supported = supported_precisions(device_type)
+def _ladder(
+  ops_omega: Mapping[str, float], device_type: str, runs_8bit: bool = True
+) -> list[tuple[str, float]]:
+  supported = supported_precisions(device_type) if runs_8bit else ("fp32", "tf32", "bf16", "fp16")
   best: dict[int, tuple[str, float]] = {}
   for p, w in ops_omega.items():
     if p not in LEVEL_POLICIES or p == "fp32":
@@ -144,7 +146,7 @@ def make_problem(
         f"the indicator has no Ω for op(s) {missing[:3]}{'…' if len(missing) > 3 else ''} of model "
         f"{prof.model!r}. Fix: run `qsync indicator` on the same model as `qsync profile`."
       )
-    rows = [_ladder(omega[o], g.device_type) for o in prof.op_names]
+    rows = [_ladder(omega[op.name], g.device_type, op.runs_8bit) for op in prof.ops]
     ladders.append(tuple(tuple((p, OpPolicy.preset(LEVEL_POLICIES[p])) for p, _ in row) for row in rows))
     omegas.append(tuple(tuple(w for _, w in row) for row in rows))
     inference.append(len(groups))

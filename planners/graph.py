@@ -113,9 +113,12 @@ def standalone_costs(
 def in_step_factors(prof: Profile, op_index: int) -> tuple[float, float] | None:
   """``(forward, backward)``: the op's time inside the all-int8 step charged to it by a trace
   (``Profile.quantized_in_step_ms``) over its standalone all-int8 costs, forward and gradient
-  legs apart; None where the profile has no trace of the op or a leg came out without time."""
+  legs apart; None where the profile has no trace of the op (or it ran in float: a grouped conv)
+  or a leg came out without time."""
   traced = prof.quantized_in_step_ms.get(prof.ops[op_index].name)
-  if not traced or min(traced.get("fwd", 0.0), traced.get("bwd", 0.0)) <= 0:
+  if (
+    not traced or not prof.ops[op_index].runs_8bit or min(traced.get("fwd", 0.0), traced.get("bwd", 0.0)) <= 0
+  ):
     return None
   costs = standalone_costs(prof, op_index, PRESETS[QUANTIZED_TRACE_PRESET])
   bwd = sum(ms for kind, (ms, _) in costs.items() if kind != "fwd")

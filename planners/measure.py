@@ -30,7 +30,7 @@ from planners.profile import Profile
 from planners.profile_checkpoint import load_partial, remove_partial, save_partial
 from planners.step_hlo import forward_headroom, per_op_ms
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import LEGS, PRESETS, supported_precisions
+from qsync_jax.precision import LEGS, PRESETS, QUANTIZED_PRECISIONS, OpPolicy, supported_precisions
 
 
 def versions() -> dict[str, str]:
@@ -151,14 +151,15 @@ def measure_profile(
       continue
     say(f"[{i + 1}/{len(ops)}] {op.name}  ({op.batch}x{op.m}x{op.k}x{op.n})")
     table: dict[str, dict[str, float]] = {}
+    runs = [p for p in precisions if op.runs_8bit or p not in QUANTIZED_PRECISIONS]
     for leg in LEGS:
-      for p in precisions:
+      for p in runs:
         key = (p, leg, op.batch, op.m, op.k, op.n)
         if key not in cache:
           cache[key] = measure_leg(p, leg, op.batch, op.m, op.k, op.n, repeats, overhead, seed, op_clock)
         table.setdefault(leg, {})[p] = cache[key]
     for name, pol in PRESETS.items():
-      if not all(q in precisions for q in pol.precisions):
+      if not all(q in runs for q in pol.precisions):
         continue
       key = policy_key(name, op)
       if key not in cache:
@@ -205,9 +206,10 @@ def measure_profile(
   if op_clock == timing.DEVICE_CLOCK and all(
     q in precisions for q in PRESETS[QUANTIZED_TRACE_PRESET].precisions
   ):
-    in_step = op_leg_ms(
-      task, PrecisionPolicy.uniform(QUANTIZED_TRACE_PRESET), batch, ops, max(step_repeats // 2, 3)
+    trace_policy = PrecisionPolicy.from_ops(
+      {op.name: OpPolicy.preset(QUANTIZED_TRACE_PRESET if op.runs_8bit else "fp32") for op in ops}
     )
+    in_step = op_leg_ms(task, trace_policy, batch, ops, max(step_repeats // 2, 3))
     say(f"all-int8 step trace: {sum(sum(t.values()) for t in in_step.values()):.3f} ms charged to ops")
   meta = {
     **versions(),

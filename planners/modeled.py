@@ -54,7 +54,13 @@ def modeled_profile(base: Profile, device_type: str) -> Profile:
   """The profile of ``base``'s model on ``device_type``; see the module docstring."""
   spec = catalog.device_spec(device_type)
   op_ms = {
-    op.name: {leg: {p: leg_ms(spec, op, leg, p) for p in spec.peak_tflops} for leg in LEGS} for op in base.ops
+    op.name: {
+      leg: {
+        p: leg_ms(spec, op, leg, p) for p in spec.peak_tflops if op.runs_8bit or p not in QUANTIZED_PRECISIONS
+      }
+      for leg in LEGS
+    }
+    for op in base.ops
   }
   rest = ELEMENTWISE_PASSES * catalog.memory_ms(spec, sum(4 * o.out_elems * o.calls for o in base.ops))
   opt_bytes = 7 * base.memory["param_bytes"]  # adam reads p, g, m, v and writes p, m, v

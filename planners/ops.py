@@ -63,6 +63,11 @@ class OpShape:
   rhs_shape: tuple[int, ...] = ()
 
   @property
+  def runs_8bit(self) -> bool:
+    """Whether an 8-bit leg can run this op (a grouped convolution runs float policies only)."""
+    return not grouped_conv(self.kind, self.lhs_shape, self.rhs_shape)
+
+  @property
   def flops(self) -> float:
     """Flops of the forward product of one call."""
     return 2.0 * self.batch * self.m * self.k * self.n
@@ -101,6 +106,12 @@ class OpShape:
     for key in ("lhs_shape", "rhs_shape"):
       obj[key] = tuple(obj.get(key, ()))
     return cls(**obj)
+
+
+def grouped_conv(kind: str, lhs_shape, rhs_shape) -> bool:
+  """A convolution whose input has more channels than its kernel takes (``feature_group_count``
+  > 1; Flax's NHWC input and HWIO kernel)."""
+  return kind == "conv" and bool(lhs_shape) and bool(rhs_shape) and lhs_shape[-1] != rhs_shape[-2]
 
 
 def gemm_shape(kind: str, lhs_shape, rhs_shape, out_shape) -> tuple[int, int, int, int]:

@@ -34,8 +34,9 @@ from planners.indicator.probes import (
 )
 from planners.indicator.random_ind import random_omega
 from planners.indicator.wvar import wvar_omega
+from planners.ops import grouped_conv
 from qsync_jax.errors import QsyncError
-from qsync_jax.precision import OpPolicy
+from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.task import Task
 
 FORMAT = "qsync-indicator/1"
@@ -94,6 +95,7 @@ def compute(
   batches = list(batches)
   calls, per_batch = collect(task, variables, batches, precisions, op_policy_for, seed, progress)
   order = op_order(calls)
+  float_only = {c.name for c in calls if grouped_conv(c.kind, c.lhs_shape, c.rhs_shape)}
   tables = {}
   for method in methods:
     if method == "gradient":
@@ -107,21 +109,32 @@ def compute(
       omega = hessian_omega(calls, traces, mean_over_batches(per_batch), precisions)
     else:
       omega = random_omega(calls, per_batch, precisions, seed)
-    tables[method] = make_table(method, omega, order, precisions, task.name, len(batches))
+    tables[method] = make_table(method, omega, order, precisions, task.name, len(batches), float_only)
     if method == "gradient":
       tables[method]["metadata"]["estimator"] = gradient_estimator
       tables[method]["metadata"]["loss_batch_size"] = loss_batch_size
   return tables
 
 
-def make_table(method: str, omega, order: Sequence[str], precisions, task_name: str, n_batches: int) -> dict:
-  """The JSON table of ``omega`` ({op: {precision: value}}), fp32 = 0 added, ops in ``order``."""
+def make_table(
+  method: str, omega, order: Sequence[str], precisions, task_name: str, n_batches: int, float_only=()
+) -> dict:
+  """The JSON table of ``omega`` ({op: {precision: value}}), fp32 = 0 added, ops in ``order``; the
+  ops of ``float_only`` (grouped convolutions: no 8-bit leg runs them) without 8-bit entries."""
   return {
     "format": FORMAT,
     "method": method,
     "precisions": ["fp32", *precisions],
     "ops": list(order),
-    "omega": {op: {"fp32": 0.0, **{p: float(omega[op][p]) for p in precisions}} for op in order},
+    "omega": {
+      op: {
+        "fp32": 0.0,
+        **{
+          p: float(omega[op][p]) for p in precisions if op not in float_only or p not in QUANTIZED_PRECISIONS
+        },
+      }
+      for op in order
+    },
     "metadata": {
       "task": task_name,
       "batches": n_batches,

@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quantize import dequantize, quantize
+from planners.ops import grouped_conv
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import OpPolicy
+from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.qdot import FLOAT_DTYPES, qformat
 from qsync_jax.quant_ops import OpInfo
 from qsync_jax.task import Task
@@ -158,7 +159,14 @@ def batch_stats(
     del y
     lhs_c, rhs_c = jax.lax.stop_gradient(lhs), jax.lax.stop_gradient(rhs)
     y_ref = info.rerun(reference, lhs_c, rhs_c)
-    deltas = {p: info.rerun(pol, lhs_c, rhs_c) - y_ref for p, pol in policies.items()}
+    if grouped_conv(info.kind, info.lhs_shape, info.rhs_shape):  # uniform float policies only
+      floats = {p: OpPolicy.uniform(p) for p in policies if p not in QUANTIZED_PRECISIONS}
+      deltas = {
+        p: info.rerun(floats[p], lhs_c, rhs_c) - y_ref if p in floats else jnp.zeros_like(y_ref)
+        for p in policies
+      }
+    else:
+      deltas = {p: info.rerun(pol, lhs_c, rhs_c) - y_ref for p, pol in policies.items()}
     return {"lhs": lhs_c, "rhs": rhs_c, "deltas": deltas}
 
   def fn(variables, batch, key):
