@@ -190,29 +190,18 @@ class Evaluator:
     self._steps: dict[Assignment, float] = {}
 
   def cost(self, group: GroupCost, op_index: int):
-    """``graph.op_costs``, memoized on (group, op, its policy)."""
-    key = (
-      "t",
-      group.name,
-      group.batch_per_device,
-      op_index,
-      group.op_policies.get(self.problem.op_names[op_index]),
-    )
-    if key not in self._costs:
-      self._costs[key] = op_costs(group, op_index)
-    return self._costs[key]
+    """``graph.op_costs``, memoized on (group, batch, op, its policy)."""
+    return self._memo(op_costs, group, op_index)
 
   def op_memory(self, group: GroupCost, op_index: int):
     """``memory_model.op_memory``, memoized likewise."""
-    key = (
-      "m",
-      group.name,
-      group.batch_per_device,
-      op_index,
-      group.op_policies.get(self.problem.op_names[op_index]),
-    )
+    return self._memo(op_memory, group, op_index)
+
+  def _memo(self, fn, group: GroupCost, op_index: int):
+    policy = group.op_policies.get(self.problem.op_names[op_index])
+    key = (fn.__name__, group.name, group.batch_per_device, op_index, policy)
     if key not in self._costs:
-      self._costs[key] = op_memory(group, op_index)
+      self._costs[key] = fn(group, op_index)
     return self._costs[key]
 
   def groups(self, assignment: Assignment) -> list[GroupCost]:
