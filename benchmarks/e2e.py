@@ -54,7 +54,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import math
@@ -67,22 +66,34 @@ import time
 import unittest.mock
 import uuid
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax import lax
 
+from benchmarks.e2e_inspect import (
+  custom_call_stats,
+  device_peak_bytes,
+  instruction_stacks,
+  jaxpr_stats,
+  kernel_kind,
+)
+from benchmarks.e2e_micro import (
+  CONV_CASES,
+  CONV_SHAPES,
+  TINY_CONV_SHAPES,
+  attention_cases,
+  conv_case,
+  conv_operands,
+  time_micro,
+)
 from benchmarks.result_rows import append_rows, result_row
 from examples.tasks.language import synthetic_lm
 from examples.tasks.vision import resnet_synthetic
 from pallas_kernels.gemm import api as gemm_api
 from planners import timing
 from planners.timing import kernels_by, traced_events
-from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantized_conv_general_dilated
+from qsync_jax import OpPolicy, PrecisionPolicy, Rule
 from qsync_jax.qattention import fused_attention
-from qsync_jax.quant_ops import QuantizedEinsum
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
 
@@ -169,61 +180,6 @@ def cnn_task(tiny: bool):
 
 def optimizer() -> optax.GradientTransformation:
   return optax.adamw(1e-4)
-
-
-# -- what a compiled step holds -------------------------------------------------------------
-
-
-def jaxpr_stats(jaxpr) -> dict:
-  """Equations, dot_generals (and those on 8-bit operands) and Pallas kernels (and their
-  distinct shapes) of a jaxpr, nested jaxprs included."""
-  counts = collections.Counter()
-  kernels = set()
-
-  def walk(j):
-    for eqn in j.eqns:
-      counts["eqns"] += 1
-      name = eqn.primitive.name
-      if name == "dot_general":
-        counts["dot_generals"] += 1
-        counts["dot_generals_8bit"] += any(v.aval.dtype.itemsize == 1 for v in eqn.invars)
-      if name == "pallas_call":
-        counts["pallas_calls"] += 1
-        shapes = tuple((str(v.aval.dtype), tuple(v.aval.shape)) for v in eqn.invars)
-        kernels.add((str(eqn.params.get("name_and_src_info", eqn.params.get("name", ""))), shapes))
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (list, tuple)) else (value,):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(getattr(jaxpr, "jaxpr", jaxpr))
-  return {**counts, "distinct_pallas_kernels": len(kernels)}
-
-
-def custom_call_stats(lowered_text: str, compiled_text: str) -> dict:
-  """Custom calls (our Pallas kernels among them) by target: in the lowered StableHLO module,
-  how many distinct kernels (bodies and launch parameters) among them, and in XLA's compiled
-  module (fewer there: XLA merged identical calls on the same operands, e.g. the same
-  activation quantized for the query, key and value projections)."""
-  calls, bodies = collections.Counter(), collections.defaultdict(set)
-  for line in lowered_text.splitlines():
-    if "stablehlo.custom_call @" not in line:
-      continue
-    target = line.split("stablehlo.custom_call @", 1)[1].split("(", 1)[0]
-    calls[target] += 1
-    bodies[target].add(hash(re.sub(r"%[\w#:]+", "", line.split("=", 1)[-1])))
-  compiled = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled_text))
-  return {
-    "custom_calls": dict(calls),
-    "distinct_custom_call_bodies": {k: len(v) for k, v in bodies.items()},
-    "compiled_custom_calls": dict(compiled),
-  }
-
-
-def device_peak_bytes() -> int | None:
-  stats = jax.devices()[0].memory_stats() or {}
-  return stats.get("peak_bytes_in_use")
 
 
 # -- one training step cell -----------------------------------------------------------------
@@ -339,32 +295,6 @@ def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only:
 
 # -- profile ----------------------------------------------------------------------------------
 
-KERNEL_KINDS = (
-  ("our_gemm", ("mosaic", "scaled_matmul")),
-  ("our_quantize", ("quantize",)),
-  ("float_gemm", ("nvjet", "gemm", "cublas", "cutlass", "xmma", "matmul", "dot")),
-  ("attention", ("flash", "fmha", "cudnn")),
-  ("reduce", ("reduce",)),
-  ("transpose_copy", ("transpose", "copy")),
-  ("convert", ("convert",)),
-)
-"""Kernel name marks per kind, first match wins; any other kernel is ``other_fusion``."""
-
-
-def kernel_kind(name: str) -> str:
-  lower = name.lower()
-  return next((kind for kind, marks in KERNEL_KINDS if any(m in lower for m in marks)), "other_fusion")
-
-
-def instruction_stacks(hlo: str) -> dict[str, str]:
-  """``{instruction name: JAX name stack}`` of every instruction of a compiled module (fusions
-  sit inside command-buffer computations on a GPU, not only in ENTRY), keyed as XLA:GPU names
-  their kernels (``.`` written ``_``)."""
-  out = {}
-  for m in re.finditer(r'^\s*(?:ROOT )?%(\S+) = [^\n]*?op_name="([^"]*)"', hlo, re.M):
-    out[m.group(1).replace(".", "_")] = m.group(2)
-  return out
-
 
 def profile_cell(task, batch_size: int, policy_name: str, repeats: int = 5) -> dict:
   """GPU kernel time of one step: total, per ``kernel_kind``, and the 40 largest kernels with
@@ -388,125 +318,6 @@ def profile_cell(task, batch_size: int, policy_name: str, repeats: int = 5) -> d
     },
     "top": [[name, ms, n, stacks.get(name.replace(".", "_"), "")[-160:]] for name, (ms, n) in top],
   }
-
-
-# -- attention and convolution micro-benchmarks -------------------------------------------
-
-
-def attention_cases(seq: int, tiny: bool):
-  """``{case: fn(q, k, v, mask) -> out}`` and the operands (8192 tokens, 12 heads of 64)."""
-  heads, dim, tokens = (2, 16, 256) if tiny else (12, 64, 8192)
-  batch = max(1, tokens // seq)
-  keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(kk, (batch, seq, heads, dim), jnp.float32).astype(jnp.bfloat16) for kk in keys)
-  mask = nn.make_causal_mask(jnp.zeros((batch, seq), jnp.int32))
-  impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-
-  def flax_attention(q, k, v, mask, preset=None):
-    if preset is None:
-      return nn.dot_product_attention(q, k, v, mask=mask)
-    policy, key = OpPolicy.preset(preset), jax.random.key(1)
-    qk, pv = (QuantizedEinsum(None, policy, key if policy.needs_rng else None, None) for _ in range(2))
-    return nn.dot_product_attention(
-      q, k, v, mask=mask, qk_attn_weights_einsum=qk, attn_weights_value_einsum=pv
-    )
-
-  def fused(q, k, v, mask, causal):
-    with jax.numpy_dtype_promotion("standard"):
-      if causal:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-      return jax.nn.dot_product_attention(q, k, v, mask=mask.astype(jnp.bool_), implementation=impl)
-
-  cases = {
-    "bf16_einsum": flax_attention,
-    "int8": functools.partial(flax_attention, preset="int8"),
-    "int8_fwd": functools.partial(flax_attention, preset="int8_fwd"),
-    "fp8": functools.partial(flax_attention, preset="fp8"),
-    f"{impl}_mask": functools.partial(fused, causal=False),
-    f"{impl}_causal": functools.partial(fused, causal=True),
-  }
-  return cases, (q, k, v, mask)
-
-
-CONV_SHAPES = {  # (N, H, W, C_in, C_out, kernel, stride): ResNet-50 layers at batch 32
-  "56x56x64_3x3_64": (32, 56, 56, 64, 64, 3, 1),
-  "28x28x128_3x3_128": (32, 28, 28, 128, 128, 3, 1),
-  "14x14x256_3x3_256": (32, 14, 14, 256, 256, 3, 1),
-  "7x7x512_3x3_512": (32, 7, 7, 512, 512, 3, 1),
-  "56x56x256_1x1_64": (32, 56, 56, 256, 64, 1, 1),
-  "14x14x1024_1x1_256": (32, 14, 14, 1024, 256, 1, 1),
-}
-TINY_CONV_SHAPES = {"8x8x8_3x3_8": (2, 8, 8, 8, 8, 3, 1)}
-CONV_CASES = {  # case: (op policy preset, impl); "bf16" is the native bf16 convolution
-  "bf16": ("bf16", "im2col"),
-  "int8_im2col": ("int8", "im2col"),
-  "int8_native": ("int8", "native"),
-  "int8_fwd_im2col": ("int8_fwd", "im2col"),
-  "int8_fwd_native": ("int8_fwd", "native"),
-  "fp8_native": ("fp8", "native"),
-}
-
-
-def conv_case(preset: str, impl: str, stride: int):
-  policy = OpPolicy.preset(preset)
-  key = jax.random.key(1) if policy.needs_rng else None
-
-  def conv(x, w):
-    dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
-    return quantized_conv_general_dilated(
-      x, w, (stride, stride), "SAME", None, None, dn, op_policy=policy, key=key, impl=impl
-    )
-
-  return conv
-
-
-def fwd_bwd(fn, n_args: int):
-  """A jitted forward + the gradients to the first ``n_args`` arguments of ``sum(fn(...) · g)``."""
-
-  def loss(*args):
-    *operands, g = args
-    return jnp.sum(fn(*operands).astype(jnp.float32) * g)
-
-  return jax.jit(jax.grad(loss, argnums=tuple(range(n_args))))
-
-
-def time_micro(cases: dict, operands, n_grads: int, steps: int) -> dict:
-  """``{case: {"ms", "ms_min", "ms_max", "compile_s", "rel_err"}}`` of forward + backward of each
-  case; ``rel_err`` of its gradients against the first case's."""
-  out, reference = {}, None
-  clock = timing.default_step_clock()
-  for case, fn in cases.items():
-    try:
-      g = jnp.ones(jax.eval_shape(fn, *operands).shape, jnp.float32)
-      f = fwd_bwd(fn, n_grads)
-      t0 = time.perf_counter()
-      f = f.lower(*operands, g).compile()
-      compile_s = time.perf_counter() - t0
-      grads = f(*operands, g)
-      ms, samples = timing.timed_ms(lambda f=f, g=g: f(*operands, g), steps, clock=clock)
-    except Exception as e:  # noqa: BLE001 - a case a backend cannot run is reported, the rest go on
-      out[case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-      continue
-    flat = np.concatenate([np.asarray(x, np.float32).ravel() for x in grads])
-    reference = flat if reference is None else reference
-    err = float(np.linalg.norm(flat - reference) / max(np.linalg.norm(reference), 1e-30))
-    out[case] = {
-      "ms": ms,
-      "ms_min": min(samples),
-      "ms_max": max(samples),
-      "compile_s": compile_s,
-      "rel_err": err,
-    }
-  return out
-
-
-def conv_operands(shape):
-  n, h, w, c, o, k, _ = shape
-  x = jax.random.normal(jax.random.key(0), (n, h, w, c), jnp.float32).astype(jnp.bfloat16)
-  wt = (jax.random.normal(jax.random.key(1), (k, k, c, o), jnp.float32) / math.sqrt(k * k * c)).astype(
-    jnp.bfloat16
-  )
-  return x, wt
 
 
 # -- units, budget, rows ------------------------------------------------------------------

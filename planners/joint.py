@@ -329,7 +329,6 @@ def _joint(problem: Problem, s: Search, train_idx, configs, slack, alternatives)
   t_best = min(c.step_ms for c in fastest + [a for a in alternatives if a.fits])
   target = t_best * (1 + slack)
   out = [min(fastest, key=lambda c: c.step_ms)]
-  out[0] = dataclasses.replace(out[0], name="fastest")
   for members_inf in _subsets(problem.inference):
     if not train_idx:
       break

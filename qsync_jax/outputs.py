@@ -49,6 +49,13 @@ def _writable_ancestor(flag: str, path: str) -> None:
     )
 
 
+def _dir_writable(flag: str, path: str) -> None:
+  """The directory ``path`` exists and is writable, or can be created."""
+  _writable_ancestor(flag, path)
+  if os.path.isdir(path) and not _writable(path):
+    raise OutputPathError(f"{flag} {path!r} is not writable. Fix: choose a writable directory.")
+
+
 def check_file(flag: str, path: str) -> None:
   """``path`` can be written as a file (replacing an existing file)."""
   if os.path.isdir(path):
@@ -74,9 +81,7 @@ def check_dir(flag: str, path: str) -> None:
       f"{flag} {path!r} is a directory that is not empty; the command would overwrite what is there. "
       "Fix: choose a new directory, or empty that one."
     )
-  _writable_ancestor(flag, path)
-  if os.path.isdir(path) and not _writable(path):
-    raise OutputPathError(f"{flag} {path!r} is not writable. Fix: choose a writable directory.")
+  _dir_writable(flag, path)
 
 
 def has_checkpoints(run_dir: str) -> bool:
@@ -105,9 +110,7 @@ def check_run_dir(flag: str, path: str, resume: bool) -> None:
       f"{flag} {path!r} is a directory that is not empty and holds no run to resume. Fix: choose a new "
       "directory, or empty that one."
     )
-  _writable_ancestor(flag, path)
-  if os.path.isdir(path) and not _writable(path):
-    raise OutputPathError(f"{flag} {path!r} is not writable. Fix: choose a writable directory.")
+  _dir_writable(flag, path)
 
 
 def check_outputs(args, outputs: dict[str, str]) -> None:

@@ -1,13 +1,12 @@
 """Joint batch × precision planning: never slower than an alternative (beyond the slack), plans
 that fit and keep their batch sums, batch splits as the replay predicts them, named errors."""
 
-import itertools
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.allocator import exhaustive_joint
 from planners.allocator import make_problem
 from planners.joint import joint_plan, plan_of
 from planners.replay import predict
@@ -64,28 +63,6 @@ def test_joint_never_loses_to_an_alternative(leg_ms, slow, slack, counts, granul
   assert all(b % granularity == 0 for b in plan.batch_per_device.values())
 
 
-def _exhaustive(problem, cluster, profiles, slack):
-  """Least cost within slack of the fastest, over every batch split and level combination."""
-  _, _, s = joint_plan(problem, 1, slack)
-  n_ops = len(problem.op_names)
-  ladder = problem.ladders[0]
-  results = []
-  b_max = cluster.global_batch // cluster.groups[0].count
-  for b0 in range(1, b_max + 1):
-    rest = cluster.global_batch - cluster.groups[0].count * b0
-    if rest % cluster.groups[1].count:
-      continue
-    b1 = rest // cluster.groups[1].count
-    levels = [()] if b1 == 0 else itertools.product(*(range(len(ladder[i])) for i in range(n_ops)))
-    for row in levels:
-      rows = [None, tuple(row) if b1 else None]
-      c = s.candidate("x", (b0, b1), rows)
-      if c.fits:
-        results.append(c)
-  best = min(c.step_ms for c in results)
-  return min((c for c in results if c.step_ms <= best * (1 + slack) + 1e-12), key=lambda c: c.cost), best
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_joint_near_exhaustive_on_small_problems(seed):
   rng = np.random.default_rng(200 + seed)
@@ -95,7 +72,7 @@ def test_joint_near_exhaustive_on_small_problems(seed):
   )
   problem = make_problem(cluster, profiles, indicator)
   chosen, _, _ = joint_plan(problem, 1, 0.05)
-  optimum, best_ms = _exhaustive(problem, cluster, profiles, 0.05)
+  optimum, best_ms = exhaustive_joint(problem, 0.05)
   # the joint plan is within the slack of the fastest plan there is (measured against the
   # exhaustive search's fastest, not only the alternatives'), and at most as costly as the
   # exhaustive optimum when it is as fast
