@@ -26,6 +26,8 @@ import os
 import sys
 import time
 
+import optax
+
 from examples import demo
 from qsync_jax.tasks import get_task
 
@@ -81,7 +83,9 @@ def run_task(name, args, devices, say):
     if k in demo.CONFIGS and cand.fits
   }
   eval_max = args.eval_max_batches if name == "lm" else None
-  trained = demo.stage_train(task, cpu, plans, devices, args.steps, args.lr, args.seeds, say, eval_max)
+  trained = demo.stage_train(
+    task, cpu, plans, devices, args.steps, optax.adam(args.lr), args.seeds, say, eval_max
+  )
   return planned, trained, cluster, profiles
 
 

@@ -143,32 +143,35 @@ def stage_indicator(task, args, say) -> dict:
   return compute(task, variables, batches, ("gradient",), ("int8", "fp16"), seed=args.seed)["gradient"]
 
 
-def stage_profile(task, batch_per_device: int, say) -> dict:
-  """``{device type: Profile}``: V100 and T4 costs modeled from the device catalog on the model's
-  traced ops and memory; no group runs on the local device, so nothing is measured."""
+def stage_profile(task, batch_per_device: int, say, device_types=("V100", "T4")) -> dict:
+  """``{device type: Profile}`` (and ``"cpu"``: the traced ops): each of ``device_types`` costed
+  from the device catalog on the model's traced ops and memory; no group runs on the local
+  device, so nothing is measured."""
   from planners.measure import traced_profile
   from planners.modeled import modeled_profile
 
   # The profiler traces the model's ops with ``train_kwargs`` but without ``mutable``, which
   # BatchNorm in training mode needs; the op shapes are the same in eval mode.
   probe_task = dataclasses.replace(task, train_kwargs=task.eval_kwargs) if task.mutable else task
+  types = " and ".join(device_types)
   say(
-    "profile: every group is a modeled type (V100, T4), not the local CPU: tracing the ops, measuring nothing"
+    f"profile: every group is a modeled type ({types}), not the local device: tracing the ops, measuring nothing"
   )
   traced = traced_profile(probe_task, batch_per_device)
-  say("profile: modeling V100 and T4 from the device catalog (roofline)")
-  return {"cpu": traced, "V100": modeled_profile(traced, "V100"), "T4": modeled_profile(traced, "T4")}
+  say(f"profile: modeling {types} from the device catalog (roofline)")
+  return {"cpu": traced, **{t: modeled_profile(traced, t) for t in device_types}}
 
 
-def stage_plan(cluster, profiles, indicator, say) -> dict[str, Any]:
+def stage_plan(cluster, profiles, indicator, say, train_policy="fp32", int8_op="int8_fwd") -> dict[str, Any]:
   """The joint planner's candidates: ``{name: (Plan, Prediction, Candidate)}``, the joint
-  plan under ``"joint"`` (with every alternative in its predictions)."""
+  plan under ``"joint"`` (with every alternative in its predictions); the ``training`` group
+  runs ``train_policy``, an op planned at int8 runs ``int8_op`` (``planners.allocator``)."""
   from planners.allocator import make_problem
   from planners.joint import joint_plan, plan_of
   from planners.replay import predict
 
-  say("plan: joint batch × precision search (the V100 group trains in fp32)")
-  problem = make_problem(cluster, profiles, indicator, ["training"])
+  say(f"plan: joint batch × precision search (the training group runs {train_policy})")
+  problem = make_problem(cluster, profiles, indicator, ["training"], train_policy, int8_op=int8_op)
   chosen, cands, _ = joint_plan(problem)
   alternatives = [c.to_json(problem) for c in cands]
   out = {}
@@ -233,22 +236,23 @@ def cpu_plan(plan, pool, cpu):
   return dc.replace(plan, batch_per_device=scaled)
 
 
-def stage_train(task, cluster, plans, devices, steps, lr, seeds, say, eval_max_batches=None):
-  """Trains each plan with the hybrid data-parallel step (``qsync_jax.train_step``) once per
-  seed; returns ``{config: [metrics per seed]}`` with held-out metrics of the fp32 weights.
+def stage_train(task, cluster, plans, devices, steps, optimizer, seeds, say, eval_max_batches=None):
+  """Trains each plan with the hybrid data-parallel step (``qsync_jax.train_step``) and
+  ``optimizer`` once per seed; returns ``{config: [metrics per seed]}`` with held-out metrics
+  of the fp32 weights. Seed ``s`` gives every plan the same initial weights and batches.
 
   One compiled step per configuration serves every seed (only the state is re-initialized).
   """
   import jax
-  import optax
 
   from examples.train_loop import Runner
   from qsync_jax.train_step import make_train_step
 
-  evaluator = Runner(task, None, optax.adam(lr))
+  evaluator = Runner(task, None, optimizer)
+  on_cpu = devices[0].platform == "cpu"
   results: dict[str, list[dict[str, float]]] = {}
   for name, plan in plans.items():
-    program = make_train_step(task, cluster, plan, optax.adam(lr), devices=devices)
+    program = make_train_step(task, cluster, plan, optimizer, devices=devices)
     results[name] = []
     for seed in seeds:
       say(f"train [{name}] seed {seed}: {steps} steps on {len(devices)} devices")
@@ -257,10 +261,11 @@ def stage_train(task, cluster, plans, devices, steps, lr, seeds, say, eval_max_b
       state = program.init(seed, next(task.train_batches(program.global_batch, seed)))
       for _ in range(steps):
         state, metrics = program(state, program.shard(next(batches)))
-        # One step in flight at a time: on a host with fewer cores than simulated devices, a
+        # On the CPU, one step in flight at a time: on a host with fewer cores than simulated devices, a
         # second step dispatched early can take the XLA:CPU pool threads that the first one's
         # all-reduce still needs (seen on 2 cores: "Termination timeout for all reduce").
-        jax.block_until_ready(metrics)
+        if on_cpu:
+          jax.block_until_ready(metrics)
       carry = {"params": state.params, "state": state.model_state}
       held_out = evaluator.evaluate(carry, 256, eval_max_batches)
       row = {
@@ -404,6 +409,8 @@ def run(args: argparse.Namespace) -> int:
   if unknown:
     raise QsyncError(f"--configs: unknown configuration(s) {unknown}. Fix: choose from {list(CONFIGS)}.")
   devices = simulated_devices(NUM_DEVICES)
+  import optax
+
   from qsync_jax.tasks import load_task
 
   task = load_task(args.model)
@@ -423,7 +430,9 @@ def run(args: argparse.Namespace) -> int:
   }
   trained = {
     k: {**v[0], "cpu_batch_per_device": to_train[k].batch_per_device}
-    for k, v in stage_train(task, cpu, to_train, devices, args.steps, args.lr, [args.seed], say).items()
+    for k, v in stage_train(
+      task, cpu, to_train, devices, args.steps, optax.adam(args.lr), [args.seed], say
+    ).items()
   }
   print(results_table(cluster, planned, trained, profiles["cpu"].op_names))
   for line in why_not_beaten(planned):

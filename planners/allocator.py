@@ -6,7 +6,9 @@ indicator's JSON) and which groups are *training* groups (they keep ``train_poli
 For every op of an inference group, its *ladder* is the precisions the table scores and the
 device supports, one per bit width (the least sensitive of a width), ordered 8 → 16 → 19 →
 32 bits; fp32 is always the top with Ω = 0. A precision becomes an op policy through
-``LEVEL_POLICIES`` (int8 → QSync's int8 op: int8 forward, fp16 backward).
+``LEVEL_POLICIES`` (int8 → QSync's int8 op: int8 forward, fp16 backward), or, with
+``make_problem(int8_op="int8")``, int8 on all three legs (stochastically rounded gradients).
+Ω scores an op's forward product either way.
 
 1. ``start``: the predicted-fastest plan that fits memory, by the synchronous step (the
    quantity step 3 checks), among a handful of candidates per inference group: every op at its
@@ -93,15 +95,22 @@ Assignment = tuple[tuple[int, ...], ...]
 """Ladder level of every op, per inference group."""
 
 
+INT8_OPS = ("int8_fwd", "int8")
+"""What the int8 level runs: QSync's int8 op (int8 forward, fp16 backward), or int8 on every leg."""
+
+
 def _ladder(
-  ops_omega: Mapping[str, float], device_type: str, runs_8bit: bool = True
+  ops_omega: Mapping[str, float],
+  device_type: str,
+  runs_8bit: bool = True,
+  levels: Mapping[str, str] = LEVEL_POLICIES,
 ) -> list[tuple[str, float]]:
   supported = supported_precisions(device_type) if runs_8bit else ("fp32", "tf32", "bf16", "fp16")
   best: dict[int, tuple[str, float]] = {}
   for p, w in ops_omega.items():
-    if p not in LEVEL_POLICIES or p == "fp32":
+    if p not in levels or p == "fp32":
       continue
-    preset = OpPolicy.preset(LEVEL_POLICIES[p])
+    preset = OpPolicy.preset(levels[p])
     if not all(leg in supported for leg in preset.precisions):
       continue
     bits = PRECISION_BITS[p]
@@ -117,8 +126,13 @@ def make_problem(
   training_groups: Sequence[str] | None = None,
   train_policy: str = "fp32",
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+  int8_op: str = "int8_fwd",
 ) -> Problem:
-  """Resolves profiles, ladders and Ω for every inference group of ``cluster``."""
+  """Resolves profiles, ladders and Ω for every inference group of ``cluster``; the int8 level
+  runs ``int8_op`` (one of ``INT8_OPS``)."""
+  if int8_op not in INT8_OPS:
+    raise PlanError(f"int8_op={int8_op!r} is not one of {list(INT8_OPS)}. Fix: pick one of them.")
+  levels = {**LEVEL_POLICIES, "int8": int8_op}
   omega = omega_table(indicator)
   training = tuple(training_groups) if training_groups is not None else default_training_groups(cluster)
   for name in training:
@@ -146,8 +160,8 @@ def make_problem(
         f"the indicator has no Ω for op(s) {missing[:3]}{'…' if len(missing) > 3 else ''} of model "
         f"{prof.model!r}. Fix: run `qsync indicator` on the same model as `qsync profile`."
       )
-    rows = [_ladder(omega[op.name], g.device_type, op.runs_8bit) for op in prof.ops]
-    ladders.append(tuple(tuple((p, OpPolicy.preset(LEVEL_POLICIES[p])) for p, _ in row) for row in rows))
+    rows = [_ladder(omega[op.name], g.device_type, op.runs_8bit, levels) for op in prof.ops]
+    ladders.append(tuple(tuple((p, OpPolicy.preset(levels[p])) for p, _ in row) for row in rows))
     omegas.append(tuple(tuple(w for _, w in row) for row in rows))
     inference.append(len(groups))
     limits.append(int(g.memory_gb * 1e9))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from planners.allocator import make_problem
+from planners.allocator import INT8_OPS, make_problem
 from planners.cli_common import check_model, check_profiles_fit, load_json, load_profiles, progress, table
 from planners.joint import joint_plan, plan_of, precision_counts
 from planners.replay import predict
@@ -32,6 +32,12 @@ def add_arguments(parser) -> None:
     default="joint",
     help="joint: choose per-device batches too; equal: keep the spec's (e.g. for BatchNorm statistics)",
   )
+  parser.add_argument(
+    "--int8-op",
+    choices=INT8_OPS,
+    default="int8_fwd",
+    help="what an op planned at int8 runs: int8_fwd (QSync's op: int8 forward, fp16 backward) or int8 on all legs",
+  )
   parser.add_argument("--slack", type=float, default=0.02, help="throughput given up for accuracy (fraction)")
   parser.add_argument("--granularity", type=int, default=1, help="per-device batches are multiples of this")
   parser.add_argument("--out", required=True, help="output plan JSON")
@@ -49,7 +55,7 @@ def run(args) -> int:
   check_profiles_fit(profiles, cluster)
   indicator = load_json(args.indicator, "indicator")
   training = args.training_groups.split(",") if args.training_groups else None
-  problem = make_problem(cluster, profiles, indicator, training, args.train_precision)
+  problem = make_problem(cluster, profiles, indicator, training, args.train_precision, int8_op=args.int8_op)
   progress(
     f"{len(problem.op_names)} ops, {len(cluster.groups)} groups, global batch {cluster.global_batch}: "
     f"{args.batch} batch × precision search"

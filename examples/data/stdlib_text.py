@@ -1,7 +1,8 @@
 """A text corpus that is on every machine: the Python standard library's own source files.
 
-The ``.py`` files directly under ``sysconfig.get_paths()["stdlib"]``, read in sorted file-name
-order and concatenated as bytes (byte-level vocabulary of 256), capped at ``max_bytes``. The
+The ``.py`` files directly under ``sysconfig.get_paths()["stdlib"]`` in sorted file-name order,
+then those of its packages (subdirectories, ``site-packages`` excluded) in sorted path order,
+concatenated as bytes (byte-level vocabulary of 256) and capped at ``max_bytes``. The
 last ``holdout_fraction`` of the bytes is the held-out split (whole files are never shuffled,
 so held-out text is unseen source code).
 """
@@ -9,6 +10,7 @@ so held-out text is unseen source code).
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import sysconfig
 
@@ -17,29 +19,39 @@ import numpy as np
 from qsync_jax.errors import QsyncError
 
 VOCAB_SIZE = 256
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 def stdlib_dir() -> pathlib.Path:
   return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
+def source_files(root: pathlib.Path):
+  """The corpus's files in order: ``root``'s own ``.py`` files, then its packages' (walked in
+  sorted order, skipping ``site-packages`` and ``dist-packages``), lazily."""
+  yield from sorted(root.glob("*.py"))
+  for top in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in SKIPPED_DIRS):
+    for dirpath, dirnames, filenames in os.walk(top):
+      dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+      yield from (pathlib.Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
+
+
 @functools.lru_cache(maxsize=4)
 def corpus(max_bytes: int = 2_000_000) -> np.ndarray:
   """The corpus as a uint8 array of at most ``max_bytes`` bytes (deterministic)."""
   root = stdlib_dir()
-  files = sorted(root.glob("*.py"))
-  if not files:
-    raise QsyncError(
-      f"no .py files under the standard library directory {root}. "
-      "Fix: run with a CPython installation that ships its standard library sources."
-    )
   chunks, total = [], 0
-  for path in files:
+  for path in source_files(root):
     data = path.read_bytes()
     chunks.append(data[: max_bytes - total])
     total += len(chunks[-1])
     if total >= max_bytes:
       break
+  if not chunks:
+    raise QsyncError(
+      f"no .py files under the standard library directory {root}. "
+      "Fix: run with a CPython installation that ships its standard library sources."
+    )
   return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 

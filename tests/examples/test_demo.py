@@ -5,6 +5,7 @@ import json
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from examples import demo
@@ -110,7 +111,9 @@ def test_stage_train_runs_each_plan_per_seed_and_evaluates():
     "uniform int8": Plan(policies={"inference": PrecisionPolicy.uniform("int8_fwd")}),
   }
   seeds = [int(s) for s in np.random.default_rng(104).choice(1000, size=2, replace=False)]
-  trained = demo.stage_train(task, cluster, plans, jax.devices()[:4], 2, 1e-3, seeds, lambda m: None, 1)
+  trained = demo.stage_train(
+    task, cluster, plans, jax.devices()[:4], 2, optax.adam(1e-3), seeds, lambda m: None, 1
+  )
   assert list(trained) == ["fp32", "uniform int8"]
   for rows in trained.values():
     assert [r["seed"] for r in rows] == seeds

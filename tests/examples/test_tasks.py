@@ -1,5 +1,6 @@
 """The example tasks: registered by name, overrides, deterministic batches, held-out splits."""
 
+import itertools
 from importlib.metadata import entry_points
 
 import jax
@@ -84,6 +85,23 @@ def test_stdlib_corpus_split_is_the_tail_and_is_deterministic():
   windows = np.concatenate([b["tokens"] for b in stdlib_text.eval_windows(test, 50, 64)])
   assert windows.shape == ((len(test) - 1) // 50, 51)
   np.testing.assert_array_equal(windows[1, :], test[50:101])
+
+
+def test_stdlib_corpus_reads_top_level_files_then_packages():
+  """The top-level modules come first (so a small corpus is theirs alone), then the packages',
+  in path order; nothing from site-packages."""
+  root = stdlib_text.stdlib_dir()
+  files = list(itertools.islice(stdlib_text.source_files(root), 2000))
+  top = sorted(root.glob("*.py"))
+  assert files[: len(top)] == top
+  packaged = files[len(top) :]
+  assert packaged and all(p.parent != root for p in packaged)
+  assert [p.relative_to(root).parts[0] for p in packaged] == sorted(
+    p.relative_to(root).parts[0] for p in packaged
+  )
+  assert not any({"site-packages", "dist-packages"} & set(p.relative_to(root).parts) for p in files)
+  head = b"".join(p.read_bytes() for p in top)[:50_000]
+  assert stdlib_text.corpus(50_000).tobytes() == head
 
 
 # Fixed seeds: an unseeded init key put the loss 1.01 from uniform in a CI rehearsal (over 200

@@ -126,3 +126,23 @@ def test_missing_indicator_ops_are_named():
   cluster, profiles, _ = _setup([(1.0, 1.0, 1.0)] * 2, 2.0, [1.0, 1.0])
   with pytest.raises(PlanError, match="Dense_0:dense"):
     make_problem(cluster, profiles, {"omega": {}})
+
+
+@pytest.mark.parametrize("int8_op", ["int8_fwd", "int8"])
+def test_int8_level_runs_the_chosen_int8_op(int8_op):
+  """The ladder's int8 level is QSync's op by default, or int8 on all three legs; the other
+  levels are unchanged and the plan's int8 ops carry that op policy."""
+  from qsync_jax.precision import OpPolicy
+
+  cluster, profiles, indicator = _setup([(1.0, 1.0, 1.0)] * 3, 2.0, [1.0, 2.0, 3.0])
+  problem = make_problem(cluster, profiles, indicator, int8_op=int8_op)
+  for ladder in problem.ladders[0]:
+    levels = dict(ladder)
+    assert levels["int8"] == OpPolicy.preset(int8_op)
+    assert levels["fp16"] == OpPolicy.preset("fp16") and levels["fp32"] == OpPolicy.preset("fp32")
+
+
+def test_unknown_int8_op_is_refused_by_name():
+  cluster, profiles, indicator = _setup([(1.0, 1.0, 1.0)], 2.0, [1.0])
+  with pytest.raises(PlanError, match=r"int8_op='int4'.*int8_fwd"):
+    make_problem(cluster, profiles, indicator, int8_op="int4")

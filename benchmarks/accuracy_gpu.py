@@ -1,0 +1,220 @@
+"""The realistic accuracy testbed: a GPT-style byte LM of ~25 M parameters on the Python
+standard library's source, trained on GPUs.
+
+* ``sweep``: the model on one device under each uniform policy (every op: token and position
+  embeddings, q/k/v/out projections, both attention products, the MLP and the head) over
+  seeds: does uniform low precision cost held-out loss beyond the seed spread?
+* ``compare`` (``benchmarks.accuracy --testbed gpt``): the planner's candidates trained on
+  two devices with their batch shares and precisions.
+
+The model (``GPT``): ``examples.models.transformer.TransformerLM`` with d = 512, 8 heads,
+8 pre-LN blocks, sequence 256, byte vocabulary (25.3 M parameters), on the first 24 MB of the
+standard library's source (``examples.data.stdlib_text``; the last 10 % held out). Training:
+AdamW (weight decay 0.1, gradients clipped at global norm 1), linear warmup then cosine decay
+to a tenth of the peak learning rate, 32 sequences (8,192 tokens) per step. Held-out metrics
+are over the first ``EVAL_BATCHES`` × 256 windows of the held-out split.
+
+  python -m benchmarks.accuracy_gpu sweep --out $OUT [--policies fp32 bf16 int8_fwd int8 fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import optax
+
+from benchmarks.result_rows import append_rows, result_row
+from examples.tasks.language import stdlib_lm
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "accuracy_gpu.jsonl")
+GPT = {"d_model": 512, "num_heads": 8, "num_layers": 8, "seq_len": 256, "max_bytes": 24_000_000}
+"""The LM task's options (``examples.tasks.language.LMConfig``)."""
+EVAL_BATCHES = 16
+BATCH = 64
+
+
+def gpt_task(**overrides):
+  return stdlib_lm(**{**GPT, **overrides})
+
+
+def optimizer(lr: float, steps: int, warmup: int) -> optax.GradientTransformation:
+  """AdamW on a warmup + cosine schedule, gradients clipped at global norm 1."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr / 10)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+
+
+def one_device_cluster(batch: int, device_type: str = "H100"):
+  from qsync_jax.cluster import ClusterSpec, DeviceGroup
+
+  return ClusterSpec((DeviceGroup("gpu", device_type, 1, 80.0, batch, 100.0),), name="one-device")
+
+
+def pool_cluster(batch_per_device: int):
+  """1 × V100 (``training``, fp32) + 1 × T4 (``inference``), the paper's kind of pool, modeled
+  from the catalog; its plans run on two local devices."""
+  from qsync_jax.cluster import ClusterSpec, DeviceGroup
+
+  return ClusterSpec(
+    (
+      DeviceGroup("training", "V100", 1, 32.0, batch_per_device, link_gbps=100.0),
+      DeviceGroup("inference", "T4", 1, 16.0, batch_per_device, link_gbps=32.0),
+    ),
+    name="gpt-v100-t4",
+  )
+
+
+def early_variables(task, opt, steps: int, seed: int, batch: int):
+  """The weights after the full-precision run's first ``steps`` steps (one device, fp32)."""
+  from qsync_jax.train_step import make_train_step
+
+  program = make_train_step(task, one_device_cluster(batch), None, opt, devices=jax.devices()[:1])
+  batches = task.train_batches(program.global_batch, seed)
+  state = program.init(seed, next(task.train_batches(program.global_batch, seed)))
+  for _ in range(steps):
+    state, _ = program(state, program.shard(next(batches)))
+  return program.variables_of(state)
+
+
+def write_row(args, row: dict) -> None:
+  append_rows(args.jsonl, [row])
+  if args.out:
+    append_rows(os.path.join(args.out, "accuracy_gpu.jsonl"), [row])
+
+
+def trained_rows(args, mode: str, trained: dict, extra: dict | None = None) -> list[dict]:
+  device = jax.devices()[0].device_kind
+  rows = []
+  for config, per_seed in trained.items():
+    for r in per_seed:
+      rows.append(
+        result_row(
+          "accuracy_gpu",
+          f"{mode}/{config}",
+          "held-out loss",
+          r["eval_loss"],
+          None,
+          device,
+          seed=r["seed"],
+          steps=args.steps,
+          lr=args.lr,
+          batch=args.batch,
+          eval_accuracy=r["eval_accuracy"],
+          train_loss=r["train_loss"],
+          seconds=r["cpu_seconds"],
+          **(extra or {}).get(config, {}),
+        )
+      )
+  return rows
+
+
+def sweep(args) -> int:
+  """Uniform policies on one device, each seed: the same path as the pool's plans."""
+  from qsync_jax.plan import Plan
+
+  task = gpt_task()
+  cluster = one_device_cluster(args.batch)
+  plans = {p: (Plan() if p == "fp32" else Plan.uniform(cluster, p)) for p in args.policies}
+  train_and_record(args, "sweep", task, cluster, plans, jax.devices()[:1])
+  return 0
+
+
+def train_and_record(args, mode: str, task, cluster, plans: dict, devices) -> None:
+  """Trains each plan over ``args.seeds`` (``examples.demo.stage_train``), one plan at a time,
+  writing its rows as soon as it is done (a run cut short keeps what it has)."""
+  from examples import demo
+
+  opt = optimizer(args.lr, args.steps, args.warmup)
+  for name, p in plans.items():
+    trained = demo.stage_train(
+      task, cluster, {name: p}, devices, args.steps, opt, args.seeds, print, EVAL_BATCHES
+    )
+    extra = {name: {"batch_per_device": dict(p.batch_per_device)}}
+    for row in trained_rows(args, mode, trained, extra):
+      write_row(args, row)
+
+
+def plan(args) -> int:
+  """Indicator on the early weights, modeled V100/T4 costs, the joint planner; saves the
+  indicator table and every candidate's plan under ``--plans``."""
+  from examples import demo
+  from planners.indicator import compute, load, save
+
+  task = gpt_task()
+  os.makedirs(args.plans, exist_ok=True)
+  say = demo.Progress(sys.stdout)
+  if args.indicator:
+    indicator = load(args.indicator)
+  else:
+    opt = optimizer(args.lr, args.steps, args.warmup)
+    say(f"indicator: the first {args.indicator_after} fp32 steps (seed {args.seeds[0]}), then probing")
+    variables = early_variables(task, opt, args.indicator_after, args.seeds[0], args.batch)
+    stream = task.train_batches(32, args.seeds[0] + 1000)
+    batches = [next(stream) for _ in range(args.indicator_batches)]
+    indicator = compute(task, variables, batches, ("gradient",), ("int8", "fp16"), seed=args.seeds[0])[
+      "gradient"
+    ]
+  save(indicator, os.path.join(args.plans, "indicator.json"))
+  cluster = pool_cluster(args.batch // 2)
+  profiles = demo.stage_profile(task, args.batch // 2, say)
+  planned = demo.stage_plan(cluster, profiles, indicator, say, int8_op=args.int8_op)
+  for name, (p, _, cand) in planned.items():
+    if name in demo.CONFIGS and cand.fits:
+      p.save(os.path.join(args.plans, demo.file_name(name) + ".json"))
+  return 0
+
+
+def compare(args) -> int:
+  """The saved plans trained on two devices, every seed."""
+  from examples import demo
+  from qsync_jax.plan import Plan
+
+  task = gpt_task()
+  cluster = pool_cluster(args.batch // 2)
+  plans = {}
+  for name in args.configs:
+    with open(os.path.join(args.plans, demo.file_name(name) + ".json")) as f:
+      plans[name] = Plan.from_json(json.load(f))
+  train_and_record(args, "compare", task, cluster, plans, jax.devices()[:2])
+  return 0
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.accuracy_gpu", description=__doc__)
+  ap.add_argument("mode", choices=["sweep", "plan", "compare"])
+  ap.add_argument(
+    "--configs",
+    nargs="+",
+    default=[
+      "dynamic batching",
+      "uniform low precision",
+      "joint",
+      "QSync (precision only)",
+      "training groups only",
+    ],
+    help="compare: the candidates to train, in this order",
+  )
+  ap.add_argument("--policies", nargs="+", default=["fp32", "int8_fwd", "int8", "fp8"])
+  ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  ap.add_argument("--steps", type=int, default=1000)
+  ap.add_argument("--warmup", type=int, default=100)
+  ap.add_argument("--lr", type=float, default=1e-3)
+  ap.add_argument("--batch", type=int, default=BATCH, help="global batch (sequences)")
+  ap.add_argument("--indicator-after", type=int, default=100, help="fp32 steps before the indicator")
+  ap.add_argument("--indicator-batches", type=int, default=16)
+  ap.add_argument("--indicator", help="plan: an indicator JSON to use instead of computing one")
+  ap.add_argument(
+    "--int8-op", default="int8", help="plan: what the int8 level runs (planners.allocator.INT8_OPS)"
+  )
+  ap.add_argument("--plans", default="benchmarks/results/accuracy_gpu")
+  ap.add_argument("--out", default=os.environ.get("OUT"))
+  ap.add_argument("--jsonl", default=RESULTS)
+  args = ap.parse_args(argv)
+  return {"sweep": sweep, "plan": plan, "compare": compare}[args.mode](args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,64 @@
+"""The GPU accuracy testbed's three modes at a tiny size on CPU devices: rows and plans."""
+
+import json
+import math
+
+import pytest
+
+import benchmarks.accuracy_gpu as testbed
+from planners.indicator.api import FORMAT
+from tests.planners.fakes import fake_indicator
+
+pytestmark = pytest.mark.standard_promotion  # optax's AdamW, as users run it
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+  monkeypatch.setitem(testbed.GPT, "d_model", 16)
+  monkeypatch.setitem(testbed.GPT, "num_heads", 2)
+  monkeypatch.setitem(testbed.GPT, "num_layers", 1)
+  monkeypatch.setitem(testbed.GPT, "seq_len", 16)
+  monkeypatch.setitem(testbed.GPT, "max_bytes", 100_000)
+  monkeypatch.setattr(testbed, "EVAL_BATCHES", 1)
+
+
+def _op_names(task):
+  import jax
+
+  from qsync_jax import quantize
+  from qsync_jax.policy import PrecisionPolicy
+
+  batch = next(task.train_batches(2, 0))
+  variables = task.model.init(jax.random.key(0), *task.inputs(batch))
+  return list(quantize(task.model, PrecisionPolicy.uniform("fp32")).ops(variables, *task.inputs(batch)))
+
+
+def _rows(path):
+  return [json.loads(line) for line in open(path)]
+
+
+def test_sweep_plan_and_compare_write_their_rows_and_plans(tiny, tmp_path):
+  jsonl, plans = str(tmp_path / "rows.jsonl"), str(tmp_path / "plans")
+  common = ["--steps", "2", "--warmup", "1", "--seeds", "0", "--batch", "8", "--jsonl", jsonl, "--out", ""]
+  assert testbed.main(["sweep", "--policies", "fp32", "int8", *common]) == 0
+  sweep = _rows(jsonl)
+  assert [r["case"] for r in sweep] == ["sweep/fp32", "sweep/int8"]
+  assert all(math.isfinite(r["value"]) and r["metric"] == "held-out loss" for r in sweep)
+
+  names = _op_names(testbed.gpt_task())
+  indicator = tmp_path / "omega.json"
+  omega = fake_indicator(names, [1.0 + i for i in range(len(names))])
+  indicator.write_text(json.dumps({"format": FORMAT, **omega}))
+  assert testbed.main(["plan", "--indicator", str(indicator), "--plans", plans, *common]) == 0
+  saved = {p.name for p in (tmp_path / "plans").iterdir()}
+  assert {"indicator.json", "dynamic_batching.json", "uniform_low_precision.json", "joint.json"} <= saved
+  low = json.load(open(tmp_path / "plans" / "uniform_low_precision.json"))
+  legs = {(r["policy"]["fwd"], r["policy"]["dlhs"]) for r in low["policies"]["inference"]["rules"]}
+  assert ("int8", "int8") in legs  # the int8 level runs int8 on every leg (--int8-op int8)
+
+  configs = ["--configs", "dynamic batching", "uniform low precision"]
+  assert testbed.main(["compare", "--plans", plans, *configs, *common]) == 0
+  compared = [r for r in _rows(jsonl) if r["case"].startswith("compare/")]
+  assert [r["case"] for r in compared] == ["compare/dynamic batching", "compare/uniform low precision"]
+  assert compared[1]["batch_per_device"] == low["batch_per_device"]
+  assert all(math.isfinite(r["value"]) for r in compared)
