@@ -34,8 +34,8 @@ steps dispatched back to back (``planners.timing.PIPELINED_CLOCK``; its ratio to
 the same width in the same run, ``speed`` = plain / this), compile time split into JAX's
 stages (``planners.timing.staged_compile``: trace, lower, XLA compile) plus the first call,
 what the program holds (jaxpr equations, dot_generals, Pallas kernels and their distinct
-shapes, Threefry computations, custom calls in the lowered module), and memory (XLA's ``memory_analysis`` peak and
-the device's ``peak_bytes_in_use``). With ``--repeat-compile`` the cell is built a second time
+shapes, Threefry computations, custom calls in the lowered module), and memory (XLA's
+``memory_analysis`` peak and the device's ``peak_bytes_in_use``). With ``--repeat-compile`` the cell is built a second time
 (with ``--compilation-cache``, from JAX's persistent compilation cache: a repeat run's compile).
 
 ``--isolate`` runs every unit in a fresh Python process (compile caches, memory and the
