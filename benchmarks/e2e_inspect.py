@@ -1,20 +1,13 @@
 """What a compiled step of ``benchmarks.e2e`` holds (equations, GEMMs, Pallas kernels, custom
 calls, peak memory) and what kind each GPU kernel of its trace is.
 
-Run as a program, it lowers GPT training steps for CUDA on any machine (no GPU needed: the
-kernels are forced as on a GPU, ``lowering_platforms=("cuda",)``) and prints the stages a
-GPU host also runs before XLA (trace, lower) with what the module holds::
-
-  python -m benchmarks.e2e_inspect [--plan gpt:768:int8_dense+fp8_dense,...] [--repeats 3] [--kernels]
-
-``--plan`` takes ``benchmarks.e2e``'s ``gpt`` units; every step is built ``--repeats`` times
-with JAX's caches cleared in between (medians and ranges printed); ``--kernels`` lists the
-distinct Pallas kernels of each step with their call sites.
+``lower_for_cuda`` lowers a training step for CUDA on any machine (no GPU needed: the kernels
+forced as on a GPU, ``lowering_platforms=("cuda",)``): the stages a GPU host also runs before
+XLA (trace, lower) and what the module holds (``python -m benchmarks.e2e --lower-for-cuda``).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import re
@@ -120,86 +113,60 @@ def instruction_stacks(hlo: str) -> dict[str, str]:
 # -- lowering for CUDA on this machine ---------------------------------------------------------
 
 
-def lower_for_cuda(width: int, policy: str, tiny: bool = False) -> dict:
-  """Trace and lower ``benchmarks.e2e``'s GPT step at ``width`` under ``policy`` for CUDA with
-  the Pallas kernels forced as on a GPU (the variables and optimizer state abstract: nothing is
-  initialised or compiled). ``{trace_s, lower_s, what the program holds, kernels}``."""
-  from benchmarks import e2e  # e2e imports this module
+def lower_for_cuda(task, batch_size: int, policy, optimizer, fused: bool = False) -> dict:
+  """Trace and lower ``task``'s training step under ``policy`` for CUDA with the Pallas kernels
+  forced as on a GPU (``fused``: inside ``qattention.fused_attention()``); the variables and
+  optimizer state abstract: nothing is initialised or compiled. ``{trace_s, lower_s, what the
+  program holds, kernels}``."""
   from pallas_kernels.gemm import api as gemm_api
   from pallas_kernels.quantize import api as quantize_api
   from planners import timing
+  from qsync_jax.qattention import fused_attention
 
-  task, batch_size = e2e.gpt_task(width, tiny)
   batch = timing.device_batch(task, batch_size)
   inputs = jax.tree.map(lambda x: x[:1], task.inputs(batch))
   variables = jax.eval_shape(lambda k: task.model.init(k, *inputs, **task.train_kwargs), jax.random.key(0))
-  opt = e2e.optimizer()
-  opt_state = jax.eval_shape(opt.init, variables["params"])
+  opt_state = jax.eval_shape(optimizer.init, variables["params"])
   key = jax.eval_shape(lambda: jax.random.key(0))
   on_gpu = lambda: True  # noqa: E731
-  with (
-    unittest.mock.patch.object(quantize_api, "on_gpu", on_gpu),
-    unittest.mock.patch.object(gemm_api, "on_gpu", on_gpu),
-  ):
-    step = timing.make_train_step(task, e2e.POLICIES[policy], opt)
-    with e2e.fused_attention() if policy in e2e.FUSED_ATTENTION else contextlib.nullcontext():
-      t0 = time.perf_counter()
-      traced = step.trace(variables, opt_state, batch, key)
-      t1 = time.perf_counter()
-      lowered = traced.lower(lowering_platforms=("cuda",))
-      t2 = time.perf_counter()
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(unittest.mock.patch.object(quantize_api, "on_gpu", on_gpu))
+    stack.enter_context(unittest.mock.patch.object(gemm_api, "on_gpu", on_gpu))
+    if fused:
+      stack.enter_context(fused_attention())
+    step = timing.make_train_step(task, policy, optimizer)
+    t0 = time.perf_counter()
+    traced = step.trace(variables, opt_state, batch, key)
+    t1 = time.perf_counter()
+    lowered = traced.lower(lowering_platforms=("cuda",))
+    t2 = time.perf_counter()
   out = {"trace_s": t1 - t0, "lower_s": t2 - t1, **jaxpr_stats(traced.jaxpr)}
   out.update(custom_call_stats(lowered.as_text(), ""))
   out["kernels"] = pallas_kernels(traced.jaxpr)
   return out
 
 
-def _median_range(xs) -> str:
-  return f"{statistics.median(xs):5.2f} ({min(xs):.2f}-{max(xs):.2f})"
-
-
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description="GPT steps of benchmarks.e2e lowered for CUDA on this machine")
-  ap.add_argument("--plan", default="gpt:768:plain+int8_dense+fp8_dense+int8_fwd_dense+int8_dense_attn")
-  ap.add_argument("--repeats", type=int, default=3, help="builds per step (JAX's caches cleared between)")
-  ap.add_argument("--kernels", action="store_true", help="list each step's distinct Pallas kernels")
-  ap.add_argument("--tiny", action="store_true", help="tiny models (a smoke test)")
-  args = ap.parse_args(argv)
-  from benchmarks import e2e
-
-  plan_args = argparse.Namespace(
-    widths=[64] if args.tiny else [768], policies=["plain", "int8_dense"], tiny=args.tiny
-  )
-  units = e2e.parse_plan(args.plan, plan_args)
-  if any(u.section != "gpt" for u in units):
-    raise SystemExit(
-      f"--plan {args.plan!r}: only gpt units lower for CUDA here. Fix: e.g. gpt:768:int8_dense."
-    )
-  print(
+def lowered_table(results: dict[str, list[dict]], kernels: bool) -> str:
+  """``{step name: lower_for_cuda results of its builds}`` as a text table (medians and ranges
+  of the stages), with each step's distinct kernels and their call sites if ``kernels``."""
+  lines = [
     f"{'step':32s} {'trace s':>15s} {'lower s':>15s} {'kernel calls':>12s} {'distinct':>8s} "
     f"{'triton':>6s} {'mosaic':>6s} {'threefry':>8s}"
-  )
-  for unit in units:
-    runs = []
-    for _ in range(args.repeats):
-      jax.clear_caches()
-      runs.append(lower_for_cuda(int(unit.arg), unit.policies[0], args.tiny))
-    last = runs[-1]
-
-    bodies = last["distinct_custom_call_bodies"]
-    print(
-      f"{'gpt/d' + unit.arg + '/' + unit.policies[0]:32s} {_median_range([r['trace_s'] for r in runs]):>15s} {_median_range([r['lower_s'] for r in runs]):>15s} "
-      f"{last.get('pallas_calls', 0):12d} {last['distinct_pallas_kernels']:8d} "
-      f"{bodies.get('__gpu$xla.gpu.triton', 0):6d} {bodies.get('mosaic_gpu_v2', 0):6d} "
-      f"{last.get('threefry_calls', 0):8d}",
-      flush=True,
+  ]
+  for name, runs in results.items():
+    last, bodies = runs[-1], runs[-1]["distinct_custom_call_bodies"]
+    lines.append(
+      f"{name:32s} {_median_range([r['trace_s'] for r in runs]):>15s} "
+      f"{_median_range([r['lower_s'] for r in runs]):>15s} {last.get('pallas_calls', 0):12d} "
+      f"{last['distinct_pallas_kernels']:8d} {bodies.get('__gpu$xla.gpu.triton', 0):6d} "
+      f"{bodies.get('mosaic_gpu_v2', 0):6d} {last.get('threefry_calls', 0):8d}"
     )
-    if args.kernels:
-      for (name, shapes), n in sorted(last["kernels"].items()):
+    if kernels:
+      for (kernel, shapes), n in sorted(last["kernels"].items()):
         operands = ", ".join(f"{dtype}{list(shape)}" for dtype, shape in shapes)
-        print(f"    {n:4d} x {name.split(' ')[0]}({operands})")
-  return 0
+        lines.append(f"    {n:4d} x {kernel.split(' ')[0]}({operands})")
+  return "\n".join(lines)
 
 
-if __name__ == "__main__":
-  raise SystemExit(main())
+def _median_range(xs) -> str:
+  return f"{statistics.median(xs):5.2f} ({min(xs):.2f}-{max(xs):.2f})"
