@@ -4,6 +4,7 @@
                            [--steps 30] [--compile-only] [--budget-s S] [--isolate]
                            [--compilation-cache DIR] [--repeat-compile] [--tiny]
                            [--out-jsonl PATH]
+  python -m benchmarks.e2e --lower-for-cuda [--plan gpt:768:int8_dense+...] [--tiny]
 
 Units of work (``--plan``, comma-separated, run in that order; default: every GPT cell, then
 the ResNet cells):
@@ -34,8 +35,8 @@ steps dispatched back to back (``planners.timing.PIPELINED_CLOCK``; its ratio to
 the same width in the same run, ``speed`` = plain / this), compile time split into JAX's
 stages (``planners.timing.staged_compile``: trace, lower, XLA compile) plus the first call,
 what the program holds (jaxpr equations, dot_generals, Pallas kernels and their distinct
-shapes, custom calls in the lowered module), and memory (XLA's ``memory_analysis`` peak and
-the device's ``peak_bytes_in_use``). With ``--repeat-compile`` the cell is built a second time
+shapes, Threefry computations, custom calls in the lowered module), and memory (XLA's
+``memory_analysis`` peak and the device's ``peak_bytes_in_use``). With ``--repeat-compile`` the cell is built a second time
 (with ``--compilation-cache``, from JAX's persistent compilation cache: a repeat run's compile).
 
 ``--isolate`` runs every unit in a fresh Python process (compile caches, memory and the
@@ -46,6 +47,11 @@ stops a unit that runs past it; either way a row says what was skipped. Rows app
 ``--out-jsonl`` (default ``benchmarks/results/e2e.jsonl``) and, when ``$OUT`` is set, to
 ``$OUT/e2e.jsonl``; a table of this run's rows prints last. ``--tiny`` shrinks every model
 and shape for a CPU smoke test.
+
+``--lower-for-cuda`` runs no unit: it traces and lowers the plan's GPT steps for CUDA on this
+machine, no GPU needed (``e2e_inspect.lower_for_cuda``: the kernels forced as on a GPU), three
+builds each with JAX's caches cleared in between, and prints the stages' medians and what each
+module holds, its distinct Pallas kernels with their call sites.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ from benchmarks.e2e_inspect import (
   instruction_stacks,
   jaxpr_stats,
   kernel_kind,
+  lower_for_cuda,
+  lowered_table,
 )
 from benchmarks.e2e_micro import (
   CONV_CASES,
@@ -409,6 +417,7 @@ def run_unit(unit: Unit, args) -> list[dict]:
       "dot_generals_8bit",
       "pallas_calls",
       "distinct_pallas_kernels",
+      "threefry_calls",
       "custom_calls",
     )
     row(
@@ -602,6 +611,9 @@ def main(argv=None) -> int:
   )
   ap.add_argument("--isolate", action="store_true", help="every unit in a fresh process")
   ap.add_argument("--tiny", action="store_true", help="tiny models and shapes (CPU smoke test)")
+  ap.add_argument(
+    "--lower-for-cuda", action="store_true", help="only trace and lower the GPT steps for CUDA (no GPU)"
+  )
   ap.add_argument("--out-jsonl", default=RESULTS)
   ap.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -611,6 +623,8 @@ def main(argv=None) -> int:
   args.run_id = args.run_id or f"e2e-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
   args.out_jsonl = os.path.abspath(args.out_jsonl)
   units = parse_plan(args.plan, args)
+  if args.lower_for_cuda:
+    return lower_units_for_cuda(units, args.tiny)
   try:
     os.makedirs(os.path.dirname(args.out_jsonl), exist_ok=True)
     with open(args.out_jsonl, "a"):
@@ -667,6 +681,22 @@ def main(argv=None) -> int:
     say(f"stopped: {e}")
   if not args.child:
     print("\n" + table(run_rows(args.out_jsonl, args.run_id)))
+  return 0
+
+
+def lower_units_for_cuda(units: list[Unit], tiny: bool, builds: int = 3) -> int:
+  """``--lower-for-cuda``: the GPT units' steps lowered for CUDA, ``builds`` times each."""
+  if any(u.section != "gpt" for u in units):
+    raise SystemExit("--lower-for-cuda: only gpt units are lowered. Fix: e.g. --plan gpt:768:int8_dense.")
+  results = {}
+  for unit in units:
+    task, batch = gpt_task(int(unit.arg), tiny)
+    policy = parse_variant(unit.policies[0]).policy
+    results[f"gpt/d{unit.arg}/{policy}"] = runs = []
+    for _ in range(builds):
+      jax.clear_caches()
+      runs.append(lower_for_cuda(task, batch, POLICIES[policy], optimizer(), policy in FUSED_ATTENTION))
+  print(lowered_table(results, kernels=True))
   return 0
 
 

@@ -43,7 +43,16 @@ def hash_uniform(seed0, seed1, index: jax.Array) -> jax.Array:
 
 
 def seed_words(key: jax.Array) -> jax.Array:
-  """Two uint32 words from a PRNG key (new-style or raw uint32 key data)."""
+  """Two uint32 words from a PRNG key (new-style or raw uint32 key data): a Threefry key's own
+  two data words; for an implementation with longer keys, two words it draws.
+
+  No draw from a Threefry key: one that reaches a quantization is a split or folded-in key
+  already, and a draw (``jax.random.bits``) would put one more Threefry computation, a few
+  hundred instructions, into the compiled step for every stochastically rounded tensor.
+  """
+  data = jax.random.key_data(key)
+  if data.shape == (2,):
+    return data.astype(jnp.uint32)
   return jax.random.bits(key, (2,), jnp.uint32)
 
 

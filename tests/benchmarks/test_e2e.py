@@ -70,3 +70,23 @@ def test_micro_benchmarks_report_every_case(tmp_path):
     assert r["baseline"] == rows["bf16_einsum"]["value"]
     # every attention computes the same gradients up to its precision's rounding
     assert r["rel_err"] < (0.1 if name == "fp8" else 0.03)
+
+
+def test_steps_lower_for_cuda_without_a_gpu(capsys):
+  """e2e_inspect.lower_for_cuda: the int8 step lowered for CUDA holds Triton custom calls, one
+  body per distinct kernel, and per quantized op only Flax's key fold-in and the op's key split
+  (stochastic rounding's seeds draw nothing); the plain step none of them."""
+  from benchmarks import e2e_inspect
+
+  task, batch = e2e.gpt_task(32, tiny=True)
+  plain = e2e_inspect.lower_for_cuda(task, batch, e2e.POLICIES["plain"], e2e.optimizer())
+  int8 = e2e_inspect.lower_for_cuda(task, batch, e2e.POLICIES["int8_dense"], e2e.optimizer())
+  assert plain["distinct_custom_call_bodies"] == {} and plain.get("pallas_calls", 0) == 0
+  triton = int8["distinct_custom_call_bodies"]["__gpu$xla.gpu.triton"]
+  assert 0 < int8["distinct_pallas_kernels"] <= triton <= int8["custom_calls"]["__gpu$xla.gpu.triton"]
+  assert sum(int8["kernels"].values()) == int8["pallas_calls"]
+  dense_ops = 2 * 6 + 1  # per block: query, key, value, out, MLP up and down; 2 blocks; the head
+  assert int8["threefry_calls"] == plain["threefry_calls"] + 2 * dense_ops
+  assert e2e.main(["--tiny", "--plan", "gpt:32:int8_dense", "--lower-for-cuda"]) == 0
+  out = capsys.readouterr().out
+  assert "gpt/d32/int8_dense" in out and "quantize_rows_int8" in out

@@ -232,3 +232,14 @@ def test_bad_calls_name_the_argument(kwargs, match):
 
 def test_qformats_cover_every_storage_dtype():
   assert {np.dtype(v[0]).name for v in QFORMATS.values()} == {"int8", "float8_e4m3fn", "float8_e5m2"}
+
+
+def test_seed_words_are_a_threefry_keys_data_with_no_draw():
+  """A split key's two data words seed the hash: no Threefry computation in the program."""
+  key = jax.random.split(jax.random.key(3), 2)[1]
+  np.testing.assert_array_equal(np.asarray(noise.seed_words(key)), np.asarray(jax.random.key_data(key)))
+  prims = {e.primitive.name for e in jax.make_jaxpr(noise.seed_words)(key).eqns}
+  assert not prims & {"random_bits", "random_split", "random_fold_in", "threefry2x32"}, prims
+  # keys of another implementation (longer data) get two drawn words, different per key
+  a, b = (noise.seed_words(jax.random.key(s, impl="rbg")) for s in (3, 4))
+  assert a.shape == (2,) and a.dtype == jnp.uint32 and not np.array_equal(np.asarray(a), np.asarray(b))
