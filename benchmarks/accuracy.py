@@ -1,7 +1,12 @@
-"""Accuracy of the demo's plans over several seeds → ``docs/results.md``.
+"""Accuracy of the planner's candidates over several seeds → ``docs/results.md``.
 
   python -m benchmarks.accuracy                       # vgg (digits) and lm (stdlib), seeds 0 1 2
   python -m benchmarks.accuracy --tasks vgg --seeds 0 1 2 3 4 --steps 300
+  python -m benchmarks.accuracy --testbed gpt         # on ≥ 2 GPUs: benchmarks.accuracy_gpu
+
+``--testbed gpt`` runs the realistic testbed of ``benchmarks.accuracy_gpu`` (a 25 M-parameter
+GPT on the standard library's source): its ``plan``, ``compare`` and ``report`` steps with that
+module's defaults. The rest of this docstring is the CPU testbed (``--testbed demo``).
 
 For each task it runs the ``qsync demo`` pipeline once (fp32 pre-training → gradient
 indicator → traced ops with V100/T4 costs modeled → the joint planner, for the pool at
@@ -46,6 +51,7 @@ def parse_args(argv=None):
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
+  parser.add_argument("--testbed", choices=("demo", "gpt"), default="demo")
   parser.add_argument("--tasks", nargs="+", default=["vgg", "lm"])
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--steps", type=int, default=150)
@@ -224,6 +230,15 @@ def write_section(path: str, section: str, key: str) -> None:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.testbed == "gpt":
+    from benchmarks import accuracy_gpu
+
+    plans = os.path.join(ROOT, "benchmarks", "results", "accuracy_gpu", "plans_int8")
+    seeds = [str(s) for s in args.seeds]
+    for step in (["plan", "--plans", plans], ["compare", "--plans", plans, "--seeds", *seeds], ["report"]):
+      if accuracy_gpu.main(step) != 0:
+        return 1
+    return 0
   devices = demo.simulated_devices(demo.NUM_DEVICES)
   say = demo.Progress()
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

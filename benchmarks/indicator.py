@@ -40,6 +40,7 @@ import jax
 import numpy as np
 from scipy.stats import spearmanr
 
+from benchmarks import accuracy_gpu
 from benchmarks.result_rows import append_rows
 from examples.train_loop import LoopConfig, train_and_evaluate
 from planners.indicator.gradient import gradient_omega
@@ -95,7 +96,7 @@ def spearman(a, b, ops):
 
 
 def run_task(name, args):
-  task = get_task(name)
+  task = accuracy_gpu.gpt_task() if name == "gpt" else get_task(name)
   t0 = time.perf_counter()
   trained = train_and_evaluate(
     task, LoopConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed), log=None
@@ -155,7 +156,12 @@ def main(argv=None):
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  parser.add_argument("--tasks", nargs="+", default=["vgg", "lm"])
+  parser.add_argument(
+    "--tasks",
+    nargs="+",
+    default=["vgg", "lm"],
+    help="vgg, lm, or gpt (benchmarks.accuracy_gpu's 25 M-parameter LM)",
+  )
   parser.add_argument("--steps", type=int, default=100, help="fp32 training steps before probing")
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--batches", type=int, default=32, help="batches the indicators average over")
