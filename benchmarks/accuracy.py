@@ -33,6 +33,7 @@ import time
 
 import optax
 
+from benchmarks.result_rows import mean_std, write_section
 from examples import demo
 from qsync_jax.tasks import get_task
 
@@ -64,13 +65,6 @@ def parse_args(argv=None):
   parser.add_argument("--jsonl", default=os.path.join(ROOT, "benchmarks", "results", "accuracy.jsonl"))
   parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "results.md"))
   return parser.parse_args(argv)
-
-
-def mean_std(values):
-  n = len(values)
-  mean = sum(values) / n
-  std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
-  return mean, std
 
 
 def run_task(name, args, devices, say):
@@ -211,21 +205,6 @@ def markdown(results, args, device, date, command) -> str:
       lines.append(row)
     lines += ["", f"Target: {verdict(summary)}.", ""]
   return "\n".join(lines) + "\n"
-
-
-def write_section(path: str, section: str, key: str) -> None:
-  """Replaces the section ``key`` of ``path`` (between its markers), keeping the rest; each
-  set of tasks (``key``) has its own section, so runs of different tasks do not clobber."""
-  begin, end = f"<!-- accuracy.py {key}: begin -->", f"<!-- accuracy.py {key}: end -->"
-  text = open(path).read() if os.path.exists(path) else "# Results\n\n"
-  block = f"{begin}\n{section}{end}\n"
-  if begin in text and end in text:
-    head, rest = text.split(begin, 1)
-    text = head + block + rest.split(end, 1)[1].lstrip("\n")
-  else:
-    text = text.rstrip("\n") + "\n\n" + block
-  with open(path, "w") as f:
-    f.write(text)
 
 
 def main(argv=None) -> int:

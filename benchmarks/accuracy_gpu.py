@@ -30,7 +30,7 @@ import sys
 import jax
 import optax
 
-from benchmarks.result_rows import append_rows, result_row
+from benchmarks.result_rows import append_rows, mean_std, result_row, write_section
 from examples.tasks.language import stdlib_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,8 +191,6 @@ def summarize(rows: list[dict], mode: str, baseline: str) -> list[dict]:
   """Per config of ``mode``: held-out loss and token accuracy (mean ± std over seeds), and the
   loss difference from ``baseline`` paired by seed (same initial weights and batches): mean,
   its standard error and the seeds it is over."""
-  from benchmarks.accuracy import mean_std
-
   by_config: dict[str, dict[int, dict]] = {}
   for r in rows:
     if r["case"].startswith(mode + "/"):
@@ -273,8 +271,6 @@ def setup_of(args) -> str:
 
 
 def report(args) -> int:
-  from benchmarks.accuracy import write_section
-
   with open(args.jsonl) as f:
     rows = [json.loads(line) for line in f]
   command = "python -m benchmarks.accuracy_gpu report"

@@ -1,4 +1,5 @@
-"""The JSON line a benchmark appends to ``benchmarks/results/<name>.jsonl``.
+"""The JSON line a benchmark appends to ``benchmarks/results/<name>.jsonl``, and the helpers
+benchmarks share to summarize seeds and rewrite their section of a doc.
 
 Shared by the benchmark scripts (``from benchmarks.result_rows import ...``; they run from
 the repository root as ``python -m benchmarks.<name>``).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 from collections.abc import Sequence
 
@@ -46,3 +48,25 @@ def save_rows(path: str, rows: Sequence[dict], save: bool = True) -> None:
   if save:
     append_rows(path, rows)
     print(f"appended {len(rows)} rows to {path}")
+
+
+def mean_std(values):
+  n = len(values)
+  mean = sum(values) / n
+  std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+  return mean, std
+
+
+def write_section(path: str, section: str, key: str) -> None:
+  """Replaces the section ``key`` of ``path`` (between its markers), keeping the rest; each
+  set of tasks (``key``) has its own section, so runs of different tasks do not clobber."""
+  begin, end = f"<!-- accuracy.py {key}: begin -->", f"<!-- accuracy.py {key}: end -->"
+  text = open(path).read() if os.path.exists(path) else "# Results\n\n"
+  block = f"{begin}\n{section}{end}\n"
+  if begin in text and end in text:
+    head, rest = text.split(begin, 1)
+    text = head + block + rest.split(end, 1)[1].lstrip("\n")
+  else:
+    text = text.rstrip("\n") + "\n\n" + block
+  with open(path, "w") as f:
+    f.write(text)
