@@ -128,6 +128,20 @@ def test_plan_then_predict(files, capsys):
   assert json.load(open(trace))["traceEvents"]
 
 
+def test_plan_int8_op_sets_what_the_int8_level_runs(files):
+  """`--int8-op int8` plans the int8 level as int8 on every leg: the uniform int8 alternative's
+  predicted step changes (the T4's int8 backward legs replace fp16 ones)."""
+  d, cpu, t4, cluster, indicator = files
+  steps = {}
+  for op in ("int8_fwd", "int8"):
+    path = str(d / f"plan_{op}.json")
+    args = ["plan", "--model", MODEL, "--cluster", cluster, "--indicator", indicator, "--profile", cpu, t4]
+    assert main([*args, "--int8-op", op, "--out", path]) == 0
+    alternatives = {a["name"]: a for a in Plan.load(path).predictions["alternatives"]}
+    steps[op] = alternatives["uniform low precision"]["step_ms"]
+  assert steps["int8"] != steps["int8_fwd"]
+
+
 def test_bad_inputs_exit_2_with_fix(files, capsys):
   d, cpu, t4, cluster, indicator = files
   assert main(["predict", "--model", MODEL, "--cluster", cluster, "--plan", indicator, "--profile", cpu]) == 2
