@@ -109,6 +109,7 @@ def trained_rows(args, mode: str, trained: dict, extra: dict | None = None) -> l
           eval_accuracy=r["eval_accuracy"],
           train_loss=r["train_loss"],
           seconds=r["cpu_seconds"],
+          steps_run=r["steps_run"],
           setup=setup_of(args),
           **(extra or {}).get(config, {}),
         )
@@ -135,7 +136,7 @@ def train_and_record(args, mode: str, task, cluster, plans: dict, devices) -> No
   opt = optimizer(args.lr, args.steps, args.warmup)
   for name, p in plans.items():
     trained = demo.stage_train(
-      task, cluster, {name: p}, devices, args.steps, opt, args.seeds, print, EVAL_BATCHES
+      task, cluster, {name: p}, devices, args.steps, opt, args.seeds, print, EVAL_BATCHES, args.log_every
     )
     extra = {name: {"batch_per_device": dict(p.batch_per_device)}}
     for row in trained_rows(args, mode, trained, extra):
@@ -299,6 +300,9 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=1000)
   ap.add_argument("--warmup", type=int, default=100)
   ap.add_argument("--lr", type=float, default=1e-3)
+  ap.add_argument(
+    "--log-every", type=int, default=100, help="training loss every N steps; stop a seed on NaN"
+  )
   ap.add_argument("--batch", type=int, default=BATCH, help="global batch (sequences)")
   ap.add_argument("--indicator-after", type=int, default=100, help="fp32 steps before the indicator")
   ap.add_argument("--indicator-batches", type=int, default=16)

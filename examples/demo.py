@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -236,10 +237,14 @@ def cpu_plan(plan, pool, cpu):
   return dc.replace(plan, batch_per_device=scaled)
 
 
-def stage_train(task, cluster, plans, devices, steps, optimizer, seeds, say, eval_max_batches=None):
+def stage_train(
+  task, cluster, plans, devices, steps, optimizer, seeds, say, eval_max_batches=None, log_every=None
+):
   """Trains each plan with the hybrid data-parallel step (``qsync_jax.train_step``) and
   ``optimizer`` once per seed; returns ``{config: [metrics per seed]}`` with held-out metrics
   of the fp32 weights. Seed ``s`` gives every plan the same initial weights and batches.
+  With ``log_every``, the training loss is said every that many steps, and a seed whose loss
+  is not finite there stops (its row records the steps it ran).
 
   One compiled step per configuration serves every seed (only the state is re-initialized).
   """
@@ -259,13 +264,20 @@ def stage_train(task, cluster, plans, devices, steps, optimizer, seeds, say, eva
       t0 = time.perf_counter()
       batches = task.train_batches(program.global_batch, seed)
       state = program.init(seed, next(task.train_batches(program.global_batch, seed)))
-      for _ in range(steps):
+      ran = 0
+      for ran in range(1, steps + 1):
         state, metrics = program(state, program.shard(next(batches)))
         # On the CPU, one step in flight at a time: on a host with fewer cores than simulated devices, a
         # second step dispatched early can take the XLA:CPU pool threads that the first one's
         # all-reduce still needs (seen on 2 cores: "Termination timeout for all reduce").
         if on_cpu:
           jax.block_until_ready(metrics)
+        if log_every and ran % log_every == 0:
+          loss = float(metrics["loss"])
+          say(f"train [{name}] seed {seed}: step {ran}, loss {loss:.4f}")
+          if not math.isfinite(loss):
+            say(f"train [{name}] seed {seed}: stopped at step {ran}: the loss is not finite")
+            break
       carry = {"params": state.params, "state": state.model_state}
       held_out = evaluator.evaluate(carry, 256, eval_max_batches)
       row = {
@@ -274,6 +286,7 @@ def stage_train(task, cluster, plans, devices, steps, optimizer, seeds, say, eva
         "eval_loss": held_out.get("loss", float("nan")),
         "eval_accuracy": held_out.get("accuracy", float("nan")),
         "cpu_seconds": time.perf_counter() - t0,
+        "steps_run": ran,
       }
       results[name].append(row)
       say(

@@ -122,6 +122,30 @@ def test_stage_train_runs_each_plan_per_seed_and_evaluates():
   assert trained["fp32"][0]["train_loss"] != trained["fp32"][1]["train_loss"]
 
 
+def test_stage_train_logs_the_loss_and_stops_a_seed_whose_loss_is_not_finite():
+  from examples.tasks.vision import vgg_digits
+
+  task = vgg_digits(stages=((4,), (8,)), hidden=8)
+  said = []
+  # A NaN learning rate makes every parameter NaN after the first update.
+  nan_sgd = optax.sgd(float("nan"))
+  trained = demo.stage_train(
+    task,
+    demo.demo_cluster(4),
+    {"fp32": Plan()},
+    jax.devices()[:4],
+    6,
+    nan_sgd,
+    [3],
+    said.append,
+    1,
+    log_every=1,
+  )
+  (row,) = trained["fp32"]
+  assert row["steps_run"] == 2 and np.isnan(row["train_loss"])
+  assert any("step 1, loss" in m for m in said) and any("stopped at step 2" in m for m in said)
+
+
 def test_cpu_plan_keeps_each_plan_s_shares_at_the_cpu_global_batch():
   pool, cpu = demo.demo_cluster(128), demo.demo_cluster(16)
   for batches, expected in [
