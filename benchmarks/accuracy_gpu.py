@@ -71,18 +71,6 @@ def pool_cluster(batch_per_device: int):
   )
 
 
-def early_variables(task, opt, steps: int, seed: int, batch: int):
-  """The weights after the full-precision run's first ``steps`` steps (one device, fp32)."""
-  from qsync_jax.train_step import make_train_step
-
-  program = make_train_step(task, one_device_cluster(batch), None, opt, devices=jax.devices()[:1])
-  batches = task.train_batches(program.global_batch, seed)
-  state = program.init(seed, next(task.train_batches(program.global_batch, seed)))
-  for _ in range(steps):
-    state, _ = program(state, program.shard(next(batches)))
-  return program.variables_of(state)
-
-
 def write_row(args, row: dict) -> None:
   append_rows(args.jsonl, [row])
   if args.out:
@@ -147,6 +135,7 @@ def plan(args) -> int:
   """Indicator on the early weights, modeled V100/T4 costs, the joint planner; saves the
   indicator table and every candidate's plan under ``--plans``."""
   from examples import demo
+  from planners.cli_indicator import initial_variables
   from planners.indicator import compute, load, save
 
   task = gpt_task()
@@ -157,7 +146,7 @@ def plan(args) -> int:
   else:
     opt = optimizer(args.lr, args.steps, args.warmup)
     say(f"indicator: the first {args.indicator_after} fp32 steps (seed {args.seeds[0]}), then probing")
-    variables = early_variables(task, opt, args.indicator_after, args.seeds[0], args.batch)
+    variables = initial_variables(task, args.seeds[0], args.indicator_after, args.batch, opt)
     stream = task.train_batches(32, args.seeds[0] + 1000)
     batches = [next(stream) for _ in range(args.indicator_batches)]
     indicator = compute(task, variables, batches, ("gradient",), ("int8", "fp16"), seed=args.seeds[0])[

@@ -49,10 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--seed", type=int, default=0)
 
 
-def initial_variables(task, seed: int, train_steps: int, batch_size: int):
+def initial_variables(task, seed: int, train_steps: int, batch_size: int, optimizer=None):
   """The variables the indicator scores: ``qsync_jax.Trainer``'s initial ones for ``seed``, after
-  ``train_steps`` fp32 steps on one device (global batch ``batch_size``, AdamW with learning rate
-  3e-3 and weight decay 1e-4); ``train_steps=0`` gives the initial ones."""
+  ``train_steps`` fp32 steps on one device (global batch ``batch_size``, ``optimizer``: by default
+  AdamW with learning rate 3e-3 and weight decay 1e-4); ``train_steps=0`` gives the initial ones."""
   import jax
   import optax
 
@@ -61,7 +61,7 @@ def initial_variables(task, seed: int, train_steps: int, batch_size: int):
 
   # The group's device type only bounds the precisions a plan may use; this fp32 plan runs anywhere.
   cluster = ClusterSpec.uniform("cpu", 1, batch_size)
-  optimizer = optax.adamw(3e-3, weight_decay=1e-4)
+  optimizer = optimizer if optimizer is not None else optax.adamw(3e-3, weight_decay=1e-4)
   trainer = Trainer(task, cluster, optimizer=optimizer, seed=seed, devices=jax.devices()[:1])
   trainer.run(train_steps)
   return trainer.program.variables_of(trainer.state)

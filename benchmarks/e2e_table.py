@@ -1,0 +1,59 @@
+"""``benchmarks.e2e``'s rows as text tables: step cells (by model and width, with the ratio to
+``plain`` of the same width), micro-benchmarks and kernel profiles."""
+
+from __future__ import annotations
+
+import collections
+
+
+def table(rows: list[dict]) -> str:
+  """The run's rows as text tables: step cells (by model and width), micro-benchmarks, profiles."""
+  lines = []
+  cells = collections.defaultdict(dict)
+  for r in rows:
+    if r["metric"] in ("step_ms", "compile_s", "peak_bytes", "skipped", "failed"):
+      cells[r["case"]][r["metric"]] = r
+  if cells:
+    lines.append(
+      f"{'cell':32s} {'step ms':>8s} {'speed':>6s} {'compile s':>9s} {'x plain':>7s} "
+      f"{'trace':>6s} {'lower':>6s} {'xla':>6s} {'1st':>6s} {'again':>6s} {'peak GB':>7s}  note"
+    )
+  for case, m in cells.items():
+    prefix = case.rsplit("/", 1)[0]
+    plain = cells.get(f"{prefix}/plain", {})
+    st, cp, pk = m.get("step_ms"), m.get("compile_s"), m.get("peak_bytes")
+    note = (m.get("skipped") or m.get("failed") or {}).get("reason", "")
+    ms = f"{st['value']:8.2f}" if st else f"{'-':>8s}"
+    speed = f"{plain['step_ms']['value'] / st['value']:6.2f}" if st and plain.get("step_ms") else f"{'-':>6s}"
+    if cp:
+      plain_c = plain.get("compile_s", {}).get("value")
+      stages = " ".join(
+        f"{cp.get(k, float('nan')):6.1f}" for k in ("trace_s", "lower_s", "compile_s", "first_call_s")
+      )
+      again = cp.get("repeat_compile_total_s")
+      comp = f"{cp['value']:9.1f} {cp['value'] / plain_c if plain_c else float('nan'):7.2f} {stages} "
+      comp += f"{again:6.1f}" if again is not None else f"{'-':>6s}"
+    else:
+      comp = f"{'-':>9s} {'-':>7s} " + " ".join(f"{'-':>6s}" for _ in range(5))
+    peak = f"{pk['value'] / 2**30:7.2f}" if pk and pk["value"] else f"{'-':>7s}"
+    lines.append(f"{case:32s} {ms} {speed} {comp} {peak}  {note[:60]}")
+  micro = [r for r in rows if r["metric"] == "fwd_bwd_ms"]
+  if micro:
+    lines.append(
+      f"\n{'micro-benchmark (fwd + bwd)':44s} {'ms':>8s} {'x bf16':>7s} {'rel err':>8s} {'compile s':>9s}"
+    )
+    for r in micro:
+      if r["value"] is None:
+        lines.append(f"{r['case']:44s} failed: {r.get('error', '')[:70]}")
+        continue
+      ratio = f"{r['baseline'] / r['value']:7.2f}" if r.get("baseline") else f"{'-':>7s}"
+      lines.append(
+        f"{r['case']:44s} {r['value']:8.3f} {ratio} {r.get('rel_err', 0):8.4f} {r.get('compile_s', 0):9.1f}"
+      )
+  for r in rows:
+    if r["metric"] == "kernel_ms":
+      kinds = ", ".join(f"{k} {v['ms']:.2f}" for k, v in r["by_kind"].items())
+      lines.append(f"\n{r['case']}: {r['value']:.2f} ms of kernels, {r['kernels']:.0f} launches: {kinds}")
+      for name, ms, n, stack in r["top"][:12]:
+        lines.append(f"  {ms:7.3f} ms x{n:<4.0f} {name[:60]:60s} {stack[-60:]}")
+  return "\n".join(lines)
