@@ -117,18 +117,19 @@ def sweep(args) -> int:
 
 
 def train_and_record(args, mode: str, task, cluster, plans: dict, devices) -> None:
-  """Trains each plan over ``args.seeds`` (``examples.demo.stage_train``), one plan at a time,
-  writing its rows as soon as it is done (a run cut short keeps what it has)."""
+  """Trains each plan over ``args.seeds`` (``examples.demo.stage_train``), writing each seed's
+  row as soon as it is done (a run cut short keeps what it has)."""
   from examples import demo
 
-  opt = optimizer(args.lr, args.steps, args.warmup)
-  for name, p in plans.items():
-    trained = demo.stage_train(
-      task, cluster, {name: p}, devices, args.steps, opt, args.seeds, print, EVAL_BATCHES, args.log_every
-    )
-    extra = {name: {"batch_per_device": dict(p.batch_per_device)}}
-    for row in trained_rows(args, mode, trained, extra):
+  def record(name, result):
+    extra = {name: {"batch_per_device": dict(plans[name].batch_per_device)}}
+    for row in trained_rows(args, mode, {name: [result]}, extra):
       write_row(args, row)
+
+  opt = optimizer(args.lr, args.steps, args.warmup)
+  demo.stage_train(
+    task, cluster, plans, devices, args.steps, opt, args.seeds, print, EVAL_BATCHES, args.log_every, record
+  )
 
 
 def plan(args) -> int:

@@ -238,13 +238,24 @@ def cpu_plan(plan, pool, cpu):
 
 
 def stage_train(
-  task, cluster, plans, devices, steps, optimizer, seeds, say, eval_max_batches=None, log_every=None
+  task,
+  cluster,
+  plans,
+  devices,
+  steps,
+  optimizer,
+  seeds,
+  say,
+  eval_max_batches=None,
+  log_every=None,
+  on_seed=None,
 ):
   """Trains each plan with the hybrid data-parallel step (``qsync_jax.train_step``) and
   ``optimizer`` once per seed; returns ``{config: [metrics per seed]}`` with held-out metrics
   of the fp32 weights. Seed ``s`` gives every plan the same initial weights and batches.
   With ``log_every``, the training loss is said every that many steps, and a seed whose loss
-  is not finite there stops (its row records the steps it ran).
+  is not finite there stops (its row records the steps it ran). ``on_seed(config, row)``, when
+  given, is called with each seed's metrics as soon as they exist.
 
   One compiled step per configuration serves every seed (only the state is re-initialized).
   """
@@ -289,6 +300,8 @@ def stage_train(
         "steps_run": ran,
       }
       results[name].append(row)
+      if on_seed:
+        on_seed(name, row)
       say(
         f"train [{name}] seed {seed}: loss {row['train_loss']:.4f}, held-out loss {row['eval_loss']:.4f}, "
         f"accuracy {row['eval_accuracy']:.4f} ({row['cpu_seconds']:.0f}s)"

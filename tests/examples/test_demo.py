@@ -111,10 +111,22 @@ def test_stage_train_runs_each_plan_per_seed_and_evaluates():
     "uniform int8": Plan(policies={"inference": PrecisionPolicy.uniform("int8_fwd")}),
   }
   seeds = [int(s) for s in np.random.default_rng(104).choice(1000, size=2, replace=False)]
+  reported = []
   trained = demo.stage_train(
-    task, cluster, plans, jax.devices()[:4], 2, optax.adam(1e-3), seeds, lambda m: None, 1
+    task,
+    cluster,
+    plans,
+    jax.devices()[:4],
+    2,
+    optax.adam(1e-3),
+    seeds,
+    lambda m: None,
+    1,
+    on_seed=lambda config, row: reported.append((config, row)),
   )
   assert list(trained) == ["fp32", "uniform int8"]
+  # on_seed sees every seed's row, in training order, as it is made.
+  assert reported == [(c, r) for c, rows in trained.items() for r in rows]
   for rows in trained.values():
     assert [r["seed"] for r in rows] == seeds
     assert all(np.isfinite(r["train_loss"]) and 0.0 <= r["eval_accuracy"] <= 1.0 for r in rows)
