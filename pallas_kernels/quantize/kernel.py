@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._platform import out_struct
 from pallas_kernels.quantize.config import QuantizeConfig, default_config
 from pallas_kernels.quantize.noise import element_index, hash_uniform
-from pallas_kernels.quantize.reference import QFORMATS
+from pallas_kernels.quantize.reference import QFORMATS, scale_from_absmax
 
 # -- in-kernel random numbers: ``noise`` (shared with the reference) ----------------------
 
@@ -90,7 +90,6 @@ def _rows_kernel(*refs, fmt, stochastic, in_kind, n_cols, bc, br):
   in_ref = refs.pop(0) if in_kind else None
   seed_ref = refs.pop(0) if stochastic else None
   q_ref, s_ref = refs
-  qmax = QFORMATS[fmt][1]
   row0 = pl.program_id(0) * br
   n_chunks = n_cols // bc
   in_rows = in_ref[...][:, None] if in_kind == "rows" else None
@@ -107,7 +106,7 @@ def _rows_kernel(*refs, fmt, stochastic, in_kind, n_cols, bc, br):
     return jnp.maximum(m, jnp.max(jnp.abs(value(j)), axis=1))
 
   amax = lax.fori_loop(0, n_chunks, absmax, jnp.zeros((br,), jnp.float32))
-  scale = jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
+  scale = scale_from_absmax(amax, fmt)
   s_ref[...] = scale
 
   def write(j, carry):

@@ -3,7 +3,9 @@
 ``quantize_reference(x, fmt, reduce_axes, rounding, key)`` returns ``(qvalue, scale)`` with
 ``x ≈ qvalue.astype(f32) * scale``; ``scale`` keeps ``x``'s rank (size 1 along
 ``reduce_axes``), so per-tensor (reduce every axis), per-row and per-column scales are one
-function. The scale is ``max|x| / qmax`` over ``reduce_axes`` (1 where the max is 0).
+function. The scale is ``max|x| / qmax`` over ``reduce_axes``, or 1 where that quotient is 0
+(``max|x|`` is 0, or so small that the quotient is below float32's smallest normal number and
+XLA flushes it to 0): such a slice quantizes to zeros instead of dividing by 0.
 
 Rounding:
   * ``nearest``: round half to even (int8) / the format's own round-to-nearest (fp8).
@@ -45,9 +47,19 @@ def _check(fmt: str, rounding: str, key) -> None:
 
 def absmax_scale(x: jax.Array, fmt: str, reduce_axes: Sequence[int]) -> jax.Array:
   """``max|x| / qmax`` over ``reduce_axes`` (kept as size-1 dims), in float32; 1 where 0."""
-  qmax = QFORMATS[fmt][1]
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=tuple(reduce_axes), keepdims=True)
-  return jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
+  return scale_from_absmax(amax, fmt)
+
+
+def scale_from_absmax(amax: jax.Array, fmt: str) -> jax.Array:
+  """``amax / qmax``, or 1 where that is 0 (``amax`` is 0 or the quotient flushes to 0).
+
+  A float32 quotient below the smallest normal (``amax < qmax * 1.18e-38``: 6.7e-34 for e5m2)
+  is flushed to 0 by XLA on the CPU and the GPU; dividing by it would give inf and, for the
+  slice's zeros, NaN.
+  """
+  scale = amax / QFORMATS[fmt][1]
+  return jnp.where(scale > 0, scale, jnp.ones_like(scale))
 
 
 def round_to_format(y: jax.Array, fmt: str, rounding: str, key=None, noise=None) -> jax.Array:
