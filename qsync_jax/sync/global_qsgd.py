@@ -48,6 +48,13 @@ def payload_for(n: int, payload: str = "auto") -> tuple[str, int]:
   return payload, min(levels, MAX_LEVELS)
 
 
+def bucket_scales(maxima: jax.Array, levels: int) -> jax.Array:
+  """``maxima / levels``, or 1 where that is 0: a bucket of zeros, or one whose quotient is below
+  float32's smallest normal (XLA flushes it to 0), sends zeros instead of dividing by 0."""
+  scales = maxima / levels
+  return jnp.where(scales > 0, scales, jnp.ones_like(scales))
+
+
 def dither(x: jax.Array, scale: jax.Array, levels: int, key, dtype, rounding: str = "stochastic"):
   """Integers ``q`` in [-levels, levels] with ``E[q * scale] = x`` (stochastic rounding).
 
@@ -96,7 +103,7 @@ def global_qsgd_allreduce(
   rows = [_buckets(leaves[i], bucket_size) for i in floats]
   local_max = jnp.concatenate([jnp.max(jnp.abs(r.astype(jnp.float32)), axis=1) for r in rows])
   global_max = lax.pmax(local_max, axis_name)  # the one float collective: a vector of maxima
-  scales = jnp.where(global_max > 0, global_max / levels, jnp.ones_like(global_max))
+  scales = bucket_scales(global_max, levels)
   keys = leaf_keys(device_key(key, axis_name), rows) if rounding == "stochastic" else [None] * len(rows)
   qs, offsets, start = [], [], 0
   for i, r, k in zip(floats, rows, keys):

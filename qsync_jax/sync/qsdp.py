@@ -45,7 +45,7 @@ from qsync_jax.sync.common import (
   optimizer_init,
   to_varying,
 )
-from qsync_jax.sync.global_qsgd import INT_PAYLOADS, dither, payload_for
+from qsync_jax.sync.global_qsgd import INT_PAYLOADS, bucket_scales, dither, payload_for
 from qsync_jax.vma import shard_map
 
 
@@ -176,7 +176,7 @@ def make_qsdp_step(
       name, levels = payload_for(n, grad_payload)
       buckets = [rows[i].reshape(-1, bucket_size) for i in quantized]
       gmax = lax.pmax(jnp.concatenate([jnp.max(jnp.abs(b), axis=1) for b in buckets]), axis_name)
-      scales = jnp.where(gmax > 0, gmax / levels, jnp.ones_like(gmax))
+      scales = bucket_scales(gmax, levels)
       start, qs, mine = 0, [], []
       me = lax.axis_index(axis_name)
       for b, k in zip(buckets, leaf_keys(key, buckets)):

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from qsync_jax import hlo
 from qsync_jax.errors import QsyncError
 from qsync_jax.sync import allreduce, global_qsgd_allreduce, make_grad_sync
-from qsync_jax.sync.global_qsgd import payload_for
+from qsync_jax.sync.global_qsgd import bucket_scales, payload_for
 from qsync_jax.vma import shard_map
 
 N = 8
@@ -99,6 +99,23 @@ def test_global_qsgd_cannot_overflow(mesh):
     out = _per_device(lambda t, k: global_qsgd_allreduce(t, "data", k), mesh)(tree, jax.random.key(1))
     for got in jax.tree.leaves(out):
       np.testing.assert_allclose(np.asarray(got), sign * N * gmax, rtol=1e-6)
+
+
+def test_global_qsgd_sends_zeros_for_a_leaf_too_small_for_a_normal_scale(mesh):
+  """A leaf whose max / L is below float32's smallest normal (flushed to 0 by XLA) gets scale 1
+  (not 0, which divides its zeros into NaN) and comes back as zeros; the leaves beside it are
+  summed as usual."""
+  scales = jax.jit(lambda m: bucket_scales(m, 15))(jnp.array([0.0, 1e-37, 1.5]))
+  np.testing.assert_allclose(np.asarray(scales), [1.0, 1.0, 0.1], rtol=1e-6)
+  tree = _tree(jax.random.key(5))
+  tree["dense"]["bias"] = jnp.where(jnp.arange(40) % 2 == 0, 0.0, 1e-37) * jnp.ones((N, 40))
+  out = _per_device(lambda t, k: global_qsgd_allreduce(t, "data", k), mesh)(tree, jax.random.key(6))
+  bias = np.asarray(out["dense"]["bias"])
+  assert np.all(np.isfinite(bias)) and np.max(np.abs(bias)) <= N * 1e-37
+  kernel = np.asarray(out["dense"]["kernel"])
+  want = np.asarray(tree["dense"]["kernel"]).sum(0)
+  # one quantization step of the leaf's own scale per worker
+  assert np.max(np.abs(kernel[0] - want)) <= N * np.abs(np.asarray(tree["dense"]["kernel"])).max() / 15
 
 
 def test_payload_choice():
