@@ -80,10 +80,12 @@ def test_nearest_matches_reference(impl, layout, fmt):
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("fmt", FMTS)
 def test_rows_too_small_for_a_normal_scale_quantize_to_zeros(impl, rounding, fmt):
-  """A row whose max|x| / qmax is below float32's smallest normal (XLA flushes the quotient to
-  0) gets scale 1 and zero codes, not inf or NaN; rows beside it are unaffected."""
+  """A row whose max|x| / qmax is below float32's smallest normal never divides by a 0 scale:
+  where the quotient is flushed to 0 (XLA, on the CPU and the GPU) the row gets scale 1 and zero
+  codes; where it is kept as a subnormal (the compiled Triton kernel) it is the scale. Either
+  way no inf or NaN, and the rows beside it are unaffected."""
   x = draw((32, 48), 611)
-  # Row 0: magnitudes 1e-35 with exact zeros; e5m2's quotient 1e-35 / 57344 flushes to 0.
+  # Row 0: magnitudes 1e-35 with exact zeros; e5m2's quotient 1e-35 / 57344 is subnormal.
   tiny = jnp.where(jnp.arange(48) % 3 == 0, 0.0, 1e-35 * jnp.sign(x[0] + 0.5))
   x = x.at[0].set(tiny)
   key = jax.random.key(12) if rounding == "stochastic" else None
@@ -92,13 +94,16 @@ def test_rows_too_small_for_a_normal_scale_quantize_to_zeros(impl, rounding, fmt
   assert np.all(np.isfinite(back))
   # The largest error is the row's own magnitude (zeros) or one grid step of it.
   assert np.max(np.abs(back[0] - np.asarray(tiny))) <= 2e-35
-  q_ref, s_ref = quantize_reference(x, fmt, (1,), rounding, key)
-  if impl == ("pallas", True) or impl == ("reference", False):
+  q_ref, _ = quantize_reference(x, fmt, (1,), rounding, key)
+  if impl[0] == "reference" or impl[1]:  # bitwise where XLA computes the kernel (see assert_codes_match)
     np.testing.assert_array_equal(
       np.asarray(q[1:].astype(jnp.float32)), np.asarray(q_ref[1:].astype(jnp.float32))
     )
-  if fmt == "e5m2":  # the quotient flushes: scale 1, all codes 0
-    assert float(s[0, 0]) == 1.0 and not np.any(np.asarray(q[0].astype(jnp.float32)))
+  if fmt == "e5m2":
+    row_scale = float(s[0, 0])
+    assert row_scale == 1.0 or 0.0 < row_scale < np.finfo(np.float32).tiny
+    if row_scale == 1.0:  # flushed: all codes 0
+      assert not np.any(np.asarray(q[0].astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
