@@ -62,3 +62,24 @@ def test_sweep_plan_and_compare_write_their_rows_and_plans(tiny, tmp_path):
   assert [r["case"] for r in compared] == ["compare/dynamic batching", "compare/uniform low precision"]
   assert compared[1]["batch_per_device"] == low["batch_per_device"]
   assert all(math.isfinite(r["value"]) for r in compared)
+
+
+def test_report_pairs_by_seed_and_leaves_out_superseded_rows(tmp_path):
+  setup = "make_train_step, lr 0.001, warmup 100, batch 64, 1000 steps"
+
+  def row(case, seed, value, **extra):
+    return {"case": case, "seed": seed, "value": value, "eval_accuracy": 0.5, "setup": setup, **extra}
+
+  rows = [
+    row("sweep/fp32", 0, 1.00),
+    row("sweep/fp32", 1, 1.10),
+    row("sweep/fp8", 0, 1.03),
+    row("sweep/fp8", 1, 1.11),
+    row("sweep/fp8", 0, float("nan"), superseded="a defect's run"),  # last: would win if kept
+  ]
+  jsonl, doc = tmp_path / "rows.jsonl", tmp_path / "results.md"
+  jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert testbed.main(["report", "--jsonl", str(jsonl), "--doc", str(doc)]) == 0
+  (fp8,) = [line for line in doc.read_text().splitlines() if line.startswith("| fp8 |")]
+  # seeds 0 and 1 only, paired: (0.03 + 0.01) / 2 = +0.0200, s.e. 0.01; the NaN row is not shown
+  assert "| 0,1 |" in fp8 and "nan" not in fp8 and "+0.0200 ± 0.0100 (2 seeds)" in fp8
