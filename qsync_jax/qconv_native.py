@@ -36,6 +36,7 @@ from jax import lax
 
 from pallas_kernels.gemm.reference import accumulator_dtype
 from pallas_kernels.quantize import dequantize, quantize
+from pallas_kernels.quantize.noise import stream_keys
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.qdot import FLOAT_DTYPES, LAX_PRECISION, qformat
 
@@ -154,17 +155,13 @@ def _leg(conv, precision, granularity, lhs, rhs, keep, out_keep, is_grad, roundi
   return conv(_as_float(lhs, dtype), _as_float(rhs, dtype), None, LAX_PRECISION.get(precision)), None
 
 
-def _keys(key, n):
-  return [None] * n if key is None else list(jax.random.split(key, n))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 6))
 def _native(x, w, strides, pads, op_policy, key, out_dtype):
   return _native_fwd(x, w, strides, pads, op_policy, key, out_dtype)[0]
 
 
 def _native_fwd(x, w, strides, pads, op_policy, key, out_dtype):
-  k = _keys(key, 6)
+  k = stream_keys(key, 6)
   p, r = op_policy.fwd, op_policy.rounding
   conv = functools.partial(_call_fwd, strides=strides, pads=pads)
   y, quantized = _leg(
@@ -238,7 +235,7 @@ def reference_quantized_conv(x, w, window_strides, padding, op_policy: OpPolicy,
   n = x.ndim - 2
   strides = tuple(window_strides)
   pads = _pads(padding, x.shape[1:-1], w.shape[:n], strides)
-  k = _keys(key if op_policy.needs_rng else None, 6)
+  k = stream_keys(key if op_policy.needs_rng else None, 6)
   gran, r, gr = op_policy.granularity, op_policy.rounding, op_policy.grad_rounding
 
   def rounded(v, keep, precision, rounding, is_grad, key_):

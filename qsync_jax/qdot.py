@@ -66,6 +66,7 @@ from jax import lax
 from pallas_kernels.gemm import scaled_dot_general
 from pallas_kernels.gemm.reference import free_axes
 from pallas_kernels.quantize import dequantize, quantize
+from pallas_kernels.quantize.noise import stream_keys
 from pallas_kernels.quantize.reference import QFORMATS
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.vma import match_vma
@@ -325,10 +326,6 @@ def drhs_dims(lhs_ndim: int, rhs_ndim: int, dims):
 # legs of the other format) or dequantize them (float legs).
 
 
-def _keys(key, n):
-  return [None] * n if key is None else list(jax.random.split(key, n))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 5))
 def _qdot(lhs, rhs, dims, op_policy, key, out_dtype):
   return _qdot_fwd(lhs, rhs, dims, op_policy, key, out_dtype)[0]
@@ -336,7 +333,7 @@ def _qdot(lhs, rhs, dims, op_policy, key, out_dtype):
 
 def _qdot_fwd(lhs, rhs, dims, op_policy, key, out_dtype):
   (lc, rc), _ = dims
-  k = _keys(key, 6)
+  k = stream_keys(key, 6)
   value = Operand(op_policy.rounding, False)
   p = op_policy.fwd
   if p in QUANTIZED_PRECISIONS:

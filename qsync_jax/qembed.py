@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quantize.noise import stream_keys
 from pallas_kernels.quantize.reference import absmax_scale, round_to_format
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.qdot import FLOAT_DTYPES, qformat
@@ -124,5 +125,5 @@ def quantized_embed_lookup(
     table_scale = jax.lax.stop_gradient(
       absmax_scale(table, fmt, _scale_axes(table.ndim, op_policy.granularity))
     )
-  keys = (None, None) if key is None else tuple(jax.random.split(key))
+  keys = tuple(stream_keys(key, 2))
   return _rounded_rows(rows, table_scale, op_policy, keys)

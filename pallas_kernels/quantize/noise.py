@@ -56,6 +56,29 @@ def seed_words(key: jax.Array) -> jax.Array:
   return jax.random.bits(key, (2,), jnp.uint32)
 
 
+def stream_keys(key: jax.Array | None, n: int) -> list:
+  """``n`` keys for distinct noise streams from one key, with no Threefry computation (``n``
+  Nones for ``key=None``): key ``i``'s two data words are ``_mix32`` of ``key``'s words salted
+  with ``i + 1``, so ``seed_words`` of each is a fresh pair. An op's legs take one each.
+
+  ``jax.random.split`` would put one Threefry computation (a few hundred instructions) into the
+  compiled step for every stochastically rounded op; this is a handful of integer operations.
+  Keys of an implementation with longer data are split with ``jax.random.split``.
+  """
+  if key is None:
+    return [None] * n
+  data = jax.random.key_data(key)
+  if data.shape != (2,):
+    return list(jax.random.split(key, n))
+  words = data.astype(jnp.uint32)
+  keys = []
+  for i in range(n):
+    salt = jnp.uint32((0x9E3779B9 * (i + 1)) & 0xFFFFFFFF)
+    mixed = jnp.stack([_mix32(words[0] ^ salt), _mix32(words[1] + salt)])
+    keys.append(jax.random.wrap_key_data(mixed, impl=jax.random.key_impl(key)))
+  return keys
+
+
 def element_index(rows: jax.Array, cols: jax.Array, n_cols: int) -> jax.Array:
   """Row-major linear index of ``(rows, cols)`` in a ``[*, n_cols]`` view, as uint32."""
   return rows.astype(jnp.uint32) * jnp.uint32(n_cols) + cols.astype(jnp.uint32)

@@ -273,3 +273,27 @@ def test_seed_words_are_a_threefry_keys_data_with_no_draw():
   # keys of another implementation (longer data) get two drawn words, different per key
   a, b = (noise.seed_words(jax.random.key(s, impl="rbg")) for s in (3, 4))
   assert a.shape == (2,) and a.dtype == jnp.uint32 and not np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_stream_keys_give_distinct_uncorrelated_streams_with_no_threefry():
+  """An op's legs draw from keys derived by integer mixing, not jax.random.split: distinct,
+  deterministic, each stream uniform, no two legs' streams correlated, no Threefry."""
+  key = jax.random.fold_in(jax.random.key(21), 5)
+  keys = noise.stream_keys(key, 6)
+  again = noise.stream_keys(key, 6)
+  words = [tuple(np.asarray(noise.seed_words(k))) for k in keys]
+  assert len(set(words)) == 6 and tuple(np.asarray(jax.random.key_data(key))) not in words
+  assert words == [tuple(np.asarray(noise.seed_words(k))) for k in again]
+  streams = np.stack([np.asarray(noise.uniform_noise(k, (1 << 16,))) for k in keys])
+  # 65536 uniforms: mean 0.5 ± 0.0011 (s.e.), a correlation's s.e. 1/256 = 0.0039; 5 s.e. bounds
+  assert np.all(np.abs(streams.mean(1) - 0.5) < 0.006)
+  corr = np.corrcoef(streams)
+  assert np.max(np.abs(corr - np.eye(6))) < 0.02
+  prims = {e.primitive.name for e in jax.make_jaxpr(lambda k: noise.stream_keys(k, 6))(key).eqns}
+  assert not prims & {"random_bits", "random_split", "random_fold_in", "threefry2x32"}, prims
+  assert noise.stream_keys(None, 3) == [None] * 3
+  # keys of another implementation are split by JAX
+  rbg = noise.stream_keys(jax.random.key(3, impl="rbg"), 2)
+  assert len(rbg) == 2 and not np.array_equal(
+    np.asarray(jax.random.key_data(rbg[0])), np.asarray(jax.random.key_data(rbg[1]))
+  )
