@@ -106,7 +106,7 @@ def _rows_kernel(*refs, fmt, stochastic, in_kind, n_cols, bc, br):
     return jnp.maximum(m, jnp.max(jnp.abs(value(j)), axis=1))
 
   amax = lax.fori_loop(0, n_chunks, absmax, jnp.zeros((br,), jnp.float32))
-  scale = scale_from_absmax(amax, fmt)
+  scale = scale_from_absmax(amax, QFORMATS[fmt][1])
   s_ref[...] = scale
 
   def write(j, carry):

@@ -48,17 +48,17 @@ def _check(fmt: str, rounding: str, key) -> None:
 def absmax_scale(x: jax.Array, fmt: str, reduce_axes: Sequence[int]) -> jax.Array:
   """``max|x| / qmax`` over ``reduce_axes`` (kept as size-1 dims), in float32; 1 where 0."""
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=tuple(reduce_axes), keepdims=True)
-  return scale_from_absmax(amax, fmt)
+  return scale_from_absmax(amax, QFORMATS[fmt][1])
 
 
-def scale_from_absmax(amax: jax.Array, fmt: str) -> jax.Array:
+def scale_from_absmax(amax: jax.Array, qmax: float) -> jax.Array:
   """``amax / qmax``, or 1 where that is 0 (``amax`` is 0 or the quotient flushes to 0).
 
   A float32 quotient below the smallest normal (``amax < qmax * 1.18e-38``: 6.7e-34 for e5m2)
   is flushed to 0 by XLA on the CPU and the GPU; dividing by it would give inf and, for the
-  slice's zeros, NaN.
+  slice's zeros, NaN. With scale 1 such a slice quantizes to zeros.
   """
-  scale = amax / QFORMATS[fmt][1]
+  scale = amax / qmax
   return jnp.where(scale > 0, scale, jnp.ones_like(scale))
 
 

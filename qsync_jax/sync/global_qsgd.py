@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.quantize.noise import uniform_noise
+from pallas_kernels.quantize.reference import scale_from_absmax
 from qsync_jax.errors import QsyncError
 from qsync_jax.sync.common import AXIS, axis_size, device_key, is_float, leaf_keys
 
@@ -46,13 +47,6 @@ def payload_for(n: int, payload: str = "auto") -> tuple[str, int]:
       "use a wider payload or payload='auto'."
     )
   return payload, min(levels, MAX_LEVELS)
-
-
-def bucket_scales(maxima: jax.Array, levels: int) -> jax.Array:
-  """``maxima / levels``, or 1 where that is 0: a bucket of zeros, or one whose quotient is below
-  float32's smallest normal (XLA flushes it to 0), sends zeros instead of dividing by 0."""
-  scales = maxima / levels
-  return jnp.where(scales > 0, scales, jnp.ones_like(scales))
 
 
 def dither(x: jax.Array, scale: jax.Array, levels: int, key, dtype, rounding: str = "stochastic"):
@@ -103,7 +97,7 @@ def global_qsgd_allreduce(
   rows = [_buckets(leaves[i], bucket_size) for i in floats]
   local_max = jnp.concatenate([jnp.max(jnp.abs(r.astype(jnp.float32)), axis=1) for r in rows])
   global_max = lax.pmax(local_max, axis_name)  # the one float collective: a vector of maxima
-  scales = bucket_scales(global_max, levels)
+  scales = scale_from_absmax(global_max, levels)  # a bucket too small to scale sends zeros
   keys = leaf_keys(device_key(key, axis_name), rows) if rounding == "stochastic" else [None] * len(rows)
   qs, offsets, start = [], [], 0
   for i, r, k in zip(floats, rows, keys):

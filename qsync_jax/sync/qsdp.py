@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.quantize.api import dequantize, quantize
+from pallas_kernels.quantize.reference import scale_from_absmax
 from qsync_jax.errors import QsyncError
 from qsync_jax.sync.common import (
   AXIS,
@@ -45,7 +46,7 @@ from qsync_jax.sync.common import (
   optimizer_init,
   to_varying,
 )
-from qsync_jax.sync.global_qsgd import INT_PAYLOADS, bucket_scales, dither, payload_for
+from qsync_jax.sync.global_qsgd import INT_PAYLOADS, dither, payload_for
 from qsync_jax.vma import shard_map
 
 
@@ -176,7 +177,7 @@ def make_qsdp_step(
       name, levels = payload_for(n, grad_payload)
       buckets = [rows[i].reshape(-1, bucket_size) for i in quantized]
       gmax = lax.pmax(jnp.concatenate([jnp.max(jnp.abs(b), axis=1) for b in buckets]), axis_name)
-      scales = bucket_scales(gmax, levels)
+      scales = scale_from_absmax(gmax, levels)
       start, qs, mine = 0, [], []
       me = lax.axis_index(axis_name)
       for b, k in zip(buckets, leaf_keys(key, buckets)):

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.quantize.reference import scale_from_absmax
 from qsync_jax import hlo
 from qsync_jax.errors import QsyncError
 from qsync_jax.sync import allreduce, global_qsgd_allreduce, make_grad_sync
-from qsync_jax.sync.global_qsgd import bucket_scales, payload_for
+from qsync_jax.sync.global_qsgd import payload_for
 from qsync_jax.vma import shard_map
 
 N = 8
@@ -105,7 +106,7 @@ def test_global_qsgd_sends_zeros_for_a_leaf_too_small_for_a_normal_scale(mesh):
   """A leaf whose max / L is below float32's smallest normal (flushed to 0 by XLA) gets scale 1
   (not 0, which divides its zeros into NaN) and comes back as zeros; the leaves beside it are
   summed as usual."""
-  scales = jax.jit(lambda m: bucket_scales(m, 15))(jnp.array([0.0, 1e-37, 1.5]))
+  scales = jax.jit(lambda m: scale_from_absmax(m, 15))(jnp.array([0.0, 1e-37, 1.5]))
   np.testing.assert_allclose(np.asarray(scales), [1.0, 1.0, 0.1], rtol=1e-6)
   tree = _tree(jax.random.key(5))
   tree["dense"]["bias"] = jnp.where(jnp.arange(40) % 2 == 0, 0.0, 1e-37) * jnp.ones((N, 40))
