@@ -51,12 +51,6 @@ def optimizer(lr: float, steps: int, warmup: int) -> optax.GradientTransformatio
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
 
 
-def one_device_cluster(batch: int, device_type: str = "H100"):
-  from qsync_jax.cluster import ClusterSpec, DeviceGroup
-
-  return ClusterSpec((DeviceGroup("gpu", device_type, 1, 80.0, batch, 100.0),), name="one-device")
-
-
 def pool_cluster(batch_per_device: int):
   """1 × V100 (``training``, fp32) + 1 × T4 (``inference``), the paper's kind of pool, modeled
   from the catalog; its plans run on two local devices."""
@@ -107,10 +101,11 @@ def trained_rows(args, mode: str, trained: dict, extra: dict | None = None) -> l
 
 def sweep(args) -> int:
   """Uniform policies on one device, each seed: the same path as the pool's plans."""
+  from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
 
   task = gpt_task()
-  cluster = one_device_cluster(args.batch)
+  cluster = ClusterSpec.uniform("H100", 1, args.batch, memory_gb=80.0, name="gpu")
   plans = {p: (Plan() if p == "fp32" else Plan.uniform(cluster, p)) for p in args.policies}
   train_and_record(args, "sweep", task, cluster, plans, jax.devices()[:1])
   return 0
@@ -128,7 +123,17 @@ def train_and_record(args, mode: str, task, cluster, plans: dict, devices) -> No
 
   opt = optimizer(args.lr, args.steps, args.warmup)
   demo.stage_train(
-    task, cluster, plans, devices, args.steps, opt, args.seeds, print, EVAL_BATCHES, args.log_every, record
+    task,
+    cluster,
+    plans,
+    devices,
+    args.steps,
+    opt,
+    args.seeds,
+    print,
+    EVAL_BATCHES,
+    args.log_every,
+    on_seed=record,
   )
 
 

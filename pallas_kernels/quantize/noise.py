@@ -70,12 +70,12 @@ def stream_keys(key: jax.Array | None, n: int) -> list:
   data = jax.random.key_data(key)
   if data.shape != (2,):
     return list(jax.random.split(key, n))
-  words = data.astype(jnp.uint32)
+  words, impl = data.astype(jnp.uint32), jax.random.key_impl(key)
   keys = []
   for i in range(n):
     salt = jnp.uint32((0x9E3779B9 * (i + 1)) & 0xFFFFFFFF)
     mixed = jnp.stack([_mix32(words[0] ^ salt), _mix32(words[1] + salt)])
-    keys.append(jax.random.wrap_key_data(mixed, impl=jax.random.key_impl(key)))
+    keys.append(jax.random.wrap_key_data(mixed, impl=impl))
   return keys
 
 
