@@ -11,6 +11,8 @@ Cases, per GEMM shape M×K×N, all against XLA bf16 measured in the same run:
     which GEMM actually ran — a shape off a kernel's tile grid falls back to XLA); the api's
     XLA path (NT dot + XLA-fused epilogue).
   * quantize passes (bandwidth): the Pallas kernels against the jnp reference under XLA.
+  * ``--sections pair``: a gradient dY quantized for both gradient legs, ``quantize_pair``'s
+    two passes (tile configs) against two ``quantize`` calls, at a GPT's dY shapes.
   * one Dense training step (forward + dlhs + drhs, every quantization included) through
     ``qsync_jax.quantized_dot_general`` with ``OpPolicy``s — all-int8 with stochastic
     rounding on gradients, int8 forward + bf16 backward (QSync style), fp8 — against the
@@ -47,6 +49,7 @@ from pallas_kernels.gemm import hopper
 from pallas_kernels.gemm import kernel as gemm_kernel
 from pallas_kernels.gemm.config import GemmConfig, HopperConfig
 from pallas_kernels.quantize import api as quant_api
+from pallas_kernels.quantize.config import QuantizeConfig
 from pallas_kernels.quantize.reference import quantize_reference
 from planners.timing import traced_events
 from qsync_jax import OpPolicy, quantized_dot_general
@@ -412,6 +415,54 @@ def bench_quantize(name, shape, reps):
     )
 
 
+PAIR_SHAPES = {  # name: dY [M, N] of a GPT at 8192 tokens: the head (32k vocabulary), MLP, attention
+  "head_dy": (8192, 32768),
+  "mlp_dy": (8192, 3072),
+  "attn_dy": (8192, 768),
+}
+PAIR_CONFIGS = {"": None, "_128x64": QuantizeConfig(128, 64, 8), "_64x128": QuantizeConfig(64, 128, 8)}
+
+
+@guarded
+def bench_quantize_pair(name, shape, reps):
+  """dY quantized for both gradient legs (per row with W's column scale folded in, per column
+  transposed with X's row scale): ``quantize_pair`` against two ``quantize`` calls."""
+  m, n = shape
+  keys = jax.random.split(jax.random.key(2), 4)
+  ns = n_sets(2 * m * n)
+  col_in = jnp.exp(jax.random.normal(keys[1], (1, n)))
+  row_in = jnp.exp(jax.random.normal(keys[2], (m, 1)))
+  xs = [(rand(jax.random.fold_in(keys[0], i), (m, n), jnp.bfloat16),) for i in range(ns)]
+  legs = (keys[3], jax.random.fold_in(keys[3], 1))
+  log(f"[quantize_pair] {name} {shape}")
+  for fmt in ("int8", "e5m2"):
+
+    def two_calls(x, fmt=fmt):
+      one = functools.partial(quant_api.quantize, x, fmt, rounding="stochastic", impl="pallas")
+      return (
+        one((1,), key=legs[0], in_scale=col_in, contract_axes=(1,)),
+        one((0,), key=legs[1], in_scale=row_in, contract_axes=(0,)),
+      )
+
+    nbytes = 4 * m * n  # dY read once, two 8-bit copies written
+    base_fn = jax.jit(two_calls)
+    base = record("pair", f"{fmt}_two_quantize_calls", shape, "GB/s", 1, timeit(base_fn, xs, reps), nbytes)
+    want = base_fn(*xs[0])
+    for suffix, cfg in PAIR_CONFIGS.items():
+      fn = jax.jit(
+        lambda x, fmt=fmt, cfg=cfg: quant_api.quantize_pair(
+          x, fmt, 1, "stochastic", legs, in_scales=(col_in, row_in), impl="pallas", config=cfg
+        )
+      )
+      got = fn(*xs[0])
+      diff = max(
+        float(np.mean(np.asarray(a[0].astype(jnp.float32)) != np.asarray(b[0].astype(jnp.float32))))
+        for a, b in zip(got, want)
+      )
+      t = timeit(fn, xs, reps)
+      record("pair", f"{fmt}_pair{suffix}", shape, "GB/s", 1, t, nbytes, (f"{fmt}_two_quantize_calls", base), frac_codes_differ=diff)
+
+
 # -- Dense training steps ---------------------------------------------------------------------
 
 
@@ -509,7 +560,7 @@ def main(argv=None):
   )
   p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   p.add_argument("--shapes", default=",".join(SHAPES))
-  p.add_argument("--sections", default="gemm,quantize,step")
+  p.add_argument("--sections", default="gemm,quantize,step", help="of gemm, quantize, step, pair")
   p.add_argument("--reps", type=int, default=15)
   p.add_argument("--sweep", action="store_true", help="time int8 kernel tile configs on the first shape")
   p.add_argument("--variants", action="store_true", help="steps of the big shape under other impls too")
@@ -526,6 +577,9 @@ def main(argv=None):
   DEADLINE[0] = args.deadline
   SKIP.update(args.skip.split(","))
   sections = args.sections.split(",")
+  if "pair" in sections:
+    for name, shape in PAIR_SHAPES.items():
+      bench_quantize_pair(name, shape, args.reps)
   for i, name in enumerate(args.shapes.split(",")):
     shape = SHAPES[name]
     if "step" in sections:

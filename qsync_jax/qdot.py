@@ -65,7 +65,7 @@ from jax import lax
 
 from pallas_kernels.gemm import scaled_dot_general
 from pallas_kernels.gemm.reference import free_axes
-from pallas_kernels.quantize import dequantize, quantize
+from pallas_kernels.quantize import dequantize, quantize, quantize_pair
 from pallas_kernels.quantize.noise import stream_keys
 from pallas_kernels.quantize.reference import QFORMATS
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
@@ -207,6 +207,14 @@ def _free_axes_in_logical_order(out, dims, lhs_axes, rhs_axes):
   return out if perm == list(range(out.ndim)) else jnp.transpose(out, perm)
 
 
+def gemm_8bit(lhs_q, rhs_q, dims, out_dtype) -> jax.Array:
+  """``dot_general`` of two quantized GEMM operands ``(qvalue, scale, axes)`` (as
+  ``quantize_operand`` returns them) over the logical ``dims``, free axes in logical order."""
+  (lq, ls, la), (rq, rs, ra) = lhs_q, rhs_q
+  out = scaled_dot_general(lq, rq, ls, rs, _physical_dims(dims, la, ra), out_dtype)
+  return _free_axes_in_logical_order(out, dims, la, ra)
+
+
 def leg_dot(
   precision: str,
   granularity: str,
@@ -244,9 +252,7 @@ def leg_dot(
       lhs_q = quantize_operand(lhs, lhs_axes, precision, granularity, lhs_operand, lc, lhs_key)
     if rhs_q is None:
       rhs_q = quantize_operand(rhs, rhs_axes, precision, granularity, rhs_operand, rc, rhs_key)
-    (lq, ls, la), (rq, rs, ra) = lhs_q, rhs_q
-    out = scaled_dot_general(lq, rq, ls, rs, _physical_dims(dims, la, ra), out_dtype)
-    return _free_axes_in_logical_order(out, dims, la, ra)
+    return gemm_8bit(lhs_q, rhs_q, dims, out_dtype)
   dtype = FLOAT_DTYPES.get(precision, jnp.float32)
   lhs, rhs = _logical(lhs, lhs_axes, dtype), _logical(rhs, rhs_axes, dtype)
   if precision in FLOAT_DTYPES:
@@ -338,10 +344,10 @@ def _qdot_fwd(lhs, rhs, dims, op_policy, key, out_dtype):
   p = op_policy.fwd
   if p in QUANTIZED_PRECISIONS:
     gran = op_policy.granularity
-    lq, ls, la = quantize_operand(lhs, None, p, gran, value, lc, k[0])
-    rq, rs, ra = quantize_operand(rhs, None, p, gran, value, rc, k[1])
-    out = scaled_dot_general(lq, rq, ls, rs, _physical_dims(dims, la, ra), out_dtype)
-    lres, rres = (lq, ls), (rq, rs)
+    lhs_q = quantize_operand(lhs, None, p, gran, value, lc, k[0])
+    rhs_q = quantize_operand(rhs, None, p, gran, value, rc, k[1])
+    out = gemm_8bit(lhs_q, rhs_q, dims, out_dtype)
+    lres, rres = lhs_q[:2], rhs_q[:2]
   else:
     out = leg_dot(p, op_policy.granularity, lhs, rhs, dims, value, value, out_dtype=out_dtype)
     fwd_dtype = FLOAT_DTYPES.get(p)
@@ -361,17 +367,55 @@ def _qdot_bwd(dims, op_policy, out_dtype, residuals, g):
   value = Operand(op_policy.rounding, False)
   grad = Operand(op_policy.grad_rounding, True)
   gran = op_policy.granularity
-  g_dims, perm = dlhs_dims(nl, nr, dims)
-  dlhs = leg_dot(
-    op_policy.dlhs, gran, g, rres, g_dims, grad, value, k[0], k[1], rhs_axes=ra, out_dtype=lhs_proto.dtype
+  dl_dims, dl_perm = dlhs_dims(nl, nr, dims)
+  dr_dims, dr_perm = drhs_dims(nl, nr, dims)
+  pair = _grad_pair(op_policy, g, (lres, la, dr_dims), (rres, ra, dl_dims), (k[0], k[3]))
+  if pair is not None:
+    (g_dl, rhs_q), (lhs_q, g_dr) = pair
+    dlhs = gemm_8bit(g_dl, rhs_q, dl_dims, lhs_proto.dtype)
+    drhs = gemm_8bit(lhs_q, g_dr, dr_dims, rhs_proto.dtype)
+  else:
+    dlhs = leg_dot(
+      op_policy.dlhs, gran, g, rres, dl_dims, grad, value, k[0], k[1], rhs_axes=ra, out_dtype=lhs_proto.dtype
+    )
+    drhs = leg_dot(
+      op_policy.drhs, gran, lres, g, dr_dims, value, grad, k[2], k[3], lhs_axes=la, out_dtype=rhs_proto.dtype
+    )
+  return jnp.transpose(dlhs, dl_perm), jnp.transpose(drhs, dr_perm), None
+
+
+def _grad_pair(op_policy: OpPolicy, g, lhs_side, rhs_side, keys):
+  """Both gradient legs' operands, with dY quantized for both in one ``quantize_pair``, or None.
+
+  Applies where both legs are 8-bit in the forward's format with per-channel scales and the
+  product has no batch axes: then dX = dY·Wᵀ contracts dY's trailing (W's free) axes, with
+  W's saved scale folded into dY along them, and dW = Xᵀ·dY contracts dY's leading (X's free)
+  axes, with X's saved scale folded in along those (``reuse_saved``). ``lhs_side`` /
+  ``rhs_side`` are ``(residual, its axes, the leg's dims)`` of X's leg (dW) and W's leg (dX).
+  Returns ``((dY for dX, W), (X, dY for dW))`` as ``gemm_8bit`` operands: the values
+  ``leg_dot`` would quantize, in two passes over dY instead of four on a GPU.
+  """
+  p = op_policy.dlhs
+  if p not in QUANTIZED_PRECISIONS or op_policy.drhs != p or op_policy.granularity != "per_channel":
+    return None
+  (lres, la, dr_dims), (rres, ra, dl_dims) = lhs_side, rhs_side
+  ((g_dl_contract, w_contract), (g_batch, w_batch)) = dl_dims
+  ((x_contract, g_dr_contract), (x_batch, _)) = dr_dims
+  if g_batch or not g_dl_contract or not g_dr_contract:
+    return None
+  value = Operand(op_policy.rounding, False)
+  w = reuse_saved(rres, ra, w_contract + w_batch, g, None, g_dl_contract, p, value)
+  x = reuse_saved(lres, la, x_contract + x_batch, g, None, g_dr_contract, p, value)
+  if w is None or x is None or not (_is_quantized(w[1]) and _is_quantized(x[1])):
+    return None  # a scale that stays on its values (per tensor) has nothing to fold into dY
+  (w_q, (_, onto_w)), (x_q, (_, onto_x)) = w, x
+  split = len(g_dr_contract)
+  grad = Operand(op_policy.grad_rounding, True)
+  (q_dl, s_dl), (q_dr, s_dr) = quantize_pair(
+    g, qformat(p, True), split, grad.rounding, keys, in_scales=(onto_w, onto_x)
   )
-  dlhs = jnp.transpose(dlhs, perm)
-  g_dims, perm = drhs_dims(nl, nr, dims)
-  drhs = leg_dot(
-    op_policy.drhs, gran, lres, g, g_dims, value, grad, k[2], k[3], lhs_axes=la, out_dtype=rhs_proto.dtype
-  )
-  drhs = jnp.transpose(drhs, perm)
-  return dlhs, drhs, None
+  head, tail = tuple(range(split)), tuple(range(split, g.ndim))
+  return ((q_dl, s_dl, head + tail), w_q), (x_q, (q_dr, s_dr, tail + head))
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)

@@ -1,3 +1,3 @@
-from pallas_kernels.quantize.api import dequantize, quantize
+from pallas_kernels.quantize.api import dequantize, quantize, quantize_pair
 
-__all__ = ["quantize", "dequantize"]
+__all__ = ["quantize", "quantize_pair", "dequantize"]

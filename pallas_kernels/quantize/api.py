@@ -17,6 +17,7 @@ the kernels compute it in-kernel).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._platform import ImplOverride, on_gpu
 from pallas_kernels.quantize import kernel as _kernel
+from pallas_kernels.quantize import pair_kernel as _pair_kernel
 from pallas_kernels.quantize.config import QuantizeConfig
 from pallas_kernels.quantize.noise import seed_words
 from pallas_kernels.quantize.reference import (
@@ -203,9 +205,90 @@ def quantize(
   return _reference(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes)
 
 
+def _pair_vector(in_scale, split: int, shape, side: str):
+  """``in_scale`` as the float32 vector of one side ('rows' or 'cols') of the 2-D view split at
+  ``split`` (ones for None); raises ``NotImplementedError`` if it varies along the other."""
+  ndim = len(shape)
+  own = range(split) if side == "rows" else range(split, ndim)
+  n = math.prod(shape[a] for a in own)
+  if in_scale is None:
+    return jnp.ones((n,), jnp.float32)
+  if any(s != 1 and a not in own for a, s in enumerate(in_scale.shape)):
+    raise NotImplementedError(f"in_scale varies off the {side} side of the 2-D view")
+  target = tuple(shape[a] if a in own else 1 for a in range(ndim))
+  return jnp.broadcast_to(in_scale.astype(jnp.float32), target).reshape(n)
+
+
+def _pallas_pair(x, fmt, split, rounding, keys, in_scales, config, interpret):
+  """The two-pass kernel path of ``quantize_pair``; raises ``NotImplementedError`` for what
+  it does not take."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise NotImplementedError(f"quantize_pair kernel takes float input, got {x.dtype}")
+  shape = x.shape
+  head, tail = tuple(shape[:split]), tuple(shape[split:])
+  col_in = _pair_vector(in_scales[0], split, shape, "cols")
+  row_in = _pair_vector(in_scales[1], split, shape, "rows")
+  x2 = x.reshape(math.prod(head), math.prod(tail))
+  row_scale, col_scale = _pair_kernel.pair_scales(x2, fmt, col_in, row_in, config=config, interpret=interpret)
+  seeds = None
+  if rounding == "stochastic":
+    seeds = jnp.concatenate([seed_words(keys[0]), seed_words(keys[1])])
+  q_rows, q_cols = _pair_kernel.pair_quantize(
+    x2, fmt, col_in, row_in, row_scale, col_scale, seeds=seeds, config=config, interpret=interpret
+  )
+  ones_head, ones_tail = (1,) * len(head), (1,) * len(tail)
+  return (
+    (q_rows.reshape(shape), row_scale.reshape(head + ones_tail)),
+    (q_cols.reshape(tail + head), col_scale.reshape(tail + ones_head)),
+  )
+
+
+def quantize_pair(
+  x,
+  fmt,
+  split: int,
+  rounding="nearest",
+  keys=(None, None),
+  *,
+  in_scales=(None, None),
+  impl: str = "auto",
+  config: QuantizeConfig | None = None,
+  interpret: bool = False,
+):
+  """``x`` quantized per row and per column of its 2-D view at axis ``split``, each copy laid
+  out contraction-major. Equivalent to::
+
+    head, tail = tuple(range(split)), tuple(range(split, x.ndim))
+    (quantize(x, fmt, tail, rounding, keys[0], in_scale=in_scales[0], contract_axes=tail),
+     quantize(x, fmt, head, rounding, keys[1], in_scale=in_scales[1], contract_axes=head))
+
+  That is how the two gradient GEMMs of a product read its output gradient. Where
+  ``in_scales[0]`` varies only along the tail axes and ``in_scales[1]`` only along the head
+  axes, the kernels (``impl`` and ``interpret`` as for ``quantize``) make both copies in two
+  passes over ``x`` (``pair_kernel``) instead of four.
+  """
+  if not hasattr(x, "ndim") or not 0 < split < x.ndim:
+    raise ValueError(f"split={split!r} must be an axis 1..ndim-1 of x (rank {getattr(x, 'ndim', None)}).")
+  head, tail = tuple(range(split)), tuple(range(split, x.ndim))
+  for key, in_scale, axes in ((keys[0], in_scales[0], tail), (keys[1], in_scales[1], head)):
+    _validate(x, fmt, axes, rounding, key, in_scale, axes, impl)
+  if impl == "auto" and _override.current:
+    impl = _override.current
+  if impl == "pallas" or (impl == "auto" and on_gpu()):
+    try:
+      return _pallas_pair(x, fmt, split, rounding, keys, in_scales, config, interpret)
+    except NotImplementedError:
+      pass
+  one = functools.partial(quantize, x, fmt, rounding=rounding, impl=impl, config=config, interpret=interpret)
+  return (
+    one(tail, key=keys[0], in_scale=in_scales[0], contract_axes=tail),
+    one(head, key=keys[1], in_scale=in_scales[1], contract_axes=head),
+  )
+
+
 def dequantize(qvalue, scale, dtype=None):
   """``qvalue * scale`` in ``dtype`` (float32 by default); XLA fuses it into its consumer."""
   return dequantize_reference(qvalue, scale, jnp.float32 if dtype is None else dtype)
 
 
-__all__ = ["quantize", "dequantize", "IMPLS"]
+__all__ = ["quantize", "quantize_pair", "dequantize", "IMPLS"]

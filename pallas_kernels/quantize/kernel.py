@@ -73,7 +73,7 @@ def _noise(seed_ref, rows, cols, n_cols):
   return hash_uniform(seed_ref[0], seed_ref[1], element_index(rows, cols, n_cols))
 
 
-def _check_tile(rows: int, cols: int, cfg: QuantizeConfig) -> None:
+def check_tile(rows: int, cols: int, cfg: QuantizeConfig) -> None:
   for name, n, b in (("rows", rows, cfg.block_rows), ("cols", cols, cfg.block_cols)):
     if b <= 0 or b & (b - 1) or n % b:
       raise NotImplementedError(
@@ -145,7 +145,7 @@ def quantize_rows(
   """
   rows, cols = x.shape
   cfg = config or default_config(rows, cols, "rows")
-  _check_tile(rows, cols, cfg)
+  check_tile(rows, cols, cfg)
   br, bc = cfg.block_rows, cfg.block_cols
   in_kind = in_scale_axis if in_scale is not None else None
   in_specs = [pl.BlockSpec((br, cols), lambda i: (i, 0))]
@@ -222,7 +222,7 @@ def quantize_tiled(
   """
   rows, cols = x.shape
   cfg = config or default_config(rows, cols, "tiled")
-  _check_tile(rows, cols, cfg)
+  check_tile(rows, cols, cfg)
   br, bc = cfg.block_rows, cfg.block_cols
   in_kind = in_scale_axis if in_scale is not None else None
   in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))]

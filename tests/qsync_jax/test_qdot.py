@@ -14,8 +14,16 @@ import numpy as np
 import pytest
 from jax import lax
 
+from pallas_kernels.quantize import api as quantize_api
 from pallas_kernels.quantize.reference import dequantize_reference, quantize_reference
-from qsync_jax import OpPolicy, qconv, quantized_conv_general_dilated, quantized_dot_general, residual_bytes
+from qsync_jax import (
+  OpPolicy,
+  qconv,
+  qdot,
+  quantized_conv_general_dilated,
+  quantized_dot_general,
+  residual_bytes,
+)
 from tests.tolerances import LOOSE, TIGHT, rel_err, rel_tol
 
 PRECISIONS = ["fp32", "tf32", "bf16", "fp16", "int8", "fp8"]
@@ -382,3 +390,32 @@ def test_all_float32_policy_runs_as_plain_dot_general(preset):
     np.testing.assert_allclose(a, b, rtol=1e-6)
   mixed = OpPolicy(fwd="fp32", dlhs="fp32", drhs="bf16")  # one leg differs: the custom_vjp runs
   assert "custom_vjp" in str(jax.make_jaxpr(lambda x, w: quantized_dot_general(x, w, dims, mixed))(x, w))
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_gradient_quantized_once_for_both_legs_gives_the_per_leg_values(precision, monkeypatch):
+  """dY quantized for both gradient legs in one ``quantize_pair`` (its kernels, in interpret
+  mode) gives, bit for bit, the gradients of quantizing it in each leg, stochastic rounding
+  included: the same keys, scales and layouts reach the GEMMs."""
+  x, w, g = draw((2, 16, 32), 31) * jnp.exp(draw((2, 16, 1), 34)), draw((32, 64), 32), draw((2, 16, 64), 33)
+  policy = OpPolicy.uniform(precision).replace(grad_rounding="stochastic")
+  dims = (((2,), (0,)), ((), ()))
+
+  def grads():
+    _, vjp = jax.vjp(lambda a, b: quantized_dot_general(a, b, dims, policy, jax.random.key(7)), x, w)
+    return vjp(g)
+
+  with monkeypatch.context() as m:
+    m.setattr(qdot, "_grad_pair", lambda *args: None)
+    per_leg = grads()
+  calls = []
+
+  def pair_kernels(*args, **kwargs):
+    calls.append(args[1:3])
+    return quantize_api.quantize_pair(*args, **kwargs, impl="pallas", interpret=True)
+
+  monkeypatch.setattr(qdot, "quantize_pair", pair_kernels)
+  once = grads()
+  assert calls == [("int8" if precision == "int8" else "e5m2", 2)]
+  for got, want in zip(once, per_leg):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

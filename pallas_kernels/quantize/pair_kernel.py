@@ -1,0 +1,158 @@
+"""Pallas (Triton backend) kernels that quantize one 2-D tensor two ways in two passes.
+
+A product's output gradient ``x = dY [R, C]`` feeds both gradient GEMMs: ``dX = dY·Wᵀ``
+reads it quantized per row (absmax over C, with W's per-column scale folded in), ``dW =
+Xᵀ·dY`` per column and transposed to ``[C, R]`` (absmax over R, with X's per-row scale
+folded in). Quantized one after the other that takes four reads of ``x``; these two
+launches take two, for both copies:
+
+* ``pair_absmax``: each ``[br, bc]`` tile's row absmaxes of ``x * col_in`` and column
+  absmaxes of ``x * row_in``, as partial maxima that XLA reduces (a ``1/bc`` and ``1/br``
+  sized pass);
+* ``pair_quantize``: each tile rounded twice, written as a tile of the row copy ``[R, C]``
+  and, transposed in registers, of the column copy ``[C, R]``.
+
+Equivalent to ``reference.quantize_reference(x * col_in[None, :], fmt, (1,), rounding,
+key_a)`` and ``quantize_reference(x * row_in[:, None], fmt, (0,), rounding, key_b)`` with
+the second transposed; stochastic rounding hashes each element's row-major index of ``x``
+with each copy's own seed words (``noise.hash_uniform``), as the reference does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._platform import out_struct
+from pallas_kernels.quantize.config import QuantizeConfig, default_config
+from pallas_kernels.quantize.kernel import check_tile, round_in_kernel
+from pallas_kernels.quantize.noise import element_index, hash_uniform
+from pallas_kernels.quantize.reference import QFORMATS, scale_from_absmax
+
+
+def _absmax_kernel(x_ref, col_in_ref, row_in_ref, row_part_ref, col_part_ref):
+  v = x_ref[...].astype(jnp.float32)
+  row_part_ref[...] = jnp.max(jnp.abs(v * col_in_ref[...][None, :]), axis=1)
+  col_part_ref[...] = jnp.max(jnp.abs(v * row_in_ref[...][:, None]), axis=0)
+
+
+def _tile_specs(br: int, bc: int):
+  """BlockSpecs of ``x``'s tile, ``col_in``'s and ``row_in``'s pieces on the (i, j) grid."""
+  return [
+    pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+    pl.BlockSpec((bc,), lambda i, j: (j,)),
+    pl.BlockSpec((br,), lambda i, j: (i,)),
+  ]
+
+
+def _params(cfg: QuantizeConfig):
+  return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "config", "interpret"))
+def pair_scales(
+  x: jax.Array,
+  fmt: str,
+  col_in: jax.Array,
+  row_in: jax.Array,
+  *,
+  config: QuantizeConfig | None = None,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """``(row_scale [R], col_scale [C])``: the absmax scales of ``x * col_in[None, :]`` per
+  row and of ``x * row_in[:, None]`` per column (``scale_from_absmax``), ``x`` read once."""
+  rows, cols = x.shape
+  cfg = config or default_config(rows, cols, "tiled")
+  check_tile(rows, cols, cfg)
+  br, bc = cfg.block_rows, cfg.block_cols
+  n_i, n_j = rows // br, cols // bc
+  row_part, col_part = pl.pallas_call(
+    _absmax_kernel,
+    out_shape=(
+      out_struct((n_j * rows,), jnp.float32, x, col_in, row_in),
+      out_struct((n_i * cols,), jnp.float32, x, col_in, row_in),
+    ),
+    grid=(n_i, n_j),
+    in_specs=_tile_specs(br, bc),
+    # partial maxima laid out [n_j, R] and [n_i, C]
+    out_specs=(
+      pl.BlockSpec((br,), lambda i, j: (j * n_i + i,)),
+      pl.BlockSpec((bc,), lambda i, j: (i * n_j + j,)),
+    ),
+    compiler_params=_params(cfg),
+    interpret=interpret,
+    name="quantize_pair_absmax",
+  )(x, col_in, row_in)
+  qmax = QFORMATS[fmt][1]
+  row_amax = jnp.max(row_part.reshape(n_j, rows), axis=0)
+  col_amax = jnp.max(col_part.reshape(n_i, cols), axis=0)
+  return scale_from_absmax(row_amax, qmax), scale_from_absmax(col_amax, qmax)
+
+
+def _quantize_kernel(*refs, fmt, stochastic, n_cols, br, bc):
+  x_ref, col_in_ref, row_in_ref, row_scale_ref, col_scale_ref, *refs = refs
+  seed_ref = refs.pop(0) if stochastic else None
+  q_rows_ref, q_cols_ref = refs
+  v = x_ref[...].astype(jnp.float32)
+  y_rows = v * col_in_ref[...][None, :] / row_scale_ref[...][:, None]
+  y_cols = v * row_in_ref[...][:, None] / col_scale_ref[...][None, :]
+  noise_rows = noise_cols = None
+  if stochastic:
+    rows = pl.program_id(0) * br + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 0)
+    cols = pl.program_id(1) * bc + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 1)
+    index = element_index(rows, cols, n_cols)
+    noise_rows = hash_uniform(seed_ref[0], seed_ref[1], index)
+    noise_cols = hash_uniform(seed_ref[2], seed_ref[3], index)
+  q_rows_ref[...] = round_in_kernel(y_rows, fmt, noise_rows)
+  q_cols_ref[...] = round_in_kernel(y_cols, fmt, noise_cols).T
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "config", "interpret"))
+def pair_quantize(
+  x: jax.Array,
+  fmt: str,
+  col_in: jax.Array,
+  row_in: jax.Array,
+  row_scale: jax.Array,
+  col_scale: jax.Array,
+  *,
+  seeds: jax.Array | None = None,
+  config: QuantizeConfig | None = None,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """``(q_rows [R, C], q_cols [C, R])``: ``round(x * col_in[None, :] / row_scale[:, None])``
+  and the transpose of ``round(x * row_in[:, None] / col_scale[None, :])``, ``x`` read once.
+
+  ``seeds`` (4 uint32 words: the row copy's two, then the column copy's) turns on
+  stochastic rounding.
+  """
+  rows, cols = x.shape
+  cfg = config or default_config(rows, cols, "tiled")
+  check_tile(rows, cols, cfg)
+  br, bc = cfg.block_rows, cfg.block_cols
+  args = [x, col_in, row_in, row_scale, col_scale]
+  in_specs = _tile_specs(br, bc) + [
+    pl.BlockSpec((br,), lambda i, j: (i,)),
+    pl.BlockSpec((bc,), lambda i, j: (j,)),
+  ]
+  if seeds is not None:
+    in_specs.append(pl.BlockSpec((4,), lambda i, j: (0,)))
+    args.append(seeds)
+  dtype = QFORMATS[fmt][0]
+  kernel = functools.partial(
+    _quantize_kernel, fmt=fmt, stochastic=seeds is not None, n_cols=cols, br=br, bc=bc
+  )
+  return pl.pallas_call(
+    kernel,
+    out_shape=(out_struct((rows, cols), dtype, *args), out_struct((cols, rows), dtype, *args)),
+    grid=(rows // br, cols // bc),
+    in_specs=in_specs,
+    out_specs=(pl.BlockSpec((br, bc), lambda i, j: (i, j)), pl.BlockSpec((bc, br), lambda i, j: (j, i))),
+    compiler_params=_params(cfg),
+    interpret=interpret,
+    name=f"quantize_pair_{fmt}",
+  )(*args)
