@@ -35,7 +35,8 @@ steps dispatched back to back (``planners.timing.PIPELINED_CLOCK``; its ratio to
 the same width in the same run, ``speed`` = plain / this), compile time split into JAX's
 stages (``planners.timing.staged_compile``: trace, lower, XLA compile) plus the first call,
 what the program holds (jaxpr equations, dot_generals, Pallas kernels and their distinct
-shapes, Threefry computations, custom calls in the lowered module), and memory (XLA's
+shapes, Threefry computations, custom calls in the lowered module, and the lowered module's
+SHA-256: two cells with the same hash hand XLA the same program), and memory (XLA's
 ``memory_analysis`` peak and the device's ``peak_bytes_in_use``). With ``--repeat-compile`` the cell is built a second time
 (with ``--compilation-cache``, from JAX's persistent compilation cache: a repeat run's compile).
 
@@ -61,6 +62,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import json
 import math
 import os
@@ -275,7 +277,9 @@ def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only:
   built = build(task, policy_name, batch)
   out = {f"{k[:-2]}_s": v for k, v in built.seconds.items()}  # trace_s, lower_s, compile_s
   out.update(jaxpr_stats(built.traced.jaxpr))
-  out.update(custom_call_stats(built.lowered.as_text(), built.compiled.as_text()))
+  lowered_text = built.lowered.as_text()
+  out.update(custom_call_stats(lowered_text, built.compiled.as_text()))
+  out["lowered_sha256"] = hashlib.sha256(lowered_text.encode()).hexdigest()
   t0 = time.perf_counter()
   jax.block_until_ready(built.run())
   out["first_call_s"] = time.perf_counter() - t0
@@ -429,6 +433,7 @@ def run_unit(unit: Unit, args) -> list[dict]:
       **{k: res.get(k, 0) for k in structure[1:]},
       distinct_custom_call_bodies=res.get("distinct_custom_call_bodies", {}),
       compiled_custom_calls=res.get("compiled_custom_calls", {}),
+      lowered_sha256=res["lowered_sha256"],
     )
     row(
       case,

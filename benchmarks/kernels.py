@@ -31,6 +31,7 @@ import argparse
 import collections
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -421,6 +422,7 @@ PAIR_SHAPES = {  # name: dY [M, N] of a GPT at 8192 tokens: the head (32k vocabu
   "attn_dy": (8192, 768),
 }
 PAIR_CONFIGS = {"": None, "_128x64": QuantizeConfig(128, 64, 8), "_64x128": QuantizeConfig(64, 128, 8)}
+PAIR_ROUNDINGS = {"": "stochastic", "_nearest": "nearest"}  # what the in-kernel noise costs
 
 
 @guarded
@@ -435,10 +437,11 @@ def bench_quantize_pair(name, shape, reps):
   xs = [(rand(jax.random.fold_in(keys[0], i), (m, n), jnp.bfloat16),) for i in range(ns)]
   legs = (keys[3], jax.random.fold_in(keys[3], 1))
   log(f"[quantize_pair] {name} {shape}")
-  for fmt in ("int8", "e5m2"):
+  for fmt, (tag, rounding) in itertools.product(("int8", "e5m2"), PAIR_ROUNDINGS.items()):
+    fmt_tag = fmt + tag
 
-    def two_calls(x, fmt=fmt):
-      one = functools.partial(quant_api.quantize, x, fmt, rounding="stochastic", impl="pallas")
+    def two_calls(x, fmt=fmt, rounding=rounding):
+      one = functools.partial(quant_api.quantize, x, fmt, rounding=rounding, impl="pallas")
       return (
         one((1,), key=legs[0], in_scale=col_in, contract_axes=(1,)),
         one((0,), key=legs[1], in_scale=row_in, contract_axes=(0,)),
@@ -446,12 +449,14 @@ def bench_quantize_pair(name, shape, reps):
 
     nbytes = 4 * m * n  # dY read once, two 8-bit copies written
     base_fn = jax.jit(two_calls)
-    base = record("pair", f"{fmt}_two_quantize_calls", shape, "GB/s", 1, timeit(base_fn, xs, reps), nbytes)
+    base = record(
+      "pair", f"{fmt_tag}_two_quantize_calls", shape, "GB/s", 1, timeit(base_fn, xs, reps), nbytes
+    )
     want = base_fn(*xs[0])
-    for suffix, cfg in PAIR_CONFIGS.items():
+    for suffix, cfg in PAIR_CONFIGS.items() if rounding == "stochastic" else [("", None)]:
       fn = jax.jit(
-        lambda x, fmt=fmt, cfg=cfg: quant_api.quantize_pair(
-          x, fmt, 1, "stochastic", legs, in_scales=(col_in, row_in), impl="pallas", config=cfg
+        lambda x, fmt=fmt, cfg=cfg, rounding=rounding: quant_api.quantize_pair(
+          x, fmt, 1, rounding, legs, in_scales=(col_in, row_in), impl="pallas", config=cfg
         )
       )
       got = fn(*xs[0])
@@ -460,7 +465,17 @@ def bench_quantize_pair(name, shape, reps):
         for a, b in zip(got, want)
       )
       t = timeit(fn, xs, reps)
-      record("pair", f"{fmt}_pair{suffix}", shape, "GB/s", 1, t, nbytes, (f"{fmt}_two_quantize_calls", base), frac_codes_differ=diff)
+      record(
+        "pair",
+        f"{fmt_tag}_pair{suffix}",
+        shape,
+        "GB/s",
+        1,
+        t,
+        nbytes,
+        (f"{fmt_tag}_two_quantize_calls", base),
+        frac_codes_differ=diff,
+      )
 
 
 # -- Dense training steps ---------------------------------------------------------------------
