@@ -2,7 +2,7 @@
 
   python -m benchmarks.e2e [--plan UNIT,...] [--widths 768 1024 2048 4096] [--policies ...]
                            [--steps 30] [--compile-only] [--budget-s S] [--isolate]
-                           [--compilation-cache DIR] [--repeat-compile] [--tiny]
+                           [--compilation-cache DIR] [--tiny]
                            [--out-jsonl PATH]
   python -m benchmarks.e2e --lower-for-cuda [--plan gpt:768:int8_dense+...] [--tiny]
 
@@ -37,8 +37,10 @@ stages (``planners.timing.staged_compile``: trace, lower, XLA compile) plus the 
 what the program holds (jaxpr equations, dot_generals, Pallas kernels and their distinct
 shapes, Threefry computations, custom calls in the lowered module, and the lowered module's
 SHA-256: two cells with the same hash hand XLA the same program), and memory (XLA's
-``memory_analysis`` peak and the device's ``peak_bytes_in_use``). With ``--repeat-compile`` the cell is built a second time
-(with ``--compilation-cache``, from JAX's persistent compilation cache: a repeat run's compile).
+``memory_analysis`` peak and the device's ``peak_bytes_in_use``). A restarted run's compile
+is the same command run again with the same ``--compilation-cache``: its cells compile out of
+JAX's persistent compilation cache (a second build in one process is no measure of it: a
+Mosaic GPU kernel lowered again in one process gets another module, and misses the cache).
 
 ``--isolate`` runs every unit in a fresh Python process (compile caches, memory and the
 device's peak start empty for each; each unit gets its own subfolder of
@@ -271,7 +273,7 @@ def init(task, batch):
   return init_fn.lower(jax.random.key(0), inputs).compile(options)(jax.random.key(0), inputs)
 
 
-def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only: bool, repeat_compile: bool):
+def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only: bool):
   """``{metric: value, ...}`` of one training step cell (see the module docstring)."""
   batch = timing.device_batch(task, batch_size)
   built = build(task, policy_name, batch)
@@ -296,13 +298,6 @@ def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only:
   out["device_peak_bytes"] = device_peak_bytes()
   del built
   gc.collect()
-  if repeat_compile:
-    again = build(task, policy_name, batch)
-    t0 = time.perf_counter()
-    jax.block_until_ready(again.run())
-    out["repeat_first_call_s"] = time.perf_counter() - t0
-    out["repeat_compile_total_s"] = sum(again.seconds.values()) + out["repeat_first_call_s"]
-    out.update({f"repeat_{k[:-2]}_s": v for k, v in again.seconds.items()})
   return out
 
 
@@ -390,7 +385,7 @@ def run_unit(unit: Unit, args) -> list[dict]:
     task, batch = gpt_task(int(unit.arg), args.tiny) if unit.section == "gpt" else cnn_task(args.tiny)
     policy = unit.policies[0]
     case = f"gpt/d{unit.arg}/{policy}" if unit.section == "gpt" else f"resnet50/{policy}"
-    res = step_cell(task, batch, policy, args.steps, args.compile_only, args.repeat_compile)
+    res = step_cell(task, batch, policy, args.steps, args.compile_only)
     extra = {"batch": batch, "policy": policy, "model": unit.section}
     plain = {
       r["metric"]: r["value"] for r in run_rows(args.out_jsonl, args.run_id) if r["case"] == plain_case(case)
@@ -512,7 +507,7 @@ def child_command(group: list[Unit], args, remaining_s: float) -> list[str]:
   cmd = [sys.executable, "-m", "benchmarks.e2e", "--plan", plan, "--run-id", args.run_id, "--child"]
   cmd += ["--steps", str(args.steps), "--out-jsonl", args.out_jsonl, "--budget-s", f"{remaining_s:.0f}"]
   cmd += ["--widths", *map(str, args.widths), "--policies", *args.policies]
-  for flag in ("compile_only", "repeat_compile", "tiny"):
+  for flag in ("compile_only", "tiny"):
     if getattr(args, flag):
       cmd.append("--" + flag.replace("_", "-"))
   if args.compilation_cache:
@@ -552,9 +547,8 @@ def main(argv=None) -> int:
   )
   ap.add_argument("--steps", type=int, default=30, help="timed steps per cell (windows of 10 on a GPU)")
   ap.add_argument("--compile-only", action="store_true", help="compile (and run once); no step timing")
-  ap.add_argument("--repeat-compile", action="store_true", help="build every cell twice: the second compile")
   ap.add_argument(
-    "--compilation-cache", help="JAX's persistent compilation cache folder (a repeat run's compile)"
+    "--compilation-cache", help="JAX's persistent compilation cache folder (run twice: a restart's compile)"
   )
   ap.add_argument(
     "--budget-s", type=float, default=float("inf"), help="stop cleanly within this many seconds"

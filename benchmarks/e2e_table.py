@@ -16,7 +16,7 @@ def table(rows: list[dict]) -> str:
   if cells:
     lines.append(
       f"{'cell':32s} {'step ms':>8s} {'speed':>6s} {'compile s':>9s} {'x plain':>7s} "
-      f"{'trace':>6s} {'lower':>6s} {'xla':>6s} {'1st':>6s} {'again':>6s} {'peak GB':>7s}  note"
+      f"{'trace':>6s} {'lower':>6s} {'xla':>6s} {'1st':>6s} {'peak GB':>7s}  note"
     )
   for case, m in cells.items():
     prefix = case.rsplit("/", 1)[0]
@@ -30,11 +30,9 @@ def table(rows: list[dict]) -> str:
       stages = " ".join(
         f"{cp.get(k, float('nan')):6.1f}" for k in ("trace_s", "lower_s", "compile_s", "first_call_s")
       )
-      again = cp.get("repeat_compile_total_s")
-      comp = f"{cp['value']:9.1f} {cp['value'] / plain_c if plain_c else float('nan'):7.2f} {stages} "
-      comp += f"{again:6.1f}" if again is not None else f"{'-':>6s}"
+      comp = f"{cp['value']:9.1f} {cp['value'] / plain_c if plain_c else float('nan'):7.2f} {stages}"
     else:
-      comp = f"{'-':>9s} {'-':>7s} " + " ".join(f"{'-':>6s}" for _ in range(5))
+      comp = f"{'-':>9s} {'-':>7s} " + " ".join(f"{'-':>6s}" for _ in range(4))
     peak = f"{pk['value'] / 2**30:7.2f}" if pk and pk["value"] else f"{'-':>7s}"
     lines.append(f"{case:32s} {ms} {speed} {comp} {peak}  {note[:60]}")
   micro = [r for r in rows if r["metric"] == "fwd_bwd_ms"]
