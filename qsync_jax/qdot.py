@@ -46,7 +46,8 @@ scale of a saved operand varies over its forward free and batch axes, which are 
 contraction and batch axes and all axes of dY, so it always folds into dY (the fold is
 fused into dY's quantization, ``quantize(..., in_scale=)``); this covers DenseGeneral,
 einsums and the attention products, where both operands are activations, and the im2col
-convolution. Where the two formats differ (an int8 forward with an fp8 gradient leg, or
+convolution. Where both legs fold and the product has no batch axes (Dense layers, the
+im2col convolution), dY is quantized for both in one ``quantize_pair`` (the same values). Where the two formats differ (an int8 forward with an fp8 gradient leg, or
 fp8 with int8) the saved operand is dequantized and quantized again in the leg's format
 along the new contraction, the one case that rounds it twice. A 16-bit leg (QSync's
 ``int8_fwd``: int8 forward, fp16/bf16 backward) dequantizes the saved operand straight
@@ -410,9 +411,8 @@ def _grad_pair(op_policy: OpPolicy, g, lhs_side, rhs_side, keys):
     return None  # a scale that stays on its values (per tensor) has nothing to fold into dY
   (w_q, (_, onto_w)), (x_q, (_, onto_x)) = w, x
   split = len(g_dr_contract)
-  grad = Operand(op_policy.grad_rounding, True)
   (q_dl, s_dl), (q_dr, s_dr) = quantize_pair(
-    g, qformat(p, True), split, grad.rounding, keys, in_scales=(onto_w, onto_x)
+    g, qformat(p, True), split, op_policy.grad_rounding, keys, in_scales=(onto_w, onto_x)
   )
   head, tail = tuple(range(split)), tuple(range(split, g.ndim))
   return ((q_dl, s_dl, head + tail), w_q), (x_q, (q_dr, s_dr, tail + head))

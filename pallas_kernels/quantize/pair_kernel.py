@@ -6,7 +6,7 @@ Xᵀ·dY`` per column and transposed to ``[C, R]`` (absmax over R, with X's per-
 folded in). Quantized one after the other that takes four reads of ``x``; these two
 launches take two, for both copies:
 
-* ``pair_absmax``: each ``[br, bc]`` tile's row absmaxes of ``x * col_in`` and column
+* ``pair_scales``: each ``[br, bc]`` tile's row absmaxes of ``x * col_in`` and column
   absmaxes of ``x * row_in``, as partial maxima that XLA reduces (a ``1/bc`` and ``1/br``
   sized pass);
 * ``pair_quantize``: each tile rounded twice, written as a tile of the row copy ``[R, C]``
