@@ -89,17 +89,26 @@ def _reference(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes):
   return qvalue, scale
 
 
+def _side_vector(in_scale, k: int, shape, side: str):
+  """``in_scale`` as the float32 vector of one side ('rows' or 'cols') of the 2-D view split at
+  axis ``k``; raises ``NotImplementedError`` if it varies along the other side."""
+  ndim = len(shape)
+  own = range(k) if side == "rows" else range(k, ndim)
+  if any(s != 1 and a not in own for a, s in enumerate(in_scale.shape)):
+    raise NotImplementedError(f"in_scale varies off the {side} side of the 2-D view")
+  target = tuple(shape[a] if a in own else 1 for a in range(ndim))
+  return jnp.broadcast_to(in_scale.astype(jnp.float32), target).reshape(math.prod(target))
+
+
 def _in_scale_vector(in_scale, k: int, shape):
   """``(vector, 'rows'|'cols')`` for a 2-D view split at axis ``k``, or raises."""
   if in_scale is None:
     return None, None
-  varying = [a for a, s in enumerate(in_scale.shape) if s != 1]
-  rows, cols = math.prod(shape[:k]), math.prod(shape[k:])
-  f32 = in_scale.astype(jnp.float32)
-  if all(a >= k for a in varying):
-    return jnp.broadcast_to(f32, (1,) * k + tuple(shape[k:])).reshape(cols), "cols"
-  if all(a < k for a in varying):
-    return jnp.broadcast_to(f32, tuple(shape[:k]) + (1,) * (len(shape) - k)).reshape(rows), "rows"
+  for side in ("cols", "rows"):
+    try:
+      return _side_vector(in_scale, k, shape, side), side
+    except NotImplementedError:
+      pass
   raise NotImplementedError("in_scale varies along both sides of the 2-D view")
 
 
@@ -205,20 +214,6 @@ def quantize(
   return _reference(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes)
 
 
-def _pair_vector(in_scale, split: int, shape, side: str):
-  """``in_scale`` as the float32 vector of one side ('rows' or 'cols') of the 2-D view split at
-  ``split`` (ones for None); raises ``NotImplementedError`` if it varies along the other."""
-  ndim = len(shape)
-  own = range(split) if side == "rows" else range(split, ndim)
-  n = math.prod(shape[a] for a in own)
-  if in_scale is None:
-    return jnp.ones((n,), jnp.float32)
-  if any(s != 1 and a not in own for a, s in enumerate(in_scale.shape)):
-    raise NotImplementedError(f"in_scale varies off the {side} side of the 2-D view")
-  target = tuple(shape[a] if a in own else 1 for a in range(ndim))
-  return jnp.broadcast_to(in_scale.astype(jnp.float32), target).reshape(n)
-
-
 def _pallas_pair(x, fmt, split, rounding, keys, in_scales, config, interpret):
   """The two-pass kernel path of ``quantize_pair``; raises ``NotImplementedError`` for what
   it does not take."""
@@ -226,9 +221,18 @@ def _pallas_pair(x, fmt, split, rounding, keys, in_scales, config, interpret):
     raise NotImplementedError(f"quantize_pair kernel takes float input, got {x.dtype}")
   shape = x.shape
   head, tail = tuple(shape[:split]), tuple(shape[split:])
-  col_in = _pair_vector(in_scales[0], split, shape, "cols")
-  row_in = _pair_vector(in_scales[1], split, shape, "rows")
-  x2 = x.reshape(math.prod(head), math.prod(tail))
+  rows, cols = math.prod(head), math.prod(tail)
+  col_in = (
+    jnp.ones((cols,), jnp.float32)
+    if in_scales[0] is None
+    else _side_vector(in_scales[0], split, shape, "cols")
+  )
+  row_in = (
+    jnp.ones((rows,), jnp.float32)
+    if in_scales[1] is None
+    else _side_vector(in_scales[1], split, shape, "rows")
+  )
+  x2 = x.reshape(rows, cols)
   row_scale, col_scale = _pair_kernel.pair_scales(x2, fmt, col_in, row_in, config=config, interpret=interpret)
   seeds = None
   if rounding == "stochastic":
