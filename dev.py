@@ -80,8 +80,8 @@ def main(argv: list[str]) -> int:
     code = _run([py, "-m", "pytest", "-q", *workers, *rest], env=env)
     return 1 if code == 5 else code  # 5 = no test ran: that is a failure too
   if command == "demo":
-    return _run([py, "-m", "qsync_jax", "demo", *rest], env=env)
-  return _run([py, "-m", "qsync_jax", *rest], env=env)
+    return _run([py, "-m", "qsync_cli", "demo", *rest], env=env)
+  return _run([py, "-m", "qsync_cli", *rest], env=env)
 
 
 if __name__ == "__main__":

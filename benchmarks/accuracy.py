@@ -35,7 +35,7 @@ import optax
 
 from benchmarks.result_rows import mean_std, write_section
 from examples import demo
-from qsync_jax.tasks import get_task
+from qsync_jax.train.task import get_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -141,8 +141,7 @@ def plan(args) -> int:
   """Indicator on the early weights, modeled V100/T4 costs, the joint planner; saves the
   indicator table and every candidate's plan under ``--plans``."""
   from examples import demo
-  from planners.cli_indicator import initial_variables
-  from planners.indicator import compute, load, save
+  from planners.indicator import compute, initial_variables, load, save
 
   task = gpt_task()
   os.makedirs(args.plans, exist_ok=True)
@@ -247,7 +246,7 @@ def markdown(rows: list[dict], command: str) -> str:
     "included). `compare`: the planner's candidates for a modeled 1 × V100 (`training`, fp32) + "
     "1 × T4 pool, planned at half the global batch per device with `--int8-op int8` (the int8 level runs int8 on every "
     "leg), run on two H100s with their batch shares and precisions. Both train through the "
-    "trainer's step (`qsync_jax.train_step`, loss scaling where a leg is fp16) unless the setup "
+    "trainer's step (`qsync_jax.train.train_step`, loss scaling where a leg is fp16) unless the setup "
     "says otherwise; loss differences are paired by seed (the same initial weights and batches).",
     "",
   ]
@@ -304,7 +303,7 @@ def main(argv=None) -> int:
   ap.add_argument("--indicator-batches", type=int, default=16)
   ap.add_argument("--indicator", help="plan: an indicator JSON to use instead of computing one")
   ap.add_argument(
-    "--int8-op", default="int8", help="plan: what the int8 level runs (planners.allocator.INT8_OPS)"
+    "--int8-op", default="int8", help="plan: what the int8 level runs (planners.allocator.greedy.INT8_OPS)"
   )
   ap.add_argument("--plans", default="benchmarks/results/accuracy_gpu")
   ap.add_argument("--out", default=os.environ.get("OUT"))

@@ -26,12 +26,12 @@ import jax
 import numpy as np
 
 from benchmarks.result_rows import result_row, save_rows
-from planners.allocator import exhaustive, greedy, make_problem
-from planners.joint import joint_plan, precision_counts
-from planners.modeled import modeled_profile
+from planners.allocator.greedy import exhaustive, greedy, make_problem
+from planners.allocator.joint import joint_plan, precision_counts
 from planners.ops import OpShape
+from planners.predictor.modeled import modeled_profile
+from planners.predictor.replay import predict
 from planners.profile import Profile
-from planners.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 

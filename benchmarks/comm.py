@@ -5,7 +5,7 @@ CNN on scikit-learn digits (global batch 64, Adam 3e-3, the same initial paramet
 order) for ``--steps`` steps and report:
 
 * ring bytes per step: what each device sends per step with ring collectives, from the
-  collectives of the compiled step's HLO (``qsync_jax.hlo``: 2(n-1)/n of an all-reduce's
+  collectives of the compiled step's HLO (``planners.profiler.hlo``: 2(n-1)/n of an all-reduce's
   buffer, (n-1)/n of an all-gather's, reduce-scatter's or all-to-all's); the ratio column
   compares it with fp32. SelSync's is the expected value ``always + sync fraction x sync
   branch``, the sync fraction measured in the run;
@@ -44,10 +44,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from benchmarks.result_rows import result_row, save_rows  # noqa: E402
 from examples.data import digits  # noqa: E402
 from examples.tasks.vision import classification_task  # noqa: E402
-from qsync_jax import hlo  # noqa: E402
+from planners.profiler import hlo  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
-from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step, task_loss_fn  # noqa: E402
-from qsync_jax.train_step import make_train_step  # noqa: E402
+from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step  # noqa: E402
+from qsync_jax.train.task_step import task_loss_fn  # noqa: E402
+from qsync_jax.train.train_step import make_train_step  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "comm.jsonl")
 STRATEGIES = ("fp32", "bf16", "fp16", "global_qsgd", "selsync", "qsdp")

@@ -27,13 +27,13 @@ the ResNet cells):
   array and as ``is_causal``; default sequences 512, 1024, 2048.
 * ``conv[:SHAPE]`` — one convolution's forward + both gradients at ResNet-50 layer shapes
   (batch 32): the native bf16 convolution against quantized ones through im2col and through
-  XLA's convolution on int8 / fp8 operands (``qsync_jax.qconv_native``).
+  XLA's convolution on int8 / fp8 operands (``qsync_jax.ops.qconv_native``).
 
 Policies (``qsync_jax.quantize`` on the same bf16 model; ``plain`` is the model alone):
 ``POLICIES``. A GPT or ResNet cell records: the training step's median time over windows of
-steps dispatched back to back (``planners.timing.PIPELINED_CLOCK``; its ratio to ``plain`` of
+steps dispatched back to back (``planners.profiler.timing.PIPELINED_CLOCK``; its ratio to ``plain`` of
 the same width in the same run, ``speed`` = plain / this), compile time split into JAX's
-stages (``planners.timing.staged_compile``: trace, lower, XLA compile) plus the first call,
+stages (``planners.profiler.timing.staged_compile``: trace, lower, XLA compile) plus the first call,
 what the program holds (jaxpr equations, dot_generals, Pallas kernels and their distinct
 shapes, Threefry computations, custom calls in the lowered module, and the lowered module's
 SHA-256: two cells with the same hash hand XLA the same program), and memory (XLA's
@@ -103,10 +103,10 @@ from benchmarks.result_rows import append_rows, result_row
 from examples.tasks.language import synthetic_lm
 from examples.tasks.vision import resnet_synthetic
 from pallas_kernels.gemm import api as gemm_api
-from planners import timing
-from planners.timing import kernels_by, traced_events
+from planners.profiler import timing
+from planners.profiler.timing import kernels_by, traced_events
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule
-from qsync_jax.qattention import fused_attention
+from qsync_jax.ops.qattention import fused_attention
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
 

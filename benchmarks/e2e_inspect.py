@@ -17,7 +17,7 @@ import unittest.mock
 
 import jax
 
-from qsync_jax import hlo as hlo_text
+from planners.profiler import hlo as hlo_text
 
 THREEFRY_PRIMITIVES = ("random_bits", "random_split", "random_fold_in", "threefry2x32")
 """Primitives that each lower to a Threefry computation (with the default PRNG)."""
@@ -120,8 +120,8 @@ def lower_for_cuda(task, batch_size: int, policy, optimizer, fused: bool = False
   program holds, kernels}``."""
   from pallas_kernels.gemm import api as gemm_api
   from pallas_kernels.quantize import api as quantize_api
-  from planners import timing
-  from qsync_jax.qattention import fused_attention
+  from planners.profiler import timing
+  from qsync_jax.ops.qattention import fused_attention
 
   batch = timing.device_batch(task, batch_size)
   inputs = jax.tree.map(lambda x: x[:1], task.inputs(batch))

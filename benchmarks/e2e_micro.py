@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from planners import timing
+from planners.profiler import timing
 from qsync_jax import OpPolicy, quantized_conv_general_dilated
-from qsync_jax.quant_ops import QuantizedEinsum
+from qsync_jax.ops.quant_ops import QuantizedEinsum
 
 
 def attention_cases(seq: int, tiny: bool):

@@ -42,7 +42,7 @@ from jax import lax
 from benchmarks.result_rows import result_row, save_rows
 from pallas_kernels.quantize import dequantize, quantize
 from qsync_jax import OpPolicy, quantized_dot_general
-from qsync_jax.qdot import Operand, dlhs_dims, drhs_dims, leg_dot, qformat
+from qsync_jax.ops.qdot import Operand, dlhs_dims, drhs_dims, leg_dot, qformat
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "grad_numerics.jsonl")
 DIMS = (((1,), (0,)), ((), ()))

@@ -4,7 +4,7 @@ For each pool (4 training + 4 inference devices of the catalog, at their datashe
 100 Gbit/s links) and each model at real size (``MODELS`` of ``benchmarks.roofline``:
 ResNet-50 at 224², BERT-base at sequence 128 and 512, a GPT-2-medium-sized LM at sequence
 1024), the model's ops are traced (abstractly: nothing runs), every device is costed from the
-catalog (``planners.modeled``), and ``planners.joint`` plans it. Printed and written as rows:
+catalog (``planners.predictor.modeled``), and ``planners.allocator.joint`` plans it. Printed and written as rows:
 predicted samples/s, its ratio to dynamic batching, and the accuracy cost of the joint plan
 and of every alternative. Every figure is **modeled** (catalog roofline + replay), not
 measured. The sensitivities Ω are synthetic (a seeded exponential draw per op, int8 : fp8 :
@@ -25,12 +25,12 @@ import numpy as np
 
 from benchmarks.result_rows import append_rows, result_row
 from benchmarks.roofline import MODELS, base_profile, build, model_ops
-from planners.allocator import fastest_levels, make_problem, uniform_levels
+from planners.allocator.greedy import fastest_levels, make_problem, uniform_levels
+from planners.allocator.joint import joint_plan, precision_counts
 from planners.catalog import allreduce_ms, device_spec
-from planners.cli_common import table
-from planners.joint import joint_plan, precision_counts
-from planners.modeled import modeled_profile
-from planners.replay import sync_step_ms
+from planners.predictor.modeled import modeled_profile
+from planners.predictor.replay import sync_step_ms
+from planners.report import table
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hybrid.jsonl")
@@ -102,7 +102,7 @@ def limits(problem, search, model) -> tuple[float, float, float]:
 
 def predict_compute(search, gi, b, row) -> float:
   """The group's step at batch ``b`` on one device with no all-reduce (ms)."""
-  from planners.graph import Comm
+  from planners.predictor.graph import Comm
 
   group = search.group_at(gi, b, row)
   comm = Comm(1, LINK_GBPS, search.p.bucket_bytes, 0.0, "tree")

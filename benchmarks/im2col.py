@@ -22,8 +22,9 @@ import numpy as np
 from jax import lax
 
 from benchmarks.result_rows import result_row, save_rows
-from planners import timing
-from qsync_jax import OpPolicy, qconv, quantized_conv_general_dilated
+from planners.profiler import timing
+from qsync_jax import OpPolicy, quantized_conv_general_dilated
+from qsync_jax.ops import qconv
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "im2col.jsonl")
 

@@ -51,8 +51,8 @@ from planners.indicator.random_ind import random_omega
 from planners.indicator.wvar import wvar_omega
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
-from qsync_jax.task_step import task_loss
-from qsync_jax.tasks import get_task
+from qsync_jax.train.task import get_task
+from qsync_jax.train.task_step import task_loss
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "indicator.jsonl")
 TRUTH_POLICY = OpPolicy(fwd="int8", dlhs="fp32", drhs="fp32")

@@ -4,7 +4,7 @@ the same global batch, and the measured step against the replay's prediction.
 
 1. **profile** (a subprocess on device 0): the LM's cost profile (``measure_profile``) at the
    training group's batch, saved to ``--out``.
-2. **plan**: ``planners.joint`` plans a pool whose training group is this device type and
+2. **plan**: ``planners.allocator.joint`` plans a pool whose training group is this device type and
    whose inference group is modeled as ``--infer-device`` (e.g. an L4: a slower device that
    the planner gives a smaller batch and lower precisions); the plan is then run on the
    devices at hand (every group on this device type), as a user runs a plan's numerics on
@@ -63,7 +63,7 @@ def local_type() -> str:
 
 
 def role_profile(args) -> int:
-  from planners.measure import measure_profile
+  from planners.profiler.measure import measure_profile
 
   prof = measure_profile(
     make_task(args), args.batch, ("fp32", "bf16", "fp16", "int8"), repeats=3, step_repeats=5
@@ -74,9 +74,9 @@ def role_profile(args) -> int:
 
 def plans(args, prof):
   """``{name: Plan}`` and the cluster they run on (every group the local device type)."""
-  from planners.allocator import make_problem
-  from planners.joint import joint_plan, plan_of
-  from planners.modeled import modeled_profile
+  from planners.allocator.greedy import make_problem
+  from planners.allocator.joint import joint_plan, plan_of
+  from planners.predictor.modeled import modeled_profile
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
   from qsync_jax.policy import PrecisionPolicy
@@ -105,11 +105,11 @@ def role_worker(args) -> int:
   import jax
   import optax
 
+  from planners.predictor.replay import predict
   from planners.profile import Profile
-  from planners.replay import predict
-  from qsync_jax import distributed
   from qsync_jax.plan import Plan
-  from qsync_jax.train_step import make_train_step
+  from qsync_jax.train import distributed
+  from qsync_jax.train.train_step import make_train_step
 
   distributed.initialize(
     f"127.0.0.1:{args.port}", args.processes, args.process_id, local_device_count=1 if args.tiny else None

@@ -1,9 +1,9 @@
 """Where a plan's GPU kernel time goes, in the training step and in the profile's programs.
 
 For each uniform policy: the kernels of one ``lm_base`` (or ``--model``) training step on the
-first GPU (``planners.timing.compiled_train_step``, traced with ``planners.timing.traced_events``), and the
+first GPU (``planners.profiler.timing.compiled_train_step``, traced with ``planners.profiler.timing.traced_events``), and the
 sum over every op of the standalone whole-policy program the profiler times for it
-(``planners.op_programs.policy_programs``, forward + both gradients, precast), each summed by
+(``planners.profiler.op_programs.policy_programs``, forward + both gradients, precast), each summed by
 kernel category (``category``). The replay charges the programs' time plus one remainder fitted
 on the fp32 step; the per-category difference says which kernels the step runs that the
 programs do not, or the reverse.
@@ -25,10 +25,10 @@ import jax
 
 from benchmarks.predictor import get_model
 from benchmarks.result_rows import append_rows, result_row
-from planners import timing
-from planners.measure import policy_key, task_ops
-from planners.op_programs import policy_programs
-from planners.timing import kernels_by, traced_events
+from planners.profiler import timing
+from planners.profiler.measure import policy_key, task_ops
+from planners.profiler.op_programs import policy_programs
+from planners.profiler.timing import kernels_by, traced_events
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 

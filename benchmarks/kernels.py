@@ -52,7 +52,7 @@ from pallas_kernels.gemm.config import GemmConfig, HopperConfig
 from pallas_kernels.quantize import api as quant_api
 from pallas_kernels.quantize.config import QuantizeConfig
 from pallas_kernels.quantize.reference import quantize_reference
-from planners.timing import traced_events
+from planners.profiler.timing import traced_events
 from qsync_jax import OpPolicy, quantized_dot_general
 
 SHAPES = {  # name: (M, K, N) of Y[M, N] = X[M, K] · W[K, N]

@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from planners.timing import timed_ms
-from qsync_jax.vma import shard_map
+from planners.profiler.timing import timed_ms
+from qsync_jax.ops.vma import shard_map
 
 DEFAULT_SIZES = (2**20, 2**22, 2**24, 2**26)
 """Bytes per device of the timed all-reduces (1 to 64 MiB: the span of gradient buckets)."""

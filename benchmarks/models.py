@@ -20,7 +20,7 @@ For each policy and clock (``--clocks``): the measured median step (jitted singl
 training step fed its own donated outputs; the policies compiled first, then timed round-robin
 over ``--rounds`` rounds, the median of the round medians, with their spread — max − min), its
 ratio to bf16 measured in the same run, and the replay's
-predicted step from a profile measured first in the same run (``planners.measure``; its fit step
+predicted step from a profile measured first in the same run (``planners.profiler.measure``; its fit step
 does not count in the mean error; with ``--refit``, the remainder refitted to that step as timed
 on each clock). Clocks: ``wall`` waits for every step (rows ``step_ms_median``);
 ``pipelined`` dispatches them back to back as the trainer does (rows ``step_ms_pipelined``) — on
@@ -44,13 +44,13 @@ import numpy as np
 from benchmarks.predictor import get_model, plans, saved_profile
 from benchmarks.predictor_replay import with_measurements
 from benchmarks.result_rows import append_rows, result_row
-from planners import timing
-from planners.allocator import greedy, make_problem
-from planners.fit import fit_profile, fit_remainder
+from planners.allocator.greedy import greedy, make_problem
 from planners.indicator import compute
-from planners.measure import measure_profile, task_ops
+from planners.predictor.replay import predict
 from planners.profile import Profile
-from planners.replay import predict
+from planners.profiler import timing
+from planners.profiler.fit import fit_profile, fit_remainder
+from planners.profiler.measure import measure_profile, task_ops
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
@@ -90,7 +90,7 @@ def qsync_policy(task, prof, batch_size: int, say) -> PrecisionPolicy:
 
 
 STEP_METRICS = {"wall": "step_ms_median", timing.PIPELINED_CLOCK: "step_ms_pipelined", "cpu": "step_ms_cpu"}
-"""The metric of a step timed on each clock (``planners.timing``): ``wall`` waits for every step,
+"""The metric of a step timed on each clock (``planners.profiler.timing``): ``wall`` waits for every step,
 ``pipelined`` dispatches them back to back as the trainer does."""
 
 
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     nargs="+",
     choices=sorted(STEP_METRICS),
     default=["wall", timing.PIPELINED_CLOCK],
-    help="clocks the steps are timed on (planners.timing; default: wall — every step waited for — and "
+    help="clocks the steps are timed on (planners.profiler.timing; default: wall — every step waited for — and "
     "pipelined — steps dispatched back to back, as the trainer runs them); each is predicted on its own",
   )
   ap.add_argument("--profile-repeats", type=int, default=5)
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
   ap.add_argument(
     "--refit",
     action="store_true",
-    help="refit the profile's remainder to this run's fit step (planners.fit.fit_remainder): for a "
+    help="refit the profile's remainder to this run's fit step (planners.profiler.fit.fit_remainder): for a "
     "profile measured on another host",
   )
   ap.add_argument("--no-plan", action="store_true", help="skip the qsync plan (its indicator, plan and step)")

@@ -26,7 +26,7 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
   (``measure_profile``, or ``--profile-file``) and, per device count, the all-reduce line of
   a ``psum`` microbenchmark (``benchmarks.link``); then again with the profile's remainder
   refitted to the fp32 step measured on the same device count
-  (``planners.fit.fit_remainder``). The baseline of the ratio is the measured step.
+  (``planners.profiler.fit.fit_remainder``). The baseline of the ratio is the measured step.
 
   python -m benchmarks.multigpu [--d-model 768 --layers 12 --seq 256 --batch 8] [--steps 20]
                                 [--processes 2 4] [--profile-file PROFILE.json]
@@ -52,18 +52,19 @@ from benchmarks.link import measure_link
 from benchmarks.result_rows import append_rows, result_row
 from benchmarks.step_kernels import gpu_kernels
 from examples.tasks.language import stdlib_lm
-from planners.fit import fit_remainder
-from planners.measure import measure_profile
+from planners.predictor.replay import predict
 from planners.profile import Profile
-from planners.replay import predict
-from planners.timing import PIPELINED_CLOCK, timed_ms
-from qsync_jax import hlo
+from planners.profiler import hlo
+from planners.profiler.fit import fit_remainder
+from planners.profiler.measure import measure_profile
+from planners.profiler.timing import PIPELINED_CLOCK, timed_ms
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy, Rule
 from qsync_jax.precision import OpPolicy
-from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step, task_loss_fn
-from qsync_jax.train_step import make_train_step
+from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step
+from qsync_jax.train.task_step import task_loss_fn
+from qsync_jax.train.train_step import make_train_step
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "multigpu.jsonl")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the children run from here
@@ -168,7 +169,7 @@ def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync
 
 def pipelined_step_s(step, state, batches, steps: int):
   """``(s per step, last state)`` of ``steps`` steps dispatched back to back and waited for
-  once, as a training loop runs them (``planners.timing.PIPELINED_CLOCK``): the host's dispatch
+  once, as a training loop runs them (``planners.profiler.timing.PIPELINED_CLOCK``): the host's dispatch
   of one step overlaps the devices' work on the one before, which ``time_steps`` (one wait per
   step) does not allow."""
   run, current = stepper(step, state, batches)
@@ -317,7 +318,7 @@ def predictor_rows(
   """Predicted vs measured step of every scaling case in ``measured`` (``{(case, devices):
   median s}``), three times: from the profile as it is (``<label>/…``); with its remainder
   refitted to the fp32 case on the same device count (``<label>-fit/…``,
-  ``planners.fit.fit_remainder``); and refitted once, to the fp32 step on one device
+  ``planners.profiler.fit.fit_remainder``); and refitted once, to the fp32 step on one device
   (``fp32_one_device_s``, default ``measured[("fp32", 1)]``; ``<label>-fit1/…``), so that the
   replay alone predicts what changes with the device count. fp32 is the fit, never evaluated.
   Prints a table, returns the JSON rows."""

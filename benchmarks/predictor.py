@@ -1,6 +1,6 @@
 """Predictor error: predicted vs measured step time and memory on plans not used to fit anything.
 
-For each model: measure its profile on the local device (``planners.measure.measure_profile``:
+For each model: measure its profile on the local device (``planners.profiler.measure.measure_profile``:
 op legs and whole-policy programs standalone, casts, the optimizer, the all-bf16 step — which
 fits the remainder — and the compiled fp32 and all-bf16 steps — which fit the memory
 corrections), then for every evaluation plan (uniform and mixed, never the fit step; marked
@@ -15,10 +15,10 @@ The baseline of the ratio column is the measured step time (ratio = predicted / 
 Targets: mean |error| ≤ 5 % on the CPU (≤ 3 % on an H100), memory within 10 %.
 
 The plans are compiled first and timed round-robin over ``--rounds`` rounds
-(``planners.timing.time_train_steps_interleaved``: the median of the round medians), so that
+(``planners.profiler.timing.time_train_steps_interleaved``: the median of the round medians), so that
 slow drift of the host falls on every plan alike. With ``--refit`` the error is reported a
 second time with the remainder refitted to the fit step timed among the plans
-(``planners.fit.fit_remainder``). Where the profile traced its all-int8 step (on a GPU) every plan
+(``planners.profiler.fit.fit_remainder``). Where the profile traced its all-int8 step (on a GPU) every plan
 is also predicted from the same profile without the in-step factors (``no_in_step``).
 
   python -m benchmarks.predictor [--models lm vgg mlp] [--repeats N] [--rounds 3] [--refit]
@@ -42,17 +42,17 @@ import numpy as np
 import optax
 
 from benchmarks.result_rows import append_rows, result_row
-from planners import timing
-from planners.fit import SIXTEEN_BIT_PRESET, fit_profile, fit_remainder
-from planners.measure import measure_profile
+from planners.predictor.replay import predict
 from planners.profile import Profile
-from planners.replay import predict
+from planners.profiler import timing
+from planners.profiler.fit import SIXTEEN_BIT_PRESET, fit_profile, fit_remainder
+from planners.profiler.measure import measure_profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 """Profiled precisions: those the evaluation plans use."""

@@ -2,7 +2,7 @@
 the replay of its saved profiles, as the code predicts now.
 
 For each model of the run (its rows in ``predictor.jsonl``, chosen by ``--run``): the profile
-``<profile-dir>/<model>.json`` fitted as the profiler fits it now (``planners.fit.fit_profile``)
+``<profile-dir>/<model>.json`` fitted as the profiler fits it now (``planners.profiler.fit.fit_profile``)
 to the fit step and XLA peaks its meta records — "as profiled" — and, with ``--refit``, to the
 fit step timed among the run's plans; then every plan's predicted step against the run's
 measured one, and every plan's predicted peak against XLA's. The mean errors are over the plans
@@ -28,10 +28,10 @@ import numpy as np
 from benchmarks.predictor import RESULTS, plans
 from benchmarks.result_rows import append_rows, result_row
 from benchmarks.step_ops import table_names
-from planners.fit import SIXTEEN_BIT_PRESET, fit_profile, fit_remainder, one_device
-from planners.graph import QUANTIZED_TRACE_PRESET
+from planners.predictor.graph import QUANTIZED_TRACE_PRESET
+from planners.predictor.replay import predict
 from planners.profile import Profile
-from planners.replay import predict
+from planners.profiler.fit import SIXTEEN_BIT_PRESET, fit_profile, fit_remainder, one_device
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 

@@ -1,7 +1,7 @@
 """How far the device catalog's roofline is from a measured device: per op and per step.
 
 Devices that are not at hand are costed from the catalog (``planners.catalog``,
-``planners.modeled``; ``docs/catalog.md``). This benchmark measures, on the local device, the
+``planners.predictor.modeled``; ``docs/catalog.md``). This benchmark measures, on the local device, the
 models the hybrid-pool study plans (``MODELS``: ResNet-50 at 224², a BERT-base-sized
 transformer at sequence 128 and 512, a GPT-2-medium-sized LM at sequence 1024) under the uniform
 ``fp32`` and ``bf16`` policies, and compares with the catalog-modeled profile of the same ops:
@@ -10,8 +10,8 @@ transformer at sequence 128 and 512, a GPT-2-medium-sized LM at sequence 1024) u
   (``timing.PIPELINED_CLOCK``, median of windows), against the replay of the modeled profile;
 * **per op, inside the step**: the step traced (``timing.traced_step``: on a GPU every kernel on
   the device clock, on a CPU XLA's per-instruction events) and charged to the ops by their JAX
-  name stacks (``planners.step_hlo.per_op_ms``): per op kind, the forward and the gradient legs
-  against the modeled legs (``planners.modeled.leg_ms``), and the rest of the step (elementwise
+  name stacks (``planners.profiler.step_hlo.per_op_ms``): per op kind, the forward and the gradient legs
+  against the modeled legs (``planners.predictor.modeled.leg_ms``), and the rest of the step (elementwise
   work, norms, the loss, the optimizer) against the modeled remainder and optimizer;
 * **per op leg alone** (``--standalone``): every distinct canonical GEMM of the model's ops —
   forward, dlhs and drhs — timed alone at each precision the device runs (``fp32`` at full
@@ -43,13 +43,14 @@ import numpy as np
 from benchmarks.result_rows import result_row, save_rows
 from examples.tasks.language import synthetic_lm
 from examples.tasks.vision import resnet_synthetic
-from planners import catalog, timing
-from planners.measure import local_device_type
-from planners.modeled import LEG_TENSORS, modeled_profile
+from planners import catalog
 from planners.ops import OpShape, collect_ops
+from planners.predictor.modeled import LEG_TENSORS, modeled_profile
+from planners.predictor.replay import predict
 from planners.profile import Profile
-from planners.replay import predict
-from planners.step_hlo import per_op_ms
+from planners.profiler import timing
+from planners.profiler.measure import local_device_type
+from planners.profiler.step_hlo import per_op_ms
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy

@@ -6,7 +6,7 @@ its plans in one process; on an H100 ``vgg_wide``'s all-bf16 step came out at 1.
 first and 1.60-1.67 ms in the second (``docs/results.md``, thirteenth session). This benchmark
 compiles each of ``--presets`` ``--compiles`` times (each compile is its own executable, with
 its own state) plus ``--others`` once each, then times all of them round-robin
-(``planners.timing.time_train_steps_interleaved``, the predictor's timing) and prints every
+(``planners.profiler.timing.time_train_steps_interleaved``, the predictor's timing) and prints every
 round, so that a drift over the rounds, a slow executable, or a dependence on how many
 executables share the process shows. Each copy's median is reported against the first copy of
 its preset, measured in the same rounds. On a GPU each round's line also gives the GPU's SM
@@ -27,7 +27,7 @@ import numpy as np
 
 from benchmarks.predictor import get_model, measured_clock
 from benchmarks.result_rows import append_rows, result_row
-from planners import timing
+from planners.profiler import timing
 from qsync_jax.policy import PrecisionPolicy
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_drift.jsonl")

@@ -1,6 +1,6 @@
 """Where a GPU training step's time goes: matrix products, the other kernels, and the gaps.
 
-For each model and uniform policy: the jitted single-device training step (``planners.timing``,
+For each model and uniform policy: the jitted single-device training step (``planners.profiler.timing``,
 fed its own donated outputs) is timed on the wall clock (median of ``--repeats``, IQR), then
 traced (``gpu_kernels``): GPU kernel time and launches per step, the part of
 it in matrix-product kernels (name-based, ``GEMM_KERNEL_MARKS``), and the gap — wall time in
@@ -9,7 +9,7 @@ op standalone; this says what the step around the ops costs under each policy (t
 of the ratio column is the fp32 step's value of the same metric).
 
 With ``--ops N`` it also traces, for the first N ops of each model, the two standalone
-programs the profiler times per op and policy (``planners.op_programs.policy_programs``: the
+programs the profiler times per op and policy (``planners.profiler.op_programs.policy_programs``: the
 forward, and forward + both gradients), with their product / other split and largest kernels:
 what a standalone program runs that the step fuses away. Needs a GPU.
 
@@ -31,9 +31,9 @@ import numpy as np
 
 from benchmarks.predictor import get_model
 from benchmarks.result_rows import append_rows, result_row
-from planners import timing
-from planners.measure import traced_profile
-from planners.op_programs import policy_programs
+from planners.profiler import timing
+from planners.profiler.measure import traced_profile
+from planners.profiler.op_programs import policy_programs
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
@@ -63,7 +63,7 @@ class KernelSummary:
 def summarize_kernels(
   events: list[dict], repeats: int, device: str = "/device:GPU:0"
 ) -> KernelSummary | None:
-  """The ``KernelSummary`` of ``planners.timing.traced_events`` of ``repeats`` calls, on the trace
+  """The ``KernelSummary`` of ``planners.profiler.timing.traced_events`` of ``repeats`` calls, on the trace
   process ``device`` (the first GPU); None where it has no kernel (e.g. on a CPU)."""
   mine = [e for e in events if e["process"].startswith(device)]
   if not mine:

@@ -1,5 +1,5 @@
 """Where a compiled training step's memory peaks, by the schedule's liveness
-(``planners.step_hlo.live_ranges``), beside XLA's own peak (``compiled.memory_analysis()``).
+(``planners.profiler.step_hlo.live_ranges``), beside XLA's own peak (``compiled.memory_analysis()``).
 
 For each plan of ``benchmarks/predictor.py`` the jitted single-device training step of
 ``--model`` is compiled on the local device — or, with ``--hlo``, modules saved earlier are
@@ -12,7 +12,7 @@ buffers live there, and each op's largest live bytes during its forward and its 
   python -m benchmarks.step_liveness --model vgg_wide [--plans fp32 int8 ...] [--save-hlo DIR]
   python -m benchmarks.step_liveness --model vgg_wide --hlo DIR/vgg_wide_int8.hlo.gz ...
 
-A diagnostic of the replay's memory model (``planners.memory_model.memory_bytes``): nothing is
+A diagnostic of the replay's memory model (``planners.predictor.memory_model.memory_bytes``): nothing is
 timed and no row is written.
 """
 
@@ -24,10 +24,10 @@ import os
 import sys
 
 from benchmarks.predictor import get_model, plans
-from planners import timing
-from planners.measure import task_ops
-from planners.step_hlo import busiest_moments, live_ranges, live_totals
-from qsync_jax.hlo import entry_instructions
+from planners.profiler import timing
+from planners.profiler.hlo import entry_instructions
+from planners.profiler.measure import task_ops
+from planners.profiler.step_hlo import busiest_moments, live_ranges, live_totals
 from qsync_jax.policy import PrecisionPolicy
 
 MB = 1e6

@@ -2,11 +2,11 @@
 standalone programs: where the predictor's op costs and its fitted remainder differ from the step.
 
 For each plan of ``benchmarks/predictor.py`` (uniform and mixed) the jitted single-device
-training step of ``--model`` is traced (``planners.timing.traced_step``): on a GPU its
+training step of ``--model`` is traced (``planners.profiler.timing.traced_step``): on a GPU its
 kernel events, each charged to the HLO instruction it runs (``hlo_op``; command buffers are
 switched off so that every kernel names its instruction, not its CUDA graph); on XLA:CPU its
 per-instruction events. Each instruction's time goes to the
-op its JAX name stack names (``planners.step_hlo.op_of``) — gradient legs are those under
+op its JAX name stack names (``planners.profiler.step_hlo.op_of``) — gradient legs are those under
 ``transpose(...)`` — and the rest (activations, norms, the loss, the optimizer, and fusions that
 XLA named after a neighbour) to ``rest``. With ``--profile`` the table shows, for the uniform
 plans, each op's standalone whole-policy time (``policy:<preset>``, forward + backward) beside
@@ -30,9 +30,9 @@ import sys
 import jax
 
 from benchmarks.predictor import get_model, plans
-from planners import step_hlo, timing
-from planners.measure import task_ops
 from planners.profile import Profile
+from planners.profiler import step_hlo, timing
+from planners.profiler.measure import task_ops
 from qsync_jax.policy import PrecisionPolicy
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_kernels")

@@ -36,9 +36,9 @@ import optax
 
 from benchmarks.result_rows import append_rows, result_row
 from qsync_jax.cluster import ClusterSpec
-from qsync_jax.task import Task
-from qsync_jax.train_step import make_train_step
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.task import Task
+from qsync_jax.train.train_step import make_train_step
+from qsync_jax.train.trainer import Trainer
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "trainer.jsonl")
 

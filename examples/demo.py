@@ -10,7 +10,7 @@ modeled as V100, 32 GB) and ``inference`` (2 devices modeled as T4, 16 GB). The 
 2. **profile** — traces the model's ops and memory and models V100 and T4 costs from the
    device catalog (roofline; labelled *modeled*); no group runs on the local CPU, so nothing
    is measured;
-3. **plan** — the joint planner (``planners.joint``) chooses every group's per-device batch
+3. **plan** — the joint planner (``planners.allocator.joint``) chooses every group's per-device batch
    and the T4s' per-op precisions, and predicts the alternatives it compared: the training
    groups alone, dynamic batching, uniform low precision, QSync's precision-only plan;
 4. **train** — trains each of them on the 4 CPU devices with the hybrid trainer and
@@ -40,7 +40,7 @@ from typing import Any
 from qsync_jax.errors import QsyncError
 
 HELP = "End-to-end demo: indicator → profile → plan → train on a simulated V100 + T4 cluster."
-OUTPUTS = {"out": "dir"}  # checked by the CLI before any work (qsync_jax.outputs)
+OUTPUTS = {"out": "dir"}  # checked by the CLI before any work (qsync_jax.train.outputs)
 
 NUM_DEVICES = 4
 CONFIGS = (
@@ -50,7 +50,7 @@ CONFIGS = (
   "QSync (precision only)",
   "joint",
 )
-"""The planner's candidates the demo trains (``planners.joint``'s names)."""
+"""The planner's candidates the demo trains (``planners.allocator.joint``'s names)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,8 +133,7 @@ def demo_cluster(batch_per_device: int):
 
 def stage_indicator(task, args, say) -> dict:
   """fp32 pre-training, then the gradient indicator's Ω table (as ``qsync indicator``)."""
-  from planners.cli_indicator import initial_variables
-  from planners.indicator import compute
+  from planners.indicator import compute, initial_variables
 
   say(f"indicator: {args.pretrain_steps} fp32 pre-training steps of {task.name}")
   variables = initial_variables(task, args.seed, args.pretrain_steps, 32)
@@ -148,8 +147,8 @@ def stage_profile(task, batch_per_device: int, say, device_types=("V100", "T4"))
   """``{device type: Profile}`` (and ``"cpu"``: the traced ops): each of ``device_types`` costed
   from the device catalog on the model's traced ops and memory; no group runs on the local
   device, so nothing is measured."""
-  from planners.measure import traced_profile
-  from planners.modeled import modeled_profile
+  from planners.predictor.modeled import modeled_profile
+  from planners.profiler.measure import traced_profile
 
   # The profiler traces the model's ops with ``train_kwargs`` but without ``mutable``, which
   # BatchNorm in training mode needs; the op shapes are the same in eval mode.
@@ -166,10 +165,10 @@ def stage_profile(task, batch_per_device: int, say, device_types=("V100", "T4"))
 def stage_plan(cluster, profiles, indicator, say, train_policy="fp32", int8_op="int8_fwd") -> dict[str, Any]:
   """The joint planner's candidates: ``{name: (Plan, Prediction, Candidate)}``, the joint
   plan under ``"joint"`` (with every alternative in its predictions); the ``training`` group
-  runs ``train_policy``, an op planned at int8 runs ``int8_op`` (``planners.allocator``)."""
-  from planners.allocator import make_problem
-  from planners.joint import joint_plan, plan_of
-  from planners.replay import predict
+  runs ``train_policy``, an op planned at int8 runs ``int8_op`` (``planners.allocator.greedy``)."""
+  from planners.allocator.greedy import make_problem
+  from planners.allocator.joint import joint_plan, plan_of
+  from planners.predictor.replay import predict
 
   say(f"plan: joint batch × precision search (the training group runs {train_policy})")
   problem = make_problem(cluster, profiles, indicator, ["training"], train_policy, int8_op=int8_op)
@@ -250,7 +249,7 @@ def stage_train(
   log_every=None,
   on_seed=None,
 ):
-  """Trains each plan with the hybrid data-parallel step (``qsync_jax.train_step``) and
+  """Trains each plan with the hybrid data-parallel step (``qsync_jax.train.train_step``) and
   ``optimizer`` once per seed; returns ``{config: [metrics per seed]}`` with held-out metrics
   of the fp32 weights. Seed ``s`` gives every plan the same initial weights and batches.
   With ``log_every``, the training loss is said every that many steps, and a seed whose loss
@@ -262,7 +261,7 @@ def stage_train(
   import jax
 
   from examples.train_loop import Runner
-  from qsync_jax.train_step import make_train_step
+  from qsync_jax.train.train_step import make_train_step
 
   evaluator = Runner(task, None, optimizer)
   on_cpu = devices[0].platform == "cpu"
@@ -350,7 +349,7 @@ def precision_mix(plan, group: str, op_names) -> str:
 
 
 def results_table(cluster, planned, trained, op_names) -> str:
-  from planners.cli_common import table
+  from planners.report import table
 
   dynamic = planned["dynamic batching"][2].samples_per_s if "dynamic batching" in planned else None
   rows = []
@@ -393,7 +392,7 @@ def write_outputs(out, cluster, indicator, profiles, planned, trained, say) -> N
   os.makedirs(os.path.join(out, "plans"), exist_ok=True)
   cluster.save(os.path.join(out, "cluster.json"))
   from planners.indicator import save
-  from planners.trace import save_chrome_trace, save_png
+  from planners.predictor.timeline import save_chrome_trace, save_png
 
   save(indicator, os.path.join(out, "indicator.json"))
   save_sensitivity_png(indicator, os.path.join(out, "sensitivity.png"))
@@ -437,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
   devices = simulated_devices(NUM_DEVICES)
   import optax
 
-  from qsync_jax.tasks import load_task
+  from qsync_jax.train.task import load_task
 
   task = load_task(args.model)
   cluster = demo_cluster(args.pool_batch_per_device)

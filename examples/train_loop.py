@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qsync_jax.flax_quant import quantize
+from qsync_jax.models.flax_quant import quantize
+from qsync_jax.ops.quant_ops import RNG_COLLECTION
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.quant_ops import RNG_COLLECTION
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,9 +21,9 @@ import math
 
 import jax
 
-from qsync_jax.flax_quant import quantize
+from qsync_jax.models.flax_quant import quantize
+from qsync_jax.ops.quant_ops import OpInfo
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.quant_ops import OpInfo
 
 ATTENTION_EINSUMS = {"attention_qk": "...qhd,...khd->...hqk", "attention_pv": "...hqk,...khd->...qhd"}
 """The products of ``flax.linen.dot_product_attention`` (their real operand layouts; also

@@ -23,7 +23,7 @@ from qsync_jax.precision import OpPolicy
 FORMAT = "qsync-profile/1"
 CAST_TYPES = ("fp32->bf16", "fp32->fp16", "fp32->int8", "fp32->fp8", "int8->fp32", "fp8->fp32")
 """Conversions a profile has a cost model for: into each precision (a modeled leg's operands),
-and the dequantization of a saved 8-bit residual (``planners.graph``)."""
+and the dequantization of a saved 8-bit residual (``planners.predictor.graph``)."""
 
 
 def cast_precisions(cast_type: str) -> tuple[str, str]:

@@ -12,7 +12,10 @@ from qsync_jax.errors import (
   QsyncError,
   UnsupportedPrecisionError,
 )
-from qsync_jax.flax_quant import QuantizedModel, quantize
+from qsync_jax.models.flax_quant import QuantizedModel, quantize
+from qsync_jax.ops.qconv import quantized_conv_general_dilated
+from qsync_jax.ops.qdot import quantized_dot_general, quantized_einsum, residual_bytes
+from qsync_jax.ops.quant_ops import OpInfo
 from qsync_jax.plan import Plan
 from qsync_jax.policy import OP_KINDS, PrecisionPolicy, Rule, op_name, split_op_name
 from qsync_jax.precision import (
@@ -23,19 +26,16 @@ from qsync_jax.precision import (
   OpPolicy,
   supported_precisions,
 )
-from qsync_jax.qconv import quantized_conv_general_dilated
-from qsync_jax.qdot import quantized_dot_general, quantized_einsum, residual_bytes
-from qsync_jax.quant_ops import OpInfo
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 __version__ = "0.1.0"
 
 _LAZY = {
-  "Trainer": "qsync_jax.trainer",
-  "make_train_step": "qsync_jax.train_step",
-  "NnxModel": "qsync_jax.nnx_model",
-  "QuantizedNnxModel": "qsync_jax.nnx_quant",
-  "export_params": "qsync_jax.cli_export",
+  "Trainer": "qsync_jax.train.trainer",
+  "make_train_step": "qsync_jax.train.train_step",
+  "NnxModel": "qsync_jax.models.nnx_model",
+  "QuantizedNnxModel": "qsync_jax.models.nnx_quant",
+  "export_params": "qsync_jax.train.export",
 }
 
 

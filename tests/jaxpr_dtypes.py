@@ -1,7 +1,7 @@
 """Reads the precision of every GEMM in a jaxpr, nested jaxprs included.
 
 An operand's precision is its dtype, except that a float32 operand made by upcasting a
-16-bit value counts as that 16-bit type: on the CPU backend ``qsync_jax.qdot`` runs 16-bit
+16-bit value counts as that 16-bit type: on the CPU backend ``qsync_jax.ops.qdot`` runs 16-bit
 products as float32 products of the 16-bit-rounded values (XLA's CPU runtime cannot run
 some bf16 × bf16 → f32 dots), the same numbers as the 16-bit product on a GPU.
 """

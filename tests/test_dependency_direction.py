@@ -1,5 +1,7 @@
-"""Dependencies point one way: library (``qsync_jax``, ``planners``, ``pallas_kernels``) ←
-``examples`` ← ``benchmarks``, and ``benchmarks`` is a package run with ``python -m``.
+"""Dependencies point one way — kernels (``pallas_kernels``) ← runtime (``qsync_jax``) ← planner
+(``planners``) ← CLI (``qsync_cli``) ← ``examples`` ← ``benchmarks`` — and inside the runtime and
+the planner, layers and stages only import downward (``RULES``). ``benchmarks`` is a package run
+with ``python -m``.
 
 Every source file is parsed (not imported), so an import inside a function, or a module named
 by a string for ``importlib``, counts like one at the top of a file.
@@ -14,12 +16,17 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LIBRARY = ("qsync_jax", "planners", "pallas_kernels")
+LIBRARY = ("qsync_jax", "planners", "pallas_kernels", "qsync_cli")
 IMPORT_FUNCTIONS = {"import_module", "__import__", "find_spec", "run_module"}
 
 
 def _top(module: str) -> str:
   return module.split(".")[0]
+
+
+def _within(module: str, packages) -> bool:
+  """``module`` is one of ``packages`` or inside one of them."""
+  return any(module == p or module.startswith(p + ".") for p in packages)
 
 
 def imports_of(source: str) -> set[tuple[int, str]]:
@@ -66,16 +73,49 @@ def _sources(*packages: str) -> list[pathlib.Path]:
   return files
 
 
-def _violations(packages: tuple[str, ...], banned: set[str]) -> list[str]:
+def _source_paths(*packages: str) -> list[pathlib.Path]:
+  """The source files of dotted ``packages`` (``qsync_jax.ops``: the folder, or a module file)."""
+  files = []
+  for pkg in packages:
+    folder = ROOT / pkg.replace(".", "/")
+    files += sorted(folder.rglob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]
+  assert files and all(f.is_file() for f in files), f"no Python files for {packages}"
+  return files
+
+
+def banned_imports(source: str, banned) -> list[tuple[int, str]]:
+  """``(line, module)`` of the imports in ``source`` of a module within one of ``banned``."""
+  return sorted((line, m) for line, m in imports_of(source) if _within(m, banned))
+
+
+def _violations(packages: tuple[str, ...], banned) -> list[str]:
   return [
     f"{path.relative_to(ROOT)}:{line}: {module}"
-    for path in _sources(*packages)
-    for line, module in sorted(imports_of(path.read_text()))
-    if _top(module) in banned
+    for path in _source_paths(*packages)
+    for line, module in banned_imports(path.read_text(), banned)
   ]
 
 
-def test_the_library_imports_neither_examples_nor_benchmarks():
+# (importer packages, packages they must not import, why): the layers, lowest first.
+RULES = [
+  (("pallas_kernels",), ("qsync_jax", "planners", "qsync_cli"), "kernels sit below everything"),
+  (("qsync_jax",), ("planners", "qsync_cli"), "the runtime knows neither the planner nor the CLI"),
+  (("qsync_jax.ops",), ("qsync_jax.train", "qsync_jax.models", "qsync_jax.sync"), "ops sit below training"),
+  (("qsync_jax.models",), ("qsync_jax.train", "qsync_jax.sync"), "model adapters sit below training"),
+  (("qsync_jax.sync",), ("qsync_jax.models", "qsync_jax.train"), "collectives know no model"),
+  (("planners",), ("qsync_cli",), "the planner does not know the CLI"),
+  (("planners.predictor",), ("planners.profiler", "planners.allocator"), "the predictor replays profiles"),
+  (("planners.profiler",), ("planners.allocator",), "the profiler does not plan"),
+  (("planners.indicator",), ("planners.profiler", "planners.predictor", "planners.allocator"), "stage 1"),
+]
+
+
+@pytest.mark.parametrize("importers, banned, why", RULES, ids=[f"{r[0][0]}-{r[2]}" for r in RULES])
+def test_layers_import_only_downward(importers, banned, why):
+  assert _violations(importers, banned) == [], why
+
+
+def test_the_libraries_and_the_cli_import_neither_examples_nor_benchmarks():
   assert _violations(LIBRARY, {"examples", "benchmarks"}) == []
 
 
@@ -117,6 +157,26 @@ from . import examples
 from .benchmarks import x
 raise ValueError("for the examples: pip install -e '.[examples]'")
 '''
+
+
+PLANTED = {  # a source that breaks each rule, as a file of the importing package could
+  "kernels sit below everything": "from qsync_jax.precision import PRECISIONS",
+  "the runtime knows neither the planner nor the CLI": "def f():\n  from planners.profiler import measure",
+  "ops sit below training": "import qsync_jax.train.trainer",
+  "model adapters sit below training": "from qsync_jax.train.task import Task",
+  "collectives know no model": "from qsync_jax.models.flax_quant import quantize",
+  "the planner does not know the CLI": 'COMMANDS = {"plan": "qsync_cli.plan"}',
+  "the predictor replays profiles": "from planners.profiler.timing import make_train_step",
+  "the profiler does not plan": "from planners.allocator import joint",
+  "stage 1": "import planners.predictor.replay",
+}
+
+
+@pytest.mark.parametrize("importers, banned, why", RULES, ids=[r[2] for r in RULES])
+def test_each_rule_catches_a_planted_violation(importers, banned, why):
+  assert banned_imports(PLANTED[why], banned), why
+  # ...and a neighbour of a banned package with a longer name is no violation
+  assert banned_imports("import planners_extra, qsync_jaxx, qsync_cli_tools", banned) == []
 
 
 def test_every_kind_of_import_is_seen():

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from qsync_jax.cli import main as cli_main
+from qsync_cli.main import main as cli_main
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx_and_checkpoints.md"
 

@@ -7,7 +7,7 @@ import pkgutil
 
 import pytest
 
-PACKAGES = ("qsync_jax", "pallas_kernels", "planners", "examples")
+PACKAGES = ("qsync_jax", "pallas_kernels", "planners", "qsync_cli", "examples")
 
 
 def module_names() -> list[str]:

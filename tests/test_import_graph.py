@@ -15,7 +15,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("qsync_jax", "planners", "pallas_kernels", "examples", "benchmarks")
+PACKAGES = ("qsync_jax", "planners", "pallas_kernels", "qsync_cli", "examples", "benchmarks")
 
 
 def project_modules() -> dict[str, pathlib.Path]:
@@ -134,13 +134,13 @@ def test_the_checks_see_what_they_look_for():
   graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
   assert cycles(graph) == [["a", "b", "c"]] and cycles({"a": {"b"}, "b": set()}) == []
   real = import_graph()
-  assert "planners.replay" in real["planners.fit"]  # module-level import
-  assert "planners.indicator.gradient" in real["planners.cli_indicator"]  # inside a function
+  assert "planners.predictor.replay" in real["planners.profiler.fit"]  # module-level import
+  assert "planners.indicator.gradient" in real["qsync_cli.indicator"]  # inside a function
   # ``from package import submodule`` names the submodule, not the package
   assert "pallas_kernels.gemm.hopper" in real["pallas_kernels.gemm.api"]
   assert "pallas_kernels.gemm" not in real["pallas_kernels.gemm.api"]
-  assert "planners.measure" in real["planners.cli_profile"]
-  assert "qsync_jax.tasks" in real["planners.cli_plan"]
+  assert "planners.profiler.measure" in real["qsync_cli.profile"]
+  assert "qsync_jax.train.task" in real["qsync_cli.plan"]
   assert "benchmarks.result_rows" in real["benchmarks.predictor"]  # a script's sibling, by bare name
 
 

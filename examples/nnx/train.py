@@ -2,7 +2,7 @@
 
 ``DigitsCNN`` is plain ``flax.nnx`` (Conv, BatchNorm, Dropout, Linear): a ``Task`` takes the
 module itself, and the trainer, ``qsync_jax.quantize``, the profiler and the indicator run it
-through ``qsync_jax.nnx_model.NnxModel``. Also usable from the command line::
+through ``qsync_jax.models.nnx_model.NnxModel``. Also usable from the command line::
 
   qsync train --model nnx_digits --steps 100 --out runs/nnx    # or examples.nnx.train:make_task
 
@@ -27,7 +27,7 @@ from examples.tasks.config import make_config
 from examples.tasks.vision import classification_loss, image_inputs
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 
 class DigitsCNN(nnx.Module):
@@ -95,7 +95,7 @@ class Config:
 def train_and_evaluate(config: Config, log=print) -> dict[str, Any]:
   """Trains ``make_task(config.seed)`` with ``qsync_jax.Trainer``; returns metrics and params."""
   from examples.train_loop import load_policy
-  from qsync_jax.trainer import Trainer
+  from qsync_jax.train.trainer import Trainer
 
   task = make_task(seed=config.seed)
   devices = jax.devices()[: config.devices]

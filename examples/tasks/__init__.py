@@ -1,6 +1,6 @@
-"""``qsync_jax.task.Task`` builders for the examples, registered by name in ``pyproject.toml``
+"""``qsync_jax.train.task.Task`` builders for the examples, registered by name in ``pyproject.toml``
 (entry-point group ``qsync_jax.tasks``), so ``qsync train --model vgg`` and
-``qsync_jax.tasks.get_task("vgg")`` find them once the checkout is installed.
+``qsync_jax.train.task.get_task("vgg")`` find them once the checkout is installed.
 
 ==================== =========================================================== =========================
 name                 model / data                                                overrides
@@ -18,7 +18,7 @@ config dataclasses) give the full-size models, e.g.
 tasks have a held-out split; batches are numpy dicts (``{"image", "label"}`` or ``{"tokens"}``).
 
 Examples:
-  >>> from qsync_jax.tasks import get_task
+  >>> from qsync_jax.train.task import get_task
   >>> task = get_task("vgg", hidden=32)
   >>> batch = next(task.train_batches(16, 0))
   >>> batch["image"].shape

@@ -12,7 +12,7 @@ import optax
 from examples.data import stdlib_text
 from examples.models.transformer import TransformerLM
 from examples.tasks.config import make_config
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 
 def lm_inputs(batch):

@@ -13,7 +13,7 @@ from examples.data import batches, cifar10, digits
 from examples.models.resnet import ResNet
 from examples.models.vgg import VGG
 from examples.tasks.config import make_config
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 
 def classification_loss(logits, batch):

@@ -1,4 +1,4 @@
-"""Trains an image classifier (ResNet / VGG on digits, CIFAR-10), a task found by name (``qsync_jax.tasks``).
+"""Trains an image classifier (ResNet / VGG on digits, CIFAR-10), a task found by name (``qsync_jax.train.task``).
 
 Examples:
   >>> from examples.vision.train import Config, train_and_evaluate
@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from examples import train_loop
-from qsync_jax.tasks import get_task
+from qsync_jax.train.task import get_task
 
 
 @dataclasses.dataclass(frozen=True)

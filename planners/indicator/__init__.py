@@ -5,7 +5,7 @@ and returns one JSON table per method: ``gradient`` (ours), ``gvar`` (QSync), ``
 ``hessian`` (HAWQ-v2 style) and ``random``.
 """
 
-from planners.indicator.api import FORMAT, METHODS, compute, load, make_table, save
+from planners.indicator.api import FORMAT, METHODS, compute, initial_variables, load, make_table, save
 from planners.indicator.gvar import GvarConfig
 from planners.indicator.probes import PROBED_PRECISIONS, OpCall, collect, forward_op_policy, trace_calls
 
@@ -18,6 +18,7 @@ __all__ = [
   "collect",
   "compute",
   "forward_op_policy",
+  "initial_variables",
   "load",
   "make_table",
   "save",

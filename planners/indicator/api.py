@@ -37,7 +37,7 @@ from planners.indicator.wvar import wvar_omega
 from planners.ops import grouped_conv
 from qsync_jax.errors import QsyncError
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 FORMAT = "qsync-indicator/1"
 METHODS = ("gradient", "gvar", "wvar", "hessian", "random")
@@ -166,3 +166,21 @@ def load(path: str | os.PathLike) -> dict:
       "Fix: write it with `qsync indicator --out FILE`."
     )
   return table
+
+
+def initial_variables(task, seed: int, train_steps: int, batch_size: int, optimizer=None):
+  """The variables the indicator scores: ``qsync_jax.Trainer``'s initial ones for ``seed``, after
+  ``train_steps`` fp32 steps on one device (global batch ``batch_size``, ``optimizer``: by default
+  AdamW with learning rate 3e-3 and weight decay 1e-4); ``train_steps=0`` gives the initial ones."""
+  import jax
+  import optax
+
+  from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.train.trainer import Trainer
+
+  # The group's device type only bounds the precisions a plan may use; this fp32 plan runs anywhere.
+  cluster = ClusterSpec.uniform("cpu", 1, batch_size)
+  optimizer = optimizer if optimizer is not None else optax.adamw(3e-3, weight_decay=1e-4)
+  trainer = Trainer(task, cluster, optimizer=optimizer, seed=seed, devices=jax.devices()[:1])
+  trainer.run(train_steps)
+  return trainer.program.variables_of(trainer.state)

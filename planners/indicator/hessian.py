@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from planners.indicator.probes import OpCall, _Tap, sum_calls, training_loss
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 
 def hutchinson_traces(

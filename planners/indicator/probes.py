@@ -30,12 +30,12 @@ import jax.numpy as jnp
 
 from pallas_kernels.quantize import dequantize, quantize
 from planners.ops import grouped_conv
+from qsync_jax.ops.qdot import FLOAT_DTYPES, qformat
+from qsync_jax.ops.quant_ops import OpInfo
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
-from qsync_jax.qdot import FLOAT_DTYPES, qformat
-from qsync_jax.quant_ops import OpInfo
-from qsync_jax.task import Task
-from qsync_jax.task_step import task_loss
+from qsync_jax.train.task import Task
+from qsync_jax.train.task_step import task_loss
 
 PROBED_PRECISIONS = ("int8", "fp8", "fp16", "bf16")
 """Precisions an indicator scores by default (fp32 scores 0)."""
@@ -87,7 +87,7 @@ class _Tap:
 
 
 def training_loss(task: Task, tap: Callable, variables, batch, key) -> jax.Array:
-  """The task's training loss (``qsync_jax.task_step.task_loss``, mutable collections
+  """The task's training loss (``qsync_jax.train.task_step.task_loss``, mutable collections
   discarded) under the uniform fp32 policy, with ``tap``."""
   return task_loss(task, PrecisionPolicy.uniform("fp32"), tap)(variables, batch, key)[0]
 

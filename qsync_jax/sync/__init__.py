@@ -20,7 +20,7 @@ Two kinds, one registry (``STRATEGIES``, ``get_strategy(name)``):
 ``Strategy.options`` lists the options a strategy takes by name (``--sync-option KEY=VALUE``).
 
 Every strategy's state is a pytree of arrays (orbax checkpoints it as is).
-``qsync_jax.hlo`` counts the bytes each one really sends, in the compiled HLO.
+``planners.profiler.hlo`` counts the bytes each one really sends, in the compiled HLO.
 
 Example::
 
@@ -46,7 +46,6 @@ from qsync_jax.sync.common import AXIS
 from qsync_jax.sync.global_qsgd import global_qsgd_allreduce
 from qsync_jax.sync.qsdp import QSDPTrainer, make_qsdp_step
 from qsync_jax.sync.selsync import SelSyncConfig, SelSyncTrainer, make_selsync_step
-from qsync_jax.sync.task_loss import task_loss_fn
 
 
 class GradSync(NamedTuple):
@@ -232,5 +231,4 @@ __all__ = [
   "make_qsdp_step",
   "make_selsync_step",
   "make_step_strategy",
-  "task_loss_fn",
 ]

@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from qsync_jax.errors import QsyncError
-from qsync_jax.vma import pvary
+from qsync_jax.ops.vma import pvary
 
 AXIS = "data"
 

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.quantize.api import dequantize, quantize
 from pallas_kernels.quantize.reference import scale_from_absmax
 from qsync_jax.errors import QsyncError
+from qsync_jax.ops.vma import shard_map
 from qsync_jax.sync.common import (
   AXIS,
   all_gather_invariant,
@@ -47,7 +48,6 @@ from qsync_jax.sync.common import (
   to_varying,
 )
 from qsync_jax.sync.global_qsgd import INT_PAYLOADS, dither, payload_for
-from qsync_jax.vma import shard_map
 
 
 def small_leaf(path: str, leaf) -> bool:

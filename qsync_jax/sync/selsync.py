@@ -33,8 +33,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qsync_jax.errors import QsyncError
+from qsync_jax.ops.vma import shard_map
 from qsync_jax.sync.common import AXIS, batch_shares, device_key, optimizer_init, to_varying
-from qsync_jax.vma import shard_map
 
 MODES = ("params", "grads")
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from benchmarks import predictor
-from planners.fit import fit_profile
+from planners.predictor.replay import predict
 from planners.profile import Profile
-from planners.replay import predict
+from planners.profiler.fit import fit_profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
@@ -50,7 +50,7 @@ def test_plans_timed_round_robin_predicted_and_scored_with_and_without_in_step_f
   # the profile is measured once.
   path = str(tmp_path / "profiles" / "mlp.json")
   plain = Profile.load(path)
-  assert plain.quantized_in_step_ms == {}  # XLA:CPU: not traced (planners.measure)
+  assert plain.quantized_in_step_ms == {}  # XLA:CPU: not traced (planners.profiler.measure)
   traced = {op: {"fwd": 1.0, "bwd": 2.0} for op in plain.op_names}  # int8 legs twice as dear in the step
   fit_profile(dataclasses.replace(plain, quantized_in_step_ms=traced)).save(path)
   again, results = ["--models", "mlp", "--repeats", "1", "--rounds", "1"], tmp_path / "again.jsonl"

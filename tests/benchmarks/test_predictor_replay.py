@@ -6,8 +6,8 @@ import json
 import pytest
 
 from benchmarks import predictor_replay
-from planners.fit import fit_profile, fit_remainder, one_device
-from planners.replay import predict
+from planners.predictor.replay import predict
+from planners.profiler.fit import fit_profile, fit_remainder, one_device
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners.fakes import fake_profile

@@ -8,8 +8,8 @@ import pytest
 
 from benchmarks import roofline
 from planners import catalog
-from planners.modeled import LEG_TENSORS
 from planners.ops import OpShape
+from planners.predictor.modeled import LEG_TENSORS
 
 OPS = [
   OpShape(

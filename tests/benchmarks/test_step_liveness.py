@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks import step_liveness
 from benchmarks.predictor import get_model
-from planners.measure import task_ops
+from planners.profiler.measure import task_ops
 
 
 @pytest.mark.standard_promotion  # optax's Adam in the compiled step

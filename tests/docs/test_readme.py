@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import pytest
 
+from qsync_cli.main import build_parser
 from qsync_jax import ClusterSpec
-from qsync_jax.cli import build_parser
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from examples import demo
-from planners.replay import Prediction
+from planners.predictor.replay import Prediction
 from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
 from tests.planners.fakes import fake_indicator, fake_profile
@@ -94,7 +94,7 @@ def test_unknown_config_is_named():
 
 
 def test_demo_is_a_cli_subcommand():
-  from qsync_jax.cli import build_parser
+  from qsync_cli.main import build_parser
 
   args = build_parser().parse_args(["demo", "--out", "x", "--steps", "3"])
   assert args.steps == 3 and args._run is demo.run

@@ -7,7 +7,7 @@ import pytest
 
 from examples.nnx import main as nnx_main
 from examples.nnx.train import Config, train_and_evaluate
-from qsync_jax.cli import main as cli_main
+from qsync_cli.main import main as cli_main
 
 pytestmark = pytest.mark.standard_promotion  # optax.adam is not strict-promotion clean
 

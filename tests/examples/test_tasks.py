@@ -11,8 +11,7 @@ from examples.data import digits, stdlib_text
 from examples.tasks.language import stdlib_lm
 from examples.tasks.vision import resnet_cifar10, resnet_digits, resnet_synthetic, vgg_digits
 from qsync_jax.errors import QsyncError
-from qsync_jax.task import Task
-from qsync_jax.tasks import ENTRY_POINT_GROUP, get_task, task_names
+from qsync_jax.train.task import ENTRY_POINT_GROUP, Task, get_task, task_names
 
 EXAMPLE_TASKS = {
   "resnet": resnet_digits,

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planners.allocator import exhaustive, greedy, make_problem
-from planners.replay import predict
+from planners.allocator.greedy import exhaustive, greedy, make_problem
+from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan

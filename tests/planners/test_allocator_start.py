@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from planners.allocator import (
+from planners.allocator.greedy import (
   Evaluator,
   fastest_levels,
   greedy,
@@ -14,7 +14,7 @@ from planners.allocator import (
   uniform_levels,
 )
 from planners.catalog import allreduce_ms
-from planners.replay import predict
+from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from tests.planners.fakes import fake_indicator, fake_profile
 

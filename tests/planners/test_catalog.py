@@ -1,11 +1,11 @@
-"""The device catalog's roofline and the legs ``planners.modeled`` builds from it."""
+"""The device catalog's roofline and the legs ``planners.predictor.modeled`` builds from it."""
 
 import pytest
 
 from planners import catalog
 from planners.catalog import CATALOG, device_spec, gemm_roofline_ms, parallel_fraction
-from planners.modeled import leg_ms, modeled_cast
 from planners.ops import OpShape
+from planners.predictor.modeled import leg_ms, modeled_cast
 from qsync_jax.precision import DEVICE_PRECISIONS
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from planners.profile import Profile
-from qsync_jax.cli import main
+from qsync_cli.main import main
 from qsync_jax.plan import Plan
 from tests.planners.fakes import fake_indicator
 
@@ -250,7 +250,7 @@ def test_unusable_output_files_are_refused_before_any_work(tmp_path, capsys, com
 def test_demo_refuses_a_non_empty_directory_before_any_work(tmp_path, capsys, monkeypatch):
   from importlib.metadata import EntryPoint, EntryPoints
 
-  from qsync_jax import cli
+  from qsync_cli import main as cli
 
   found = EntryPoints([EntryPoint("demo", "examples.demo", cli.COMMAND_GROUP)])
   monkeypatch.setattr(cli, "entry_points", lambda group: found if group == cli.COMMAND_GROUP else ())
@@ -270,7 +270,7 @@ def test_ctrl_c_in_profile_keeps_the_timings_and_says_how_to_resume(tmp_path):
   from tests.trainer import procs
 
   out = tmp_path / "p.json"
-  cmd = [sys.executable, "-m", "qsync_jax", "profile", "--model", MODEL, "--batch", "16", "--out", str(out)]
+  cmd = [sys.executable, "-m", "qsync_cli", "profile", "--model", MODEL, "--batch", "16", "--out", str(out)]
   proc = subprocess.Popen([*cmd, "--repeats", "50"], env=procs.env(), stderr=subprocess.PIPE, text=True)
   partial = tmp_path / "p.json.partial"
   deadline = time.monotonic() + 180

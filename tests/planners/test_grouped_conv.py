@@ -7,15 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from planners.allocator import make_problem
+from planners.allocator.greedy import make_problem
+from planners.allocator.joint import joint_plan, plan_of
 from planners.indicator import compute
-from planners.joint import joint_plan, plan_of
-from planners.modeled import modeled_profile
 from planners.ops import collect_ops
+from planners.predictor.modeled import modeled_profile
 from planners.profile import Profile
 from qsync_jax import quantize
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 
 class Net(nn.Module):

@@ -15,10 +15,10 @@ from planners.indicator.gradient import gradient_omega
 from planners.indicator.gvar import GvarConfig, gvar_omega, sigmas, typical_exponent
 from planners.indicator.probes import OpCall
 from planners.indicator.wvar import wvar
-from qsync_jax.flax_quant import quantize
+from qsync_jax.models.flax_quant import quantize
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 from tests.planners import tiny
 
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from planners.allocator import omega_table
+from planners.allocator.greedy import omega_table
 from planners.indicator import FORMAT, load
-from qsync_jax.cli import main
+from qsync_cli.main import main
 
 
 def test_cli_round_trip_writes_valid_json(tmp_path, capsys):
@@ -46,9 +46,9 @@ def test_the_indicator_scores_the_trainers_parameters():
   import jax
   import numpy as np
 
-  from planners.cli_indicator import initial_variables
+  from planners.indicator import initial_variables
   from qsync_jax.cluster import ClusterSpec
-  from qsync_jax.trainer import Trainer
+  from qsync_jax.train.trainer import Trainer
   from tests.trainer.tiny import make_task
 
   task = make_task(batchnorm=True)

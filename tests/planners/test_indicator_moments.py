@@ -11,10 +11,10 @@ import pytest
 from planners.indicator import collect
 from planners.indicator.gradient import gradient_omega, moments_omega
 from planners.indicator.probes import OpCall
-from qsync_jax.flax_quant import quantize
+from qsync_jax.models.flax_quant import quantize
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 
 class Linear(nn.Module):

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.allocator import exhaustive_joint
-from planners.allocator import make_problem
-from planners.joint import joint_plan, plan_of
-from planners.replay import predict
+from planners.allocator.greedy import make_problem
+from planners.allocator.joint import joint_plan, plan_of
+from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import ClusterSpecError, PlanError
 from tests.planners.fakes import fake_indicator, fake_profile

@@ -5,10 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from planners import timing
-from planners.fit import fit_memory
-from planners.measure import step_memory, task_ops, traced_profile
-from planners.memory_model import (
+from planners.ops import OpShape
+from planners.predictor.memory_model import (
   forward_extra_bytes,
   kept_bytes,
   memory_bytes,
@@ -16,10 +14,12 @@ from planners.memory_model import (
   sixteen_bit_share,
   transient_bytes,
 )
-from planners.ops import OpShape
 from planners.profile import GroupCost
-from planners.step_hlo import forward_headroom, live_ranges, live_totals
-from qsync_jax.hlo import element_bytes, entry_instructions
+from planners.profiler import timing
+from planners.profiler.fit import fit_memory
+from planners.profiler.hlo import element_bytes, entry_instructions
+from planners.profiler.measure import step_memory, task_ops, traced_profile
+from planners.profiler.step_hlo import forward_headroom, live_ranges, live_totals
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 from tests.planners import tiny

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from qsync_jax.cli import main
+from qsync_cli.main import main
 
 NNX_OPS = ["hidden:dense", "out:dense"]
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from planners import measure
-from planners.profile_checkpoint import load_partial
+from planners.profiler import measure
+from planners.profiler.checkpoint import load_partial
 from qsync_jax.errors import CheckpointError
 from tests.planners import tiny
 

@@ -11,21 +11,21 @@ import numpy as np
 import pytest
 
 from planners.catalog import device_spec, gemm_roofline_ms
-from planners.fit import fit_cast_model, one_device
-from planners.graph import in_step_factors
-from planners.measure import measure_profile
-from planners.memory_model import residual_bytes
-from planners.modeled import modeled_profile
-from planners.op_programs import policy_programs, precast_dtypes
 from planners.ops import OpShape, collect_ops, gemm_shape
+from planners.predictor.graph import in_step_factors
+from planners.predictor.memory_model import residual_bytes
+from planners.predictor.modeled import modeled_profile
+from planners.predictor.replay import predict
 from planners.profile import Profile
-from planners.replay import predict
+from planners.profiler.fit import fit_cast_model, one_device
+from planners.profiler.measure import measure_profile
+from planners.profiler.op_programs import policy_programs, precast_dtypes
 from qsync_jax.errors import ClusterSpecError, PlanError
+from qsync_jax.ops.qdot import quantized_dot_general
+from qsync_jax.ops.qdot import residual_bytes as measured_residual_bytes
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
-from qsync_jax.qdot import quantized_dot_general
-from qsync_jax.qdot import residual_bytes as measured_residual_bytes
 from tests.planners import tiny
 from tests.planners.fakes import fake_profile
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from planners.catalog import allreduce_ms
-from planners.fit import fit_remainder, one_device
-from planners.graph import Comm, buckets, build_graph, in_step_factors, longest_path
+from planners.predictor.graph import Comm, buckets, build_graph, in_step_factors, longest_path
+from planners.predictor.replay import predict, sync_step_ms
+from planners.predictor.timeline import chrome_trace, save_png
 from planners.profile import GroupCost
-from planners.replay import predict, sync_step_ms
-from planners.trace import chrome_trace, save_png
+from planners.profiler.fit import fit_remainder, one_device
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy

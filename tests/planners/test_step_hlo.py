@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from planners import step_hlo, timing
-from planners.measure import op_leg_ms
 from planners.ops import OpShape, collect_ops
-from qsync_jax.hlo import entry_instructions
+from planners.profiler import step_hlo, timing
+from planners.profiler.hlo import entry_instructions
+from planners.profiler.measure import op_leg_ms
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners import tiny
 

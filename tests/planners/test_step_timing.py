@@ -1,4 +1,4 @@
-"""``planners.timing``'s step timing: the pipelined clock and the round-robin timing of policies."""
+"""``planners.profiler.timing``'s step timing: the pipelined clock and the round-robin timing of policies."""
 
 import itertools
 import time
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from planners import timing
+from planners.profiler import timing
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners import tiny
 

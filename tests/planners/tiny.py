@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 
 class MLP(nn.Module):

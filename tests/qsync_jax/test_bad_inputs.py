@@ -10,12 +10,12 @@ from flax import nnx
 
 from qsync_jax import quantize
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
-from qsync_jax.distributed import check_device_types, device_type_of
 from qsync_jax.errors import ClusterSpecError, OutputPathError, PlanError, PolicyError
-from qsync_jax.outputs import check_dir, check_file, check_run_dir
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
+from qsync_jax.train.distributed import check_device_types, device_type_of
+from qsync_jax.train.outputs import check_dir, check_file, check_run_dir
 
 READ_ONLY_DIR = "/sys"  # no file can be created there, not even by root
 

@@ -4,7 +4,7 @@ from importlib.metadata import EntryPoint, EntryPoints
 
 import pytest
 
-from qsync_jax import cli
+from qsync_cli import main as cli
 
 
 def _installed(monkeypatch, *targets: tuple[str, str]) -> None:
@@ -33,7 +33,7 @@ def test_a_broken_or_clashing_command_is_left_out_with_a_warning(monkeypatch, ca
   parser = cli.build_parser()
   assert _commands(parser) == set(cli.SUBCOMMANDS)
   assert parser.parse_args(["train", "--model", "m", "--steps", "1", "--out", "o"])._run.__module__ == (
-    "qsync_jax.cli_train"
+    "qsync_cli.train"
   )
   err = capsys.readouterr().err
   assert "command 'broken' (no_such_pkg.commands) cannot be loaded" in err

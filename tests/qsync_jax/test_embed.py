@@ -10,7 +10,7 @@ import pytest
 
 from examples.models.transformer import TransformerLM
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantize, quantized_dot_general
-from qsync_jax.qembed import fake_quantize, quantized_embed_lookup
+from qsync_jax.ops.qembed import fake_quantize, quantized_embed_lookup
 
 VOCAB, WIDTH = 37, 16  # 37: no other dim of the models below has this size
 

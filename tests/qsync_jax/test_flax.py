@@ -67,7 +67,7 @@ def test_every_op_kind_is_found_and_named():
   "preset,expected",
   [
     # 11 ops, 10 of them GEMMs × 3 (the embedding lookup is a gather at every precision:
-    # qsync_jax.qembed). All-int8: every GEMM has two int8 operands.
+    # qsync_jax.ops.qembed). All-int8: every GEMM has two int8 operands.
     ("int8", {("dot_general", "int8", "int8"): 30}),
     # QSync's int8 op: forward int8, both gradients fp16.
     ("int8_fwd", {("dot_general", "int8", "int8"): 10, ("dot_general", "float16", "float16"): 20}),

@@ -1,4 +1,4 @@
-"""Attention at one 16-bit policy through jax.nn.dot_product_attention (qsync_jax.qattention)."""
+"""Attention at one 16-bit policy through jax.nn.dot_product_attention (qsync_jax.ops.qattention)."""
 
 import re
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantize
-from qsync_jax.qattention import fused_attention
+from qsync_jax.ops.qattention import fused_attention
 
 
 class Attention(nn.Module):

@@ -1,7 +1,7 @@
 """Statistics of the 8-bit op's gradients over many PRNG keys (stochastic gradient rounding).
 
 The gradient legs of an int8 / fp8 forward reuse the saved 8-bit values and fold their scales
-into dY before quantizing it (``qsync_jax.qdot``). Checked here against a plain-jnp reference
+into dY before quantizing it (``qsync_jax.ops.qdot``). Checked here against a plain-jnp reference
 of that scheme written independently (its own rounding, onto an explicit grid of the
 format's values, with ``jax.random.uniform`` noise):
 

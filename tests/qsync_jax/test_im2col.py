@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qsync_jax.qconv import im2col, library_patches
+from qsync_jax.ops.qconv import im2col, library_patches
 
 CASES = [
   # (input shape N, spatial..., C), filter, strides, padding, rhs_dilation

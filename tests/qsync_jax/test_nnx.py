@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, QsyncError, Rule, quantize
-from qsync_jax.nnx_model import NnxModel
-from qsync_jax.nnx_quant import QuantizedNnxModel
+from qsync_jax.models.nnx_model import NnxModel
+from qsync_jax.models.nnx_quant import QuantizedNnxModel
 from tests.jaxpr_dtypes import gemm_dtypes
 from tests.qsync_jax.models import cnn_data
 from tests.qsync_jax.nnx_models import CNN, CNN_OPS, LM, LM_OPS, lm_ids
@@ -296,7 +296,7 @@ def test_grouped_query_attention_and_embed_subclasses():
 
 @pytest.mark.standard_promotion  # jax.nn.dot_product_attention's gradient promotes bf16 with float32
 def test_bf16_attention_is_fused_inside_the_block_as_for_linen():
-  from qsync_jax.qattention import fused_attention
+  from qsync_jax.ops.qattention import fused_attention
   from tests.qsync_jax.test_fused_attention import float32_logits
 
   class Attend(nnx.Module):

@@ -1,4 +1,4 @@
-"""Quantized convolution through XLA's own convolution (qsync_jax.qconv_native)."""
+"""Quantized convolution through XLA's own convolution (qsync_jax.ops.qconv_native)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from jax import lax
 
 from qsync_jax import OpPolicy, quantized_conv_general_dilated
-from qsync_jax.qconv_native import (
+from qsync_jax.ops.qconv_native import (
   _pads,
   conv_dlhs,
   conv_drhs,

@@ -16,14 +16,8 @@ from jax import lax
 
 from pallas_kernels.quantize import api as quantize_api
 from pallas_kernels.quantize.reference import dequantize_reference, quantize_reference
-from qsync_jax import (
-  OpPolicy,
-  qconv,
-  qdot,
-  quantized_conv_general_dilated,
-  quantized_dot_general,
-  residual_bytes,
-)
+from qsync_jax import OpPolicy, quantized_conv_general_dilated, quantized_dot_general, residual_bytes
+from qsync_jax.ops import qconv, qdot
 from tests.tolerances import LOOSE, TIGHT, rel_err, rel_tol
 
 PRECISIONS = ["fp32", "tf32", "bf16", "fp16", "int8", "fp8"]

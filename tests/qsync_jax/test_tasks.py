@@ -1,12 +1,12 @@
-"""``qsync_jax.tasks``: tasks by registered name (entry points) or ``package.module:attr``."""
+"""``qsync_jax.train.task``: tasks by registered name (entry points) or ``package.module:attr``."""
 
 from importlib.metadata import EntryPoint, EntryPoints
 
 import pytest
 
-from qsync_jax import tasks
 from qsync_jax.errors import QsyncError
-from qsync_jax.task import Task
+from qsync_jax.train import task as tasks
+from qsync_jax.train.task import Task
 from tests.trainer import tiny
 
 
@@ -37,7 +37,7 @@ def test_module_not_on_the_path_says_so_and_how_to_fix_it(spec):
   message = str(e.value)
   assert "no module named 'no_such_pkg' on the Python path" in message
   assert "PYTHONPATH" in message and "install the package" in message
-  assert "python -m qsync_jax" in message and "give package.module" not in message
+  assert "python -m qsync_cli" in message and "give package.module" not in message
 
 
 def test_missing_submodule_is_named():
@@ -72,7 +72,7 @@ def test_bad_module_attr(spec, needle):
 
 def test_a_factory_that_returns_no_task_is_named(monkeypatch):
   monkeypatch.setattr(tiny, "not_a_task", lambda: "model", raising=False)
-  with pytest.raises(QsyncError, match="gave a str, not a qsync_jax.task.Task"):
+  with pytest.raises(QsyncError, match="gave a str, not a qsync_jax.train.task.Task"):
     tasks.load_task("tests.trainer.tiny:not_a_task")
 
 

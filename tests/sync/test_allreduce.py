@@ -7,11 +7,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.quantize.reference import scale_from_absmax
-from qsync_jax import hlo
+from planners.profiler import hlo
 from qsync_jax.errors import QsyncError
+from qsync_jax.ops.vma import shard_map
 from qsync_jax.sync import allreduce, global_qsgd_allreduce, make_grad_sync
 from qsync_jax.sync.global_qsgd import payload_for
-from qsync_jax.vma import shard_map
 
 N = 8
 

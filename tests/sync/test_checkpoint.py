@@ -1,4 +1,4 @@
-"""Every strategy's state survives an orbax checkpoint (``qsync_jax.checkpoint``) and resumes
+"""Every strategy's state survives an orbax checkpoint (``qsync_jax.train.checkpoint``) and resumes
 to the same next step."""
 
 import jax
@@ -6,10 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from qsync_jax.checkpoint import CheckpointStore
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.checkpoint import CheckpointStore
+from qsync_jax.train.trainer import Trainer
 from tests.sync import toy
 from tests.trainer.tiny import make_task
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from qsync_jax import cli
+from qsync_cli import main as cli
 
 ARGV = ["train", "--model", "tests.trainer.tiny:make_task", "--steps", "3"]
 

@@ -2,7 +2,7 @@
 
 Setup (all strategies): the same initial parameters and batch order (seed 0), global batch 64
 over 8 devices, Adam(3e-3), 200 steps; accuracy on the 359-image held-out split. Every
-strategy runs in ``qsync_jax.trainer.Trainer``, selected by name; SelSync with its defaults
+strategy runs in ``qsync_jax.train.trainer.Trainer``, selected by name; SelSync with its defaults
 (delta 0.3, window 25, warm-up 25), QSDP with buckets of 256.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from examples.data import digits
 from examples.tasks.vision import classification_task
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from qsync_jax import hlo
+from planners.profiler import hlo
+from qsync_jax.ops.vma import shard_map
 from qsync_jax.sync.common import to_varying
-from qsync_jax.vma import shard_map
 
 
 def _program(mesh):

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from qsync_jax import hlo
+from planners.profiler import hlo
 from qsync_jax.errors import QsyncError
 from qsync_jax.sync import make_selsync_step
 from tests.sync import toy

@@ -1,4 +1,4 @@
-"""SelSync and QSDP run in the ``Trainer`` (``qsync_jax.strategy_step``): plans with several
+"""SelSync and QSDP run in the ``Trainer`` (``qsync_jax.train.strategy_step``): plans with several
 policies and batch sizes, checkpoints, evaluation at the consolidated parameters."""
 
 import dataclasses
@@ -12,7 +12,7 @@ import pytest
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import CheckpointError, PlanError, QsyncError
 from qsync_jax.plan import Plan
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.trainer import Trainer
 from tests.trainer.tiny import _batches, make_task
 
 # Two groups with different per-device batches (dynamic batch sizing) and, per test, policies.

@@ -26,10 +26,10 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def train(args: list[str], log_path: str, **extra_env: str) -> subprocess.Popen:
-  """Starts ``python -m qsync_jax train ARGS`` with stdout and stderr to ``log_path``."""
+  """Starts ``python -m qsync_cli train ARGS`` with stdout and stderr to ``log_path``."""
   with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
     return subprocess.Popen(
-      [sys.executable, "-m", "qsync_jax", "train", *args],
+      [sys.executable, "-m", "qsync_cli", "train", *args],
       cwd=ROOT,
       env=env(**extra_env),
       stdout=log,

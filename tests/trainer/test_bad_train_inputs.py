@@ -9,11 +9,11 @@ import time
 import optax
 import pytest
 
-from qsync_jax import cli
+from qsync_cli import main as cli
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import BatchError, OutputPathError, PlanError
 from qsync_jax.plan import Plan
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.trainer import Trainer
 from tests.trainer import procs
 from tests.trainer.tiny import make_task
 

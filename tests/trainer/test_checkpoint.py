@@ -15,7 +15,7 @@ import pytest
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import CheckpointError
 from qsync_jax.plan import Plan
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.trainer import Trainer
 from tests.trainer import procs
 from tests.trainer.tiny import make_task
 

@@ -14,12 +14,12 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import serialization
 
-from qsync_jax.cli import main as cli_main
-from qsync_jax.cli_export import export_params
+from qsync_cli.main import main as cli_main
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import CheckpointError
 from qsync_jax.plan import Plan
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.export import export_params
+from qsync_jax.train.trainer import Trainer
 from tests.trainer import procs
 from tests.trainer.tiny import make_task
 
@@ -164,7 +164,7 @@ def test_successful_train_and_resume_print_no_error_lines(tmp_path):
   args = ["--model", "tests.trainer.tiny:make_task", "--out", out, "--local-devices", "2"]
   args += ["--checkpoint-every", "1", "--seed", "2"]
   first = subprocess.run(
-    [sys.executable, "-m", "qsync_jax", "train", *args, "--steps", "3"],
+    [sys.executable, "-m", "qsync_cli", "train", *args, "--steps", "3"],
     cwd=procs.ROOT,
     env=procs.env(),
     capture_output=True,
@@ -177,7 +177,7 @@ def test_successful_train_and_resume_print_no_error_lines(tmp_path):
   for step in ("2", "3"):
     open(os.path.join(out, "checkpoints", step, "_CHECKPOINT_METADATA"), "w").close()
   second = subprocess.run(
-    [sys.executable, "-m", "qsync_jax", "train", *args, "--steps", "5", "--resume"],
+    [sys.executable, "-m", "qsync_cli", "train", *args, "--steps", "5", "--resume"],
     cwd=procs.ROOT,
     env=procs.env(),
     capture_output=True,

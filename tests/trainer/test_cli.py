@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from qsync_jax import cli
+from qsync_cli import main as cli
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 
 
@@ -70,7 +70,7 @@ def test_compilation_cache_is_written_and_reused(tmp_path):
   cmd = [
     sys.executable,
     "-m",
-    "qsync_jax",
+    "qsync_cli",
     "train",
     "--model",
     "tests.trainer.tiny:make_task",

@@ -14,11 +14,11 @@ import numpy as np
 import optax
 import pytest
 
-from qsync_jax import hlo
+from planners.profiler import hlo
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
-from qsync_jax.task import Task
-from qsync_jax.train_step import make_train_step
+from qsync_jax.train.task import Task
+from qsync_jax.train.train_step import make_train_step
 
 pytestmark = pytest.mark.gpu
 

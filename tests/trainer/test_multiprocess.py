@@ -11,7 +11,7 @@ import pytest
 
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.trainer import Trainer
 from tests.trainer import procs
 from tests.trainer.tiny import make_task
 
@@ -93,7 +93,7 @@ def test_watchdog_ends_a_hung_process():
 
   code = (
     "import time\n"
-    "from qsync_jax.distributed import Watchdog\n"
+    "from qsync_jax.train.distributed import Watchdog\n"
     "w = Watchdog(1.0).start()\n"
     "w.beat()\n"
     "time.sleep(30)\n"

@@ -7,9 +7,9 @@ import optax
 import pytest
 
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
-from qsync_jax.nnx_model import NnxModel
+from qsync_jax.models.nnx_model import NnxModel
 from qsync_jax.plan import Plan
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.trainer import Trainer
 from tests.trainer.tiny import make_nnx_task
 
 pytestmark = pytest.mark.standard_promotion  # optax.adam is not strict-promotion clean

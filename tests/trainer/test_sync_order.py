@@ -13,7 +13,7 @@ from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import QsyncError
 from qsync_jax.sync import make_grad_sync
 from qsync_jax.sync.order import backward_order, from_order, in_order
-from qsync_jax.train_step import make_train_step
+from qsync_jax.train.train_step import make_train_step
 from tests.trainer.tiny import make_task
 
 

@@ -9,12 +9,12 @@ import numpy as np
 import optax
 import pytest
 
-from qsync_jax.batching import pad_shards, put_replicated, unpad_shards
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
-from qsync_jax.loss_scale import DynamicLossScale, LossScaleState
 from qsync_jax.plan import Plan
-from qsync_jax.train_step import make_train_step
-from qsync_jax.trainer import Trainer
+from qsync_jax.train.batching import pad_shards, put_replicated, unpad_shards
+from qsync_jax.train.loss_scale import DynamicLossScale, LossScaleState
+from qsync_jax.train.train_step import make_train_step
+from qsync_jax.train.trainer import Trainer
 from tests.jaxpr_dtypes import gemm_dtypes
 from tests.trainer.tiny import make_task
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qsync_jax.task import Task
+from qsync_jax.train.task import Task
 
 FEATURES = 6
 

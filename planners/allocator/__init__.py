@@ -1,0 +1,1 @@
+"""QSync's allocator (the greedy precision search) and the joint batch × precision search."""

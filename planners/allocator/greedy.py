@@ -1,0 +1,449 @@
+"""Allocator: one precision per op on each inference group (QSync's greedy allocator, fixed).
+
+Inputs: the cluster, the cost profiles, a sensitivity table ``Ω[op][precision]`` (the
+indicator's JSON) and which groups are *training* groups (they keep ``train_policy``).
+
+For every op of an inference group, its *ladder* is the precisions the table scores and the
+device supports, one per bit width (the least sensitive of a width), ordered 8 → 16 → 19 →
+32 bits; fp32 is always the top with Ω = 0. A precision becomes an op policy through
+``LEVEL_POLICIES`` (int8 → QSync's int8 op: int8 forward, fp16 backward), or, with
+``make_problem(int8_op="int8")``, int8 on all three legs (stochastically rounded gradients).
+Ω scores an op's forward product either way.
+
+1. ``start``: the predicted-fastest plan that fits memory, by the synchronous step (the
+   quantity step 3 checks), among a handful of candidates per inference group: every op at its
+   own fastest ladder level (the predicted time of its legs and casts), and each *uniform*
+   plan (every op at the level of one precision name, or the op's nearest level above where
+   its ladder lacks it). Per-op-fastest alone can be slower as a whole (it may move time
+   into the backward pass and delay the overlapped all-reduce). With several inference
+   groups the candidates are every group at one precision and one group changed at a time,
+   repeated until no candidate is strictly faster; ties keep per-op-fastest. If
+   per-op-fastest does not fit a group's memory, ops move to their least-memory level
+   (largest saving first) until it fits; if even the least-memory plan does not fit,
+   ``PlanError`` names the least memory the group needs.
+2. ``T*``: the predicted synchronous step of the training groups alone (with the all-reduce
+   over the whole cluster); if the inference groups are slower even at ``start``, T* is the
+   step of ``start`` (they cannot keep pace; the plan says so).
+3. A max-heap keyed by ``Ω(level) − Ω(next level)`` recovers the most sensitive op first:
+   pop, build the candidate plan with that op one level up, accept it only if every group's
+   memory fits and the predicted synchronous step is ≤ T*, then push the op's next level.
+   Plans are immutable tuples, so a rejected move leaves no trace.
+
+``exhaustive`` searches every combination of ladder levels for the plan of least total Ω
+under the same constraints (small graphs only). ``planners.allocator.joint`` chooses the groups'
+batches too, with ``greedy`` for the precisions at each batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from planners import catalog
+from planners.predictor.graph import DEFAULT_BUCKET_BYTES, op_costs
+from planners.predictor.memory_model import memory_bytes, op_memory, residual_bytes
+from planners.predictor.replay import comm_for, profile_for, sync_step_ms
+from planners.profile import GroupCost, Profile
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.errors import PlanError
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import PRECISION_BITS, OpPolicy, supported_precisions
+
+LEVEL_POLICIES: dict[str, str] = {
+  "int8": "int8_fwd",
+  "fp8": "fp8",
+  "fp16": "fp16",
+  "bf16": "bf16",
+  "tf32": "tf32",
+  "fp32": "fp32",
+}
+"""Op policy (preset) an allocator level stands for."""
+
+
+def omega_table(indicator: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+  """``{op: {precision: Ω}}`` from an indicator JSON (``{"omega": …}``) or the bare table."""
+  table = indicator.get("omega", indicator) if isinstance(indicator, Mapping) else None
+  if not isinstance(table, Mapping):
+    raise PlanError(
+      "the indicator must be a JSON object {op: {precision: omega}} (or `qsync indicator` output). "
+      "Fix: pass the file `qsync indicator` wrote."
+    )
+  return {op: {p: float(v) for p, v in row.items()} for op, row in table.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Everything the search needs, precomputed. ``ladders[g][i]`` lists (precision, OpPolicy)."""
+
+  cluster: ClusterSpec
+  groups: tuple[GroupCost, ...]  # training groups carry their fixed policies
+  inference: tuple[int, ...]  # indices into groups
+  op_names: tuple[str, ...]
+  ladders: tuple[tuple[tuple[tuple[str, OpPolicy], ...], ...], ...]  # [inference j][op i]
+  omega: tuple[tuple[tuple[float, ...], ...], ...]  # [inference j][op i][level]
+  limits: tuple[int, ...]  # memory per inference group, bytes
+  bucket_bytes: int
+  train_policy: str = "fp32"
+
+
+Assignment = tuple[tuple[int, ...], ...]
+"""Ladder level of every op, per inference group."""
+
+
+INT8_OPS = ("int8_fwd", "int8")
+"""What the int8 level runs: QSync's int8 op (int8 forward, fp16 backward), or int8 on every leg."""
+
+
+def _ladder(
+  ops_omega: Mapping[str, float],
+  device_type: str,
+  runs_8bit: bool = True,
+  levels: Mapping[str, str] = LEVEL_POLICIES,
+) -> list[tuple[str, float]]:
+  supported = supported_precisions(device_type) if runs_8bit else ("fp32", "tf32", "bf16", "fp16")
+  best: dict[int, tuple[str, float]] = {}
+  for p, w in ops_omega.items():
+    if p not in levels or p == "fp32":
+      continue
+    preset = OpPolicy.preset(levels[p])
+    if not all(leg in supported for leg in preset.precisions):
+      continue
+    bits = PRECISION_BITS[p]
+    if bits not in best or w < best[bits][1]:
+      best[bits] = (p, w)
+  return [best[b] for b in sorted(best)] + [("fp32", 0.0)]
+
+
+def make_problem(
+  cluster: ClusterSpec,
+  profiles: Mapping[str, Profile],
+  indicator: Mapping[str, Any],
+  training_groups: Sequence[str] | None = None,
+  train_policy: str = "fp32",
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+  int8_op: str = "int8_fwd",
+) -> Problem:
+  """Resolves profiles, ladders and Ω for every inference group of ``cluster``; the int8 level
+  runs ``int8_op`` (one of ``INT8_OPS``)."""
+  if int8_op not in INT8_OPS:
+    raise PlanError(f"int8_op={int8_op!r} is not one of {list(INT8_OPS)}. Fix: pick one of them.")
+  levels = {**LEVEL_POLICIES, "int8": int8_op}
+  omega = omega_table(indicator)
+  training = tuple(training_groups) if training_groups is not None else default_training_groups(cluster)
+  for name in training:
+    cluster.group(name)
+  groups, inference, ladders, omegas, limits = [], [], [], [], []
+  op_names = None
+  for g in cluster.groups:
+    prof = profile_for(profiles, g.device_type)
+    op_names = op_names or prof.op_names
+    if g.name in training:
+      policy = PrecisionPolicy.uniform(train_policy)
+      cost = GroupCost(g.name, prof, policy.resolve(prof.op_names), g.batch_per_device)
+      need = memory_bytes(cost)
+      if need > g.memory_gb * 1e9:
+        raise PlanError(
+          f"training group {g.name!r} ({g.device_type}, {g.batch_per_device} per device, {train_policy}) "
+          f"needs {math.ceil(need / 1e7) / 100:.2f} GB per device but has memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ "
+          f"{math.ceil(need / 1e7) / 100:.2f}, lower its batch_per_device, or plan it as an inference group."
+        )
+      groups.append(cost)
+      continue
+    missing = [o for o in prof.op_names if o not in omega]
+    if missing:
+      raise PlanError(
+        f"the indicator has no Ω for op(s) {missing[:3]}{'…' if len(missing) > 3 else ''} of model "
+        f"{prof.model!r}. Fix: run `qsync indicator` on the same model as `qsync profile`."
+      )
+    rows = [_ladder(omega[op.name], g.device_type, op.runs_8bit, levels) for op in prof.ops]
+    ladders.append(tuple(tuple((p, OpPolicy.preset(levels[p])) for p, _ in row) for row in rows))
+    omegas.append(tuple(tuple(w for _, w in row) for row in rows))
+    inference.append(len(groups))
+    limits.append(int(g.memory_gb * 1e9))
+    groups.append(GroupCost(g.name, prof, {}, g.batch_per_device))
+  return Problem(
+    cluster,
+    tuple(groups),
+    tuple(inference),
+    tuple(op_names),
+    tuple(ladders),
+    tuple(omegas),
+    tuple(limits),
+    bucket_bytes,
+    train_policy,
+  )
+
+
+def default_training_groups(cluster: ClusterSpec) -> tuple[str, ...]:
+  """Groups whose device type has the highest catalog fp16 peak (all groups if they tie).
+
+  (fp16 is the one tensor-core precision every catalogued GPU runs; int8 peaks would rank a
+  T4 above a V100.)"""
+
+  def peak(g):
+    spec = catalog.device_spec(g.device_type)
+    return spec.peak_tflops.get("fp16", spec.peak_tflops["fp32"])
+
+  best = max(peak(g) for g in cluster.groups)
+  return tuple(g.name for g in cluster.groups if peak(g) == best)
+
+
+class Evaluator:
+  """Predicts candidate assignments; counts replays (an assignment is replayed once)."""
+
+  def __init__(self, problem: Problem):
+    self.problem = problem
+    self.comm = comm_for(problem.cluster, problem.bucket_bytes)
+    self.replays = 0
+    self._costs: dict = {}
+    self._steps: dict[Assignment, float] = {}
+
+  def cost(self, group: GroupCost, op_index: int):
+    """``graph.op_costs``, memoized on (group, batch, op, its policy)."""
+    return self._memo(op_costs, group, op_index)
+
+  def op_memory(self, group: GroupCost, op_index: int):
+    """``memory_model.op_memory``, memoized likewise."""
+    return self._memo(op_memory, group, op_index)
+
+  def _memo(self, fn, group: GroupCost, op_index: int):
+    policy = group.op_policies.get(self.problem.op_names[op_index])
+    key = (fn.__name__, group.name, group.batch_per_device, op_index, policy)
+    if key not in self._costs:
+      self._costs[key] = fn(group, op_index)
+    return self._costs[key]
+
+  def groups(self, assignment: Assignment) -> list[GroupCost]:
+    p = self.problem
+    out = list(p.groups)
+    for j, gi in enumerate(p.inference):
+      pols = {name: p.ladders[j][i][lvl][1] for i, (name, lvl) in enumerate(zip(p.op_names, assignment[j]))}
+      out[gi] = dataclasses.replace(out[gi], op_policies=pols)
+    return out
+
+  def step_ms(self, assignment: Assignment) -> float:
+    """The predicted synchronous step (ms), memoized on the assignment."""
+    if assignment not in self._steps:
+      self.replays += 1
+      self._steps[assignment] = sync_step_ms(self.groups(assignment), self.comm, self.cost)
+    return self._steps[assignment]
+
+  def memory(self, assignment: Assignment) -> list[int]:
+    groups = self.groups(assignment)
+    return [memory_bytes(groups[gi], self.op_memory) for gi in self.problem.inference]
+
+  def fits(self, assignment: Assignment) -> bool:
+    return all(m <= lim for m, lim in zip(self.memory(assignment), self.problem.limits))
+
+  def training_step_ms(self) -> float:
+    p = self.problem
+    training = [g for i, g in enumerate(p.groups) if i not in p.inference]
+    return sync_step_ms(training, self.comm, self.cost) if training else 0.0
+
+  def omega(self, assignment: Assignment) -> float:
+    return sum(self.problem.omega[j][i][lvl] for j, row in enumerate(assignment) for i, lvl in enumerate(row))
+
+
+def _op_time(group: GroupCost, op_index: int) -> float:
+  return sum(ms for ms, _ in op_costs(group, op_index).values())
+
+
+def fastest_levels(problem: Problem, fit_memory: bool = True) -> Assignment:
+  """Each op at its own fastest level; with ``fit_memory``, memory-reducing moves if that does
+  not fit (PlanError if impossible)."""
+  out = []
+  for j, gi in enumerate(problem.inference):
+    g = problem.groups[gi]
+    prof = g.profile
+    levels, mem_levels, savings = [], [], []
+    for i, name in enumerate(problem.op_names):
+      ladder = problem.ladders[j][i]
+      times = [_op_time(dataclasses.replace(g, op_policies={name: pol}), i) for _, pol in ladder]
+      fastest = min(range(len(ladder)), key=lambda lv: (times[lv], -lv))
+      op = prof.ops[i].scaled(g.batch_per_device / prof.batch_per_device)
+      mems = [residual_bytes(op, pol) for _, pol in ladder]
+      least = min(range(len(ladder)), key=lambda lv: (mems[lv], times[lv]))
+      levels.append(fastest)
+      mem_levels.append(least)
+      savings.append(mems[fastest] - mems[least])
+
+    def mem(lv, j=j, g=g):
+      pols = {n: problem.ladders[j][i][lv[i]][1] for i, n in enumerate(problem.op_names)}
+      return memory_bytes(dataclasses.replace(g, op_policies=pols))
+
+    limit = problem.limits[j] if fit_memory else math.inf
+    for i in sorted(range(len(levels)), key=lambda i: -savings[i]):
+      if mem(levels) <= limit:
+        break
+      levels[i] = mem_levels[i]
+    if mem(levels) > limit:
+      need = mem(mem_levels)
+      raise PlanError(
+        f"device group {g.name!r} ({prof.device_type}, {g.batch_per_device} per device) needs at least "
+        f"{math.ceil(need / 1e7) / 100:.2f} GB per device even with every op at its least-memory precision, but has "
+        f"memory_gb={limit / 1e9:g}. Fix: set memory_gb ≥ {math.ceil(need / 1e7) / 100:.2f}, lower its "
+        "batch_per_device, or move it to a bigger device."
+      )
+    out.append(tuple(levels))
+  return tuple(out)
+
+
+def uniform_levels(problem: Problem, j: int, precision: str) -> tuple[int, ...]:
+  """Inference group ``j`` with every op at ``precision``'s ladder level, or, where an op's
+  ladder lacks it, at the op's lowest level of at least as many bits."""
+  bits = PRECISION_BITS[precision]
+  out = []
+  for ladder in problem.ladders[j]:
+    names = [p for p, _ in ladder]
+    if precision in names:
+      out.append(names.index(precision))
+    else:
+      out.append(next(lv for lv, p in enumerate(names) if PRECISION_BITS[p] >= bits))
+  return tuple(out)
+
+
+def start_assignment(problem: Problem, ev: Evaluator | None = None) -> Assignment:
+  """The predicted-fastest plan that fits memory among per-op-fastest (``fastest_levels``) and
+  the uniform plans of every ladder precision; see the module docstring, step 1.
+
+  Candidates are replayed through ``ev`` (its replay count includes them)."""
+  ev = ev or Evaluator(problem)
+  fastest = fastest_levels(problem)
+  names = sorted(
+    {p for ladders in problem.ladders for lad in ladders for p, _ in lad},
+    key=lambda p: (PRECISION_BITS[p], p),
+  )
+  groups = range(len(problem.inference))
+  rows = [[fastest[j]] + [uniform_levels(problem, j, p) for p in names] for j in groups]
+  joint = [tuple(rows[j][k] for j in groups) for k in range(1, len(names) + 1)]
+  plan, best = fastest, ev.step_ms(fastest)
+
+  def moves():  # every group at one precision, then one group at a time (the others kept)
+    yield from joint
+    for j in groups:
+      for row in rows[j]:
+        yield plan[:j] + (row,) + plan[j + 1 :]
+
+  changed = True
+  while changed:
+    changed = False
+    for cand in moves():
+      if cand != plan and ev.fits(cand) and (step := ev.step_ms(cand)) < best:
+        plan, best, changed = cand, step, True
+  return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+  """The allocator's result: an assignment, its plan, and how it was found."""
+
+  assignment: Assignment
+  plan: Plan
+  step_ms: float
+  target_ms: float
+  omega: float
+  replays: int
+  straggles: bool
+
+
+def to_plan(problem: Problem, assignment: Assignment, predictions: Mapping[str, Any] | None = None) -> Plan:
+  """The ``Plan``: exact per-op rules on inference groups, the fixed policy on the others."""
+  policies = {}
+  inference = dict(zip(problem.inference, range(len(problem.inference))))
+  for gi, g in enumerate(problem.groups):
+    if gi in inference:
+      j = inference[gi]
+      ops = {
+        n: problem.ladders[j][i][lv][1] for i, (n, lv) in enumerate(zip(problem.op_names, assignment[j]))
+      }
+      policies[g.name] = PrecisionPolicy.from_ops(ops)
+    else:
+      policies[g.name] = PrecisionPolicy.uniform(problem.train_policy)
+  return Plan(policies=policies, predictions=dict(predictions or {}))
+
+
+def _finish(problem, ev, assignment, target, straggles) -> Allocation:
+  step = ev.step_ms(assignment)
+  preds = {
+    "step_ms": step,
+    "target_ms": target,
+    "omega": ev.omega(assignment),
+    "memory_bytes": dict(zip((problem.groups[i].name for i in problem.inference), ev.memory(assignment))),
+    "straggles": straggles,
+    "levels": {
+      problem.groups[gi].name: {
+        n: problem.ladders[j][i][lv][0] for i, (n, lv) in enumerate(zip(problem.op_names, assignment[j]))
+      }
+      for j, gi in enumerate(problem.inference)
+    },
+  }
+  plan = to_plan(problem, assignment, preds)
+  return Allocation(assignment, plan, step, target, ev.omega(assignment), ev.replays, straggles)
+
+
+def greedy(problem: Problem, rel_tol: float = 1e-9, target_ms: float | None = None) -> Allocation:
+  """The greedy allocation; see the module docstring. ``target_ms`` replaces T* (the joint
+  planner's target)."""
+  ev = Evaluator(problem)
+  plan = start_assignment(problem, ev)
+  target = ev.training_step_ms() if target_ms is None else target_ms
+  start_step = ev.step_ms(plan)
+  straggles = start_step > target * (1 + rel_tol)
+  if straggles or not problem.inference:
+    target = max(target, start_step)
+  limit = target * (1 + rel_tol)
+  heap: list[tuple[float, int, int, int, int]] = []
+  counter = itertools.count()
+
+  def push(j, i, lvl):
+    if lvl + 1 < len(problem.ladders[j][i]):
+      key = problem.omega[j][i][lvl] - problem.omega[j][i][lvl + 1]
+      heapq.heappush(heap, (-key, next(counter), j, i, lvl))
+
+  for j, row in enumerate(plan):
+    for i, lvl in enumerate(row):
+      push(j, i, lvl)
+  while heap:
+    _, _, j, i, lvl = heapq.heappop(heap)
+    if plan[j][i] != lvl:
+      continue
+    row = list(plan[j])
+    row[i] = lvl + 1
+    cand = plan[:j] + (tuple(row),) + plan[j + 1 :]
+    if not ev.fits(cand) or ev.step_ms(cand) > limit:
+      continue  # rejected: ``plan`` is untouched
+    plan = cand
+    push(j, i, lvl + 1)
+  return _finish(problem, ev, plan, target, straggles)
+
+
+def exhaustive(problem: Problem, max_combinations: int = 200_000, rel_tol: float = 1e-9) -> Allocation:
+  """The least-Ω assignment over every ladder combination that fits and keeps pace with T*."""
+  ev = Evaluator(problem)
+  start = start_assignment(problem, ev)
+  target = ev.training_step_ms()
+  start_step = ev.step_ms(start)
+  straggles = start_step > target * (1 + rel_tol)
+  if straggles or not problem.inference:
+    target = max(target, start_step)
+  limit = target * (1 + rel_tol)
+  choices = [range(len(lad)) for ladders in problem.ladders for lad in ladders]
+  if math.prod(len(c) for c in choices) > max_combinations:
+    raise PlanError(
+      f"exhaustive search over {math.prod(len(c) for c in choices)} plans exceeds "
+      f"max_combinations={max_combinations}. Fix: use the greedy allocator for graphs this size."
+    )
+  n = len(problem.op_names)
+  best, best_omega = start, ev.omega(start)
+  for flat in itertools.product(*choices):
+    cand = tuple(tuple(flat[j * n : (j + 1) * n]) for j in range(len(problem.inference)))
+    w = ev.omega(cand)
+    if w >= best_omega or not ev.fits(cand) or ev.step_ms(cand) > limit:
+      continue
+    best, best_omega = cand, w
+  return _finish(problem, ev, best, target, straggles)

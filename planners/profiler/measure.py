@@ -1,0 +1,261 @@
+"""Measuring a profile on the local device (``measure_profile``), or tracing one without timing
+anything (``traced_profile``).
+
+``measure_profile`` traces the model's quantizable ops; times every GEMM leg at every profiled
+precision and every preset op policy whose precisions are profiled (``planners.profiler.op_programs``;
+on a GPU on the device clock with the activations precast, elsewhere on the step clock less the
+dispatch overhead), keeping the op tables in a checkpoint file after every op so that an
+interrupted profile resumes (``planners.profiler.checkpoint``); times the optimizer, the casts
+and, over ``fit_rounds`` rounds, the fit step (``planners.profiler.fit.fit_preset``); compiles the fp32
+step (XLA's peak, each op's forward headroom) and takes the all-bf16 step's peak; on the device
+clock traces the all-int8 step op by op (``Profile.quantized_in_step_ms``); then fits the
+remainder and the memory corrections (``planners.profiler.fit.fit_profile``).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from planners import catalog
+from planners.ops import OpShape, collect_ops
+from planners.predictor.graph import QUANTIZED_TRACE_PRESET
+from planners.profile import Profile
+from planners.profiler import timing
+from planners.profiler.checkpoint import load_partial, remove_partial, save_partial
+from planners.profiler.fit import SIXTEEN_BIT_PRESET, fit_memory, fit_preset, fit_profile
+from planners.profiler.op_programs import dispatch_overhead_ms, measure_casts, measure_leg, measure_policy
+from planners.profiler.step_hlo import forward_headroom, per_op_ms
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import LEGS, PRESETS, QUANTIZED_PRECISIONS, OpPolicy, supported_precisions
+
+
+def versions() -> dict[str, str]:
+  import jaxlib
+
+  dev = jax.devices()[0]
+  return {
+    "jax_version": jax.__version__,
+    "jaxlib_version": jaxlib.__version__,
+    "device_kind": dev.device_kind,
+    "platform": dev.platform,
+    "python": platform.python_version(),
+  }
+
+
+def local_device_type() -> str:
+  """The catalog type of the local device (``cpu`` on hosts without accelerators)."""
+  dev = jax.devices()[0]
+  if dev.platform == "cpu":
+    return "cpu"
+  for name in sorted(catalog.CATALOG, key=len, reverse=True):
+    if name.replace("-", " ").lower() in dev.device_kind.lower():
+      return name
+  return "H100" if "H100" in dev.device_kind else "cpu"
+
+
+def task_ops(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, tuple[OpShape, ...]]:
+  """``(batch, variables, ops)``: a training batch of ``task``, its initial variables and the
+  quantizable ops its training-mode ``apply`` calls (``collect_ops``; traced, not run)."""
+  batch = timing.device_batch(task, batch_per_device, seed)
+  variables = timing.init_variables(task, batch, seed)
+  kwargs = {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
+  keys = jax.random.split(jax.random.key(seed), len(task.rng_streams))
+  kwargs["rngs"] = dict(zip(task.rng_streams, keys))  # dropout… (their masks do not change shapes)
+  return batch, variables, tuple(collect_ops(task.model, variables, *task.inputs(batch), **kwargs))
+
+
+def memory_sizes(params, opt_state, batch) -> dict[str, int]:
+  """A profile's ``memory``: the sizes measured, ``other_bytes`` not fitted yet."""
+  sizes = {
+    f"{k}_bytes": timing.tree_bytes(v)
+    for k, v in (("param", params), ("opt_state", opt_state), ("batch", batch))
+  }
+  return {**sizes, "other_bytes": 0}
+
+
+def policy_key(preset: str, op: OpShape) -> tuple:
+  """Cache key of one whole-policy timing: ops of equal kind and shapes share it."""
+  return (preset, op.kind, op.lhs_shape, op.rhs_shape, op.batch, op.m, op.k, op.n)
+
+
+def step_memory(task, batch, ops, seed: int = 0, preset: str = "fp32") -> tuple[int | None, dict[str, int]]:
+  """``(XLA peak bytes, forward headroom)`` of the training step of ``task`` on ``batch`` under
+  the uniform ``preset``, compiled (not run) on the local device."""
+  compiled, _ = timing.compile_train_step(task, PrecisionPolicy.uniform(preset), batch, seed=seed)
+  return timing.xla_peak_bytes(compiled), forward_headroom(compiled.as_text(), ops)
+
+
+def op_leg_ms(task, policy, batch, ops: Sequence[OpShape], repeats: int) -> dict[str, dict[str, float]]:
+  """``{op name: {"fwd": ms, "bwd": ms}}``: the ops' time inside the training step under
+  ``policy`` (``timing.traced_step``, charged by ``step_hlo.per_op_ms``); empty when a JAX
+  profiler trace is already active (one runs at a time)."""
+  try:
+    hlo, instruction_ms = timing.traced_step(task, policy, batch, repeats)
+  except RuntimeError:
+    return {}
+  by_op = per_op_ms(hlo, instruction_ms, ops)
+  return {op.name: by_op[op.name] for op in ops if op.name in by_op}
+
+
+def measure_profile(
+  task,
+  batch_per_device: int,
+  precisions: Sequence[str] | None = None,
+  repeats: int = 10,
+  step_repeats: int | None = None,
+  progress: Callable[[str], None] | None = None,
+  seed: int = 0,
+  cast_sizes: Sequence[int] = (2**14, 2**16, 2**18, 2**20),
+  clock: str | None = None,
+  checkpoint: str | None = None,
+  fit_rounds: int = 3,
+) -> Profile:
+  """The profile of ``task`` at ``batch_per_device`` on the local device (module docstring):
+  ``repeats`` per standalone timing, ``step_repeats`` per round of the fit step on ``clock``
+  (default ``timing.default_step_clock()``), the op timings kept in ``checkpoint`` meanwhile."""
+  say = progress or (lambda msg: None)
+  device_type = local_device_type()
+  gpu = jax.devices()[0].platform == "gpu"
+  precisions = tuple(precisions or supported_precisions(device_type))
+  batch, variables, ops = task_ops(task, batch_per_device, seed)
+  step_clock = clock or timing.default_step_clock()
+  step_repeats = step_repeats or timing.default_step_repeats(step_clock)
+  op_clock = timing.DEVICE_CLOCK if gpu else step_clock
+  overhead = 0.0 if gpu else dispatch_overhead_ms(clock=op_clock)
+  say(
+    f"{len(ops)} quantizable ops; standalone programs on the {op_clock} clock, dispatch overhead {overhead:.3f} ms"
+  )
+
+  settings = {
+    "model": task.name,
+    "batch_per_device": batch_per_device,
+    "device_kind": jax.devices()[0].device_kind,
+    "precisions": list(precisions),
+    "repeats": repeats,
+    "seed": seed,
+    "clock": step_clock,
+    "op_clock": op_clock,
+    "precast": gpu,
+    "ops": [op.name for op in ops],
+  }
+  op_ms, unrunnable = load_partial(checkpoint, settings)
+  if op_ms:
+    say(f"resuming from {checkpoint}: {len(op_ms)} of {len(ops)} ops already timed")
+  cache: dict[tuple, Any] = {}
+  for i, op in enumerate(ops):
+    if op.name in op_ms:
+      continue
+    say(f"[{i + 1}/{len(ops)}] {op.name}  ({op.batch}x{op.m}x{op.k}x{op.n})")
+    table: dict[str, dict[str, float]] = {}
+    runs = [p for p in precisions if op.runs_8bit or p not in QUANTIZED_PRECISIONS]
+    for leg in LEGS:
+      for p in runs:
+        key = (p, leg, op.batch, op.m, op.k, op.n)
+        if key not in cache:
+          cache[key] = measure_leg(p, leg, op.batch, op.m, op.k, op.n, repeats, overhead, seed, op_clock)
+        table.setdefault(leg, {})[p] = cache[key]
+    for name, pol in PRESETS.items():
+      if not all(q in runs for q in pol.precisions):
+        continue
+      key = policy_key(name, op)
+      if key not in cache:
+        try:
+          cache[key] = measure_policy(
+            pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, op_clock, op, gpu
+          )
+        except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 dot
+          cache[key] = None
+          unrunnable.append(f"{op.name} under {name}: {str(e).splitlines()[0][:120]}")
+          say(f"  cannot time {op.name} under {name} here; its legs will be used")
+      if cache[key] is not None:
+        table[f"policy:{name}"] = cache[key]
+    op_ms[op.name] = table
+    save_partial(checkpoint, settings, op_ms, unrunnable)
+  op_ms = {op.name: op_ms[op.name] for op in ops}  # forward order, resumed or not
+
+  say("optimizer update")
+  optimizer = timing.default_optimizer()
+  params = variables["params"]
+  opt_state = optimizer.init(params)
+  update = jax.jit(functools.partial(timing.apply_optimizer, optimizer))
+  optimizer_ms = max(
+    timing.timed_ms(lambda: update(params, params, opt_state), repeats, clock=op_clock)[0] - overhead, 0.0
+  )
+  say("cast models")
+  cast = measure_casts(cast_sizes, repeats=repeats, overhead=overhead, clock=op_clock, precisions=precisions)
+
+  preset = fit_preset(precisions)
+  say(f"fit step: all-{preset}, {fit_rounds} rounds of {step_repeats} steps on the {step_clock} clock")
+  fit_ms, round_ms, fit_peak = timing.time_train_steps_interleaved(
+    task,
+    {preset: PrecisionPolicy.uniform(preset)},
+    batch,
+    step_repeats,
+    fit_rounds,
+    clocks=(step_clock,),
+    progress=lambda msg: say(f"fit step: {msg}"),
+  )[step_clock][preset]
+  say("memory: the fp32 step compiled")
+  fp32_peak, headroom = step_memory(task, batch, ops, seed)
+  sixteen_bit_peak = fit_peak if preset == SIXTEEN_BIT_PRESET else None
+  in_step = {}
+  if op_clock == timing.DEVICE_CLOCK and all(
+    q in precisions for q in PRESETS[QUANTIZED_TRACE_PRESET].precisions
+  ):
+    trace_policy = PrecisionPolicy.from_ops(
+      {op.name: OpPolicy.preset(QUANTIZED_TRACE_PRESET if op.runs_8bit else "fp32") for op in ops}
+    )
+    in_step = op_leg_ms(task, trace_policy, batch, ops, max(step_repeats // 2, 3))
+    say(f"all-int8 step trace: {sum(sum(t.values()) for t in in_step.values()):.3f} ms charged to ops")
+  meta = {
+    **versions(),
+    "precisions": list(precisions),
+    "dispatch_overhead_ms": overhead,
+    "repeats": repeats,
+    "clock": step_clock,
+    "op_clock": op_clock,
+    "unrunnable": unrunnable,
+    **({"policy_operands": "precast"} if gpu else {}),
+    "fit_preset": preset,
+    "fit_step_ms": fit_ms,
+    "fit_step_round_ms": round_ms,
+    "fp32_xla_peak_bytes": fp32_peak,
+    **({"bf16_xla_peak_bytes": sixteen_bit_peak} if sixteen_bit_peak is not None else {}),
+  }
+  draft = Profile(
+    task.name,
+    device_type,
+    "measured",
+    batch_per_device,
+    ops,
+    op_ms,
+    {"fwd": 0.0, "bwd": 0.0},
+    optimizer_ms,
+    cast,
+    memory_sizes(params, opt_state, batch),
+    meta,
+    headroom,
+    in_step,
+  )
+  prof = fit_profile(draft)
+  remove_partial(checkpoint)  # only now: a run killed after the ops resumes after them
+  return prof
+
+
+def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
+  """A profile with the ops and memory of ``task`` but no timings (``source="traced"``): the
+  base ``planners.predictor.modeled.modeled_profile`` costs. Compiles the fp32 step once."""
+  batch, variables, ops = task_ops(task, batch_per_device, seed)
+  opt_state = timing.default_optimizer().init(variables["params"])
+  memory = memory_sizes(variables["params"], opt_state, batch)
+  peak, headroom = step_memory(task, batch, ops, seed)
+  meta = {**versions(), "fp32_xla_peak_bytes": peak}
+  skeleton = Profile(
+    task.name, local_device_type(), "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory, meta, headroom
+  )
+  return fit_memory(skeleton, peak)

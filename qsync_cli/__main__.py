@@ -1,0 +1,5 @@
+import sys
+
+from qsync_cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,85 @@
+"""``qsync indicator``: the sensitivity table Ω[op][precision] of a model, as JSON.
+
+  qsync indicator --model vgg --out omega.json [--batches 16] [--method gradient]
+                  [--train-steps 40] [--batch-size 32] [--precisions int8 fp16]
+                  [--estimator moments|sample|batch|signed]
+
+``--model`` is a registered task name (``qsync_jax.train.task``, e.g. the examples' ``vgg``) or
+``package.module:fn`` returning a ``qsync_jax.train.task.Task``. The model starts from the parameters
+``qsync train --seed S`` starts from; with ``--train-steps N`` it is first trained N steps in
+fp32 by the library's ``Trainer`` (a fresh init's gradients say little about a trained model's
+sensitivity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from planners.indicator import initial_variables
+from qsync_jax.errors import QsyncError
+from qsync_jax.train.task import load_task
+
+HELP = "Score every quantizable op's sensitivity to each precision (Ω table, JSON)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  from planners.indicator import METHODS, PROBED_PRECISIONS
+  from planners.indicator.gradient import ESTIMATORS
+
+  parser.add_argument(
+    "--model", required=True, help="registered task name (e.g. vgg, lm) or package.module:make_task"
+  )
+  parser.add_argument("--out", required=True, help="where to write the JSON table")
+  parser.add_argument("--batches", type=int, default=16, help="training batches to average over (default 16)")
+  parser.add_argument(
+    "--method", choices=METHODS, default="gradient", help="indicator (default: gradient, ours)"
+  )
+  parser.add_argument(
+    "--estimator",
+    choices=ESTIMATORS,
+    default="moments",
+    help="gradient method only: mean square of a batch's loss change (moments, default), per-sample "
+    "mean square, squared change per probed batch, or signed mean loss change",
+  )
+  parser.add_argument("--precisions", nargs="+", default=list(PROBED_PRECISIONS), help="precisions to score")
+  parser.add_argument("--batch-size", type=int, default=32)
+  parser.add_argument(
+    "--train-steps", type=int, default=0, help="fp32 training steps before probing (default 0)"
+  )
+  parser.add_argument("--seed", type=int, default=0)
+
+
+def _progress(done: int, total: int) -> None:
+  bar = "#" * (20 * done // total)
+  print(f"\r  probing [{bar:20s}] {done}/{total} batches", end="\n" if done == total else "", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+  from planners.indicator import compute, save
+
+  if args.batches < 1:
+    raise QsyncError(f"--batches {args.batches} must be at least 1. Fix: pass e.g. --batches 8.")
+  task = load_task(args.model)
+  stream = task.train_batches(args.batch_size, args.seed + 1)
+  batches = [next(stream) for _ in range(args.batches)]
+  variables = initial_variables(task, args.seed, args.train_steps, args.batch_size)
+  print(f"qsync indicator: {args.method} on {task.name}, {args.batches} batches of {args.batch_size}")
+  tables = compute(
+    task,
+    variables,
+    batches,
+    [args.method],
+    tuple(args.precisions),
+    seed=args.seed,
+    gradient_estimator=args.estimator,
+    progress=_progress,
+  )
+  table = tables[args.method]
+  save(table, args.out)
+  precisions = table["precisions"]
+  print(f"{'op':50s} " + " ".join(f"{p:>10s}" for p in precisions))
+  for op in table["ops"]:
+    print(f"{op:50s} " + " ".join(f"{table['omega'][op][p]:10.3g}" for p in precisions))
+  print(f"wrote {args.out} ({len(table['ops'])} ops)")
+  return 0

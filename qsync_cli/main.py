@@ -1,0 +1,111 @@
+"""The ``qsync`` command line: one subcommand per pipeline stage.
+
+Each stage is a module that defines ``HELP``, ``add_arguments(parser)`` and ``run(args)``;
+``run(args)`` returns an exit code. The pipeline's stages are listed in ``SUBCOMMANDS``; an
+installed package adds commands of its own as entry points of group ``qsync_jax.commands``
+(``COMMAND_GROUP``) naming such a module, e.g. this project's examples::
+
+  [project.entry-points."qsync_jax.commands"]
+  demo = "examples.demo"
+
+Before a command runs, its output paths are checked (``qsync_jax.train.outputs``): the pipeline's
+stages list theirs in ``OUTPUT_PATHS``, an installed command in its module's ``OUTPUTS``
+(``{option dest: "file" | "dir" | "run"}``).
+
+Bad input raises ``QsyncError`` subclasses, which the CLI prints as one clear line (no
+traceback) and exits with status 2. Ctrl-C ends a command with one line (``Interrupted``'s
+message: where it stopped and how to resume) and status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from importlib.metadata import entry_points
+
+import qsync_jax
+from qsync_jax.errors import Interrupted, QsyncError
+from qsync_jax.train.outputs import check_outputs
+
+# name -> module that defines ``HELP``, ``add_arguments(parser)`` and ``run(args)``.
+SUBCOMMANDS: dict[str, str] = {
+  "indicator": "qsync_cli.indicator",
+  "profile": "qsync_cli.profile",
+  "predict": "qsync_cli.predict",
+  "plan": "qsync_cli.plan",
+  "train": "qsync_cli.train",
+  "export": "qsync_cli.export",
+}
+COMMAND_GROUP = "qsync_jax.commands"
+
+# name -> {option dest: output kind (qsync_jax.train.outputs.KINDS)}; `export` checks its own --out
+# (a new file or directory, never overwritten).
+OUTPUT_PATHS: dict[str, dict[str, str]] = {
+  "indicator": {"out": "file"},
+  "profile": {"out": "file"},
+  "predict": {"trace": "file", "png": "file", "json": "file"},
+  "plan": {"out": "file"},
+  "train": {"out": "run"},
+}
+
+
+def _installed_commands() -> dict:
+  """``{name: module}`` of the commands that installed packages declare (``COMMAND_GROUP``).
+  One that cannot be loaded, or that reuses a pipeline stage's name, is left out with a
+  warning on stderr; the other commands still work."""
+  commands = {}
+  for ep in entry_points(group=COMMAND_GROUP):
+    if ep.name in SUBCOMMANDS or ep.name in commands:
+      print(f"qsync: warning: command {ep.name!r} ({ep.value}) is already defined; ignored", file=sys.stderr)
+      continue
+    try:
+      commands[ep.name] = ep.load()
+    except ImportError as e:
+      print(f"qsync: warning: command {ep.name!r} ({ep.value}) cannot be loaded: {e}", file=sys.stderr)
+  return commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="qsync",
+    description="Quantization-minimized synchronous training of Flax models across hybrid devices.",
+  )
+  parser.add_argument("--version", action="version", version=f"qsync-jax {qsync_jax.__version__}")
+  sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+  modules = {name: importlib.import_module(module) for name, module in SUBCOMMANDS.items()}
+  for name, module in {**modules, **_installed_commands()}.items():
+    p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+    module.add_arguments(p)
+    p.set_defaults(_run=module.run, _outputs=OUTPUT_PATHS.get(name, getattr(module, "OUTPUTS", {})))
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] not in SUBCOMMANDS and argv[0][:1] != "-" and not entry_points(group=COMMAND_GROUP):
+    print(
+      f"qsync: error: unknown command {argv[0]!r}, and no installed package adds commands (entry points "
+      f"of group {COMMAND_GROUP!r}; the examples' `demo` is one). Fix: run `pip install -e '.[examples]'` "
+      f"in the qsync-jax checkout (`python3 dev.py` does it), or use one of {sorted(SUBCOMMANDS)}.",
+      file=sys.stderr,
+    )
+    return 2
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if not getattr(args, "_run", None):
+    parser.print_help()
+    return 0
+  try:
+    check_outputs(args, args._outputs)
+    return int(args._run(args) or 0)
+  except QsyncError as e:
+    print(f"qsync {args.command}: error: {e}", file=sys.stderr)
+    return 2
+  except (Interrupted, KeyboardInterrupt) as e:
+    print(f"qsync {args.command}: {e or 'interrupted'}", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,61 @@
+"""``qsync predict``: predicted step time and memory of a plan on a cluster (replay)."""
+
+from __future__ import annotations
+
+import json
+
+from planners.predictor.replay import predict
+from planners.predictor.timeline import save_chrome_trace, save_png
+from planners.report import table
+from qsync_cli.common import check_model, check_profiles_fit, load_profiles
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.errors import PlanError
+from qsync_jax.plan import Plan
+from qsync_jax.train.task import load_task
+
+HELP = "Predict the synchronous step time and per-group peak memory of a plan (replay simulator)."
+
+
+def add_arguments(parser) -> None:
+  parser.add_argument("--model", required=True, help="example name or package.module:make_task")
+  parser.add_argument("--cluster", required=True, help="cluster spec JSON/YAML")
+  parser.add_argument("--plan", required=True, help="plan JSON (from `qsync plan` or hand-written)")
+  parser.add_argument("--profile", required=True, nargs="+", help="profile JSON(s) from `qsync profile`")
+  parser.add_argument("--trace", help="write a Chrome trace JSON (open in ui.perfetto.dev)")
+  parser.add_argument("--png", help="write a PNG timeline")
+  parser.add_argument("--json", help="write the prediction as JSON")
+
+
+def run(args) -> int:
+  task = load_task(args.model)
+  profiles = load_profiles(args.profile)
+  check_model(profiles, task.name)
+  cluster = ClusterSpec.load(args.cluster)
+  plan = Plan.load(args.plan)
+  check_profiles_fit(profiles, cluster, plan)
+  pred = predict(cluster, profiles, plan)
+  rows = [
+    [g.name, g.device_type, g.count, pred.group_compute_ms[g.name], pred.group_step_ms[g.name]]
+    + [pred.memory_bytes[g.name] / 1e9, g.memory_gb, pred.sources[g.name]]
+    for g in cluster.groups
+  ]
+  print(table(["group", "device", "n", "compute ms", "step ms", "mem GB", "limit GB", "costs"], rows))
+  slowest = max(pred.group_step_ms, key=pred.group_step_ms.get)
+  print(f"synchronous step {pred.step_ms:.3f} ms (slowest group {slowest}); all-reduce {pred.comm_ms:.3f} ms")
+  if args.trace:
+    save_chrome_trace(pred, args.trace)
+    print(f"wrote {args.trace}")
+  if args.png:
+    save_png(pred, args.png)
+    print(f"wrote {args.png}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(pred.to_json(), f, indent=2)
+    print(f"wrote {args.json}")
+  over = [g for g in pred.memory_bytes if pred.memory_bytes[g] > pred.memory_limit_bytes[g]]
+  if over:
+    raise PlanError(
+      f"the plan does not fit in memory on group(s) {over} (predicted peak above memory_gb, table above). "
+      "Fix: plan again (`qsync plan` keeps every group within its memory), or lower their batch_per_device."
+    )
+  return 0

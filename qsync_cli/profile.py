@@ -1,0 +1,96 @@
+"""``qsync profile``: cost profile of a model on the local device (or modeled for another)."""
+
+from __future__ import annotations
+
+from planners.predictor.modeled import modeled_profile
+from planners.profiler.measure import local_device_type, measure_profile, traced_profile
+from planners.report import table
+from qsync_cli.common import progress
+from qsync_jax.errors import Interrupted, UnsupportedPrecisionError
+from qsync_jax.precision import LEGS, supported_precisions
+from qsync_jax.train.task import load_task
+
+HELP = "Measure op × leg × precision costs, casts and memory of a model's training step (JSON)."
+
+
+def add_arguments(parser) -> None:
+  parser.add_argument(
+    "--model", required=True, help="example name (e.g. mlp, lm) or package.module:make_task"
+  )
+  parser.add_argument(
+    "--device-type",
+    help="device type to profile for; a type other than the local one is modeled from the catalog",
+  )
+  parser.add_argument("--batch", type=int, default=32, help="per-device batch to profile at (default 32)")
+  parser.add_argument(
+    "--precisions", help="comma-separated precisions to time (default: all the device runs)"
+  )
+  parser.add_argument("--repeats", type=int, default=10, help="timed repeats per measurement (median)")
+  parser.add_argument(
+    "--clock",
+    choices=["wall", "cpu", "pipelined"],
+    default=None,
+    help="clock of the training step the remainder is fitted to: wall time; process CPU time "
+    "(steadier on a CPU host shared with other work); or pipelined — steps dispatched back to back, "
+    "as `qsync train` runs them (default: pipelined on a GPU, else wall)",
+  )
+  parser.add_argument(
+    "--out",
+    required=True,
+    help="output JSON file; the op timings so far are kept in <out>.partial while it runs, and an "
+    "interrupted run with the same arguments resumes from there",
+  )
+
+
+def run(args) -> int:
+  task = load_task(args.model)
+  local = local_device_type()
+  precisions = args.precisions.split(",") if args.precisions else None
+  bad = [p for p in precisions or () if p not in supported_precisions(local)]
+  if bad:
+    raise UnsupportedPrecisionError(
+      f"--precisions {args.precisions!r}: {bad} cannot run on {local}. "
+      f"Fix: choose from {list(supported_precisions(local))}."
+    )
+  if args.device_type and args.device_type != local:
+    progress(
+      f"{args.device_type} is not the local device ({local}): nothing is measured here; tracing {task.name} "
+      f"and modeling {args.device_type}'s costs from the catalog (roofline)"
+    )
+    prof = modeled_profile(traced_profile(task, args.batch), args.device_type)
+  else:
+    try:
+      prof = measure_profile(
+        task,
+        args.batch,
+        precisions,
+        args.repeats,
+        progress=progress,
+        clock=args.clock,
+        checkpoint=f"{args.out}.partial",
+      )
+    except KeyboardInterrupt:
+      raise Interrupted(
+        f"interrupted; the timings measured so far are kept in {args.out}.partial. Resume with the same command."
+      ) from None
+  prof.save(args.out)
+  rows = []
+  for op in prof.ops:
+    times = prof.op_ms[op.name]
+    row = [op.name, f"{op.batch}x{op.m}x{op.k}x{op.n}"]
+    for p in ("fp32", "bf16", "fp16", "int8", "fp8"):
+      row.append(sum(times[leg][p] for leg in LEGS) if p in times["fwd"] else "-")
+    rows.append(row)
+  clocks = f", ops on the {prof.meta['op_clock']} clock" if "op_clock" in prof.meta else ""
+  print(
+    f"{prof.model} on {prof.device_type} ({prof.source}{clocks}), batch {prof.batch_per_device}; "
+    "fwd+dlhs+drhs ms:"
+  )
+  print(table(["op", "gemm b×m×k×n", "fp32", "bf16", "fp16", "int8", "fp8"], rows))
+  fit = prof.meta.get("fit_preset")
+  print(
+    f"remainder {sum(prof.remainder_ms.values()):.3f} ms, optimizer {prof.optimizer_ms:.3f} ms"
+    + (f", fitted to the measured all-{fit} step {prof.meta['fit_step_ms']:.3f} ms" if fit else "")
+  )
+  print(f"wrote {args.out}")
+  return 0

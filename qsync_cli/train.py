@@ -1,0 +1,236 @@
+"""``qsync train``: run a plan on a cluster (hybrid synchronous data parallel).
+
+  qsync train --model resnet --cluster cluster.json --plan plan.json --steps 200 --out runs/a
+  qsync train --model mypkg.tasks:make_task --cluster c.yaml --steps 50 --out runs/b --resume
+
+``--sync NAME`` picks a strategy of ``qsync_jax.sync`` (fp32, bf16, fp16, global_qsgd, selsync,
+qsdp), ``--sync-option KEY=VALUE`` (repeatable, JSON values) sets its options, e.g.
+``--sync selsync --sync-option delta=0.2 --sync-option warmup=10``.
+
+``--model`` is a registered task name (``qsync_jax.train.task``: the examples' ``vgg``, ``resnet``,
+``lm`` …) or ``package.module:attr`` naming a ``Task`` or a function returning one. Without
+``--cluster`` every local device forms one ``cpu`` group. Progress (steps/s, loss, ETA) goes
+to stderr; metrics to ``OUT/metrics.jsonl``; checkpoints to ``OUT/checkpoints``. Multi-process:
+start one process per host (or several on one CPU host) with the same arguments plus
+``--coordinator HOST:PORT --num-processes N --process-id I``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from qsync_jax.errors import Interrupted, PlanError, QsyncError
+
+HELP = "train a model on a hybrid cluster under a plan (synchronous data parallel)"
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+    "--model", required=True, help="registered task name (e.g. vgg), or package.module:attr (a Task factory)"
+  )
+  parser.add_argument(
+    "--cluster", help="cluster spec (JSON, or YAML); default: all local devices, one 'cpu' group"
+  )
+  parser.add_argument(
+    "--batch-per-device", type=int, default=8, help="per-device batch without --cluster (default 8)"
+  )
+  parser.add_argument("--plan", help="plan JSON (one precision policy per group); default: fp32 everywhere")
+  parser.add_argument("--steps", type=int, required=True, help="train until this many steps in total")
+  parser.add_argument("--out", required=True, help="run directory: metrics.jsonl and checkpoints/")
+  parser.add_argument(
+    "--sync",
+    default=None,
+    help="sync strategy (qsync_jax.sync: fp32, bf16, fp16, global_qsgd, selsync, qsdp), default fp32 psum",
+  )
+  parser.add_argument(
+    "--sync-option",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="option of the --sync strategy (JSON value, e.g. delta=0.2, bucket_size=256), repeatable",
+  )
+  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+  parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+  parser.add_argument(
+    "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
+  )
+  parser.add_argument("--log-every", type=int, default=1, help="steps between metrics lines (default 1)")
+  parser.add_argument("--eval", action="store_true", help="evaluate on the task's held-out set at the end")
+  parser.add_argument(
+    "--compilation-cache",
+    metavar="DIR",
+    help="JAX's persistent compilation cache in DIR (as JAX_COMPILATION_CACHE_DIR=DIR): a run that "
+    "compiles a step already compiled there loads it instead",
+  )
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="task config override (JSON value), repeatable",
+  )
+  dist = parser.add_argument_group("multi-process")
+  dist.add_argument("--coordinator", help="HOST:PORT of process 0 (enables jax.distributed)")
+  dist.add_argument("--num-processes", type=int, default=1)
+  dist.add_argument("--process-id", type=int, default=0)
+  dist.add_argument("--local-devices", type=int, help="simulated CPU devices per process")
+  dist.add_argument(
+    "--simulate-device-types",
+    action="store_true",
+    help="let GPUs run groups of another device_type (simulation); without it a GPU whose kind differs "
+    "from its group's device_type is refused (CPU devices always simulate)",
+  )
+  dist.add_argument(
+    "--step-timeout", type=float, help="seconds a step may take before a process gives up (default 120)"
+  )
+  dist.add_argument(
+    "--heartbeat-timeout",
+    type=int,
+    default=30,
+    help="seconds without a peer's heartbeat before all stop (default 30)",
+  )
+
+
+def _overrides(items: list[str], flag: str = "--set", example: str = "hidden=64") -> dict:
+  out = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise QsyncError(f"{flag} {item!r} is not KEY=VALUE. Fix: write e.g. {flag} {example}.")
+    try:
+      out[key] = json.loads(value)
+    except json.JSONDecodeError:
+      out[key] = value
+  return out
+
+
+def _optimizer(name: str, lr: float):
+  import optax
+
+  return {
+    "adam": lambda: optax.adam(lr),
+    "adamw": lambda: optax.adamw(lr),
+    "sgd": lambda: optax.sgd(lr),
+    "momentum": lambda: optax.sgd(lr, momentum=0.9),
+  }[name]()
+
+
+def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
+  """(strategy name or None for the default fp32 psum, its options) from --sync / --sync-option."""
+  options = _overrides(items, "--sync-option", "delta=0.2")
+  if name is None and options:
+    raise QsyncError("--sync-option needs a --sync strategy. Fix: add e.g. --sync selsync.")
+  if name in (None, "psum", "fp32") and not options:
+    return None, {}
+  return ("fp32" if name == "psum" else name), options
+
+
+def check_memory(task, cluster, plan, optimizer) -> None:
+  """Raises ``PlanError`` when a group's devices cannot hold ``plan``'s training step: the need of
+  ``qsync plan``'s memory model (``planners.predictor.memory_model``) for the model's traced ops, parameters,
+  ``optimizer`` state and batch, without the XLA buffers ``qsync profile`` fits — a lower bound
+  of the planner's estimate, so a plan the planner accepted passes. Traces the model; runs nothing."""
+  from planners.predictor.memory_model import memory_bytes
+  from planners.profile import GroupCost, Profile
+  from planners.profiler.measure import memory_sizes, task_ops
+
+  cluster = plan.apply_to(cluster)
+  batch_per_device = cluster.max_batch_per_device
+  batch, variables, ops = task_ops(task, batch_per_device)
+  memory = memory_sizes(variables["params"], optimizer.init(variables["params"]), batch)
+  for g in cluster.groups:
+    prof = Profile(task.name, g.device_type, "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory)
+    need = memory_bytes(
+      GroupCost(g.name, prof, plan.policy_for(g.name).resolve(prof.op_names), g.batch_per_device)
+    )
+    if need > g.memory_gb * 1e9:
+      gb = math.ceil(need / 1e7) / 100
+      raise PlanError(
+        f"device group {g.name!r} ({g.device_type}, {g.batch_per_device} per device) needs at least {gb:.2f} GB "
+        f"per device for this plan's step (parameters, optimizer state, batch and saved activations), but "
+        f"the cluster spec gives it memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ {gb:.2f} if the device "
+        "has it, lower its batch_per_device, or plan it (`qsync plan`) to a precision that stores less."
+      )
+
+
+def run(args: argparse.Namespace) -> int:
+  if args.coordinator:
+    from qsync_jax.train.distributed import initialize
+
+    initialize(
+      args.coordinator,
+      args.num_processes,
+      args.process_id,
+      local_device_count=args.local_devices,
+      heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+  elif args.local_devices:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.local_devices)
+
+  import jax
+
+  if args.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+
+  from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.plan import Plan
+  from qsync_jax.train.distributed import check_device_types, device_type_of
+  from qsync_jax.train.task import load_task
+  from qsync_jax.train.trainer import Trainer
+
+  if args.steps <= 0:
+    raise QsyncError(f"--steps {args.steps} must be positive. Fix: pass --steps 1 or more.")
+  task = load_task(args.model, **_overrides(args.set))
+  if args.cluster:
+    cluster = ClusterSpec.load(args.cluster)
+  else:
+    cluster = ClusterSpec.uniform(
+      device_type_of(jax.devices()[0]) or "H100", jax.device_count(), args.batch_per_device
+    )
+  plan = Plan.load(args.plan) if args.plan else Plan()
+  check_device_types(cluster, jax.devices(), args.simulate_device_types)
+  sync, sync_options = _sync(args.sync, args.sync_option)
+  optimizer = _optimizer(args.optimizer, args.lr)
+  check_memory(task, cluster, plan, optimizer)
+  trainer = Trainer(
+    task,
+    cluster,
+    plan,
+    optimizer,
+    grad_sync=sync,
+    sync_options=sync_options,
+    seed=args.seed,
+    out_dir=args.out,
+    checkpoint_every=args.checkpoint_every,
+    resume=args.resume,
+    log_every=args.log_every,
+    progress=sys.stderr,
+    step_timeout_s=args.step_timeout,
+  )
+  if trainer.step and jax.process_index() == 0:
+    print(f"resumed {args.out} at step {trainer.step}", file=sys.stderr)
+  try:
+    last = trainer.run(args.steps)
+  except Interrupted as e:
+    raise Interrupted(f"{e}. Resume with the same command and --resume.") from None
+  finally:
+    trainer.close()
+  record = {"step": trainer.step, **last}
+  if args.eval:
+    record["eval"] = trainer.evaluate()
+    if jax.process_index() == 0:
+      with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": trainer.step, "eval": record["eval"]}) + "\n")
+  if jax.process_index() == 0:
+    print(json.dumps(record))
+  return 0

@@ -1,5 +1,0 @@
-import sys
-
-from qsync_jax.cli import main
-
-sys.exit(main())

@@ -1,0 +1,288 @@
+"""Apply a precision policy to an unmodified ``flax.linen`` model.
+
+``quantize(model, policy)`` returns a ``QuantizedModel`` whose ``init`` / ``apply`` run the
+model under a Flax method interceptor (``nn.intercept_methods``). For each quantizable
+module call the interceptor looks the op up in the policy by its module path and kind, and
+hands the module its quantized op through Flax's own hooks:
+
+===============================  ============================  ===========================
+module                           op kind(s)                    hook
+===============================  ============================  ===========================
+``nn.Dense``                     ``dense``                     ``dot_general=``
+``nn.DenseGeneral``              ``dense_general``             ``dot_general=``
+``nn.Conv``                      ``conv``                      ``conv_general_dilated=``
+``nn.MultiHeadDotProductAttention``  ``attention_qk``, ``attention_pv``  ``*_einsum_cls=``
+``nn.Einsum``                    ``einsum``                    (no hook: its 4-line body)
+``nn.Embed``                     ``embed``, ``embed_attend``   (no hook: its lookup/attend)
+===============================  ============================  ===========================
+
+An ``embed`` op stays a lookup at every precision (``qsync_jax.ops.qembed``: the gathered rows
+rounded as the policy says, the table's gradient a scatter-add); ``embed_attend`` (a tied
+output head, ``query · tableᵀ``) is a GEMM like a Dense layer's. A tap sees the lookup as the
+product ``one_hot(ids) · table`` it equals (``lhs`` the one-hot, built only for the tap).
+
+(The projections of an attention module are ``DenseGeneral`` children, named e.g.
+``Block_0/attn/query``. Inside ``qsync_jax.ops.qattention.fused_attention()``, an attention whose
+two products are at one 16-bit float type runs ``jax.nn.dot_product_attention`` through
+Flax's ``attention_fn=`` hook instead.) The module is re-bound to its own scope with the hook set
+(``module.clone(parent=module.scope, ...)``), so parameters, names and RNG streams are
+those of the plain model. An op no rule matches is not touched: the plain model's code runs,
+bit-identical. Stochastic rounding draws keys from the ``"qsync"`` RNG stream
+(``apply(..., rngs={"qsync": key})``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qsync_jax.ops import qattention
+from qsync_jax.ops.quant_ops import (
+  RNG_COLLECTION,
+  OpInfo,
+  QuantizedConv,
+  QuantizedDotGeneral,
+  QuantizedEinsum,
+  QuantizedLookup,
+  QuantizedOp,
+  Tap,
+)
+from qsync_jax.policy import PrecisionPolicy, op_name
+from qsync_jax.precision import OpPolicy
+
+
+def module_path(module: nn.Module) -> str:
+  return "/".join(str(p) for p in module.scope.path)
+
+
+class _Interceptor:
+  """``listing``: record every op and its policy but run the float ops (for ``ops()``)."""
+
+  def __init__(self, policy: PrecisionPolicy, tap: Tap | None, listing: bool = False):
+    self.policy, self.tap, self.listing = policy, tap, listing
+    self.seen: dict[str, OpPolicy | None] = {}
+    self.bridged: list[str] = []  # paths of nnx modules wrapped as linen ones (nnx.bridge.to_linen)
+
+  # -- helpers --------------------------------------------------------------------------
+  def _op(self, module, kind) -> tuple[str, str, OpPolicy | None]:
+    path = module_path(module)
+    name = op_name(path, kind)
+    op_policy = self.policy.lookup(path, kind)
+    self.seen[name] = op_policy
+    return path, name, op_policy
+
+  def _key(self, module, name, op_policy):
+    if not op_policy.needs_rng:
+      return None
+    if module.has_rng(RNG_COLLECTION):
+      return module.make_rng(RNG_COLLECTION)
+    if module.is_initializing():
+      return jax.random.key(0)  # values at init do not depend on rounding noise
+    raise ValueError(
+      f"op {name!r} rounds stochastically ({op_policy}) but no PRNG key was given. "
+      f"Fix: pass rngs={{'{RNG_COLLECTION}': key}} to apply (a fresh key each step)."
+    )
+
+  def _make(self, cls, module, kind):
+    path, name, op_policy = self._op(module, kind)
+    if op_policy is None or self.listing:
+      return None
+
+    def info_fn(lhs, rhs, rerun):
+      return OpInfo(name, path, kind, tuple(lhs.shape), tuple(rhs.shape), op_policy, lhs, rhs, rerun)
+
+    return cls(info_fn, op_policy, self._key(module, name, op_policy), self.tap)
+
+  def _rebind(self, module, method_name, args, kwargs, **hooks):
+    clone = module.clone(parent=module.scope, **hooks)
+    return getattr(clone, method_name)(*args, **kwargs)
+
+  # -- the interceptor ------------------------------------------------------------------
+  def __call__(self, next_fun, args, kwargs, context):
+    module, method = context.module, context.method_name
+    if type(module).__module__.startswith("flax.nnx.bridge"):
+      self.bridged.append(module_path(module))
+    if isinstance(module, (nn.Dense, nn.DenseGeneral)) and method == "__call__":
+      if isinstance(module.dot_general, QuantizedOp):
+        return next_fun(*args, **kwargs)
+      kind = "dense" if isinstance(module, nn.Dense) else "dense_general"
+      op = self._make(QuantizedDotGeneral, module, kind)
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return self._rebind(module, method, args, kwargs, dot_general=op, dot_general_cls=None)
+    if isinstance(module, nn.Conv) and method == "__call__" and module.shared_weights:
+      if isinstance(module.conv_general_dilated, QuantizedOp):
+        return next_fun(*args, **kwargs)
+      op = self._make(QuantizedConv, module, "conv")
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return self._rebind(
+        module, method, args, kwargs, conv_general_dilated=op, conv_general_dilated_cls=None
+      )
+    if isinstance(module, nn.MultiHeadDotProductAttention) and method == "__call__":
+      if getattr(module.qk_attn_weights_einsum_cls, "_qsync", False) or getattr(
+        module.attention_fn, "_qsync", False
+      ):
+        return next_fun(*args, **kwargs)
+      qk = self._make(QuantizedEinsum, module, "attention_qk")
+      pv = self._make(QuantizedEinsum, module, "attention_pv")
+      if qk is None and pv is None:
+        return next_fun(*args, **kwargs)
+      fused = qattention.fused_dtype(qk and qk.op_policy, pv and pv.op_policy)
+      if fused is not None and module.attention_fn is nn.dot_product_attention and module.dropout_rate == 0:
+        return self._rebind(module, method, args, kwargs, attention_fn=qattention.attention_fn(fused))
+      # Flax needs both einsums or neither: an unquantized one keeps jnp.einsum's numerics.
+      return self._rebind(
+        module,
+        method,
+        args,
+        kwargs,
+        qk_attn_weights_einsum_cls=_factory(qk),
+        attn_weights_value_einsum_cls=_factory(pv),
+      )
+    if isinstance(module, nn.Einsum) and method == "__call__":
+      op = self._make(QuantizedEinsum, module, "einsum")
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return _einsum_body(module, op, *args, **kwargs)
+    if isinstance(module, nn.Embed) and method == "__call__":
+      op = self._make(QuantizedLookup, module, "embed")
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return _embed_lookup(module, op, *args, **kwargs)
+    if isinstance(module, nn.Embed) and method == "attend":
+      op = self._make(QuantizedDotGeneral, module, "embed_attend")
+      if op is None:
+        return next_fun(*args, **kwargs)
+      return _embed_attend(module, op, *args, **kwargs)
+    return next_fun(*args, **kwargs)
+
+
+def _factory(op):
+  """An ``*_einsum_cls`` for Flax: returns ``op``, or plain ``jnp.einsum`` when op is None."""
+
+  def make():
+    return jnp.einsum if op is None else op
+
+  make._qsync = True
+  return make
+
+
+def _einsum_body(module: nn.Einsum, op: QuantizedEinsum, inputs, einsum_str=None):
+  """``nn.Einsum.__call__`` with its einsum quantized (nn.Einsum has no dot_general hook)."""
+  einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
+  kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+  bias = None
+  if module.use_bias:
+    bias_shape, broadcasted = module._get_bias_shape(einsum_str, inputs, kernel)
+    bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  y = op(einsum_str, inputs, kernel)
+  if bias is not None:
+    y = y + jnp.reshape(bias, broadcasted)
+  return y
+
+
+def _embed_lookup(module: nn.Embed, op: QuantizedLookup, inputs):
+  """``nn.Embed.__call__`` with its lookup at the op's precisions (a gather, no GEMM)."""
+  if not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError(f"Embed {module_path(module)!r}: input dtype {inputs.dtype} must be integer.")
+  (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
+  return op(table, inputs)
+
+
+def _embed_attend(module: nn.Embed, op: QuantizedDotGeneral, query):
+  """``nn.Embed.attend``: ``query · tableᵀ`` at the op's precisions."""
+  query, table = module.promote_dtype(query, module.embedding, dtype=module.dtype)
+  return op(query, table, (((query.ndim - 1,), (1,)), ((), ())))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedModel:
+  """A Flax model run under a precision policy. Mirrors ``nn.Module.init`` / ``apply``."""
+
+  model: nn.Module
+  policy: PrecisionPolicy
+  tap: Tap | None = None
+
+  def _run(self, fn, *args, check: bool = True, **kwargs):
+    interceptor = _Interceptor(self.policy, self.tap, listing=not check)
+    with nn.intercept_methods(interceptor):
+      out = fn(*args, **kwargs)
+    if check:
+      self.policy.check_quantizes_some(interceptor.seen, _bridge_hint(interceptor.bridged))
+    return out, interceptor.seen
+
+  def init(self, rngs, *args, **kwargs):
+    """``model.init`` under the policy; refuses a policy that would quantize none of its ops."""
+    return self._run(self.model.init, rngs, *args, **kwargs)[0]
+
+  def apply(self, variables, *args, **kwargs):
+    """``model.apply`` under the policy; refuses a policy that would quantize none of its ops."""
+    return self._run(self.model.apply, variables, *args, **kwargs)[0]
+
+  def ops(self, variables, *args, **kwargs) -> dict[str, OpPolicy | None]:
+    """Every quantizable op the model calls (``"path:kind"``) → its op policy (None = float).
+
+    Traces the float ``apply`` abstractly (``jax.eval_shape``): nothing is computed, and an op
+    its policy cannot run (a grouped convolution at int8) is listed all the same.
+    """
+    seen = {}
+
+    def run(v, *a):
+      out, s = self._run(self.model.apply, v, *a, check=False, **kwargs)
+      seen.update(s)
+      return out
+
+    jax.eval_shape(run, variables, *args)
+    return seen
+
+  def unused_rules(self, variables, *args, **kwargs):
+    return self.policy.unused_rules(self.ops(variables, *args, **kwargs))
+
+
+def _bridge_hint(bridged: list[str]) -> str:
+  if not bridged:
+    return ""
+  return (
+    f"The model wraps nnx modules as linen ones (nnx.bridge.to_linen) at {bridged}, whose ops the "
+    "linen interceptor cannot see. Fix: quantize the nnx module directly: "
+    "qsync_jax.quantize(MyNnxModel(..., rngs=nnx.Rngs(0)), policy)."
+  )
+
+
+def quantize(model: nn.Module, policy: PrecisionPolicy | Any, tap: Tap | None = None) -> QuantizedModel:
+  """Runs ``model`` under ``policy`` (a PrecisionPolicy, its JSON object, or a preset name).
+
+  ``model`` is a ``flax.linen`` module, or a ``flax.nnx`` module (or ``NnxModel``), which gets
+  the nnx twin ``qsync_jax.models.nnx_quant.QuantizedNnxModel`` with the same interface.
+
+  Examples:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp
+    >>> qmodel = quantize(nn.Dense(4), "int8_fwd")
+    >>> x = jnp.ones((2, 3))
+    >>> params = qmodel.init(jax.random.key(0), x)
+    >>> qmodel.apply(params, x).shape
+    (2, 4)
+  """
+  if isinstance(policy, str):
+    policy = PrecisionPolicy.uniform(policy)
+  elif not isinstance(policy, PrecisionPolicy):
+    policy = PrecisionPolicy.from_json(policy)
+  from qsync_jax.models.nnx_model import NnxModel, as_functional  # flax.nnx loads on first use
+
+  model = as_functional(model)
+  if isinstance(model, NnxModel):
+    from qsync_jax.models.nnx_quant import quantize_nnx
+
+    return quantize_nnx(model, policy, tap)
+  if not isinstance(model, nn.Module):
+    raise TypeError(
+      f"quantize() takes a flax.linen or flax.nnx Module, got {type(model).__name__}. "
+      "Fix: pass the model object (e.g. MyModel(...)), not its variables or a function."
+    )
+  return QuantizedModel(model, policy, tap)

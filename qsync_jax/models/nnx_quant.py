@@ -1,0 +1,384 @@
+"""Apply a precision policy to an unmodified ``flax.nnx`` model.
+
+``quantize(nnx_module, policy)`` (``qsync_jax.quantize`` dispatches here) returns a
+``QuantizedNnxModel``: the module behind ``NnxModel``'s functional ``init`` / ``apply``, whose
+``apply`` hands every quantizable module of the fresh copy it calls its quantized op, through
+the module's own attribute where nnx has one:
+
+===========================  ================================  ====================================
+module                       op kind(s)                        hook
+===========================  ================================  ====================================
+``nnx.Linear``               ``dense``                         ``dot_general``
+``nnx.LinearGeneral``        ``dense_general``                 ``dot_general`` (``dot_general_cls``)
+``nnx.Conv``                 ``conv``                          ``conv_general_dilated``
+``nnx.Einsum``               ``einsum``                        ``einsum_op``
+``nnx.MultiHeadAttention``   ``attention_qk``, ``attention_pv``  ``attention_fn``
+``nnx.Embed``                ``embed``, ``embed_attend``       (no hook: its lookup / attend)
+===========================  ================================  ====================================
+
+Names and rules are those of linen models: an op is ``"<path>:<kind>"`` with the module's path
+in the nnx graph joined by ``/`` (``blocks/0/attn/query``; an attention module's projections are
+its ``LinearGeneral`` children ``query``, ``key``, ``value``, ``out``); the policy's ordered
+regex rules, first match wins, then ``__default__``. An op no rule matches keeps the module's
+own function and runs bit-identical to the plain model. Each op runs under ``jax.named_scope``
+of its path (as linen's module scopes name a step's instructions). Stochastic rounding draws a
+fresh key per op call from ``apply(..., rngs={"qsync": key})``.
+
+An ``embed`` op is a lookup at every precision (``qsync_jax.ops.qembed``, as for linen), an
+``embed_attend`` op a GEMM. ``nnx.Embed`` has no hook for them, so its copy in ``apply`` is
+re-classed as a subclass (same attributes and variables) whose ``__call__`` / ``attend`` run
+them, as the linen version re-implements ``nn.Embed``'s; an ``nnx.Embed`` subclass with its own
+``__call__`` or ``attend`` is left alone (it calls no op qsync knows).
+
+``nnx.MultiHeadAttention``'s ``attention_fn`` becomes ``quantized_attention``:
+``nnx.dot_product_attention`` with its two products at their op policies (grouped-query
+attention repeats the key and value heads); with neither product matched the module keeps its
+own ``attention_fn``. Inside ``qsync_jax.ops.qattention.fused_attention()``, products both at one
+16-bit float type run ``jax.nn.dot_product_attention`` as for linen (with nnx's default
+``attention_fn``, no dropout, no ``is_causal``, no sown weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from jax import lax
+
+from qsync_jax.errors import QsyncError
+from qsync_jax.models.nnx_model import NnxModel, path_name
+from qsync_jax.ops import qattention
+from qsync_jax.ops.quant_ops import (
+  RNG_COLLECTION,
+  OpInfo,
+  QuantizedConv,
+  QuantizedDotGeneral,
+  QuantizedEinsum,
+  QuantizedLookup,
+  Tap,
+)
+from qsync_jax.policy import PrecisionPolicy, op_name
+from qsync_jax.precision import OpPolicy
+
+OP_KINDS_OF: tuple[tuple[type, tuple[str, ...]], ...] = (
+  (nnx.Linear, ("dense",)),
+  (nnx.LinearGeneral, ("dense_general",)),
+  (nnx.Conv, ("conv",)),
+  (nnx.Einsum, ("einsum",)),
+  (nnx.Embed, ("embed", "embed_attend")),
+  (nnx.MultiHeadAttention, ("attention_qk", "attention_pv")),
+)
+"""Quantizable nnx module types and the kinds of op each may call."""
+
+
+def kinds_of(module) -> tuple[str, ...]:
+  """The op kinds ``module`` may call (none for an ``nnx.Embed`` subclass with its own lookup
+  or attend: qsync would replace them, so it leaves such a module alone)."""
+  if isinstance(module, nnx.Embed) and (
+    type(module).__call__ is not nnx.Embed.__call__ or type(module).attend is not nnx.Embed.attend
+  ):
+    return ()
+  for cls, kinds in OP_KINDS_OF:
+    if isinstance(module, cls):
+      return kinds
+  return ()
+
+
+def quantizable_modules(module: nnx.Module) -> list[tuple[str, nnx.Module]]:
+  """``(path, module)`` of every quantizable module of the graph (a shared module once)."""
+  return [(path_name(p), m) for p, m in nnx.iter_graph(module) if kinds_of(m)]
+
+
+class _Ops:
+  """One ``apply``'s ops: what each quantizable module called (``seen``) and its keys."""
+
+  def __init__(self, policy: PrecisionPolicy, tap: Tap | None, key, listing: bool = False):
+    """``listing``: record every op and its policy but run the module's own (float) ops."""
+    self.policy, self.tap, self.key, self.listing = policy, tap, key, listing
+    self.seen: dict[str, OpPolicy | None] = {}
+    self.calls = 0
+
+  def op(self, cls, path: str, kind: str):
+    """The flax_quant op for one call of ``path:kind`` (None: the module's own op)."""
+    name = op_name(path, kind)
+    op_policy = self.policy.lookup(path, kind)
+    self.seen[name] = op_policy
+    if op_policy is None or self.listing:
+      return None
+
+    def info_fn(lhs, rhs, rerun):
+      return OpInfo(name, path, kind, tuple(lhs.shape), tuple(rhs.shape), op_policy, lhs, rhs, rerun)
+
+    return cls(info_fn, op_policy, self._key(name, op_policy), self.tap)
+
+  def _key(self, name: str, op_policy: OpPolicy):
+    if not op_policy.needs_rng:
+      return None
+    if self.key is None:
+      raise ValueError(
+        f"op {name!r} rounds stochastically ({op_policy}) but no PRNG key was given. "
+        f"Fix: pass rngs={{'{RNG_COLLECTION}': key}} to apply (a fresh key each step)."
+      )
+    self.calls += 1
+    return jax.random.fold_in(self.key, self.calls)
+
+
+def _no_out_sharding(path: str, out_sharding) -> None:
+  if out_sharding is not None:
+    raise QsyncError(
+      f"module {path!r} was called with out_sharding={out_sharding!r}, which quantized ops do not "
+      "take. Fix: call it without out_sharding, or keep it in float with a rule whose policy is fp32."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _DotHook:
+  """``dot_general`` of an ``nnx.Linear`` / ``LinearGeneral``."""
+
+  ops: _Ops
+  path: str
+  kind: str
+  own: Callable[[], Callable]  # the module's own dot_general (LinearGeneral may build it per call)
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, out_sharding=None, **kwargs):
+    with jax.named_scope(self.path):
+      op = self.ops.op(QuantizedDotGeneral, self.path, self.kind)
+      if op is None:
+        return self.own()(
+          lhs, rhs, dimension_numbers, precision=precision, out_sharding=out_sharding, **kwargs
+        )
+      _no_out_sharding(self.path, out_sharding)
+      return op(lhs, rhs, dimension_numbers, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConvHook:
+  """``conv_general_dilated`` of an ``nnx.Conv``."""
+
+  ops: _Ops
+  path: str
+  own: Callable
+
+  def __call__(self, *args, out_sharding=None, **kwargs):
+    with jax.named_scope(self.path):
+      op = self.ops.op(QuantizedConv, self.path, "conv")
+      if op is None:
+        return self.own(*args, out_sharding=out_sharding, **kwargs)
+      _no_out_sharding(self.path, out_sharding)
+      return op(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _EinsumHook:
+  """``einsum_op`` of an ``nnx.Einsum``."""
+
+  ops: _Ops
+  path: str
+  own: Callable
+
+  def __call__(self, subscripts, lhs, rhs, out_sharding=None, **kwargs):
+    with jax.named_scope(self.path):
+      op = self.ops.op(QuantizedEinsum, self.path, "einsum")
+      if op is None:
+        return self.own(subscripts, lhs, rhs, out_sharding=out_sharding, **kwargs)
+      _no_out_sharding(self.path, out_sharding)
+      return op(subscripts, lhs, rhs, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AttentionHook:
+  """``attention_fn`` of an ``nnx.MultiHeadAttention``."""
+
+  ops: _Ops
+  path: str
+  own: Callable
+
+  def __call__(self, query, key, value, **kwargs):
+    with jax.named_scope(self.path):
+      qk = self.ops.op(QuantizedEinsum, self.path, "attention_qk")
+      pv = self.ops.op(QuantizedEinsum, self.path, "attention_pv")
+      if qk is None and pv is None:
+        return self.own(query, key, value, **kwargs)
+      fused = qattention.fused_dtype(qk and qk.op_policy, pv and pv.op_policy)
+      plain = (
+        self.own is nnx.dot_product_attention and not kwargs.get("module") and not kwargs.get("is_causal")
+      )
+      if fused is not None and plain and kwargs.get("dropout_rate", 0.0) == 0.0:
+        return qattention.attention_fn(fused)(query, key, value, kwargs.get("bias"), kwargs.get("mask"))
+      return quantized_attention(query, key, value, qk=qk or jnp.einsum, pv=pv or jnp.einsum, **kwargs)
+
+
+def quantized_attention(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  broadcast_dropout: bool = True,
+  dropout_rng=None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = False,
+  dtype=None,
+  precision=None,
+  module=None,
+  promote_dtype=dtypes.promote_dtype,
+  is_causal: bool = False,
+  *,
+  qk: Callable,
+  pv: Callable,
+):
+  """``nnx.dot_product_attention`` with its products as ``qk(subscripts, q, k)`` and
+  ``pv(subscripts, weights, v)``. Equivalent to::
+
+      w = softmax(mask(qk("...qhd,...khd->...hqk", q / sqrt(d), k) + bias))  # then dropout
+      out = pv("...hqk,...khd->...qhd", w, v)
+  """
+  query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  dtype = query.dtype
+  if key.shape[-2] != query.shape[-2]:  # grouped-query attention: one key/value head per group
+    repeats = query.shape[-2] // key.shape[-2]
+    key, value = jnp.repeat(key, repeats, axis=-2), jnp.repeat(value, repeats, axis=-2)
+  query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+  einsum_kwargs = {"precision": precision} if qk is jnp.einsum else {}
+  weights = qk("...qhd,...khd->...hqk", query, key, **einsum_kwargs)
+  if bias is not None:
+    weights = weights + bias
+  if mask is not None or is_causal:
+    masks = [m for m in [mask] if m is not None]
+    if is_causal:
+      t, s = weights.shape[-2:]
+      causal = jnp.tril(jnp.ones((t, s), dtype=dtype))
+      masks.append(jnp.broadcast_to(causal, mask.shape if mask is not None else weights.shape))
+    combined = nnx.combine_masks(*masks, dtype=dtype)
+    weights = jnp.where(combined, weights, jnp.finfo(dtype).min)
+  weights = jax.nn.softmax(weights).astype(dtype)
+  if module:
+    module.sow(nnx.Intermediate, "attention_weights", weights)
+  if not deterministic and dropout_rate > 0.0:
+    keep_prob = 1.0 - dropout_rate
+    shape = (1,) * (key.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
+  einsum_kwargs = {"precision": precision} if pv is jnp.einsum else {}
+  return pv("...hqk,...khd->...qhd", weights, value, **einsum_kwargs)
+
+
+def _embed_lookup(self, inputs, out_sharding=None):
+  """``nnx.Embed.__call__`` with its lookup at the op's policy (``QuantizedLookup``: a gather, as
+  the linen version's); the module's own lookup when no rule matches."""
+  ops, path = self._qsync_ops, self._qsync_path
+  with jax.named_scope(path):
+    op = ops.op(QuantizedLookup, path, "embed")
+    if op is None:
+      return nnx.Embed.__call__(self, inputs, out_sharding=out_sharding)
+    _no_out_sharding(path, out_sharding)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError(f"Embed {path!r}: input dtype {inputs.dtype} must be integer.")
+    (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+    return op(table, inputs)
+
+
+def _embed_attend(self, query, out_sharding=None):
+  """``nnx.Embed.attend``: ``query · tableᵀ`` at the op's policy; the module's own when no rule
+  matches."""
+  ops, path = self._qsync_ops, self._qsync_path
+  with jax.named_scope(path):
+    op = ops.op(QuantizedDotGeneral, path, "embed_attend")
+    if op is None:
+      return nnx.Embed.attend(self, query, out_sharding=out_sharding)
+    _no_out_sharding(path, out_sharding)
+    query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+    return op(query, table, (((query.ndim - 1,), (1,)), ((), ())))
+
+
+@functools.cache
+def _hooked_embed_class(cls: type) -> type:
+  """``cls`` (``nnx.Embed`` or a subclass keeping its lookup and attend) with them quantized."""
+  return type(f"Hooked{cls.__name__}", (cls,), {"__call__": _embed_lookup, "attend": _embed_attend})
+
+
+def install(module: nnx.Module, ops: _Ops) -> None:
+  """Hands every quantizable module of ``module`` (a throwaway copy) its hook."""
+  for path, m in quantizable_modules(module):
+    if isinstance(m, nnx.LinearGeneral):
+      cls, fn = m.dot_general_cls, m.dot_general
+      own = cls if cls is not None else (lambda fn=fn: fn if fn is not None else lax.dot_general)
+      m.dot_general, m.dot_general_cls = _DotHook(ops, path, "dense_general", own), None
+    elif isinstance(m, nnx.Linear):
+      m.dot_general = _DotHook(ops, path, "dense", lambda fn=m.dot_general: fn)
+    elif isinstance(m, nnx.Conv):
+      m.conv_general_dilated = _ConvHook(ops, path, m.conv_general_dilated)
+    elif isinstance(m, nnx.Einsum):
+      m.einsum_op = _EinsumHook(ops, path, m.einsum_op)
+    elif isinstance(m, nnx.MultiHeadAttention):
+      m.attention_fn = _AttentionHook(ops, path, m.attention_fn)
+    elif isinstance(m, nnx.Embed):
+      m.__class__ = _hooked_embed_class(type(m))
+      m._qsync_ops, m._qsync_path = ops, path
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedNnxModel:
+  """An nnx model run under a precision policy; the interface of ``QuantizedModel``."""
+
+  model: NnxModel
+  policy: PrecisionPolicy
+  tap: Tap | None = None
+
+  def _call(self, variables, args, kwargs, listing=False) -> tuple[Any, dict[str, OpPolicy | None]]:
+    kwargs = dict(kwargs)
+    rngs, mutable = dict(kwargs.pop("rngs", None) or {}), kwargs.pop("mutable", False)
+    ops = _Ops(self.policy, self.tap, rngs.get(RNG_COLLECTION), listing)
+    out = self.model.call(
+      variables, args, kwargs, rngs=rngs, mutable=mutable, prepare=lambda module, _: install(module, ops)
+    )
+    return out, ops.seen
+
+  def init(self, rngs=None, *args, **kwargs):
+    return self.model.init(rngs, *args, **kwargs)
+
+  def apply(self, variables, *args, **kwargs):
+    return self._call(variables, args, kwargs)[0]
+
+  def ops(self, variables, *args, **kwargs) -> dict[str, OpPolicy | None]:
+    """Every quantizable op the model calls (``"path:kind"``) → its op policy (None = float).
+
+    Traces the float ``apply`` abstractly (``jax.eval_shape``): nothing is computed, and an op
+    its policy cannot run (a grouped convolution at int8) is listed all the same.
+    """
+    seen = {}
+
+    def run(v, *a):
+      out, s = self._call(v, a, kwargs, listing=True)
+      seen.update(s)
+      return out
+
+    jax.eval_shape(run, variables, *args)
+    return seen
+
+  def unused_rules(self, variables, *args, **kwargs):
+    return self.policy.unused_rules(self.ops(variables, *args, **kwargs))
+
+
+def quantize_nnx(model: NnxModel, policy: PrecisionPolicy, tap: Tap | None = None) -> QuantizedNnxModel:
+  """``model`` under ``policy``; refuses a policy that would quantize none of its ops."""
+  candidates = [op_name(path, k) for path, m in quantizable_modules(model.module()) for k in kinds_of(m)]
+  policy.check_quantizes_some(candidates, _bridge_hint(model))
+  return QuantizedNnxModel(model, policy, tap)
+
+
+def _bridge_hint(model: NnxModel) -> str:
+  """What to do when the policy finds nothing: nnx modules holding linen ones hide their ops."""
+  bridged = [path_name(p) for p, m in nnx.iter_graph(model.module()) if isinstance(m, nnx.bridge.ToNNX)]
+  if bridged:
+    return (
+      f"the model wraps linen modules with nnx.bridge.ToNNX at {bridged}, whose ops qsync cannot see. "
+      "Fix: quantize the linen module itself, or write it in nnx."
+    )
+  return ""

@@ -1,0 +1,426 @@
+"""One synchronous data-parallel training step over hybrid device groups.
+
+The step is one SPMD program: ``shard_map`` over the ``data`` mesh axis, one device per
+position. Every device runs its group's precision policy: the model is quantized once per
+distinct (policy, per-device batch) pair — a *branch* — and ``lax.switch`` on the device's
+branch index (a constant table indexed by ``lax.axis_index``) picks the branch; a cluster with
+one branch calls it directly.
+
+Semantics, per step, with ``b_i`` the per-device batch of device ``i`` and ``B = Σ b_i``:
+
+* the global batch is cut in device order (``qsync_jax.train.batching``); each branch slices its
+  static ``b_i`` rows, so padding never reaches the model;
+* device ``i`` computes ``g_i = ∇ mean_loss_i`` of its fp32 master params (under its policy)
+  and hands ``(b_i / B) · g_i`` to the gradient sync, which combines the devices' weighted
+  gradients (default: fp32 ``psum``), so the result equals the full-batch gradient;
+* the loss and metrics reported are the same ``b_i / B``-weighted sums (= full-batch means);
+* mutable collections (BatchNorm statistics) are *synchronized*: every device normalizes with
+  its own batch's statistics (as in DDP without SyncBN), and the running statistics kept in the
+  state are the ``b_i / B``-weighted average of the devices' updated ones, so replicas agree;
+* master params, optimizer state and model state are fp32 and replicated; the optimizer
+  (optax) runs on every device on the same combined gradient;
+* randomness: the step key is ``fold_in(train key, step)``; it is split into one key for the
+  gradient sync (the same on every device) and a device base folded with the device index,
+  from which the ``"qsync"`` stream (stochastic rounding) and the task's ``rng_streams``
+  (dropout…) are drawn, so a run is a pure function of the seed and the data;
+* with dynamic loss scaling (plans with an fp16 leg) the local loss is multiplied by the
+  scale before differentiation and the gradient divided by it (fp32) before the sync; a step
+  whose combined gradient is not finite on any device is skipped everywhere.
+
+Gradients of replicated params are taken w.r.t. params cast to *varying* (``pcast``): under
+``check_vma`` the gradient of an invariant input would come back already summed over the
+axis, and the sync would count it twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qsync_jax.cluster import ClusterSpec
+from qsync_jax.errors import QsyncError
+from qsync_jax.ops.quant_ops import RNG_COLLECTION
+from qsync_jax.ops.vma import shard_map
+from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.sync.common import AXIS, is_float, optimizer_init, to_varying
+from qsync_jax.sync.order import backward_order, from_order, in_order
+from qsync_jax.train.batching import pad_shards, put_replicated, put_sharded
+from qsync_jax.train.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
+from qsync_jax.train.task import Task
+from qsync_jax.train.task_step import task_loss
+
+SyncFn = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
+"""``(weighted_local_grads, sync_state, key) -> (combined_grads, sync_state)``.
+
+Called inside ``shard_map`` with axis name ``"data"``. ``weighted_local_grads`` is this
+device's fp32 gradient times its share of the global batch; ``combined_grads`` must be the
+same on every device (typed invariant, e.g. the result of a ``psum``). ``sync_state`` is this
+device's own state (error feedback, EMAs…): if the callable has an ``init(params)`` method its
+result is the initial per-device state, else the state is ``()``. ``key`` is one PRNG key per
+step, the same on every device (fold in ``lax.axis_index("data")`` for per-device noise).
+``weighted_local_grads`` is the gradient tree, or, when the callable's ``leaf_order``
+attribute is ``"backward"``, the tree's leaves as a list in the order the backward pass
+produces them (``qsync_jax.sync.order``); ``combined_grads`` comes back in the same form.
+"""
+
+
+def psum_sync(weighted_local_grads, sync_state, key):
+  """Default ``SyncFn``: the fp32 sum over ``data`` of the weighted local gradients."""
+  del key
+  return lax.psum(jax.tree.map(lambda g: g.astype(jnp.float32), weighted_local_grads), AXIS), sync_state
+
+
+# -- state ------------------------------------------------------------------------------------
+class TrainState(NamedTuple):
+  """Everything a step reads and writes. All replicated except ``sync_state`` (one per device,
+  stacked on a leading axis sharded over ``data``)."""
+
+  step: jax.Array  # int32 scalar: steps taken (skipped steps included)
+  params: Any  # fp32 master weights
+  opt_state: Any  # optax state
+  model_state: Any  # non-param collections (e.g. {"batch_stats": ...})
+  rng: jax.Array  # uint32 key data of the training key; step keys fold in ``step``
+  loss_scale: LossScaleState
+  sync_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+  """A distinct (policy, per-device batch) and the device groups that run it."""
+
+  groups: tuple[str, ...]
+  policy: PrecisionPolicy
+  batch_per_device: int
+
+
+def plan_branches(cluster: ClusterSpec, plan: Plan) -> tuple[tuple[Branch, ...], tuple[int, ...]]:
+  """The branches of ``plan`` on ``cluster`` (batches already applied) and each device's branch."""
+  keys: dict[tuple[str, int], int] = {}
+  groups: list[list[str]] = []
+  specs: list[tuple[PrecisionPolicy, int]] = []
+  group_branch = []
+  for g in cluster.groups:
+    policy = plan.policy_for(g.name)
+    key = (json.dumps(policy.to_json(), sort_keys=True), g.batch_per_device)
+    if key not in keys:
+      keys[key] = len(specs)
+      specs.append((policy, g.batch_per_device))
+      groups.append([])
+    groups[keys[key]].append(g.name)
+    group_branch.append(keys[key])
+  branches = tuple(Branch(tuple(n), p, b) for n, (p, b) in zip(groups, specs))
+  return branches, tuple(group_branch[i] for i in cluster.device_group_indices())
+
+
+def _float32(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+  """What every compiled training program (``TrainStep``, ``StrategyStep``) offers the trainer:
+  the fields they share (subclasses add theirs, among them ``step``) and the methods below."""
+
+  task: Task
+  cluster: ClusterSpec  # plan's batch overrides applied
+  plan: Plan
+  mesh: Mesh
+  branches: tuple[Branch, ...]
+  device_branch: tuple[int, ...]
+
+  @property
+  def global_batch(self) -> int:
+    return self.cluster.global_batch
+
+  def __call__(self, state, batch):
+    return self.step(state, batch)
+
+  def shard(self, host_batch):
+    """Host global batch (``global_batch`` rows) → padded per-device shards on the mesh."""
+    return shard_batch(host_batch, self.cluster, self.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep(StepProgram):
+  """A compiled hybrid data-parallel step and what it needs to run.
+
+  ``step(state, sharded_batch) -> (state, metrics)`` (plus the combined gradient when built
+  with ``return_grads=True``); ``init(seed, host_batch)`` makes the first state;
+  ``shard(host_batch)`` cuts a global batch into per-device shards on the mesh.
+  """
+
+  optimizer: optax.GradientTransformation
+  loss_scale: Any
+  sync_init: Callable[[Any], Any]
+  step: Callable
+  state_sharding: Any
+
+  def init(self, seed: int, host_batch) -> TrainState:
+    """Initial state: params from ``init_variables`` (fp32), fresh optimizer/loss-scale/sync state."""
+    task, n = self.task, self.mesh.size
+    optimizer = self.optimizer
+
+    def init(sample):
+      variables, rng = init_variables(task, seed, sample)
+      params = variables.pop("params")
+      one = self.sync_init(params)
+      return TrainState(
+        step=jnp.int32(0),
+        params=params,
+        opt_state=optimizer_init(optimizer, params),
+        model_state=variables,
+        rng=rng,
+        loss_scale=self.loss_scale.init(),
+        sync_state=jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), one),
+      )
+
+    return jax.jit(init, out_shardings=self.state_sharding)(init_sample(host_batch, self.cluster, self.mesh))
+
+  # -- what the trainer reads from a state (a step-builder strategy's program answers the same) --
+  def step_count(self, state: TrainState) -> jax.Array:
+    """Steps taken (int32 scalar)."""
+    return state.step
+
+  def params_of(self, state: TrainState):
+    """The model's parameters (fp32 master weights)."""
+    return state.params
+
+  def variables_of(self, state: TrainState) -> dict:
+    """``{"params": ..., **model_state}``: what ``task.model.apply`` takes for evaluation."""
+    return {"params": state.params, **state.model_state}
+
+
+def shard_batch(host_batch, cluster: ClusterSpec, mesh: Mesh):
+  """Host global batch (``cluster.global_batch`` rows) → padded per-device shards on ``mesh``."""
+  return put_sharded(pad_shards(host_batch, cluster.device_batch_sizes()), mesh, AXIS)
+
+
+def init_sample(host_batch, cluster: ClusterSpec, mesh: Mesh):
+  """The first ``max_batch_per_device`` rows of a host batch, replicated: the input of ``init_variables``."""
+  return put_replicated(
+    jax.tree.map(lambda x: np.asarray(x)[: cluster.max_batch_per_device], host_batch), mesh
+  )
+
+
+def init_variables(task: Task, seed: int, sample) -> tuple[dict, jax.Array]:
+  """``(variables, rng)``: the fp32 variables of ``task.model.init`` and the key data of the
+  training key, both derived from ``seed`` (traceable; every program of the trainer starts here,
+  so one seed gives the same initial parameters whatever the sync strategy)."""
+  init_key, train_key = jax.random.split(jax.random.key(seed))
+  keys = jax.random.split(init_key, 2 + len(task.rng_streams))
+  rngs = {"params": keys[0], RNG_COLLECTION: keys[1]}
+  rngs.update({s: k for s, k in zip(task.rng_streams, keys[2:])})
+  variables = task.model.init(rngs, *task.inputs(sample), **task.train_kwargs)
+  return _float32(dict(variables)), jax.random.key_data(train_key)
+
+
+def device_switch(fns: Sequence[Callable], device_branch: Sequence[int], axis_name: str = AXIS) -> Callable:
+  """``f(*args)`` that runs ``fns[device_branch[i]](*args)`` on device ``i`` of ``axis_name``
+  inside ``shard_map``: ``lax.switch`` on a constant table indexed by ``lax.axis_index``;
+  ``fns[0]`` itself when there is one function."""
+  if len(fns) == 1:
+    return fns[0]
+  table = np.asarray(device_branch, np.int32)
+
+  def switched(*args):
+    return lax.switch(jnp.asarray(table)[lax.axis_index(axis_name)], list(fns), *args)
+
+  return switched
+
+
+def _split_sync(grad_sync) -> tuple[Callable, Callable[[Any], Any], str]:
+  """(sync function, per-device state init, leaf order) of a ``SyncFn`` callable or an
+  ``(init, sync)`` object; the leaf order is its ``leaf_order`` attribute (default ``"tree"``;
+  ``"backward"`` for ``psum_sync``)."""
+  sync = getattr(grad_sync, "sync", grad_sync)
+  if not callable(sync):
+    raise TypeError(
+      f"grad_sync must be a callable (grads, state, key) -> (grads, state) or have .init and .sync, "
+      f"got {type(grad_sync).__name__}. Fix: pass e.g. qsync_jax.sync.make_grad_sync('fp32')."
+    )
+  init = getattr(grad_sync, "init", None)
+  order = "backward" if grad_sync is psum_sync else getattr(grad_sync, "leaf_order", "tree")
+  if order not in ("tree", "backward"):
+    raise QsyncError(f"grad_sync.leaf_order={order!r} is not an order. Fix: set it to 'tree' or 'backward'.")
+  return sync, (init if callable(init) else (lambda params: ())), order
+
+
+def make_train_step(
+  task: Task,
+  cluster: ClusterSpec,
+  plan: Plan | None,
+  optimizer: optax.GradientTransformation,
+  grad_sync: SyncFn | None = None,
+  *,
+  devices: Sequence[Any] | None = None,
+  loss_scale: DynamicLossScale | NoLossScale | None = None,
+  return_grads: bool = False,
+  donate: bool | None = None,
+  sync_leaf_order: str = "auto",
+) -> TrainStep:
+  """Builds the hybrid synchronous data-parallel step of ``task`` on ``cluster`` under ``plan``.
+
+  Args:
+    task: the model, its inputs, loss and data.
+    cluster: device groups; device ``i`` of ``devices`` belongs to ``cluster.device_group_indices()[i]``.
+    plan: one precision policy per group (None: every group runs the float model) and optional
+      per-device batch overrides.
+    optimizer: an optax transformation, applied to the combined fp32 gradient.
+    grad_sync: a ``SyncFn`` callable (default ``psum_sync``), or an object with ``init`` and
+      ``sync`` such as ``qsync_jax.sync.make_grad_sync(name)``.
+    devices: the devices of the job, in order (default ``jax.devices()``: all processes').
+    loss_scale: default ``DynamicLossScale()`` when the plan has an fp16 leg, else ``NoLossScale()``.
+    return_grads: the step also returns the combined (unscaled) gradient.
+    donate: donate the input state's buffers (default: on accelerators, not on the CPU).
+    sync_leaf_order: ``"auto"``: the sync's own ``leaf_order`` (``"backward"`` for the default
+      and the built-in all-reduces: the gradient leaves are handed over as a list in the order
+      the backward pass produces them, so an all-reduce's buckets can start during the
+      backward; see ``qsync_jax.sync.order`` for what it does and does not change on GPUs);
+      ``"tree"``: the gradient tree as is, whatever the sync says (the order before this
+      option existed).
+  """
+  plan = plan if plan is not None else Plan()
+  cluster, devices = plan.place(cluster, list(jax.devices() if devices is None else devices))
+  mesh = Mesh(np.asarray(devices), (AXIS,))
+  grad_sync, sync_init, leaf_order = _split_sync(grad_sync if grad_sync is not None else psum_sync)
+  if sync_leaf_order not in ("auto", "tree"):
+    raise QsyncError(
+      f"sync_leaf_order={sync_leaf_order!r} is not an option. Fix: pass 'auto' (the sync's own "
+      "leaf_order) or 'tree' (the gradient tree as is)."
+    )
+  leaf_order = "tree" if sync_leaf_order == "tree" else leaf_order
+  if loss_scale is None:
+    loss_scale = DynamicLossScale() if plan.needs_fp16_loss_scaling else NoLossScale()
+  branches, device_branch = plan_branches(cluster, plan)
+  global_batch = cluster.global_batch
+
+  def branch_fn(branch: Branch):
+    task_loss_fn = task_loss(task, branch.policy)
+    b, weight = branch.batch_per_device, branch.batch_per_device / global_batch
+
+    def run(params, model_state, batch, key, scale):
+      local = jax.tree.map(lambda x: x[:b], batch)
+
+      def loss_fn(p):
+        loss, metrics, updated = task_loss_fn({"params": p, **model_state}, local, key)
+        loss = loss.astype(jnp.float32)
+        scaled = loss * scale if loss_scale.enabled else loss
+        return scaled, (loss, metrics, updated)
+
+      scaled, vjp_fn, (loss, metrics, updated) = jax.vjp(loss_fn, params, has_aux=True)
+      cotangent = jnp.ones_like(scaled)
+      if want_order and not orders:  # the first traced branch decides the sync's leaf order
+        orders.append(backward_order(jax.make_jaxpr(vjp_fn)(cotangent), len(jax.tree.leaves(params))))
+      (grads,) = vjp_fn(cotangent)
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+      scalars = jnp.stack([loss, *(jnp.asarray(v, jnp.float32) for v in metrics.values())])
+      new_state = {c: updated.get(c, model_state[c]) for c in model_state}
+      if loss_scale.enabled or weight != 1.0:  # one device with the whole batch: nothing to weight
+        factor = weight / scale if loss_scale.enabled else jnp.float32(weight)
+        grads = jax.tree.map(lambda g: g * factor, grads)
+        scalars = scalars * jnp.float32(weight)
+        new_state = jax.tree.map(lambda x: x * jnp.float32(weight) if is_float(x) else x, new_state)
+      return grads, scalars, new_state, tuple(metrics)
+
+    return run
+
+  runs = [branch_fn(b) for b in branches]
+  # One device with the default sync: every collective is the identity, so emit none (a
+  # 1-device all-reduce still copies every gradient) and skip the varying/invariant typing.
+  alone = mesh.size == 1 and grad_sync is psum_sync
+  want_order = leaf_order == "backward" and not alone
+  metric_names: list[tuple[str, ...]] = []
+  orders: list[tuple[int, ...]] = []  # the gradient leaves' backward order (``sync.order``)
+
+  def local_step(state: TrainState, batch):
+    index = lax.axis_index(AXIS)
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    sync_key, device_base = jax.random.split(step_key)
+    scale = state.loss_scale.scale
+    varying = (lambda t: t) if alone else to_varying
+    operands = (
+      varying(state.params),
+      varying(state.model_state),
+      batch,
+      jax.random.fold_in(device_base, index),
+      scale,
+    )
+
+    def strip(run):
+      def f(*args):
+        grads, scalars, new_state, names = run(*args)
+        metric_names.append(names)
+        return grads, scalars, new_state
+
+      return f
+
+    grads, scalars, new_state = device_switch([strip(r) for r in runs], device_branch)(*operands)
+
+    sync_state = jax.tree.map(lambda x: x[0], state.sync_state)
+    if alone:
+      combined = grads
+    elif want_order:  # the leaves as a list, in the order the backward pass produces them
+      combined, sync_state = grad_sync(in_order(grads, orders[0]), sync_state, sync_key)
+      combined = from_order(combined, grads, orders[0])
+    else:
+      combined, sync_state = grad_sync(grads, sync_state, sync_key)
+    sync_state = jax.tree.map(lambda x: x[None], sync_state)
+    if not alone:
+      scalars = lax.psum(scalars, AXIS)
+      new_state = jax.tree.map(lambda x: lax.psum(x, AXIS) if is_float(x) else lax.pmax(x, AXIS), new_state)
+
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
+      updates, opt_state = optimizer.update(combined, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+    names = metric_names[-1]
+    metrics = {"loss": scalars[0], **{k: scalars[1 + i] for i, k in enumerate(names)}}
+    ls_state = state.loss_scale
+    if loss_scale.enabled:
+      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(combined)]))
+      if not alone:
+        finite = lax.pmin(to_varying(finite.astype(jnp.int32)), AXIS) > 0
+
+      def keep(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+      new_state = keep(new_state, state.model_state)
+      ls_state = loss_scale.update(state.loss_scale, finite)
+      metrics["loss_scale"] = scale
+      metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+    new = TrainState(state.step + 1, params, opt_state, new_state, state.rng, ls_state, sync_state)
+    return (new, metrics, combined) if return_grads else (new, metrics)
+
+  state_specs = TrainState(P(), P(), P(), P(), P(), P(), P(AXIS))
+  out_specs = (state_specs, P(), P()) if return_grads else (state_specs, P())
+  mapped = shard_map(
+    local_step, mesh=mesh, in_specs=(state_specs, P(AXIS)), out_specs=out_specs, check_vma=not alone
+  )
+  if donate is None:
+    donate = devices[0].platform != "cpu"
+  step = jax.jit(mapped, donate_argnums=(0,) if donate else ())
+  state_sharding = TrainState(*(NamedSharding(mesh, s) for s in state_specs))
+  return TrainStep(
+    task=task,
+    cluster=cluster,
+    plan=plan,
+    mesh=mesh,
+    branches=branches,
+    device_branch=device_branch,
+    optimizer=optimizer,
+    loss_scale=loss_scale,
+    sync_init=sync_init,
+    step=step,
+    state_sharding=state_sharding,
+  )
