@@ -27,11 +27,12 @@ from benchmarks.result_rows import append_rows, result_row
 from benchmarks.roofline import MODELS, base_profile, build, model_ops
 from planners.allocator.greedy import fastest_levels, make_problem, uniform_levels
 from planners.allocator.joint import joint_plan, precision_counts
-from planners.catalog import allreduce_ms, device_spec
+from planners.catalog import allreduce_ms
 from planners.predictor.modeled import modeled_profile
 from planners.predictor.replay import sync_step_ms
 from planners.report import table
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.devices import device
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hybrid.jsonl")
 
@@ -75,8 +76,8 @@ def plan_pool(model: dict, pool: str, granularity: int, slack: float):
   b = model["batch_per_device"]
   cluster = ClusterSpec(
     (
-      DeviceGroup("train", train_dev, 4, device_spec(train_dev).memory_gb, b, LINK_GBPS),
-      DeviceGroup("infer", infer_dev, 4, device_spec(infer_dev).memory_gb, b, LINK_GBPS),
+      DeviceGroup("train", train_dev, 4, device(train_dev).memory_gb, b, LINK_GBPS),
+      DeviceGroup("infer", infer_dev, 4, device(infer_dev).memory_gb, b, LINK_GBPS),
     ),
     name=pool,
   )

@@ -163,10 +163,10 @@ def role_worker(args) -> int:
 def plan_cluster(args, prof):
   """Half the processes in ``train``, the rest in ``infer``, all this device type, linked at
   the catalog's device-to-device bandwidth (NVLink on an H100)."""
-  from planners.catalog import device_spec
   from qsync_jax.cluster import ClusterSpec, DeviceGroup
+  from qsync_jax.devices import device
 
-  half, link = args.processes // 2, 8 * device_spec(prof.device_type).link_gbytes_s
+  half, link = args.processes // 2, 8 * device(prof.device_type).link_gbytes_s
   return ClusterSpec(
     (
       DeviceGroup("train", prof.device_type, half, 80.0, args.batch, link),

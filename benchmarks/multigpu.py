@@ -59,6 +59,7 @@ from planners.profiler.fit import fit_remainder
 from planners.profiler.measure import measure_profile
 from planners.profiler.timing import PIPELINED_CLOCK, timed_ms
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.devices import device_type_of
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy, Rule
 from qsync_jax.precision import OpPolicy
@@ -68,15 +69,6 @@ from qsync_jax.train.train_step import make_train_step
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "multigpu.jsonl")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the children run from here
-
-
-def device_type() -> str:
-  kind = jax.devices()[0].device_kind
-  if "H200" in kind:
-    return "H200"
-  if "H100" in kind:
-    return "H100"
-  return "cpu"
 
 
 def policies() -> dict[str, PrecisionPolicy]:
@@ -145,7 +137,7 @@ BUCKET_BYTES = 30 * 2**20
 
 def local_cluster(n: int, batch: int) -> ClusterSpec:
   """One group of the first ``n`` local devices at ``batch`` per device."""
-  return ClusterSpec((DeviceGroup("gpus", device_type(), n, 80, batch),))
+  return ClusterSpec((DeviceGroup("gpus", device_type_of(jax.devices()[0]), n, 80, batch),))
 
 
 def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync_options=None):

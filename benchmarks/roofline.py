@@ -49,8 +49,8 @@ from planners.predictor.modeled import LEG_TENSORS, modeled_profile
 from planners.predictor.replay import predict
 from planners.profile import Profile
 from planners.profiler import timing
-from planners.profiler.measure import local_device_type
 from planners.profiler.step_hlo import per_op_ms
+from qsync_jax import devices
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
@@ -214,7 +214,7 @@ def conv_leg_ms(op: OpShape, leg: str, precision: str, repeats: int) -> float:
 def standalone_legs(ops: list[OpShape], device: str, repeats: int) -> tuple[dict, dict]:
   """``(gemm_ms, conv_ms)``: every distinct GEMM leg at each precision the device runs, and every
   convolution leg at fp32/tf32/bf16, each timed alone (module docstring)."""
-  precisions = [p for p in GEMM_PRECISIONS if p in catalog.device_spec(device).peak_tflops or device == "cpu"]
+  precisions = [p for p in GEMM_PRECISIONS if p in devices.device(device).peak_tflops or device == "cpu"]
   gemms: dict[str, float] = {}
   convs: dict[str, float] = {}
   for op in ops:
@@ -243,7 +243,7 @@ def measure_model(
   ``standalone_repeats``, every GEMM and convolution leg alone (``standalone_legs``)."""
   task, data, batch = build(name, tiny)
   ops, param_bytes = model_ops(task, data)
-  device = local_device_type()
+  device = devices.device_type_of(jax.devices()[0])
   t0 = time.perf_counter()
   gemms, convs = standalone_legs(ops, device, standalone_repeats) if standalone_repeats else ({}, {})
   if standalone_repeats:
@@ -309,7 +309,7 @@ def modeled_step_ms(measured: dict, policy: str) -> float:
   return predict(cluster, {device: modeled}, Plan.uniform(cluster, policy)).step_ms
 
 
-def op_leg_times(measured: dict, spec: catalog.DeviceSpec) -> dict[str, list[tuple[float, float]]]:
+def op_leg_times(measured: dict, spec: devices.DeviceType) -> dict[str, list[tuple[float, float]]]:
   """``{precision: [(measured ms, roofline ms)]}`` over every op leg timed alone (an op applied
   several times counts as often), against the roofline of the leg's product alone."""
   out: dict[str, list[tuple[float, float]]] = {}
@@ -350,7 +350,7 @@ def score(measured: dict) -> tuple[list[dict], list[str]]:
   """Rows and table lines: per precision, the standalone op legs' measured / roofline ratio (median,
   range) and the error of their summed time; per policy, the in-step time of each op kind and
   of the rest against the model's; per policy, the measured and modeled step and the error."""
-  spec = catalog.device_spec(measured["device_type"])
+  spec = devices.device(measured["device_type"])
   name, device = measured["model"], measured["device_kind"]
   rows, lines = [], []
   for p, pairs in op_leg_times(measured, spec).items():

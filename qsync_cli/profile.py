@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from planners.predictor.modeled import modeled_profile
-from planners.profiler.measure import local_device_type, measure_profile, traced_profile
+from planners.profiler.measure import measure_profile, traced_profile
 from planners.report import table
 from qsync_cli.common import progress
+from qsync_jax.devices import device_type_of, supported_precisions
 from qsync_jax.errors import Interrupted, UnsupportedPrecisionError
-from qsync_jax.precision import LEGS, supported_precisions
+from qsync_jax.precision import LEGS
 from qsync_jax.train.task import load_task
 
 HELP = "Measure op × leg × precision costs, casts and memory of a model's training step (JSON)."
@@ -44,7 +45,9 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
   task = load_task(args.model)
-  local = local_device_type()
+  import jax
+
+  local = device_type_of(jax.devices()[0])
   precisions = args.precisions.split(",") if args.precisions else None
   bad = [p for p in precisions or () if p not in supported_precisions(local)]
   if bad:

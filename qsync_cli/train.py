@@ -183,8 +183,9 @@ def run(args: argparse.Namespace) -> int:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
 
   from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.devices import device_type_of
   from qsync_jax.plan import Plan
-  from qsync_jax.train.distributed import check_device_types, device_type_of
+  from qsync_jax.train.distributed import check_device_types
   from qsync_jax.train.task import load_task
   from qsync_jax.train.trainer import Trainer
 
@@ -194,9 +195,7 @@ def run(args: argparse.Namespace) -> int:
   if args.cluster:
     cluster = ClusterSpec.load(args.cluster)
   else:
-    cluster = ClusterSpec.uniform(
-      device_type_of(jax.devices()[0]) or "H100", jax.device_count(), args.batch_per_device
-    )
+    cluster = ClusterSpec.uniform(device_type_of(jax.devices()[0]), jax.device_count(), args.batch_per_device)
   plan = Plan.load(args.plan) if args.plan else Plan()
   check_device_types(cluster, jax.devices(), args.simulate_device_types)
   sync, sync_options = _sync(args.sync, args.sync_option)

@@ -4,6 +4,7 @@ Public surface of the runtime; see README.md for a tour.
 """
 
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.devices import DEVICE_PRECISIONS, DEVICES, supported_precisions
 from qsync_jax.errors import (
   CheckpointError,
   ClusterSpecError,
@@ -18,14 +19,7 @@ from qsync_jax.ops.qdot import quantized_dot_general, quantized_einsum, residual
 from qsync_jax.ops.quant_ops import OpInfo
 from qsync_jax.plan import Plan
 from qsync_jax.policy import OP_KINDS, PrecisionPolicy, Rule, op_name, split_op_name
-from qsync_jax.precision import (
-  DEVICE_PRECISIONS,
-  LEGS,
-  PRECISIONS,
-  PRESETS,
-  OpPolicy,
-  supported_precisions,
-)
+from qsync_jax.precision import LEGS, PRECISIONS, PRESETS, OpPolicy
 from qsync_jax.train.task import Task
 
 __version__ = "0.1.0"
@@ -55,6 +49,7 @@ __all__ = [
   "ClusterSpecError",
   "DeviceGroup",
   "DEVICE_PRECISIONS",
+  "DEVICES",
   "LEGS",
   "NnxModel",
   "OP_KINDS",

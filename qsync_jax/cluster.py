@@ -33,9 +33,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from qsync_jax.devices import DEVICES
 from qsync_jax.errors import ClusterSpecError
 from qsync_jax.jsonio import parse_json, read_text, reject_unknown_keys
-from qsync_jax.precision import DEVICE_PRECISIONS
 
 DEFAULT_LINK_GBPS = 100.0
 """Link bandwidth (Gbit/s, as NICs are quoted) assumed when a group gives none."""
@@ -64,7 +64,7 @@ class DeviceGroup:
 
   Attributes:
     name: unique name of the group (plans key their policies by it).
-    device_type: a key of ``qsync_jax.precision.DEVICE_PRECISIONS`` (e.g. "A100", "T4", "cpu").
+    device_type: a key of ``qsync_jax.devices.DEVICES`` (e.g. "A100", "T4", "cpu").
     count: number of devices in the group.
     memory_gb: memory per device, in GB.
     batch_per_device: examples each device of the group processes per step.
@@ -84,9 +84,9 @@ class DeviceGroup:
         f"device group name {self.name!r} must be a non-empty string. Fix: name it, e.g. 'train'."
       )
     where = f"device group {self.name!r}"
-    if self.device_type not in DEVICE_PRECISIONS:
+    if self.device_type not in DEVICES:
       raise ClusterSpecError(
-        f"{where}: device_type={self.device_type!r} is unknown. Fix: use one of {sorted(DEVICE_PRECISIONS)}."
+        f"{where}: device_type={self.device_type!r} is unknown. Fix: use one of {sorted(DEVICES)}."
       )
     _positive_int(where, "count", self.count)
     _positive_int(where, "batch_per_device", self.batch_per_device)

@@ -28,9 +28,10 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from qsync_jax.devices import check_op_policy_on_device, supported_precisions
 from qsync_jax.errors import PolicyError
 from qsync_jax.jsonio import parse_json, read_text, reject_unknown_keys
-from qsync_jax.precision import OpPolicy, check_op_policy_on_device, supported_precisions
+from qsync_jax.precision import OpPolicy
 
 OP_KINDS = (
   "dense",

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from qsync_jax.errors import PolicyError, UnsupportedPrecisionError
+from qsync_jax.errors import PolicyError
 from qsync_jax.jsonio import reject_unknown_keys
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "int8", "fp8")
@@ -34,24 +34,6 @@ LEGS = ("fwd", "dlhs", "drhs")
 # Precision "ladder" used by the allocator: lower index = faster / less precise.
 # fp8 and int8 share a level (both 8-bit), tf32 sits between the 16-bit types and fp32.
 PRECISION_BITS = {"int8": 8, "fp8": 8, "fp16": 16, "bf16": 16, "tf32": 19, "fp32": 32}
-
-DEVICE_PRECISIONS: dict[str, tuple[str, ...]] = {
-  # The CPU simulates every precision (int8/fp8 products are emulated by XLA).
-  "cpu": PRECISIONS,
-  "V100": ("fp32", "fp16"),
-  "T4": ("fp32", "fp16", "int8"),
-  "A10": ("fp32", "tf32", "bf16", "fp16", "int8"),
-  "L4": ("fp32", "tf32", "bf16", "fp16", "int8", "fp8"),
-  "L40S": ("fp32", "tf32", "bf16", "fp16", "int8", "fp8"),
-  "A100": ("fp32", "tf32", "bf16", "fp16", "int8"),
-  "H100": PRECISIONS,
-  "H100-PCIe": PRECISIONS,
-  "H200": PRECISIONS,
-}
-"""Which precisions each device type can run: its tensor cores' dense formats (fp16 on V100; int8
-from Turing; tf32 and bf16 from Ampere; fp8 from Ada and Hopper). ``"cpu"`` runs every precision
-(through the jnp references)."""
-
 
 def _check_choice(what: str, value: Any, choices: tuple[str, ...], context: str) -> None:
   if not isinstance(value, str) or value not in choices:
@@ -174,25 +156,3 @@ PRESETS: dict[str, OpPolicy] = {
   "int8_fwd": OpPolicy(fwd="int8", dlhs="fp16", drhs="fp16"),
   "fp8": OpPolicy.uniform("fp8"),
 }
-
-
-def supported_precisions(device_type: str) -> tuple[str, ...]:
-  """Precisions ``device_type`` supports; raises with the known types if it is unknown."""
-  if device_type not in DEVICE_PRECISIONS:
-    raise UnsupportedPrecisionError(
-      f"device type {device_type!r} is unknown. Fix: use one of {sorted(DEVICE_PRECISIONS)}."
-    )
-  return DEVICE_PRECISIONS[device_type]
-
-
-def check_op_policy_on_device(op_policy: OpPolicy, device_type: str, context: str) -> None:
-  """Raises ``UnsupportedPrecisionError`` if a leg of ``op_policy`` is unsupported."""
-  supported = supported_precisions(device_type)
-  for leg in LEGS:
-    precision = getattr(op_policy, leg)
-    if precision not in supported:
-      raise UnsupportedPrecisionError(
-        f"{context}: {leg}={precision!r} is not supported on {device_type} "
-        f"(it supports {list(supported)}). Fix: choose one of those for {leg}, "
-        "or plan this op for another device group."
-      )

@@ -43,16 +43,17 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from planners import catalog
 from planners.predictor.graph import DEFAULT_BUCKET_BYTES, op_costs
 from planners.predictor.memory_model import memory_bytes, op_memory, residual_bytes
 from planners.predictor.replay import comm_for, profile_for, sync_step_ms
 from planners.profile import GroupCost, Profile
+from qsync_jax import devices
 from qsync_jax.cluster import ClusterSpec
+from qsync_jax.devices import supported_precisions
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import PRECISION_BITS, OpPolicy, supported_precisions
+from qsync_jax.precision import PRECISION_BITS, OpPolicy
 
 LEVEL_POLICIES: dict[str, str] = {
   "int8": "int8_fwd",
@@ -186,7 +187,7 @@ def default_training_groups(cluster: ClusterSpec) -> tuple[str, ...]:
   T4 above a V100.)"""
 
   def peak(g):
-    spec = catalog.device_spec(g.device_type)
+    spec = devices.device(g.device_type)
     return spec.peak_tflops.get("fp16", spec.peak_tflops["fp32"])
 
   best = max(peak(g) for g in cluster.groups)

@@ -13,6 +13,7 @@ import dataclasses
 from planners import catalog
 from planners.ops import OpShape
 from planners.profile import CAST_TYPES, CastModel, Profile, cast_precisions
+from qsync_jax.devices import DeviceType, device
 from qsync_jax.precision import FP32_LIKE, LEGS, QUANTIZED_PRECISIONS
 
 # Each leg's two operands and its result, as the forward's tensors (dX = dY·Wᵀ, dW = Xᵀ·dY).
@@ -22,7 +23,7 @@ LEG_TENSORS = {"fwd": ("lhs", "rhs", "out"), "dlhs": ("out", "rhs", "lhs"), "drh
 ELEMENTWISE_PASSES = 12
 
 
-def modeled_cast(spec: catalog.DeviceSpec, cast_type: str) -> CastModel:
+def modeled_cast(spec: DeviceType, cast_type: str) -> CastModel:
   """Roofline cast model. A conversion to a float type fuses into the kernel that produces its
   source and costs the write of the copy; a quantization reads its source twice (absmax, then
   scale and round), writes the copy, and is a kernel of its own (one launch)."""
@@ -32,7 +33,7 @@ def modeled_cast(spec: catalog.DeviceSpec, cast_type: str) -> CastModel:
   return CastModel(catalog.memory_ms(spec, nbytes), spec.launch_us * 1e-3 * quantize, 0.0, "modeled")
 
 
-def leg_ms(spec: catalog.DeviceSpec, op: OpShape, leg: str, precision: str) -> float:
+def leg_ms(spec: DeviceType, op: OpShape, leg: str, precision: str) -> float:
   """Modeled ms of one call of ``op``'s ``leg`` at ``precision``: the roofline of its product over
   the tensors it moves, plus, off fp32, half the conversion of each operand (each tensor feeds two
   of the op's legs, which share its converted copy). An embedding lookup is a gather and its table
@@ -52,7 +53,7 @@ def leg_ms(spec: catalog.DeviceSpec, op: OpShape, leg: str, precision: str) -> f
 
 def modeled_profile(base: Profile, device_type: str) -> Profile:
   """The profile of ``base``'s model on ``device_type``; see the module docstring."""
-  spec = catalog.device_spec(device_type)
+  spec = device(device_type)
   op_ms = {
     op.name: {
       leg: {

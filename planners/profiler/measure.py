@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 
-from planners import catalog
 from planners.ops import OpShape, collect_ops
 from planners.predictor.graph import QUANTIZED_TRACE_PRESET
 from planners.profile import Profile
@@ -30,8 +29,9 @@ from planners.profiler.checkpoint import load_partial, remove_partial, save_part
 from planners.profiler.fit import SIXTEEN_BIT_PRESET, fit_memory, fit_preset, fit_profile
 from planners.profiler.op_programs import dispatch_overhead_ms, measure_casts, measure_leg, measure_policy
 from planners.profiler.step_hlo import forward_headroom, per_op_ms
+from qsync_jax.devices import device_type_of, supported_precisions
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import LEGS, PRESETS, QUANTIZED_PRECISIONS, OpPolicy, supported_precisions
+from qsync_jax.precision import LEGS, PRESETS, QUANTIZED_PRECISIONS, OpPolicy
 
 
 def versions() -> dict[str, str]:
@@ -45,17 +45,6 @@ def versions() -> dict[str, str]:
     "platform": dev.platform,
     "python": platform.python_version(),
   }
-
-
-def local_device_type() -> str:
-  """The catalog type of the local device (``cpu`` on hosts without accelerators)."""
-  dev = jax.devices()[0]
-  if dev.platform == "cpu":
-    return "cpu"
-  for name in sorted(catalog.CATALOG, key=len, reverse=True):
-    if name.replace("-", " ").lower() in dev.device_kind.lower():
-      return name
-  return "H100" if "H100" in dev.device_kind else "cpu"
 
 
 def task_ops(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, tuple[OpShape, ...]]:
@@ -119,7 +108,7 @@ def measure_profile(
   ``repeats`` per standalone timing, ``step_repeats`` per round of the fit step on ``clock``
   (default ``timing.default_step_clock()``), the op timings kept in ``checkpoint`` meanwhile."""
   say = progress or (lambda msg: None)
-  device_type = local_device_type()
+  device_type = device_type_of(jax.devices()[0])
   gpu = jax.devices()[0].platform == "gpu"
   precisions = tuple(precisions or supported_precisions(device_type))
   batch, variables, ops = task_ops(task, batch_per_device, seed)
@@ -256,6 +245,6 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
   peak, headroom = step_memory(task, batch, ops, seed)
   meta = {**versions(), "fp32_xla_peak_bytes": peak}
   skeleton = Profile(
-    task.name, local_device_type(), "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory, meta, headroom
+    task.name, device_type_of(jax.devices()[0]), "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory, meta, headroom
   )
   return fit_memory(skeleton, peak)

@@ -20,20 +20,10 @@ import time
 
 import jax
 
+from qsync_jax.devices import device_type_of
 from qsync_jax.errors import ClusterSpecError
-from qsync_jax.precision import DEVICE_PRECISIONS
 
 EXIT_PEER_LOST = 3
-
-
-def device_type_of(device) -> str | None:
-  """The device type (a key of ``DEVICE_PRECISIONS``) a device's ``device_kind`` names, e.g.
-  ``"H100"`` for "NVIDIA H100 80GB HBM3"; ``"cpu"`` for a CPU device; None when none matches."""
-  if device.platform == "cpu":
-    return "cpu"
-  kind = device.device_kind.lower()
-  names = sorted((t for t in DEVICE_PRECISIONS if t != "cpu"), key=len, reverse=True)
-  return next((t for t in names if t.replace("-", " ").lower() in kind), None)
 
 
 def check_device_types(cluster, devices, simulate: bool = False) -> None:

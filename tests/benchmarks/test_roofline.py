@@ -10,6 +10,7 @@ from benchmarks import roofline
 from planners import catalog
 from planners.ops import OpShape
 from planners.predictor.modeled import LEG_TENSORS
+from qsync_jax.devices import device
 
 OPS = [
   OpShape(
@@ -24,7 +25,7 @@ OPS = [
 def _measured(scale: float) -> dict:
   """An H100 'measurement' of two ops whose every GEMM leg took ``scale`` × its roofline alone,
   and whose time inside the step is ``scale`` × the modeled legs."""
-  spec = catalog.device_spec("H100")
+  spec = device("H100")
   gemms = {}
   for op in OPS:
     sizes = {"lhs": op.lhs_elems, "rhs": op.rhs_elems, "out": op.out_elems}
@@ -61,7 +62,7 @@ def _measured(scale: float) -> dict:
 def test_legs_at_the_roofline_score_zero_error_and_slower_legs_score_their_ratio():
   rows, lines = roofline.score(_measured(1.0))
   legs = [r for r in rows if "op legs" in r["case"]]
-  assert {r["case"].split()[-1] for r in legs} == set(catalog.device_spec("H100").peak_tflops)
+  assert {r["case"].split()[-1] for r in legs} == set(device("H100").peak_tflops)
   for r in legs:
     assert abs(r["value"] - 1.0) < 1e-9 and abs(r["summed_error"]) < 1e-9
     assert r["legs"] == 3 * 3  # three legs of two ops, the second applied twice

@@ -3,23 +3,22 @@
 import pytest
 
 from planners import catalog
-from planners.catalog import CATALOG, device_spec, gemm_roofline_ms, parallel_fraction
+from planners.catalog import gemm_roofline_ms, parallel_fraction
 from planners.ops import OpShape
 from planners.predictor.modeled import leg_ms, modeled_cast
-from qsync_jax.precision import DEVICE_PRECISIONS
+from qsync_jax.devices import DEVICES, device
 
 
 def test_every_device_has_a_rate_for_each_precision_it_runs_and_its_sms():
-  assert set(DEVICE_PRECISIONS) == set(CATALOG)
-  for name, spec in CATALOG.items():
-    assert set(spec.peak_tflops) == set(DEVICE_PRECISIONS[name])
+  for name, spec in DEVICES.items():
+    assert set(spec.peak_tflops) == set(spec.precisions)
     assert all(r > 0 for r in spec.peak_tflops.values()), name
     assert spec.sm_count > 0 and spec.mem_bw_gbps > 0 and spec.memory_gb > 0
-  assert device_spec("L40S").peak_tflops["fp8"] == 733.0 and device_spec("H100").sm_count == 132
+  assert device("L40S").peak_tflops["fp8"] == 733.0 and device("H100").sm_count == 132
 
 
 def test_output_tiles_run_in_waves_of_the_sm_count():
-  h100 = device_spec("H100")  # 132 SMs, 128×128 tiles at 16 bits
+  h100 = device("H100")  # 132 SMs, 128×128 tiles at 16 bits
   assert parallel_fraction(h100, "bf16", 128 * 132, 64, 128) == 1.0
   assert parallel_fraction(h100, "bf16", 128 * 133, 64, 128) == pytest.approx(133 / 264)
   # 8-bit tiles are 128×256: the same product has half the tiles
@@ -32,7 +31,7 @@ def test_output_tiles_run_in_waves_of_the_sm_count():
 
 
 def test_a_large_product_is_compute_bound_at_the_sustained_rate_and_a_thin_one_memory_bound():
-  h100 = device_spec("H100")
+  h100 = device("H100")
   m = k = n = 128 * 132  # 132 tiles of 128 × 128 per row of tiles: full waves
   launch = h100.launch_us * 1e-3
   rate = 989e12 * catalog.GEMM_EFFICIENCY
@@ -50,14 +49,14 @@ def test_a_large_product_is_compute_bound_at_the_sustained_rate_and_a_thin_one_m
   small = gemm_roofline_ms(h100, "bf16", 2**14, 2**14, 1, elems=(2**20, 2**14, 2**14))
   assert small < gemm_roofline_ms(h100, "bf16", 2**14, 2**14, 1)
   # a throttled card's compute is derated, its memory is not
-  t4 = device_spec("T4")
+  t4 = device("T4")
   assert t4.derate < 1 and catalog.memory_ms(t4, 1e9) == pytest.approx(
     1e3 / (320 * catalog.MEMORY_EFFICIENCY)
   )
 
 
 def test_a_16_bit_leg_pays_half_of_its_operands_fused_conversions_and_an_8_bit_one_its_quantization():
-  h100 = device_spec("H100")
+  h100 = device("H100")
   op = OpShape("mlp:dense", "dense", 1, 4096, 768, 3072, 1, 4096 * 768, 768 * 3072, 4096 * 3072)
   for leg, (a, b) in {"fwd": (op.lhs_elems, op.rhs_elems), "drhs": (op.lhs_elems, op.out_elems)}.items():
     m, k, n = {"fwd": (op.m, op.k, op.n), "drhs": (op.k, op.m, op.n)}[leg]
@@ -71,7 +70,7 @@ def test_a_16_bit_leg_pays_half_of_its_operands_fused_conversions_and_an_8_bit_o
 
 
 def test_an_embedding_lookup_is_costed_as_a_gather_not_a_product():
-  h100 = device_spec("H100")
+  h100 = device("H100")
   vocab, rows, width = 30522, 4096, 768
   op = OpShape("embed:embed", "embed", 1, rows, vocab, width, 1, rows * vocab, vocab * width, rows * width)
   assert leg_ms(h100, op, "dlhs", "bf16") == 0.0

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from planners.catalog import device_spec, gemm_roofline_ms
+from planners.catalog import gemm_roofline_ms
 from planners.ops import OpShape, collect_ops, gemm_shape
 from planners.predictor.graph import in_step_factors
 from planners.predictor.memory_model import residual_bytes
@@ -20,6 +20,7 @@ from planners.profile import Profile
 from planners.profiler.fit import fit_cast_model, one_device
 from planners.profiler.measure import measure_profile
 from planners.profiler.op_programs import policy_programs, precast_dtypes
+from qsync_jax.devices import device
 from qsync_jax.errors import ClusterSpecError, PlanError
 from qsync_jax.ops.qdot import quantized_dot_general
 from qsync_jax.ops.qdot import residual_bytes as measured_residual_bytes
@@ -104,7 +105,7 @@ def test_modeled_profile_is_labelled_and_follows_the_roofline():
   op = base.ops[0]  # the product over the tensors the op moves
   assert t4.op_ms[op.name]["fwd"]["fp32"] == pytest.approx(
     gemm_roofline_ms(
-      device_spec("T4"), "fp32", op.m, op.k, op.n, 1, (op.lhs_elems, op.rhs_elems, op.out_elems)
+      device("T4"), "fp32", op.m, op.k, op.n, 1, (op.lhs_elems, op.rhs_elems, op.out_elems)
     )
   )
   with pytest.raises(ClusterSpecError, match="Fix: use one of"):

@@ -10,11 +10,12 @@ from flax import nnx
 
 from qsync_jax import quantize
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.devices import device_type_of
 from qsync_jax.errors import ClusterSpecError, OutputPathError, PlanError, PolicyError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
-from qsync_jax.train.distributed import check_device_types, device_type_of
+from qsync_jax.train.distributed import check_device_types
 from qsync_jax.train.outputs import check_dir, check_file, check_run_dir
 
 READ_ONLY_DIR = "/sys"  # no file can be created there, not even by root
@@ -123,9 +124,9 @@ def test_device_kind_must_match_the_group_on_gpus_only():
   assert device_type_of(_gpu("NVIDIA H100 PCIe")) == "H100-PCIe"
   assert device_type_of(_gpu("Tesla T4")) == "T4"
   cluster = ClusterSpec((DeviceGroup("fast", "A100", 1, 40, 4), DeviceGroup("slow", "T4", 1, 16, 2)))
-  check_device_types(cluster, [_gpu("NVIDIA A100-SXM4-40GB"), _gpu("Tesla T4")])
+  check_device_types(cluster, [_gpu("NVIDIA A100-SXM4-80GB"), _gpu("Tesla T4")])
   with pytest.raises(ClusterSpecError, match=r"\('Tesla T4'.*group 'fast'.*'A100'.*--simulate-device-types"):
-    check_device_types(cluster, [_gpu("Tesla T4"), _gpu("NVIDIA A100-SXM4-40GB")])
-  check_device_types(cluster, [_gpu("Tesla T4"), _gpu("NVIDIA A100-SXM4-40GB")], simulate=True)
+    check_device_types(cluster, [_gpu("Tesla T4"), _gpu("NVIDIA A100-SXM4-80GB")])
+  check_device_types(cluster, [_gpu("Tesla T4"), _gpu("NVIDIA A100-SXM4-80GB")], simulate=True)
   check_device_types(cluster, jax.devices()[:2])  # CPU devices simulate any type
   check_device_types(cluster, [_gpu("Tesla T4", process=1), _gpu("Tesla T4")])  # another process's GPU
