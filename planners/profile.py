@@ -17,7 +17,7 @@ from typing import Any
 
 from planners.ops import OpShape
 from qsync_jax.errors import PlanError
-from qsync_jax.jsonio import parse_json, read_text
+from qsync_jax.jsonio import parse_json, read_text, write_text_atomic
 from qsync_jax.precision import OpPolicy
 
 FORMAT = "qsync-profile/1"
@@ -87,9 +87,8 @@ class Profile:
     return {"format": FORMAT, **out, "ops": [o.to_json() for o in self.ops]}
 
   def save(self, path: str) -> None:
-    with open(path, "w") as f:
-      json.dump(self.to_json(), f, indent=1)
-      f.write("\n")
+    """Writes the profile to ``path`` atomically (``write_text_atomic``)."""
+    write_text_atomic(path, json.dumps(self.to_json(), indent=1) + "\n", "profile", PlanError)
 
   @classmethod
   def from_json(cls, obj: Any, source: str = "<profile>") -> Profile:

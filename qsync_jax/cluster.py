@@ -28,14 +28,13 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qsync_jax.devices import DEVICES
 from qsync_jax.errors import ClusterSpecError
-from qsync_jax.jsonio import parse_json, read_text, reject_unknown_keys
+from qsync_jax.jsonio import JsonFile, reject_unknown_keys, write_text_atomic
 
 DEFAULT_LINK_GBPS = 100.0
 """Link bandwidth (Gbit/s, as NICs are quoted) assumed when a group gives none."""
@@ -110,8 +109,11 @@ _REQUIRED_GROUP_FIELDS = ("name", "device_type", "count", "memory_gb", "batch_pe
 
 
 @dataclasses.dataclass(frozen=True)
-class ClusterSpec:
+class ClusterSpec(JsonFile):
   """Ordered device groups of one job. Device ``i`` belongs to ``device_group_indices()[i]``."""
+
+  JSON_WHAT = "cluster spec"
+  JSON_ERROR = ClusterSpecError
 
   groups: tuple[DeviceGroup, ...]
   name: str = "cluster"
@@ -200,17 +202,24 @@ class ClusterSpec:
   def to_json(self) -> dict[str, Any]:
     return {"name": self.name, "groups": [g.to_json() for g in self.groups]}
 
-  def dumps(self) -> str:
-    return json.dumps(self.to_json(), indent=2)
-
   def save(self, path: str) -> None:
+    """JSON, or YAML where ``path`` ends in ``.yaml`` / ``.yml``; written atomically."""
     if str(path).endswith((".yaml", ".yml")):
-      yaml = _yaml(path)
-      with open(path, "w") as f:
-        yaml.safe_dump(self.to_json(), f, sort_keys=False)
-      return
-    with open(path, "w") as f:
-      f.write(self.dumps() + "\n")
+      text = _yaml(path).safe_dump(self.to_json(), sort_keys=False)
+      write_text_atomic(path, text, self.JSON_WHAT, self.JSON_ERROR)
+    else:
+      super().save(path)
+
+  @classmethod
+  def parse(cls, text: str, source: str) -> Any:
+    """JSON, or YAML where ``source`` ends in ``.yaml`` / ``.yml``."""
+    if not source.endswith((".yaml", ".yml")):
+      return super().parse(text, source)
+    yaml = _yaml(source)
+    try:
+      return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+      raise ClusterSpecError(f"{source} is not valid YAML ({e}). Fix: correct the YAML syntax.") from None
 
   @classmethod
   def from_json(cls, obj: Any) -> ClusterSpec:
@@ -230,25 +239,6 @@ class ClusterSpec:
     if not isinstance(name, str):
       raise ClusterSpecError(f"cluster spec: name={name!r} must be a string. Fix: quote it.")
     return cls(groups=tuple(_group_from_json(i, g) for i, g in enumerate(groups)), name=name)
-
-  @classmethod
-  def loads(cls, text: str, source: str = "<string>") -> ClusterSpec:
-    if source.endswith((".yaml", ".yml")):
-      yaml = _yaml(source)
-      try:
-        obj = yaml.safe_load(text)
-      except yaml.YAMLError as e:
-        raise ClusterSpecError(f"{source} is not valid YAML ({e}). Fix: correct the YAML syntax.") from None
-    else:
-      obj = parse_json(text, source, ClusterSpecError)
-    try:
-      return cls.from_json(obj)
-    except ClusterSpecError as e:
-      raise ClusterSpecError(f"{source}: {e}") from None
-
-  @classmethod
-  def load(cls, path: str) -> ClusterSpec:
-    return cls.loads(read_text(path, "cluster spec", ClusterSpecError), source=str(path))
 
   @classmethod
   def uniform(

@@ -30,14 +30,17 @@ from typing import Any
 
 from qsync_jax.cluster import ClusterSpec, assign_devices
 from qsync_jax.errors import PlanError, PolicyError, UnsupportedPrecisionError
-from qsync_jax.jsonio import parse_json, read_text, reject_unknown_keys
+from qsync_jax.jsonio import JsonFile, reject_unknown_keys
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(JsonFile):
   """Precision policy per device group name; optional per-device batch overrides; predictions."""
+
+  JSON_WHAT = "plan"
+  JSON_ERROR = PlanError
 
   policies: Mapping[str, PrecisionPolicy] = dataclasses.field(default_factory=dict)
   batch_per_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -121,13 +124,6 @@ class Plan:
       "predictions": dict(self.predictions),
     }
 
-  def dumps(self) -> str:
-    return json.dumps(self.to_json(), indent=2, default=str)
-
-  def save(self, path: str) -> None:
-    with open(path, "w") as f:
-      f.write(self.dumps() + "\n")
-
   @classmethod
   def from_json(cls, obj: Any) -> Plan:
     if not isinstance(obj, Mapping):
@@ -155,17 +151,6 @@ class Plan:
       predictions=dict(obj.get("predictions", {})),
     )
 
-  @classmethod
-  def loads(cls, text: str, source: str = "<string>") -> Plan:
-    obj = parse_json(text, source, PlanError)
-    try:
-      return cls.from_json(obj)
-    except PlanError as e:
-      raise PlanError(f"{source}: {e}") from None
-
-  @classmethod
-  def load(cls, path: str) -> Plan:
-    return cls.loads(read_text(path, "plan", PlanError), source=str(path))
 
 
 def _has_fp16(policy: PrecisionPolicy) -> bool:

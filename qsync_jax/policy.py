@@ -23,14 +23,13 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from qsync_jax.devices import check_op_policy_on_device, supported_precisions
 from qsync_jax.errors import PolicyError
-from qsync_jax.jsonio import parse_json, read_text, reject_unknown_keys
+from qsync_jax.jsonio import JsonFile, reject_unknown_keys
 from qsync_jax.precision import OpPolicy
 
 OP_KINDS = (
@@ -98,8 +97,11 @@ class Rule:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrecisionPolicy:
+class PrecisionPolicy(JsonFile):
   """Ordered rules, first match wins, then ``default``; no match → unmodified float op."""
+
+  JSON_WHAT = "precision policy"
+  JSON_ERROR = PolicyError
 
   rules: tuple[Rule, ...] = ()
   default: OpPolicy | None = None
@@ -217,13 +219,6 @@ class PrecisionPolicy:
       "__default__": None if self.default is None else self.default.to_json(),
     }
 
-  def dumps(self) -> str:
-    return json.dumps(self.to_json(), indent=2)
-
-  def save(self, path: str) -> None:
-    with open(path, "w") as f:
-      f.write(self.dumps() + "\n")
-
   @classmethod
   def from_json(cls, obj: Any) -> PrecisionPolicy:
     if not isinstance(obj, Mapping):
@@ -245,13 +240,6 @@ class PrecisionPolicy:
     default = None if default_obj is None else OpPolicy.from_json(default_obj, "__default__")
     return cls(rules=tuple(rules), default=default)
 
-  @classmethod
-  def loads(cls, text: str, source: str = "<string>") -> PrecisionPolicy:
-    return cls.from_json(parse_json(text, source, PolicyError))
-
-  @classmethod
-  def load(cls, path: str) -> PrecisionPolicy:
-    return cls.loads(read_text(path, "precision policy", PolicyError), source=path)
 
 
 def _rule_from_json(i: int, obj: Any) -> Rule:

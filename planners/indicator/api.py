@@ -36,6 +36,7 @@ from planners.indicator.random_ind import random_omega
 from planners.indicator.wvar import wvar_omega
 from planners.ops import grouped_conv
 from qsync_jax.errors import QsyncError
+from qsync_jax.jsonio import write_text_atomic
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.train.task import Task
 
@@ -146,9 +147,8 @@ def make_table(
 
 
 def save(table: dict, path: str | os.PathLike) -> None:
-  with open(path, "w") as f:
-    json.dump(table, f, indent=1)
-    f.write("\n")
+  """Writes ``table`` to ``path`` atomically (``write_text_atomic``)."""
+  write_text_atomic(path, json.dumps(table, indent=1) + "\n", "indicator table", QsyncError)
 
 
 def load(path: str | os.PathLike) -> dict:

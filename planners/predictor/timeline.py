@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 from planners.predictor.replay import Prediction
+from qsync_jax.errors import PlanError
+from qsync_jax.jsonio import write_text_atomic
 
 
 def chrome_trace(pred: Prediction) -> dict:
@@ -39,8 +41,8 @@ def chrome_trace(pred: Prediction) -> dict:
 
 
 def save_chrome_trace(pred: Prediction, path: str) -> None:
-  with open(path, "w") as f:
-    json.dump(chrome_trace(pred), f)
+  """Writes ``chrome_trace(pred)`` to ``path`` atomically (``write_text_atomic``)."""
+  write_text_atomic(path, json.dumps(chrome_trace(pred)), "trace file", PlanError)
 
 
 COLORS = {
