@@ -147,8 +147,8 @@ def stage_profile(task, batch_per_device: int, say, device_types=("V100", "T4"))
   """``{device type: Profile}`` (and ``"cpu"``: the traced ops): each of ``device_types`` costed
   from the device catalog on the model's traced ops and memory; no group runs on the local
   device, so nothing is measured."""
-  from planners.predictor.modeled import modeled_profile
-  from planners.profiler.measure import traced_profile
+  from planners.predictor import modeled_profile
+  from planners.profiler import traced_profile
 
   # The profiler traces the model's ops with ``train_kwargs`` but without ``mutable``, which
   # BatchNorm in training mode needs; the op shapes are the same in eval mode.
@@ -166,9 +166,8 @@ def stage_plan(cluster, profiles, indicator, say, train_policy="fp32", int8_op="
   """The joint planner's candidates: ``{name: (Plan, Prediction, Candidate)}``, the joint
   plan under ``"joint"`` (with every alternative in its predictions); the ``training`` group
   runs ``train_policy``, an op planned at int8 runs ``int8_op`` (``planners.allocator.greedy``)."""
-  from planners.allocator.greedy import make_problem
-  from planners.allocator.joint import joint_plan, plan_of
-  from planners.predictor.replay import predict
+  from planners.allocator import joint_plan, make_problem, plan_of
+  from planners.predictor import predict
 
   say(f"plan: joint batch × precision search (the training group runs {train_policy})")
   problem = make_problem(cluster, profiles, indicator, ["training"], train_policy, int8_op=int8_op)
@@ -392,7 +391,7 @@ def write_outputs(out, cluster, indicator, profiles, planned, trained, say) -> N
   os.makedirs(os.path.join(out, "plans"), exist_ok=True)
   cluster.save(os.path.join(out, "cluster.json"))
   from planners.indicator import save
-  from planners.predictor.timeline import save_chrome_trace, save_png
+  from planners.predictor import save_chrome_trace, save_png
 
   save(indicator, os.path.join(out, "indicator.json"))
   save_sensitivity_png(indicator, os.path.join(out, "sensitivity.png"))

@@ -10,6 +10,16 @@ from qsync_jax.errors import PlanError, PolicyError
 from qsync_jax.jsonio import parse_json, read_text
 
 
+def add_model_argument(parser) -> None:
+  """``--model``, as every command takes it."""
+  parser.add_argument(
+    "--model",
+    required=True,
+    help="a registered task name (the examples': vgg, resnet, lm, …) or package.module:attr, a Task or a "
+    "function returning one",
+  )
+
+
 def progress(msg: str) -> None:
   """One progress line on stderr (stdout stays for results)."""
   print(f"  … {msg}", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from planners.indicator import initial_variables
+from qsync_cli.common import add_model_argument
 from qsync_jax.errors import QsyncError
 from qsync_jax.train.task import load_task
 
@@ -24,12 +25,9 @@ HELP = "Score every quantizable op's sensitivity to each precision (Ω table, JS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-  from planners.indicator import METHODS, PROBED_PRECISIONS
-  from planners.indicator.gradient import ESTIMATORS
+  from planners.indicator import ESTIMATORS, METHODS, PROBED_PRECISIONS
 
-  parser.add_argument(
-    "--model", required=True, help="registered task name (e.g. vgg, lm) or package.module:make_task"
-  )
+  add_model_argument(parser)
   parser.add_argument("--out", required=True, help="where to write the JSON table")
   parser.add_argument("--batches", type=int, default=16, help="training batches to average over (default 16)")
   parser.add_argument(

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import time
 
-from planners.allocator.greedy import INT8_OPS, make_problem
-from planners.allocator.joint import joint_plan, plan_of, precision_counts
-from planners.predictor.replay import predict
+from planners.allocator import INT8_OPS, joint_plan, make_problem, plan_of, precision_counts
+from planners.predictor import predict
 from planners.report import table
-from qsync_cli.common import check_model, check_profiles_fit, load_json, load_profiles, progress
+from qsync_cli.common import (
+  add_model_argument,
+  check_model,
+  check_profiles_fit,
+  load_json,
+  load_profiles,
+  progress,
+)
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.train.task import load_task
 
@@ -16,7 +22,7 @@ HELP = "Plan every group's batch and per-op precisions: fastest within --slack, 
 
 
 def add_arguments(parser) -> None:
-  parser.add_argument("--model", required=True, help="example name or package.module:make_task")
+  add_model_argument(parser)
   parser.add_argument(
     "--cluster", required=True, help="cluster spec JSON/YAML (its batches set the global batch)"
   )

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
-from planners.predictor.replay import predict
-from planners.predictor.timeline import save_chrome_trace, save_png
+from planners.predictor import predict, save_chrome_trace, save_png
 from planners.report import table
-from qsync_cli.common import check_model, check_profiles_fit, load_profiles
+from qsync_cli.common import add_model_argument, check_model, check_profiles_fit, load_profiles
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -17,7 +16,7 @@ HELP = "Predict the synchronous step time and per-group peak memory of a plan (r
 
 
 def add_arguments(parser) -> None:
-  parser.add_argument("--model", required=True, help="example name or package.module:make_task")
+  add_model_argument(parser)
   parser.add_argument("--cluster", required=True, help="cluster spec JSON/YAML")
   parser.add_argument("--plan", required=True, help="plan JSON (from `qsync plan` or hand-written)")
   parser.add_argument("--profile", required=True, nargs="+", help="profile JSON(s) from `qsync profile`")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from planners.predictor.modeled import modeled_profile
-from planners.profiler.measure import measure_profile, traced_profile
+from planners.predictor import modeled_profile
+from planners.profiler import measure_profile, traced_profile
 from planners.report import table
-from qsync_cli.common import progress
+from qsync_cli.common import add_model_argument, progress
 from qsync_jax.devices import device_type_of, supported_precisions
 from qsync_jax.errors import Interrupted, UnsupportedPrecisionError
 from qsync_jax.precision import LEGS
@@ -15,9 +15,7 @@ HELP = "Measure op × leg × precision costs, casts and memory of a model's trai
 
 
 def add_arguments(parser) -> None:
-  parser.add_argument(
-    "--model", required=True, help="example name (e.g. mlp, lm) or package.module:make_task"
-  )
+  add_model_argument(parser)
   parser.add_argument(
     "--device-type",
     help="device type to profile for; a type other than the local one is modeled from the catalog",

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 
+from qsync_cli.common import add_model_argument
 from qsync_jax.errors import Interrupted, PlanError, QsyncError
 
 HELP = "train a model on a hybrid cluster under a plan (synchronous data parallel)"
@@ -31,9 +32,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument(
-    "--model", required=True, help="registered task name (e.g. vgg), or package.module:attr (a Task factory)"
-  )
+  add_model_argument(parser)
   parser.add_argument(
     "--cluster", help="cluster spec (JSON, or YAML); default: all local devices, one 'cpu' group"
   )
@@ -138,9 +137,9 @@ def check_memory(task, cluster, plan, optimizer) -> None:
   ``qsync plan``'s memory model (``planners.predictor.memory_model``) for the model's traced ops, parameters,
   ``optimizer`` state and batch, without the XLA buffers ``qsync profile`` fits — a lower bound
   of the planner's estimate, so a plan the planner accepted passes. Traces the model; runs nothing."""
-  from planners.predictor.memory_model import memory_bytes
+  from planners.predictor import memory_bytes
   from planners.profile import GroupCost, Profile
-  from planners.profiler.measure import memory_sizes, task_ops
+  from planners.profiler import memory_sizes, task_ops
 
   cluster = plan.apply_to(cluster)
   batch_per_device = cluster.max_batch_per_device

@@ -135,11 +135,11 @@ def test_the_checks_see_what_they_look_for():
   assert cycles(graph) == [["a", "b", "c"]] and cycles({"a": {"b"}, "b": set()}) == []
   real = import_graph()
   assert "planners.predictor.replay" in real["planners.profiler.fit"]  # module-level import
-  assert "planners.indicator.gradient" in real["qsync_cli.indicator"]  # inside a function
+  assert "planners.profile" in real["qsync_cli.train"]  # inside a function
   # ``from package import submodule`` names the submodule, not the package
   assert "pallas_kernels.gemm.hopper" in real["pallas_kernels.gemm.api"]
   assert "pallas_kernels.gemm" not in real["pallas_kernels.gemm.api"]
-  assert "planners.profiler.measure" in real["qsync_cli.profile"]
+  assert "planners.profiler" in real["qsync_cli.profile"]
   assert "qsync_jax.train.task" in real["qsync_cli.plan"]
   assert "benchmarks.result_rows" in real["benchmarks.predictor"]  # a script's sibling, by bare name
 

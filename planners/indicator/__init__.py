@@ -6,10 +6,12 @@ and returns one JSON table per method: ``gradient`` (ours), ``gvar`` (QSync), ``
 """
 
 from planners.indicator.api import FORMAT, METHODS, compute, initial_variables, load, make_table, save
+from planners.indicator.gradient import ESTIMATORS
 from planners.indicator.gvar import GvarConfig
 from planners.indicator.probes import PROBED_PRECISIONS, OpCall, collect, forward_op_policy, trace_calls
 
 __all__ = [
+  "ESTIMATORS",
   "FORMAT",
   "METHODS",
   "PROBED_PRECISIONS",

@@ -1,2 +1,19 @@
-"""QSync's predictor: the op graph of a training step, its memory, modeled device costs, and the
-replay that predicts a plan's synchronous step time and peak memory."""
+"""QSync's predictor: the op graph of a training step, its memory, the costs of devices not at
+hand (``modeled_profile``), and the replay that predicts a plan's synchronous step time and
+peak memory (``predict``), with its timeline (``save_chrome_trace``, ``save_png``)."""
+
+from planners.predictor.memory_model import memory_bytes
+from planners.predictor.modeled import modeled_profile
+from planners.predictor.replay import Prediction, predict, sync_step_ms
+from planners.predictor.timeline import chrome_trace, save_chrome_trace, save_png
+
+__all__ = [
+  "Prediction",
+  "chrome_trace",
+  "memory_bytes",
+  "modeled_profile",
+  "predict",
+  "save_chrome_trace",
+  "save_png",
+  "sync_step_ms",
+]
