@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
+from collections.abc import Callable
 
 import jax
 from jax import lax
@@ -16,6 +18,41 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
   except RuntimeError:  # no backend initialised at all
     return False
+
+
+@functools.cache
+def gpu_arch() -> str | None:
+  """The CUDA architecture of the default backend's first device (``"sm90"`` for compute
+  capability 9.0); None off a CUDA GPU."""
+  if not on_gpu():
+    return None
+  capability = str(getattr(jax.devices()[0], "compute_capability", "") or "")
+  major, _, minor = capability.partition(".")
+  if not (major.isdigit() and minor.isdigit()):
+    return None
+  return f"sm{major}{minor}"
+
+
+_COMPILES: dict[str, bool] = {}
+
+
+def compiles(name: str, arch: str, build: Callable[[], object]) -> bool:
+  """Whether ``build()`` — lowering and compiling a tiny instance of kernel ``name`` on this GPU
+  of architecture ``arch`` — succeeds; asked once per process per ``name``. A failure warns once, naming the kernel and the reason, and
+  the caller runs its next implementation."""
+  if name not in _COMPILES:
+    try:
+      build()
+      _COMPILES[name] = True
+    except Exception as e:  # noqa: BLE001 - any failure to compile means: use the next implementation
+      _COMPILES[name] = False
+      reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+      warnings.warn(
+        f"{name} does not compile on this GPU ({arch}): {reason}. Using the next implementation.",
+        RuntimeWarning,
+        stacklevel=2,
+      )
+  return _COMPILES[name]
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:

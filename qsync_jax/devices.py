@@ -1,5 +1,9 @@
-"""The device table: one entry per device type — which ``device_kind`` strings name it, which
-precisions it runs, and its datasheet figures.
+"""The device table: one entry per device type — which ``device_kind`` strings name it, its CUDA
+architecture, which precisions it runs, and its datasheet figures.
+
+A type runs its tensor cores' 16- and 32-bit formats (from its datasheet) and the 8-bit formats
+that have an implemented kernel on its architecture (``pallas_kernels.arch.KERNELS``): the
+planner never plans a precision without one.
 
 Every part of qsync-jax that needs a fact about a device type reads it here: the cluster spec
 (known types), precision policies (what a group may run), the trainer (which GPU is which
@@ -22,20 +26,23 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.arch import eight_bit_kinds
 from qsync_jax.errors import ClusterSpecError, UnsupportedPrecisionError
 from qsync_jax.precision import LEGS, PRECISIONS, OpPolicy
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceType:
-  """One device type. ``kinds``: the exact ``device_kind`` strings of its GPUs; ``precisions``:
-  what it runs (its tensor cores' dense formats; the CPU runs every precision through the jnp
-  references); ``peak_tflops`` per precision it runs; ``sm_count`` (cores for the CPU);
+  """One device type. ``kinds``: the exact ``device_kind`` strings of its GPUs; ``arch``: its CUDA
+  architecture (None for the CPU); ``precisions``: what it runs (its tensor cores' dense 16- and
+  32-bit formats and the 8-bit formats its architecture has a kernel for; the CPU runs every
+  precision through the jnp references); ``peak_tflops`` per precision it runs; ``sm_count`` (cores for the CPU);
   ``derate``: the share of its peaks it sustains (its clock under load); ``launch_us``: the
   fixed cost of one kernel."""
 
   name: str
   kinds: tuple[str, ...]
+  arch: str | None
   precisions: tuple[str, ...]
   peak_tflops: dict[str, float]
   mem_bw_gbps: float
@@ -46,44 +53,45 @@ class DeviceType:
   launch_us: float = 5.0
 
 
-_ALL = PRECISIONS
-_AMPERE = ("fp32", "tf32", "bf16", "fp16", "int8")
+_AMPERE = ("fp32", "tf32", "bf16", "fp16")  # float formats of Ampere and newer tensor cores
 
 
-def _device(name, kinds, precisions, fp32, tf32, half, eight, bw, mem, link, sms, derate=1.0, launch_us=5.0):
+def _device(name, kinds, arch, floats, fp32, tf32, half, eight, bw, mem, link, sms, derate=1.0, launch_us=5.0):
+  runs = set(floats) | set(eight_bit_kinds(arch) if arch else ("int8", "fp8"))
+  precisions = tuple(p for p in PRECISIONS if p in runs)
   rates = {"fp32": fp32, "tf32": tf32, "fp16": half, "bf16": half, "int8": eight, "fp8": eight}
   peak = {p: float(rates[p]) for p in precisions}
-  return DeviceType(name, kinds, precisions, peak, float(bw), float(mem), float(link), sms, derate, launch_us)
+  return DeviceType(name, kinds, arch, precisions, peak, float(bw), float(mem), float(link), sms, derate, launch_us)
 
 
 # fmt: off
 DEVICES: dict[str, DeviceType] = {d.name: d for d in (
-  #        name         device_kind strings                 precisions                    fp32  tf32  16-bit 8-bit  GB/s  GB   link SMs
+  #        name         device_kind strings          arch    float formats     fp32  tf32  16-bit 8-bit  GB/s  GB   link SMs
   # NVIDIA V100 datasheet, SXM2: FP32 15.7, Tensor 125; 900 GB/s; NVLink 300; 80 SMs (Volta whitepaper).
-  _device("V100",      ("Tesla V100-SXM2-32GB", "Tesla V100-SXM2-16GB"), ("fp32", "fp16"),
+  _device("V100",      ("Tesla V100-SXM2-32GB", "Tesla V100-SXM2-16GB"), "sm70", ("fp32", "fp16"),
                                                                                            15.7, 0,    125,   0,     900,  32,  300, 80),
   # NVIDIA T4 datasheet: FP32 8.1, FP16 65, INT8 130; 320 GB/s; 16 GB; PCIe3 32; 40 SMs. 70 W: throttles.
-  _device("T4",        ("Tesla T4",),                       ("fp32", "fp16", "int8"),  8.1,  0,    65,    130,   320,  16,  32,  40, derate=0.75),
+  _device("T4",        ("Tesla T4",),              "sm75", ("fp32", "fp16"), 8.1,  0,    65,    130,   320,  16,  32,  40, derate=0.75),
   # NVIDIA A10 datasheet: FP32 31.2, TF32 62.5, BF16/FP16 125, INT8 250; 600 GB/s; 24 GB; PCIe4 64; 72 SMs.
-  _device("A10",       ("NVIDIA A10",),                     _AMPERE,                   31.2, 62.5, 125,   250,   600,  24,  64,  72),
+  _device("A10",       ("NVIDIA A10",),            "sm86", _AMPERE,          31.2, 62.5, 125,   250,   600,  24,  64,  72),
   # NVIDIA L4 datasheet: FP32 30.3, TF32 60, BF16/FP16 121, FP8/INT8 242.5; 300 GB/s; 24 GB; 58 SMs. 72 W.
-  _device("L4",        ("NVIDIA L4",),                      _ALL,                      30.3, 60,   121,   242.5, 300,  24,  64,  58, derate=0.75),
+  _device("L4",        ("NVIDIA L4",),             "sm89", _AMPERE,          30.3, 60,   121,   242.5, 300,  24,  64,  58, derate=0.75),
   # NVIDIA L40S datasheet: FP32 91.6, TF32 183, BF16/FP16 362, FP8/INT8 733; 864 GB/s; 48 GB; 142 SMs.
-  _device("L40S",      ("NVIDIA L40S",),                    _ALL,                      91.6, 183,  362,   733,   864,  48,  64,  142),
+  _device("L40S",      ("NVIDIA L40S",),           "sm89", _AMPERE,          91.6, 183,  362,   733,   864,  48,  64,  142),
   # NVIDIA A100 datasheet, 80GB SXM: FP32 19.5, TF32 156, BF16/FP16 312, INT8 624; 2039 GB/s; 108 SMs.
-  _device("A100",      ("NVIDIA A100-SXM4-80GB",),          _AMPERE,                   19.5, 156,  312,   624,   2039, 80,  600, 108),
+  _device("A100",      ("NVIDIA A100-SXM4-80GB",), "sm80", _AMPERE,          19.5, 156,  312,   624,   2039, 80,  600, 108),
   # NVIDIA A100 datasheet, 40GB SXM: the 80GB rates; 1555 GB/s; 40 GB; NVLink 600; 108 SMs.
-  _device("A100-40GB", ("NVIDIA A100-SXM4-40GB",),          _AMPERE,                   19.5, 156,  312,   624,   1555, 40,  600, 108),
+  _device("A100-40GB", ("NVIDIA A100-SXM4-40GB",), "sm80", _AMPERE,          19.5, 156,  312,   624,   1555, 40,  600, 108),
   # NVIDIA A100 datasheet, 40GB PCIe: the SXM rates; 1555 GB/s; 40 GB; PCIe4 64; 108 SMs.
-  _device("A100-PCIe", ("NVIDIA A100-PCIE-40GB",),          _AMPERE,                   19.5, 156,  312,   624,   1555, 40,  64,  108),
+  _device("A100-PCIe", ("NVIDIA A100-PCIE-40GB",), "sm80", _AMPERE,          19.5, 156,  312,   624,   1555, 40,  64,  108),
   # NVIDIA H100 datasheet, SXM5: FP32 67, TF32 495, BF16/FP16 989, FP8/INT8 1979; 3.35 TB/s; 132 SMs.
-  _device("H100",      ("NVIDIA H100 80GB HBM3",),          _ALL,                      67,   495,  989,   1979,  3350, 80,  900, 132),
+  _device("H100",      ("NVIDIA H100 80GB HBM3",), "sm90", _AMPERE,          67,   495,  989,   1979,  3350, 80,  900, 132),
   # NVIDIA H100 datasheet, PCIe: FP32 51, TF32 378, BF16/FP16 756, FP8/INT8 1513; 2 TB/s; 114 SMs.
-  _device("H100-PCIe", ("NVIDIA H100 PCIe",),               _ALL,                      51,   378,  756,   1513,  2000, 80,  128, 114),
+  _device("H100-PCIe", ("NVIDIA H100 PCIe",),      "sm90", _AMPERE,          51,   378,  756,   1513,  2000, 80,  128, 114),
   # NVIDIA H200 datasheet, SXM: the H100 SXM's rates; 4.8 TB/s HBM3e; 141 GB; NVLink 900 GB/s; 132 SMs.
-  _device("H200",      ("NVIDIA H200",),                    _ALL,                      67,   495,  989,   1979,  4800, 141, 900, 132),
+  _device("H200",      ("NVIDIA H200",),           "sm90", _AMPERE,          67,   495,  989,   1979,  4800, 141, 900, 132),
   # A 2-core host CPU, order of magnitude only: int8/fp8 products are emulated by XLA.
-  _device("cpu",       (),                                  _ALL,                      0.1,  0.1,  0.05,  0.03,  20,   16,  2,   2, launch_us=20.0),
+  _device("cpu",       (),                         None,   PRECISIONS,       0.1,  0.1,  0.05,  0.03,  20,   16,  2,   2, launch_us=20.0),
 )}
 # fmt: on
 

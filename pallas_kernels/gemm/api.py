@@ -12,9 +12,10 @@
 * ``mosaic``: ``hopper.scaled_matmul_nt`` (Pallas Mosaic GPU: TMA + wgmma,
   warp-specialized; int8, e4m3, e5m2×e4m3), the epilogue fused into the GEMM.
 
-``impl='auto'`` uses ``DEFAULT_IMPL`` on a GPU (the faster one as measured by
-``benchmarks/kernels.py``, see ``docs/kernels.md``; the Pallas kernel for contractions of at
-most ``SHORT_K``) and the reference elsewhere. General
+``impl='auto'`` runs, on a GPU, the first implementation that the architecture's entry of
+``pallas_kernels.arch.KERNELS`` lists for the operand kind and contraction length (an untested
+one only if a tiny instance of it compiles there, ``_platform.compiles``), and the reference
+elsewhere. General
 dimension numbers are flattened to one 2-D product when the operands allow it (no batch
 dims); otherwise the reference runs (XLA's own dot_general).
 """
@@ -28,22 +29,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._platform import ImplOverride, on_gpu
+from pallas_kernels._platform import ImplOverride, compiles, gpu_arch, on_gpu
+from pallas_kernels.arch import arch_kernels, gemm_impls
 from pallas_kernels.gemm import hopper as _hopper
 from pallas_kernels.gemm import kernel as _kernel
 from pallas_kernels.gemm.config import GemmConfig
 from pallas_kernels.gemm.reference import accumulator_dtype, free_axes, scaled_dot_general_reference
 
 IMPLS = ("auto", "pallas", "mosaic", "xla", "reference")
-
-# What 'auto' runs on a GPU, per operand kind: the fastest in benchmarks/kernels.py's tables
-# (docs/kernels.md). int8 and fp8: the Mosaic GPU kernel; shapes off its tile grid fall back
-# to XLA.
-# For short contractions the accumulator round trip dominates XLA's path (int32/float32 out,
-# read back, bf16 written: 10 bytes an output element against a fused kernel's 2), so at
-# K <= SHORT_K the Triton-backend kernel with its in-register epilogue runs.
-DEFAULT_IMPL = {"int8": "mosaic", "fp8": "mosaic"}
-SHORT_K = 256
 
 _override = ImplOverride(IMPLS)
 use_impl = _override.use
@@ -184,10 +177,31 @@ def _validate(lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, impl):
 
 
 def _auto(kind, lhs_q, dims) -> str:
+  """The implementation ``impl='auto'`` runs on this GPU (see the module docstring)."""
   if kind is None:
     return "reference"
+  arch = gpu_arch()
+  if arch is None:  # a GPU whose compute capability JAX does not report: XLA's dot runs anywhere
+    return "xla"
   k = math.prod(lhs_q.shape[a] for a in dims[0][0])
-  return "pallas" if k <= SHORT_K else DEFAULT_IMPL[kind]
+  tested = arch_kernels(arch).tested
+  for impl in gemm_impls(arch, kind, k):
+    # XLA's dot and the reference compile anywhere; a Pallas kernel no test ran here is tried
+    if impl in ("xla", "reference") or impl in tested:
+      return impl
+    if compiles(f"{impl} {kind} GEMM", arch, lambda impl=impl: _probe(impl, kind)):
+      return impl
+  return "reference"
+
+
+def _probe(impl: str, kind: str):
+  """Lowers and compiles ``impl`` on a tiny ``kind`` product (on its tile grid, K = 256)."""
+  dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
+  operand = jax.ShapeDtypeStruct((256, 256), dtype)
+  scale = jax.ShapeDtypeStruct((256, 1), jnp.float32)
+  dims = (((1,), (1,)), ((), ()))
+  fn = jax.jit(lambda a, b, sa, sb: scaled_dot_general(a, b, sa, sb.T, dims, jnp.bfloat16, impl=impl))
+  return fn.lower(operand, operand, scale, scale).compile()
 
 
 def _kind(dtype) -> str | None:
@@ -217,9 +231,8 @@ def scaled_dot_general(
   Args:
     lhs_q, rhs_q, lhs_scale, rhs_scale, dimension_numbers, out_dtype: as for the reference.
     bias: optional, shaped like the rhs free dims; added in float32 before the cast.
-    impl: 'auto' (``DEFAULT_IMPL`` on a GPU, Pallas for K <= ``SHORT_K``; the reference
-      elsewhere), 'pallas', 'mosaic', 'xla' or
-      'reference'. A case an implementation cannot take falls back (pallas / mosaic → xla →
+    impl: 'auto' (on a GPU the architecture's choice, ``pallas_kernels.arch``; the reference
+      elsewhere), 'pallas', 'mosaic', 'xla' or 'reference'. A case an implementation cannot take falls back (pallas / mosaic → xla →
       reference).
     config: the Pallas kernel's block sizes (default: ``config.default_config``).
     interpret: run the Pallas kernel in interpret mode (CPU tests).

@@ -8,7 +8,8 @@ arguments, same result layout) with two optional extras the training GEMMs use:
   order), i.e. laid out contraction-major for the GEMM that reads them. The kernels write
   that layout directly; the reference path lets XLA transpose.
 
-On a GPU the kernels take 2-D-flattenable cases: scales per row (``reduce_axes`` a suffix
+On a GPU whose architecture runs the Pallas kernels (``pallas_kernels.arch.KERNELS``: Triton
+needs sm80 or newer) the kernels take 2-D-flattenable cases: scales per row (``reduce_axes`` a suffix
 of the axes), per column (a prefix) or per tensor; other cases, and any shape a kernel
 cannot tile, run the reference. Stochastic rounding draws the same numbers in both: a
 counter-based hash of the element's index seeded from ``key`` (``noise.uniform_noise``;
@@ -21,9 +22,11 @@ import functools
 import math
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 
-from pallas_kernels._platform import ImplOverride, on_gpu
+from pallas_kernels._platform import ImplOverride, compiles, gpu_arch, on_gpu
+from pallas_kernels.arch import arch_kernels
 from pallas_kernels.quantize import kernel as _kernel
 from pallas_kernels.quantize import pair_kernel as _pair_kernel
 from pallas_kernels.quantize.config import QuantizeConfig
@@ -40,6 +43,25 @@ IMPLS = ("auto", "pallas", "reference")
 _override = ImplOverride(IMPLS)
 use_impl = _override.use
 """``with use_impl("reference"): ...``: calls traced in the block use that implementation."""
+
+
+def kernels_run_here() -> bool:
+  """Whether ``impl='auto'`` runs the Pallas kernels: on a GPU whose architecture's entry of
+  ``pallas_kernels.arch.KERNELS`` names them (and, where no test ran them there, a tiny
+  instance compiles)."""
+  if not on_gpu():
+    return False
+  arch = gpu_arch()
+  entry = arch_kernels(arch) if arch else None
+  if entry is None or entry.quantize != "pallas":
+    return False
+  return "pallas" in entry.tested or compiles("pallas quantize", arch, _probe)
+
+
+def _probe():
+  """Lowers and compiles the quantize kernel on a tiny bf16 case."""
+  x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+  return jax.jit(lambda v: _pallas(v, "int8", (1,), "nearest", None, None, None, None, False)).lower(x).compile()
 
 
 def _normalize_axes(axes, ndim: int, name: str) -> tuple[int, ...]:
@@ -205,7 +227,7 @@ def quantize(
   reduce_axes, contract_axes = _validate(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, impl)
   if impl == "auto" and _override.current:
     impl = _override.current
-  use_kernel = impl == "pallas" or (impl == "auto" and on_gpu())
+  use_kernel = impl == "pallas" or (impl == "auto" and kernels_run_here())
   if use_kernel:
     try:
       return _pallas(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, config, interpret)
@@ -278,7 +300,7 @@ def quantize_pair(
     _validate(x, fmt, axes, rounding, key, in_scale, axes, impl)
   if impl == "auto" and _override.current:
     impl = _override.current
-  if impl == "pallas" or (impl == "auto" and on_gpu()):
+  if impl == "pallas" or (impl == "auto" and kernels_run_here()):
     try:
       return _pallas_pair(x, fmt, split, rounding, keys, in_scales, config, interpret)
     except NotImplementedError:

@@ -175,22 +175,26 @@ def test_bad_calls_name_the_argument(change, match):
 
 
 @pytest.mark.gpu
-def test_auto_runs_the_default_implementation_on_gpu():
-  """On a GPU, 'auto' lowers to the chosen implementation (a Mosaic GPU or Triton kernel, or
-  cuBLAS)."""
+def test_auto_runs_the_architectures_implementation_on_gpu():
+  """On a GPU, 'auto' lowers to the implementation the architecture table names first for a
+  long contraction (a Mosaic GPU kernel on Hopper, cuBLAS through XLA elsewhere)."""
+  from pallas_kernels._platform import gpu_arch
+  from pallas_kernels.arch import SHORT_K, gemm_impls
+
   lq, ls = operand((256, 512), (1,), "int8", 1)
   rq, rs = operand((512, 256), (0,), "int8", 2)
   dims = (((1,), (0,)), ((), ()))
   hlo = jax.jit(lambda *a: api.scaled_dot_general(*a, dims)).lower(lq, rq, ls, rs).as_text()
-  if api.DEFAULT_IMPL["int8"] == "pallas":
-    assert "triton" in hlo
-  elif api.DEFAULT_IMPL["int8"] == "mosaic":
+  first = gemm_impls(gpu_arch(), "int8", 512)[0]
+  if first == "mosaic":
     assert "mosaic_gpu" in hlo
   else:
-    assert "dot_general" in hlo and "triton" not in hlo
+    assert "dot_general" in hlo and "triton" not in hlo and "mosaic_gpu" not in hlo
+  if gemm_impls(gpu_arch(), "int8", SHORT_K)[0] != "pallas":
+    return
   # a short contraction takes the fused-epilogue kernel
-  lq, ls = operand((256, api.SHORT_K), (1,), "int8", 3)
-  rq, rs = operand((api.SHORT_K, 256), (0,), "int8", 4)
+  lq, ls = operand((256, SHORT_K), (1,), "int8", 3)
+  rq, rs = operand((SHORT_K, 256), (0,), "int8", 4)
   hlo = jax.jit(lambda *a: api.scaled_dot_general(*a, dims)).lower(lq, rq, ls, rs).as_text()
   assert "triton" in hlo
 
