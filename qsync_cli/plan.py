@@ -6,7 +6,7 @@ import time
 
 from planners.allocator import INT8_OPS, joint_plan, make_problem, plan_of, precision_counts
 from planners.predictor import predict
-from planners.report import table
+from planners.report import estimated_costs, table
 from qsync_cli.common import (
   add_model_argument,
   check_model,
@@ -118,6 +118,9 @@ def run(args) -> int:
     ratio = c.samples_per_s / chosen.samples_per_s
     fits = "" if c.fits else " (does not fit)"
     alt_rows.append([c.name + fits, batches, c.step_ms, c.samples_per_s, f"{ratio:.2f}×", f"{c.cost:.4g}"])
+  estimates = estimated_costs({g.name: g.device_type for g in cluster.groups}, pred.sources, counts)
+  if estimates:
+    print("modeled costs this plan relies on:\n  " + "\n  ".join(estimates))
   print("\nalternatives (predicted; batch per device in group order):")
   print(table(["plan", "batches", "step ms", "samples/s", "vs chosen", "accuracy cost"], alt_rows))
   print(f"wrote {args.out}")

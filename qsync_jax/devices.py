@@ -38,7 +38,9 @@ class DeviceType:
   32-bit formats and the 8-bit formats its architecture has a kernel for; the CPU runs every
   precision through the jnp references); ``peak_tflops`` per precision it runs; ``sm_count`` (cores for the CPU);
   ``derate``: the share of its peaks it sustains (its clock under load); ``launch_us``: the
-  fixed cost of one kernel."""
+  fixed cost of one kernel; ``checked``: the precisions at which the catalog's modeled step
+  times were compared with measured ones on this type (``docs/catalog.md``) — at the others its
+  figures are datasheet estimates."""
 
   name: str
   kinds: tuple[str, ...]
@@ -51,17 +53,21 @@ class DeviceType:
   sm_count: int
   derate: float = 1.0
   launch_us: float = 5.0
+  checked: tuple[str, ...] = ()
 
 
 _AMPERE = ("fp32", "tf32", "bf16", "fp16")  # float formats of Ampere and newer tensor cores
 
 
-def _device(name, kinds, arch, floats, fp32, tf32, half, eight, bw, mem, link, sms, derate=1.0, launch_us=5.0):
+def _device(
+  name, kinds, arch, floats, fp32, tf32, half, eight, bw, mem, link, sms, derate=1.0, launch_us=5.0, checked=()
+):
   runs = set(floats) | set(eight_bit_kinds(arch) if arch else ("int8", "fp8"))
   precisions = tuple(p for p in PRECISIONS if p in runs)
   rates = {"fp32": fp32, "tf32": tf32, "fp16": half, "bf16": half, "int8": eight, "fp8": eight}
   peak = {p: float(rates[p]) for p in precisions}
-  return DeviceType(name, kinds, arch, precisions, peak, float(bw), float(mem), float(link), sms, derate, launch_us)
+  figures = (float(bw), float(mem), float(link), sms, derate, launch_us, tuple(checked))
+  return DeviceType(name, kinds, arch, precisions, peak, *figures)
 
 
 # fmt: off
@@ -85,7 +91,7 @@ DEVICES: dict[str, DeviceType] = {d.name: d for d in (
   # NVIDIA A100 datasheet, 40GB PCIe: the SXM rates; 1555 GB/s; 40 GB; PCIe4 64; 108 SMs.
   _device("A100-PCIe", ("NVIDIA A100-PCIE-40GB",), "sm80", _AMPERE,          19.5, 156,  312,   624,   1555, 40,  64,  108),
   # NVIDIA H100 datasheet, SXM5: FP32 67, TF32 495, BF16/FP16 989, FP8/INT8 1979; 3.35 TB/s; 132 SMs.
-  _device("H100",      ("NVIDIA H100 80GB HBM3",), "sm90", _AMPERE,          67,   495,  989,   1979,  3350, 80,  900, 132),
+  _device("H100",      ("NVIDIA H100 80GB HBM3",), "sm90", _AMPERE,          67,   495,  989,   1979,  3350, 80,  900, 132, checked=("fp32", "bf16")),
   # NVIDIA H100 datasheet, PCIe: FP32 51, TF32 378, BF16/FP16 756, FP8/INT8 1513; 2 TB/s; 114 SMs.
   _device("H100-PCIe", ("NVIDIA H100 PCIe",),      "sm90", _AMPERE,          51,   378,  756,   1513,  2000, 80,  128, 114),
   # NVIDIA H200 datasheet, SXM: the H100 SXM's rates; 4.8 TB/s HBM3e; 141 GB; NVLink 900 GB/s; 132 SMs.

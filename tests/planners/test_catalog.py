@@ -76,3 +76,19 @@ def test_an_embedding_lookup_is_costed_as_a_gather_not_a_product():
   assert leg_ms(h100, op, "dlhs", "bf16") == 0.0
   assert leg_ms(h100, op, "fwd", "fp32") == pytest.approx(catalog.memory_ms(h100, 8 * rows * width) + 0.005)
   assert leg_ms(h100, op, "fwd", "fp32") < 0.1 * gemm_roofline_ms(h100, "fp32", rows, vocab, width)
+
+
+def test_estimated_costs_name_the_unchecked_precisions_of_modeled_groups():
+  from planners.report import estimated_costs
+
+  sources = {"train": "modeled (H100)", "infer": "modeled (T4)", "local": "measured (cpu)"}
+  types = {"train": "H100", "infer": "T4", "local": "cpu"}
+  lines = estimated_costs(types, sources, {"train": {"bf16": 3}, "infer": {"int8_fwd": 2, "fp16": 1}, "local": {}})
+  assert lines == [
+    "infer (T4): fp16, int8 costs are datasheet estimates (the catalog's T4 is never measured)"
+  ]  # H100 bf16 was checked against measured steps; a measured profile is no estimate
+  lines = estimated_costs(types, sources, {"train": {"int8": 1}})
+  assert lines == [
+    "train (H100): int8 costs are datasheet estimates (the catalog's H100 is checked against "
+    "measurements at fp32, bf16)"
+  ]

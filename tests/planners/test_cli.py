@@ -94,6 +94,11 @@ def test_plan_then_predict(files, capsys):
   )
   out = capsys.readouterr().out
   assert "chosen:" in out and "replays" in out and "dynamic batching" in out and "(modeled costs for" in out
+  # both groups are modeled (the A100 and the T4 have no profile of their own): the plan names the
+  # datasheet estimates it relies on, per group
+  assert "modeled costs this plan relies on:" in out
+  assert "train (A100): fp32 costs are datasheet estimates (the catalog's A100 is never measured)" in out
+  assert "infer (T4): " in out and "datasheet estimates" in out
   plan = Plan.load(plan_path)
   assert set(plan.policies) == {"train", "infer"}
   alternatives = {a["name"]: a for a in plan.predictions["alternatives"]}
