@@ -15,10 +15,18 @@ Example::
 gradient hook (fp32, bf16, fp16, global_qsgd) runs in the hybrid step; a step builder
 (selsync, qsdp) runs as ``qsync_jax.train.strategy_step.StrategyStep``, with the same data,
 metrics, progress, checkpoints and evaluation (at its consolidated / gathered parameters).
+
+``replan`` (a mode of ``qsync_jax.train.replan``, or a ``Replanner``) measures each group's
+compute while the hybrid step trains and re-balances the per-device batches from the
+measurements: the step is rebuilt once with the new split and training continues from the same
+step on the same data. ``metrics.jsonl`` gets a ``replan`` line for every decision, and the
+checkpoint records the plan that runs, so ``resume`` rebuilds the re-planned step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import signal
@@ -41,6 +49,7 @@ from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
 from qsync_jax.train.distributed import Watchdog
 from qsync_jax.train.outputs import check_run_dir
+from qsync_jax.train.replan import Replanner, describe
 from qsync_jax.train.strategy_step import make_strategy_step
 from qsync_jax.train.task import Task
 from qsync_jax.train.train_step import SyncFn, make_train_step
@@ -65,6 +74,8 @@ class Trainer:
       first, which compiles). Default 120 s when there are several processes, else off.
     donate: let each step reuse the previous state's buffers (default: on accelerators; hybrid
       step only, a step-builder strategy's step keeps its input).
+    replan: ``"off"`` (default), ``"once"`` or ``"auto"``, or a ``Replanner``: re-balance the
+      per-device batches from measured group speeds (hybrid step only; module doc).
   """
 
   def __init__(
@@ -87,6 +98,7 @@ class Trainer:
     progress: TextIO | None = None,
     step_timeout_s: float | None = None,
     donate: bool | None = None,
+    replan: str | Replanner = "off",
   ):
     if out_dir and jax.process_index() == 0:
       check_run_dir("out_dir", out_dir, resume)
@@ -108,9 +120,18 @@ class Trainer:
     else:
       if isinstance(grad_sync, str):
         grad_sync = make_grad_sync(grad_sync, **(sync_options or {}))
-      self.program = make_train_step(
-        task, cluster, plan, optimizer, grad_sync, devices=devices, loss_scale=loss_scale, donate=donate
+      self._build = functools.partial(
+        make_train_step, task, cluster, optimizer=optimizer, grad_sync=grad_sync, devices=devices,
+        loss_scale=loss_scale, donate=donate,
       )
+      self.program = self._build(plan)
+    self.replanner = replan if isinstance(replan, Replanner) else Replanner(mode=replan)
+    if self.replanner.mode != "off" and not hasattr(self, "_build"):
+      raise QsyncError(
+        f"replan={self.replanner.mode!r}: sync strategy {grad_sync!r} builds its own step, which cannot be "
+        "re-balanced. Fix: use replan='off', or a gradient-hook strategy (fp32, bf16, fp16, global_qsgd)."
+      )
+    self._sample = sample
     self.out_dir = out_dir
     self.checkpoint_every, self.log_every, self.progress = checkpoint_every, max(1, log_every), progress
     self.is_primary = jax.process_index() == 0
@@ -174,7 +195,11 @@ class Trainer:
     if self.checkpoints is None:
       raise CheckpointError("this trainer has no out_dir, so it cannot save. Fix: pass out_dir=...")
     meta = dict(
-      self._meta(), step=self.step, data_position=self.data_position, plan=self.program.plan.to_json()
+      self._meta(),
+      step=self.step,
+      data_position=self.data_position,
+      plan=self.program.plan.to_json(),
+      replans=self.replanner.history,
     )
     self.checkpoints.save(self.step, self.state, self.params, meta)
 
@@ -183,6 +208,12 @@ class Trainer:
     changes only once the checkpoint has passed every check."""
     if self.checkpoints is None or (step is None and self.checkpoints.latest_step() is None):
       return False
+    _, saved = self.checkpoints.read_meta(step)
+    if saved.get("replans") and hasattr(self, "_build"):  # a re-planned run: rebuild its step
+      plan = Plan.from_json(saved["plan"])
+      if plan.fingerprint() != self.program.plan.fingerprint():
+        self.program = self._build(plan)
+      self.replanner.history[:] = saved["replans"]
     state, meta = self.checkpoints.restore(self.state, self._meta(), step)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
     if self.out_dir and self.is_primary:
@@ -219,10 +250,16 @@ class Trainer:
     try:
       with stop:
         while step < steps and not stop.requested:
+          t_step = time.perf_counter()
           self.state, metrics = self.program(self.state, self._next_batch())
-          if self._one_step_in_flight or step == start_step:
+          if self._one_step_in_flight or step == start_step or self.replanner.mode == "auto":
             jax.block_until_ready(metrics)
           step += 1
+          step_ms = 1e3 * (time.perf_counter() - t_step) if self.replanner.mode == "auto" else None
+          if self.replanner.wants_measurement(step, start_step, step_ms):
+            if pending is not None:
+              last, pending = self._log(*pending, steps, clock, callback), None
+            self._replan(step)
           if step == start_step + 1:
             self._say(f"compiled and ran the first step in {clock.first_step_done(step):.1f} s")
           if pending is not None:
@@ -258,6 +295,20 @@ class Trainer:
         )
       )
     return last
+
+  def _replan(self, step: int) -> None:
+    """Measures the groups, decides (``Replanner.decide``), logs the decision and, when the
+    split changes, rebuilds the step with it (the state carries over: same devices)."""
+    measured = self.replanner.measure(self.program, self.state, self._sample)
+    batches, record = self.replanner.decide(step, self.program.cluster, measured)
+    self._say("replan: " + describe(record))
+    if self.out_dir and self.is_primary:
+      os.makedirs(self.out_dir, exist_ok=True)
+      with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "replan": record}) + "\n")
+    if batches is not None:
+      plan = self.program.plan
+      self.program = self._build(dataclasses.replace(plan, batch_per_device={**plan.batch_per_device, **batches}))
 
   def _say(self, msg: str) -> None:
     if self.progress is not None and self.is_primary:
