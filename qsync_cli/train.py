@@ -62,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
   )
   parser.add_argument("--log-every", type=int, default=1, help="steps between metrics lines (default 1)")
+  parser.add_argument(
+    "--replan",
+    choices=("off", "once", "auto"),
+    help="re-balance the groups' batches from their measured speeds: once after the first steps "
+    "(the default on GPUs), auto (also when the step time drifts, and every 10 windows of 20 steps), "
+    "or off (the default on simulated CPU devices, which share one host's cores, and with selsync "
+    "and qsdp, which build their own step)",
+  )
   parser.add_argument("--eval", action="store_true", help="evaluate on the task's held-out set at the end")
   parser.add_argument(
     "--compilation-cache",
@@ -120,6 +128,17 @@ def _optimizer(name: str, lr: float):
     "sgd": lambda: optax.sgd(lr),
     "momentum": lambda: optax.sgd(lr, momentum=0.9),
   }[name]()
+
+
+def _default_replan(sync: str | None) -> str:
+  """``once`` on GPUs; ``off`` on CPU devices and for step-builder strategies."""
+  import jax
+
+  from qsync_jax.sync import get_strategy
+
+  if jax.devices()[0].platform == "cpu" or (sync and get_strategy(sync).kind == "train_step"):
+    return "off"
+  return "once"
 
 
 def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
@@ -214,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
     log_every=args.log_every,
     progress=sys.stderr,
     step_timeout_s=args.step_timeout,
+    replan=args.replan or _default_replan(sync),
   )
   if trainer.step and jax.process_index() == 0:
     print(f"resumed {args.out} at step {trainer.step}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The trainer as 2 processes × 2 CPU devices (jax.distributed, gloo): equal to one process;
 a dead peer ends the survivor with a clear error in bounded time."""
 
+import json
 import signal
 import time
 
@@ -19,7 +20,7 @@ CLUSTER = ClusterSpec((DeviceGroup("a", "A100", 2, 40, 4), DeviceGroup("t", "T4"
 PLAN = Plan.from_json({"policies": {"t": "int8_fwd"}})
 
 
-def _launch(tmp_path, steps, **env):
+def _launch(tmp_path, steps, *extra, **env):
   CLUSTER.save(str(tmp_path / "cluster.json"))
   PLAN.save(str(tmp_path / "plan.json"))
   port = procs.free_port()
@@ -27,7 +28,7 @@ def _launch(tmp_path, steps, **env):
   common += ["--plan", str(tmp_path / "plan.json"), "--steps", str(steps), "--out", str(tmp_path / "run")]
   common += ["--optimizer", "adam", "--lr", "0.01", "--seed", "3", "--coordinator", f"localhost:{port}"]
   common += ["--num-processes", "2", "--local-devices", "2", "--step-timeout", "30"]
-  common += ["--heartbeat-timeout", "10"]
+  common += ["--heartbeat-timeout", "10", *extra]
   return [
     procs.train([*common, "--process-id", str(i)], str(tmp_path / f"log{i}.txt"), **env) for i in range(2)
   ]
@@ -63,6 +64,22 @@ def test_two_processes_equal_one_process(tmp_path):
   # fp32 tolerance: gloo sums across processes in another order than one process's all-reduce.
   for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(single.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_every_process_takes_the_same_replan_decision(tmp_path):
+  """``--replan once``: each process measures its own groups, all gather the measurements and
+  decide alike (the split must be the same everywhere, or the step would not run)."""
+  processes = _launch(tmp_path, 6, "--replan", "once")
+  _finish(processes, timeout=240)
+  logs = [(tmp_path / f"log{i}.txt").read_text() for i in range(2)]
+  assert [p.returncode for p in processes] == [0, 0], logs
+  decisions = [line for line in logs[0].splitlines() if line.startswith("replan: step 3: measured")]
+  assert len(decisions) == 1, logs[0][-2000:]
+  assert "split 4/2 -> " in decisions[0]
+  replans = [json.loads(x)["replan"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if '"replan"' in x]
+  assert len(replans) == 1 and set(replans[0]["ms_per_example"]) == {"a", "t"}
 
 
 @pytest.mark.slow
