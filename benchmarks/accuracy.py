@@ -33,11 +33,9 @@ import time
 
 import optax
 
-from benchmarks.result_rows import mean_std, write_section
+from benchmarks.common.result_rows import RESULTS_DIR, ROOT, mean_std, results_path, write_section
 from examples import demo
 from qsync_jax.train.task import get_task
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TARGET_POINTS = 0.3
 """QSync's target: ≥ uniform low precision + 0.3 points and within 0.3 points of full precision."""
@@ -62,7 +60,7 @@ def parse_args(argv=None):
   parser.add_argument("--pretrain-steps", type=int, default=40)
   parser.add_argument("--indicator-batches", type=int, default=16)
   parser.add_argument("--eval-max-batches", type=int, default=8, help="held-out batches of 256 (LM)")
-  parser.add_argument("--jsonl", default=os.path.join(ROOT, "benchmarks", "results", "accuracy.jsonl"))
+  parser.add_argument("--jsonl", default=results_path("accuracy"))
   parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "results.md"))
   return parser.parse_args(argv)
 
@@ -212,7 +210,7 @@ def main(argv=None) -> int:
   if args.testbed == "gpt":
     from benchmarks import accuracy_gpu
 
-    plans = os.path.join(ROOT, "benchmarks", "results", "accuracy_gpu", "plans_int8")
+    plans = os.path.join(RESULTS_DIR, "accuracy_gpu", "plans_int8")
     seeds = [str(s) for s in args.seeds]
     for step in (["plan", "--plans", plans], ["compare", "--plans", plans, "--seeds", *seeds], ["report"]):
       if accuracy_gpu.main(step) != 0:

@@ -7,7 +7,7 @@ standard library's source, trained on GPUs.
 * ``compare`` (``benchmarks.accuracy --testbed gpt``): the planner's candidates trained on
   two devices with their batch shares and precisions.
 
-The model (``GPT``): ``examples.models.transformer.TransformerLM`` with d = 512, 8 heads,
+The model (``gpt_25m``): ``examples.models.transformer.TransformerLM`` with d = 512, 8 heads,
 8 pre-LN blocks, sequence 256, byte vocabulary (25.3 M parameters), on the first 24 MB of the
 standard library's source (``examples.data.stdlib_text``; the last 10 % held out). Training:
 AdamW (weight decay 0.1, gradients clipped at global norm 1), linear warmup then cosine decay
@@ -30,19 +30,14 @@ import sys
 import jax
 import optax
 
-from benchmarks.result_rows import append_rows, mean_std, result_row, write_section
-from examples.tasks.language import stdlib_lm
+from benchmarks.common import zoo
+from benchmarks.common.result_rows import ROOT, append_rows, mean_std, result_row, results_path, write_section
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "accuracy_gpu.jsonl")
-GPT = {"d_model": 512, "num_heads": 8, "num_layers": 8, "seq_len": 256, "max_bytes": 24_000_000}
-"""The LM task's options (``examples.tasks.language.LMConfig``)."""
+RESULTS = results_path("accuracy_gpu")
+MODEL = "gpt_25m"
+"""The testbed's model in ``benchmarks.common.zoo.MODELS`` (its options: ``zoo.GPT_25M``)."""
 EVAL_BATCHES = 16
 BATCH = 64
-
-
-def gpt_task(**overrides):
-  return stdlib_lm(**{**GPT, **overrides})
 
 
 def optimizer(lr: float, steps: int, warmup: int) -> optax.GradientTransformation:
@@ -104,7 +99,7 @@ def sweep(args) -> int:
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
 
-  task = gpt_task()
+  task = zoo.task(MODEL)
   cluster = ClusterSpec.uniform("H100", 1, args.batch, memory_gb=80.0, name="gpu")
   plans = {p: (Plan() if p == "fp32" else Plan.uniform(cluster, p)) for p in args.policies}
   train_and_record(args, "sweep", task, cluster, plans, jax.devices()[:1])
@@ -143,7 +138,7 @@ def plan(args) -> int:
   from examples import demo
   from planners.indicator import compute, initial_variables, load, save
 
-  task = gpt_task()
+  task = zoo.task(MODEL)
   os.makedirs(args.plans, exist_ok=True)
   say = demo.Progress(sys.stdout)
   if args.indicator:
@@ -172,7 +167,7 @@ def compare(args) -> int:
   from examples import demo
   from qsync_jax.plan import Plan
 
-  task = gpt_task()
+  task = zoo.task(MODEL)
   cluster = pool_cluster(args.batch // 2)
   plans = {}
   for name in args.configs:
@@ -232,7 +227,7 @@ def _table(summary: list[dict], baseline: str, batches: bool) -> list[str]:
 def markdown(rows: list[dict], command: str) -> str:
   """The testbed's section of ``docs/results.md`` from its rows: per training setup, the
   ``sweep`` and ``compare`` tables."""
-  model = __doc__.split("The model (``GPT``): ", 1)[1].split("  python -m", 1)[0].strip()
+  model = __doc__.split("The model (``gpt_25m``): ", 1)[1].split("  python -m", 1)[0].strip()
   lines = [
     "### GPU testbed: a 25 M-parameter GPT on the standard library's source (H100)",
     "",

@@ -1,7 +1,8 @@
 """Planner speed on a BERT-base-sized graph, and greedy / joint vs exhaustive search.
 
 1. BERT-base (12 layers, d=768, 12 heads, seq 384, SQuAD-like) as an op graph of 98
-   quantizable ops (embedding, Q/K/V/out projections, both attention products, MLP, head),
+   quantizable ops (embedding, Q/K/V/out projections, both attention products, MLP, head;
+   ``benchmarks.common.zoo.bert_ops``),
    costed by the catalog (all costs *modeled*), on QSync's cluster: V100s (training, fp32)
    and T4s (inference). Prints the joint planner's time (batch × precision, target ≤ 2 s),
    its replays, the plan's batches and mix of precisions, and its predicted throughput
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import time
 
 import jax
 import numpy as np
 
-from benchmarks.result_rows import result_row, save_rows
+from benchmarks.common.result_rows import result_row, results_path, save_rows
+from benchmarks.common.zoo import bert_profile
 from planners.allocator.greedy import exhaustive, greedy, make_problem
 from planners.allocator.joint import joint_plan, precision_counts
 from planners.ops import OpShape
@@ -35,43 +36,7 @@ from planners.profile import Profile
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "allocator.jsonl")
-
-
-def bert_ops(batch=12, seq=384, d=768, heads=12, layers=12, ff=3072, vocab=30522) -> list[OpShape]:
-  """The quantizable ops of BERT-base as canonical GEMMs (``planners.ops``)."""
-  t = batch * seq
-
-  def dense(name, k, n, kind="dense_general"):
-    return OpShape(name, kind, 1, t, k, n, 1, t * k, k * n, t * n)
-
-  ops = [OpShape("embed:embed", "embed", 1, t, vocab, d, 1, t * vocab, vocab * d, t * d)]
-  bh = batch * heads
-  for i in range(layers):
-    p = f"layer_{i}"
-    ops += [dense(f"{p}/attn/{x}:dense_general", d, d) for x in ("query", "key", "value")]
-    ops.append(
-      OpShape(
-        f"{p}/attn:attention_qk", "attention_qk", bh, seq, d // heads, seq, 1, t * d, t * d, bh * seq * seq
-      )
-    )
-    ops.append(
-      OpShape(
-        f"{p}/attn:attention_pv", "attention_pv", bh, seq, seq, d // heads, 1, bh * seq * seq, t * d, t * d
-      )
-    )
-    ops.append(dense(f"{p}/attn/out:dense_general", d, d))
-    ops.append(dense(f"{p}/mlp/up:dense", d, ff, "dense"))
-    ops.append(dense(f"{p}/mlp/down:dense", ff, d, "dense"))
-  ops.append(dense("qa_head:dense", d, 2, "dense"))
-  return ops
-
-
-def bert_profile(batch=12) -> Profile:
-  ops = tuple(bert_ops(batch))
-  params = 110_000_000 * 4
-  memory = {"param_bytes": params, "opt_state_bytes": 2 * params, "batch_bytes": 0, "other_bytes": 0}
-  return Profile("bert-base", "traced", "traced", batch, ops, {}, {}, 0.0, {}, memory)
+RESULTS = results_path("allocator")
 
 
 def row_json(case, metric, value, baseline):

@@ -1,8 +1,8 @@
 """What each gradient-sync strategy sends, and what it costs, on 8 simulated CPU devices.
 
 For each strategy (fp32 / bf16 / fp16 all-reduce, Global-QSGD, SelSync, QSDP), train the same
-CNN on scikit-learn digits (global batch 64, Adam 3e-3, the same initial parameters and batch
-order) for ``--steps`` steps and report:
+CNN on scikit-learn digits (``benchmarks.common.zoo.digits_cnn``; global batch 64, Adam 3e-3,
+the same initial parameters and batch order) for ``--steps`` steps and report:
 
 * ring bytes per step: what each device sends per step with ring collectives, from the
   collectives of the compiled step's HLO (``planners.profiler.hlo``: 2(n-1)/n of an all-reduce's
@@ -33,7 +33,6 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,35 +40,17 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks.result_rows import result_row, save_rows  # noqa: E402
-from examples.data import digits  # noqa: E402
-from examples.tasks.vision import classification_task  # noqa: E402
+from benchmarks.common.result_rows import result_row, results_path, save_rows  # noqa: E402
+from benchmarks.common.zoo import digits_cnn  # noqa: E402
 from planners.profiler import hlo  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step  # noqa: E402
 from qsync_jax.train.task_step import task_loss_fn  # noqa: E402
 from qsync_jax.train.train_step import make_train_step  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "comm.jsonl")
+RESULTS = results_path("comm")
 STRATEGIES = ("fp32", "bf16", "fp16", "global_qsgd", "selsync", "qsdp")
 SEED, BATCH, LR = 0, 64, 3e-3
-
-
-class DigitsCNN(nn.Module):
-  """Two convolutions and two dense layers (~140k parameters)."""
-
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    del train
-    x = nn.relu(nn.Conv(16, (3, 3))(x))
-    x = nn.relu(nn.Conv(32, (3, 3), strides=(2, 2))(x))
-    x = nn.relu(nn.Dense(256)(x.reshape((x.shape[0], -1))))
-    return nn.Dense(10)(x)
-
-
-def make_task():
-  train, test = digits.load(0.2, 0)
-  return dataclasses.replace(classification_task("digits_cnn", DigitsCNN(), train, test), mutable=())
 
 
 def accuracy(task, params) -> float:
@@ -171,7 +152,7 @@ def main(argv=None) -> int:
   parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
   parser.add_argument("--no-save", action="store_true", help="do not append to benchmarks/results/comm.jsonl")
   args = parser.parse_args(argv)
-  task = make_task()
+  task = digits_cnn()
   names = ["fp32"] + [s for s in args.strategies if s != "fp32"]
   cases = {}
   initial = mesh = None

@@ -10,14 +10,14 @@ Units of work (``--plan``, comma-separated, run in that order; default: every GP
 the ResNet cells):
 
 * ``gpt[:WIDTH[:POLICY+POLICY...]]`` — one training step cell per width and policy (default:
-  ``--widths`` × ``--policies``). The model is the examples' ``TransformerLM`` on random tokens
-  (``examples.tasks.language.synthetic_lm``) with every module in bf16 (``dtype=jnp.bfloat16``, float32
-  parameters): token and position ``nn.Embed``, pre-LN blocks of
-  ``nn.MultiHeadDotProductAttention`` and a 4d GELU MLP of ``nn.Dense``, an untied ``nn.Dense``
-  head; vocabulary 32768, sequence 1024 × batch 8 = 8192 tokens per step, 4 blocks, heads of
-  64 (d ≤ 1024) or 128 dims; AdamW.
-* ``cnn[:POLICY+...]`` — ResNet-50 (bottleneck blocks, ``examples.tasks.vision.resnet_synthetic``) on random
-  224×224 images, batch 32, bf16 modules; policies ``CNN_POLICIES``.
+  ``--widths`` × ``--policies``). The model (``benchmarks.common.zoo.e2e_gpt``) is the examples'
+  ``TransformerLM`` on random tokens (``examples.tasks.language.synthetic_lm``) with every
+  module in bf16 (``dtype=jnp.bfloat16``, float32 parameters): token and position ``nn.Embed``,
+  pre-LN blocks of ``nn.MultiHeadDotProductAttention`` and a 4d GELU MLP of ``nn.Dense``, an
+  untied ``nn.Dense`` head; vocabulary 32768, sequence 1024 × batch 8 = 8192 tokens per step, 4
+  blocks, heads of 64 (d ≤ 1024) or 128 dims; AdamW.
+* ``cnn[:POLICY+...]`` — ResNet-50 (bottleneck blocks, ``benchmarks.common.zoo.e2e_resnet50``) on
+  random 224×224 images, batch 32, bf16 modules; policies ``CNN_POLICIES``.
 * ``profile[:WIDTH[:POLICY+...]]`` — the GPU kernels of one GPT step (default: the first
   width, ``plain`` and ``int8_dense``): time per kernel and per kind of kernel
   (``kernel_kind``), each kernel with the module path of the HLO instruction it runs.
@@ -52,9 +52,9 @@ stops a unit that runs past it; either way a row says what was skipped. Rows app
 and shape for a CPU smoke test.
 
 ``--lower-for-cuda`` runs no unit: it traces and lowers the plan's GPT steps for CUDA on this
-machine, no GPU needed (``e2e_inspect.lower_for_cuda``: the kernels forced as on a GPU), three
-builds each with JAX's caches cleared in between, and prints the stages' medians and what each
-module holds, its distinct Pallas kernels with their call sites.
+machine, no GPU needed (``benchmarks.common.e2e_inspect.lower_for_cuda``: the kernels forced as
+on a GPU), three builds each with JAX's caches cleared in between, and prints the stages'
+medians and what each module holds, its distinct Pallas kernels with their call sites.
 """
 
 from __future__ import annotations
@@ -77,10 +77,9 @@ import unittest.mock
 import uuid
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from benchmarks.e2e_inspect import (
+from benchmarks.common.e2e_inspect import (
   custom_call_stats,
   device_peak_bytes,
   instruction_stacks,
@@ -89,7 +88,7 @@ from benchmarks.e2e_inspect import (
   lower_for_cuda,
   lowered_table,
 )
-from benchmarks.e2e_micro import (
+from benchmarks.common.e2e_micro import (
   CONV_CASES,
   CONV_SHAPES,
   TINY_CONV_SHAPES,
@@ -98,17 +97,18 @@ from benchmarks.e2e_micro import (
   conv_operands,
   time_micro,
 )
-from benchmarks.e2e_table import table
-from benchmarks.result_rows import append_rows, result_row
-from examples.tasks.language import synthetic_lm
-from examples.tasks.vision import resnet_synthetic
+from benchmarks.common.e2e_table import table
+from benchmarks.common.result_rows import append_rows, result_row, results_path
+from benchmarks.common.zoo import e2e_gpt, e2e_resnet50
+from pallas_kernels import arch
 from pallas_kernels.gemm import api as gemm_api
+from pallas_kernels.quantize import api as quantize_api
 from planners.profiler import timing
 from planners.profiler.timing import kernels_by, traced_events
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule
 from qsync_jax.ops.qattention import fused_attention
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
+RESULTS = results_path("e2e")
 
 DENSE_KINDS = ("dense", "dense_general")
 ATTENTION_KINDS = ("attention_qk", "attention_pv")
@@ -162,35 +162,6 @@ UNIT_ESTIMATE_S = {
 of an H100: plain bf16 11-14 s, int8 on every Dense 33-123 s, fp8 97-160 s), for the budget."""
 
 
-# -- models -------------------------------------------------------------------------------
-
-
-def gpt_task(width: int, tiny: bool):
-  """``(task with bf16 modules, batch size)`` of the GPT at ``width``."""
-  if tiny:
-    cfg = dict(vocab_size=256, d_model=width, num_heads=max(1, width // 16), num_layers=2, seq_len=32)
-    batch = 4
-  else:
-    cfg = dict(vocab_size=32768, d_model=width, num_heads=width // (64 if width <= 1024 else 128))
-    cfg.update(num_layers=4, seq_len=1024)
-    batch = 8
-  task = synthetic_lm(**cfg)
-  return dataclasses.replace(task, model=task.model.clone(dtype=jnp.bfloat16)), batch
-
-
-def cnn_task(tiny: bool):
-  """``(task with bf16 modules, batch size)`` of the ResNet-50."""
-  if tiny:
-    cfg = dict(image_size=16, stage_sizes=(1, 1), widths=(4, 8), block="bottleneck", num_classes=10)
-    batch = 2
-  else:
-    cfg = dict(image_size=224, stage_sizes=(3, 4, 6, 3), widths=(64, 128, 256, 512), block="bottleneck")
-    cfg.update(num_classes=1000, imagenet_stem=True)
-    batch = 32
-  task = resnet_synthetic(**cfg)
-  return dataclasses.replace(task, model=task.model.clone(dtype=jnp.bfloat16)), batch
-
-
 def optimizer() -> optax.GradientTransformation:
   return optax.adamw(1e-4)
 
@@ -199,6 +170,7 @@ def optimizer() -> optax.GradientTransformation:
 
 
 GEMM_IMPLS = ("auto", "pallas", "mosaic", "xla")
+ARCHS = tuple(arch.KERNELS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,13 +180,16 @@ class Variant:
   Attributes:
     policy: a key of ``POLICIES``.
     gemm: the 8-bit GEMM implementation forced while tracing (``auto``: the api's choice).
-    short_k: the api's ``SHORT_K`` while tracing (None: as it is).
+    short_k: ``pallas_kernels.arch.SHORT_K`` while tracing (None: as it is).
+    arch: the GPU architecture the kernel APIs see while tracing (``sm75``, ``sm80``, ``sm89``…;
+      None: the device's): each architecture's implementations, run on this GPU.
     xla: XLA compile options (``xla_...``) of the step.
   """
 
   policy: str
   gemm: str = "auto"
   short_k: int | None = None
+  arch: str | None = None
   xla: tuple[tuple[str, object], ...] = ()
 
 
@@ -232,13 +207,16 @@ def parse_variant(text: str) -> Variant:
       fields["gemm"] = value
     elif key == "short_k" and value.isdigit():
       fields["short_k"] = int(value)
+    elif key == "arch" and value in ARCHS:
+      fields["arch"] = value
     elif key.startswith("xla_") and value:
       xla.append(
         (key, int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value))
       )
     else:
       raise SystemExit(
-        f"policy {text!r}: option {item!r} is not gemm=({'|'.join(GEMM_IMPLS)}), short_k=N or xla_<option>=value."
+        f"policy {text!r}: option {item!r} is not gemm=({'|'.join(GEMM_IMPLS)}), short_k=N, "
+        f"arch=({'|'.join(ARCHS)}) or xla_<option>=value."
       )
   return Variant(**fields, xla=tuple(xla))
 
@@ -252,7 +230,10 @@ def build(task, policy_spec: str, batch):
     if v.gemm != "auto":
       stack.enter_context(gemm_api.use_impl(v.gemm))
     if v.short_k is not None:
-      stack.enter_context(unittest.mock.patch.object(gemm_api, "SHORT_K", v.short_k))
+      stack.enter_context(unittest.mock.patch.object(arch, "SHORT_K", v.short_k))
+    if v.arch is not None:
+      for api in (gemm_api, quantize_api):
+        stack.enter_context(unittest.mock.patch.object(api, "gpu_arch", lambda: v.arch))
     return timing.build_train_step(
       task,
       POLICIES[v.policy],
@@ -382,7 +363,7 @@ def run_unit(unit: Unit, args) -> list[dict]:
     rows.append(result_row("e2e", case, metric, value, baseline, device, **tags, **extra))
 
   if unit.section in ("gpt", "cnn"):
-    task, batch = gpt_task(int(unit.arg), args.tiny) if unit.section == "gpt" else cnn_task(args.tiny)
+    task, batch = e2e_gpt(int(unit.arg), args.tiny) if unit.section == "gpt" else e2e_resnet50(args.tiny)
     policy = unit.policies[0]
     case = f"gpt/d{unit.arg}/{policy}" if unit.section == "gpt" else f"resnet50/{policy}"
     res = step_cell(task, batch, policy, args.steps, args.compile_only)
@@ -440,7 +421,7 @@ def run_unit(unit: Unit, args) -> list[dict]:
       isolated=args.isolate,
     )
   elif unit.section == "profile":
-    task, batch = gpt_task(int(unit.arg), args.tiny)
+    task, batch = e2e_gpt(int(unit.arg), args.tiny)
     policy = unit.policies[0]
     res = profile_cell(task, batch, policy)
     row(
@@ -537,7 +518,7 @@ class OutOfTime(Exception):
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.splitlines()[0])
   ap.add_argument("--plan", default="gpt,cnn", help="units, comma-separated (see the module docstring)")
   ap.add_argument(
     "--widths", nargs="+", type=int, default=None, help="GPT widths (default 768 1024 2048 4096)"
@@ -634,7 +615,7 @@ def lower_units_for_cuda(units: list[Unit], tiny: bool, builds: int = 3) -> int:
     raise SystemExit("--lower-for-cuda: only gpt units are lowered. Fix: e.g. --plan gpt:768:int8_dense.")
   results = {}
   for unit in units:
-    task, batch = gpt_task(int(unit.arg), tiny)
+    task, batch = e2e_gpt(int(unit.arg), tiny)
     policy = parse_variant(unit.policies[0]).policy
     results[f"gpt/d{unit.arg}/{policy}"] = runs = []
     for _ in range(builds):

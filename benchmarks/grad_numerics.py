@@ -31,7 +31,6 @@ unbiased rounding only its noise over √keys). Prints a table; appends rows to
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import jax
@@ -39,12 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.result_rows import result_row, save_rows
+from benchmarks.common.result_rows import result_row, results_path, save_rows
 from pallas_kernels.quantize import dequantize, quantize
 from qsync_jax import OpPolicy, quantized_dot_general
 from qsync_jax.ops.qdot import Operand, dlhs_dims, drhs_dims, leg_dot, qformat
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "grad_numerics.jsonl")
+RESULTS = results_path("grad_numerics")
 DIMS = (((1,), (0,)), ((), ()))
 POLICIES = {
   "int8": OpPolicy.preset("int8"),
@@ -156,7 +155,7 @@ def forward_only_errors(x, w, g, policy):
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.grad_numerics", description=__doc__.splitlines()[0])
   ap.add_argument("--shape", type=int, nargs=3, default=(256, 512, 128), metavar=("M", "K", "N"))
   ap.add_argument("--keys", type=int, default=2000)
   ap.add_argument("--chunk", type=int, default=50, help="keys per vmapped program")

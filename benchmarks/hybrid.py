@@ -1,7 +1,7 @@
 """Joint batch × precision plans on realistic hybrid pools, against every alternative (modeled).
 
 For each pool (4 training + 4 inference devices of the catalog, at their datasheet memory,
-100 Gbit/s links) and each model at real size (``MODELS`` of ``benchmarks.roofline``:
+100 Gbit/s links) and each model at real size (``benchmarks.common.zoo.HYBRID_MODELS``:
 ResNet-50 at 224², BERT-base at sequence 128 and 512, a GPT-2-medium-sized LM at sequence
 1024), the model's ops are traced (abstractly: nothing runs), every device is costed from the
 catalog (``planners.predictor.modeled``), and ``planners.allocator.joint`` plans it. Printed and written as rows:
@@ -17,14 +17,14 @@ measured. The sensitivities Ω are synthetic (a seeded exponential draw per op, 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import jax
 import numpy as np
 
-from benchmarks.result_rows import append_rows, result_row
-from benchmarks.roofline import MODELS, base_profile, build, model_ops
+from benchmarks.common.op_profile import base_profile, build, model_ops
+from benchmarks.common.result_rows import append_rows, result_row, results_path
+from benchmarks.common.zoo import HYBRID_MODELS
 from planners.allocator.greedy import fastest_levels, make_problem, uniform_levels
 from planners.allocator.joint import joint_plan, precision_counts
 from planners.catalog import allreduce_ms
@@ -34,7 +34,7 @@ from planners.report import table
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.devices import device
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hybrid.jsonl")
+RESULTS = results_path("hybrid")
 
 POOLS = {
   "V100+T4": ("V100", "T4", "fp32"),
@@ -48,7 +48,8 @@ LINK_GBPS = 100.0
 
 
 def traced(name: str) -> dict:
-  """The model's ops at its per-device batch, as ``benchmarks.roofline`` records them."""
+  """The model's ops at its per-device batch, as ``benchmarks.diagnosis.roofline`` records them
+  (``benchmarks.common.op_profile``)."""
   task, data, batch = build(name, tiny=False)
   ops, param_bytes = model_ops(task, data)
   return {
@@ -112,7 +113,7 @@ def predict_compute(search, gi, b, row) -> float:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.hybrid", description=__doc__.splitlines()[0])
-  ap.add_argument("--models", default=",".join(MODELS))
+  ap.add_argument("--models", default=",".join(HYBRID_MODELS))
   ap.add_argument("--pools", default=",".join(POOLS))
   ap.add_argument("--granularity", type=int, default=1)
   ap.add_argument("--slack", type=float, default=0.02)

@@ -14,19 +14,18 @@ the median). Prints a table; appends rows to ``benchmarks/results/im2col.jsonl``
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.result_rows import result_row, save_rows
+from benchmarks.common.result_rows import result_row, results_path, save_rows
 from planners.profiler import timing
 from qsync_jax import OpPolicy, quantized_conv_general_dilated
 from qsync_jax.ops import qconv
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "im2col.jsonl")
+RESULTS = results_path("im2col")
 
 GPU_CASES = {  # (N, H, W, C_in, C_out): vgg_wide's conv1_1, conv2_1, conv3_1 at batch 256
   "conv1_1 256x16x16x128->128": (256, 16, 16, 128, 128),

@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import time
 
 import jax
 import numpy as np
 from scipy.stats import spearmanr
 
-from benchmarks import accuracy_gpu
-from benchmarks.result_rows import append_rows
+from benchmarks.common import zoo
+from benchmarks.common.result_rows import append_rows, results_path
 from examples.train_loop import LoopConfig, train_and_evaluate
 from planners.indicator.gradient import gradient_omega
 from planners.indicator.gvar import gvar_omega
@@ -54,7 +53,7 @@ from qsync_jax.precision import OpPolicy
 from qsync_jax.train.task import get_task
 from qsync_jax.train.task_step import task_loss
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "indicator.jsonl")
+RESULTS = results_path("indicator")
 TRUTH_POLICY = OpPolicy(fwd="int8", dlhs="fp32", drhs="fp32")
 METHODS = ("gradient", "gvar", "wvar", "hessian", "random")
 VARIANTS = ("gradient_moments", "gradient_sample", "gradient_batch", "gradient_signed")
@@ -96,7 +95,7 @@ def spearman(a, b, ops):
 
 
 def run_task(name, args):
-  task = accuracy_gpu.gpt_task() if name == "gpt" else get_task(name)
+  task = zoo.task("gpt_25m") if name == "gpt" else get_task(name)
   t0 = time.perf_counter()
   trained = train_and_evaluate(
     task, LoopConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed), log=None
@@ -160,7 +159,7 @@ def main(argv=None):
     "--tasks",
     nargs="+",
     default=["vgg", "lm"],
-    help="vgg, lm, or gpt (benchmarks.accuracy_gpu's 25 M-parameter LM)",
+    help="vgg, lm, or gpt (benchmarks.accuracy_gpu's 25 M-parameter LM, zoo's gpt_25m)",
   )
   parser.add_argument("--steps", type=int, default=100, help="fp32 training steps before probing")
   parser.add_argument("--batch-size", type=int, default=32)

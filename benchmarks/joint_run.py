@@ -2,6 +2,9 @@
 different per-device batches and precisions; gradients against one device's fp32 step on
 the same global batch, and the measured step against the replay's prediction.
 
+The LM: a GPT on random tokens (``benchmarks.common.zoo.gpt``) of ``--d-model``, ``--layers``,
+``--heads``, ``--seq`` and ``--vocab``.
+
 1. **profile** (a subprocess on device 0): the LM's cost profile (``measure_profile``) at the
    training group's batch, saved to ``--out``.
 2. **plan**: ``planners.allocator.joint`` plans a pool whose training group is this device type and
@@ -34,22 +37,10 @@ import time
 
 import numpy as np
 
-from benchmarks.result_rows import append_rows, result_row
+from benchmarks.common.result_rows import ROOT, append_rows, result_row, results_path
+from benchmarks.common.zoo import gpt
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "joint_run.jsonl")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def make_task(args):
-  from examples.tasks.language import synthetic_lm
-
-  return synthetic_lm(
-    vocab_size=args.vocab,
-    d_model=args.d_model,
-    num_heads=args.heads,
-    num_layers=args.layers,
-    seq_len=args.seq,
-  )
+RESULTS = results_path("joint_run")
 
 
 def local_type() -> str:
@@ -65,9 +56,8 @@ def local_type() -> str:
 def role_profile(args) -> int:
   from planners.profiler.measure import measure_profile
 
-  prof = measure_profile(
-    make_task(args), args.batch, ("fp32", "bf16", "fp16", "int8"), repeats=3, step_repeats=5
-  )
+  task = gpt(args.d_model, args.layers, args.heads, args.seq, vocab=args.vocab)
+  prof = measure_profile(task, args.batch, ("fp32", "bf16", "fp16", "int8"), repeats=3, step_repeats=5)
   prof.save(os.path.join(args.out, "profile.json"))
   return 0
 
@@ -114,7 +104,7 @@ def role_worker(args) -> int:
   distributed.initialize(
     f"127.0.0.1:{args.port}", args.processes, args.process_id, local_device_count=1 if args.tiny else None
   )
-  task = make_task(args)
+  task = gpt(args.d_model, args.layers, args.heads, args.seq, vocab=args.vocab)
   prof = Profile.load(os.path.join(args.out, "profile.json"))
   for name, plan in json.load(open(os.path.join(args.out, "plans.json"))).items():
     plan = Plan.from_json(plan)

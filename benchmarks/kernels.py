@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels import _platform
 from pallas_kernels.gemm import api as gemm_api
 from pallas_kernels.gemm import hopper
 from pallas_kernels.gemm import kernel as gemm_kernel
@@ -588,7 +589,7 @@ def main(argv=None):
   DEVICE = device_name()
   os.makedirs(args.out, exist_ok=True)
   OUT_JSONL = os.path.join(args.out, "kernels.jsonl")
-  log(f"device {DEVICE}, jax {jax.__version__}, gemm auto={gemm_api.DEFAULT_IMPL}")
+  log(f"device {DEVICE}, jax {jax.__version__}, gemm auto: pallas_kernels.arch.KERNELS[{_platform.gpu_arch()!r}]")
   DEADLINE[0] = args.deadline
   SKIP.update(args.skip.split(","))
   sections = args.sections.split(",")

@@ -1,16 +1,17 @@
 """Multi-GPU validation: trainer scaling, gradient-sync payloads and times, SelSync, QSDP.
 
-One process drives all local devices (``jax.devices()``); with ``--processes 2 4`` the script
-also relaunches itself as 2 and as 4 ``jax.distributed`` processes of one device each and
-times every scaling policy there too. On a CPU it runs on simulated devices (a smoke test).
+The model: a byte-level GPT (``benchmarks.common.zoo.gpt``) of ``--d-model``, ``--layers``,
+``--heads`` and ``--seq``. One process drives all local devices (``jax.devices()``); with
+``--processes 2 4`` the script also relaunches itself as 2 and as 4 ``jax.distributed``
+processes of one device each and times every scaling policy there too. On a CPU it runs on simulated devices (a smoke test).
 
 Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 
 * scaling: uniform fp32 (the predictor's fit plan), uniform bf16 and a mixed plan (MLP Dense
   layers ``int8_fwd``, the rest bf16) on 1, 2, 4… devices with a fixed per-device batch (weak
   scaling): step time and efficiency t(1) / t(n); each step's kernels on the first GPU
-  (``benchmarks.step_kernels.gpu_kernels``: time, count, of it collectives and matrix products)
-  and, for n > 1, the compute the schedule places under each async collective
+  (``benchmarks.common.kernel_summary.gpu_kernels``: time, count, of it collectives and matrix
+  products) and, for n > 1, the compute the schedule places under each async collective
   (``hlo.async_spans``) are also reported;
 * all-reduce order (bf16 policy, 2, 4… devices): the trainer's default (gradient leaves in the
   order the backward produces them, ``qsync_jax.sync.order``), tree order
@@ -24,8 +25,8 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 * predictor: the replay's step time for every bf16 / mixed scaling case (one process, and one
   process per device) against the measured one, from the op profile on one device
   (``measure_profile``, or ``--profile-file``) and, per device count, the all-reduce line of
-  a ``psum`` microbenchmark (``benchmarks.link``); then again with the profile's remainder
-  refitted to the fp32 step measured on the same device count
+  a ``psum`` microbenchmark (``benchmarks.common.link``); then again with the profile's
+  remainder refitted to the fp32 step measured on the same device count
   (``planners.profiler.fit.fit_remainder``). The baseline of the ratio is the measured step.
 
   python -m benchmarks.multigpu [--d-model 768 --layers 12 --seq 256 --batch 8] [--steps 20]
@@ -48,10 +49,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.link import measure_link
-from benchmarks.result_rows import append_rows, result_row
-from benchmarks.step_kernels import gpu_kernels
-from examples.tasks.language import stdlib_lm
+from benchmarks.common.kernel_summary import gpu_kernels
+from benchmarks.common.link import measure_link
+from benchmarks.common.result_rows import ROOT, append_rows, result_row, results_path
+from benchmarks.common.zoo import gpt
 from planners.predictor.replay import predict
 from planners.profile import Profile
 from planners.profiler import hlo
@@ -67,8 +68,7 @@ from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step
 from qsync_jax.train.task_step import task_loss_fn
 from qsync_jax.train.train_step import make_train_step
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "multigpu.jsonl")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the children run from here
+RESULTS = results_path("multigpu")
 
 
 def policies() -> dict[str, PrecisionPolicy]:
@@ -171,7 +171,7 @@ def pipelined_step_s(step, state, batches, steps: int):
 
 def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
   """``(median s, IQR s, collectives)`` of the trainer's step, with the first GPU's kernels
-  (``kernel``: a ``benchmarks.step_kernels.KernelSummary``, None without a GPU) and the step's time when
+  (``kernel``: a ``benchmarks.common.kernel_summary.KernelSummary``, None without a GPU) and the step's time when
   steps are dispatched back to back (``pipelined_s``, ``pipelined_step_s``)."""
   ts, state, batches = build_case(task, n, batch, policy, sync_name)
   coll = collective_summary(ts.step, state, batches[0], dump=dump)
@@ -182,7 +182,7 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
 
 
 def first_gpu_kernels(step, state, batch, repeats: int = 5):
-  """The ``benchmarks.step_kernels.KernelSummary`` of ``step``'s kernels on the first GPU (with its
+  """The ``benchmarks.common.kernel_summary.KernelSummary`` of ``step``'s kernels on the first GPU (with its
   collectives' kernels, which run on a stream of their own); None without a GPU."""
   run, _ = stepper(step, state, [batch])
   return gpu_kernels(lambda: jax.block_until_ready(run()), repeats)
@@ -256,7 +256,7 @@ def row(case, metric, value, baseline, device, **extra):
 
 def case_cluster(prof, n: int, batch: int, link=None) -> tuple[ClusterSpec, dict]:
   """``(cluster, predict kwargs)`` of ``n`` devices of ``prof``'s type at ``batch`` per device,
-  with ``link`` (a ``benchmarks.link.LinkModel``, or anything with ``link_gbps`` and
+  with ``link`` (a ``benchmarks.common.link.LinkModel``, or anything with ``link_gbps`` and
   ``latency_us``) for ``n`` > 1."""
   group = DeviceGroup("gpus", prof.device_type, n, 1e3, batch)
   if link is None:
@@ -378,7 +378,7 @@ def run_worker(args) -> int:
   jax.distributed.initialize(
     coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.world, process_id=args.process_id
   )
-  task = make_lm(args)
+  task = gpt(args.d_model, args.layers, args.heads, args.seq)
   n = jax.device_count()
   for name in args.policies:
     med, iqr, coll = trainer_case(task, n, args.batch, policies()[name], "fp32", args.steps)
@@ -398,7 +398,7 @@ def multiprocess_steps(args, n: int) -> dict[str, tuple[float, float, float]]:
     subprocess.Popen(
       [sys.executable, "-m", "benchmarks.multigpu", "--process-id", str(pid), *map(str, flags)]
       + ["--policies", *args.policies],
-      cwd=ROOT,
+      cwd=ROOT,  # the children run from the repository root
       env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(pid)),
       stdout=subprocess.PIPE,
       text=True,
@@ -417,10 +417,6 @@ def multiprocess_steps(args, n: int) -> dict[str, tuple[float, float, float]]:
     return {}
   lines = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
   return {r["policy"]: (r["median_s"], r["iqr_s"], r["pipelined_s"]) for r in lines}
-
-
-def make_lm(args):
-  return stdlib_lm(d_model=args.d_model, num_heads=args.heads, num_layers=args.layers, seq_len=args.seq)
 
 
 def main(argv=None) -> int:
@@ -480,7 +476,7 @@ def main(argv=None) -> int:
   if args.process_id >= 0:
     return run_worker(args)
 
-  task = make_lm(args)
+  task = gpt(args.d_model, args.layers, args.heads, args.seq)
   total = jax.device_count()
   device = f"{jax.devices()[0].device_kind} x{total}"
   if args.dump_dir:

@@ -1,9 +1,10 @@
 """Predictor error: predicted vs measured step time and memory on plans not used to fit anything.
 
-For each model: measure its profile on the local device (``planners.profiler.measure.measure_profile``:
-op legs and whole-policy programs standalone, casts, the optimizer, the all-bf16 step — which
-fits the remainder — and the compiled fp32 and all-bf16 steps — which fit the memory
-corrections), then for every evaluation plan (uniform and mixed, never the fit step; marked
+For each model (``benchmarks.common.zoo.MODELS``: ``mlp``, ``lm``, ``vgg`` on a CPU; ``mlp_base``,
+``vgg_wide``, ``lm_base``… on a GPU): measure its profile on the local device
+(``planners.profiler.measure.measure_profile``: op legs and whole-policy programs standalone,
+casts, the optimizer, the all-bf16 step — which fits the remainder — and the compiled fp32 and
+all-bf16 steps — which fit the memory corrections), then for every evaluation plan (uniform and mixed, never the fit step; marked
 ``(fit)``) compare
 
 * the replay's predicted step time with the measured median of the jitted single-device
@@ -36,12 +37,11 @@ import os
 import time
 from collections.abc import Callable
 
-import flax.linen as nn
 import jax
 import numpy as np
-import optax
 
-from benchmarks.result_rows import append_rows, result_row
+from benchmarks.common import zoo
+from benchmarks.common.result_rows import append_rows, result_row, results_path
 from planners.predictor.replay import predict
 from planners.profile import Profile
 from planners.profiler import timing
@@ -56,70 +56,13 @@ from qsync_jax.train.task import Task
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 """Profiled precisions: those the evaluation plans use."""
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "predictor.jsonl")
-
-
-class MLP(nn.Module):
-  hidden: int = 1024
-  layers: int = 3
-
-  @nn.compact
-  def __call__(self, x):
-    for _ in range(self.layers):
-      x = nn.relu(nn.Dense(self.hidden)(x))
-    return nn.Dense(10)(x)
-
-
-def mlp_task(features: int = 512, hidden: int = 1024) -> Task:
-  def batches(n, seed):
-    rng = np.random.default_rng(seed)
-    while True:
-      yield {
-        "x": rng.normal(size=(n, features)).astype(np.float32),
-        "label": rng.integers(0, 10, n).astype(np.int32),
-      }
-
-  def loss(logits, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), {}
-
-  return Task("mlp", MLP(hidden), lambda b: (b["x"],), loss, batches)
+RESULTS = results_path("predictor")
 
 
 def measured_clock(requested: str | None = None) -> str:
   """The clock every timing of a benchmark run uses: ``requested``, else process CPU time on a
   CPU host (shared with other work) and ``timing.default_step_clock()`` on an accelerator."""
   return requested or ("cpu" if jax.devices()[0].platform == "cpu" else timing.default_step_clock())
-
-
-def get_model(name: str) -> tuple[Task, int]:
-  """(task, per-device batch) of the benchmark models, sized for a CPU step of tens of ms."""
-  if name == "mlp":
-    return mlp_task(), 128
-  from examples.tasks.language import stdlib_lm
-  from examples.tasks.vision import resnet_digits, resnet_synthetic, vgg_digits
-
-  if name == "lm":
-    return stdlib_lm(d_model=128, num_heads=4, num_layers=2, seq_len=64, max_bytes=200_000), 16
-  if name == "vgg":
-    return vgg_digits(), 64
-  if name == "resnet":
-    return resnet_digits(), 64
-  # GPU sizes: a 4096-wide MLP, VGGs with 64-256 and 128-512 channels on digits, a
-  # BERT-base-wide LM (4 layers) and ResNet-18 on digits.
-  if name == "mlp_base":
-    return mlp_task(features=1024, hidden=4096), 4096
-  if name == "vgg_base":  # its H100 step is paced by the host: 0.57 ms of kernels in 1.3-1.6 ms
-    return vgg_digits(stages=((64, 64), (128, 128), (256, 256)), hidden=512), 512
-  if name == "vgg_wide":  # twice the channels, twice the batch: kernel-bound on an H100
-    return vgg_digits(stages=((128, 128), (256, 256), (512, 512)), hidden=1024), 1024
-  if name == "lm_base":
-    return stdlib_lm(d_model=768, num_heads=12, num_layers=4, seq_len=256, max_bytes=2_000_000), 16
-  if name == "resnet18":
-    return resnet_digits(stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512)), 256
-  if name == "resnet18_224":  # issue 7's GPU model: ResNet-18 on synthetic 224×224 images
-    full = dict(stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512), num_classes=1000)
-    return resnet_synthetic(image_size=224, imagenet_stem=True, **full), 64
-  raise SystemExit(f"unknown model {name!r}")
 
 
 def mixed(op_names, pattern) -> PrecisionPolicy:
@@ -213,7 +156,7 @@ def row_json(model, case, metric, value, baseline, device):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m benchmarks.predictor", description=__doc__.splitlines()[0])
-  ap.add_argument("--models", nargs="+", default=["mlp", "lm", "vgg"])
+  ap.add_argument("--models", nargs="+", default=["mlp", "lm", "vgg"], help="of benchmarks.common.zoo.MODELS")
   ap.add_argument(
     "--repeats",
     type=int,
@@ -253,7 +196,7 @@ def main(argv=None):
   rows, out, refitted = [], [], []
   variant_errors: dict[str, list[float]] = {}
   for model in args.models:
-    task, batch_size = get_model(model)
+    task, batch_size = zoo.get(model)
     prof = model_profile(model, task, batch_size, clock, args)
     variants = alternative_profiles(prof)
     cluster = ClusterSpec.uniform(prof.device_type, 1, batch_size, memory_gb=1e3)

@@ -1,6 +1,7 @@
 """Overhead of the hybrid data-parallel trainer against a plain ``jax.jit`` training step.
 
-Same model, same optimizer, same batch, one device, uniform (unquantized) policy:
+Same model (an MLP, ``benchmarks.common.zoo.mlp_task``), same optimizer, same batch, one device,
+uniform (unquantized) policy:
 
 * ``step``: the trainer's compiled step (``make_train_step``: shard_map over a 1-device
   mesh, step RNG, loss/metric packing) on a batch already on the device, against a plain
@@ -28,47 +29,18 @@ import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from benchmarks.result_rows import append_rows, result_row
+from benchmarks.common.result_rows import append_rows, result_row, results_path
+from benchmarks.common.zoo import mlp_task
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.train.task import Task
 from qsync_jax.train.train_step import make_train_step
 from qsync_jax.train.trainer import Trainer
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "trainer.jsonl")
-
-
-class MLP(nn.Module):
-  width: int
-  depth: int
-  classes: int = 10
-
-  @nn.compact
-  def __call__(self, x):
-    for _ in range(self.depth):
-      x = nn.relu(nn.Dense(self.width)(x))
-    return nn.Dense(self.classes)(x)
-
-
-def make_task(width: int, depth: int, features: int) -> Task:
-  def batches(n, seed):
-    rng = np.random.default_rng(seed)
-    while True:
-      yield {
-        "x": rng.normal(size=(n, features)).astype(np.float32),
-        "y": rng.integers(0, 10, size=(n,)).astype(np.int32),
-      }
-
-  def loss(logits, batch):
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    return ce, {"accuracy": jnp.mean((jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32))}
-
-  return Task("mlp", MLP(width, depth), lambda b: (b["x"],), loss, batches)
+RESULTS = results_path("trainer")
 
 
 def plain_step(task: Task, optimizer):
@@ -110,7 +82,7 @@ def main(argv=None) -> int:
   for name, value in zip(("width", "depth", "features", "batch"), defaults):
     if getattr(args, name) is None:
       setattr(args, name, value)
-  task = make_task(args.width, args.depth, args.features)
+  task = mlp_task(args.features, args.width, args.depth, accuracy=True)
   optimizer = optax.adam(1e-3)
   cluster = ClusterSpec.uniform(device_type, 1, args.batch)
   host = task.train_batches(args.batch, 0)

@@ -141,7 +141,7 @@ def test_the_checks_see_what_they_look_for():
   assert "pallas_kernels.gemm" not in real["pallas_kernels.gemm.api"]
   assert "planners.profiler" in real["qsync_cli.profile"]
   assert "qsync_jax.train.task" in real["qsync_cli.plan"]
-  assert "benchmarks.result_rows" in real["benchmarks.predictor"]  # a script's sibling, by bare name
+  assert "benchmarks.common.result_rows" in real["benchmarks.predictor"]
 
 
 def test_no_import_cycle():

@@ -115,7 +115,7 @@ def instruction_stacks(hlo: str) -> dict[str, str]:
 
 def lower_for_cuda(task, batch_size: int, policy, optimizer, fused: bool = False) -> dict:
   """Trace and lower ``task``'s training step under ``policy`` for CUDA with the Pallas kernels
-  forced as on a GPU (``fused``: inside ``qattention.fused_attention()``); the variables and
+  forced as on an H100 (``fused``: inside ``qattention.fused_attention()``); the variables and
   optimizer state abstract: nothing is initialised or compiled. ``{trace_s, lower_s, what the
   program holds, kernels}``."""
   from pallas_kernels.gemm import api as gemm_api
@@ -130,8 +130,10 @@ def lower_for_cuda(task, batch_size: int, policy, optimizer, fused: bool = False
   key = jax.eval_shape(lambda: jax.random.key(0))
   on_gpu = lambda: True  # noqa: E731
   with contextlib.ExitStack() as stack:
-    stack.enter_context(unittest.mock.patch.object(quantize_api, "on_gpu", on_gpu))
-    stack.enter_context(unittest.mock.patch.object(gemm_api, "on_gpu", on_gpu))
+    for api in (quantize_api, gemm_api):
+      stack.enter_context(unittest.mock.patch.object(api, "on_gpu", on_gpu))
+      if hasattr(api, "gpu_arch"):  # kernels chosen by architecture: an H100's
+        stack.enter_context(unittest.mock.patch.object(api, "gpu_arch", lambda: "sm90"))
     if fused:
       stack.enter_context(fused_attention())
     step = timing.make_train_step(task, policy, optimizer)

@@ -1,8 +1,8 @@
-"""The JSON line a benchmark appends to ``benchmarks/results/<name>.jsonl``, and the helpers
-benchmarks share to summarize seeds and rewrite their section of a doc.
+"""The JSON line a benchmark appends to ``benchmarks/results/<name>.jsonl`` (``results_path``),
+and the helpers benchmarks share to summarize seeds and rewrite their section of a doc.
 
-Shared by the benchmark scripts (``from benchmarks.result_rows import ...``; they run from
-the repository root as ``python -m benchmarks.<name>``).
+Shared by the benchmark scripts (``from benchmarks.common.result_rows import ...``), wherever
+they sit: every script's results are in the one flat folder ``RESULTS_DIR``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,16 @@ import os
 from collections.abc import Sequence
 
 import jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The repository root (child processes of a benchmark run from here)."""
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
+"""Every benchmark's results: ``<name>.jsonl`` and folders of raw timings, profiles and logs."""
+
+
+def results_path(name: str) -> str:
+  """``benchmarks/results/<name>.jsonl``: the rows of the benchmark ``name`` (absolute)."""
+  return os.path.join(RESULTS_DIR, f"{name}.jsonl")
 
 
 def result_row(

@@ -8,7 +8,7 @@ kernel category (``category``). The replay charges the programs' time plus one r
 on the fp32 step; the per-category difference says which kernels the step runs that the
 programs do not, or the reverse.
 
-  python -m benchmarks.kernel_categories [--model lm_base] [--policies int8 int8_fwd bf16]
+  python -m benchmarks.diagnosis.kernel_categories [--model lm_base] [--policies int8 int8_fwd bf16]
 
 Needs a GPU (on a CPU the traces hold no GPU kernels and every table is empty).
 """
@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 
 import jax
 
-from benchmarks.predictor import get_model
-from benchmarks.result_rows import append_rows, result_row
+from benchmarks.common import zoo
+from benchmarks.common.result_rows import append_rows, result_row, results_path
 from planners.profiler import timing
 from planners.profiler.measure import policy_key, task_ops
 from planners.profiler.op_programs import policy_programs
@@ -32,7 +31,7 @@ from planners.profiler.timing import kernels_by, traced_events
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kernel_categories.jsonl")
+RESULTS = results_path("kernel_categories")
 CATEGORIES = (
   ("int8_gemm", ("mosaic",)),
   ("quantize_kernel", ("quantize",)),
@@ -108,14 +107,14 @@ def print_table(results: dict[str, dict]) -> None:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(
-    prog="python -m benchmarks.kernel_categories", description=__doc__.splitlines()[0]
+    prog="python -m benchmarks.diagnosis.kernel_categories", description=__doc__.splitlines()[0]
   )
   ap.add_argument("--model", default="lm_base")
   ap.add_argument("--policies", nargs="+", default=["int8", "int8_fwd", "bf16"])
   ap.add_argument("--results", default=RESULTS)
   ap.add_argument("--json", help="also write the per-category tables here")
   args = ap.parse_args(argv)
-  task, batch_size = get_model(args.model)
+  task, batch_size = zoo.get(args.model)
   say = lambda msg: print(msg, flush=True)  # noqa: E731
   results = {p: policy_categories(task, batch_size, p, say) for p in args.policies}
   print_table(results)

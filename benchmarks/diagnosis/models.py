@@ -1,6 +1,6 @@
 """Realistic models on the lent GPU: step time per precision policy and the predictor's error.
 
-Models (``benchmarks/predictor.get_model``): ``resnet18_224`` — ResNet-18 on synthetic
+Models (``benchmarks.common.zoo.MODELS``): ``resnet18_224`` — ResNet-18 on synthetic
 224×224 images, batch 64 — and ``lm_base`` — a BERT-base-wide causal LM (d=768, 12 heads, 4
 layers, seq 256, batch 16) on the Python standard-library corpus. Policies:
 
@@ -26,8 +26,8 @@ on each clock). Clocks: ``wall`` waits for every step (rows ``step_ms_median``);
 ``pipelined`` dispatches them back to back as the trainer does (rows ``step_ms_pipelined``) — on
 a GPU the step a training run sees. Rows go to ``benchmarks/results/models.jsonl``.
 
-  python -u -m benchmarks.models [--models resnet18_224 lm_base] [--repeats 20] [--results PATH]
-                                 [--steps-only]
+  python -u -m benchmarks.diagnosis.models [--models resnet18_224 lm_base] [--repeats 20]
+      [--results PATH] [--steps-only]
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.predictor import get_model, plans, saved_profile
-from benchmarks.predictor_replay import with_measurements
-from benchmarks.result_rows import append_rows, result_row
+from benchmarks.common import zoo
+from benchmarks.common.result_rows import append_rows, result_row, results_path
+from benchmarks.diagnosis.predictor_replay import with_measurements
+from benchmarks.predictor import plans, saved_profile
 from planners.allocator.greedy import greedy, make_problem
 from planners.indicator import compute
 from planners.predictor.replay import predict
@@ -55,7 +56,7 @@ from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "models.jsonl")
+RESULTS = results_path("models")
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 """Profiled precisions: those the policies below use (int8_fwd's backward is fp16)."""
 UNIFORM = ("fp32", "bf16", "int8", "int8_fwd")
@@ -126,7 +127,9 @@ def row(model, case, metric, value, baseline, device, **extra):
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.models", description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.diagnosis.models", description=__doc__.splitlines()[0]
+  )
   ap.add_argument("--models", nargs="+", default=["resnet18_224", "lm_base"])
   ap.add_argument("--repeats", type=int, default=20, help="timed steps per policy (and per round; median)")
   ap.add_argument(
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
   table = []
   fits = set()  # (model, operands, clock, policy) of the steps a profile was fitted to
   for model in args.models:
-    task, batch_size = get_model(model)
+    task, batch_size = zoo.get(model)
     batch_size = args.batch or batch_size
     batch = timing.device_batch(task, batch_size)
     measured = {clock: {} for clock in args.clocks}  # clock -> policy -> (ms, spread ms, XLA peak)

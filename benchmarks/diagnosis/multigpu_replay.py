@@ -1,15 +1,15 @@
 """Replays measured multi-GPU scaling steps with a saved profile: the predictor, offline.
 
 ``benchmarks/multigpu.py`` measures scaling steps on a multi-GPU host and prints the link fits
-(``benchmarks.link``) it measured there; the op profile may come from another machine of the same
-GPU type (``--profile-file``). This script predicts the scaling cases of one run (its rows in
+(``benchmarks.common.link``) it measured there; the op profile may come from another machine of
+the same GPU type (``--profile-file``). This script predicts the scaling cases of one run (its rows in
 ``multigpu.jsonl``, chosen by ``--run``) from a profile and the link fits given on the command
 line, prints predicted against measured — from the profile as it is, and refitted to the
 run's fp32 step per device count (``multigpu.predictor_rows``), for the one-process and the
 one-process-per-GPU steps — and appends those rows tagged ``replay-<run>``. Nothing here is
 timed: it runs on any machine.
 
-  python -m benchmarks.multigpu_replay --run run5-h100x4-order \
+  python -m benchmarks.diagnosis.multigpu_replay --run run5-h100x4-order \
       --profile benchmarks/results/profiles/lm_d768_l4_b8_h100_device_clock.json \
       --link 2:197:152 --link 4:269:269
 """
@@ -21,9 +21,9 @@ import json
 import os
 import sys
 
-from benchmarks.link import LinkModel
+from benchmarks.common.link import LinkModel
+from benchmarks.common.result_rows import append_rows
 from benchmarks.multigpu import RESULTS, predictor_rows
-from benchmarks.result_rows import append_rows
 from planners.profile import Profile
 
 STEP_METRICS = {"wall": "step_time_ms_median", "pipelined": "step_time_ms_pipelined"}
@@ -55,7 +55,7 @@ def parse_link(text: str) -> tuple[int, float, float]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-    prog="python -m benchmarks.multigpu_replay", description=__doc__.splitlines()[0]
+    prog="python -m benchmarks.diagnosis.multigpu_replay", description=__doc__.splitlines()[0]
   )
   parser.add_argument("--run", required=True, help="run tag of the measured rows in the results file")
   parser.add_argument(

@@ -11,7 +11,7 @@ and memory's over the plans memory is not fitted to (fp32, all-bf16). Nothing is
 compiled: it runs on any machine, so a change of the replay can be scored on GPU runs after the
 GPU is gone. Prints the table and appends the rows tagged ``replay-<run>``.
 
-  python -m benchmarks.predictor_replay --run gpu-run-8-h100 \
+  python -m benchmarks.diagnosis.predictor_replay --run gpu-run-8-h100 \
       --profile-dir benchmarks/results/profiles/predictor_h100_run8
 """
 
@@ -25,9 +25,9 @@ import sys
 
 import numpy as np
 
+from benchmarks.common.result_rows import append_rows, result_row
+from benchmarks.diagnosis.step_ops import table_names
 from benchmarks.predictor import RESULTS, plans
-from benchmarks.result_rows import append_rows, result_row
-from benchmarks.step_ops import table_names
 from planners.predictor.graph import QUANTIZED_TRACE_PRESET
 from planners.predictor.replay import predict
 from planners.profile import Profile
@@ -81,14 +81,14 @@ def run_rows(path: str, run: str) -> dict[str, dict[str, dict]]:
 
 
 def with_in_step_table(prof: Profile, path: str) -> Profile:
-  """``prof`` with ``quantized_in_step_ms`` from a ``benchmarks/step_ops.py`` table of the same
-  model: its all-int8 plan's ``<op>|fwd`` and ``<op>|bwd`` entries (ops by ``table_names``)."""
+  """``prof`` with ``quantized_in_step_ms`` from a ``benchmarks/diagnosis/step_ops.py`` table of
+  the same model: its all-int8 plan's ``<op>|fwd`` and ``<op>|bwd`` entries (ops by ``table_names``)."""
   with open(path) as f:
     tables = json.load(f)
   if QUANTIZED_TRACE_PRESET not in tables:
     raise SystemExit(
       f"{path} has no {QUANTIZED_TRACE_PRESET!r} plan (it has {sorted(tables)}). "
-      f"Fix: trace it with python -m benchmarks.step_ops --plans {QUANTIZED_TRACE_PRESET}."
+      f"Fix: trace it with python -m benchmarks.diagnosis.step_ops --plans {QUANTIZED_TRACE_PRESET}."
     )
   table, names = tables[QUANTIZED_TRACE_PRESET], table_names(prof.ops)
   traced = {
@@ -107,7 +107,7 @@ def in_step_tables(specs: list[str], models: set[str]) -> dict[str, str]:
     if model not in models or not os.path.isfile(path):
       raise SystemExit(
         f"--in-step {spec!r}: needs MODEL=TABLE with MODEL one of {sorted(models)} and TABLE an existing "
-        "benchmarks/step_ops.py table. Fix: e.g. --in-step vgg_wide=benchmarks/results/step_kernels/per_op_….json"
+        "benchmarks/diagnosis/step_ops.py table. Fix: e.g. --in-step vgg_wide=benchmarks/results/step_kernels/per_op_….json"
       )
     out[model] = path
   return out
@@ -147,7 +147,7 @@ def replay_model(prof: Profile, measured: dict[str, dict], refit: bool) -> list[
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(
-    prog="python -m benchmarks.predictor_replay", description=__doc__.splitlines()[0]
+    prog="python -m benchmarks.diagnosis.predictor_replay", description=__doc__.splitlines()[0]
   )
   ap.add_argument("--run", required=True, help="run tag of the measured rows")
   ap.add_argument("--profile-dir", required=True, help="holds <model>.json for every model of the run")
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     nargs="+",
     default=[],
     metavar="MODEL=TABLE",
-    help="give MODEL's profile the per-op all-int8 step times of a benchmarks/step_ops.py table",
+    help="give MODEL's profile the per-op all-int8 step times of a benchmarks/diagnosis/step_ops.py table",
   )
   ap.add_argument("--tag", help="the rows' run tag (default: replay-<run>)")
   ap.add_argument("--results", default=RESULTS)

@@ -1,10 +1,11 @@
 """How far the device catalog's roofline is from a measured device: per op and per step.
 
 Devices that are not at hand are costed from the catalog (``planners.catalog``,
-``planners.predictor.modeled``; ``docs/catalog.md``). This benchmark measures, on the local device, the
-models the hybrid-pool study plans (``MODELS``: ResNet-50 at 224², a BERT-base-sized
-transformer at sequence 128 and 512, a GPT-2-medium-sized LM at sequence 1024) under the uniform
-``fp32`` and ``bf16`` policies, and compares with the catalog-modeled profile of the same ops:
+``planners.predictor.modeled``; ``docs/catalog.md``). This benchmark measures, on the local device,
+the models the hybrid-pool study plans (``benchmarks.common.zoo.HYBRID_MODELS``: ResNet-50 at
+224², a BERT-base-sized transformer at sequence 128 and 512, a GPT-2-medium-sized LM at sequence
+1024) under the uniform ``fp32`` and ``bf16`` policies, and compares with the catalog-modeled
+profile of the same ops:
 
 * **per step**: the training step as the trainer compiles it, dispatched back to back
   (``timing.PIPELINED_CLOCK``, median of windows), against the replay of the modeled profile;
@@ -24,30 +25,28 @@ transformer at sequence 128 and 512, a GPT-2-medium-sized LM at sequence 1024) u
 catalog can be re-scored offline (``--measured FILE…``, on any machine) as it changes. Rows go
 to ``benchmarks/results/roofline.jsonl``; a table is printed last.
 
-  python -m benchmarks.roofline --save-measured $OUT/roofline_h100.json                # on the GPU
-  python -m benchmarks.roofline --measured benchmarks/results/roofline/h100_steps.json  # offline
-  python -m benchmarks.roofline --tiny                                                 # CPU smoke run
+  python -m benchmarks.diagnosis.roofline --save-measured $OUT/roofline_h100.json    # on the GPU
+  python -m benchmarks.diagnosis.roofline --measured benchmarks/results/roofline/h100_steps.json
+  python -m benchmarks.diagnosis.roofline --tiny                                     # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.result_rows import result_row, save_rows
-from examples.tasks.language import synthetic_lm
-from examples.tasks.vision import resnet_synthetic
+from benchmarks.common.op_profile import base_profile, build, model_ops
+from benchmarks.common.result_rows import result_row, results_path, save_rows
+from benchmarks.common.zoo import HYBRID_MODELS
 from planners import catalog
-from planners.ops import OpShape, collect_ops
+from planners.ops import OpShape
 from planners.predictor.modeled import LEG_TENSORS, modeled_profile
 from planners.predictor.replay import predict
-from planners.profile import Profile
 from planners.profiler import timing
 from planners.profiler.step_hlo import per_op_ms
 from qsync_jax import devices
@@ -55,45 +54,10 @@ from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "roofline.jsonl")
+RESULTS = results_path("roofline")
 
-MODELS = {
-  "resnet50": (
-    resnet_synthetic,
-    dict(
-      image_size=224,
-      stage_sizes=(3, 4, 6, 3),
-      widths=(64, 128, 256, 512),
-      num_classes=1000,
-      imagenet_stem=True,
-      block="bottleneck",
-    ),
-    32,
-  ),
-  "bert_s128": (
-    synthetic_lm,
-    dict(vocab_size=30522, d_model=768, num_heads=12, num_layers=12, seq_len=128),
-    32,
-  ),
-  "bert_s512": (
-    synthetic_lm,
-    dict(vocab_size=30522, d_model=768, num_heads=12, num_layers=12, seq_len=512),
-    8,
-  ),
-  "gpt_350m": (
-    synthetic_lm,
-    dict(vocab_size=50257, d_model=1024, num_heads=16, num_layers=24, seq_len=1024),
-    8,
-  ),
-}
-"""name → (task factory, config, per-device batch)."""
-
-TINY = {
-  "resnet50": dict(image_size=16, stage_sizes=(1, 1), widths=(8, 16), num_classes=10, block="bottleneck"),
-  "bert_s128": dict(vocab_size=64, d_model=32, num_heads=2, num_layers=1, seq_len=16),
-  "gpt_350m": dict(vocab_size=96, d_model=32, num_heads=2, num_layers=2, seq_len=32),
-}
-"""``--tiny``: the same families at CPU size, batch 2."""
+TINY = ("resnet50", "bert_s128", "gpt_350m")
+"""``--tiny``: these models' families at their CPU size (``benchmarks.common.zoo``), batch 2."""
 POLICIES = ("fp32", "bf16")
 """The uniform policies whose steps are measured and modeled."""
 
@@ -105,24 +69,6 @@ LEG_GEMM = {
 """A leg's product ``(m, k, n)`` from the op's forward ``(m, k, n)`` (as ``modeled_profile``)."""
 
 LEGS = ("fwd", "dlhs", "drhs")
-
-
-def build(name: str, tiny: bool):
-  factory, config, batch = MODELS[name]
-  if tiny:
-    config, batch = TINY[name], 2
-  task = factory(**config)
-  data = timing.device_batch(task, batch)
-  return task, data, batch
-
-
-def model_ops(task, data) -> tuple[list[OpShape], int]:
-  """The model's quantizable ops at this batch and its parameter bytes (fp32)."""
-  variables = jax.eval_shape(lambda: timing.init_variables(task, data))
-  ops = collect_ops(
-    task.model, variables, *task.inputs(data), **task.train_kwargs, mutable=task.mutable or False
-  )
-  return ops, timing.tree_bytes(variables["params"])
 
 
 # -- timing -----------------------------------------------------------------------------------
@@ -282,26 +228,6 @@ def measure_model(
 # -- scoring ----------------------------------------------------------------------------------
 
 
-def base_profile(measured: dict) -> Profile:
-  """The model's ops and parameter bytes as a profile with no costs (what ``modeled_profile``
-  needs); memory other than parameters and optimizer state is not modeled here."""
-  ops = tuple(OpShape.from_json(o) for o in measured["ops"])
-  pb = measured["param_bytes"]
-  memory = {"param_bytes": pb, "opt_state_bytes": 2 * pb, "batch_bytes": 0, "other_bytes": 0}
-  return Profile(
-    measured["model"],
-    measured["device_type"],
-    "traced",
-    measured["batch_per_device"],
-    ops,
-    {},
-    {},
-    0.0,
-    {},
-    memory,
-  )
-
-
 def modeled_step_ms(measured: dict, policy: str) -> float:
   device = measured["device_type"]
   modeled = modeled_profile(base_profile(measured), device)
@@ -436,8 +362,10 @@ def merged(runs: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.split("\n\n")[0])
-  ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.diagnosis.roofline", description=__doc__.split("\n\n")[0]
+  )
+  ap.add_argument("--models", nargs="+", default=list(HYBRID_MODELS), choices=list(HYBRID_MODELS))
   ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, batch 2")
   ap.add_argument("--step-windows", type=int, default=3, help="windows of 10 steps per step time (median)")
   ap.add_argument("--trace-steps", type=int, default=3, help="steps traced for the in-step op times")
@@ -449,7 +377,10 @@ def main(argv=None) -> int:
     help="also time every op leg alone, N windows of 10 calls",
   )
   ap.add_argument(
-    "--step-models", nargs="*", default=list(MODELS), help="models whose steps are measured (default all)"
+    "--step-models",
+    nargs="*",
+    default=list(HYBRID_MODELS),
+    help="models whose steps are measured (default all)",
   )
   ap.add_argument("--save-measured", help="write the raw timings (JSON) here")
   ap.add_argument("--measured", nargs="+", help="score saved raw timings instead of measuring")

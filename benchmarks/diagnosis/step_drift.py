@@ -12,25 +12,25 @@ executables share the process shows. Each copy's median is reported against the 
 its preset, measured in the same rounds. On a GPU each round's line also gives the GPU's SM
 clock, power and temperature after it (``nvidia-smi``), so that a clock or thermal drift shows.
 
-  python -m benchmarks.step_drift --model vgg_wide --presets bf16 --compiles 3 \
+  python -m benchmarks.diagnosis.step_drift --model vgg_wide --presets bf16 --compiles 3 \
       --others fp32 int8 --rounds 10
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 
 import jax
 import numpy as np
 
-from benchmarks.predictor import get_model, measured_clock
-from benchmarks.result_rows import append_rows, result_row
+from benchmarks.common import zoo
+from benchmarks.common.result_rows import append_rows, result_row, results_path
+from benchmarks.predictor import measured_clock
 from planners.profiler import timing
 from qsync_jax.policy import PrecisionPolicy
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_drift.jsonl")
+RESULTS = results_path("step_drift")
 
 
 def executables(presets, compiles: int, others) -> dict[str, PrecisionPolicy]:
@@ -107,8 +107,10 @@ def timed_with_late_copies(task, policies, batch, args) -> dict[str, tuple[float
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.step_drift", description=__doc__.splitlines()[0])
-  ap.add_argument("--model", default="mlp", help="a model of benchmarks/predictor.py")
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.diagnosis.step_drift", description=__doc__.splitlines()[0]
+  )
+  ap.add_argument("--model", default="mlp", help="a model of benchmarks.common.zoo.MODELS")
   ap.add_argument("--presets", nargs="+", default=["bf16"], help="compiled --compiles times each")
   ap.add_argument("--compiles", type=int, default=2)
   ap.add_argument("--others", nargs="*", default=["fp32", "int8"], help="compiled once each")
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
     )
   clock = measured_clock(args.clock)
   args.repeats = args.repeats or timing.default_step_repeats(clock)
-  task, batch_size = get_model(args.model)
+  task, batch_size = zoo.get(args.model)
   batch = timing.device_batch(task, batch_size)
   policies = executables(args.presets, args.compiles, args.others)
   timed = (

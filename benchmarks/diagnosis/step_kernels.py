@@ -2,9 +2,10 @@
 
 For each model and uniform policy: the jitted single-device training step (``planners.profiler.timing``,
 fed its own donated outputs) is timed on the wall clock (median of ``--repeats``, IQR), then
-traced (``gpu_kernels``): GPU kernel time and launches per step, the part of
-it in matrix-product kernels (name-based, ``GEMM_KERNEL_MARKS``), and the gap — wall time in
-which the GPU runs no kernel (launches, host work, waits). The predictor's profile times each
+traced (``benchmarks.common.kernel_summary.gpu_kernels``): GPU kernel time and launches per
+step, the part of it in matrix-product kernels (name-based,
+``kernel_summary.GEMM_KERNEL_MARKS``), and the gap — wall time in which the GPU runs no kernel
+(launches, host work, waits). The predictor's profile times each
 op standalone; this says what the step around the ops costs under each policy (the baseline
 of the ratio column is the fp32 step's value of the same metric).
 
@@ -13,14 +14,13 @@ programs the profiler times per op and policy (``planners.profiler.op_programs.p
 forward, and forward + both gradients), with their product / other split and largest kernels:
 what a standalone program runs that the step fuses away. Needs a GPU.
 
-  python -m benchmarks.step_kernels [--models lm_base resnet18_224] [--policies fp32 bf16 int8_fwd int8]
-                                    [--ops 4]
+  python -m benchmarks.diagnosis.step_kernels [--models lm_base resnet18_224] [--ops 4]
+      [--policies fp32 bf16 int8_fwd int8]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -29,61 +29,16 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.predictor import get_model
-from benchmarks.result_rows import append_rows, result_row
+from benchmarks.common import zoo
+from benchmarks.common.kernel_summary import gpu_kernels
+from benchmarks.common.result_rows import append_rows, result_row, results_path
 from planners.profiler import timing
 from planners.profiler.measure import traced_profile
 from planners.profiler.op_programs import policy_programs
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "step_kernels.jsonl")
-
-GEMM_KERNEL_MARKS = ("gemm", "nvjet", "cublas", "cutlass", "xmma", "matmul", "mosaic_gpu")
-"""Substrings (lower case) of the names of GPU matrix-product kernels: cuBLAS / cuBLASLt
-(``nvjet_sm90…``, ``sm80_xmma_gemm…``, ``cutlass…``), XLA's Triton GEMM fusions
-(``gemm_fusion_dot…``) and our Mosaic GPU GEMM (``anonymous_mosaic_gpu_kernel``). Name-based,
-so approximate: a kernel that does a product under another name counts as other work."""
-COMM_KERNEL_MARKS = ("nccl",)
-"""Substrings (lower case) of the names of GPU collective kernels (``ncclDevKernel_AllReduce…``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelSummary:
-  """GPU kernels per call of a program (means over the traced calls)."""
-
-  ms: float  # kernel time
-  kernels: float  # kernel launches
-  gemm_ms: float  # of it, matrix products (``GEMM_KERNEL_MARKS``)
-  gemm_kernels: float
-  comm_ms: float  # of it, collectives (``COMM_KERNEL_MARKS``), which may overlap the rest
-  top: tuple[tuple[str, float], ...]  # (kernel name, ms per call), the 20 largest
-
-
-def summarize_kernels(
-  events: list[dict], repeats: int, device: str = "/device:GPU:0"
-) -> KernelSummary | None:
-  """The ``KernelSummary`` of ``planners.profiler.timing.traced_events`` of ``repeats`` calls, on the trace
-  process ``device`` (the first GPU); None where it has no kernel (e.g. on a CPU)."""
-  mine = [e for e in events if e["process"].startswith(device)]
-  if not mine:
-    return None
-  per_name = {name: ms for name, (ms, _) in timing.kernels_by(mine, repeats, device=device).items()}
-  gemm = [e for e in mine if any(m in e["name"].lower() for m in GEMM_KERNEL_MARKS)]
-  comm = [e for e in mine if any(m in e["name"].lower() for m in COMM_KERNEL_MARKS)]
-  return KernelSummary(
-    ms=sum(e["dur"] for e in mine) / 1e3 / repeats,
-    kernels=len(mine) / repeats,
-    gemm_ms=sum(e["dur"] for e in gemm) / 1e3 / repeats,
-    gemm_kernels=len(gemm) / repeats,
-    comm_ms=sum(e["dur"] for e in comm) / 1e3 / repeats,
-    top=tuple(sorted(per_name.items(), key=lambda kv: -kv[1])[:20]),
-  )
-
-
-def gpu_kernels(run, repeats: int) -> KernelSummary | None:
-  """The ``KernelSummary`` of ``repeats`` calls of ``run`` on the first GPU; None without one."""
-  return summarize_kernels(timing.traced_events(run, repeats), repeats)
+RESULTS = results_path("step_kernels")
 
 
 def step_kernels(task, policy, batch, repeats: int, traced: int = 5):
@@ -127,7 +82,9 @@ def op_program_rows(task, batch_size: int, policies, n_ops: int, device: str, tr
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.step_kernels", description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.diagnosis.step_kernels", description=__doc__.splitlines()[0]
+  )
   ap.add_argument("--models", nargs="+", default=["lm_base"])
   ap.add_argument("--policies", nargs="+", default=["fp32", "bf16", "int8_fwd", "int8"])
   ap.add_argument("--repeats", type=int, default=20)
@@ -142,7 +99,7 @@ def main(argv=None) -> int:
     f"{'other ms':>8s} {'gap ms':>7s} {'kernels':>7s}"
   )
   for model in args.models:
-    task, batch_size = get_model(model)
+    task, batch_size = zoo.get(model)
     batch = timing.device_batch(task, batch_size)
     base = {}
     for name in args.policies:

@@ -9,8 +9,8 @@ step's arguments (parameters, optimizer state, batch) against XLA's peak — the
 XLA's heap packing, which the liveness ignores —, the instruction it peaks at, the largest
 buffers live there, and each op's largest live bytes during its forward and its gradient legs.
 
-  python -m benchmarks.step_liveness --model vgg_wide [--plans fp32 int8 ...] [--save-hlo DIR]
-  python -m benchmarks.step_liveness --model vgg_wide --hlo DIR/vgg_wide_int8.hlo.gz ...
+  python -m benchmarks.diagnosis.step_liveness --model vgg_wide [--plans fp32 int8 ...] [--save-hlo DIR]
+  python -m benchmarks.diagnosis.step_liveness --model vgg_wide --hlo DIR/vgg_wide_int8.hlo.gz ...
 
 A diagnostic of the replay's memory model (``planners.predictor.memory_model.memory_bytes``): nothing is
 timed and no row is written.
@@ -23,7 +23,8 @@ import gzip
 import os
 import sys
 
-from benchmarks.predictor import get_model, plans
+from benchmarks.common import zoo
+from benchmarks.predictor import plans
 from planners.profiler import timing
 from planners.profiler.hlo import entry_instructions
 from planners.profiler.measure import task_ops
@@ -62,13 +63,15 @@ def liveness_report(hlo: str, ops, top: int = 8) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.step_liveness", description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.diagnosis.step_liveness", description=__doc__.splitlines()[0]
+  )
   ap.add_argument("--model", default="vgg")
   ap.add_argument("--plans", nargs="+", help="default: fp32 and every plan of benchmarks/predictor.py")
   ap.add_argument("--hlo", nargs="+", help="saved modules (.hlo or .hlo.gz) to read instead of compiling")
   ap.add_argument("--save-hlo", help="write each compiled module to DIR/<model>_<plan>.hlo.gz")
   args = ap.parse_args(argv)
-  task, batch_size = get_model(args.model)
+  task, batch_size = zoo.get(args.model)
   batch, variables, ops = task_ops(task, batch_size)
   state_bytes = timing.tree_bytes(variables) + timing.tree_bytes(
     timing.default_optimizer().init(variables["params"])

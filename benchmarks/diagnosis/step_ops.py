@@ -12,7 +12,8 @@ XLA named after a neighbour) to ``rest``. With ``--profile`` the table shows, fo
 plans, each op's standalone whole-policy time (``policy:<preset>``, forward + backward) beside
 its in-step time.
 
-  python -m benchmarks.step_ops --model vgg_wide [--profile P.json] [--plans fp32 int8 ...] [--repeats 20]
+  python -m benchmarks.diagnosis.step_ops --model vgg_wide [--profile P.json] [--plans fp32 int8 ...]
+      [--repeats 20]
 
 Writes ``{plan: {"<op>|fwd": ms, "<op>|bwd": ms, "rest|fwd": …, "total": kernel ms per step}}`` to
 ``--out`` (default ``benchmarks/results/step_kernels/per_op_<device>_<model>.json``). A
@@ -29,13 +30,15 @@ import sys
 
 import jax
 
-from benchmarks.predictor import get_model, plans
+from benchmarks.common import zoo
+from benchmarks.common.result_rows import RESULTS_DIR
+from benchmarks.predictor import plans
 from planners.profile import Profile
 from planners.profiler import step_hlo, timing
 from planners.profiler.measure import task_ops
 from qsync_jax.policy import PrecisionPolicy
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_kernels")
+TABLES_DIR = os.path.join(RESULTS_DIR, "step_kernels")
 
 
 def table_names(ops) -> dict[str, str]:
@@ -58,14 +61,16 @@ def flat_per_op_ms(hlo: str, instruction_ms: dict[str, float], ops) -> dict[str,
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.step_ops", description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(
+    prog="python -m benchmarks.diagnosis.step_ops", description=__doc__.splitlines()[0]
+  )
   ap.add_argument("--model", default="vgg")
   ap.add_argument("--profile", help="a saved profile of the model: its standalone times beside")
   ap.add_argument("--plans", nargs="+", help="default: fp32 and every plan of benchmarks/predictor.py")
   ap.add_argument("--repeats", type=int, default=20)
   ap.add_argument("--out")
   args = ap.parse_args(argv)
-  task, batch_size = get_model(args.model)
+  task, batch_size = zoo.get(args.model)
   batch = timing.device_batch(task, batch_size)
   ops = task_ops(task, batch_size)[2]
   prof = Profile.load(args.profile) if args.profile else None
@@ -94,7 +99,7 @@ def main(argv=None) -> int:
       line += "   standalone " + " ".join(f"{n}:{w['fwd'] + w['bwd']:.3f}" for n, w in zip(names, whole) if w)
     print(line)
   print(f"{'total':14s}" + "".join(f"{result[n]['total']:17.3f}" for n in names))
-  out = args.out or os.path.join(RESULTS_DIR, f"per_op_{device.replace(' ', '_')}_{args.model}.json")
+  out = args.out or os.path.join(TABLES_DIR, f"per_op_{device.replace(' ', '_')}_{args.model}.json")
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "w") as f:
     json.dump(result, f, indent=1)

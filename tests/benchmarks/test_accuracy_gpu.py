@@ -6,6 +6,7 @@ import math
 import pytest
 
 import benchmarks.accuracy_gpu as testbed
+from benchmarks.common import zoo
 from planners.indicator.api import FORMAT
 from tests.planners.fakes import fake_indicator
 
@@ -14,11 +15,8 @@ pytestmark = pytest.mark.standard_promotion  # optax's AdamW, as users run it
 
 @pytest.fixture
 def tiny(monkeypatch):
-  monkeypatch.setitem(testbed.GPT, "d_model", 16)
-  monkeypatch.setitem(testbed.GPT, "num_heads", 2)
-  monkeypatch.setitem(testbed.GPT, "num_layers", 1)
-  monkeypatch.setitem(testbed.GPT, "seq_len", 16)
-  monkeypatch.setitem(testbed.GPT, "max_bytes", 100_000)
+  for key, value in dict(width=16, heads=2, depth=1, seq=16, max_bytes=100_000).items():
+    monkeypatch.setitem(zoo.GPT_25M, key, value)
   monkeypatch.setattr(testbed, "EVAL_BATCHES", 1)
 
 
@@ -45,7 +43,7 @@ def test_sweep_plan_and_compare_write_their_rows_and_plans(tiny, tmp_path):
   assert [r["case"] for r in sweep] == ["sweep/fp32", "sweep/int8"]
   assert all(math.isfinite(r["value"]) and r["metric"] == "held-out loss" for r in sweep)
 
-  names = _op_names(testbed.gpt_task())
+  names = _op_names(zoo.task(testbed.MODEL))
   indicator = tmp_path / "omega.json"
   omega = fake_indicator(names, [1.0 + i for i in range(len(names))])
   indicator.write_text(json.dumps({"format": FORMAT, **omega}))

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from benchmarks import e2e
+from benchmarks.common import zoo
 
 pytestmark = pytest.mark.standard_promotion  # optax's AdamW and Flax's bf16 LayerNorm
 
@@ -76,9 +77,9 @@ def test_steps_lower_for_cuda_without_a_gpu(capsys):
   """e2e_inspect.lower_for_cuda: the int8 step lowered for CUDA holds Triton custom calls, one
   body per distinct kernel, and per quantized op only Flax's key fold-in (the op's legs' keys
   and stochastic rounding's seeds draw nothing); the plain step none of them."""
-  from benchmarks import e2e_inspect
+  from benchmarks.common import e2e_inspect
 
-  task, batch = e2e.gpt_task(32, tiny=True)
+  task, batch = zoo.e2e_gpt(32, tiny=True)
   plain = e2e_inspect.lower_for_cuda(task, batch, e2e.POLICIES["plain"], e2e.optimizer())
   int8 = e2e_inspect.lower_for_cuda(task, batch, e2e.POLICIES["int8_dense"], e2e.optimizer())
   assert plain["distinct_custom_call_bodies"] == {} and plain.get("pallas_calls", 0) == 0

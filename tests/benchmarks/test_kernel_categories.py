@@ -1,10 +1,10 @@
-"""``benchmarks/kernel_categories.py``'s bookkeeping (the traces themselves need a GPU)."""
+"""``benchmarks/diagnosis/kernel_categories.py``'s bookkeeping (the traces themselves need a GPU)."""
 
 import json
 
 import pytest
 
-from benchmarks import kernel_categories as kc
+from benchmarks.diagnosis import kernel_categories as kc
 
 
 @pytest.mark.parametrize(

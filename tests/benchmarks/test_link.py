@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import link
+from benchmarks.common import link
 from planners.catalog import allreduce_ms
 
 

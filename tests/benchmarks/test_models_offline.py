@@ -1,11 +1,11 @@
-"""``benchmarks/models.py``'s offline replay: measured steps read back from a run's rows."""
+"""``benchmarks/diagnosis/models.py``'s offline replay: measured steps read back from a run's rows."""
 
 import dataclasses
 import json
 
 import pytest
 
-from benchmarks import models
+from benchmarks.diagnosis import models
 from planners.profile import Profile
 from tests.benchmarks import result, write_rows
 

@@ -7,8 +7,9 @@ time that measured the steps cannot be spent again), so they are tested here on 
 import jax
 import pytest
 
-from benchmarks import multigpu, multigpu_replay
-from benchmarks.link import LinkModel
+from benchmarks import multigpu
+from benchmarks.common.link import LinkModel
+from benchmarks.diagnosis import multigpu_replay
 from tests.benchmarks import result, write_rows
 from tests.planners.fakes import fake_profile
 

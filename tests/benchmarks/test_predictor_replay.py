@@ -1,11 +1,11 @@
-"""``benchmarks/predictor_replay.py``: a logged predictor run scored offline (no timing)."""
+"""``benchmarks/diagnosis/predictor_replay.py``: a logged predictor run scored offline (no timing)."""
 
 import dataclasses
 import json
 
 import pytest
 
-from benchmarks import predictor_replay
+from benchmarks.diagnosis import predictor_replay
 from planners.predictor.replay import predict
 from planners.profiler.fit import fit_profile, fit_remainder, one_device
 from qsync_jax.plan import Plan

@@ -1,4 +1,4 @@
-"""benchmarks/roofline.py scored offline on timings made to equal the model, and on the committed
+"""benchmarks/diagnosis/roofline.py scored offline on timings made to equal the model, and on the committed
 H100 steps."""
 
 import json
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from benchmarks import roofline
+from benchmarks.diagnosis import roofline
 from planners import catalog
 from planners.ops import OpShape
 from planners.predictor.modeled import LEG_TENSORS

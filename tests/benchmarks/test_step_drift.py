@@ -1,4 +1,4 @@
-"""``benchmarks/step_drift.py``: several executables of the same steps, timed round by round."""
+"""``benchmarks/diagnosis/step_drift.py``: several executables of the same steps, timed round by round."""
 
 import json
 import types
@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from benchmarks import step_drift
+from benchmarks.diagnosis import step_drift
 
 
 def test_each_preset_is_compiled_as_often_as_asked_and_the_others_once():

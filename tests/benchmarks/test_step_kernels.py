@@ -1,11 +1,12 @@
-"""``benchmarks/step_kernels.py`` end to end on the CPU, with the GPU trace faked (the CPU has none)."""
+"""``benchmarks/diagnosis/step_kernels.py`` end to end on the CPU, with the GPU trace faked (the CPU
+has none)."""
 
 import json
 
 import pytest
 
-from benchmarks import step_kernels
-from benchmarks.step_kernels import KernelSummary
+from benchmarks.common.kernel_summary import KernelSummary
+from benchmarks.diagnosis import step_kernels
 
 FAKE = KernelSummary(
   ms=2.0,

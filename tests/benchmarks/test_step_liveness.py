@@ -1,11 +1,11 @@
-"""``benchmarks/step_liveness.py``: where a compiled step's live temporaries peak, on the CPU."""
+"""``benchmarks/diagnosis/step_liveness.py``: where a compiled step's live temporaries peak, on the CPU."""
 
 import gzip
 
 import pytest
 
-from benchmarks import step_liveness
-from benchmarks.predictor import get_model
+from benchmarks.common import zoo
+from benchmarks.diagnosis import step_liveness
 from planners.profiler.measure import task_ops
 
 
@@ -28,7 +28,7 @@ def test_the_script_compiles_saves_and_rereads_the_steps_with_the_same_peak(tmp_
 @pytest.mark.standard_promotion
 def test_the_report_charges_every_op_and_its_largest_buffers_fit_in_the_peak(tmp_path):
   step_liveness.main(["--model", "mlp", "--plans", "int8", "--save-hlo", str(tmp_path)])
-  task, batch = get_model("mlp")
+  task, batch = zoo.get("mlp")
   ops = task_ops(task, batch)[2]
   report = step_liveness.liveness_report(gzip.open(tmp_path / "mlp_int8.hlo.gz", "rt").read(), ops, top=3)
   assert report["peak"] > 0 and len(report["largest"]) == 3

@@ -1,11 +1,11 @@
-"""``benchmarks/step_ops.py``: charging a traced step's instructions to ops, and the script end to
+"""``benchmarks/diagnosis/step_ops.py``: charging a traced step's instructions to ops, and the script end to
 end on the CPU (XLA:CPU's per-instruction events stand for the GPU's kernels)."""
 
 import json
 
 import pytest
 
-from benchmarks import step_ops
+from benchmarks.diagnosis import step_ops
 from planners.ops import OpShape
 from tests.planners.test_step_hlo import HLO
 
