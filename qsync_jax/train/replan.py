@@ -1,9 +1,9 @@
 """Balancing the batch from measured speeds: online calibration and re-planning.
 
 A plan's per-device batches come from modeled costs. While the trainer runs, each group's
-compute is measured (``measure_groups``: the group's forward and backward at its policy, on one
-of its own devices, at two per-device batches, timed after a warm-up; nothing is added to the
-training step itself). Each group's time is fitted as ``ms(b) = intercept + slope · b``
+compute is measured (``measure_groups``: one device's step of the group without collectives —
+forward, backward and optimizer update at its policy — on one of its own devices, at two
+per-device batches, timed after a warm-up; nothing is added to the training step itself). Each group's time is fitted as ``ms(b) = intercept + slope · b``
 (``GroupSpeed``) and ``balance`` splits the same global batch so that the slowest group finishes
 first: ``min over batches of max_g ms_g(b_g)`` with ``Σ_g count_g · b_g = global batch``.
 
@@ -127,40 +127,57 @@ def probe_sizes(batch_per_device: int) -> tuple[int, int]:
 
 
 def measure_groups(program, state, host_batch, repeats: int = 5) -> dict[str, dict[int, float]]:
-  """``{group: {per-device batch: ms}}``: the forward and backward of each group's policy on one
-  of its devices (of this process), at ``probe_sizes`` of its batch, on the first rows of
-  ``host_batch``, median of ``repeats`` runs after one that compiles. In a multi-process job
-  every process measures its own groups and all get every group's numbers."""
+  """``{group: {per-device batch: ms}}``: one device's training step of each group without its
+  collectives — the forward and backward of the group's policy and the optimizer update — on
+  one of the group's devices (of this process), at ``probe_sizes`` of its batch, on the first
+  rows of ``host_batch``, median of ``repeats`` runs after one that compiles. In a
+  multi-process job every process measures its own groups and all get every group's numbers."""
+  import optax
+
   from qsync_jax.train.task_step import task_loss
 
-  cluster, task = program.cluster, program.task
-  variables = program.variables_of(state)
+  cluster, task, optimizer = program.cluster, program.task, program.optimizer
+  variables = {"params": state.params, **state.model_state}
+  opt_state = state.opt_state
   groups_devices = _first_local_device(program)
   out: dict[str, dict[int, float]] = {}
   for branch in program.branches:
     loss = task_loss(task, branch.policy)
 
-    def grad(v, batch, key, loss=loss):
-      return jax.grad(lambda p: loss({**v, "params": p}, batch, key)[0])(v["params"])
+    def one_step(v, o, batch, key, loss=loss):
+      grads = jax.grad(lambda p: loss({**v, "params": p}, batch, key)[0])(v["params"])
+      with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
+        updates, o = optimizer.update(grads, o, v["params"])
+        return optax.apply_updates(v["params"], updates), o
 
     for name in branch.groups:
       device = groups_devices.get(name)
       if device is None:
         continue
       local = jax.device_put(jax.tree.map(_local_copy, variables), device)
+      local_opt = jax.device_put(jax.tree.map(_local_copy, opt_state), device)
       key = jax.device_put(jax.random.key(0), device)
-      timed = jax.jit(grad)
+      timed = jax.jit(one_step)
       out[name] = {}
       for b in probe_sizes(cluster.group(name).batch_per_device):
         rows = jax.device_put(jax.tree.map(lambda x, b=b: np.asarray(x)[:b], host_batch), device)
-        jax.block_until_ready(timed(local, rows, key))
+        jax.block_until_ready(timed(local, local_opt, rows, key))
         times = []
         for _ in range(repeats):
           t0 = time.perf_counter()
-          jax.block_until_ready(timed(local, rows, key))
+          jax.block_until_ready(timed(local, local_opt, rows, key))
           times.append(1e3 * (time.perf_counter() - t0))
         out[name][b] = statistics.median(times)
   return _gather(out, cluster)
+
+
+def any_process(flag: bool) -> bool:
+  """Whether ``flag`` is true on any process of the job (every process must call it)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+
+  return bool(np.any(multihost_utils.process_allgather(np.asarray([flag]))))
 
 
 def _local_copy(x):
@@ -242,7 +259,9 @@ class Replanner:
       self._reference_ms = median
       return False
     moved = abs(median - self._reference_ms) / self._reference_ms > self.threshold
-    return moved or self._windows >= self.recheck_windows
+    # Each process times its own steps: they decide together (a window ends at the same step
+    # everywhere), or one would measure, a collective, while the others train on.
+    return any_process(moved) or self._windows >= self.recheck_windows
 
   def decide(self, step: int, cluster: ClusterSpec, measured: Mapping[str, Mapping[int, float]]):
     """``(new per-device batches or None, record)`` from the measurements: the balanced split
