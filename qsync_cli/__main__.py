@@ -1,5 +1,3 @@
-import sys
+from qsync_cli.main import run_as_program
 
-from qsync_cli.main import main
-
-sys.exit(main())
+run_as_program()

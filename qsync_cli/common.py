@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from planners.profile import Profile
 from qsync_jax.errors import PlanError, PolicyError
 from qsync_jax.jsonio import parse_json, read_text
+
+if TYPE_CHECKING:
+  from planners.profile import Profile
 
 
 def add_model_argument(parser) -> None:
@@ -27,6 +30,8 @@ def progress(msg: str) -> None:
 
 def load_profiles(paths: Sequence[str]) -> dict[str, Profile]:
   """``{device type: Profile}`` from ``qsync profile`` files; one per device type."""
+  from planners.profile import Profile
+
   out: dict[str, Profile] = {}
   for path in paths:
     prof = Profile.load(path)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from qsync_jax.train.export import export_params
-
 HELP = "write a run's trained parameters as a msgpack file or an orbax params-only checkpoint"
 
 
@@ -38,5 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+  from qsync_jax.train.export import export_params
+
   print(json.dumps(export_params(args.run, args.out, args.step)))
   return 0

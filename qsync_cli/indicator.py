@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from planners.indicator import initial_variables
 from qsync_cli.common import add_model_argument
 from qsync_jax.errors import QsyncError
-from qsync_jax.train.task import load_task
 
 HELP = "Score every quantizable op's sensitivity to each precision (Ω table, JSON)."
 
@@ -48,16 +46,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--seed", type=int, default=0)
 
 
+def format_table(table: dict) -> str:
+  """The Ω table as text: one row per op, one column per precision; "-" where the op has no Ω at
+  that precision (a grouped convolution runs no 8-bit leg, so it has no 8-bit entries)."""
+  precisions = table["precisions"]
+  lines = [f"{'op':50s} " + " ".join(f"{p:>10s}" for p in precisions)]
+  for op in table["ops"]:
+    row = table["omega"][op]
+    lines.append(
+      f"{op:50s} " + " ".join(f"{row[p]:10.3g}" if p in row else f"{'-':>10s}" for p in precisions)
+    )
+  return "\n".join(lines)
+
+
 def _progress(done: int, total: int) -> None:
   bar = "#" * (20 * done // total)
   print(f"\r  probing [{bar:20s}] {done}/{total} batches", end="\n" if done == total else "", file=sys.stderr)
 
 
-def run(args: argparse.Namespace) -> int:
-  from planners.indicator import compute, save
+def check_arguments(args: argparse.Namespace) -> None:
+  """The options' constraints, checked before the model is built."""
+  from planners.indicator import PROBED_PRECISIONS
 
   if args.batches < 1:
     raise QsyncError(f"--batches {args.batches} must be at least 1. Fix: pass e.g. --batches 8.")
+  if args.batch_size < 1:
+    raise QsyncError(f"--batch-size {args.batch_size} must be at least 1. Fix: pass e.g. --batch-size 32.")
+  if args.train_steps < 0:
+    raise QsyncError(f"--train-steps {args.train_steps} must be 0 or more. Fix: pass e.g. --train-steps 40.")
+  bad = [p for p in args.precisions if p not in PROBED_PRECISIONS]
+  if bad:
+    raise QsyncError(
+      f"--precisions {' '.join(bad)}: the indicator scores only {list(PROBED_PRECISIONS)} (fp32 is the "
+      f"reference, Ω = 0). Fix: pass some of them, e.g. --precisions {' '.join(PROBED_PRECISIONS)}."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+  from planners.indicator import compute, initial_variables, save
+  from qsync_jax.train.task import load_task
+
+  check_arguments(args)
   task = load_task(args.model)
   stream = task.train_batches(args.batch_size, args.seed + 1)
   batches = [next(stream) for _ in range(args.batches)]
@@ -75,9 +104,6 @@ def run(args: argparse.Namespace) -> int:
   )
   table = tables[args.method]
   save(table, args.out)
-  precisions = table["precisions"]
-  print(f"{'op':50s} " + " ".join(f"{p:>10s}" for p in precisions))
-  for op in table["ops"]:
-    print(f"{op:50s} " + " ".join(f"{table['omega'][op][p]:10.3g}" for p in precisions))
+  print(format_table(table))
   print(f"wrote {args.out} ({len(table['ops'])} ops)")
   return 0

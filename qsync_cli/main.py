@@ -14,14 +14,20 @@ stages list theirs in ``OUTPUT_PATHS``, an installed command in its module's ``O
 
 Bad input raises ``QsyncError`` subclasses, which the CLI prints as one clear line (no
 traceback) and exits with status 2. Ctrl-C ends a command with one line (``Interrupted``'s
-message: where it stopped and how to resume) and status 130.
+message: where it stopped and how to resume) and status 130. SIGTERM — what Slurm, Kubernetes
+and preemptible VMs send before they kill a job — takes the same path (``train`` checkpoints,
+``profile`` keeps its ``.partial`` file) and ends with status 143 (128 + SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
+import signal
 import sys
+import threading
 from importlib.metadata import entry_points
 
 import qsync_jax
@@ -38,6 +44,10 @@ SUBCOMMANDS: dict[str, str] = {
   "export": "qsync_cli.export",
 }
 COMMAND_GROUP = "qsync_jax.commands"
+
+# Exit statuses of an interrupted command: the shell's 128 + signal number.
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 
 # name -> {option dest: output kind (qsync_jax.train.outputs.KINDS)}; `export` checks its own --out
 # (a new file or directory, never overwritten).
@@ -64,6 +74,35 @@ def _installed_commands() -> dict:
     except ImportError as e:
       print(f"qsync: warning: command {ep.name!r} ({ep.value}) cannot be loaded: {e}", file=sys.stderr)
   return commands
+
+
+class TerminateAsInterrupt:
+  """Within ``with``: SIGTERM is handled as Ctrl-C. The handler calls whatever handles SIGINT at
+  that moment — the trainer's, which stops between two steps and checkpoints, or Python's, which
+  raises ``KeyboardInterrupt`` in the main thread — and sets ``received``. Where SIGINT is
+  ignored or left to the system, it raises ``KeyboardInterrupt`` itself. The previous SIGTERM
+  handler comes back on exit. Does nothing outside the main thread (only it can set handlers)."""
+
+  def __init__(self):
+    self.received, self._previous, self._armed = False, None, False
+
+  def _handle(self, signum, frame):
+    self.received = True
+    on_sigint = signal.getsignal(signal.SIGINT)
+    if callable(on_sigint):
+      on_sigint(signal.SIGINT, frame)
+    else:
+      raise KeyboardInterrupt
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous, self._armed = signal.signal(signal.SIGTERM, self._handle), True
+    return self
+
+  def __exit__(self, *exc):
+    if self._armed:
+      signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+      self._armed = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,16 +135,37 @@ def main(argv: list[str] | None = None) -> int:
   if not getattr(args, "_run", None):
     parser.print_help()
     return 0
+  terminate = TerminateAsInterrupt()
   try:
-    check_outputs(args, args._outputs)
-    return int(args._run(args) or 0)
+    with terminate:
+      check_outputs(args, args._outputs)
+      return int(args._run(args) or 0)
   except QsyncError as e:
     print(f"qsync {args.command}: error: {e}", file=sys.stderr)
     return 2
   except (Interrupted, KeyboardInterrupt) as e:
-    print(f"qsync {args.command}: {e or 'interrupted'}", file=sys.stderr)
-    return 130
+    cause = "terminated (SIGTERM): " if terminate.received else ""
+    print(f"qsync {args.command}: {cause}{str(e) or 'interrupted'}", file=sys.stderr)
+    return EXIT_TERMINATED if terminate.received else EXIT_INTERRUPTED
+
+
+def run_as_program() -> None:
+  """The program's entry (``qsync``, ``python -m qsync_cli``): exits with ``main()``'s status.
+
+  An interrupted command (status 130 or 143) ends the process at once, its output flushed,
+  without the interpreter's teardown: the interrupt may have abandoned a JAX compilation that
+  still runs on XLA's threads, and JAX's exit-time teardown of its runtime under that compilation
+  crashes the process (SIGSEGV) instead of exiting with the status. What the command keeps — the
+  trainer's checkpoint, the profiler's ``.partial`` file — is written and closed before ``main``
+  returns."""
+  code = main()
+  if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  run_as_program()

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import time
 
-from planners.allocator import INT8_OPS, joint_plan, make_problem, plan_of, precision_counts
-from planners.predictor import predict
-from planners.report import estimated_costs, table
+from planners.allocator import INT8_OPS
 from qsync_cli.common import (
   add_model_argument,
   check_model,
@@ -15,8 +13,14 @@ from qsync_cli.common import (
   load_profiles,
   progress,
 )
-from qsync_jax.cluster import ClusterSpec
-from qsync_jax.train.task import load_task
+from qsync_jax.devices import DEVICES
+from qsync_jax.errors import PlanError, QsyncError, UnsupportedPrecisionError
+from qsync_jax.precision import PRESETS
+
+# The default --train-precision of a training group's device type: the first of these it runs
+# (bf16 mixed precision on Ampere and newer; fp16 mixed precision, with loss scaling, on a V100
+# or a T4, whose tensor cores have no bf16; else fp32).
+TRAIN_PRECISION_ORDER = ("bf16", "fp16", "fp32")
 
 HELP = "Plan every group's batch and per-op precisions: fastest within --slack, then least accuracy cost."
 
@@ -32,7 +36,13 @@ def add_arguments(parser) -> None:
     "--training-groups",
     help="comma-separated groups that keep --train-precision (default: fastest device type)",
   )
-  parser.add_argument("--train-precision", default="fp32", help="policy preset of the training groups")
+  parser.add_argument(
+    "--train-precision",
+    default=None,
+    help="policy preset of the training groups (default: bf16 where their device type runs bf16, fp16 "
+    "mixed precision where it runs fp16 but not bf16 — a V100, a T4 —, else fp32; with training groups "
+    "of several types, the first of these that all of them run)",
+  )
   parser.add_argument(
     "--batch",
     choices=("joint", "equal"),
@@ -54,18 +64,80 @@ def mix(counts: dict[str, int]) -> str:
   return ", ".join(f"{p}×{n}" for p, n in sorted(counts.items()))
 
 
+def train_precision(cluster, training: tuple[str, ...], preset: str | None) -> str:
+  """The policy preset the ``training`` groups of ``cluster`` run: ``preset`` (``--train-precision``)
+  when given, after checking that it is a preset every training group's device type runs; else the
+  first of ``TRAIN_PRECISION_ORDER`` that all of their device types run (``DEVICES[type].precisions``)."""
+  types = sorted({cluster.group(name).device_type for name in training})
+  if preset is None:
+    return next(p for p in TRAIN_PRECISION_ORDER if all(p in DEVICES[t].precisions for t in types))
+  if preset not in PRESETS:
+    raise QsyncError(
+      f"--train-precision {preset!r} is not a policy preset. Fix: use one of {list(PRESETS)}, or leave it "
+      "out for the training devices' default (bf16, fp16 on a V100 or T4)."
+    )
+  for name in training:
+    g = cluster.group(name)
+    legs = PRESETS[preset]
+    missing = sorted({legs.fwd, legs.dlhs, legs.drhs} - set(DEVICES[g.device_type].precisions))
+    if missing:
+      raise UnsupportedPrecisionError(
+        f"--train-precision {preset!r}: training group {name!r} ({g.device_type}) cannot run {missing} (it "
+        f"runs {list(DEVICES[g.device_type].precisions)}). Fix: pick a preset it runs, or leave "
+        "--train-precision out for its default."
+      )
+  return preset
+
+
+def check_indicator_model(indicator, path: str, task_name: str, model: str) -> None:
+  """Raises ``PlanError`` when the indicator table at ``path`` says it was computed on another
+  model than ``task_name`` (its ``metadata.task``; a hand-written table without one passes)."""
+  metadata = indicator.get("metadata") if isinstance(indicator, dict) else None
+  scored = metadata.get("task") if isinstance(metadata, dict) else None
+  if scored is not None and scored != task_name:
+    raise PlanError(
+      f"--indicator {path!r} was computed on model {scored!r}, not on {task_name!r} (--model {model}); "
+      "another model's sensitivities say nothing about this one's ops. Fix: run `qsync indicator "
+      f"--model {model} --out FILE` and pass that FILE."
+    )
+
+
 def run(args) -> int:
-  task = load_task(args.model)
-  profiles = load_profiles(args.profile)
-  check_model(profiles, task.name)
+  from planners.allocator import joint_plan, make_problem, plan_of, precision_counts
+  from planners.allocator.greedy import default_training_groups
+  from planners.indicator import check_values
+  from planners.predictor import predict
+  from planners.report import estimated_costs, table
+  from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.train.task import load_task
+
+  # Arguments and input files first: a bad one is named before the model is built.
+  if args.slack < 0:
+    raise QsyncError(f"--slack {args.slack} must be 0 or more. Fix: pass e.g. --slack 0.02.")
+  if args.granularity < 1:
+    raise QsyncError(f"--granularity {args.granularity} must be at least 1. Fix: pass e.g. --granularity 1.")
   cluster = ClusterSpec.load(args.cluster)
+  training = (
+    tuple(args.training_groups.split(",")) if args.training_groups else default_training_groups(cluster)
+  )
+  unknown = [name for name in training if name not in cluster.group_names]
+  if unknown:
+    raise PlanError(
+      f"--training-groups names {unknown}, which cluster {cluster.name!r} ({args.cluster}) does not have. "
+      f"Fix: use some of its groups {list(cluster.group_names)}, comma-separated."
+    )
+  preset = train_precision(cluster, training, args.train_precision)
+  profiles = load_profiles(args.profile)
   check_profiles_fit(profiles, cluster)
   indicator = load_json(args.indicator, "indicator")
-  training = args.training_groups.split(",") if args.training_groups else None
-  problem = make_problem(cluster, profiles, indicator, training, args.train_precision, int8_op=args.int8_op)
+  check_values(indicator, args.indicator)
+  task = load_task(args.model)
+  check_model(profiles, task.name)
+  check_indicator_model(indicator, args.indicator, task.name, args.model)
+  problem = make_problem(cluster, profiles, indicator, training, preset, int8_op=args.int8_op)
   progress(
     f"{len(problem.op_names)} ops, {len(cluster.groups)} groups, global batch {cluster.global_batch}: "
-    f"{args.batch} batch × precision search"
+    f"{args.batch} batch × precision search; training group(s) {', '.join(training)} at {preset}"
   )
   t0 = time.perf_counter()
   chosen, cands, search = joint_plan(problem, args.granularity, args.slack, args.batch)

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import json
 
-from planners.predictor import predict, save_chrome_trace, save_png
-from planners.report import table
 from qsync_cli.common import add_model_argument, check_model, check_profiles_fit, load_profiles
-from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
-from qsync_jax.plan import Plan
-from qsync_jax.train.task import load_task
 
 HELP = "Predict the synchronous step time and per-group peak memory of a plan (replay simulator)."
 
@@ -26,12 +21,19 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-  task = load_task(args.model)
-  profiles = load_profiles(args.profile)
-  check_model(profiles, task.name)
+  from planners.predictor import predict, save_chrome_trace, save_png
+  from planners.report import table
+  from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.plan import Plan
+  from qsync_jax.train.task import load_task
+
+  # Input files first: a bad one is named before the model is built.
   cluster = ClusterSpec.load(args.cluster)
   plan = Plan.load(args.plan)
+  profiles = load_profiles(args.profile)
   check_profiles_fit(profiles, cluster, plan)
+  task = load_task(args.model)
+  check_model(profiles, task.name)
   pred = predict(cluster, profiles, plan)
   rows = [
     [g.name, g.device_type, g.count, pred.group_compute_ms[g.name], pred.group_step_ms[g.name]]

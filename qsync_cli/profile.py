@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from planners.predictor import modeled_profile
-from planners.profiler import measure_profile, traced_profile
-from planners.report import table
 from qsync_cli.common import add_model_argument, progress
-from qsync_jax.devices import device_type_of, supported_precisions
-from qsync_jax.errors import Interrupted, UnsupportedPrecisionError
-from qsync_jax.precision import LEGS
-from qsync_jax.train.task import load_task
+from qsync_jax.devices import DEVICES, device_type_of, supported_precisions
+from qsync_jax.errors import Interrupted, QsyncError, UnsupportedPrecisionError
+from qsync_jax.precision import LEGS, PRECISIONS
 
 HELP = "Measure op × leg × precision costs, casts and memory of a model's training step (JSON)."
 
@@ -41,18 +37,45 @@ def add_arguments(parser) -> None:
   )
 
 
+def check_arguments(args) -> list[str] | None:
+  """The options' constraints that need no device and no model; returns ``--precisions`` as a list
+  (None: all the device runs)."""
+  if args.device_type is not None and args.device_type not in DEVICES:
+    raise QsyncError(
+      f"--device-type {args.device_type!r} is not in the device catalog (qsync_jax.devices.DEVICES). "
+      f"Fix: use one of {sorted(DEVICES)}, or add the type's datasheet figures to the catalog."
+    )
+  if args.batch < 1:
+    raise QsyncError(f"--batch {args.batch} must be at least 1. Fix: pass e.g. --batch 32.")
+  if args.repeats < 1:
+    raise QsyncError(f"--repeats {args.repeats} must be at least 1. Fix: pass e.g. --repeats 10.")
+  precisions = [p.strip() for p in args.precisions.split(",")] if args.precisions else None
+  unknown = [p for p in precisions or () if p not in PRECISIONS]
+  if unknown:
+    raise UnsupportedPrecisionError(
+      f"--precisions {args.precisions!r}: {unknown} are not precisions. Fix: choose from {list(PRECISIONS)}, "
+      "comma-separated (e.g. --precisions fp32,bf16,int8)."
+    )
+  return precisions
+
+
 def run(args) -> int:
-  task = load_task(args.model)
+  from planners.predictor import modeled_profile
+  from planners.profiler import measure_profile, traced_profile
+  from planners.report import table
+  from qsync_jax.train.task import load_task
+
+  precisions = check_arguments(args)
   import jax
 
   local = device_type_of(jax.devices()[0])
-  precisions = args.precisions.split(",") if args.precisions else None
   bad = [p for p in precisions or () if p not in supported_precisions(local)]
   if bad:
     raise UnsupportedPrecisionError(
       f"--precisions {args.precisions!r}: {bad} cannot run on {local}. "
       f"Fix: choose from {list(supported_precisions(local))}."
     )
+  task = load_task(args.model)
   if args.device_type and args.device_type != local:
     progress(
       f"{args.device_type} is not the local device ({local}): nothing is measured here; tracing {task.name} "

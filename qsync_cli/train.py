@@ -179,7 +179,77 @@ def check_memory(task, cluster, plan, optimizer) -> None:
       )
 
 
+def check_device_count(cluster, devices, num_processes: int) -> None:
+  """Raises ``ClusterSpecError`` when the job's ``devices`` (all processes') are not as many as
+  ``cluster``'s. On CPU devices the fix it names first is the command's ``--local-devices N``
+  (simulated CPU devices per process); on GPUs, running on as many GPUs."""
+  from qsync_jax.errors import ClusterSpecError
+
+  need, have = cluster.num_devices, len(devices)
+  if need == have:
+    return
+  counts = ", ".join(f"{g.name}={g.count}" for g in cluster.groups)
+  per_process, rest = divmod(need, num_processes)
+  if devices[0].platform == "cpu" and rest == 0:
+    each = f" in each of the {num_processes} processes" if num_processes > 1 else ""
+    fix = (
+      f"pass --local-devices {per_process} (simulated CPU devices{each}), or change the group counts to sum "
+      f"to {have}."
+    )
+  elif devices[0].platform == "cpu":
+    fix = (
+      f"change the group counts to a multiple of --num-processes {num_processes} (then pass --local-devices "
+      f"COUNT/{num_processes}), or to sum to {have}."
+    )
+  else:
+    fix = (
+      f"run on {need} GPUs (e.g. CUDA_VISIBLE_DEVICES), or change the group counts to sum to {have}; to "
+      f"simulate the cluster on the CPU instead, set JAX_PLATFORMS=cpu and pass --local-devices {need}."
+    )
+  raise ClusterSpecError(
+    f"cluster spec {cluster.name!r} has {need} devices ({counts}) but the job has {have}. Fix: {fix}"
+  )
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+  """The options' own constraints, checked before JAX starts and the model is built."""
+  from qsync_jax.sync import STRATEGIES
+
+  if args.steps <= 0:
+    raise QsyncError(f"--steps {args.steps} must be positive. Fix: pass --steps 1 or more.")
+  if args.local_devices is not None and args.local_devices < 1:
+    raise QsyncError(
+      f"--local-devices {args.local_devices} must be at least 1. Fix: pass e.g. --local-devices 8."
+    )
+  if args.sync is not None and args.sync != "psum" and args.sync not in STRATEGIES:
+    raise QsyncError(f"--sync {args.sync!r} is not a sync strategy. Fix: use one of {sorted(STRATEGIES)}.")
+
+
+def _take_back_sigterm() -> None:
+  """``jax.distributed`` installs its own SIGTERM handler (its preemption notifier, which only
+  records the signal) in place of Python's; this installs Python's again, so that SIGTERM stops
+  the run as Ctrl-C does (``qsync_cli.main``). Main thread only."""
+  import signal
+  import threading
+
+  on_sigterm = signal.getsignal(signal.SIGTERM)
+  if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def run(args: argparse.Namespace) -> int:
+  from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.plan import Plan
+
+  # Arguments and input files first: a bad one is named before JAX starts and the model is built.
+  _check_arguments(args)
+  overrides = _overrides(args.set)
+  sync, sync_options = _sync(args.sync, args.sync_option)
+  cluster = ClusterSpec.load(args.cluster) if args.cluster else None
+  plan = Plan.load(args.plan) if args.plan else Plan()
+  if cluster is not None:
+    plan.validate_for(cluster)
+
   if args.coordinator:
     from qsync_jax.train.distributed import initialize
 
@@ -190,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
       local_device_count=args.local_devices,
       heartbeat_timeout_s=args.heartbeat_timeout,
     )
+    _take_back_sigterm()
   elif args.local_devices:
     import jax
 
@@ -200,23 +271,17 @@ def run(args: argparse.Namespace) -> int:
   if args.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
 
-  from qsync_jax.cluster import ClusterSpec
   from qsync_jax.devices import device_type_of
-  from qsync_jax.plan import Plan
   from qsync_jax.train.distributed import check_device_types
   from qsync_jax.train.task import load_task
   from qsync_jax.train.trainer import Trainer
 
-  if args.steps <= 0:
-    raise QsyncError(f"--steps {args.steps} must be positive. Fix: pass --steps 1 or more.")
-  task = load_task(args.model, **_overrides(args.set))
-  if args.cluster:
-    cluster = ClusterSpec.load(args.cluster)
-  else:
+  if cluster is None:
     cluster = ClusterSpec.uniform(device_type_of(jax.devices()[0]), jax.device_count(), args.batch_per_device)
-  plan = Plan.load(args.plan) if args.plan else Plan()
+    plan.validate_for(cluster)
+  check_device_count(cluster, jax.devices(), args.num_processes)
   check_device_types(cluster, jax.devices(), args.simulate_device_types)
-  sync, sync_options = _sync(args.sync, args.sync_option)
+  task = load_task(args.model, **overrides)
   optimizer = _optimizer(args.optimizer, args.lr)
   check_memory(task, cluster, plan, optimizer)
   trainer = Trainer(

@@ -5,7 +5,16 @@ and returns one JSON table per method: ``gradient`` (ours), ``gvar`` (QSync), ``
 ``hessian`` (HAWQ-v2 style) and ``random``.
 """
 
-from planners.indicator.api import FORMAT, METHODS, compute, initial_variables, load, make_table, save
+from planners.indicator.api import (
+  FORMAT,
+  METHODS,
+  check_values,
+  compute,
+  initial_variables,
+  load,
+  make_table,
+  save,
+)
 from planners.indicator.gradient import ESTIMATORS
 from planners.indicator.gvar import GvarConfig
 from planners.indicator.probes import PROBED_PRECISIONS, OpCall, collect, forward_op_policy, trace_calls
@@ -17,6 +26,7 @@ __all__ = [
   "PROBED_PRECISIONS",
   "GvarConfig",
   "OpCall",
+  "check_values",
   "collect",
   "compute",
   "forward_op_policy",

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -165,7 +166,30 @@ def load(path: str | os.PathLike) -> dict:
       f"indicator table {str(path)!r} is not a {FORMAT} table (needs keys format, omega). "
       "Fix: write it with `qsync indicator --out FILE`."
     )
+  check_values(table, str(path))
   return table
+
+
+def check_values(table: Mapping[str, Any], source: str) -> None:
+  """Raises ``QsyncError`` naming ``source`` unless every Ω of ``table`` (a table of ``save``, or a
+  bare ``{op: {precision: Ω}}``) is a finite number. A NaN or infinite Ω (the probed loss was not
+  finite: a diverged or broken model) would make every plan's accuracy cost NaN and the ranking
+  of precisions meaningless."""
+  omega = table.get("omega", table) if isinstance(table, Mapping) else None
+  bad = []
+  for op, row in omega.items() if isinstance(omega, Mapping) else ():
+    for precision, value in row.items() if isinstance(row, Mapping) else ():
+      number = isinstance(value, (int, float)) and not isinstance(value, bool)
+      if not number or not math.isfinite(value):
+        bad.append(f"{op}[{precision}]={value!r}")
+  if bad:
+    listed = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    raise QsyncError(
+      f"indicator table {source!r} has Ω that are not finite numbers: {listed}. The loss probed to score "
+      "them was not finite (a diverged model, or a loss that overflows at its initial parameters). Fix: "
+      "run `qsync indicator` again on a model whose fp32 training loss is finite (fewer --train-steps, "
+      "another --seed, or a fixed model)."
+    )
 
 
 def initial_variables(task, seed: int, train_steps: int, batch_size: int, optimizer=None):

@@ -6,7 +6,9 @@ import pytest
 
 from planners.profile import Profile
 from qsync_cli.main import main
+from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 from tests.planners.fakes import fake_indicator
 
 MODEL = "tests.planners.tiny:mlp"
@@ -97,10 +99,12 @@ def test_plan_then_predict(files, capsys):
   # both groups are modeled (the A100 and the T4 have no profile of their own): the plan names the
   # datasheet estimates it relies on, per group
   assert "modeled costs this plan relies on:" in out
-  assert "train (A100): fp32 costs are datasheet estimates (the catalog's A100 is never measured)" in out
+  # the training group's default --train-precision: bf16, as an A100 runs it
+  assert "train (A100): bf16 costs are datasheet estimates (the catalog's A100 is never measured)" in out
   assert "infer (T4): " in out and "datasheet estimates" in out
   plan = Plan.load(plan_path)
   assert set(plan.policies) == {"train", "infer"}
+  assert plan.policy_for("train") == PrecisionPolicy.uniform("bf16")
   alternatives = {a["name"]: a for a in plan.predictions["alternatives"]}
   assert {"dynamic batching", "QSync (precision only)", "uniform low precision"} <= set(alternatives)
   assert plan.predictions["chosen"] in alternatives
@@ -191,6 +195,60 @@ def test_bad_inputs_exit_2_with_fix(files, capsys):
   assert not (d / "y.json").exists()
 
 
+def test_train_precision_defaults_to_what_the_training_devices_run(files, capsys):
+  """bf16 where the training groups' device type runs bf16, fp16 mixed precision on a V100 (no
+  bf16), the first both run for a V100 and an A100; --train-precision overrides, if they run it."""
+  from qsync_cli.plan import train_precision
+  from qsync_jax.cluster import ClusterSpec, DeviceGroup
+
+  def cluster(*types):
+    return ClusterSpec(tuple(DeviceGroup(f"g{i}", t, 1, 16, 8) for i, t in enumerate(types)))
+
+  assert train_precision(cluster("A100", "T4"), ("g0",), None) == "bf16"
+  assert train_precision(cluster("V100", "T4"), ("g0",), None) == "fp16"
+  assert train_precision(cluster("A100", "V100"), ("g0", "g1"), None) == "fp16"
+  assert train_precision(cluster("V100"), ("g0",), "fp32") == "fp32"
+  with pytest.raises(QsyncError, match=r"'g0' \(V100\) cannot run \['bf16'\].*Fix:"):
+    train_precision(cluster("V100"), ("g0",), "bf16")
+  with pytest.raises(QsyncError, match="'fp12' is not a policy preset.*Fix:"):
+    train_precision(cluster("V100"), ("g0",), "fp12")
+  d, cpu, t4, cluster_path, indicator = files
+  v100 = d / "v100.json"
+  spec = json.loads(open(cluster_path).read())
+  spec["groups"][0]["device_type"] = "V100"
+  v100.write_text(json.dumps(spec))
+  plan_path = d / "plan_v100.json"
+  args = ["plan", "--model", MODEL, "--indicator", indicator, "--profile", cpu, t4, "--out", str(plan_path)]
+  assert main([*args, "--cluster", str(v100)]) == 0
+  assert Plan.load(str(plan_path)).policy_for("train") == PrecisionPolicy.uniform("fp16")
+  assert "training group(s) train at fp16" in capsys.readouterr().err
+  plan_path.unlink()
+  assert main([*args, "--cluster", str(v100), "--train-precision", "fp32"]) == 0
+  assert Plan.load(str(plan_path)).policy_for("train") == PrecisionPolicy.uniform("fp32")
+
+
+def test_plan_refuses_an_indicator_of_another_model_or_with_nan(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  table = json.loads(open(indicator).read())
+  args = ["plan", "--model", MODEL, "--cluster", cluster, "--profile", cpu, t4, "--out", str(d / "x.json")]
+  other = d / "other_model.json"
+  other.write_text(json.dumps({**table, "metadata": {"task": "vgg"}}))
+  assert main([*args, "--indicator", str(other)]) == 2
+  err = capsys.readouterr().err
+  assert "was computed on model 'vgg', not on 'mlp' (--model tests.planners.tiny:mlp)" in err
+  assert "Fix: run `qsync indicator --model tests.planners.tiny:mlp" in err and err.count("\n") == 1
+  same = d / "same_model.json"
+  same.write_text(json.dumps({**table, "metadata": {"task": "mlp"}}))
+  assert main([*args, "--indicator", str(same)]) == 0
+  capsys.readouterr()
+  nan = d / "nan.json"
+  table["omega"]["Dense_1:dense"]["int8"] = float("nan")
+  nan.write_text(json.dumps(table))
+  assert main([*args, "--indicator", str(nan)]) == 2
+  err = capsys.readouterr().err
+  assert "has Ω that are not finite numbers: Dense_1:dense[int8]=nan" in err and "Fix:" in err
+
+
 def test_help_on_each(capsys):
   for cmd in ("profile", "predict", "plan"):
     with pytest.raises(SystemExit) as e:
@@ -266,7 +324,9 @@ def test_demo_refuses_a_non_empty_directory_before_any_work(tmp_path, capsys, mo
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_profile_keeps_the_timings_and_says_how_to_resume(tmp_path):
+@pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_in_profile_keeps_the_timings_and_says_how_to_resume(tmp_path, signal_name, status):
+  """Ctrl-C, and SIGTERM (what Slurm, Kubernetes and preemptible VMs send) the same way."""
   import signal
   import subprocess
   import sys
@@ -282,11 +342,12 @@ def test_ctrl_c_in_profile_keeps_the_timings_and_says_how_to_resume(tmp_path):
   while not partial.exists():
     assert proc.poll() is None and time.monotonic() < deadline
     time.sleep(0.1)
-  proc.send_signal(signal.SIGINT)
+  proc.send_signal(getattr(signal, signal_name))
   _, err = proc.communicate(timeout=120)
-  assert proc.returncode == 130 and "Traceback" not in err, err
+  assert proc.returncode == status and "Traceback" not in err, err
+  cause = "terminated (SIGTERM): " if signal_name == "SIGTERM" else ""
   assert err.strip().splitlines()[-1] == (
-    f"qsync profile: interrupted; the timings measured so far are kept in {out}.partial. "
+    f"qsync profile: {cause}interrupted; the timings measured so far are kept in {out}.partial. "
     "Resume with the same command."
   )
   assert partial.exists() and not out.exists()

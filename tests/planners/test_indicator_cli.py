@@ -65,3 +65,36 @@ def test_the_indicator_scores_the_trainers_parameters():
   assert loss(trained) < 0.9 * loss(fresh)  # seeded: 7.55 -> 6.39 on jax 0.10 (CPU)
   mean = trained["batch_stats"]["BatchNorm_0"]["mean"]
   assert not np.allclose(mean, fresh["batch_stats"]["BatchNorm_0"]["mean"])
+
+
+def test_a_table_with_nan_or_inf_is_refused_when_loaded(tmp_path):
+  from planners.indicator import make_table, save
+  from qsync_jax.errors import QsyncError
+
+  ops = ["Dense_0:dense", "Dense_1:dense"]
+  for values, needle in [
+    ({op: {"int8": float("nan")} for op in ops}, "Dense_0:dense[int8]=nan, Dense_1:dense[int8]=nan"),
+    ({"Dense_0:dense": {"int8": 1.0}, "Dense_1:dense": {"int8": float("inf")}}, "Dense_1:dense[int8]=inf"),
+  ]:
+    path = tmp_path / "omega.json"
+    save(make_table("gradient", values, ops, ("int8",), "mlp", 2), path)
+    with pytest.raises(QsyncError, match="not finite numbers") as e:
+      load(path)
+    message = str(e.value)
+    assert str(path) in message and needle in message and "Fix: run `qsync indicator`" in message
+  save(make_table("gradient", {op: {"int8": 1.0} for op in ops}, ops, ("int8",), "mlp", 2), path)
+  assert load(path)["omega"]["Dense_1:dense"]["int8"] == 1.0
+
+
+def test_a_grouped_convolution_prints_no_8bit_entry(tmp_path, capsys):
+  """A grouped convolution runs no 8-bit leg: its row has no int8 Ω, and the printed table shows
+  "-" there (it crashed with KeyError: 'int8')."""
+  out = tmp_path / "omega.json"
+  argv = ["indicator", "--model", "tests.planners.test_grouped_conv:TASK", "--out", str(out)]
+  assert main([*argv, "--batches", "2", "--batch-size", "4", "--precisions", "int8", "fp16"]) == 0
+  table = load(out)
+  assert set(table["omega"]["grouped:conv"]) == {"fp32", "fp16"} and "int8" in table["omega"]["Conv_0:conv"]
+  printed = capsys.readouterr().out
+  (row,) = [line.split() for line in printed.splitlines() if line.startswith("grouped:conv")]
+  assert row[0] == "grouped:conv" and row[1] == "0" and row[2] == "-" and float(row[3]) > 0
+  assert f"wrote {out} (3 ops)" in printed

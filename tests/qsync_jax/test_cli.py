@@ -54,3 +54,119 @@ def test_the_pipeline_stages_need_no_entry_points(monkeypatch, capsys):
   with pytest.raises(SystemExit):
     cli.main(["--help"])
   assert "train" in capsys.readouterr().out
+
+
+def _sigterm_command(monkeypatch, run) -> None:
+  """Installs a command ``sigterm`` whose ``run(args)`` is ``run``."""
+  import sys
+  import types
+
+  module = types.ModuleType("tests_sigterm_command")
+  module.HELP, module.add_arguments, module.run = "sends itself SIGTERM", lambda parser: None, run
+  monkeypatch.setitem(sys.modules, module.__name__, module)
+  _installed(monkeypatch, ("sigterm", module.__name__))
+
+
+def test_sigterm_takes_the_ctrl_c_path_and_exits_143(monkeypatch, capsys):
+  """SIGTERM during a command: the SIGINT handler in place then runs — Python's raises
+  KeyboardInterrupt, a command's own (the trainer's) stops its work — the command ends with one
+  line and status 143, and the SIGTERM handler from before the command comes back."""
+  import os
+  import signal
+  import time
+
+  from qsync_jax.errors import Interrupted
+
+  def sleeps(args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # interrupted by the KeyboardInterrupt
+    return 0
+
+  def stops_between_steps(args):
+    stop = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.append(signum))
+    try:
+      for step in range(50):
+        if stop:
+          raise Interrupted(f"interrupted at step {step}; checkpoint {step} is in run/")
+        if step == 3:
+          os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+    finally:
+      signal.signal(signal.SIGINT, previous)
+    return 0
+
+  received = []
+  before = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))  # not the fix's
+  try:
+    _sigterm_command(monkeypatch, sleeps)
+    assert cli.main(["sigterm"]) == 143
+    assert capsys.readouterr().err == "qsync sigterm: terminated (SIGTERM): interrupted\n"
+    _sigterm_command(monkeypatch, stops_between_steps)
+    assert cli.main(["sigterm"]) == 143
+    err = capsys.readouterr().err
+    assert err == "qsync sigterm: terminated (SIGTERM): interrupted at step 4; checkpoint 4 is in run/\n"
+    assert received == [] and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    os.kill(os.getpid(), signal.SIGTERM)  # outside a command: the handler from before
+    assert received == [signal.SIGTERM]
+  finally:
+    signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize(
+  "command, needle",
+  [
+    (["indicator", "--precisions", "int4"], "--precisions int4: the indicator scores only"),
+    (["indicator", "--batch-size", "0"], "--batch-size 0 must be at least 1"),
+    (["profile", "--device-type", "B200"], "--device-type 'B200' is not in the device catalog"),
+    (["profile", "--precisions", "fp32,int4"], "['int4'] are not precisions"),
+    (["plan", "--cluster", "MISSING", "--indicator", "i.json", "--profile", "p.json"], "cannot be read"),
+    (["predict", "--cluster", "MISSING", "--plan", "p.json", "--profile", "p.json"], "cannot be read"),
+    (["train", "--cluster", "MISSING", "--steps", "2"], "cannot be read"),
+    (["train", "--cluster", "C4", "--steps", "2"], "Fix: pass --local-devices 4"),
+    (["train", "--cluster", "C8", "--plan", "PLAN", "--steps", "2"], "names group(s) ['gpu']"),
+    (["train", "--sync", "fp64", "--steps", "2"], "--sync 'fp64' is not a sync strategy"),
+  ],
+)
+def test_bad_arguments_and_inputs_are_named_before_the_model_loads(
+  tmp_path, monkeypatch, capsys, command, needle
+):
+  """Every command checks its options, input files and cluster spec before it builds the model
+  (seconds to minutes): here building it fails the test."""
+  from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.train import task
+
+  def load_task(*args, **kwargs):
+    raise AssertionError("model loaded")
+
+  monkeypatch.setattr(task, "load_task", load_task)
+  ClusterSpec.uniform("cpu", 4, 2).save(str(tmp_path / "c4.json"))
+  ClusterSpec.uniform("cpu", 8, 2).save(str(tmp_path / "c8.json"))
+  (tmp_path / "plan.json").write_text('{"policies": {"gpu": "int8_fwd"}}')
+  files = {"MISSING": "missing.json", "C4": "c4.json", "C8": "c8.json", "PLAN": "plan.json"}
+  command = [str(tmp_path / files[a]) if a in files else a for a in command]
+  out = ["--out", str(tmp_path / ("run" if command[0] == "train" else "out.json"))]
+  if command[0] == "predict":
+    out = ["--json", str(tmp_path / "out.json")]
+  assert cli.main([*command, "--model", "tests.planners.tiny:mlp", *out]) == 2
+  err = capsys.readouterr().err
+  assert needle in err and "Fix:" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("status, teardown", [(143, False), (130, False), (0, True), (2, True)])
+def test_an_interrupted_program_exits_without_the_runtime_teardown(status, teardown):
+  """``qsync`` (``run_as_program``) ends an interrupted command's process without the exit-time
+  teardown (``atexit``: JAX's tears its runtime down under a compilation the interrupt abandoned,
+  and crashed the process with SIGSEGV instead of 130 / 143); other statuses exit normally."""
+  import subprocess
+  import sys
+
+  code = (
+    "import atexit\n"
+    "import qsync_cli.main as cli\n"
+    f"cli.main = lambda: (atexit.register(print, 'teardown ran'), {status})[1]\n"
+    "cli.run_as_program()\n"
+  )
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert done.returncode == status, done.stderr
+  assert ("teardown ran" in done.stdout) == teardown

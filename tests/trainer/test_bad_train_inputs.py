@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+import jax
+import numpy as np
 import optax
 import pytest
 
@@ -158,3 +160,88 @@ def test_ctrl_c_stops_with_one_line_and_the_run_resumes(tmp_path):
   assert proc.wait(timeout=180) == 0, (tmp_path / "log2.txt").read_text()
   steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
   assert steps == list(range(1, 41))
+
+
+def _wait_for(proc, log_path, needle, timeout_s=120):
+  deadline = time.monotonic() + timeout_s
+  while needle not in log_path.read_text():
+    assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+    time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_like_ctrl_c_and_the_resumed_run_is_bit_identical(tmp_path):
+  """SIGTERM (what Slurm, Kubernetes and preemptible VMs send) after the first step: the run stops
+  between two steps, checkpoints, says so in one line and exits 143; ``--resume`` then ends where
+  an uninterrupted run ends, bit for bit (int8 with stochastic rounding: the RNG resumes too)."""
+  CLUSTER.save(str(tmp_path / "c.json"))
+  (tmp_path / "plan.json").write_text(json.dumps({"policies": {"t": "int8"}}))
+  common = [*MODEL, "--cluster", str(tmp_path / "c.json"), "--plan", str(tmp_path / "plan.json")]
+  common += ["--steps", "12", "--seed", "5", "--lr", "0.01", "--local-devices", "8"]
+  stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+  log = tmp_path / "log.txt"
+  proc = procs.train([*common, "--out", str(stopped)], str(log), QSYNC_TEST_BATCH_DELAY_S="0.3")
+  other = procs.train([*common, "--out", str(straight)], str(tmp_path / "straight.txt"))
+  try:
+    _wait_for(proc, log, "compiled and ran the first step")
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert other.wait(timeout=300) == 0, (tmp_path / "straight.txt").read_text()
+  finally:
+    for p in (proc, other):
+      if p.poll() is None:
+        p.kill()
+  text = log.read_text()
+  assert proc.returncode == 143 and "Traceback" not in text and "ERROR" not in text, text
+  last = text.strip().splitlines()[-1]
+  assert last.startswith("qsync train: terminated (SIGTERM): interrupted at step "), text
+  assert last.endswith("Resume with the same command and --resume."), text
+  step = int(last.split("interrupted at step ")[1].split(";")[0])
+  assert 1 <= step < 12 and (stopped / "checkpoints" / str(step)).is_dir()
+
+  resumed = procs.train([*common, "--out", str(stopped), "--resume"], str(tmp_path / "log2.txt"))
+  assert resumed.wait(timeout=300) == 0, (tmp_path / "log2.txt").read_text()
+  logged = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in logged if "loss" in r] == list(range(1, 13))
+  expected = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+  assert [r["loss"] for r in logged if "loss" in r] == [r["loss"] for r in expected if "loss" in r]
+  states = []
+  for out in (stopped, straight):
+    trainer = Trainer(
+      make_task(),
+      CLUSTER,
+      Plan.from_json({"policies": {"t": "int8"}}),
+      optax.adam(0.01),
+      seed=5,
+      out_dir=str(out),
+      resume=True,
+    )
+    assert trainer.step == 12
+    states.append(trainer.state)
+    trainer.close()
+  for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1]), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_jax_distributed_run(tmp_path):
+  """``jax.distributed`` puts its own SIGTERM handler (which only records the signal) in place of
+  Python's; ``qsync train --coordinator`` takes it back, so SIGTERM stops that run too."""
+  out = tmp_path / "run"
+  args = [*MODEL, "--steps", "40", "--out", str(out), "--batch-per-device", "2"]
+  args += ["--coordinator", f"localhost:{procs.free_port()}", "--num-processes", "1", "--process-id", "0"]
+  log = tmp_path / "log.txt"
+  proc = procs.train([*args, "--local-devices", "2"], str(log), QSYNC_TEST_BATCH_DELAY_S="0.3")
+  try:
+    _wait_for(proc, log, "compiled and ran the first step")
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  text = log.read_text()
+  assert proc.returncode == 143 and "Traceback" not in text, text
+  last = text.strip().splitlines()[-1]
+  assert last.startswith("qsync train: terminated (SIGTERM): interrupted at step "), text
+  step = int(last.split("interrupted at step ")[1].split(";")[0])
+  assert step < 40 and (out / "checkpoints" / str(step)).is_dir()

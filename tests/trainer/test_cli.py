@@ -38,7 +38,34 @@ def test_cluster_with_other_device_count(tmp_path, capsys):
   path = tmp_path / "c4.json"
   ClusterSpec.uniform("T4", 4, 2).save(str(path))
   assert _train(tmp_path, "--model", "tests.trainer.tiny:make_task", "--cluster", str(path)) == 2
-  assert "has 4 devices (all=4) but the job has 8" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "has 4 devices (all=4) but the job has 8. Fix: pass --local-devices 4 (simulated CPU devices)" in err
+
+
+def test_device_count_fix_names_local_devices_first():
+  """The fix names the command's own --local-devices N first (per process); GPUs name running on
+  as many GPUs first, since --local-devices only simulates CPU devices."""
+  from types import SimpleNamespace
+
+  from qsync_cli.train import check_device_count
+  from qsync_jax.errors import ClusterSpecError
+
+  spec = ClusterSpec((DeviceGroup("a", "A100", 4, 40, 2), DeviceGroup("t", "T4", 2, 16, 1)))
+  cpus, gpus = [SimpleNamespace(platform="cpu")] * 4, [SimpleNamespace(platform="gpu")] * 4
+  with pytest.raises(
+    ClusterSpecError, match=r"has 6 devices \(a=4, t=2\) but the job has 4\. Fix: pass --local-devices 6 "
+  ):
+    check_device_count(spec, cpus, 1)
+  with pytest.raises(
+    ClusterSpecError,
+    match=r"Fix: pass --local-devices 3 \(simulated CPU devices in each of the 2 processes\)",
+  ):
+    check_device_count(spec, cpus, 2)
+  with pytest.raises(
+    ClusterSpecError, match=r"Fix: run on 6 GPUs .*JAX_PLATFORMS=cpu and pass --local-devices 6\."
+  ):
+    check_device_count(spec, gpus, 1)
+  check_device_count(spec, cpus + cpus[:2], 1)  # as many: no error
 
 
 def test_plan_for_unknown_group_and_existing_run(tmp_path, capsys, cluster8):
