@@ -104,7 +104,7 @@ from pallas_kernels import arch
 from pallas_kernels.gemm import api as gemm_api
 from pallas_kernels.quantize import api as quantize_api
 from planners.profiler import timing
-from planners.profiler.timing import kernels_by, traced_events
+from planners.profiler.timing import kernels_by, profiler_events
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule
 from qsync_jax.ops.qattention import fused_attention
 
@@ -291,7 +291,7 @@ def profile_cell(task, batch_size: int, policy_name: str, repeats: int = 5) -> d
   batch = timing.device_batch(task, batch_size)
   built = build(task, policy_name, batch)
   jax.block_until_ready(built.run())
-  events = traced_events(lambda: jax.block_until_ready(built.run()), repeats)
+  events = profiler_events(lambda: jax.block_until_ready(built.run()), repeats)
   per_kernel = kernels_by(events, repeats)
   stacks = instruction_stacks(built.compiled.as_text())
   kinds = collections.defaultdict(lambda: [0.0, 0.0])

@@ -53,7 +53,7 @@ from pallas_kernels.gemm.config import GemmConfig, HopperConfig
 from pallas_kernels.quantize import api as quant_api
 from pallas_kernels.quantize.config import QuantizeConfig
 from pallas_kernels.quantize.reference import quantize_reference
-from planners.profiler.timing import traced_events
+from planners.profiler.timing import profiler_events
 from qsync_jax import OpPolicy, quantized_dot_general
 
 SHAPES = {  # name: (M, K, N) of Y[M, N] = X[M, K] · W[K, N]
@@ -498,7 +498,7 @@ def kernel_table(fn, args, repeats: int = 5) -> list[tuple[float, int, str]]:
   ``jax.profiler`` trace of ``repeats`` calls, largest first."""
   jax.block_until_ready(fn(*args))
   ms, launches = collections.defaultdict(float), collections.defaultdict(int)
-  for e in traced_events(lambda: jax.block_until_ready(fn(*args)), repeats):
+  for e in profiler_events(lambda: jax.block_until_ready(fn(*args)), repeats):
     if "/device:GPU" in e["process"]:
       ms[e["name"]] += e["dur"] / 1e3 / repeats
       launches[e["name"]] += 1

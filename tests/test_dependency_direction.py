@@ -166,7 +166,7 @@ PLANTED = {  # a source that breaks each rule, as a file of the importing packag
   "model adapters sit below training": "from qsync_jax.train.task import Task",
   "collectives know no model": "from qsync_jax.models.flax_quant import quantize",
   "the planner does not know the CLI": 'COMMANDS = {"plan": "qsync_cli.plan"}',
-  "the predictor replays profiles": "from planners.profiler.timing import make_train_step",
+  "the predictor replays profiles": "from planners.profiler.timing import single_device_step",
   "the profiler does not plan": "from planners.allocator import joint",
   "stage 1": "import planners.predictor.replay",
 }

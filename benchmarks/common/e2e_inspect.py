@@ -136,7 +136,7 @@ def lower_for_cuda(task, batch_size: int, policy, optimizer, fused: bool = False
         stack.enter_context(unittest.mock.patch.object(api, "gpu_arch", lambda: "sm90"))
     if fused:
       stack.enter_context(fused_attention())
-    step = timing.make_train_step(task, policy, optimizer)
+    step = timing.single_device_step(task, policy, optimizer)
     t0 = time.perf_counter()
     traced = step.trace(variables, opt_state, batch, key)
     t1 = time.perf_counter()

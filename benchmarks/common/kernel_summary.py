@@ -33,7 +33,7 @@ class KernelSummary:
 def summarize_kernels(
   events: list[dict], repeats: int, device: str = "/device:GPU:0"
 ) -> KernelSummary | None:
-  """The ``KernelSummary`` of ``planners.profiler.timing.traced_events`` of ``repeats`` calls, on the trace
+  """The ``KernelSummary`` of ``planners.profiler.timing.profiler_events`` of ``repeats`` calls, on the trace
   process ``device`` (the first GPU); None where it has no kernel (e.g. on a CPU)."""
   mine = [e for e in events if e["process"].startswith(device)]
   if not mine:
@@ -53,4 +53,4 @@ def summarize_kernels(
 
 def gpu_kernels(run, repeats: int) -> KernelSummary | None:
   """The ``KernelSummary`` of ``repeats`` calls of ``run`` on the first GPU; None without one."""
-  return summarize_kernels(timing.traced_events(run, repeats), repeats)
+  return summarize_kernels(timing.profiler_events(run, repeats), repeats)

@@ -1,7 +1,7 @@
 """Where a plan's GPU kernel time goes, in the training step and in the profile's programs.
 
 For each uniform policy: the kernels of one ``lm_base`` (or ``--model``) training step on the
-first GPU (``planners.profiler.timing.compiled_train_step``, traced with ``planners.profiler.timing.traced_events``), and the
+first GPU (``planners.profiler.timing.compiled_train_step``, traced with ``planners.profiler.timing.profiler_events``), and the
 sum over every op of the standalone whole-policy program the profiler times for it
 (``planners.profiler.op_programs.policy_programs``, forward + both gradients, precast), each summed by
 kernel category (``category``). The replay charges the programs' time plus one remainder fitted
@@ -27,7 +27,7 @@ from benchmarks.common.result_rows import append_rows, result_row, results_path
 from planners.profiler import timing
 from planners.profiler.measure import policy_key, task_ops
 from planners.profiler.op_programs import policy_programs
-from planners.profiler.timing import kernels_by, traced_events
+from planners.profiler.timing import kernels_by, profiler_events
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
@@ -50,7 +50,7 @@ def category(kernel_name: str) -> str:
 
 def by_category(run, repeats: int = 5) -> dict[str, tuple[float, float]]:
   """``{category: (kernel ms, kernels)}`` per call of ``run`` on the first GPU."""
-  return kernels_by(traced_events(run, repeats), repeats, key=category)
+  return kernels_by(profiler_events(run, repeats), repeats, key=category)
 
 
 def policy_categories(task, batch_size: int, policy: str, say) -> dict[str, dict]:

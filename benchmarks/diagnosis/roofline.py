@@ -9,7 +9,7 @@ profile of the same ops:
 
 * **per step**: the training step as the trainer compiles it, dispatched back to back
   (``timing.PIPELINED_CLOCK``, median of windows), against the replay of the modeled profile;
-* **per op, inside the step**: the step traced (``timing.traced_step``: on a GPU every kernel on
+* **per op, inside the step**: the step traced (``timing.instruction_times``: on a GPU every kernel on
   the device clock, on a CPU XLA's per-instruction events) and charged to the ops by their JAX
   name stacks (``planners.profiler.step_hlo.per_op_ms``): per op kind, the forward and the gradient legs
   against the modeled legs (``planners.predictor.modeled.leg_ms``), and the rest of the step (elementwise
@@ -203,7 +203,7 @@ def measure_model(
     run, _ = timing.compiled_train_step(task, PrecisionPolicy.uniform(policy), data)
     step_ms[policy] = timing.timed_ms(run, step_windows * timing.PIPELINE_WINDOW, clock=clock)[0]
     del run  # its state, before the traced step builds its own
-    hlo, instruction_ms = timing.traced_step(task, PrecisionPolicy.uniform(policy), data, trace_steps)
+    hlo, instruction_ms = timing.instruction_times(task, PrecisionPolicy.uniform(policy), data, trace_steps)
     in_step[policy] = per_op_ms(hlo, instruction_ms, ops)
     kernel_ms[policy] = sum(instruction_ms.values())
     say(

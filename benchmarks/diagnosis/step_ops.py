@@ -2,7 +2,7 @@
 standalone programs: where the predictor's op costs and its fitted remainder differ from the step.
 
 For each plan of ``benchmarks/predictor.py`` (uniform and mixed) the jitted single-device
-training step of ``--model`` is traced (``planners.profiler.timing.traced_step``): on a GPU its
+training step of ``--model`` is traced (``planners.profiler.timing.instruction_times``): on a GPU its
 kernel events, each charged to the HLO instruction it runs (``hlo_op``; command buffers are
 switched off so that every kernel names its instruction, not its CUDA graph); on XLA:CPU its
 per-instruction events. Each instruction's time goes to the
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     raise SystemExit(f"unknown plans {unknown}. Fix: choose from {sorted(every)}.")
   result = {}
   for name in names:
-    hlo, instruction_ms = timing.traced_step(task, every[name], batch, args.repeats)
+    hlo, instruction_ms = timing.instruction_times(task, every[name], batch, args.repeats)
     total = sum(instruction_ms.values())
     result[name] = {**flat_per_op_ms(hlo, instruction_ms, ops), "total": total}
     print(f"# {args.model} {name}: {total:.3f} ms traced", flush=True)

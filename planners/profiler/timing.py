@@ -1,11 +1,11 @@
 """Timing programs on the local device: clocks, the single-device training step, traces.
 
-``make_train_step(task, policy, optimizer)`` is a jitted single-device step
+``single_device_step(task, policy, optimizer)`` is a jitted single-device step
 ``(variables, opt_state, batch, key) -> (variables, opt_state, loss)``: the task's loss under
 ``policy`` (``qsync_jax.train.task_step.task_loss``), its gradient and the optax update (variables and
 optimizer state donated). ``timed_ms`` times a program on a clock; ``time_round_robin`` several,
-round-robin; ``traced_events`` reads a ``jax.profiler`` trace (GPU kernels, XLA:CPU's
-per-instruction events), which ``traced_step`` charges to a step's HLO instructions.
+round-robin; ``profiler_events`` reads a ``jax.profiler`` trace (GPU kernels, XLA:CPU's
+per-instruction events), which ``instruction_times`` charges to a step's HLO instructions.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def apply_optimizer(optimizer: optax.GradientTransformation, params, grads, opt_
     return optax.apply_updates(params, deltas), opt_state
 
 
-def make_train_step(task: Task, policy: PrecisionPolicy, optimizer: optax.GradientTransformation):
+def single_device_step(task: Task, policy: PrecisionPolicy, optimizer: optax.GradientTransformation):
   """A jitted single-device training step of ``task`` under ``policy``; see the module docstring."""
   loss_fn = task_loss(task, policy)
 
@@ -130,7 +130,7 @@ def build_train_step(
   variables = init_variables(task, batch, seed) if variables is None else variables
   opt_state = optimizer.init(variables["params"])
   key = jax.random.key(seed)
-  step = make_train_step(task, policy, optimizer)
+  step = single_device_step(task, policy, optimizer)
   traced, lowered, compiled, seconds = staged_compile(
     step, variables, opt_state, batch, key, compiler_options=compiler_options
   )
@@ -265,10 +265,10 @@ def time_train_steps_interleaved(
   }
 
 
-# -- traces ---------------------------------------------------------------------------------
+# -- profiler events ----------------------------------------------------------------------------
 
 
-def traced_events(run, repeats: int) -> list[dict]:
+def profiler_events(run, repeats: int) -> list[dict]:
   """The complete ("X") events of a ``jax.profiler`` trace of ``repeats`` calls of ``run``, each
   with ``process``, its trace process's name (``/device:GPU:0 …``: GPU kernels). ``RuntimeError``
   while another profiler session runs."""
@@ -292,7 +292,7 @@ def traced_events(run, repeats: int) -> list[dict]:
 def kernels_by(
   events: list[dict], repeats: int, key=lambda name: name, device: str = "/device:GPU:0"
 ) -> dict[str, tuple[float, float]]:
-  """``{key(kernel name): (ms, launches)}`` per call of the ``traced_events`` of ``repeats``
+  """``{key(kernel name): (ms, launches)}`` per call of the ``profiler_events`` of ``repeats``
   calls, on the trace process ``device`` (the first GPU); empty where it has no kernel."""
   out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
   for e in events:
@@ -306,7 +306,7 @@ def kernels_by(
 def device_kernel_ms(run, repeats: int) -> float:
   """Mean ms per call of ``run`` of the kernels on the first GPU, from a trace of ``repeats``
   calls. ``RuntimeError`` where the trace has no GPU kernels (e.g. on a CPU)."""
-  kernels = kernels_by(traced_events(run, repeats), repeats)
+  kernels = kernels_by(profiler_events(run, repeats), repeats)
   if not kernels:
     raise RuntimeError(
       f"no GPU kernel in a trace of {jax.devices()[0].platform} programs: the device clock needs a GPU. "
@@ -315,23 +315,23 @@ def device_kernel_ms(run, repeats: int) -> float:
   return sum(ms for ms, _ in kernels.values())
 
 
-CPU_TRACE_OPTIONS = {"xla_cpu_enable_xprof_traceme": True}
+CPU_EVENT_OPTIONS = {"xla_cpu_enable_xprof_traceme": True}
 """XLA:CPU compile option: one trace event per executed instruction."""
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 """XLA:GPU compile option: no CUDA graphs, so that each traced kernel names its instruction."""
 
 
-def traced_step(task: Task, policy: PrecisionPolicy, batch, repeats: int) -> tuple[str, dict[str, float]]:
+def instruction_times(task: Task, policy: PrecisionPolicy, batch, repeats: int) -> tuple[str, dict[str, float]]:
   """``(module text, {instruction: ms per step})`` of the training step of ``task`` under
   ``policy``: on a GPU its kernels (compiled with ``NO_COMMAND_BUFFERS``, each kernel charged
   to its ``hlo_op``), on XLA:CPU its per-instruction events (wall time: the median event of an
   instruction times its events per step)."""
   gpu = jax.devices()[0].platform == "gpu"
   compiled, run = compile_train_step(
-    task, policy, batch, compiler_options=NO_COMMAND_BUFFERS if gpu else CPU_TRACE_OPTIONS
+    task, policy, batch, compiler_options=NO_COMMAND_BUFFERS if gpu else CPU_EVENT_OPTIONS
   )
   jax.block_until_ready(run())  # warm-up
-  events = traced_events(lambda: jax.block_until_ready(run()), repeats)
+  events = profiler_events(lambda: jax.block_until_ready(run()), repeats)
   if gpu:
     named = [{**e, "name": e.get("args", {}).get("hlo_op", "")} for e in events]
     return compiled.as_text(), {name: ms for name, (ms, _) in kernels_by(named, repeats).items()}

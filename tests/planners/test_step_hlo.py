@@ -117,17 +117,17 @@ def test_op_leg_ms_charges_the_int8_steps_instructions_to_every_op_and_leg():
   got = op_leg_ms(task, PrecisionPolicy.uniform("int8"), batch, ops, repeats=3)
   assert set(got) == {op.name for op in ops}
   assert all(legs["fwd"] > 0 and legs["bwd"] > 0 for legs in got.values())
-  hlo, instruction_ms = timing.traced_step(task, PrecisionPolicy.uniform("int8"), batch, 3)
+  hlo, instruction_ms = timing.instruction_times(task, PrecisionPolicy.uniform("int8"), batch, 3)
   total = sum(instruction_ms.values())
   assert total > 0
   charged = step_hlo.per_op_ms(hlo, instruction_ms, ops)
   assert sum(sum(legs.values()) for legs in charged.values()) == pytest.approx(total)  # nothing lost
 
 
-def test_traced_step_times_the_steps_instructions_on_this_backend():
+def test_instruction_times_are_the_steps_instructions_on_this_backend():
   task = tiny.attn()
   batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(8, 0)))
-  hlo, ms = timing.traced_step(task, PrecisionPolicy.uniform("fp32"), batch, repeats=3)
+  hlo, ms = timing.instruction_times(task, PrecisionPolicy.uniform("fp32"), batch, repeats=3)
   assert ms and set(ms) <= {ins.name for ins in entry_instructions(hlo)}
   assert all(v > 0 for v in ms.values())
 
@@ -139,7 +139,7 @@ def test_device_clock_is_the_mean_kernel_time_of_the_first_gpu(monkeypatch):
     {"process": "/device:GPU:1 (stream 7)", "name": "nvjet_sm90_tss_128x128", "dur": 500.0},  # another GPU
     {"process": "/host:CPU", "name": "PjitFunction", "dur": 900.0},  # host work
   ]
-  monkeypatch.setattr(timing, "traced_events", lambda run, repeats: events)
+  monkeypatch.setattr(timing, "profiler_events", lambda run, repeats: events)
   assert timing.device_kernel_ms(lambda: None, repeats=2) == pytest.approx(0.02)  # 40 µs / 2 calls
 
 
