@@ -41,7 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   )
   parser.add_argument("--plan", help="plan JSON (one precision policy per group); default: fp32 everywhere")
   parser.add_argument("--steps", type=int, required=True, help="train until this many steps in total")
-  parser.add_argument("--out", required=True, help="run directory: metrics.jsonl and checkpoints/")
+  parser.add_argument(
+    "--out",
+    required=True,
+    help="run directory: metrics.jsonl, checkpoints/ and tensorboard/ when tensorboardX is installed",
+  )
   parser.add_argument(
     "--sync",
     default=None,

@@ -2,7 +2,8 @@
 
 ``Trainer`` wraps the compiled step of ``qsync_jax.train.train_step`` and owns what lives between
 steps: the ``TrainState``, the training data iterator and its position, the metrics log
-(``metrics.jsonl``), progress on stderr and checkpoints (``checkpoints/``) in ``out_dir``.
+(``metrics.jsonl``, and TensorBoard events in ``tensorboard/`` when ``tensorboardX`` is installed),
+progress on stderr and checkpoints (``checkpoints/``) in ``out_dir``.
 
 Example::
 
@@ -30,6 +31,7 @@ import functools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,11 +50,15 @@ from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
 from qsync_jax.train.distributed import Watchdog
-from qsync_jax.train.outputs import check_run_dir
+from qsync_jax.train.outputs import TensorBoardWriter, check_run_dir
 from qsync_jax.train.replan import Replanner, describe
 from qsync_jax.train.strategy_step import make_strategy_step
 from qsync_jax.train.task import Task
 from qsync_jax.train.train_step import SyncFn, make_train_step
+
+# The default of ``Trainer(progress=...)``: ``sys.stderr`` as it is when the trainer is made (a default
+# bound at import would miss a later redirection, e.g. pytest's capture).
+_STDERR: Any = object()
 
 
 class Trainer:
@@ -65,11 +71,13 @@ class Trainer:
       strategy (gradient hook or step builder, see the module doc).
     sync_options: options of the named strategy (its ``Strategy.options``).
     seed: seeds the parameters, the step RNG and the data order.
-    out_dir: where ``metrics.jsonl`` and ``checkpoints/`` go (None: nothing is written).
+    out_dir: where ``metrics.jsonl``, ``checkpoints/`` and ``tensorboard/`` (the metrics as TensorBoard
+      scalars, when ``tensorboardX`` is installed) go (None: nothing is written). Process 0 writes.
     checkpoint_every: save every this many steps (0: only at the end of ``run``).
     resume: restore the latest checkpoint of ``out_dir`` if there is one.
     log_every: write metrics every this many steps.
-    progress: stream for progress lines (None: silent).
+    progress: stream for progress lines, default ``sys.stderr`` (the one in place when the trainer
+      is made); None: silent.
     step_timeout_s: multi-process watchdog: end the process if a step takes longer (after the
       first, which compiles). Default 120 s when there are several processes, else off.
     donate: let each step reuse the previous state's buffers (default: on accelerators; hybrid
@@ -95,7 +103,7 @@ class Trainer:
     keep_checkpoints: int = 3,
     resume: bool = False,
     log_every: int = 1,
-    progress: TextIO | None = None,
+    progress: TextIO | None = _STDERR,
     step_timeout_s: float | None = None,
     donate: bool | None = None,
     replan: str | Replanner = "off",
@@ -133,8 +141,12 @@ class Trainer:
       )
     self._sample = sample
     self.out_dir = out_dir
+    progress = sys.stderr if progress is _STDERR else progress
     self.checkpoint_every, self.log_every, self.progress = checkpoint_every, max(1, log_every), progress
     self.is_primary = jax.process_index() == 0
+    self.tensorboard = (
+      TensorBoardWriter(os.path.join(out_dir, "tensorboard")) if out_dir and self.is_primary else None
+    )
     # XLA's CPU collectives can deadlock with two multi-device steps in flight on a small host
     # (seen on 2 cores: "Termination timeout for all reduce"); accelerators pipeline steps.
     self._one_step_in_flight = jax.default_backend() == "cpu" and jax.device_count() > 1
@@ -306,6 +318,7 @@ class Trainer:
       os.makedirs(self.out_dir, exist_ok=True)
       with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "replan": record}) + "\n")
+      self.tensorboard.write(step, record, prefix="replan/")
     if batches is not None:
       plan = self.program.plan
       self.program = self._build(dataclasses.replace(plan, batch_per_device={**plan.batch_per_device, **batches}))
@@ -323,6 +336,7 @@ class Trainer:
       os.makedirs(self.out_dir, exist_ok=True)
       with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
+      self.tensorboard.write(step, record)
     eta = f"ETA {(steps - step) / rate:.0f}s" if rate > 0 else "ETA after the next step"
     self._say(
       f"step {step}/{steps}  loss {values['loss']:.4f}  {rate * self.global_batch:.1f} samples/s  "
@@ -363,6 +377,8 @@ class Trainer:
     return {k: v / count for k, v in totals.items()} if count else {}
 
   def close(self) -> None:
+    if self.tensorboard is not None:
+      self.tensorboard.close()
     if self.checkpoints is not None:
       self.checkpoints.close()
 
