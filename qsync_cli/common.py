@@ -28,11 +28,13 @@ def progress(msg: str) -> None:
   print(f"  … {msg}", file=sys.stderr, flush=True)
 
 
-def load_profiles(paths: Sequence[str]) -> dict[str, Profile]:
-  """``{device type: Profile}`` from ``qsync profile`` files; one per device type."""
+def load_profiles(paths: Sequence[str], with_paths: bool = False):
+  """``{device type: Profile}`` from ``qsync profile`` files; one per device type. With
+  ``with_paths``, ``(profiles, {device type: the file it came from})``."""
   from planners.profile import Profile
 
   out: dict[str, Profile] = {}
+  files: dict[str, str] = {}
   for path in paths:
     prof = Profile.load(path)
     if prof.device_type in out:
@@ -41,7 +43,39 @@ def load_profiles(paths: Sequence[str]) -> dict[str, Profile]:
         "Fix: pass one profile per device type."
       )
     out[prof.device_type] = prof
-  return out
+    files[prof.device_type] = path
+  return (out, files) if with_paths else out
+
+
+def cost_source_lines(cluster, profiles: dict[str, Profile], files: dict[str, str]) -> list[str]:
+  """Where each group's costs come from, one line a group: ``measured: FILE`` / ``traced: FILE`` /
+  ``modeled from the catalog: FILE`` for the ``--profile`` file of its device type (by that
+  profile's source), else ``modeled from the catalog (based on FILE)`` with the file
+  ``planners.predictor.base_profile`` (the first measured one given). Then
+  one line per file that no group used: of a device type no group has, and not that base."""
+  from planners.predictor import base_profile
+
+  base = base_profile(profiles).device_type if profiles else None
+  used = set()
+  lines = []
+  for g in cluster.groups:
+    prof = profiles.get(g.device_type)
+    if prof is None:
+      used.add(base)
+      where = f"modeled from the catalog (based on {files[base]})"
+    else:
+      used.add(g.device_type)
+      label = "modeled from the catalog" if prof.source == "modeled" else prof.source
+      where = f"{label}: {files[g.device_type]}"
+    lines.append(f"  {g.name} ({g.device_type}): {where}")
+  types = sorted({g.device_type for g in cluster.groups})
+  for t, path in files.items():
+    if t not in used:
+      lines.append(
+        f"  profile {path} (device type {t}) was not used: no group of the cluster is of type {t}. Fix: "
+        f"profile on a host of one of the cluster's device types {types} and pass that file, or drop {path}."
+      )
+  return ["costs per group:", *lines]
 
 
 def check_model(profiles: dict[str, Profile], task_name: str) -> None:

@@ -9,6 +9,7 @@ from qsync_cli.common import (
   add_model_argument,
   check_model,
   check_profiles_fit,
+  cost_source_lines,
   load_json,
   load_profiles,
   progress,
@@ -127,7 +128,7 @@ def run(args) -> int:
       f"Fix: use some of its groups {list(cluster.group_names)}, comma-separated."
     )
   preset = train_precision(cluster, training, args.train_precision)
-  profiles = load_profiles(args.profile)
+  profiles, files = load_profiles(args.profile, with_paths=True)
   check_profiles_fit(profiles, cluster)
   indicator = load_json(args.indicator, "indicator")
   check_values(indicator, args.indicator)
@@ -193,6 +194,7 @@ def run(args) -> int:
   estimates = estimated_costs({g.name: g.device_type for g in cluster.groups}, pred.sources, counts)
   if estimates:
     print("modeled costs this plan relies on:\n  " + "\n  ".join(estimates))
+  print("\n".join(cost_source_lines(cluster, profiles, files)))
   print("\nalternatives (predicted; batch per device in group order):")
   print(table(["plan", "batches", "step ms", "samples/s", "vs chosen", "accuracy cost"], alt_rows))
   print(f"wrote {args.out}")

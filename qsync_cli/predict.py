@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import json
 
-from qsync_cli.common import add_model_argument, check_model, check_profiles_fit, load_profiles
+from qsync_cli.common import (
+  add_model_argument,
+  check_model,
+  check_profiles_fit,
+  cost_source_lines,
+  load_profiles,
+)
 from qsync_jax.errors import PlanError
+from qsync_jax.jsonio import write_text_atomic
 
 HELP = "Predict the synchronous step time and per-group peak memory of a plan (replay simulator)."
 
@@ -30,7 +37,7 @@ def run(args) -> int:
   # Input files first: a bad one is named before the model is built.
   cluster = ClusterSpec.load(args.cluster)
   plan = Plan.load(args.plan)
-  profiles = load_profiles(args.profile)
+  profiles, files = load_profiles(args.profile, with_paths=True)
   check_profiles_fit(profiles, cluster, plan)
   task = load_task(args.model)
   check_model(profiles, task.name)
@@ -43,6 +50,7 @@ def run(args) -> int:
   print(table(["group", "device", "n", "compute ms", "step ms", "mem GB", "limit GB", "costs"], rows))
   slowest = max(pred.group_step_ms, key=pred.group_step_ms.get)
   print(f"synchronous step {pred.step_ms:.3f} ms (slowest group {slowest}); all-reduce {pred.comm_ms:.3f} ms")
+  print("\n".join(cost_source_lines(cluster, profiles, files)))
   if args.trace:
     save_chrome_trace(pred, args.trace)
     print(f"wrote {args.trace}")
@@ -50,8 +58,7 @@ def run(args) -> int:
     save_png(pred, args.png)
     print(f"wrote {args.png}")
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(pred.to_json(), f, indent=2)
+    write_text_atomic(args.json, json.dumps(pred.to_json(), indent=2) + "\n", "--json", PlanError)
     print(f"wrote {args.json}")
   over = [g for g in pred.memory_bytes if pred.memory_bytes[g] > pred.memory_limit_bytes[g]]
   if over:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from qsync_cli.common import add_model_argument, progress
 from qsync_jax.devices import DEVICES, device_type_of, supported_precisions
 from qsync_jax.errors import Interrupted, QsyncError, UnsupportedPrecisionError
@@ -62,6 +64,7 @@ def check_arguments(args) -> list[str] | None:
 def run(args) -> int:
   from planners.predictor import modeled_profile
   from planners.profiler import measure_profile, traced_profile
+  from planners.profiler.measure import noisy_host_warning
   from planners.report import table
   from qsync_jax.train.task import load_task
 
@@ -117,4 +120,7 @@ def run(args) -> int:
     + (f", fitted to the measured all-{fit} step {prof.meta['fit_step_ms']:.3f} ms" if fit else "")
   )
   print(f"wrote {args.out}")
+  warning = noisy_host_warning(prof)
+  if warning:
+    print(warning, file=sys.stderr)
   return 0

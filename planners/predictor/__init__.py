@@ -4,11 +4,12 @@ peak memory (``predict``), with its timeline (``save_chrome_trace``, ``save_png`
 
 from planners.predictor.memory_model import memory_bytes
 from planners.predictor.modeled import modeled_profile
-from planners.predictor.replay import Prediction, predict, sync_step_ms
+from planners.predictor.replay import Prediction, base_profile, predict, sync_step_ms
 from planners.predictor.timeline import chrome_trace, save_chrome_trace, save_png
 
 __all__ = [
   "Prediction",
+  "base_profile",
   "chrome_trace",
   "memory_bytes",
   "modeled_profile",

@@ -59,8 +59,13 @@ def profile_for(profiles: Mapping[str, Profile], device_type: str) -> Profile:
     return profiles[device_type]
   if not profiles:
     raise PlanError("no cost profile given. Fix: pass at least one file from `qsync profile`.")
-  base = sorted(profiles.values(), key=lambda p: p.source != "measured")[0]
-  return modeled_profile(base, device_type)
+  return modeled_profile(base_profile(profiles), device_type)
+
+
+def base_profile(profiles: Mapping[str, Profile]) -> Profile:
+  """The profile a device type without one of its own is modeled from: the first measured one
+  (in the order given), else the first."""
+  return sorted(profiles.values(), key=lambda p: p.source != "measured")[0]
 
 
 def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Plan) -> list[GroupCost]:

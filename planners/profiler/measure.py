@@ -136,33 +136,37 @@ def measure_profile(
   if op_ms:
     say(f"resuming from {checkpoint}: {len(op_ms)} of {len(ops)} ops already timed")
   cache: dict[tuple, Any] = {}
+  op_spread: dict[str, float] = {}  # per op timed now: its timings' largest slowest/fastest repeat
   for i, op in enumerate(ops):
     if op.name in op_ms:
       continue
     say(f"[{i + 1}/{len(ops)}] {op.name}  ({op.batch}x{op.m}x{op.k}x{op.n})")
-    table: dict[str, dict[str, float]] = {}
-    runs = [p for p in precisions if op.runs_8bit or p not in QUANTIZED_PRECISIONS]
-    for leg in LEGS:
-      for p in runs:
-        key = (p, leg, op.batch, op.m, op.k, op.n)
+    with timing.record_spreads() as spreads:
+      table: dict[str, dict[str, float]] = {}
+      runs = [p for p in precisions if op.runs_8bit or p not in QUANTIZED_PRECISIONS]
+      for leg in LEGS:
+        for p in runs:
+          key = (p, leg, op.batch, op.m, op.k, op.n)
+          if key not in cache:
+            cache[key] = measure_leg(p, leg, op.batch, op.m, op.k, op.n, repeats, overhead, seed, op_clock)
+          table.setdefault(leg, {})[p] = cache[key]
+      for name, pol in PRESETS.items():
+        if not all(q in runs for q in pol.precisions):
+          continue
+        key = policy_key(name, op)
         if key not in cache:
-          cache[key] = measure_leg(p, leg, op.batch, op.m, op.k, op.n, repeats, overhead, seed, op_clock)
-        table.setdefault(leg, {})[p] = cache[key]
-    for name, pol in PRESETS.items():
-      if not all(q in runs for q in pol.precisions):
-        continue
-      key = policy_key(name, op)
-      if key not in cache:
-        try:
-          cache[key] = measure_policy(
-            pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, op_clock, op, gpu
-          )
-        except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 dot
-          cache[key] = None
-          unrunnable.append(f"{op.name} under {name}: {str(e).splitlines()[0][:120]}")
-          say(f"  cannot time {op.name} under {name} here; its legs will be used")
-      if cache[key] is not None:
-        table[f"policy:{name}"] = cache[key]
+          try:
+            cache[key] = measure_policy(
+              pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, op_clock, op, gpu
+            )
+          except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 dot
+            cache[key] = None
+            unrunnable.append(f"{op.name} under {name}: {str(e).splitlines()[0][:120]}")
+            say(f"  cannot time {op.name} under {name} here; its legs will be used")
+        if cache[key] is not None:
+          table[f"policy:{name}"] = cache[key]
+    if spreads:  # none where every leg and policy was cached from an op of the same shape
+      op_spread[op.name] = max(spreads)
     op_ms[op.name] = table
     save_partial(checkpoint, settings, op_ms, unrunnable)
   op_ms = {op.name: op_ms[op.name] for op in ops}  # forward order, resumed or not
@@ -209,6 +213,7 @@ def measure_profile(
     "clock": step_clock,
     "op_clock": op_clock,
     "unrunnable": unrunnable,
+    "op_round_spread": op_spread,
     **({"policy_operands": "precast"} if gpu else {}),
     "fit_preset": preset,
     "fit_step_ms": fit_ms,
@@ -234,6 +239,33 @@ def measure_profile(
   prof = fit_profile(draft)
   remove_partial(checkpoint)  # only now: a run killed after the ops resumes after them
   return prof
+
+
+# A profile is noisy when, for more than NOISY_OPS_FRACTION of the ops timed, the slowest repeat of
+# one of the op's timings exceeds NOISY_SPREAD × its fastest (``meta["op_round_spread"]``).
+NOISY_SPREAD = 1.5
+NOISY_OPS_FRACTION = 0.25
+
+
+def noisy_ops(prof: Profile) -> tuple[list[str], int]:
+  """``(ops whose repeats disagree, ops with a recorded spread)`` of a measured profile: the ops of
+  ``meta["op_round_spread"]`` whose slowest repeat exceeds ``NOISY_SPREAD`` × the fastest (a
+  profile without the record, e.g. an older or a modeled one, gives ``([], 0)``)."""
+  spread = prof.meta.get("op_round_spread") or {}
+  return [op for op, s in spread.items() if s > NOISY_SPREAD], len(spread)
+
+
+def noisy_host_warning(prof: Profile) -> str | None:
+  """The warning ``qsync profile`` prints when more than ``NOISY_OPS_FRACTION`` of the timed ops
+  are noisy (``noisy_ops``), else None."""
+  noisy, timed = noisy_ops(prof)
+  if not timed or len(noisy) <= NOISY_OPS_FRACTION * timed:
+    return None
+  return (
+    f"warning: the repeats of {len(noisy)} of {timed} ops' timings disagree (slowest > {NOISY_SPREAD}× the "
+    f"fastest, e.g. {noisy[0]}): the host is busy and these costs are unreliable. Fix: profile on an idle "
+    f"host, or raise --repeats (now {prof.meta.get('repeats')})."
+  )
 
 
 def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:

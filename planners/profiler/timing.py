@@ -177,6 +177,32 @@ def default_step_repeats(clock: str) -> int:
   return 10 * PIPELINE_WINDOW if clock == PIPELINED_CLOCK else 20
 
 
+# While ``record_spreads`` is active: the spread (slowest / fastest sample) of every ``timed_ms``.
+_spreads: list[list[float]] = []
+
+
+class record_spreads:
+  """``with record_spreads() as spreads:`` appends to ``spreads`` the spread of every ``timed_ms``
+  call inside it: its slowest sample over its fastest (1.0 with one sample, as on ``DEVICE_CLOCK``).
+  A spread well above 1 means the repeats of one measurement disagree: a busy host."""
+
+  def __enter__(self) -> list[float]:
+    self.spreads: list[float] = []
+    _spreads.append(self.spreads)
+    return self.spreads
+
+  def __exit__(self, *exc) -> None:
+    _spreads.remove(self.spreads)
+
+
+def _record(samples: Sequence[float]) -> None:
+  if _spreads:
+    low = min(samples)
+    spread = max(samples) / low if low > 0 else 1.0
+    for spreads in _spreads:
+      spreads.append(spread)
+
+
 def timed_ms(
   fn: Callable[[], object], repeats: int, warmup: int = 2, clock: str = "wall"
 ) -> tuple[float, list[float]]:
@@ -194,6 +220,7 @@ def timed_ms(
         fn()
       jax.block_until_ready(fn())
       samples.append(1e3 * (time.perf_counter() - t0) / window)
+    _record(samples)
     return float(np.median(samples)), samples
   if clock == DEVICE_CLOCK:
     ms = device_kernel_ms(lambda: jax.block_until_ready(fn()), repeats)
@@ -203,6 +230,7 @@ def timed_ms(
     t0 = CLOCKS[clock]()
     jax.block_until_ready(fn())
     samples.append(1e3 * (CLOCKS[clock]() - t0))
+  _record(samples)
   return float(np.median(samples)), samples
 
 

@@ -351,3 +351,48 @@ def test_ctrl_c_in_profile_keeps_the_timings_and_says_how_to_resume(tmp_path, si
     "Resume with the same command."
   )
   assert partial.exists() and not out.exists()
+
+
+def test_plan_and_predict_say_where_each_groups_costs_come_from(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  plan_path = str(d / "sources_plan.json")
+  args = ["--model", MODEL, "--cluster", cluster, "--profile", cpu, t4]
+  assert main(["plan", *args, "--indicator", indicator, "--out", plan_path]) == 0
+  out = capsys.readouterr().out
+  assert "costs per group:" in out
+  # no A100 profile: modeled from the measured cpu profile; the T4 file is a modeled one
+  assert f"train (A100): modeled from the catalog (based on {cpu})" in out
+  assert f"infer (T4): modeled from the catalog: {t4}" in out
+  assert "was not used" not in out  # the cpu profile is the A100's base
+  assert main(["predict", *args, "--plan", plan_path]) == 0
+  out = capsys.readouterr().out
+  assert f"train (A100): modeled from the catalog (based on {cpu})" in out
+  assert f"infer (T4): modeled from the catalog: {t4}" in out
+
+
+def test_a_profile_no_group_uses_is_named_with_a_fix(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  spec = json.loads(open(cluster).read())
+  spec["groups"] = [dict(g, name=f"t4_{i}", device_type="T4") for i, g in enumerate(spec["groups"])]
+  t4_only, plan_path = d / "t4_only.json", str(d / "t4_plan.json")
+  t4_only.write_text(json.dumps(spec))
+  args = ["--model", MODEL, "--cluster", str(t4_only), "--profile", cpu, t4]
+  assert main(["plan", *args, "--indicator", indicator, "--out", plan_path]) == 0
+  out = capsys.readouterr().out
+  unused = f"profile {cpu} (device type cpu) was not used: no group of the cluster is of type cpu. Fix:"
+  assert unused in out and f"t4_0 (T4): modeled from the catalog: {t4}" in out
+  assert main(["predict", *args, "--plan", plan_path]) == 0
+  assert unused in capsys.readouterr().out
+
+
+def test_a_group_of_the_profiled_type_is_costed_from_the_measurements(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  spec = json.loads(open(cluster).read())
+  spec["groups"][0].update(name="local", device_type="cpu", memory_gb=8)
+  mixed, plan_path = d / "cpu_t4.json", d / "cpu_t4_plan.json"
+  mixed.write_text(json.dumps(spec))
+  plan_path.write_text(json.dumps({"policies": {"local": "fp32", "infer": "fp32"}}))
+  assert main(["predict", "--model", MODEL, "--cluster", str(mixed), "--plan", str(plan_path), "--profile", cpu]) == 0
+  out = capsys.readouterr().out
+  assert f"local (cpu): measured: {cpu}" in out
+  assert f"infer (T4): modeled from the catalog (based on {cpu})" in out

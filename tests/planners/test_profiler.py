@@ -217,3 +217,32 @@ def test_on_a_gpu_the_all_int8_step_is_traced_op_by_op_and_gives_every_op_its_fa
     legs = prof.quantized_in_step_ms[op]
     assert legs["fwd"] > 0 and legs["bwd"] > 0, op  # kernels named by their instruction
     assert in_step_factors(prof, i) is not None
+
+
+def test_qsync_profile_warns_when_the_repeats_of_the_op_timings_disagree(tmp_path, monkeypatch, capsys):
+  from planners.profiler import timing
+  from planners.profiler.measure import noisy_host_warning
+  from qsync_cli.main import main
+
+  # a busy host: every fourth clock reading comes 4 ms after the one before, the others 1 ms
+  ticks = {"n": 0, "t": 0.0}
+
+  def busy_clock():
+    ticks["n"] += 1
+    ticks["t"] += 0.004 if ticks["n"] % 4 == 0 else 0.001
+    return ticks["t"]
+
+  monkeypatch.setitem(timing.CLOCKS, "cpu", busy_clock)
+  out = str(tmp_path / "busy.json")
+  args = ["profile", "--model", "tests.planners.tiny:mlp", "--batch", "16", "--precisions", "fp32"]
+  assert main([*args, "--repeats", "4", "--clock", "cpu", "--out", out]) == 0
+  err = capsys.readouterr().err
+  prof = Profile.load(out)
+  spread = prof.meta["op_round_spread"]
+  assert set(spread) and all(s == pytest.approx(4.0) for s in spread.values())
+  assert f"warning: the repeats of {len(spread)} of {len(spread)} ops' timings disagree" in err
+  assert "Fix: profile on an idle host, or raise --repeats (now 4)" in err
+  # a quarter of the ops or fewer is no warning; nor is a profile without the record
+  steady = {f"op{i}": 4.0 if i < 2 else 1.1 for i in range(8)}  # 2 of 8 noisy
+  assert noisy_host_warning(dataclasses.replace(prof, meta={**prof.meta, "op_round_spread": steady})) is None
+  assert noisy_host_warning(dataclasses.replace(prof, meta={"repeats": 4})) is None
