@@ -40,7 +40,7 @@ def test_train_with_step_builder_strategy(tmp_path, capsys, name, options):
     (["--sync", "selsync", "--sync-option", "bucket_size=64"], "has no option 'bucket_size'"),
     (["--sync", "selsync", "--sync-option", "delta"], "is not KEY=VALUE"),
     (["--sync-option", "delta=0.1"], "needs a --sync strategy"),
-    (["--sync", "nope"], "unknown; choose one of"),
+    (["--sync", "nope"], "--sync 'nope' is not a sync strategy. Fix: use one of"),
   ],
 )
 def test_bad_sync_arguments_are_refused(tmp_path, capsys, extra, needle):
