@@ -3,7 +3,8 @@ standard library's source, trained on GPUs.
 
 * ``sweep``: the model on one device under each uniform policy (every op: token and position
   embeddings, q/k/v/out projections, both attention products, the MLP and the head) over
-  seeds: does uniform low precision cost held-out loss beyond the seed spread?
+  seeds: does uniform low precision cost held-out loss beyond the seed spread? ``auto``: the
+  policy ``planners.allocator.auto_policy`` measures on this GPU (8-bit where it pays, else bf16).
 * ``compare`` (``benchmarks.accuracy --testbed gpt``): the planner's candidates trained on
   two devices with their batch shares and precisions.
 
@@ -15,7 +16,7 @@ to a tenth of the peak learning rate (1e-3 after 100 warmup steps, 1,000 steps),
 (16,384 tokens) per step. Held-out metrics are over the first 4,096 windows (1 M tokens) of the
 held-out split.
 
-  python -m benchmarks.accuracy_gpu sweep [--policies fp32 int8_fwd int8 fp8] [--lr 1e-3]
+  python -m benchmarks.accuracy_gpu sweep [--policies fp32 int8_fwd int8 fp8 auto] [--lr 1e-3]
   python -m benchmarks.accuracy_gpu plan; python -m benchmarks.accuracy_gpu compare
   python -m benchmarks.accuracy_gpu report        # rewrites the testbed's section of docs/results.md
 """
@@ -101,7 +102,13 @@ def sweep(args) -> int:
 
   task = zoo.task(MODEL)
   cluster = ClusterSpec.uniform("H100", 1, args.batch, memory_gb=80.0, name="gpu")
-  plans = {p: (Plan() if p == "fp32" else Plan.uniform(cluster, p)) for p in args.policies}
+  plans = {p: (Plan() if p == "fp32" else Plan.uniform(cluster, p)) for p in args.policies if p != "auto"}
+  if "auto" in args.policies:  # the policy planners.allocator.auto_policy measures on this GPU
+    from planners.allocator import auto_policy
+
+    found = auto_policy(task, args.batch, progress=print)
+    print("\n".join(found.summary()))
+    plans["auto"] = Plan.uniform(cluster, found.policy)
   train_and_record(args, "sweep", task, cluster, plans, jax.devices()[:1])
   return 0
 

@@ -103,6 +103,7 @@ from benchmarks.common.zoo import e2e_gpt, e2e_resnet50
 from pallas_kernels import arch
 from pallas_kernels.gemm import api as gemm_api
 from pallas_kernels.quantize import api as quantize_api
+from planners.allocator import auto_policy
 from planners.profiler import timing
 from planners.profiler.timing import kernels_by, profiler_events
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule
@@ -121,6 +122,9 @@ def kinds_policy(preset: str, kinds) -> PrecisionPolicy:
 
 POLICIES = {
   "plain": PrecisionPolicy(),  # matches nothing: the plain model's program, bit-identical
+  # the plain model with the attention a Flax user writes for a GPU (attention_fn calling
+  # jax.nn.dot_product_attention, cuDNN): the attention products at bf16, traced fused
+  "plain_cudnn_attn": kinds_policy("bf16", ATTENTION_KINDS),
   "bf16": PrecisionPolicy.uniform("bf16"),
   "bf16_fused_attn": PrecisionPolicy.uniform("bf16"),  # traced under qattention.fused_attention()
   "int8_dense": kinds_policy("int8", DENSE_KINDS),
@@ -138,13 +142,19 @@ POLICIES = {
 }
 """Every Dense is the examples' ``nn.Dense`` (MLP, head) and the attention's ``DenseGeneral``
 projections (query, key, value, out)."""
-FUSED_ATTENTION = ("bf16_fused_attn", "int8_dense_fused_attn", "fp8_dense_fused_attn")
-GPT_POLICIES = ("plain", "bf16", "int8_dense", "fp8_dense", "int8_fwd_dense", "int8_dense_attn")
+FUSED_ATTENTION = ("plain_cudnn_attn", "bf16_fused_attn", "int8_dense_fused_attn", "fp8_dense_fused_attn", "auto")
+"""Policies traced with fused attention on (``qattention.fused_attention``, the library's default);
+the others are traced with it off, Flax's own attention einsums."""
+AUTO = "auto"
+"""Not a fixed policy: ``planners.allocator.auto_policy`` measured on the cell's model first."""
+GPT_POLICIES = ("plain", "plain_cudnn_attn", "bf16", "int8_dense", "fp8_dense", "int8_fwd_dense", "int8_dense_attn", "auto")
 CNN_POLICIES = ("plain", "bf16", "int8_conv", "int8_fwd_conv")
 PROFILE_POLICIES = ("plain", "int8_dense")
 
 UNIT_ESTIMATE_S = {
   "plain": 40,
+  "plain_cudnn_attn": 45,
+  "auto": 200,
   "bf16": 40,
   "bf16_fused_attn": 50,
   "int8_dense_fused_attn": 100,
@@ -197,7 +207,7 @@ def parse_variant(text: str) -> Variant:
   """``int8_dense@gemm=pallas;xla_gpu_autotune_level=0`` → ``Variant``; ``SystemExit`` naming
   what is wrong."""
   name, _, options = text.partition("@")
-  if name not in POLICIES:
+  if name not in POLICIES and name != AUTO:
     raise SystemExit(f"--plan / --policies: unknown policy {name!r}. Fix: use one of {sorted(POLICIES)}.")
   fields = {"policy": name}
   xla = []
@@ -221,12 +231,12 @@ def parse_variant(text: str) -> Variant:
   return Variant(**fields, xla=tuple(xla))
 
 
-def build(task, policy_spec: str, batch):
-  """The training step of ``task`` under ``policy_spec`` (a ``Variant``'s text), built and compiled."""
+def build(task, policy_spec: str, batch, policy: PrecisionPolicy | None = None):
+  """The training step of ``task`` under ``policy_spec`` (a ``Variant``'s text; ``policy``, if
+  given, in place of its named policy), built and compiled."""
   v = parse_variant(policy_spec)
   with contextlib.ExitStack() as stack:
-    if v.policy in FUSED_ATTENTION:
-      stack.enter_context(fused_attention())
+    stack.enter_context(fused_attention(v.policy in FUSED_ATTENTION))
     if v.gemm != "auto":
       stack.enter_context(gemm_api.use_impl(v.gemm))
     if v.short_k is not None:
@@ -236,7 +246,7 @@ def build(task, policy_spec: str, batch):
         stack.enter_context(unittest.mock.patch.object(api, "gpu_arch", lambda: v.arch))
     return timing.build_train_step(
       task,
-      POLICIES[v.policy],
+      policy or POLICIES[v.policy],
       batch,
       optimizer(),
       compiler_options=dict(v.xla) or None,
@@ -257,8 +267,20 @@ def init(task, batch):
 def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only: bool):
   """``{metric: value, ...}`` of one training step cell (see the module docstring)."""
   batch = timing.device_batch(task, batch_size)
-  built = build(task, policy_name, batch)
-  out = {f"{k[:-2]}_s": v for k, v in built.seconds.items()}  # trace_s, lower_s, compile_s
+  out, policy = {}, None
+  if parse_variant(policy_name).policy == AUTO:
+    t0 = time.perf_counter()
+    found = auto_policy(task, batch_size, progress=lambda msg: print(f"  auto: {msg}", flush=True))
+    out["auto"] = {
+      "measure_s": time.perf_counter() - t0,
+      "winner": found.winner,
+      "chosen": found.chosen,
+      "step_ms": found.step_ms,
+      "payoffs": [[p.op, p.base_ms, dict(p.preset_ms)] for p in found.payoffs],
+    }
+    policy = found.policy
+  built = build(task, policy_name, batch, policy)
+  out.update({f"{k[:-2]}_s": v for k, v in built.seconds.items()})  # trace_s, lower_s, compile_s
   out.update(jaxpr_stats(built.traced.jaxpr))
   lowered_text = built.lowered.as_text()
   out.update(custom_call_stats(lowered_text, built.compiled.as_text()))
@@ -367,10 +389,12 @@ def run_unit(unit: Unit, args) -> list[dict]:
     policy = unit.policies[0]
     case = f"gpt/d{unit.arg}/{policy}" if unit.section == "gpt" else f"resnet50/{policy}"
     res = step_cell(task, batch, policy, args.steps, args.compile_only)
-    extra = {"batch": batch, "policy": policy, "model": unit.section}
-    plain = {
-      r["metric"]: r["value"] for r in run_rows(args.out_jsonl, args.run_id) if r["case"] == plain_case(case)
-    }
+    earlier = run_rows(args.out_jsonl, args.run_id)
+    base_case = baseline_case(case, {r["case"] for r in earlier})
+    plain = {r["metric"]: r["value"] for r in earlier if r["case"] == base_case}
+    extra = {"batch": batch, "policy": policy, "model": unit.section, "baseline_case": base_case}
+    if "auto" in res:
+      extra["auto"] = res["auto"]
     if "step_ms" in res:
       base = plain.get("step_ms")
       timing = {k: res[k] for k in ("step_ms_min", "step_ms_max", "clock")}
@@ -455,9 +479,12 @@ def run_unit(unit: Unit, args) -> list[dict]:
   return rows
 
 
-def plain_case(case: str) -> str:
-  """The case of the plain model's cell next to ``case`` (same model and width)."""
-  return case.rsplit("/", 1)[0] + "/plain"
+def baseline_case(case: str, cases_run: set[str]) -> str:
+  """The baseline of ``case``: the same model and width's ``plain_cudnn_attn`` cell where this run
+  has one, else its ``plain`` cell."""
+  prefix = case.rsplit("/", 1)[0]
+  cudnn = f"{prefix}/plain_cudnn_attn"
+  return cudnn if cudnn in cases_run and case != cudnn else f"{prefix}/plain"
 
 
 def estimate_s(unit: Unit, done: dict[str, list[float]], backend: str) -> float:

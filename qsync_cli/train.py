@@ -39,7 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--batch-per-device", type=int, default=8, help="per-device batch without --cluster (default 8)"
   )
-  parser.add_argument("--plan", help="plan JSON (one precision policy per group); default: fp32 everywhere")
+  parser.add_argument(
+    "--plan",
+    help="plan JSON (one precision policy per group), or 'auto': measure on this host's GPU which ops "
+    "are faster in 8-bit inside the step and run those 8-bit, the rest bf16 (fp16 where the GPU has no "
+    "bf16), on every group (one device type; written to OUT/plan.json and OUT/auto_policy.json); "
+    "default: fp32 everywhere",
+  )
+  parser.add_argument(
+    "--no-fused-attention",
+    action="store_true",
+    help="run attention with Flax's own einsums even where its products are one 16-bit type "
+    "(default: jax.nn.dot_product_attention, cuDNN's fused kernel on a GPU)",
+  )
   parser.add_argument("--steps", type=int, required=True, help="train until this many steps in total")
   parser.add_argument(
     "--out",
@@ -227,6 +239,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
     )
   if args.sync is not None and args.sync != "psum" and args.sync not in STRATEGIES:
     raise QsyncError(f"--sync {args.sync!r} is not a sync strategy. Fix: use one of {sorted(STRATEGIES)}.")
+  if args.plan == AUTO and args.num_processes > 1:
+    raise QsyncError(
+      "--plan auto measures one host's device and cannot run in a multi-process job (each process would "
+      "measure its own). Fix: run it once in one process (it writes OUT/plan.json), then pass that file "
+      "as --plan to every process."
+    )
 
 
 def _take_back_sigterm() -> None:
@@ -241,7 +259,64 @@ def _take_back_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
+AUTO = "auto"
+"""``--plan auto``: ``auto_plan``."""
+
+
+def auto_plan(args: argparse.Namespace, task, cluster):
+  """``(plan, measurements or None)`` of ``--plan auto``: ``OUT/plan.json`` when resuming a run
+  that wrote it; else every group runs the policy ``planners.allocator.auto_policy`` measures on
+  the local device (8-bit only on the ops it measures faster inside the step; the rest at bf16, or
+  fp16 on a device without bf16). ``write_auto_plan`` writes both into the run directory."""
+  import jax
+
+  from planners.allocator import auto_policy
+  from qsync_jax.devices import device_type_of, supported_precisions
+  from qsync_jax.plan import Plan
+
+  path = os.path.join(args.out, "plan.json")
+  if args.resume and os.path.exists(path):
+    return Plan.load(path), None
+  local = device_type_of(jax.devices()[0])
+  types = sorted({g.device_type for g in cluster.groups})
+  if types != [local]:
+    raise PlanError(
+      f"--plan auto measures this host's device ({local}), but cluster {cluster.name!r} has device types "
+      f"{types}. Fix: plan a pool of several types with `qsync plan`, or give a cluster of {local} groups."
+    )
+  runs = supported_precisions(local)
+  base = next((p for p in ("bf16", "fp16") if p in runs), "fp32")
+  say = (
+    (lambda msg: print(f"auto policy: {msg}", file=sys.stderr, flush=True))
+    if jax.process_index() == 0
+    else None
+  )
+  result = auto_policy(task, cluster.max_batch_per_device, base=base, progress=say, seed=args.seed)
+  if say:
+    for line in result.summary():
+      print(line, file=sys.stderr, flush=True)
+  return Plan.uniform(cluster, result.policy), result
+
+
+def write_auto_plan(out: str, plan, result) -> None:
+  """``OUT/plan.json`` (the plan a ``--resume`` reuses) and ``OUT/auto_policy.json`` (what was
+  measured), each written atomically."""
+  from qsync_jax.jsonio import write_text_atomic
+
+  text = json.dumps(result.to_json(), indent=1) + "\n"
+  os.makedirs(out, exist_ok=True)
+  write_text_atomic(os.path.join(out, "auto_policy.json"), text, "auto policy", PlanError)
+  plan.save(os.path.join(out, "plan.json"))
+
+
 def run(args: argparse.Namespace) -> int:
+  from qsync_jax.ops.qattention import fused_attention
+
+  with fused_attention(not args.no_fused_attention):  # attention is traced when the step compiles
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
 
@@ -250,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
   overrides = _overrides(args.set)
   sync, sync_options = _sync(args.sync, args.sync_option)
   cluster = ClusterSpec.load(args.cluster) if args.cluster else None
-  plan = Plan.load(args.plan) if args.plan else Plan()
+  plan = Plan.load(args.plan) if args.plan and args.plan != AUTO else Plan()
   if cluster is not None:
     plan.validate_for(cluster)
 
@@ -286,6 +361,9 @@ def run(args: argparse.Namespace) -> int:
   check_device_count(cluster, jax.devices(), args.num_processes)
   check_device_types(cluster, jax.devices(), args.simulate_device_types)
   task = load_task(args.model, **overrides)
+  measured = None
+  if args.plan == AUTO:
+    plan, measured = auto_plan(args, task, cluster)
   optimizer = _optimizer(args.optimizer, args.lr)
   check_memory(task, cluster, plan, optimizer)
   trainer = Trainer(
@@ -304,6 +382,8 @@ def run(args: argparse.Namespace) -> int:
     step_timeout_s=args.step_timeout,
     replan=args.replan or _default_replan(sync),
   )
+  if measured is not None:  # the run directory exists (and is checked) now
+    write_auto_plan(args.out, plan, measured)
   if trainer.step and jax.process_index() == 0:
     print(f"resumed {args.out} at step {trainer.step}", file=sys.stderr)
   try:

@@ -1,5 +1,6 @@
 """``benchmarks.e2e``'s rows as text tables: step cells (by model and width, with the ratio to
-``plain`` of the same width), micro-benchmarks and kernel profiles."""
+the row's baseline — ``plain_cudnn_attn`` of the same width where the run has it, else
+``plain``), micro-benchmarks and kernel profiles."""
 
 from __future__ import annotations
 
@@ -15,18 +16,16 @@ def table(rows: list[dict]) -> str:
       cells[r["case"]][r["metric"]] = r
   if cells:
     lines.append(
-      f"{'cell':32s} {'step ms':>8s} {'speed':>6s} {'compile s':>9s} {'x plain':>7s} "
+      f"{'cell':32s} {'step ms':>8s} {'speed':>6s} {'compile s':>9s} {'x base':>7s} "
       f"{'trace':>6s} {'lower':>6s} {'xla':>6s} {'1st':>6s} {'peak GB':>7s}  note"
     )
   for case, m in cells.items():
-    prefix = case.rsplit("/", 1)[0]
-    plain = cells.get(f"{prefix}/plain", {})
     st, cp, pk = m.get("step_ms"), m.get("compile_s"), m.get("peak_bytes")
     note = (m.get("skipped") or m.get("failed") or {}).get("reason", "")
     ms = f"{st['value']:8.2f}" if st else f"{'-':>8s}"
-    speed = f"{plain['step_ms']['value'] / st['value']:6.2f}" if st and plain.get("step_ms") else f"{'-':>6s}"
+    speed = f"{st['baseline'] / st['value']:6.2f}" if st and st.get("baseline") else f"{'-':>6s}"
     if cp:
-      plain_c = plain.get("compile_s", {}).get("value")
+      plain_c = cp.get("baseline")
       stages = " ".join(
         f"{cp.get(k, float('nan')):6.1f}" for k in ("trace_s", "lower_s", "compile_s", "first_call_s")
       )

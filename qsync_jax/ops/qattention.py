@@ -1,6 +1,6 @@
 """Fused attention for attention products whose policy is one 16-bit float type.
 
-Inside ``with fused_attention():`` (while a step is traced), an
+By default (while a step is traced; ``with fused_attention(False):`` opts out), an
 ``nn.MultiHeadDotProductAttention`` whose two products (``attention_qk``, ``attention_pv``)
 both run every leg at one 16-bit float type (bf16 or fp16), without dropout and with Flax's
 default ``attention_fn``, computes its attention with ``jax.nn.dot_product_attention``
@@ -8,7 +8,7 @@ default ``attention_fn``, computes its attention with ``jax.nn.dot_product_atten
 type, instead of Flax's two einsums around a softmax: ``softmax(q·kᵀ/√d + mask) · v`` with
 both products at that type, the logits and the softmax in float32 (Flax's code keeps them in
 the products' output type) and the probabilities rounded to the 16-bit type for the second
-product. Outside the block (the default) attention runs Flax's own code.
+product. Inside ``with fused_attention(False):`` attention runs Flax's own code.
 
 Attention products at int8 / fp8 (or mixed legs) are quantized einsums
 (``qsync_jax.ops.qdot.quantized_einsum``) either way.
@@ -24,12 +24,13 @@ import jax.numpy as jnp
 from qsync_jax.ops.qdot import FLOAT_DTYPES
 from qsync_jax.precision import OpPolicy
 
-_ENABLED = [False]
+_ENABLED = [True]
 
 
 @contextlib.contextmanager
 def fused_attention(enabled: bool = True):
-  """Attention ops traced inside the block use the fused kernel where their policy allows."""
+  """Attention ops traced inside the block use the fused kernel where their policy allows
+  (``enabled``, the default outside any block) or Flax's own attention (``enabled=False``)."""
   previous = _ENABLED[0]
   _ENABLED[0] = enabled
   try:

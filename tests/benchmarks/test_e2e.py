@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks import e2e
 from benchmarks.common import zoo
+from qsync_jax import OpPolicy, PrecisionPolicy, Rule
 
 pytestmark = pytest.mark.standard_promotion  # optax's AdamW and Flax's bf16 LayerNorm
 
@@ -40,6 +41,43 @@ def test_tiny_gpt_cells_write_their_rows(tmp_path, capsys):
   assert by[("gpt/d32/plain", "program")]["dot_generals_8bit"] == 0
   table = capsys.readouterr().out.rsplit("\n\n", 1)[-1]
   assert "gpt/d32/plain" in table and "gpt/d32/int8_dense" in table
+
+
+def test_auto_cell_measures_its_policy_and_compares_with_the_cudnn_attention_baseline(tmp_path, monkeypatch):
+  """The auto cell runs the policy ``auto_policy`` returns (here a stand-in quantizing the head:
+  the real search is tested in tests/planners/test_payoff.py) and records what it measured."""
+  from planners.allocator.payoff import AutoPolicy, OpPayoff
+
+  def fake_auto_policy(task, batch, progress=None):
+    policy = PrecisionPolicy(rules=(Rule("head", OpPolicy.preset("int8")),), default=OpPolicy.preset("bf16"))
+    payoffs = (OpPayoff("head:dense", 2.0, {"int8": 1.0}),)
+    chosen = {"head:dense": "int8"}
+    return AutoPolicy(
+      policy,
+      chosen,
+      "bf16",
+      "cpu",
+      batch,
+      payoffs,
+      {"base": {}, "paying": chosen},
+      {"base": 2.0, "paying": 1.5},
+      {"base": [2.0], "paying": [1.5]},
+      "paying",
+      "wall",
+    )
+
+  monkeypatch.setattr(e2e, "auto_policy", fake_auto_policy)
+  out = tmp_path / "e2e.jsonl"
+  e2e.main(["--tiny", "--plan", "gpt:32:plain_cudnn_attn+auto", "--steps", "3", "--out-jsonl", str(out)])
+  by = {(r["case"], r["metric"]): r for r in rows_of(out)}
+  base, auto = by[("gpt/d32/plain_cudnn_attn", "step_ms")], by[("gpt/d32/auto", "step_ms")]
+  assert auto["baseline_case"] == "gpt/d32/plain_cudnn_attn" and auto["baseline"] == base["value"]
+  assert base["baseline_case"] == "gpt/d32/plain"  # the baseline itself: against plain (not in this run)
+  found = auto["auto"]
+  assert found["winner"] == "paying" and found["chosen"] == {"head:dense": "int8"} and found["measure_s"] >= 0
+  assert by[("gpt/d32/auto", "program")]["dot_generals_8bit"] > 0  # the stand-in's int8 head ran
+  # the baseline's attention is jax.nn.dot_product_attention (float32 logits): fused, not einsums
+  assert by[("gpt/d32/plain_cudnn_attn", "program")]["dot_generals_8bit"] == 0
 
 
 def test_budget_skips_units_with_a_row_saying_so(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import pytest
 
 from examples.models.transformer import TransformerLM
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantize, quantized_dot_general
+from qsync_jax.ops.qattention import fused_attention
 from qsync_jax.ops.qembed import fake_quantize, quantized_embed_lookup
 
 VOCAB, WIDTH = 37, 16  # 37: no other dim of the models below has this size
@@ -159,16 +160,20 @@ def step_jaxpr(model, policy, ids):
 
 
 def test_uniform_bf16_on_a_bf16_model_is_the_plain_program():
+  """With Flax's own attention (fused attention off); by default the attention is fused."""
   ids = jax.random.randint(jax.random.key(0), (2, 9), 0, VOCAB)
   model = Bf16LM()
-  assert step_jaxpr(model, "bf16", ids) == step_jaxpr(model, None, ids)
+  with fused_attention(False):
+    assert step_jaxpr(model, "bf16", ids) == step_jaxpr(model, None, ids)
+  assert step_jaxpr(model, "bf16", ids) != step_jaxpr(model, None, ids)
 
 
 @pytest.mark.standard_promotion  # Flax's bf16 LayerNorm promotes bf16 with float32
 def test_uniform_bf16_on_the_example_lm_differs_only_by_the_lookup_rounding():
   """``TransformerLM(dtype=bf16)`` keeps its embedding tables (and the residual stream) in
   float32: a bf16 policy rounds the looked-up rows to bf16 (and the table gradients), which
-  the plain model does not; every other op is the plain program."""
+  the plain model does not; every other op is the plain program (with Flax's own attention:
+  by default the policy's bf16 attention is fused, ``qsync_jax.ops.qattention``)."""
   ids = jax.random.randint(jax.random.key(0), (2, 9), 0, VOCAB)
   model = TransformerLM(
     vocab_size=VOCAB, d_model=32, num_heads=2, num_layers=1, max_len=8, dtype=jnp.bfloat16
@@ -177,8 +182,9 @@ def test_uniform_bf16_on_the_example_lm_differs_only_by_the_lookup_rounding():
   no_lookup_rounding = PrecisionPolicy(
     rules=(Rule(".*", OpPolicy.preset("fp32"), kind="embed"),), default=OpPolicy.preset("bf16")
   )
-  assert step_jaxpr(model, no_lookup_rounding, ids) == plain
-  assert step_jaxpr(model, "bf16", ids) != plain
+  with fused_attention(False):
+    assert step_jaxpr(model, no_lookup_rounding, ids) == plain
+    assert step_jaxpr(model, "bf16", ids) != plain
 
 
 class Bf16CNN(nn.Module):
