@@ -4,7 +4,8 @@ standard library's source, trained on GPUs.
 * ``sweep``: the model on one device under each uniform policy (every op: token and position
   embeddings, q/k/v/out projections, both attention products, the MLP and the head) over
   seeds: does uniform low precision cost held-out loss beyond the seed spread? ``auto``: the
-  policy ``planners.allocator.auto_policy`` measures on this GPU (8-bit where it pays, else bf16).
+  policy ``planners.allocator.auto_policy`` measures on this GPU (8-bit where it pays, else bf16);
+  ``int8_dense``: int8 on every Dense, the rest bf16 (``int8_dense_policy``).
 * ``compare`` (``benchmarks.accuracy --testbed gpt``): the planner's candidates trained on
   two devices with their batch shares and precisions.
 
@@ -95,6 +96,20 @@ def trained_rows(args, mode: str, trained: dict, extra: dict | None = None) -> l
   return rows
 
 
+def int8_dense_policy():
+  """int8 on every ``Dense`` / ``DenseGeneral`` (q/k/v/out projections, the MLP, the head), the
+  rest bf16 with the attention products fused: what ``auto_policy`` keeps on an H200 at GPT
+  widths 2048 and 4096 (``docs/results.md``), on this testbed's model."""
+  from qsync_jax.policy import PrecisionPolicy, Rule
+  from qsync_jax.precision import OpPolicy
+
+  int8 = OpPolicy.preset("int8")
+  return PrecisionPolicy(
+    rules=(Rule(".*", int8, kind="dense"), Rule(".*", int8, kind="dense_general")),
+    default=OpPolicy.preset("bf16"),
+  )
+
+
 def sweep(args) -> int:
   """Uniform policies on one device, each seed: the same path as the pool's plans."""
   from qsync_jax.cluster import ClusterSpec
@@ -102,13 +117,21 @@ def sweep(args) -> int:
 
   task = zoo.task(MODEL)
   cluster = ClusterSpec.uniform("H100", 1, args.batch, memory_gb=80.0, name="gpu")
-  plans = {p: (Plan() if p == "fp32" else Plan.uniform(cluster, p)) for p in args.policies if p != "auto"}
+  named = {"int8_dense": int8_dense_policy()}
+  plans = {
+    p: (Plan() if p == "fp32" else Plan.uniform(cluster, named.get(p, p)))
+    for p in args.policies
+    if p != "auto"
+  }
   if "auto" in args.policies:  # the policy planners.allocator.auto_policy measures on this GPU
     from planners.allocator import auto_policy
 
     found = auto_policy(task, args.batch, progress=print)
     print("\n".join(found.summary()))
-    plans["auto"] = Plan.uniform(cluster, found.policy)
+    if found.chosen:
+      plans["auto"] = Plan.uniform(cluster, found.policy)
+    else:  # every op stays bf16: the bf16 sweep's program, not trained twice
+      print("auto: no op pays on this GPU at this model's sizes; its policy is the bf16 step's")
   train_and_record(args, "sweep", task, cluster, plans, jax.devices()[:1])
   return 0
 
