@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "--no-fused-attention",
     action="store_true",
     help="run attention with Flax's own einsums even where its products are one 16-bit type "
-    "(default: jax.nn.dot_product_attention, cuDNN's fused kernel on a GPU)",
+    "(default on a GPU: jax.nn.dot_product_attention, cuDNN's fused kernel; a CPU runs Flax's einsums)",
   )
   parser.add_argument("--steps", type=int, required=True, help="train until this many steps in total")
   parser.add_argument(
@@ -312,7 +312,7 @@ def write_auto_plan(out: str, plan, result) -> None:
 def run(args: argparse.Namespace) -> int:
   from qsync_jax.ops.qattention import fused_attention
 
-  with fused_attention(not args.no_fused_attention):  # attention is traced when the step compiles
+  with fused_attention(False if args.no_fused_attention else None):  # traced when the step compiles
     return _run(args)
 
 

@@ -1,8 +1,8 @@
 """Fused attention for attention products whose policy is one 16-bit float type.
 
-By default (while a step is traced; ``with fused_attention(False):`` opts out), an
-``nn.MultiHeadDotProductAttention`` whose two products (``attention_qk``, ``attention_pv``)
-both run every leg at one 16-bit float type (bf16 or fp16), without dropout and with Flax's
+By default on a GPU (while a step is traced; ``with fused_attention(False):`` opts out,
+``with fused_attention():`` opts in on any backend), an ``nn.MultiHeadDotProductAttention``
+whose two products (``attention_qk``, ``attention_pv``) both run every leg at one 16-bit float type (bf16 or fp16), without dropout and with Flax's
 default ``attention_fn``, computes its attention with ``jax.nn.dot_product_attention``
 (cuDNN's fused kernel on a GPU, XLA's einsums elsewhere) on query, key and value cast to that
 type, instead of Flax's two einsums around a softmax: ``softmax(q·kᵀ/√d + mask) · v`` with
@@ -24,13 +24,15 @@ import jax.numpy as jnp
 from qsync_jax.ops.qdot import FLOAT_DTYPES
 from qsync_jax.precision import OpPolicy
 
-_ENABLED = [True]
+_ENABLED: list[bool | None] = [None]  # None: on a GPU only (``jax.default_backend()``)
 
 
 @contextlib.contextmanager
-def fused_attention(enabled: bool = True):
+def fused_attention(enabled: bool | None = True):
   """Attention ops traced inside the block use the fused kernel where their policy allows
-  (``enabled``, the default outside any block) or Flax's own attention (``enabled=False``)."""
+  (``enabled``), Flax's own attention (``enabled=False``), or the default outside any block
+  (``None``): fused on a GPU, Flax's own elsewhere (where fusing gains nothing, and XLA:CPU has
+  no fp16 product with float32 results)."""
   previous = _ENABLED[0]
   _ENABLED[0] = enabled
   try:
@@ -41,7 +43,8 @@ def fused_attention(enabled: bool = True):
 
 def fused_dtype(qk: OpPolicy | None, pv: OpPolicy | None):
   """The 16-bit type both products run every leg at, if fused attention is on; else None."""
-  if not _ENABLED[0] or qk is None or pv is None:
+  enabled = _ENABLED[0] if _ENABLED[0] is not None else jax.default_backend() == "gpu"
+  if not enabled or qk is None or pv is None:
     return None
   p = qk.fwd
   if p not in FLOAT_DTYPES or {qk.dlhs, qk.drhs, pv.fwd, pv.dlhs, pv.drhs} != {p}:
