@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from qsync_jax.errors import PlanError, PolicyError
+from qsync_jax.errors import OutputPathError, PlanError, PolicyError
 from qsync_jax.jsonio import parse_json, read_text
 
 if TYPE_CHECKING:
@@ -110,3 +111,36 @@ def check_profiles_fit(profiles: dict[str, Profile], cluster, plan=None) -> None
 
 def load_json(path: str, what: str):
   return parse_json(read_text(path, what, PlanError), path, PlanError)
+
+
+def check_write_target(flag: str, path: str, kind: str) -> None:
+  """What a write would fail on only after the work, refused before it (a complement of
+  ``qsync_jax.train.outputs``'s checks): a symbolic link that leads nowhere (a loop, or a missing
+  target: outputs are replaced by a rename, never written through a link), and for a ``file``
+  output a path ending in a separator (a directory's name) or an existing file that is not a
+  regular one (a device such as ``/dev/full``)."""
+  if os.path.islink(path) and not os.path.exists(path):
+    raise OutputPathError(
+      f"{flag} {path!r} is a symbolic link that leads nowhere (a loop, or a missing target). Fix: pass the "
+      "path it should lead to, or remove the link."
+    )
+  if kind != "file":
+    return
+  if path.endswith(("/", os.sep)):
+    raise OutputPathError(
+      f"{flag} {path!r} ends in {path[-1]!r}, so it names a directory, not a file. Fix: name a file, e.g. "
+      f"{os.path.join(path, 'out.json')}."
+    )
+  if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+    raise OutputPathError(
+      f"{flag} {path!r} exists and is not a regular file (a device?). Fix: choose a file path."
+    )
+
+
+def check_write_targets(args, outputs: Mapping[str, str]) -> None:
+  """``check_write_target`` for every output option of parsed ``args`` (``{dest: kind}``, as
+  ``qsync_jax.train.outputs.check_outputs`` takes them); options left unset are skipped."""
+  for dest, kind in outputs.items():
+    path = getattr(args, dest, None)
+    if path is not None:
+      check_write_target("--" + dest.replace("_", "-"), path, kind)

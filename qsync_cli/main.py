@@ -6,11 +6,12 @@ installed package adds commands of its own as entry points of group ``qsync_jax.
 (``COMMAND_GROUP``) naming such a module, e.g. this project's examples::
 
   [project.entry-points."qsync_jax.commands"]
-  demo = "examples.demo"
+  demo = "qsync_examples:demo"
 
-Before a command runs, its output paths are checked (``qsync_jax.train.outputs``): the pipeline's
-stages list theirs in ``OUTPUT_PATHS``, an installed command in its module's ``OUTPUTS``
-(``{option dest: "file" | "dir" | "run"}``).
+Before a command runs, its output paths are checked (``qsync_jax.train.outputs``, then what a write
+would fail on only late, ``qsync_cli.common.check_write_targets``): the pipeline's stages list theirs
+in ``OUTPUT_PATHS``, an installed command in its module's ``OUTPUTS`` (``{option dest: "file" | "dir" |
+"run"}``).
 
 Bad input raises ``QsyncError`` subclasses, which the CLI prints as one clear line (no
 traceback) and exits with status 2. Ctrl-C ends a command with one line (``Interrupted``'s
@@ -31,6 +32,7 @@ import threading
 from importlib.metadata import entry_points
 
 import qsync_jax
+from qsync_cli.common import check_write_targets
 from qsync_jax.errors import Interrupted, QsyncError
 from qsync_jax.train.outputs import check_outputs
 
@@ -58,6 +60,8 @@ OUTPUT_PATHS: dict[str, dict[str, str]] = {
   "plan": {"out": "file"},
   "train": {"out": "run"},
 }
+# Outputs a command checks itself that `check_write_targets` checks too (links that lead nowhere).
+LATE_WRITE_TARGETS: dict[str, dict[str, str]] = {"export": {"out": "new"}}
 
 
 def _installed_commands() -> dict:
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     with terminate:
       check_outputs(args, args._outputs)
+      check_write_targets(args, {**args._outputs, **LATE_WRITE_TARGETS.get(args.command, {})})
       return int(args._run(args) or 0)
   except QsyncError as e:
     print(f"qsync {args.command}: error: {e}", file=sys.stderr)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
 
 from qsync_cli.common import (
   add_model_argument,
@@ -55,7 +58,7 @@ def run(args) -> int:
     save_chrome_trace(pred, args.trace)
     print(f"wrote {args.trace}")
   if args.png:
-    save_png(pred, args.png)
+    save_png_atomic(save_png, pred, args.png)
     print(f"wrote {args.png}")
   if args.json:
     write_text_atomic(args.json, json.dumps(pred.to_json(), indent=2) + "\n", "--json", PlanError)
@@ -67,3 +70,28 @@ def run(args) -> int:
       "Fix: plan again (`qsync plan` keeps every group within its memory), or lower their batch_per_device."
     )
   return 0
+
+
+def save_png_atomic(save_png, pred, path: str, what: str = "--png") -> None:
+  """``save_png(pred, ...)`` into a temporary file beside ``path``, renamed over it when complete:
+  ``path`` holds its old image or the new one, never part of one; a failed write is one
+  ``PlanError`` naming ``path`` as ``what``."""
+  directory = os.path.dirname(os.path.abspath(path))
+  tmp = None
+  try:
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".png")
+    os.close(fd)
+    save_png(pred, tmp)
+    with open(tmp, "rb") as f:
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+    tmp = None
+  except OSError as e:
+    raise PlanError(
+      f"{what} {path!r} cannot be written ({e.strerror or e}); nothing was changed there. "
+      "Fix: choose a path in an existing, writable directory with free space."
+    ) from None
+  finally:
+    if tmp is not None:
+      with contextlib.suppress(OSError):
+        os.unlink(tmp)

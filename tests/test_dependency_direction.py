@@ -116,7 +116,15 @@ def test_layers_import_only_downward(importers, banned, why):
 
 
 def test_the_libraries_and_the_cli_import_neither_examples_nor_benchmarks():
-  assert _violations(LIBRARY, {"examples", "benchmarks"}) == []
+  assert _violations(LIBRARY, {"examples", "qsync_examples", "benchmarks"}) == []
+
+
+def test_the_examples_entry_points_import_only_the_examples_and_errors():
+  """``qsync_examples`` (installed: the examples' entry points) loads the checkout's examples."""
+  allowed = {"examples", "qsync_jax.errors"}
+  imported = {m for _, m in imports_of((ROOT / "qsync_examples" / "__init__.py").read_text())}
+  project = {m for m in imported if _top(m) in {*LIBRARY, "examples", "benchmarks", "qsync_examples"}}
+  assert project and all(_within(m, allowed) for m in project), project
 
 
 def test_examples_do_not_import_benchmarks():

@@ -1,8 +1,8 @@
 """docs/nnx_and_checkpoints.md runs as written: its python blocks in order, in one namespace,
-and its ``qsync`` commands through the CLI, in a fresh directory."""
+and its ``qsync`` commands through the CLI, in a fresh directory (the blocks as
+``tests/docs/blocks.py`` reads them; ``tests/docs/test_doc_commands.py`` leaves this doc to this test)."""
 
 import pathlib
-import re
 import shlex
 
 import jax
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from qsync_cli.main import main as cli_main
+from tests.docs.blocks import doc_blocks
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx_and_checkpoints.md"
 
@@ -17,8 +18,11 @@ DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx_and_checkpoint
 @pytest.mark.standard_promotion  # user code as written in the docs, under default promotion
 def test_doc_examples_run(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
-  blocks = re.findall(r"```(python|bash)\n(.*?)```", DOC.read_text(), re.S)
+  blocks = [
+    (b.lang, b.text) for b in doc_blocks("docs/nnx_and_checkpoints.md") if b.kind in ("python", "shell")
+  ]
   assert [kind for kind, _ in blocks] == ["python", "python", "python", "bash", "python"]
+  assert not [b.where for b in doc_blocks("docs/nnx_and_checkpoints.md") if b.skip is not None]
   namespace: dict = {}
   for i, (kind, code) in enumerate(blocks):
     if kind == "python":

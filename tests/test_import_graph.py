@@ -15,7 +15,15 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("qsync_jax", "planners", "pallas_kernels", "qsync_cli", "examples", "benchmarks")
+PACKAGES = (
+  "qsync_jax",
+  "planners",
+  "pallas_kernels",
+  "qsync_cli",
+  "qsync_examples",
+  "examples",
+  "benchmarks",
+)
 
 
 def project_modules() -> dict[str, pathlib.Path]:

@@ -1,4 +1,4 @@
-"""Image-classification tasks: ResNet / VGG on scikit-learn's digits, ResNet on CIFAR-10."""
+"""Image-classification tasks: ResNet / VGG / an MLP on scikit-learn's digits, ResNet on CIFAR-10."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from examples.data import batches, cifar10, digits
+from examples.models.mlp import MLP
 from examples.models.resnet import ResNet
 from examples.models.vgg import VGG
 from examples.tasks.config import make_config
@@ -65,6 +66,15 @@ class VGGDigitsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLPDigitsConfig:
+  """An MLP on digits' flattened images: the smallest example (no BatchNorm), for quick runs."""
+
+  hidden: tuple[int, ...] = (64,)
+  holdout_fraction: float = 0.2
+  split_seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ResNetCifar10Config:
   """ResNet on CIFAR-10 read from ``data_dir`` (python-pickle batches)."""
 
@@ -86,6 +96,13 @@ def vgg_digits(**overrides) -> Task:
   train, test = digits.load(cfg.holdout_fraction, cfg.split_seed)
   model = VGG(stages=cfg.stages, hidden=cfg.hidden, num_classes=digits.NUM_CLASSES)
   return classification_task("vgg", model, train, test)
+
+
+def mlp_digits(**overrides) -> Task:
+  cfg = make_config(MLPDigitsConfig, overrides, "mlp")
+  train, test = digits.load(cfg.holdout_fraction, cfg.split_seed)
+  task = classification_task("mlp", MLP(hidden=cfg.hidden, num_classes=digits.NUM_CLASSES), train, test)
+  return dataclasses.replace(task, train_kwargs={}, eval_kwargs={}, mutable=())
 
 
 def resnet_cifar10(**overrides) -> Task:

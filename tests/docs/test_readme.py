@@ -1,10 +1,9 @@
 """README.md runs as written: every python block (each in a fresh namespace, in a fresh
 directory), the quickstart commands that dev.py and CI run, the CLI pipeline's commands as
-the ``qsync`` parser reads them, and the cluster spec example."""
+the ``qsync`` parser reads them, and the cluster spec example. The shell blocks run in
+``tests/docs/test_doc_commands.py``; both read the blocks with ``tests/docs/blocks.py``."""
 
 import json
-import pathlib
-import re
 import shlex
 
 import jax
@@ -15,13 +14,12 @@ import pytest
 
 from qsync_cli.main import build_parser
 from qsync_jax import ClusterSpec
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+from tests.docs.blocks import ROOT, doc_blocks
 
 
 def blocks(language: str) -> list[str]:
-  return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+  """The README's blocks in ``language``, those marked ``not run in CI`` too."""
+  return [b.text for b in doc_blocks("README.md") if b.lang == language]
 
 
 def run_block(code: str, name: str) -> dict:
@@ -69,10 +67,10 @@ def test_train_with_the_trainer(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.standard_promotion
 def test_use_a_plans_policy_in_your_own_step(tmp_path, monkeypatch):
+  """Self-contained: the block writes the plan.json it loads, in an empty directory."""
   monkeypatch.chdir(tmp_path)
-  plan = {"policies": {"infer": {"rules": [{"path": "layers_0", "policy": "int8"}], "__default__": "fp16"}}}
-  (tmp_path / "plan.json").write_text(json.dumps(plan))
   ns = run_block(blocks("python")[3], "README.md[own step]")
+  assert (tmp_path / "plan.json").is_file() and set(ns["plan"].policies) == {"train", "infer"}
   ops = ns["model"].ops(ns["variables"], ns["x"])
   assert (ops["layers_0:dense"].fwd, ops["layers_2:dense"].fwd) == ("int8", "fp16")
   model, x, y = ns["model"], ns["x"], ns["y"]
@@ -85,7 +83,9 @@ def test_use_a_plans_policy_in_your_own_step(tmp_path, monkeypatch):
 
 
 def test_quickstart_commands_are_what_dev_py_and_ci_run():
-  quickstart = [line.split("#")[0].split() for line in blocks("bash")[1].strip().splitlines()]
+  (quickstart_block,) = [b for b in doc_blocks("README.md") if "python3 dev.py test" in b.text]
+  assert "CI itself" in quickstart_block.skip and "test_demo.py" in quickstart_block.skip
+  quickstart = [line.split("#")[0].split() for line in quickstart_block.text.strip().splitlines()]
   assert quickstart == [["python3", "dev.py", "demo"], ["python3", "dev.py", "test"]]
   assert "python3 dev.py test" in (ROOT / ".ci/run").read_text()
   dev = (ROOT / "dev.py").read_text()
@@ -94,7 +94,7 @@ def test_quickstart_commands_are_what_dev_py_and_ci_run():
 
 def test_cli_pipeline_commands_parse():
   pipeline = next(b for b in blocks("bash") if "qsync indicator" in b)
-  commands = [shlex.split(line) for line in pipeline.strip().splitlines()]
+  commands = [shlex.split(line, comments=True) for line in pipeline.strip().splitlines()]
   names = [argv[1] for argv in commands]
   assert names == ["indicator", "profile", "plan", "predict", "train", "export"]
   parser = build_parser()

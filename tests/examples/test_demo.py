@@ -59,6 +59,46 @@ def test_stage_plan_gives_the_joint_plan_and_its_alternatives():
     assert "joint" in line or "faster" in line
 
 
+def _columns(text: str) -> tuple[list[str], dict[str, dict[str, str]]]:
+  """The headers of a ``planners.report.table`` and ``{row name: {header: cell}}``: columns are
+  split where the dashes under the headers are."""
+  lines = text.splitlines()
+  spans, at = [], 0
+  for dashes in lines[1].split("  "):
+    spans.append((at, at + len(dashes)))
+    at += len(dashes) + 2
+  cells = [[line[a:b].strip() for a, b in spans] for line in lines]
+  headers = cells[0]
+  return headers, {row[0]: dict(zip(headers, row)) for row in cells[2:]}
+
+
+def test_results_table_says_modeled_and_scales_the_accuracy_cost(tmp_path):
+  """Every column the replay predicts for the modeled pool says so in its header; the accuracy
+  cost reads relative to uniform low precision (1); no single-seed held-out metric is shown."""
+  cluster, profiles, indicator, planned = _planned(np.random.default_rng(102))
+  trained = {name: {"train_loss": 0.5, "eval_loss": 0.6, "eval_accuracy": 0.9} for name in planned}
+  text = demo.results_table(cluster, planned, trained, profiles["T4"].op_names)
+  headers, rows = _columns(text)
+  assert len(rows) == len(planned) and "joint" in rows
+  predicted = [h for h in headers if h.split(" (")[0] in ("step ms", "samples/s", "vs dynamic", "fits")]
+  assert len(predicted) == 4 and all(h.endswith("(modeled)") for h in predicted), headers
+  assert not any("held-out" in h or "accuracy" in h for h in headers), headers
+  cost = "acc. cost (uniform low = 1)"
+  assert rows["uniform low precision"][cost] == "1" and rows["dynamic batching"][cost] == "0"
+  low = planned["uniform low precision"][2].cost
+  for name, (_, _, cand) in planned.items():  # 3 significant digits, however small
+    assert float(rows[name][cost]) == pytest.approx(cand.cost / low, rel=5e-3), name
+  assert "held-out" in demo.ACCURACY_NOTE and "results.json" in demo.ACCURACY_NOTE
+  assert "modeled" in demo.MODELED_NOTE and "uniform low precision" in demo.MODELED_NOTE
+
+
+def test_accuracy_cost_without_a_uniform_low_precision_plan_is_the_raw_sum():
+  *_, planned = _planned(np.random.default_rng(105))
+  planned.pop("uniform low precision")
+  header, cost = demo.accuracy_cost_scale(planned)
+  assert header == "acc. cost (Σ share·Ω)" and cost(1.25e-7) == "1.25e-07"
+
+
 def test_results_table_and_outputs(tmp_path):
   cluster, profiles, indicator, planned = _planned(np.random.default_rng(102))
   trained = {name: {"train_loss": 0.5, "eval_loss": 0.6, "eval_accuracy": 0.9} for name in planned}
@@ -101,10 +141,10 @@ def test_demo_is_a_cli_subcommand():
 
 
 def test_stage_train_runs_each_plan_per_seed_and_evaluates():
-  from examples.tasks.vision import vgg_digits
+  from examples.tasks.vision import mlp_digits
   from qsync_jax.policy import PrecisionPolicy
 
-  task = vgg_digits(stages=((4,), (8,)), hidden=8)
+  task = mlp_digits(hidden=(8,))  # the smallest model: this is about the loop (BatchNorm: the next test)
   cluster = demo.demo_cluster(4)
   plans = {
     "fp32": Plan(),
@@ -168,3 +208,25 @@ def test_cpu_plan_keeps_each_plan_s_shares_at_the_cpu_global_batch():
     scaled = demo.cpu_plan(Plan(batch_per_device=batches), pool, cpu)
     assert scaled.batch_per_device == expected
     assert scaled.apply_to(cpu).global_batch == cpu.global_batch
+
+
+def test_the_demo_runs_end_to_end(tmp_path, capsys):
+  """``qsync demo``, the quickstart's ``python3 dev.py demo`` (3–5 minutes with its defaults),
+  through the CLI at a small size (the MLP example, 2 steps of the joint plan): every stage, the
+  table, its notes and the files."""
+  from qsync_cli.main import main as cli_main
+
+  out = tmp_path / "demo"
+  args = ["demo", "--out", str(out), "--model", "mlp", "--steps", "2"]
+  args += ["--pretrain-steps", "0", "--indicator-batches", "2", "--pool-batch-per-device", "32"]
+  args += ["--batch-per-device", "4", "--configs", "joint"]
+  assert cli_main(args) == 0, capsys.readouterr().err
+  printed = capsys.readouterr().out
+  headers, rows = _columns(printed.split("\n\n")[0].split("\nmodeled: ")[0])
+  assert set(demo.CONFIGS) <= set(rows) and rows["joint"]["CPU batch"] != "-"
+  assert "step ms (modeled)" in headers and "acc. cost (uniform low = 1)" in headers
+  assert demo.MODELED_NOTE in printed and demo.ACCURACY_NOTE in printed
+  results = json.loads((out / "results.json").read_text())
+  assert np.isfinite(results["joint"]["eval_loss"]) and results["joint"]["steps_run"] == 2
+  assert Plan.load(str(out / "plan.json")).predictions["alternatives"]
+  assert {p.name for p in out.iterdir()} >= {"cluster.json", "indicator.json", "trace.json", "timeline.png"}

@@ -9,13 +9,14 @@ import pytest
 
 from examples.data import digits, stdlib_text
 from examples.tasks.language import stdlib_lm
-from examples.tasks.vision import resnet_cifar10, resnet_digits, resnet_synthetic, vgg_digits
+from examples.tasks.vision import mlp_digits, resnet_cifar10, resnet_digits, resnet_synthetic, vgg_digits
 from qsync_jax.errors import QsyncError
 from qsync_jax.train.task import ENTRY_POINT_GROUP, Task, get_task, task_names
 
 EXAMPLE_TASKS = {
   "resnet": resnet_digits,
   "vgg": vgg_digits,
+  "mlp": mlp_digits,
   "lm": stdlib_lm,
   "resnet_cifar10": resnet_cifar10,
   "resnet_synthetic": resnet_synthetic,
@@ -40,7 +41,7 @@ def test_unknown_override_lists_the_fields():
     get_task("resnet", depth=18)
 
 
-@pytest.mark.parametrize("name", ["resnet", "vgg", "lm"])
+@pytest.mark.parametrize("name", ["resnet", "vgg", "mlp", "lm"])
 def test_train_batches_are_deterministic_given_the_seed(name):
   task = EXAMPLE_TASKS[name]()
   assert isinstance(task, Task)

@@ -170,3 +170,85 @@ def test_an_interrupted_program_exits_without_the_runtime_teardown(status, teard
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert done.returncode == status, done.stderr
   assert ("teardown ran" in done.stdout) == teardown
+
+
+@pytest.mark.parametrize(
+  "command, target, needle",
+  [
+    (["plan", "--cluster", "C", "--indicator", "I", "--profile", "P", "--out"], "DIR/", "names a directory"),
+    (["plan", "--cluster", "C", "--indicator", "I", "--profile", "P", "--out"], "/dev/full", "not a regular"),
+    (
+      ["predict", "--cluster", "C", "--plan", "PLAN", "--profile", "P", "--png"],
+      "/dev/full",
+      "not a regular",
+    ),
+    (["predict", "--cluster", "C", "--plan", "PLAN", "--profile", "P", "--png"], "DIR/", "names a directory"),
+    (["predict", "--cluster", "C", "--plan", "PLAN", "--profile", "P", "--trace"], "LOOP", "leads nowhere"),
+    (["indicator", "--out"], "LOOP", "leads nowhere"),
+    (["profile", "--out"], "DANGLING", "leads nowhere"),
+    (["train", "--steps", "2", "--out"], "LOOP", "leads nowhere"),
+    (["export", "--run", "RUN", "--out"], "LOOP", "leads nowhere"),
+  ],
+)
+def test_output_paths_a_write_would_fail_on_late_are_refused_first(
+  tmp_path, monkeypatch, capsys, command, target, needle
+):
+  """Output paths that passed the checks and then failed only when written, after the work (a
+  traceback, or `wrote /dev/full` with nothing written): a symbolic link loop or a link to a
+  missing target, a file path ending in '/', a device. Each is one named error before the model
+  loads, and the link is left as it was."""
+  from qsync_jax.train import task
+
+  def load_task(*args, **kwargs):
+    raise AssertionError("model loaded")
+
+  monkeypatch.setattr(task, "load_task", load_task)
+  (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+  (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+  (tmp_path / "dangling").symlink_to(tmp_path / "missing" / "target.json")
+  names = {"LOOP": "loop_a", "DANGLING": "dangling", "DIR/": "newdir", "C": "c.json", "I": "i.json"}
+  names.update(P="p.json", PLAN="plan.json", RUN="run")
+
+  def path(arg: str) -> str:
+    if arg not in names:
+      return arg
+    return str(tmp_path / names[arg]) + ("/" if arg.endswith("/") else "")
+
+  argv = [path(a) for a in [*command, target]]
+  if command[0] != "export":
+    argv += ["--model", "tests.planners.tiny:mlp"]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert needle in err and "Fix:" in err and err.count("\n") == 1, err
+  assert (tmp_path / "loop_a").is_symlink() and (tmp_path / "dangling").is_symlink()
+  assert not (tmp_path / "newdir").exists()
+
+
+def test_predict_writes_its_png_atomically(tmp_path, monkeypatch):
+  """``qsync predict --png``: a write that fails (a full disk) leaves the old image whole and no
+  temporary file, and is one named error; a complete image replaces the old one."""
+  import errno
+  import os
+
+  from qsync_cli.predict import save_png_atomic
+  from qsync_jax.errors import PlanError
+
+  path = tmp_path / "step.png"
+  path.write_bytes(b"old image")
+
+  def full_disk(pred, out):
+    with open(out, "wb") as f:
+      f.write(b"half an im")
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  with pytest.raises(PlanError, match=r"--png '.*step.png' cannot be written \(No space left on device\)"):
+    save_png_atomic(full_disk, None, str(path))
+  assert path.read_bytes() == b"old image" and os.listdir(tmp_path) == ["step.png"]
+
+  def writes(pred, out):
+    assert out.endswith(".png") and os.path.dirname(out) == str(tmp_path)  # beside it, as a .png
+    with open(out, "wb") as f:
+      f.write(b"new image")
+
+  save_png_atomic(writes, None, str(path))
+  assert path.read_bytes() == b"new image" and os.listdir(tmp_path) == ["step.png"]
