@@ -2,22 +2,40 @@
 
 A plan's per-device batches come from modeled costs. While the trainer runs, each group's
 compute is measured (``measure_groups``: one device's step of the group without collectives —
-forward, backward and optimizer update at its policy — on one of its own devices, at two
-per-device batches, timed after a warm-up; nothing is added to the training step itself). Each group's time is fitted as ``ms(b) = intercept + slope · b``
-(``GroupSpeed``) and ``balance`` splits the same global batch so that the slowest group finishes
-first: ``min over batches of max_g ms_g(b_g)`` with ``Σ_g count_g · b_g = global batch``.
+forward, backward and optimizer update at its policy — on one of its own devices, outside the
+training step: nothing is added to the step itself). A size is timed as the training loop runs
+it, back to back (``PROBE_ROUNDS`` rounds of ``PROBE_RUNS`` runs after one run that warms up or
+compiles, the median round), so a device shared with another process is measured in the regime
+it trains in. The compiled probes are kept: measuring a size again never recompiles.
 
-``Replanner`` decides when that split replaces the running one:
+Each group's time is ``GroupSpeed``: through the measured ``(batch, ms)`` points (made
+non-decreasing), between them linear, and beyond them along the least-squares line of all of
+them. ``balance`` splits the same global batch so that the slowest group finishes first:
+``min over batches of max_g ms_g(b_g)`` with ``Σ_g count_g · b_g = global batch``. A decision
+first measures each group at two batches (half its batch and its batch), balances, then
+measures each group at the batch the balance gave it (``refine`` rounds at most), so that the
+split it picks is predicted from measurements at that split, not extrapolated from other
+batches (a device time-sliced with another process is far from linear at small batches).
+
+``Replanner`` decides when a split replaces the running one:
 
 * ``mode="once"``: measure after the first ``warmup_steps`` steps; re-plan if the balanced
   split's predicted step is at least ``threshold`` shorter than the running split's, as both
-  are predicted from the same measurements.
-* ``mode="auto"``: as ``once``, then watch the step time (median over windows of
-  ``window`` steps); when it moves by more than ``threshold`` from what it was after the last
-  decision, or every ``recheck_windows`` windows (a group that gets faster does not shorten the
-  step while another group is the slowest), measure again and re-plan by the same rule. A
-  re-plan needs a predicted gain of ``threshold`` and at least ``window`` steps since the last
-  one, so noisy timings cannot make it oscillate.
+  are predicted from the same measurements. The next window of steps is timed (no collective)
+  and the decision's record gets the measured step (``measured_ms_new``).
+* ``mode="auto"``: as ``once``, then time every step (the wall time between two steps'
+  completions, read one step behind, so the device always has the next step queued) in
+  windows of ``window`` steps. A *check* measures each group at its running batch only (the
+  probes are compiled): when one of them moved by more than ``threshold`` from its last
+  measurement (and a second measurement of it agrees), a full decision follows. A check runs
+  when the step time's window median moved by more than ``threshold`` from its reference (the
+  first window after the last decision) in two windows in a row, or every ``recheck_windows``
+  windows (a group that gets faster does not shorten the step while another group is the
+  slowest, so only a check finds it); and only once the training time since the last check or
+  decision is at least the time that one took over ``max_overhead`` (compiling aside: a probe
+  compiles once per batch size, the step once per split; the first decision, which ``once``
+  pays too, costs nothing here). A re-plan needs a predicted gain of ``threshold``; noisy
+  timings cannot make it oscillate.
 * ``mode="off"``: never.
 
 Every group keeps at least ``granularity`` examples per device (a group is not dropped: the
@@ -26,7 +44,10 @@ devices and their state stay as they are). The precisions of the plan are kept.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import inspect
+import json
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -38,21 +59,37 @@ from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import QsyncError
 
 MODES = ("off", "once", "auto")
+PROBE_ROUNDS = 3  # timed rounds per size (the median round counts)
+PROBE_RUNS = 2  # back-to-back runs per round
+PROBE_COST_RUNS = 1 + PROBE_ROUNDS * PROBE_RUNS  # runs of one size in a measurement (warm-up included)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupSpeed:
-  """A group's measured compute per step as ``intercept_ms + slope_ms · batch_per_device``."""
+  """A group's measured compute per step at a per-device batch: through the measured
+  ``points`` ((batch, ms), non-decreasing) and linear between them; beyond them, and without
+  two points, along ``intercept_ms + slope_ms · batch`` (its slope, from the last point)."""
 
   intercept_ms: float
   slope_ms: float
+  points: tuple[tuple[int, float], ...] = ()
 
   def ms(self, batch_per_device: int) -> float:
-    return self.intercept_ms + self.slope_ms * batch_per_device
+    pts = self.points
+    if len(pts) < 2:
+      return self.intercept_ms + self.slope_ms * batch_per_device
+    if batch_per_device <= pts[0][0]:
+      return max(0.0, pts[0][1] - self.slope_ms * (pts[0][0] - batch_per_device))
+    if batch_per_device >= pts[-1][0]:
+      return pts[-1][1] + self.slope_ms * (batch_per_device - pts[-1][0])
+    i = bisect.bisect_left([b for b, _ in pts], batch_per_device)
+    (b0, m0), (b1, m1) = pts[i - 1], pts[i]
+    return m1 if b1 == batch_per_device else m0 + (m1 - m0) * (batch_per_device - b0) / (b1 - b0)
 
   @classmethod
   def fit(cls, ms_at: Mapping[int, float]) -> GroupSpeed:
-    """The line through the measured ``{batch: ms}`` (least squares; one point: through 0)."""
+    """From the measured ``{batch: ms}``: the points themselves and their least-squares line
+    (one point: the line through 0, no points)."""
     sizes = sorted(ms_at)
     if len(sizes) == 1:
       return cls(0.0, ms_at[sizes[0]] / sizes[0])
@@ -60,7 +97,11 @@ class GroupSpeed:
     slope, intercept = np.polyfit(x, y, 1)
     slope = max(float(slope), 1e-9)  # more examples never take less time
     intercept = max(float(intercept), 0.0)
-    return cls(intercept, slope)
+    points, top = [], 0.0
+    for b in sizes:  # non-decreasing: a smaller time at a larger batch is noise
+      top = max(top, float(ms_at[b]))
+      points.append((int(b), top))
+    return cls(intercept, slope, tuple(points))
 
 
 def balance(
@@ -121,54 +162,99 @@ def predicted_ms(speeds: Mapping[str, GroupSpeed], batches: Mapping[str, int]) -
 
 
 def probe_sizes(batch_per_device: int) -> tuple[int, int]:
-  """The two per-device batches a group is timed at: half its batch and its batch (1 and 2 for
-  a batch of 1)."""
+  """The two per-device batches a group is first timed at: half its batch and its batch (1
+  and 2 for a batch of 1)."""
   return (max(1, batch_per_device // 2), batch_per_device) if batch_per_device > 1 else (1, 2)
 
 
-def measure_groups(program, state, host_batch, repeats: int = 5) -> dict[str, dict[int, float]]:
-  """``{group: {per-device batch: ms}}``: one device's training step of each group without its
-  collectives — the forward and backward of the group's policy and the optimizer update — on
-  one of the group's devices (of this process), at ``probe_sizes`` of its batch, on the first
-  rows of ``host_batch``, median of ``repeats`` runs after one that compiles. In a
-  multi-process job every process measures its own groups and all get every group's numbers."""
+# Compiled probes, kept between measurements (and re-plans): {key: (task, optimizer, jitted step)}.
+_PROBES: dict = {}
+_PROBES_KEPT = 16
+_COMPILE_S = [0.0]  # seconds measure_groups has spent compiling probes, in this process
+
+
+def compile_seconds() -> float:
+  """Seconds ``measure_groups`` has spent compiling probes in this process (a batch size it had
+  not run before, once per size and policy)."""
+  return _COMPILE_S[0]
+
+
+def _probe(task, optimizer, policy, cache: dict):
+  """The jitted one-device step of ``policy`` (made once per task, optimizer and policy)."""
+  key = (id(task), id(optimizer), json.dumps(policy.to_json(), sort_keys=True))
+  kept = cache.get(key)
+  if kept is not None and kept[0] is task and kept[1] is optimizer:
+    return kept[2]
   import optax
 
   from qsync_jax.train.task_step import task_loss
 
+  loss = task_loss(task, policy)
+
+  def one_step(v, o, batch, key):
+    grads = jax.grad(lambda p: loss({**v, "params": p}, batch, key)[0])(v["params"])
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
+      updates, o = optimizer.update(grads, o, v["params"])
+      return optax.apply_updates(v["params"], updates), o
+
+  fn = jax.jit(one_step)
+  while len(cache) >= _PROBES_KEPT:
+    cache.pop(next(iter(cache)))
+  cache[key] = (task, optimizer, fn)
+  return fn
+
+
+def measure_groups(
+  program, state, host_batch, sizes: Mapping[str, tuple[int, ...]] | None = None, cache: dict | None = None
+) -> dict[str, dict[int, float]]:
+  """``{group: {per-device batch: ms}}``: one device's training step of each group without its
+  collectives — the forward and backward of the group's policy and the optimizer update — on
+  one of the group's devices (of this process), at ``sizes[group]`` (default ``probe_sizes`` of
+  its batch), on the first rows of ``host_batch``: ``PROBE_ROUNDS`` rounds of ``PROBE_RUNS``
+  back-to-back runs after one that warms up (and compiles, the first time: the jitted probes
+  stay in ``cache``), the median round's time per run. In a multi-process job every process
+  measures its own groups and all get every group's numbers."""
   cluster, task, optimizer = program.cluster, program.task, program.optimizer
+  if sizes is None:
+    sizes = {g.name: probe_sizes(g.batch_per_device) for g in cluster.groups}
+  cache = _PROBES if cache is None else cache
   variables = {"params": state.params, **state.model_state}
   opt_state = state.opt_state
   groups_devices = _first_local_device(program)
   out: dict[str, dict[int, float]] = {}
   for branch in program.branches:
-    loss = task_loss(task, branch.policy)
-
-    def one_step(v, o, batch, key, loss=loss):
-      grads = jax.grad(lambda p: loss({**v, "params": p}, batch, key)[0])(v["params"])
-      with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
-        updates, o = optimizer.update(grads, o, v["params"])
-        return optax.apply_updates(v["params"], updates), o
-
+    timed = _probe(task, optimizer, branch.policy, cache)
     for name in branch.groups:
       device = groups_devices.get(name)
-      if device is None:
+      if device is None or not sizes.get(name):
         continue
       local = jax.device_put(jax.tree.map(_local_copy, variables), device)
       local_opt = jax.device_put(jax.tree.map(_local_copy, opt_state), device)
       key = jax.device_put(jax.random.key(0), device)
-      timed = jax.jit(one_step)
       out[name] = {}
-      for b in probe_sizes(cluster.group(name).batch_per_device):
+      for b in sizes[name]:
         rows = jax.device_put(jax.tree.map(lambda x, b=b: np.asarray(x)[:b], host_batch), device)
+        compiled = _cache_size(timed)
+        t0 = time.perf_counter()
         jax.block_until_ready(timed(local, local_opt, rows, key))
-        times = []
-        for _ in range(repeats):
+        warm = 1e3 * (time.perf_counter() - t0)
+        rounds = []
+        for _ in range(PROBE_ROUNDS):
           t0 = time.perf_counter()
-          jax.block_until_ready(timed(local, local_opt, rows, key))
-          times.append(1e3 * (time.perf_counter() - t0))
-        out[name][b] = statistics.median(times)
-  return _gather(out, cluster)
+          for _ in range(PROBE_RUNS):  # queued back to back, as training steps are
+            result = timed(local, local_opt, rows, key)
+          jax.block_until_ready(result)
+          rounds.append(1e3 * (time.perf_counter() - t0) / PROBE_RUNS)
+        out[name][b] = statistics.median(rounds)
+        if _cache_size(timed) != compiled or (compiled is None and warm > 5 * out[name][b]):
+          _COMPILE_S[0] += max(0.0, warm - out[name][b]) / 1e3
+  return _gather(out, cluster, sizes)
+
+
+def _cache_size(fn) -> int | None:
+  """How many compiled versions the jitted ``fn`` holds (None where JAX does not say)."""
+  size = getattr(fn, "_cache_size", None)
+  return size() if callable(size) else None
 
 
 def any_process(flag: bool) -> bool:
@@ -196,22 +282,23 @@ def _first_local_device(program) -> dict[str, object]:
   return out
 
 
-def _gather(measured: dict[str, dict[int, float]], cluster: ClusterSpec) -> dict[str, dict[int, float]]:
+def _gather(measured: dict[str, dict[int, float]], cluster: ClusterSpec, sizes) -> dict[str, dict[int, float]]:
   """Every process's measurements, on every process (the first measurement of each group)."""
   if jax.process_count() == 1:
     return measured
   from jax.experimental import multihost_utils
 
-  names = cluster.group_names
-  sizes = {g: probe_sizes(cluster.group(g).batch_per_device) for g in names}
-  table = np.full((len(names), 2), np.nan)
+  names = [g for g in cluster.group_names if sizes.get(g)]
+  width = max((len(sizes[g]) for g in names), default=0)
+  table = np.full((len(names), width), np.nan)
   for i, g in enumerate(names):
     for j, b in enumerate(sizes[g]):
       table[i, j] = measured.get(g, {}).get(b, np.nan)
-  every = np.asarray(multihost_utils.process_allgather(table))  # [processes, groups, 2]
+  every = np.asarray(multihost_utils.process_allgather(table))  # [processes, groups, sizes]
   out = {}
   for i, g in enumerate(names):
-    rows = [r for r in every[:, i] if not np.isnan(r).any()]
+    n = len(sizes[g])
+    rows = [r for r in every[:, i, :n] if not np.isnan(r).any()]
     if rows:
       out[g] = {b: float(rows[0][j]) for j, b in enumerate(sizes[g])}
   return out
@@ -219,8 +306,15 @@ def _gather(measured: dict[str, dict[int, float]], cluster: ClusterSpec) -> dict
 
 @dataclasses.dataclass
 class Replanner:
-  """When to re-plan (see the module docstring). ``measure(program, state, host_batch)`` gives
-  ``{group: {batch: ms}}`` (default ``measure_groups``; tests inject their own)."""
+  """When to re-plan (see the module docstring).
+
+  ``measure(program, state, host_batch[, sizes=...])`` gives ``{group: {batch: ms}}`` (default
+  ``measure_groups``; tests inject their own: one that takes no ``sizes`` is asked for its
+  default sizes only, and the split is not refined). ``report(record)``, if given, is called
+  on every process with every decision record as it is taken, with ``{"step",
+  "measured_after_replan"}`` once a re-planned split's step is timed, and with ``{"step",
+  "checked"}`` for a check that changed nothing. ``clock``: seconds, for the cost of measuring
+  (tests inject their own)."""
 
   mode: str = "once"
   threshold: float = 0.05
@@ -228,7 +322,11 @@ class Replanner:
   window: int = 20
   recheck_windows: int = 10
   granularity: int = 1
+  refine: int = 3
+  max_overhead: float = 0.05
   measure: Callable = measure_groups
+  report: Callable | None = None
+  clock: Callable[[], float] = time.perf_counter
   history: list = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
@@ -236,34 +334,167 @@ class Replanner:
       raise QsyncError(f"replan mode {self.mode!r} is not one of {MODES}. Fix: pass off, once or auto.")
     if not 0 < self.threshold < 1:
       raise QsyncError(f"replan threshold {self.threshold!r} must be in (0, 1). Fix: e.g. 0.05.")
+    if not 0 < self.max_overhead <= 1:
+      raise QsyncError(f"replan max_overhead {self.max_overhead!r} must be in (0, 1]. Fix: e.g. 0.05.")
+    try:
+      params = inspect.signature(self.measure).parameters
+    except (TypeError, ValueError):
+      params = {}
+    keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    self._sized = keywords or "sizes" in params
     self._last_decision_step = None
-    self._reference_ms = None
-    self._window: list[float] = []
-    self._windows = 0
+    self._reset_windows()
+    self._points: dict[str, dict[int, float]] = {}  # each group's last full measurement
+    self._sizes_seen: dict[str, set[int]] = {}
+    self._debt_ms = 0.0  # what the last measurement cost, compiling aside (the first: nothing)
+    self._awaiting = None  # a re-plan's record, until the step it made is timed
+    self._notes: list[dict] = []
+    self._last_median = None
+
+  def _reset_windows(self) -> None:
+    self._reference_ms, self._window, self._windows = None, [], 0
+    self._drifted, self._since_ms = 0, 0.0
+
+  def times_steps(self) -> bool:
+    """Whether the trainer should time its steps for ``wants_measurement`` now."""
+    return self.mode == "auto" or self._awaiting is not None
+
+  def take_notes(self) -> list[dict]:
+    """The measured steps after re-plans (``{"step", "decision_step", "predicted_ms",
+    "measured_ms"}``) found since the last call."""
+    notes, self._notes = self._notes, []
+    return notes
 
   def wants_measurement(self, step: int, start_step: int, step_ms: float | None) -> bool:
-    """Whether to measure the groups after ``step`` (``step_ms``: the wall time of the step
-    just taken, or None when it was not timed)."""
+    """Whether to measure the groups after ``step`` (``step_ms``: the wall time of a step just
+    taken, or None when it was not timed). In ``auto`` every process must call it at every
+    step: at the end of a window the processes agree (a collective)."""
     if self.mode == "off":
       return False
     if self._last_decision_step is None:
       return step >= start_step + self.warmup_steps and not (self.mode == "once" and self.history)
-    if self.mode != "auto" or step_ms is None:
+    if step_ms is None or not self.times_steps():
       return False
     self._window.append(step_ms)
+    self._since_ms += step_ms
     if len(self._window) < self.window:
       return False
     median, self._window = statistics.median(self._window), []
     self._windows += 1
+    self._last_median = median
     if self._reference_ms is None:
       self._reference_ms = median
+      if self._awaiting is not None:
+        record, self._awaiting = self._awaiting, None
+        record["measured_ms_new"] = round(median, 3)
+        note = {"decision_step": record["step"], "predicted_ms": record["predicted_ms_new"], "measured_ms": round(median, 3)}
+        self._notes.append({"step": step, **note})
+        if self.report is not None:
+          self.report({"step": step, "measured_after_replan": note})
+      return False
+    if self.mode != "auto":
       return False
     moved = abs(median - self._reference_ms) / self._reference_ms > self.threshold
+    self._drifted = self._drifted + 1 if moved else 0
+    affordable = self._since_ms * self.max_overhead >= self._debt_ms
+    want = affordable and (self._drifted >= 2 or self._windows >= self.recheck_windows)
     # Each process times its own steps: they decide together (a window ends at the same step
     # everywhere), or one would measure, a collective, while the others train on.
-    return any_process(moved) or self._windows >= self.recheck_windows
+    return any_process(want)
 
-  def decide(self, step: int, cluster: ClusterSpec, measured: Mapping[str, Mapping[int, float]]):
+  def replan(self, step: int, program, state, host_batch):
+    """Measures and decides after ``step``: ``(new per-device batches or None, record or
+    None)``. After a first decision, a check at the running batches comes first: when no
+    group's time moved by ``threshold`` (confirmed by a second measurement of the groups that
+    did), nothing more is measured (record None)."""
+    t0, compiling = self.clock(), compile_seconds()
+    first = not self._points
+    cluster = program.cluster
+    running = {g.name: g.batch_per_device for g in cluster.groups}
+    fresh: dict[str, dict[int, float]] = {g: {} for g in running}
+    if not first:
+      checked = self._check(program, state, host_batch, running)
+      if checked is None:
+        self._last_decision_step = step
+        self._reset_windows()
+        self._debt_ms = 1e3 * (self.clock() - t0 - (compile_seconds() - compiling))
+        if self.report is not None:
+          self.report({"step": step, "checked": "no group moved", "measure_s": round(self._debt_ms / 1e3, 3)})
+        return None, None
+      for g in running:
+        fresh[g].update(checked.get(g, {}))
+    sizes = {g: tuple(b for b in self._first_sizes(g, running[g]) if b not in fresh[g]) for g in running}
+    self._merge(fresh, self._measure(program, state, host_batch, sizes))
+    counts = {g.name: g.count for g in cluster.groups}
+    for _ in range(self.refine if self._sized else 0):
+      if not all(fresh.values()):
+        break
+      speeds = {g: GroupSpeed.fit(fresh[g]) for g in running}
+      balanced = balance(counts, speeds, cluster.global_batch, self.granularity)
+      if predicted_ms(speeds, balanced) > predicted_ms(speeds, running) * (1 - self.threshold):
+        break  # no re-plan in sight: no new sizes (each one compiles a probe)
+      missing = {g: (b,) for g, b in balanced.items() if b not in fresh[g]}
+      if not missing:
+        break
+      self._merge(fresh, self._measure(program, state, host_batch, missing))
+    batches, record = self.decide(step, cluster, fresh, report=False)
+    cost_s = self.clock() - t0
+    record["measure_s"] = round(cost_s, 3)
+    self._debt_ms = 0.0 if first else 1e3 * (cost_s - (compile_seconds() - compiling))
+    if self.report is not None:
+      self.report(record)
+    return batches, record
+
+  def _check(self, program, state, host_batch, running):
+    """Each group's time at its running batch, or None when none moved by ``threshold`` from
+    the last full measurement (a group that did is measured again: both must agree)."""
+    checked = self._measure(program, state, host_batch, {g: (b,) for g, b in running.items()})
+    for g, b in running.items():  # a batch the last decision did not measure: this is its reference
+      if b in checked.get(g, {}) and b not in self._points.setdefault(g, {}):
+        self._points[g][b] = checked[g][b]
+
+    def change(measured, g):
+      old, new = self._points.get(g, {}).get(running[g]), measured.get(g, {}).get(running[g])
+      return 0.0 if old is None or new is None else (new - old) / old
+
+    moved = [g for g in running if abs(change(checked, g)) > self.threshold]
+    if not moved:
+      return None
+    again = self._measure(program, state, host_batch, {g: ((running[g],) if g in moved else ()) for g in running})
+    confirmed = [
+      g for g in moved
+      if abs(change(again, g)) > self.threshold and change(again, g) * change(checked, g) > 0
+    ]
+    if not confirmed:
+      return None
+    for g in moved:
+      if running[g] in again.get(g, {}):
+        checked[g][running[g]] = (checked[g][running[g]] + again[g][running[g]]) / 2
+    return checked
+
+  def _measure(self, program, state, host_batch, sizes):
+    """``measure`` at ``sizes`` (a measure that takes no sizes: at its own)."""
+    if not self._sized:
+      return self.measure(program, state, host_batch)
+    if not any(sizes.values()):  # the same on every process: none of them measures
+      return {}
+    return self.measure(program, state, host_batch, sizes=sizes)
+
+  def _merge(self, into, measured):
+    for g, points in measured.items():
+      if g in into:
+        into[g].update(points)
+
+  def _first_sizes(self, group: str, batch: int) -> tuple[int, ...]:
+    """A full measurement's first sizes: the running batch and, after a first decision, the
+    size measured before that lies farthest from it (its probe is compiled); else
+    ``probe_sizes``."""
+    seen = self._sizes_seen.get(group, set()) - {batch}
+    if seen:
+      return (batch, max(seen, key=lambda b: (abs(b - batch), b)))
+    return probe_sizes(batch)
+
+  def decide(self, step: int, cluster: ClusterSpec, measured: Mapping[str, Mapping[int, float]], report: bool = True):
     """``(new per-device batches or None, record)`` from the measurements: the balanced split
     when it is predicted ``threshold`` faster than the running one."""
     running = {g.name: g.batch_per_device for g in cluster.groups}
@@ -271,20 +502,35 @@ class Replanner:
     counts = {g.name: g.count for g in cluster.groups}
     balanced = balance(counts, speeds, cluster.global_batch, self.granularity)
     before, after = predicted_ms(speeds, running), predicted_ms(speeds, balanced)
-    self._last_decision_step, self._reference_ms, self._window, self._windows = step, None, [], 0
+    self._points = {g: dict(measured[g]) for g in running}
+    for g in running:
+      self._sizes_seen.setdefault(g, set()).update(measured[g])
+    last_median = self._last_median
+    self._last_decision_step = step
+    self._reset_windows()
+    self._last_median = None
     record = {
       "step": step,
       "ms_per_example": {g: round(s.slope_ms, 4) for g, s in speeds.items()},
+      "measured_ms": {g: {str(b): round(float(ms), 3) for b, ms in sorted(measured[g].items())} for g in running},
       "old": running,
       "new": balanced,
       "predicted_ms_old": round(before, 3),
       "predicted_ms_new": round(after, 3),
     }
+    if last_median is not None:
+      record["measured_ms_old"] = round(last_median, 3)
     if balanced == running or after > before * (1 - self.threshold):
-      return None, {**record, "replanned": False}
-    record = {**record, "replanned": True}
-    self.history.append(record)
-    return balanced, record
+      record = {**record, "replanned": False}
+      batches = None
+    else:
+      record = {**record, "replanned": True}
+      self.history.append(record)
+      self._awaiting = record
+      batches = balanced
+    if report and self.report is not None:
+      self.report(record)
+    return batches, record
 
 
 def describe(record: Mapping) -> str:
@@ -293,7 +539,16 @@ def describe(record: Mapping) -> str:
   split = "/".join(str(b) for b in record["old"].values())
   new = "/".join(str(b) for b in record["new"].values())
   verdict = "re-planned" if record["replanned"] else "kept the plan"
+  measured = f", measured {record['measured_ms_old']:.3g} ms" if "measured_ms_old" in record else ""
   return (
     f"step {record['step']}: measured ms per example {speeds}; split {split} -> {new} "
-    f"(predicted {record['predicted_ms_old']:.3g} -> {record['predicted_ms_new']:.3g} ms): {verdict}"
+    f"(predicted {record['predicted_ms_old']:.3g}{measured} -> {record['predicted_ms_new']:.3g} ms): {verdict}"
+  )
+
+
+def describe_measured(note: Mapping) -> str:
+  """One log line for a note of ``Replanner.take_notes``: the step a re-plan made, measured."""
+  return (
+    f"step {note['step']}: the split of the re-plan at step {note['decision_step']} measured "
+    f"{note['measured_ms']:.3g} ms per step (predicted {note['predicted_ms']:.3g} ms compute)"
   )

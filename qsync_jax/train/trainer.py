@@ -51,7 +51,7 @@ from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
 from qsync_jax.train.distributed import Watchdog
 from qsync_jax.train.outputs import TensorBoardWriter, check_run_dir
-from qsync_jax.train.replan import Replanner, describe
+from qsync_jax.train.replan import Replanner, describe, describe_measured
 from qsync_jax.train.strategy_step import make_strategy_step
 from qsync_jax.train.task import Task
 from qsync_jax.train.train_step import SyncFn, make_train_step
@@ -133,6 +133,8 @@ class Trainer:
         loss_scale=loss_scale, donate=donate,
       )
       self.program = self._build(plan)
+      self._given_cluster = cluster
+      self._programs = {_split_key(self.program): self.program}  # a split run before is not rebuilt
     self.replanner = replan if isinstance(replan, Replanner) else Replanner(mode=replan)
     if self.replanner.mode != "off" and not hasattr(self, "_build"):
       raise QsyncError(
@@ -224,7 +226,7 @@ class Trainer:
     if saved.get("replans") and hasattr(self, "_build"):  # a re-planned run: rebuild its step
       plan = Plan.from_json(saved["plan"])
       if plan.fingerprint() != self.program.plan.fingerprint():
-        self.program = self._build(plan)
+        self.program = self._program_for(plan)
       self.replanner.history[:] = saved["replans"]
     state, meta = self.checkpoints.restore(self.state, self._meta(), step)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
@@ -253,6 +255,7 @@ class Trainer:
     last: dict[str, float] = {}
     watchdog = None
     pending = None  # metrics of the previous step, read after the next one is dispatched
+    timing = _StepTimer()  # the replanner's step times, when it wants them
     clock = _Clock(start_step)
     if step < steps:
       self._say(
@@ -262,16 +265,20 @@ class Trainer:
     try:
       with stop:
         while step < steps and not stop.requested:
-          t_step = time.perf_counter()
           self.state, metrics = self.program(self.state, self._next_batch())
-          if self._one_step_in_flight or step == start_step or self.replanner.mode == "auto":
+          if self._one_step_in_flight or step == start_step:
             jax.block_until_ready(metrics)
           step += 1
-          step_ms = 1e3 * (time.perf_counter() - t_step) if self.replanner.mode == "auto" else None
-          if self.replanner.wants_measurement(step, start_step, step_ms):
+          step_ms = None
+          if self.replanner.times_steps():
+            step_ms = timing.after(metrics)
+          wants = self.replanner.wants_measurement(step, start_step, step_ms)
+          self._note_measured_replans()
+          if wants:
             if pending is not None:
               last, pending = self._log(*pending, steps, clock, callback), None
             self._replan(step)
+            timing.reset()  # the next interval would hold the measurement (and a compile)
           if step == start_step + 1:
             self._say(f"compiled and ran the first step in {clock.first_step_done(step):.1f} s")
           if pending is not None:
@@ -309,19 +316,37 @@ class Trainer:
     return last
 
   def _replan(self, step: int) -> None:
-    """Measures the groups, decides (``Replanner.decide``), logs the decision and, when the
-    split changes, rebuilds the step with it (the state carries over: same devices)."""
-    measured = self.replanner.measure(self.program, self.state, self._sample)
-    batches, record = self.replanner.decide(step, self.program.cluster, measured)
-    self._say("replan: " + describe(record))
+    """Measures the groups and decides (``Replanner.replan``), logs the decision and, when the
+    split changes, switches to the step of the new split (built once per split; the state
+    carries over: same devices)."""
+    batches, record = self.replanner.replan(step, self.program, self.state, self._sample)
+    if record is not None:
+      self._say("replan: " + describe(record))
+      self._write_replan_line({"step": step, "replan": record}, record)
+    if batches is not None:
+      plan = self.program.plan
+      self.program = self._program_for(dataclasses.replace(plan, batch_per_device={**plan.batch_per_device, **batches}))
+
+  def _note_measured_replans(self) -> None:
+    """Logs the measured step of each re-planned split once the replanner has timed it."""
+    for note in self.replanner.take_notes():
+      self._say("replan: " + describe_measured(note))
+      measured = {k: v for k, v in note.items() if k != "step"}
+      self._write_replan_line({"step": note["step"], "replan_measured": measured}, measured)
+
+  def _write_replan_line(self, line: Mapping[str, Any], scalars: Mapping[str, Any]) -> None:
     if self.out_dir and self.is_primary:
       os.makedirs(self.out_dir, exist_ok=True)
       with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, "replan": record}) + "\n")
-      self.tensorboard.write(step, record, prefix="replan/")
-    if batches is not None:
-      plan = self.program.plan
-      self.program = self._build(dataclasses.replace(plan, batch_per_device={**plan.batch_per_device, **batches}))
+        f.write(json.dumps(line) + "\n")
+      self.tensorboard.write(line["step"], scalars, prefix="replan/")
+
+  def _program_for(self, plan: Plan):
+    """The hybrid step of ``plan`` (the batch split of a plan run before: its step again)."""
+    key = _split_key(plan.apply_to(self._given_cluster))
+    if key not in self._programs:
+      self._programs[key] = self._build(plan)
+    return self._programs[key]
 
   def _say(self, msg: str) -> None:
     if self.progress is not None and self.is_primary:
@@ -417,6 +442,35 @@ def _drop_metrics_after(path: str, step: int) -> None:
     with open(f"{path}.tmp", "w") as f:
       f.writelines(kept)
     os.replace(f"{path}.tmp", path)
+
+
+def _split_key(program_or_cluster) -> tuple:
+  """What tells two hybrid steps of one trainer apart: the per-device batch of each group (the
+  policies do not change within a run)."""
+  cluster = getattr(program_or_cluster, "cluster", program_or_cluster)
+  return tuple((g.name, g.batch_per_device) for g in cluster.groups)
+
+
+class _StepTimer:
+  """Step times without a host sync of the step just dispatched: ``after(metrics)`` waits for
+  the previous step's metrics (the device has this step queued meanwhile) and returns the
+  wall time between the previous two completions (None until there are two)."""
+
+  def __init__(self):
+    self.reset()
+
+  def reset(self) -> None:
+    self._previous, self._done = None, None
+
+  def after(self, metrics) -> float | None:
+    if self._previous is None:
+      self._previous = metrics
+      return None
+    jax.block_until_ready(self._previous)
+    now = time.perf_counter()
+    ms = None if self._done is None else 1e3 * (now - self._done)
+    self._previous, self._done = metrics, now
+    return ms
 
 
 class _Clock:
