@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 
 from qsync_cli.common import (
   add_model_argument,
@@ -15,7 +12,7 @@ from qsync_cli.common import (
   load_profiles,
 )
 from qsync_jax.errors import PlanError
-from qsync_jax.jsonio import write_text_atomic
+from qsync_jax.jsonio import write_atomic, write_text_atomic
 
 HELP = "Predict the synchronous step time and per-group peak memory of a plan (replay simulator)."
 
@@ -73,25 +70,7 @@ def run(args) -> int:
 
 
 def save_png_atomic(save_png, pred, path: str, what: str = "--png") -> None:
-  """``save_png(pred, ...)`` into a temporary file beside ``path``, renamed over it when complete:
-  ``path`` holds its old image or the new one, never part of one; a failed write is one
-  ``PlanError`` naming ``path`` as ``what``."""
-  directory = os.path.dirname(os.path.abspath(path))
-  tmp = None
-  try:
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".png")
-    os.close(fd)
-    save_png(pred, tmp)
-    with open(tmp, "rb") as f:
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-    tmp = None
-  except OSError as e:
-    raise PlanError(
-      f"{what} {path!r} cannot be written ({e.strerror or e}); nothing was changed there. "
-      "Fix: choose a path in an existing, writable directory with free space."
-    ) from None
-  finally:
-    if tmp is not None:
-      with contextlib.suppress(OSError):
-        os.unlink(tmp)
+  """``save_png(pred, tmp)`` written to ``path`` by ``qsync_jax.jsonio.write_atomic``: ``path``
+  holds its old image or the new one, never part of one; a failed write is one ``PlanError``
+  naming ``path`` as ``what``."""
+  write_atomic(path, lambda tmp: save_png(pred, tmp), what, PlanError, suffix=".png")

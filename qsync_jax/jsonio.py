@@ -9,7 +9,7 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 
@@ -38,11 +38,17 @@ def read_text(path: str, what: str, error: type[Exception]) -> str:
     ) from None
 
 
-def write_text_atomic(path: str | os.PathLike, text: str, what: str, error: type[Exception]) -> None:
-  """Writes ``text`` to ``path`` through a temporary file in the same directory (written, flushed
-  to disk, then renamed over ``path``): ``path`` holds either its old content or all of ``text``,
-  never part of it. A failure (no such directory, no space, a read-only file system, ``path`` a
-  directory or a device) raises ``error`` naming ``path`` as ``what``, with ``path`` untouched."""
+def write_atomic(
+  path: str | os.PathLike,
+  write: Callable[[str], None],
+  what: str,
+  error: type[Exception],
+  suffix: str = ".tmp",
+) -> None:
+  """Calls ``write(tmp)`` on a temporary file (ending in ``suffix``) in ``path``'s directory,
+  flushes it to disk and renames it over ``path``: ``path`` holds either its old content or all
+  of the new, never part of it. A failure (no such directory, no space, a read-only file system, ``path`` a directory
+  or a device) raises ``error`` naming ``path`` as ``what``, with ``path`` untouched."""
   path = os.fspath(path)
   try:
     mode = os.stat(path).st_mode
@@ -53,22 +59,32 @@ def write_text_atomic(path: str | os.PathLike, text: str, what: str, error: type
   directory = os.path.dirname(os.path.abspath(path))
   tmp = None
   try:
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-      f.flush()
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=suffix)
+    os.close(fd)
+    write(tmp)
+    with open(tmp, "rb") as f:
       os.fsync(f.fileno())
     os.replace(tmp, path)
     tmp = None
   except OSError as e:
     raise error(
-      f"{what} {path!r} cannot be written ({e.strerror}); nothing was changed there. "
+      f"{what} {path!r} cannot be written ({e.strerror or e}); nothing was changed there. "
       "Fix: choose a path in an existing, writable directory with free space."
     ) from None
   finally:
     if tmp is not None:
       with contextlib.suppress(OSError):
         os.unlink(tmp)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, what: str, error: type[Exception]) -> None:
+  """``text`` written to ``path`` by ``write_atomic``."""
+
+  def write(tmp: str) -> None:
+    with open(tmp, "w") as f:
+      f.write(text)
+
+  write_atomic(path, write, what, error)
 
 
 def reject_unknown_keys(
