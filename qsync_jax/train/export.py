@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from qsync_jax.errors import CheckpointError, QsyncError
+from qsync_jax.jsonio import write_atomic
 
 
 def check_out(out: str) -> str:
@@ -58,10 +59,13 @@ def export_params(run: str, out: str, step: int | None = None) -> dict:
   if fmt == "msgpack":
     from flax import serialization
 
-    tmp = f"{out}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-      f.write(serialization.msgpack_serialize(params))
-    os.replace(tmp, out)  # a complete file or none
+    data = serialization.msgpack_serialize(params)
+
+    def write(tmp: str) -> None:
+      with open(tmp, "wb") as f:
+        f.write(data)
+
+    write_atomic(out, write, "--out", QsyncError)  # a complete file or none, fsynced
   else:
     import orbax.checkpoint as ocp
 

@@ -138,6 +138,24 @@ def test_export_refuses_unusable_outputs_and_overwrites_nothing(run, tmp_path, c
   assert "has no checkpoints/ directory" in capsys.readouterr().err
 
 
+def test_export_onto_a_full_disk_is_one_named_error_and_leaves_nothing(run, tmp_path, capsys, monkeypatch):
+  import errno
+
+  from qsync_jax import jsonio
+
+  _, out = run
+
+  def full_disk(src, dst):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(jsonio.os, "replace", full_disk)
+  target = tmp_path / "p.msgpack"
+  assert cli_main(["export", "--run", out, "--out", str(target)]) == 2
+  err = capsys.readouterr().err
+  assert len(err.strip().splitlines()) == 1 and "No space left on device" in err and "Fix:" in err
+  assert list(tmp_path.iterdir()) == []  # no partial file, no temporary file
+
+
 def test_old_format_checkpoint_is_refused_with_the_fix(tmp_path, capsys):
   out = tmp_path / "run"
   manager = ocp.CheckpointManager(str(out / "checkpoints"))
