@@ -3,13 +3,18 @@
 The allocator writes a plan, a person may edit it, the trainer executes it. A group the plan
 does not name runs the unmodified float model (an empty policy). ``batch_per_device``
 optionally overrides the cluster spec's per-device batch of some groups (0 leaves a group's
-devices out of the job); ``predictions`` is free-form JSON (predicted step time, memory, the
+devices out of the job); ``reduction`` says how gradients are combined (``"flat"``: one
+all-reduce over every device; ``"two_level"``: within each group, then across groups);
+``optimizer_update`` where the optimizer runs (``"replicated"``: every device updates every
+parameter; ``"sharded"``: each device updates an equal share and the updated parameters are
+gathered, ZeRO-1); ``predictions`` is free-form JSON (predicted step time, memory, the
 alternatives the planner compared…) that the trainer stores but never reads.
 
 JSON form::
 
   {"policies": {"infer": {"rules": [...], "__default__": "int8_fwd"}, "train": "fp32"},
    "batch_per_device": {"infer": 16},
+   "reduction": "flat", "optimizer_update": "replicated",
    "predictions": {"step_time_s": 0.21}}
 
 (a policy may also be given as a preset name, meaning that preset for every op).
@@ -34,6 +39,12 @@ from qsync_jax.jsonio import JsonFile, reject_unknown_keys
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
+REDUCTIONS = ("flat", "two_level")
+"""How the step combines gradients: one all-reduce over every device, or within each device
+group first and then across groups."""
+OPTIMIZER_UPDATES = ("replicated", "sharded")
+"""Where the optimizer runs: on every device for every parameter, or an equal share per device."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan(JsonFile):
@@ -45,6 +56,8 @@ class Plan(JsonFile):
   policies: Mapping[str, PrecisionPolicy] = dataclasses.field(default_factory=dict)
   batch_per_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
   predictions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  reduction: str = "flat"
+  optimizer_update: str = "replicated"
 
   def __post_init__(self):
     object.__setattr__(self, "policies", dict(self.policies))
@@ -55,6 +68,11 @@ class Plan(JsonFile):
         raise PlanError(
           f"plan: policy of group {group!r} is a {type(policy).__name__}, not a PrecisionPolicy. "
           "Fix: use PrecisionPolicy(...) or PrecisionPolicy.uniform(preset)."
+        )
+    for field, allowed in (("reduction", REDUCTIONS), ("optimizer_update", OPTIMIZER_UPDATES)):
+      if getattr(self, field) not in allowed:
+        raise PlanError(
+          f"plan: {field}={getattr(self, field)!r} is not one of {list(allowed)}. Fix: use one of them."
         )
     for group, b in self.batch_per_device.items():
       if isinstance(b, bool) or not isinstance(b, int) or b < 0:
@@ -106,6 +124,8 @@ class Plan(JsonFile):
       "policies": self.to_json()["policies"],
       "batch_per_device": dict(sorted(self.batch_per_device.items())),
     }
+    if (self.reduction, self.optimizer_update) != (REDUCTIONS[0], OPTIMIZER_UPDATES[0]):
+      obj |= {"reduction": self.reduction, "optimizer_update": self.optimizer_update}
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
   # -- construction ---------------------------------------------------------------------
@@ -121,6 +141,8 @@ class Plan(JsonFile):
     return {
       "policies": {g: p.to_json() for g, p in sorted(self.policies.items())},
       "batch_per_device": dict(self.batch_per_device),
+      "reduction": self.reduction,
+      "optimizer_update": self.optimizer_update,
       "predictions": dict(self.predictions),
     }
 
@@ -131,8 +153,8 @@ class Plan(JsonFile):
         f"a plan must be a JSON object, got {type(obj).__name__}. "
         'Fix: write {"policies": {"<group>": {...}}, "batch_per_device": {}, "predictions": {}}.'
       )
-    keys = ("policies", "batch_per_device", "predictions")
-    reject_unknown_keys(obj, keys, "plan", PlanError, "'policies', 'batch_per_device', 'predictions'")
+    keys = ("policies", "batch_per_device", "reduction", "optimizer_update", "predictions")
+    reject_unknown_keys(obj, keys, "plan", PlanError, ", ".join(repr(k) for k in keys))
     for key in ("policies", "batch_per_device", "predictions"):
       if not isinstance(obj.get(key, {}), Mapping):
         raise PlanError(
@@ -149,8 +171,9 @@ class Plan(JsonFile):
       policies=policies,
       batch_per_device=dict(obj.get("batch_per_device", {})),
       predictions=dict(obj.get("predictions", {})),
+      reduction=obj.get("reduction", REDUCTIONS[0]),
+      optimizer_update=obj.get("optimizer_update", OPTIMIZER_UPDATES[0]),
     )
-
 
 
 def _has_fp16(policy: PrecisionPolicy) -> bool:
