@@ -119,13 +119,14 @@ class Plan(JsonFile):
     return any(_has_fp16(p) for p in self.policies.values())
 
   def fingerprint(self) -> str:
-    """Hash of what changes training (policies and batches); predictions excluded."""
+    """Hash of what changes training (policies, batches, reduction); predictions and
+    ``optimizer_update`` excluded (the sharded update equals the replicated one)."""
     obj = {
       "policies": self.to_json()["policies"],
       "batch_per_device": dict(sorted(self.batch_per_device.items())),
     }
-    if (self.reduction, self.optimizer_update) != (REDUCTIONS[0], OPTIMIZER_UPDATES[0]):
-      obj |= {"reduction": self.reduction, "optimizer_update": self.optimizer_update}
+    if self.reduction != REDUCTIONS[0]:  # (where the optimizer runs does not change the training)
+      obj["reduction"] = self.reduction
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
   # -- construction ---------------------------------------------------------------------

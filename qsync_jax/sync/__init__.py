@@ -17,6 +17,10 @@ Two kinds, one registry (``STRATEGIES``, ``get_strategy(name)``):
   ``params_of(state)`` (the model's parameters). The trainer takes either kind by name
   (``Trainer(..., grad_sync="selsync")``, ``qsync train --sync selsync``).
 
+A plan whose ``reduction`` is ``"two_level"`` makes the trainer sum the gradients with
+``two_level_allreduce`` (inside each device group, then across groups) in place of the default
+fp32 all-reduce.
+
 ``Strategy.options`` lists the options a strategy takes by name (``--sync-option KEY=VALUE``).
 
 Every strategy's state is a pytree of arrays (orbax checkpoints it as is).
@@ -46,6 +50,7 @@ from qsync_jax.sync.common import AXIS
 from qsync_jax.sync.global_qsgd import global_qsgd_allreduce
 from qsync_jax.sync.qsdp import QSDPTrainer, make_qsdp_step
 from qsync_jax.sync.selsync import SelSyncConfig, SelSyncTrainer, make_selsync_step
+from qsync_jax.sync.two_level import two_level_allreduce
 
 
 class GradSync(NamedTuple):
@@ -231,4 +236,5 @@ __all__ = [
   "make_qsdp_step",
   "make_selsync_step",
   "make_step_strategy",
+  "two_level_allreduce",
 ]

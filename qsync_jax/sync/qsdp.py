@@ -70,6 +70,16 @@ class LeafLayout:
   def size(self) -> int:
     return int(np.prod(self.shape, dtype=np.int64))
 
+  def padded(self, x, n: int) -> jax.Array:
+    """``x`` (this leaf) flattened and zero padded to ``n * shard`` elements: device ``i``'s
+    shard is ``padded(x, n)[i * shard:(i + 1) * shard]``."""
+    flat = jnp.asarray(x).reshape(-1)
+    return jnp.pad(flat, (0, n * self.shard - self.size))
+
+  def unpadded(self, flat) -> jax.Array:
+    """The leaf back from its ``n * shard`` padded elements: ``flat[:size].reshape(shape)``."""
+    return flat[: self.size].reshape(self.shape)
+
 
 @dataclasses.dataclass(frozen=True)
 class QSDPTrainer:
@@ -98,6 +108,12 @@ def make_layout(params, n: int, bucket_size: int, full_precision=small_leaf):
     return LeafLayout(name, tuple(jnp.shape(x)), jnp.result_type(x), max(shard, 1), quantized)
 
   return jax.tree_util.tree_map_with_path(one, params)
+
+
+def even_layout(params, n: int):
+  """The ``LeafLayout`` tree of ``params`` sharded evenly over ``n`` devices, none quantized:
+  ``ceil(size / n)`` elements per device (at least 1)."""
+  return make_layout(params, n, 1, full_precision=lambda path, leaf: True)
 
 
 def _is_layout(x) -> bool:
@@ -146,8 +162,7 @@ def make_qsdp_step(
 
   def init(params):
     def shard(x, lay):
-      flat = jnp.asarray(x).reshape(-1)
-      return jax.device_put(jnp.pad(flat, (0, n * lay.shard - lay.size)), sharded)
+      return jax.device_put(lay.padded(x, n), sharded)
 
     shards = jax.tree.unflatten(treedef, [shard(x, lay) for x, lay in zip(jax.tree.leaves(params), layouts)])
     out = jax.tree.map(lambda p: NamedSharding(mesh, p), opt_specs, is_leaf=lambda x: isinstance(x, P))
@@ -165,12 +180,11 @@ def make_qsdp_step(
         flat = dequantize(qvalue, scale, jnp.float32).reshape(-1)
       else:
         flat = all_gather_invariant(x.astype(jnp.float32), axis_name)
-      full.append(flat[: lay.size].reshape(lay.shape).astype(lay.dtype))
+      full.append(lay.unpadded(flat).astype(lay.dtype))
     return full
 
   def scatter_grads(grads, key):
-    rows = [g.astype(jnp.float32).reshape(-1) for g in grads]
-    rows = [jnp.pad(r, (0, n * lay.shard - lay.size)) for r, lay in zip(rows, layouts)]
+    rows = [lay.padded(g.astype(jnp.float32), n) for g, lay in zip(grads, layouts)]
     quantized = [i for i, lay in enumerate(layouts) if lay.quantized and grad_payload != "fp32"]
     out = [None] * len(rows)
     if quantized:
@@ -219,6 +233,6 @@ def make_qsdp_step(
   @jax.jit
   def gather(state):
     flat = jax.tree.leaves(state["params"])
-    return jax.tree.unflatten(treedef, [x[: lay.size].reshape(lay.shape) for x, lay in zip(flat, layouts)])
+    return jax.tree.unflatten(treedef, [lay.unpadded(x) for x, lay in zip(flat, layouts)])
 
   return QSDPTrainer(init, step, gather, layout, mesh)

@@ -7,7 +7,10 @@ Checkpoint ``STEP`` of a run is the directory ``OUT/checkpoints/STEP`` with thre
   state/    the whole training state, for resume, as a tree of named fields: the hybrid
             trainer's {"step", "params", "opt_state", "model_state", "rng", "loss_scale",
             "sync_state"}, optax states by field ({"count", "mu", "nu"}); a step-builder
-            strategy's {"strategy": {...}, "rng"}
+            strategy's {"strategy": {...}, "rng"}. The hybrid trainer's optimizer state is stored
+            whole (``TrainStep.full_state``) whatever the plan's ``optimizer_update``: a sharded
+            update's shards are gathered on save and cut again on restore, so a run resumes from
+            a checkpoint of either kind
   meta/     JSON: the plan, its fingerprint, the cluster, the task, seed and data position, and
             a signature (path, shape, dtype) and checksum of every leaf
 

@@ -219,7 +219,7 @@ def measure_groups(
     sizes = {g.name: probe_sizes(g.batch_per_device) for g in cluster.groups}
   cache = _PROBES if cache is None else cache
   variables = {"params": state.params, **state.model_state}
-  opt_state = state.opt_state
+  opt_state = program.full_state(state).opt_state  # a sharded update's, gathered
   groups_devices = _first_local_device(program)
   out: dict[str, dict[int, float]] = {}
   for branch in program.branches:

@@ -39,11 +39,13 @@ from qsync_jax.errors import PlanError, QsyncError
 from qsync_jax.plan import Plan
 from qsync_jax.sync import get_strategy, make_step_strategy
 from qsync_jax.sync.common import AXIS
+from qsync_jax.sync.two_level import check_two_level_sync
 from qsync_jax.train.task import Task
 from qsync_jax.train.task_step import task_loss_fn
 from qsync_jax.train.train_step import (
   Branch,
   StepProgram,
+  check_optimizer_update,
   device_switch,
   init_sample,
   init_variables,
@@ -113,6 +115,8 @@ def make_strategy_step(
   ``task`` on ``cluster`` under ``plan``. ``host_batch``: one global batch (the parameter
   shapes are traced from it; default: the task's first)."""
   plan = plan if plan is not None else Plan()
+  check_optimizer_update(plan, name)
+  check_two_level_sync(plan.reduction, name)
   if get_strategy(name).kind != "train_step":
     raise QsyncError(f"sync strategy {name!r} is a gradient hook. Fix: pass it to make_train_step.")
   if plan.needs_fp16_loss_scaling:

@@ -18,7 +18,16 @@ Semantics, per step, with ``b_i`` the per-device batch of device ``i`` and ``B =
   its own batch's statistics (as in DDP without SyncBN), and the running statistics kept in the
   state are the ``b_i / B``-weighted average of the devices' updated ones, so replicas agree;
 * master params, optimizer state and model state are fp32 and replicated; the optimizer
-  (optax) runs on every device on the same combined gradient;
+  (optax) runs on every device on the same combined gradient — unless the plan's
+  ``optimizer_update`` is ``"sharded"`` (ZeRO-1, ``shard_optimizer_state``): then every param
+  leaf is flattened and zero padded to ``N · m`` elements (N running devices, ``m = ⌈size /
+  N⌉``: QSDP's ``even_layout``), the weighted fp32 gradients are reduce-scattered
+  (``lax.psum_scatter``, one per leaf) instead of all-reduced, device ``i`` runs the optimizer
+  on elements ``[i·m, (i+1)·m)`` of every leaf with its shard of the optimizer state, and the
+  updated shards are all-gathered into the replicated params. The result equals the
+  replicated update up to the fp32 summation order of the reduction; the optimizer must be
+  elementwise (sgd, momentum, adam, adamw…; not a global-norm clip, which would see only a
+  shard);
 * randomness: the step key is ``fold_in(train key, step)``; it is split into one key for the
   gradient sync (the same on every device) and a device base folded with the device index,
   from which the ``"qsync"`` stream (stochastic rounding) and the task's ``rng_streams``
@@ -35,6 +44,7 @@ axis, and the sync would count it twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -53,8 +63,10 @@ from qsync_jax.ops.quant_ops import RNG_COLLECTION
 from qsync_jax.ops.vma import shard_map
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.sync.common import AXIS, is_float, optimizer_init, to_varying
+from qsync_jax.sync.common import AXIS, all_gather_invariant, is_float, optimizer_init, to_varying
 from qsync_jax.sync.order import backward_order, from_order, in_order
+from qsync_jax.sync.qsdp import even_layout
+from qsync_jax.sync.two_level import check_two_level_sync, two_level_sync
 from qsync_jax.train.batching import pad_shards, put_replicated, put_sharded
 from qsync_jax.train.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
 from qsync_jax.train.task import Task
@@ -84,11 +96,12 @@ def psum_sync(weighted_local_grads, sync_state, key):
 # -- state ------------------------------------------------------------------------------------
 class TrainState(NamedTuple):
   """Everything a step reads and writes. All replicated except ``sync_state`` (one per device,
-  stacked on a leading axis sharded over ``data``)."""
+  stacked on a leading axis sharded over ``data``) and, when the plan's ``optimizer_update`` is
+  ``"sharded"``, ``opt_state`` (``shard_optimizer_state``: each device's shard, stacked the same way)."""
 
   step: jax.Array  # int32 scalar: steps taken (skipped steps included)
   params: Any  # fp32 master weights
-  opt_state: Any  # optax state
+  opt_state: Any  # optax state (replicated, or each device's shard: see above)
   model_state: Any  # non-param collections (e.g. {"batch_stats": ...})
   rng: jax.Array  # uint32 key data of the training key; step keys fold in ``step``
   loss_scale: LossScaleState
@@ -150,6 +163,15 @@ class StepProgram:
     """Host global batch (``global_batch`` rows) → padded per-device shards on the mesh."""
     return shard_batch(host_batch, self.cluster, self.mesh)
 
+  def full_state(self, state):
+    """``state`` in its full form: what checkpoints store and what moves between programs
+    (``from_full_state`` is the inverse). Here: ``state`` as it is."""
+    return state
+
+  def from_full_state(self, state):
+    """This program's state from its full form (``full_state``). Here: ``state`` as it is."""
+    return state
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep(StepProgram):
@@ -167,7 +189,8 @@ class TrainStep(StepProgram):
   state_sharding: Any
 
   def init(self, seed: int, host_batch) -> TrainState:
-    """Initial state: params from ``init_variables`` (fp32), fresh optimizer/loss-scale/sync state."""
+    """Initial state: params from ``init_variables`` (fp32), fresh optimizer/loss-scale/sync state
+    (a sharded update's optimizer state: the shards of the replicated one)."""
     task, n = self.task, self.mesh.size
     optimizer = self.optimizer
 
@@ -175,10 +198,13 @@ class TrainStep(StepProgram):
       variables, rng = init_variables(task, seed, sample)
       params = variables.pop("params")
       one = self.sync_init(params)
+      opt_state = optimizer_init(optimizer, params)
+      if self.plan.optimizer_update == "sharded":
+        opt_state = shard_optimizer_state(optimizer, opt_state, params, n)
       return TrainState(
         step=jnp.int32(0),
         params=params,
-        opt_state=optimizer_init(optimizer, params),
+        opt_state=opt_state,
         model_state=variables,
         rng=rng,
         loss_scale=self.loss_scale.init(),
@@ -199,6 +225,110 @@ class TrainStep(StepProgram):
   def variables_of(self, state: TrainState) -> dict:
     """``{"params": ..., **model_state}``: what ``task.model.apply`` takes for evaluation."""
     return {"params": state.params, **state.model_state}
+
+  # -- the full form (checkpoints; moving a state between programs) ----------------------------
+  @property
+  def full_state_sharding(self) -> TrainState:
+    """Shardings of ``full_state``: this program's, with the optimizer state replicated."""
+    return self.state_sharding._replace(opt_state=NamedSharding(self.mesh, P()))
+
+  def full_state(self, state: TrainState) -> TrainState:
+    """``state`` with the optimizer state whole and replicated, as a replicated update holds it
+    (``gather_optimizer_state`` of a sharded update's; ``state`` itself otherwise): the form
+    checkpoints store, so any run resumes from any other's checkpoint."""
+    if self.plan.optimizer_update != "sharded":
+      return state
+    return self._gather_state(state)
+
+  def from_full_state(self, state: TrainState) -> TrainState:
+    """This program's state from ``full_state``'s form (held on any devices): placed on this
+    program's mesh, the optimizer state sharded when the plan shards the update."""
+    state = jax.device_put(state, self.full_state_sharding)
+    if self.plan.optimizer_update != "sharded":
+      return state
+    return self._shard_state(state)
+
+  @functools.cached_property
+  def _gather_state(self) -> Callable[[TrainState], TrainState]:
+    n, optimizer = self.mesh.size, self.optimizer
+
+    def gather(s: TrainState) -> TrainState:
+      return s._replace(opt_state=gather_optimizer_state(optimizer, s.opt_state, s.params, n))
+
+    return jax.jit(gather, out_shardings=self.full_state_sharding)
+
+  @functools.cached_property
+  def _shard_state(self) -> Callable[[TrainState], TrainState]:
+    n, optimizer = self.mesh.size, self.optimizer
+
+    def shard(s: TrainState) -> TrainState:
+      return s._replace(opt_state=shard_optimizer_state(optimizer, s.opt_state, s.params, n))
+
+    return jax.jit(shard, out_shardings=self.state_sharding)
+
+
+# -- the sharded optimizer update (plan.optimizer_update == "sharded") ----------------------------
+def _map_param_leaves(optimizer, f, opt_state, params, n: int, other):
+  """``opt_state`` with ``f(leaf, layout)`` on every leaf that mirrors a param leaf (``mu``,
+  ``nu``, momentum traces…: ``optax.tree_utils.tree_map_params``; ``layout``: that param's
+  ``even_layout`` over ``n`` devices) and ``other(leaf)`` on the rest (step counts, injected
+  hyperparameters)."""
+  return optax.tree_utils.tree_map_params(
+    functools.partial(optimizer_init, optimizer),
+    f,
+    opt_state,
+    even_layout(params, n),
+    transform_non_params=other,
+  )
+
+
+def shard_optimizer_state(optimizer: optax.GradientTransformation, opt_state, params, n: int):
+  """The sharded form of ``optimizer``'s replicated state ``opt_state`` (of ``params``) over ``n``
+  devices: every leaf stacked on a leading axis of ``n`` (row ``i``: device ``i``'s), equivalent to
+  ``layout.padded(x, n).reshape(n, layout.shard)`` for a leaf that mirrors a param and
+  ``jnp.broadcast_to(x, (n, *x.shape))`` for any other. ``gather_optimizer_state`` inverts it."""
+  return _map_param_leaves(
+    optimizer,
+    lambda x, lay: lay.padded(x, n).reshape(n, lay.shard),
+    opt_state,
+    params,
+    n,
+    lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))),
+  )
+
+
+def gather_optimizer_state(optimizer: optax.GradientTransformation, sharded, params, n: int):
+  """The replicated state from ``shard_optimizer_state``'s form: ``layout.unpadded(x.reshape(-1))``
+  for a leaf that mirrors a param, row 0 for any other (every row holds the same)."""
+  return _map_param_leaves(
+    optimizer, lambda x, lay: lay.unpadded(x.reshape(-1)), sharded, params, n, lambda x: x[0]
+  )
+
+
+def check_optimizer_update(plan: Plan, grad_sync=None) -> None:
+  """``QsyncError`` when ``plan.optimizer_update == "sharded"`` cannot run: with ``reduction``
+  ``"two_level"``, or with a gradient sync other than the hybrid step's default fp32 reduction
+  (``grad_sync``: a ``SyncFn``, a ``GradSync`` or a strategy name; None or ``psum_sync``: the
+  default), which the sharded update replaces by a reduce-scatter."""
+  if plan.optimizer_update != "sharded":
+    return
+  if plan.reduction != "flat":
+    raise QsyncError(
+      f"plan: optimizer_update='sharded' with reduction={plan.reduction!r}: the sharded update "
+      "reduce-scatters the gradients over every device at once, not in two levels. Fix: set the "
+      "plan's reduction to 'flat', or its optimizer_update to 'replicated'."
+    )
+  if grad_sync is not None and grad_sync is not psum_sync:
+    name = (
+      grad_sync if isinstance(grad_sync, str) else getattr(grad_sync, "__name__", type(grad_sync).__name__)
+    )
+    raise QsyncError(
+      f"plan: optimizer_update='sharded' with sync {name!r}: the sharded update runs in the hybrid "
+      "step in place of its default fp32 gradient reduction (a reduce-scatter, then an all-gather of "
+      "the updated params); a gradient hook would replace that reduction and a step-builder strategy "
+      "(selsync, qsdp) keeps its own parameter and optimizer layout. Fix: leave the sync unset "
+      "(no grad_sync, no --sync), or set the plan's optimizer_update to 'replicated'."
+    )
 
 
 def shard_batch(host_batch, cluster: ClusterSpec, mesh: Mesh):
@@ -274,9 +404,13 @@ def make_train_step(
   Args:
     task: the model, its inputs, loss and data.
     cluster: device groups; device ``i`` of ``devices`` belongs to ``cluster.device_group_indices()[i]``.
-    plan: one precision policy per group (None: every group runs the float model) and optional
-      per-device batch overrides.
-    optimizer: an optax transformation, applied to the combined fp32 gradient.
+    plan: one precision policy per group (None: every group runs the float model), optional
+      per-device batch overrides and where the optimizer runs (``optimizer_update``:
+      ``"replicated"`` on every device, ``"sharded"`` each device its 1/N share; module doc).
+    optimizer: an optax transformation, applied to the combined fp32 gradient (elementwise —
+      sgd, momentum, adam, adamw… — when the plan shards the update: each device's update sees
+      its flat shard of every leaf, not the whole tree, so a global-norm clip or a mask chosen by
+      leaf rank would be wrong).
     grad_sync: a ``SyncFn`` callable (default ``psum_sync``), or an object with ``init`` and
       ``sync`` such as ``qsync_jax.sync.make_grad_sync(name)``.
     devices: the devices of the job, in order (default ``jax.devices()``: all processes').
@@ -291,8 +425,12 @@ def make_train_step(
       option existed).
   """
   plan = plan if plan is not None else Plan()
+  check_optimizer_update(plan, grad_sync)
+  check_two_level_sync(plan.reduction, None if grad_sync is psum_sync else grad_sync)
   cluster, devices = plan.place(cluster, list(jax.devices() if devices is None else devices))
   mesh = Mesh(np.asarray(devices), (AXIS,))
+  if plan.reduction == "two_level":  # the two-level fp32 sum in place of the default psum
+    grad_sync = two_level_sync(tuple(g.count for g in cluster.groups))
   grad_sync, sync_init, leaf_order = _split_sync(grad_sync if grad_sync is not None else psum_sync)
   if sync_leaf_order not in ("auto", "tree"):
     raise QsyncError(
@@ -336,12 +474,28 @@ def make_train_step(
     return run
 
   runs = [branch_fn(b) for b in branches]
+  sharded = plan.optimizer_update == "sharded"
   # One device with the default sync: every collective is the identity, so emit none (a
   # 1-device all-reduce still copies every gradient) and skip the varying/invariant typing.
-  alone = mesh.size == 1 and grad_sync is psum_sync
+  # (A sharded update keeps its collectives: its state has the sharded form on any mesh.)
+  alone = mesh.size == 1 and grad_sync is psum_sync and not sharded
   want_order = leaf_order == "backward" and not alone
   metric_names: list[tuple[str, ...]] = []
   orders: list[tuple[int, ...]] = []  # the gradient leaves' backward order (``sync.order``)
+  n = mesh.size
+
+  def reduce_scatter(grads, layout):
+    """This device's shard of the sum over ``data`` of every leaf of ``grads`` (padded as
+    ``layout`` says): one ``psum_scatter`` per leaf, issued in the backward pass's leaf order
+    when the sync has one (as the all-reduce's buckets are)."""
+
+    def one(g, lay):
+      return lax.psum_scatter(lay.padded(g, n), AXIS, tiled=True)
+
+    if not want_order:
+      return jax.tree.map(one, grads, layout)
+    shards = [one(g, lay) for g, lay in zip(in_order(grads, orders[0]), in_order(layout, orders[0]))]
+    return from_order(shards, grads, orders[0])
 
   def local_step(state: TrainState, batch):
     index = lax.axis_index(AXIS)
@@ -368,7 +522,9 @@ def make_train_step(
     grads, scalars, new_state = device_switch([strip(r) for r in runs], device_branch)(*operands)
 
     sync_state = jax.tree.map(lambda x: x[0], state.sync_state)
-    if alone:
+    if sharded:  # reduce-scattered below, with the optimizer update
+      combined = None
+    elif alone:
       combined = grads
     elif want_order:  # the leaves as a list, in the order the backward pass produces them
       combined, sync_state = grad_sync(in_order(grads, orders[0]), sync_state, sync_key)
@@ -380,32 +536,54 @@ def make_train_step(
       scalars = lax.psum(scalars, AXIS)
       new_state = jax.tree.map(lambda x: lax.psum(x, AXIS) if is_float(x) else lax.pmax(x, AXIS), new_state)
 
+    if sharded:
+      layout = even_layout(state.params, n)
+      grad_shards = reduce_scatter(grads, layout)
+      param_shards = jax.tree.map(
+        lambda p, lay: lax.dynamic_slice_in_dim(lay.padded(p, n), index * lay.shard, lay.shard),
+        state.params,
+        layout,
+      )
+      old_params, old_opt = param_shards, jax.tree.map(lambda x: x[0], state.opt_state)
+      update_grads = grad_shards
+    else:
+      old_params, old_opt, update_grads = state.params, state.opt_state, combined
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
-      updates, opt_state = optimizer.update(combined, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
+      updates, opt_state = optimizer.update(update_grads, old_opt, old_params)
+      params = optax.apply_updates(old_params, updates)
     names = metric_names[-1]
     metrics = {"loss": scalars[0], **{k: scalars[1 + i] for i, k in enumerate(names)}}
     ls_state = state.loss_scale
-    if loss_scale.enabled:
-      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(combined)]))
+    if loss_scale.enabled:  # a sharded update: each device checks its shard, pmin checks them all
+      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(update_grads)]))
       if not alone:
         finite = lax.pmin(to_varying(finite.astype(jnp.int32)), AXIS) > 0
 
       def keep(new, old):
         return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
-      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+      params, opt_state = keep(params, old_params), keep(opt_state, old_opt)
       new_state = keep(new_state, state.model_state)
       ls_state = loss_scale.update(state.loss_scale, finite)
       metrics["loss_scale"] = scale
       metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+    if sharded:  # every device's updated shard → the replicated params
+      params = jax.tree.map(lambda x, lay: lay.unpadded(all_gather_invariant(x, AXIS)), params, layout)
+      opt_state = jax.tree.map(lambda x: x[None], opt_state)
+      if return_grads:
+        combined = jax.tree.map(
+          lambda x, lay: lay.unpadded(all_gather_invariant(x, AXIS)), grad_shards, layout
+        )
     new = TrainState(state.step + 1, params, opt_state, new_state, state.rng, ls_state, sync_state)
     return (new, metrics, combined) if return_grads else (new, metrics)
 
-  state_specs = TrainState(P(), P(), P(), P(), P(), P(), P(AXIS))
+  state_specs = TrainState(P(), P(), P(AXIS) if sharded else P(), P(), P(), P(), P(AXIS))
   out_specs = (state_specs, P(), P()) if return_grads else (state_specs, P())
+  # The two-level sum is point-to-point sends, typed varying, and the same on every device: typing it
+  # invariant would cost a collective over every device, so that step is not type-checked.
+  check_vma = not alone and plan.reduction != "two_level"
   mapped = shard_map(
-    local_step, mesh=mesh, in_specs=(state_specs, P(AXIS)), out_specs=out_specs, check_vma=not alone
+    local_step, mesh=mesh, in_specs=(state_specs, P(AXIS)), out_specs=out_specs, check_vma=check_vma
   )
   if donate is None:
     donate = devices[0].platform != "cpu"

@@ -46,6 +46,7 @@ from qsync_jax.models.flax_quant import quantize
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.sync import get_strategy, make_grad_sync
+from qsync_jax.sync.two_level import check_two_level_sync
 from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
@@ -54,7 +55,7 @@ from qsync_jax.train.outputs import TensorBoardWriter, check_run_dir
 from qsync_jax.train.replan import Replanner, describe, describe_measured
 from qsync_jax.train.strategy_step import make_strategy_step
 from qsync_jax.train.task import Task
-from qsync_jax.train.train_step import SyncFn, make_train_step
+from qsync_jax.train.train_step import SyncFn, check_optimizer_update, make_train_step
 
 # The default of ``Trainer(progress=...)``: ``sys.stderr`` as it is when the trainer is made (a default
 # bound at import would miss a later redirection, e.g. pytest's capture).
@@ -113,6 +114,8 @@ class Trainer:
     self.task, self.seed = task, int(seed)
     optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
     self.sync = _sync_meta(grad_sync, sync_options)
+    check_optimizer_update(plan or Plan(), grad_sync)
+    check_two_level_sync((plan or Plan()).reduction, grad_sync)
     sizes = (plan or Plan()).apply_to(cluster).device_batch_sizes()
     sample = next(iter(task.train_batches(sum(sizes), self.seed)))
     check_batch(sample, sizes, f"task {task.name!r}")
@@ -197,7 +200,8 @@ class Trainer:
     return {
       "task": self.task.name,
       "params": signature(jax.eval_shape(self.program.params_of, self.state)),
-      "plan_fingerprint": self.program.plan.fingerprint(),
+      "plan_fingerprint": self.program.plan.fingerprint(),  # optimizer_update left out: checkpoints
+      # hold the optimizer state whole, so a run resumes another's whatever their optimizer_update
       **self.sync,
       # What shapes the training (not memory or link speeds, which only the planner reads).
       "cluster": [[g.name, g.count, g.batch_per_device] for g in self.program.cluster.groups],
@@ -215,7 +219,7 @@ class Trainer:
       plan=self.program.plan.to_json(),
       replans=self.replanner.history,
     )
-    self.checkpoints.save(self.step, self.state, self.params, meta)
+    self.checkpoints.save(self.step, self.program.full_state(self.state), self.params, meta)
 
   def resume(self, step: int | None = None) -> bool:
     """Restores checkpoint ``step`` (default: latest); False if there is none. The trainer
@@ -223,12 +227,15 @@ class Trainer:
     if self.checkpoints is None or (step is None and self.checkpoints.latest_step() is None):
       return False
     _, saved = self.checkpoints.read_meta(step)
+    like = self.program.full_state(self.state)
     if saved.get("replans") and hasattr(self, "_build"):  # a re-planned run: rebuild its step
       plan = Plan.from_json(saved["plan"])
+      plan = dataclasses.replace(plan, optimizer_update=self.program.plan.optimizer_update)
       if plan.fingerprint() != self.program.plan.fingerprint():
         self.program = self._program_for(plan)
       self.replanner.history[:] = saved["replans"]
-    state, meta = self.checkpoints.restore(self.state, self._meta(), step)
+    state, meta = self.checkpoints.restore(like, self._meta(), step)
+    state = self.program.from_full_state(state)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
     if self.out_dir and self.is_primary:
       _drop_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.step)
@@ -318,14 +325,18 @@ class Trainer:
   def _replan(self, step: int) -> None:
     """Measures the groups and decides (``Replanner.replan``), logs the decision and, when the
     split changes, switches to the step of the new split (built once per split; the state
-    carries over: same devices)."""
+    carries over as it is on the same devices — the replanner drops no group —, else through
+    its full form)."""
     batches, record = self.replanner.replan(step, self.program, self.state, self._sample)
     if record is not None:
       self._say("replan: " + describe(record))
       self._write_replan_line({"step": step, "replan": record}, record)
     if batches is not None:
       plan = self.program.plan
-      self.program = self._program_for(dataclasses.replace(plan, batch_per_device={**plan.batch_per_device, **batches}))
+      program = self._program_for(dataclasses.replace(plan, batch_per_device={**plan.batch_per_device, **batches}))
+      if program.mesh.devices.tolist() != self.program.mesh.devices.tolist():
+        self.state = program.from_full_state(self.program.full_state(self.state))
+      self.program = program
 
   def _note_measured_replans(self) -> None:
     """Logs the measured step of each re-planned split once the replanner has timed it."""
