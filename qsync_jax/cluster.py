@@ -1,16 +1,20 @@
 """Cluster spec: the device groups one synchronous data-parallel job trains on.
 
 A *device group* is a set of identical devices (same type, memory, per-device batch and
-link). A *cluster spec* is an ordered tuple of groups; device ``i`` of the job belongs to the
+links). A *cluster spec* is an ordered tuple of groups; device ``i`` of the job belongs to the
 group whose range of ``count`` devices covers ``i`` (groups take devices in order).
 
 JSON form (YAML too, when PyYAML is installed and the file ends in ``.yaml``/``.yml``)::
 
   {"name": "hybrid",
    "groups": [{"name": "train", "device_type": "A100", "count": 4, "memory_gb": 40,
-               "batch_per_device": 32, "link_gbps": 100},
+               "batch_per_device": 32, "link_gbps": 100, "intra_link_gbps": 2400},
               {"name": "infer", "device_type": "T4", "count": 4, "memory_gb": 16,
                "batch_per_device": 32, "link_gbps": 32}]}
+
+``link_gbps`` is each device's link to the devices of other groups (the NIC); ``intra_link_gbps``
+the bandwidth between two devices of the same group (NVLink, PCIe), the same as ``link_gbps``
+where not given. Both in Gbit/s (2400 is NVLink's 300 GB/s).
 
 On the CPU the simulated devices stand in for the modelled types: ``assign_devices`` maps
 whatever devices the job has onto the groups by position.
@@ -23,6 +27,9 @@ Examples:
   (16, {'a': 0.75, 't': 0.25})
   >>> spec.device_group_indices()
   (0, 0, 1, 1)
+  >>> nvlink = DeviceGroup("a", "A100", 2, 40, 6, link_gbps=100, intra_link_gbps=2400)
+  >>> nvlink.intra_group_gbps, spec.groups[0].intra_group_gbps
+  (2400.0, 100.0)
 """
 
 from __future__ import annotations
@@ -67,7 +74,9 @@ class DeviceGroup:
     count: number of devices in the group.
     memory_gb: memory per device, in GB.
     batch_per_device: examples each device of the group processes per step.
-    link_gbps: bandwidth of each device's link to the all-reduce, in Gbit/s.
+    link_gbps: bandwidth of each device's link to the devices of other groups, in Gbit/s.
+    intra_link_gbps: bandwidth between two devices of the group (NVLink, PCIe), in Gbit/s;
+      None: the same as ``link_gbps`` (``intra_group_gbps``).
   """
 
   name: str
@@ -76,6 +85,7 @@ class DeviceGroup:
   memory_gb: float
   batch_per_device: int
   link_gbps: float = DEFAULT_LINK_GBPS
+  intra_link_gbps: float | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -91,17 +101,29 @@ class DeviceGroup:
     _positive_int(where, "batch_per_device", self.batch_per_device)
     object.__setattr__(self, "memory_gb", _positive_number(where, "memory_gb", self.memory_gb))
     object.__setattr__(self, "link_gbps", _positive_number(where, "link_gbps", self.link_gbps))
+    if self.intra_link_gbps is not None:
+      intra = _positive_number(where, "intra_link_gbps", self.intra_link_gbps)
+      object.__setattr__(self, "intra_link_gbps", intra)
 
   @property
   def batch(self) -> int:
     """Examples the whole group processes per step."""
     return self.count * self.batch_per_device
 
+  @property
+  def intra_group_gbps(self) -> float:
+    """Bandwidth between two devices of the group, Gbit/s: ``intra_link_gbps``, else ``link_gbps``."""
+    return self.link_gbps if self.intra_link_gbps is None else self.intra_link_gbps
+
   def replace(self, **changes) -> DeviceGroup:
     return dataclasses.replace(self, **changes)
 
   def to_json(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    """The group's fields; ``intra_link_gbps`` only where given."""
+    out = dataclasses.asdict(self)
+    if self.intra_link_gbps is None:
+      del out["intra_link_gbps"]
+    return out
 
 
 _GROUP_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceGroup))

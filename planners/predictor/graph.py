@@ -11,10 +11,23 @@ remainder (forward, backward) → for each op in reverse: [cast] → dlhs → dr
   at another precision. The first op takes the model input: it has no dlhs leg.
 * Where the profile traced the op inside the all-int8 step, its int8/fp8 legs cost their
   standalone time times the op's in-step factors (``in_step_factors``).
-* Gradients are all-reduced in buckets of at most ``bucket_bytes`` (``buckets``): one ``comm``
-  node per bucket, shared by all groups, starts when every group's backward has produced the
-  bucket and after the previous bucket, overlapping the rest of the backward. Each group's
-  optimizer update of a bucket runs after that bucket's all-reduce.
+* The gradients are combined and the parameters updated as ``Comm`` says (formulas in
+  ``planners.predictor.collectives``; every ``comm`` node carries its ``phase``):
+
+  - ``flat`` + ``replicated``: the gradients are all-reduced in buckets of at most
+    ``bucket_bytes`` (``buckets``): one ``all-reduce`` node per bucket, shared by all groups,
+    starts when every group's backward has produced the bucket and after the previous bucket,
+    overlapping the rest of the backward. Each group's optimizer update of a bucket runs after
+    that bucket's all-reduce.
+  - ``flat`` + ``sharded``: the same buckets are reduce-scattered (``reduce-scatter`` nodes, in
+    place of the all-reduce); each group's update of a bucket's shard (``optimizer_ms / N`` of
+    its share) runs after its reduce-scatter; a bucket's updated shards are all-gathered
+    (``all-gather`` nodes) once every group has updated them and after the last reduce-scatter.
+  - ``two_level`` (+ ``replicated``): once every group's backward is done, the whole gradient is
+    reduced inside every group by a tree (an ``intra reduce`` node), all-reduced among the
+    group leaders (``inter all-reduce``), broadcast back inside every group (``intra
+    broadcast``), each a shared node over all of the comm's groups; then each group runs the
+    whole optimizer update. No overlap.
 
 Times scale linearly with the group's batch over the profiled batch. ``longest_path`` gives
 every node's start and end; the synchronous step is the latest end.
@@ -26,8 +39,16 @@ import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from planners.catalog import allreduce_ms
+from planners.predictor.collectives import (
+  all_gather_ms,
+  allreduce_ms,
+  reduce_scatter_ms,
+  round_ring_allreduce_ms,
+  tree_ms,
+)
 from planners.profile import GroupCost, Profile
+from qsync_jax.errors import PlanError
+from qsync_jax.plan import OPTIMIZER_UPDATES, REDUCTIONS
 from qsync_jax.precision import PRESETS, QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.sync.allreduce import pack
 
@@ -37,6 +58,8 @@ DEFAULT_LATENCY_US = 10.0
 """Fixed cost of one all-reduce collective when no link microbenchmark measured it."""
 PRESET_NAMES = {pol: name for name, pol in PRESETS.items()}
 LEG_NAMES = ("dlhs", "drhs")
+SHARED = "allreduce"
+"""``Node.group`` of the collectives every group takes part in."""
 
 
 class Node(NamedTuple):
@@ -50,18 +73,55 @@ class Node(NamedTuple):
   deps: tuple[int, ...] = ()
   op: str | None = None
   precision: str | None = None
+  phase: str | None = None  # comm nodes: all-reduce | reduce-scatter | all-gather | intra reduce | …
+
+
+class GroupLink(NamedTuple):
+  """A device group as the two-level reduction sees it: its running devices and the bandwidth
+  between two of them (Gbit/s)."""
+
+  n_devices: int
+  intra_link_gbps: float
 
 
 @dataclasses.dataclass(frozen=True)
 class Comm:
-  """The shared gradient all-reduce: ``n_devices`` in a ring over the slowest link, in buckets
-  of ``bucket_bytes`` packed in ``bucket_order`` (``buckets``)."""
+  """How the step combines gradients and updates parameters (module docstring).
+
+  ``flat``: ``n_devices`` in one ring over ``link_gbps`` (the slowest link the ring crosses), in
+  buckets of ``bucket_bytes`` packed in ``bucket_order`` (``buckets``), all-reduced
+  (``optimizer_update="replicated"``) or reduce-scattered and all-gathered (``"sharded"``).
+  ``two_level``: a tree inside each of ``groups`` over its ``intra_link_gbps`` and a ring of the
+  groups' leaders over ``leader_link_gbps``; replicated update only. Every collective (every
+  round of a two-level stage) pays ``latency_us``."""
 
   n_devices: int
   link_gbps: float
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   latency_us: float = DEFAULT_LATENCY_US
   bucket_order: str = "tree"
+  reduction: str = "flat"
+  optimizer_update: str = "replicated"
+  groups: tuple[GroupLink, ...] = ()
+  leader_link_gbps: float | None = None
+
+  def __post_init__(self):
+    for field, allowed in (("reduction", REDUCTIONS), ("optimizer_update", OPTIMIZER_UPDATES)):
+      if getattr(self, field) not in allowed:
+        raise PlanError(
+          f"{field}={getattr(self, field)!r} is not one of {list(allowed)}. Fix: use one of them."
+        )
+    if (self.reduction, self.optimizer_update) == ("two_level", "sharded"):
+      raise PlanError(
+        "reduction='two_level' with optimizer_update='sharded' is not a combination the trainer runs. "
+        "Fix: use reduction='flat' with optimizer_update='sharded', or reduction='two_level' with "
+        "optimizer_update='replicated'."
+      )
+    if self.reduction == "two_level" and (not self.groups or self.leader_link_gbps is None):
+      raise ValueError(
+        "Comm(reduction='two_level') needs groups and leader_link_gbps. "
+        "Fix: build it with planners.predictor.replay.comm_for."
+      )
 
 
 def float_precision(profile: Profile) -> str:
@@ -143,7 +203,23 @@ def tree_position(op_name: str) -> tuple[str, ...]:
   return tuple(op_name.split(":")[0].split("/"))
 
 
+_BUCKETS: dict[tuple[int, int, str], tuple[Profile, tuple[tuple[int, int], ...]]] = {}
+"""``buckets``' results by (profile identity, bucket_bytes, order): a planner replays one
+profile's buckets thousands of times (the entry holds the profile, so its id is not reused)."""
+
+
 def buckets(profile: Profile, bucket_bytes: int, order: str = "tree") -> list[tuple[int, int]]:
+  """``_pack_buckets``, memoized per profile object (profiles are frozen)."""
+  key = (id(profile), bucket_bytes, order)
+  hit = _BUCKETS.get(key)
+  if hit is None or hit[0] is not profile:
+    if len(_BUCKETS) >= 256:
+      _BUCKETS.clear()
+    hit = _BUCKETS[key] = (profile, tuple(_pack_buckets(profile, bucket_bytes, order)))
+  return list(hit[1])
+
+
+def _pack_buckets(profile: Profile, bucket_bytes: int, order: str) -> list[tuple[int, int]]:
   """``[(index of the op whose drhs completes the bucket, fp32 gradient bytes)]``, in the order
   the collectives run (the one completed first first).
 
@@ -179,11 +255,6 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
   pass a memoized one)."""
   cost_fn = cost_fn or op_costs
   nodes: list[Node] = []
-
-  def add(node: Node) -> int:
-    nodes.append(node)
-    return len(nodes) - 1
-
   closing = []  # per group: {op index: node index of its drhs}
   last = []
   for g in groups:
@@ -194,39 +265,91 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
     costs = [cost_fn(g, i) for i in range(len(prof.ops))]
     for op, c in zip(prof.ops, costs):
       ms, p = c["fwd"]
-      prev = (add(Node(f"{op.name} fwd", "fwd", g.name, "compute", ms, prev, op.name, p)),)
+      prev = (_add(nodes, Node(f"{op.name} fwd", "fwd", g.name, "compute", ms, prev, op.name, p)),)
     for part in ("fwd", "bwd"):
       ms = scale * prof.remainder_ms[part]
-      prev = (add(Node(f"remainder {part}", "remainder", g.name, "compute", ms, prev)),)
+      prev = (_add(nodes, Node(f"remainder {part}", "remainder", g.name, "compute", ms, prev)),)
     for i in reversed(range(len(prof.ops))):
       op, c = prof.ops[i], costs[i]
       for kind in ("cast_bwd", "dlhs", "drhs"):
         if kind in c:
           ms, p = c[kind]
           node_kind = "cast" if kind.startswith("cast") else kind
-          prev = (add(Node(f"{op.name} {kind}", node_kind, g.name, "compute", ms, prev, op.name, p)),)
+          prev = (_add(nodes, Node(f"{op.name} {kind}", node_kind, g.name, "compute", ms, prev, op.name, p)),)
       drhs_nodes[i] = prev[0]
     closing.append(drhs_nodes)
     last.append(prev[0])
 
-  comm_prev: tuple[int, ...] = ()
-  comm_nodes = []
   plan = buckets(groups[0].profile, comm.bucket_bytes, comm.bucket_order)
-  for b, (op_index, nbytes) in enumerate(plan):
-    ready = tuple(closing[j][op_index] for j in range(len(groups)))
-    ms = allreduce_ms(nbytes, comm.n_devices, comm.link_gbps, comm.latency_us)
-    name = f"all-reduce bucket {b} ({nbytes / 2**20:.1f} MiB)"
-    comm_prev = (add(Node(name, "comm", "allreduce", "comm", ms, ready + comm_prev)),)
-    comm_nodes.append(comm_prev[0])
-
-  total = sum(nbytes for _, nbytes in plan)
-  for j, g in enumerate(groups):
-    prev = (last[j],)
-    for b, (_, nbytes) in enumerate(plan):
-      name = "optimizer" if len(plan) == 1 else f"optimizer (bucket {b})"
-      ms = g.profile.optimizer_ms * nbytes / total
-      prev = (add(Node(name, "optimizer", g.name, "compute", ms, (*prev, comm_nodes[b]))),)
+  if comm.reduction == "two_level":
+    _two_level(nodes, groups, comm, plan, last)
+  else:
+    _flat(nodes, groups, comm, plan, closing, last)
   return nodes
+
+
+def _add(nodes: list[Node], node: Node) -> int:
+  nodes.append(node)
+  return len(nodes) - 1
+
+
+def _bucket_collectives(nodes, plan, ready, phase: str, ms_of, after: tuple[int, ...] = ()) -> list[int]:
+  """One shared ``comm`` node per bucket of ``plan``, in order: bucket ``b`` after ``ready(b)``
+  and the previous one (the first after ``after``), costing ``ms_of(bytes)``."""
+  out, prev = [], after
+  for b, (_, nbytes) in enumerate(plan):
+    name = f"{phase} bucket {b} ({nbytes / 2**20:.1f} MiB)"
+    prev = (_add(nodes, Node(name, "comm", SHARED, "comm", ms_of(nbytes), ready(b) + prev, phase=phase)),)
+    out.append(prev[0])
+  return out
+
+
+def _flat(nodes, groups, comm: Comm, plan, closing, last) -> None:
+  """The ``flat`` collectives and the optimizer nodes after them (module docstring)."""
+  n, link, lat = comm.n_devices, comm.link_gbps, comm.latency_us
+  sharded = comm.optimizer_update == "sharded"
+
+  def produced(b: int) -> tuple[int, ...]:
+    return tuple(closing[j][plan[b][0]] for j in range(len(groups)))
+
+  if sharded:
+    first = _bucket_collectives(
+      nodes, plan, produced, "reduce-scatter", lambda s: reduce_scatter_ms(s, n, link, lat)
+    )
+  else:
+    first = _bucket_collectives(nodes, plan, produced, "all-reduce", lambda s: allreduce_ms(s, n, link, lat))
+  total = sum(nbytes for _, nbytes in plan)
+  share, label = (1 / n, "optimizer shard") if sharded else (1.0, "optimizer")
+  updated = []  # per group: the node index of its update of each bucket
+  for j, g in enumerate(groups):
+    prev, mine = (last[j],), []
+    for b, (_, nbytes) in enumerate(plan):
+      name = label if len(plan) == 1 else f"{label} (bucket {b})"
+      ms = g.profile.optimizer_ms * share * nbytes / total
+      prev = (_add(nodes, Node(name, "optimizer", g.name, "compute", ms, (*prev, first[b]))),)
+      mine.append(prev[0])
+    updated.append(mine)
+  if sharded:
+
+    def all_updated(b: int) -> tuple[int, ...]:
+      return tuple(mine[b] for mine in updated)
+
+    _bucket_collectives(
+      nodes, plan, all_updated, "all-gather", lambda s: all_gather_ms(s, n, link, lat), after=(first[-1],)
+    )
+
+
+def _two_level(nodes, groups, comm: Comm, plan, last) -> None:
+  """The ``two_level`` stages on the whole gradient and each group's optimizer after them."""
+  total = sum(nbytes for _, nbytes in plan)
+  size = f"{total / 2**20:.1f} MiB"
+  tree = tree_ms(total, comm.groups, comm.latency_us)
+  ring = round_ring_allreduce_ms(total, len(comm.groups), comm.leader_link_gbps, comm.latency_us)
+  prev = tuple(last)
+  for phase, ms in (("intra reduce", tree), ("inter all-reduce", ring), ("intra broadcast", tree)):
+    prev = (_add(nodes, Node(f"{phase} ({size})", "comm", SHARED, "comm", ms, prev, phase=phase)),)
+  for j, g in enumerate(groups):
+    _add(nodes, Node("optimizer", "optimizer", g.name, "compute", g.profile.optimizer_ms, (last[j], *prev)))
 
 
 def longest_path(nodes: Sequence[Node]) -> list[tuple[float, float]]:

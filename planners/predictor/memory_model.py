@@ -239,9 +239,11 @@ def other_bytes(profile: Profile, op_policies: Mapping[str, OpPolicy | None]) ->
   return (1 - share) * mem["other_bytes"] + share * mem["other_bytes_16bit"]
 
 
-def memory_bytes(group: GroupCost, memory_fn=None) -> int:
+def memory_bytes(group: GroupCost, memory_fn=None, optimizer_shards: int = 1) -> int:
   """Peak bytes on one device of ``group``; see the module docstring. ``memory_fn`` defaults
-  to ``op_memory`` (a caller evaluating many plans may pass a memoized one)."""
+  to ``op_memory`` (a caller evaluating many plans may pass a memoized one);
+  ``optimizer_shards``: the number of devices the optimizer state is sharded over (a plan's
+  ``optimizer_update: "sharded"``: each holds ``opt_state_bytes / N``)."""
   memory_fn = memory_fn or op_memory
   prof = group.profile
   scale = group.batch_per_device / prof.batch_per_device
@@ -249,7 +251,7 @@ def memory_bytes(group: GroupCost, memory_fn=None) -> int:
   terms = [memory_fn(group, i) for i in range(len(prof.ops))]
   base = (
     2 * mem["param_bytes"]
-    + mem["opt_state_bytes"]
+    + mem["opt_state_bytes"] / optimizer_shards
     + scale * (mem["batch_bytes"] + other_bytes(prof, group.op_policies))
   )
   backward = base + sum(t.kept for t in terms) + max((t.transient for t in terms), default=0)

@@ -4,9 +4,12 @@
 device group (its profile, policy and batch) and the memory model of ``planners.predictor.memory_model``,
 and returns a ``Prediction``: ``step_ms`` (the synchronous step, the longest path),
 ``group_step_ms`` (each group's step were every device like it: the straggler),
-``group_compute_ms`` (forward + backward + optimizer, no communication) and ``memory_bytes``
-(peak per device of each group). A group whose device type has no profile gets one modeled
-from the catalog (``planners.predictor.modeled``), labelled so in ``sources``.
+``group_compute_ms`` (forward + backward + optimizer, no communication), ``memory_bytes``
+(peak per device of each group), and where the step's time goes: ``comm_ms_by_phase``,
+``exposed_comm_ms`` and ``optimizer_tail_ms`` (``Prediction``). The plan's ``reduction`` and
+``optimizer_update`` choose the collectives (``comm_for``; ``planners.predictor.graph``). A group
+whose device type has no profile gets one modeled from the catalog
+(``planners.predictor.modeled``), labelled so in ``sources``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from planners.predictor.graph import (
   DEFAULT_BUCKET_BYTES,
   DEFAULT_LATENCY_US,
   Comm,
+  GroupLink,
   Node,
   build_graph,
   longest_path,
@@ -32,7 +36,14 @@ from qsync_jax.plan import Plan
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-  """Predicted step of a plan; see the module docstring. Times in ms, memory in bytes."""
+  """Predicted step of a plan; see the module docstring. Times in ms, memory in bytes.
+
+  ``comm_ms_by_phase``: the time of each phase of the collectives (``Node.phase``: ``all-reduce``;
+  ``reduce-scatter``, ``all-gather``; ``intra reduce``, ``inter all-reduce``, ``intra
+  broadcast``), summed over its buckets; ``comm_ms`` is their sum. ``exposed_comm_ms``: per
+  group, the time collectives run while its devices compute nothing (not overlapped).
+  ``optimizer_tail_ms``: per group, the optimizer update's time on each of its devices (all of
+  it replicated, a ``1/N`` share sharded)."""
 
   step_ms: float
   group_step_ms: dict[str, float]
@@ -41,6 +52,9 @@ class Prediction:
   memory_limit_bytes: dict[str, int]
   comm_ms: float
   sources: dict[str, str]
+  comm_ms_by_phase: dict[str, float] = dataclasses.field(default_factory=dict)
+  exposed_comm_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+  optimizer_tail_ms: dict[str, float] = dataclasses.field(default_factory=dict)
   nodes: tuple[Node, ...] = ()
   times: tuple[tuple[float, float], ...] = ()
 
@@ -49,7 +63,17 @@ class Prediction:
     return all(self.memory_bytes[g] <= self.memory_limit_bytes[g] for g in self.memory_bytes)
 
   def to_json(self) -> dict:
-    fields = ("step_ms", "group_step_ms", "group_compute_ms", "memory_bytes", "memory_limit_bytes", "comm_ms")
+    fields = (
+      "step_ms",
+      "group_step_ms",
+      "group_compute_ms",
+      "memory_bytes",
+      "memory_limit_bytes",
+      "comm_ms",
+      "comm_ms_by_phase",
+      "exposed_comm_ms",
+      "optimizer_tail_ms",
+    )
     return {**{f: getattr(self, f) for f in fields}, "cost_source": self.sources}
 
 
@@ -79,17 +103,40 @@ def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Pla
   return out
 
 
+def flat_ring_gbps(cluster: ClusterSpec) -> float:
+  """The link of a ring over every device of ``cluster``: the slowest link it crosses. Inside one
+  group its ``intra_group_gbps``; across groups the slowest ``link_gbps`` and
+  ``intra_group_gbps`` of every group."""
+  if len(cluster.groups) == 1:
+    return cluster.groups[0].intra_group_gbps
+  return min(min(g.link_gbps, g.intra_group_gbps) for g in cluster.groups)
+
+
 def comm_for(
   cluster: ClusterSpec,
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
   latency_us: float = DEFAULT_LATENCY_US,
   bucket_order: str = "tree",
+  *,
+  reduction: str = "flat",
+  optimizer_update: str = "replicated",
 ) -> Comm:
-  """The all-reduce of ``cluster``: all its devices, in a ring limited by the slowest link,
-  each collective paying ``latency_us``, in buckets packed in ``bucket_order``
-  (``planners.predictor.graph.buckets``)."""
-  links = min(g.link_gbps for g in cluster.groups)
-  return Comm(cluster.num_devices, links, bucket_bytes, latency_us, bucket_order)
+  """The collectives of ``cluster`` (its running groups: a plan's ``apply_to``), each paying
+  ``latency_us``: ``flat``, one ring over all its devices on ``flat_ring_gbps``, in buckets
+  packed in ``bucket_order`` (``planners.predictor.graph.buckets``); ``two_level``, a tree inside
+  each group on its ``intra_group_gbps`` and a ring of the group leaders on the slowest
+  ``link_gbps``. ``PlanError`` for ``two_level`` with a ``sharded`` update."""
+  return Comm(
+    cluster.num_devices,
+    flat_ring_gbps(cluster),
+    bucket_bytes,
+    latency_us,
+    bucket_order,
+    reduction,
+    optimizer_update,
+    tuple(GroupLink(g.count, g.intra_group_gbps) for g in cluster.groups),
+    min(g.link_gbps for g in cluster.groups),
+  )
 
 
 def sync_step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:
@@ -106,23 +153,67 @@ def predict(
   bucket_order: str = "tree",
 ) -> Prediction:
   """Predicted step time and memory of ``plan`` on ``cluster``; see the module docstring.
-  ``latency_us`` is the fixed cost of each all-reduce bucket; ``bucket_order`` how the
-  gradients are packed into buckets: ``"tree"`` by XLA's combiner (the trainer's default),
-  ``"backward"`` by an all-reduce with ``bucket_bytes``."""
+  ``latency_us`` is the fixed cost of each collective (each round of a two-level stage);
+  ``bucket_order`` how the gradients are packed into buckets: ``"tree"`` by XLA's combiner
+  (the trainer's default), ``"backward"`` by an all-reduce with ``bucket_bytes``."""
+  comm = comm_for(
+    plan.apply_to(cluster),
+    bucket_bytes,
+    latency_us,
+    bucket_order,
+    reduction=plan.reduction,
+    optimizer_update=plan.optimizer_update,
+  )
   groups = group_costs(cluster, profiles, plan)
-  comm = comm_for(plan.apply_to(cluster), bucket_bytes, latency_us, bucket_order)
   nodes = build_graph(groups, comm)
   times = longest_path(nodes)
+  by_phase = comm_ms_by_phase(nodes)
+  shards = comm.n_devices if plan.optimizer_update == "sharded" else 1
   return Prediction(
     step_ms=max(end for _, end in times),
     group_step_ms={g.name: sync_step_ms([g], comm) for g in groups},
     group_compute_ms={
       g.name: sum(n.ms for n in nodes if n.group == g.name and n.stream == "compute") for g in groups
     },
-    memory_bytes={g.name: memory_bytes(g) for g in groups},
+    memory_bytes={g.name: memory_bytes(g, optimizer_shards=shards) for g in groups},
     memory_limit_bytes={g.name: int(g.memory_gb * 1e9) for g in cluster.groups},
-    comm_ms=sum(n.ms for n in nodes if n.stream == "comm"),
+    comm_ms=sum(by_phase.values()),
     sources={g.name: f"{g.profile.source} ({g.profile.device_type})" for g in groups},
+    comm_ms_by_phase=by_phase,
+    exposed_comm_ms={g.name: exposed_comm_ms(nodes, times, g.name) for g in groups},
+    optimizer_tail_ms={
+      g.name: sum(n.ms for n in nodes if n.group == g.name and n.kind == "optimizer") for g in groups
+    },
     nodes=tuple(nodes),
     times=tuple(times),
   )
+
+
+def comm_ms_by_phase(nodes: Sequence[Node]) -> dict[str, float]:
+  """``{phase: ms}``: the comm nodes' times summed per ``Node.phase``."""
+  out: dict[str, float] = {}
+  for n in nodes:
+    if n.stream == "comm":
+      out[n.phase] = out.get(n.phase, 0.0) + n.ms
+  return out
+
+
+def exposed_comm_ms(nodes: Sequence[Node], times: Sequence[tuple[float, float]], group: str) -> float:
+  """ms during which a collective runs (every one is shared by all groups) and ``group``'s
+  compute stream is idle: the length of the union of the collectives' intervals less its
+  overlap with the union of the group's compute intervals."""
+  comm = _union([t for n, t in zip(nodes, times) if n.stream == "comm"])
+  compute = _union([t for n, t in zip(nodes, times) if n.stream == "compute" and n.group == group])
+  overlap = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in comm for s2, e2 in compute)
+  return sum(e - s for s, e in comm) - overlap
+
+
+def _union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+  """Disjoint sorted intervals covering the same points as ``intervals`` (empty ones dropped)."""
+  out: list[tuple[float, float]] = []
+  for s, e in sorted(t for t in intervals if t[1] > t[0]):
+    if out and s <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], e))
+    else:
+      out.append((s, e))
+  return out

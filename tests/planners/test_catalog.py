@@ -5,8 +5,12 @@ import pytest
 from planners import catalog
 from planners.catalog import gemm_roofline_ms, parallel_fraction
 from planners.ops import OpShape
-from planners.predictor.modeled import leg_ms, modeled_cast
+from planners.predictor import modeled
+from planners.predictor.modeled import leg_ms, modeled_cast, modeled_profile, quantize_leg_ms
+from planners.profile import Profile
 from qsync_jax.devices import DEVICES, device
+
+MEMORY = {"param_bytes": 800, "opt_state_bytes": 1600, "batch_bytes": 0, "other_bytes": 0}
 
 
 def test_every_device_has_a_rate_for_each_precision_it_runs_and_its_sms():
@@ -30,12 +34,32 @@ def test_output_tiles_run_in_waves_of_the_sm_count():
   assert parallel_fraction(h100, "bf16", 128, 4 * catalog.SPLIT_K_DEPTH, 128) == pytest.approx(4 / 132)
 
 
+def test_gemm_efficiency_grows_with_the_products_time_toward_its_maximum():
+  e_max, half = catalog.GEMM_EFFICIENCY_MAX, catalog.GEMM_HALF_US
+  # a product that takes GEMM_HALF_US at the peak sustains half the maximum; a long one nearly all
+  assert catalog.gemm_efficiency(half) == pytest.approx(e_max / 2)
+  assert catalog.gemm_efficiency(1e3 * half) == pytest.approx(e_max * 1e3 / 1001)
+  # so a product pays GEMM_HALF_US / GEMM_EFFICIENCY_MAX on top of its flops at the sustained rate,
+  # once, not once per idle SM: a one-tile product on an H100 is not 132 × that overhead
+  h100 = device("H100")
+  launch = h100.launch_us * 1e-3
+  t_us = 1e6 * 2 * 128 * 64 * 128 / (989e12 / 132)  # one 128 × 128 tile on one of 132 SMs
+  want = 1e-3 * (t_us + half) / e_max
+  assert gemm_roofline_ms(h100, "bf16", 128, 64, 128) - launch == pytest.approx(want)
+  # the same product is longer on a slower (throttled) card: a larger share of its peak there
+  t4 = device("T4")
+  assert catalog.gemm_efficiency(1e6 * 1e9 / (65e12 * t4.derate)) > catalog.gemm_efficiency(
+    1e6 * 1e9 / 989e12
+  )
+
+
 def test_a_large_product_is_compute_bound_at_the_sustained_rate_and_a_thin_one_memory_bound():
   h100 = device("H100")
   m = k = n = 128 * 132  # 132 tiles of 128 × 128 per row of tiles: full waves
   launch = h100.launch_us * 1e-3
-  rate = 989e12 * catalog.GEMM_EFFICIENCY
-  assert gemm_roofline_ms(h100, "bf16", m, k, n) == pytest.approx(2e3 * m * k * n / rate + launch)
+  t_us = 1e6 * 2.0 * m * k * n / 989e12
+  compute = 1e-3 * t_us / catalog.gemm_efficiency(t_us)
+  assert gemm_roofline_ms(h100, "bf16", m, k, n) == pytest.approx(compute + launch)
   conv = gemm_roofline_ms(h100, "bf16", m, k, n, conv=True)
   assert conv - launch == pytest.approx(
     (gemm_roofline_ms(h100, "bf16", m, k, n) - launch) / catalog.CONV_EFFICIENCY
@@ -55,7 +79,7 @@ def test_a_large_product_is_compute_bound_at_the_sustained_rate_and_a_thin_one_m
   )
 
 
-def test_a_16_bit_leg_pays_half_of_its_operands_fused_conversions_and_an_8_bit_one_its_quantization():
+def test_a_16_bit_leg_pays_half_of_its_operands_fused_conversions():
   h100 = device("H100")
   op = OpShape("mlp:dense", "dense", 1, 4096, 768, 3072, 1, 4096 * 768, 768 * 3072, 4096 * 3072)
   for leg, (a, b) in {"fwd": (op.lhs_elems, op.rhs_elems), "drhs": (op.lhs_elems, op.out_elems)}.items():
@@ -64,9 +88,43 @@ def test_a_16_bit_leg_pays_half_of_its_operands_fused_conversions_and_an_8_bit_o
     gemm = gemm_roofline_ms(h100, "bf16", m, k, n, 1, (a, b, out))
     assert leg_ms(h100, op, leg, "bf16") == pytest.approx(gemm + catalog.memory_ms(h100, 2 * (a + b)) / 2)
     assert leg_ms(h100, op, leg, "fp32") == gemm_roofline_ms(h100, "fp32", m, k, n, 1, (a, b, out))
-  bf16, int8 = modeled_cast(h100, "fp32->bf16"), modeled_cast(h100, "fp32->int8")
+  bf16 = modeled_cast(h100, "fp32->bf16")
   assert bf16.b == 0.0 and bf16.a == pytest.approx(catalog.memory_ms(h100, 2))  # the copy's write
-  assert int8.b > 0 and int8.a == pytest.approx(catalog.memory_ms(h100, 4 + 4 + 1))  # absmax, scale
+
+
+def test_an_8_bit_leg_pays_the_quantize_kernels_the_trainer_runs_at_their_measured_rate():
+  h100, a10 = device("H100"), device("A10")
+  t, k, n = 4096, 768, 3072
+  op = OpShape("mlp:dense", "dense", 1, t, k, n, 1, t * k, k * n, t * n)
+  launch = h100.launch_us * 1e-3
+  per_byte = 1e3 / (3350e9 * catalog.QUANTIZE_EFFICIENCY)
+  # forward: X (fp32) per row, read once, int8 written; W (fp32) per column, read twice (absmax, then
+  # the kernel), int8 written; three kernels
+  fwd = (5 * t * k + 9 * k * n) * per_byte + 3 * launch
+  assert quantize_leg_ms(h100, op, "fwd") == pytest.approx(fwd)
+  # backward: dY (fp32) quantized once for both legs, two passes, two int8 copies: half each
+  assert quantize_leg_ms(h100, op, "dlhs") == quantize_leg_ms(h100, op, "drhs")
+  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(((8 + 2) * t * n * per_byte + 2 * launch) / 2)
+  gemm = gemm_roofline_ms(h100, "int8", t, k, n, 1, (t * k, k * n, t * n))
+  assert leg_ms(h100, op, "fwd", "int8") == pytest.approx(gemm + fwd)
+  # the same bytes cost in proportion to the bandwidth on another device (600 GB/s on an A10)
+  assert quantize_leg_ms(a10, op, "fwd") - 3 * launch == pytest.approx((fwd - 3 * launch) * 3350 / 600)
+  int8, dequantize = modeled_cast(h100, "fp32->int8"), modeled_cast(h100, "int8->fp32")
+  assert int8.b == launch and int8.a == pytest.approx(5 * per_byte)  # the per-row kernel
+  assert dequantize.b == launch and dequantize.a == pytest.approx(catalog.memory_ms(h100, 1 + 4))
+
+
+def test_the_remainder_is_bytes_per_op_output_element_by_kind_without_attention_scores():
+  h100 = device("H100")
+  conv = OpShape("c:conv", "conv", 1, 100, 9, 8, 2, 800, 72, 800)
+  dense = OpShape("d:dense", "dense", 1, 100, 8, 16, 1, 800, 128, 1600)
+  scores = OpShape("a:attention_qk", "attention_qk", 4, 100, 4, 100, 1, 1600, 1600, 40000)
+  want = catalog.memory_ms(h100, modeled.REST_BYTES["conv"] * 2 * 800 + modeled.REST_BYTES["other"] * 1600)
+  assert modeled.remainder_ms(h100, [conv, dense, scores]) == pytest.approx(want)
+  prof = modeled_profile(
+    Profile("m", "cpu", "traced", 2, (conv, dense, scores), {}, {}, 0.0, {}, MEMORY), "H100"
+  )
+  assert sum(prof.remainder_ms.values()) == pytest.approx(want)
 
 
 def test_an_embedding_lookup_is_costed_as_a_gather_not_a_product():
@@ -83,7 +141,9 @@ def test_estimated_costs_name_the_unchecked_precisions_of_modeled_groups():
 
   sources = {"train": "modeled (H100)", "infer": "modeled (T4)", "local": "measured (cpu)"}
   types = {"train": "H100", "infer": "T4", "local": "cpu"}
-  lines = estimated_costs(types, sources, {"train": {"bf16": 3}, "infer": {"int8_fwd": 2, "fp16": 1}, "local": {}})
+  lines = estimated_costs(
+    types, sources, {"train": {"bf16": 3}, "infer": {"int8_fwd": 2, "fp16": 1}, "local": {}}
+  )
   assert lines == [
     "infer (T4): fp16, int8 costs are datasheet estimates (the catalog's T4 is never measured)"
   ]  # H100 bf16 was checked against measured steps; a measured profile is no estimate

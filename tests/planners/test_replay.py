@@ -8,11 +8,12 @@ import pytest
 
 from planners.catalog import allreduce_ms
 from planners.predictor.graph import Comm, buckets, build_graph, in_step_factors, longest_path
-from planners.predictor.replay import predict, sync_step_ms
+from planners.predictor.replay import comm_for, predict, sync_step_ms
 from planners.predictor.timeline import chrome_trace, save_png
 from planners.profile import GroupCost
 from planners.profiler.fit import fit_remainder, one_device
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
@@ -245,3 +246,138 @@ def test_an_op_traced_in_the_int8_step_takes_its_own_forward_and_backward_factor
     assert step(traced, PrecisionPolicy.uniform(float_plan)) == step(
       prof, PrecisionPolicy.uniform(float_plan)
     )
+
+
+# -- the cluster's links, the two-level reduction and the sharded update ---------------------
+
+
+def test_default_fields_reproduce_the_single_ring_over_the_slowest_link():
+  # the trace test's cluster: 2 groups x 2 devices at 1 Gbit/s, no intra_link_gbps; the
+  # gradient (1.25e6 B, one bucket) in one ring over 4 devices: 2·(3/4)·10 ms + 10 µs
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, optimizer_ms=1.0)
+  cluster = _cluster()
+  pred = predict(cluster, {"cpu": prof}, Plan.uniform(cluster, "fp32"))
+  ring = Comm(4, 1.0)  # what a flat ring over every device at the slowest link_gbps priced
+  groups = [GroupCost(g, prof, _fp32(prof), 8) for g in ("a", "b")]
+  assert pred.step_ms == sync_step_ms(groups, ring) == pytest.approx(10.0 + 15.01 + 1.0)
+  assert pred.comm_ms == pytest.approx(15.01) and pred.comm_ms_by_phase == {"all-reduce": pred.comm_ms}
+  explicit = Plan.uniform(cluster, "fp32")
+  assert (explicit.reduction, explicit.optimizer_update) == ("flat", "replicated")
+  # an intra link equal to the inter link prices the same
+  same = ClusterSpec(tuple(g.replace(intra_link_gbps=1.0) for g in cluster.groups))
+  assert predict(same, {"cpu": prof}, explicit).step_ms == pred.step_ms
+  assert pred.optimizer_tail_ms == {"a": 1.0, "b": 1.0}
+
+
+def test_the_flat_ring_runs_at_the_slowest_link_it_crosses():
+  def spec(*groups):
+    return ClusterSpec(tuple(DeviceGroup(n, "cpu", 4, 1.0, 8, link, intra) for n, link, intra in groups))
+
+  # within one group: its intra link only (the NIC is not crossed)
+  assert comm_for(spec(("a", 1.0, 24.0))).link_gbps == 24.0
+  assert comm_for(spec(("a", 1.0, None))).link_gbps == 1.0
+  # across groups: the slowest link_gbps and intra_link_gbps of every group
+  assert comm_for(spec(("a", 10.0, 24.0), ("b", 4.0, None))).link_gbps == 4.0
+  assert comm_for(spec(("a", 10.0, 24.0), ("b", 4.0, 2.0))).link_gbps == 2.0
+  # the leaders' ring of two_level: the slowest link_gbps; each group's tree its intra link
+  comm = comm_for(spec(("a", 10.0, 24.0), ("b", 4.0, 2.0)), reduction="two_level")
+  assert comm.leader_link_gbps == 4.0 and [(g.n_devices, g.intra_link_gbps) for g in comm.groups] == [
+    (4, 24.0),
+    (4, 2.0),
+  ]
+
+
+def _nvlink_pair(n_per_group):
+  """Two groups of ``n_per_group`` devices: 24 Gbit/s inside each, 1 Gbit/s between them."""
+  return ClusterSpec(tuple(DeviceGroup(n, "cpu", n_per_group, 1.0, 8, 1.0, 24.0) for n in ("a", "b")))
+
+
+def _reductions(cluster, latency_us=0.0):
+  # ops A and B (fwd 1, dlhs 2, drhs 3 ms), 625000 B of gradient each, one bucket per op
+  prof = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, optimizer_ms=1.0)
+  return {
+    r: predict(
+      cluster,
+      {"cpu": prof},
+      Plan(reduction=r),
+      bucket_bytes=4 * ELEMS,
+      latency_us=latency_us,
+    )
+    for r in ("flat", "two_level")
+  }
+
+
+def test_two_level_beats_flat_with_fast_links_inside_groups_of_several_devices():
+  pred = _reductions(_nvlink_pair(4))
+  # flat: each bucket over 8 devices at 1 Gbit/s, 2·(7/8)·5 ms = 8.75 ms; bucket 0 after B's drhs
+  # (7 ms): [7, 15.75], [15.75, 24.5], the last optimizer half after it
+  assert pred["flat"].step_ms == pytest.approx(24.5 + 0.5)
+  # two_level, after the backward (10 ms), on the whole 1.25e6 B: trees of 2 rounds at 24 Gbit/s
+  # (2 x 0.41667 ms) each side of the leaders' ring (2 rounds of 5 ms), then the optimizer
+  tree = 2 * 1.25e6 * 8 / 24e9 * 1e3
+  assert pred["two_level"].comm_ms_by_phase == pytest.approx(
+    {"intra reduce": tree, "inter all-reduce": 10.0, "intra broadcast": tree}
+  )
+  assert pred["two_level"].step_ms == pytest.approx(10.0 + 2 * tree + 10.0 + 1.0)
+  assert pred["two_level"].step_ms < pred["flat"].step_ms
+  # nothing of two_level overlaps the backward; flat hides 3 ms under A's drhs, 0.5 ms under
+  # the optimizer of bucket 0
+  assert pred["two_level"].exposed_comm_ms == pytest.approx({"a": 2 * tree + 10.0, "b": 2 * tree + 10.0})
+  assert pred["flat"].exposed_comm_ms["a"] == pytest.approx(17.5 - 3.0 - 0.5)
+  # with the default latency too
+  pred = _reductions(_nvlink_pair(4), latency_us=10.0)
+  assert pred["two_level"].step_ms < pred["flat"].step_ms
+
+
+def test_flat_beats_two_level_with_one_device_per_group():
+  # the same bytes cross the slow link either way; flat overlaps them with the backward
+  pred = _reductions(_nvlink_pair(1))
+  assert pred["flat"].step_ms == pytest.approx(17.0 + 0.5)  # buckets [7, 12], [12, 17]
+  assert pred["two_level"].comm_ms_by_phase["intra reduce"] == 0.0
+  assert pred["two_level"].step_ms == pytest.approx(10.0 + 10.0 + 1.0)
+  assert pred["flat"].step_ms < pred["two_level"].step_ms
+  pred = _reductions(_nvlink_pair(1), latency_us=10.0)
+  assert pred["flat"].step_ms < pred["two_level"].step_ms
+
+
+def test_sharded_update_divides_the_slow_groups_optimizer_by_the_devices():
+  # the "slow" group's devices take 12 ms for the whole update (slow memory), "fast" 1 ms;
+  # 2 + 2 devices at 1 Gbit/s, one bucket per op (625000 B: 5 ms over the link)
+  profiles = {
+    "A100": fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, optimizer_ms=1.0, device_type="A100"),
+    "T4": fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, optimizer_ms=12.0, device_type="T4"),
+  }
+  cluster = ClusterSpec(
+    (DeviceGroup("fast", "A100", 2, 40, 8, 1.0), DeviceGroup("slow", "T4", 2, 16, 8, 1.0))
+  )
+
+  def run(update):
+    return predict(cluster, profiles, Plan(optimizer_update=update), bucket_bytes=4 * ELEMS, latency_us=0.0)
+
+  replicated, sharded = run("replicated"), run("sharded")
+  assert replicated.optimizer_tail_ms == pytest.approx({"fast": 1.0, "slow": 12.0})
+  assert sharded.optimizer_tail_ms == pytest.approx({"fast": 1.0 / 4, "slow": 12.0 / 4})
+  # replicated: all-reduces of 7.5 ms [7, 14.5], [14.5, 22]; the slow group's 6 ms halves after each
+  assert replicated.step_ms == pytest.approx(22.0 + 6.0)
+  # sharded: reduce-scatters of 3.75 ms [7, 10.75], [10.75, 14.5]; the slow group's 1.5 ms shard
+  # updates [10.75, 12.25], [14.5, 16]; all-gathers after the last reduce-scatter [14.5, 18.25],
+  # [18.25, 22]
+  assert sharded.comm_ms_by_phase == pytest.approx({"reduce-scatter": 7.5, "all-gather": 7.5})
+  assert sharded.step_ms == pytest.approx(22.0)
+  assert sharded.comm_ms == pytest.approx(replicated.comm_ms)  # the same bytes on the wire
+  # each device holds 1/4 of the optimizer state
+  opt_bytes = profiles["T4"].memory["opt_state_bytes"]
+  assert opt_bytes > 0
+  for g in ("fast", "slow"):
+    assert replicated.memory_bytes[g] - sharded.memory_bytes[g] == pytest.approx(opt_bytes * 3 / 4, abs=1)
+
+
+def test_two_level_with_a_sharded_update_is_refused_by_name():
+  prof = fake_profile([(1, 2, 3)])
+  cluster = _cluster()
+  with pytest.raises(PlanError, match=r"reduction='two_level' with optimizer_update='sharded'.*Fix: use"):
+    predict(cluster, {"cpu": prof}, Plan(reduction="two_level", optimizer_update="sharded"))
+  with pytest.raises(PlanError, match=r"two_level.*sharded"):
+    comm_for(cluster, reduction="two_level", optimizer_update="sharded")
+  with pytest.raises(ValueError, match=r"needs groups and leader_link_gbps.*comm_for"):
+    Comm(4, 1.0, reduction="two_level")
