@@ -90,6 +90,8 @@ class Problem:
   limits: tuple[int, ...]  # memory per inference group, bytes
   bucket_bytes: int
   train_policy: str = "fp32"
+  reduction: str = "flat"  # the plan's gradient reduction and optimizer update (``qsync_jax.plan``)
+  optimizer_update: str = "replicated"
 
 
 Assignment = tuple[tuple[int, ...], ...]
@@ -199,10 +201,17 @@ class Evaluator:
 
   def __init__(self, problem: Problem):
     self.problem = problem
-    self.comm = comm_for(problem.cluster, problem.bucket_bytes)
+    self.comm = comm_for(
+      problem.cluster,
+      problem.bucket_bytes,
+      reduction=problem.reduction,
+      optimizer_update=problem.optimizer_update,
+    )
     self.replays = 0
     self._costs: dict = {}
     self._steps: dict[Assignment, float] = {}
+    self._memory: dict[tuple[int, tuple[int, ...]], int] = {}
+    self._groups: dict[tuple[int, tuple[int, ...]], GroupCost] = {}
 
   def cost(self, group: GroupCost, op_index: int):
     """``graph.op_costs``, memoized on (group, batch, op, its policy)."""
@@ -213,19 +222,28 @@ class Evaluator:
     return self._memo(op_memory, group, op_index)
 
   def _memo(self, fn, group: GroupCost, op_index: int):
+    # Keyed on the policy's identity (hashing the dataclass costs more than the lookup); the
+    # entry holds the policy, so no other object can take its id while the entry lives.
     policy = group.op_policies.get(self.problem.op_names[op_index])
-    key = (fn.__name__, group.name, group.batch_per_device, op_index, policy)
-    if key not in self._costs:
-      self._costs[key] = fn(group, op_index)
-    return self._costs[key]
+    key = (fn.__name__, group.name, group.batch_per_device, op_index, id(policy))
+    hit = self._costs.get(key)
+    if hit is None:
+      hit = self._costs[key] = (policy, fn(group, op_index))
+    return hit[1]
 
   def groups(self, assignment: Assignment) -> list[GroupCost]:
-    p = self.problem
-    out = list(p.groups)
-    for j, gi in enumerate(p.inference):
-      pols = {name: p.ladders[j][i][lvl][1] for i, (name, lvl) in enumerate(zip(p.op_names, assignment[j]))}
-      out[gi] = dataclasses.replace(out[gi], op_policies=pols)
+    out = list(self.problem.groups)
+    for j, (gi, row) in enumerate(zip(self.problem.inference, assignment)):
+      out[gi] = self.group(j, row)
     return out
+
+  def group(self, j: int, row: tuple[int, ...]) -> GroupCost:
+    """Inference group ``j`` with its ops at the ladder levels ``row``, memoized."""
+    if (j, row) not in self._groups:
+      p = self.problem
+      pols = {name: p.ladders[j][i][lvl][1] for i, (name, lvl) in enumerate(zip(p.op_names, row))}
+      self._groups[j, row] = dataclasses.replace(p.groups[p.inference[j]], op_policies=pols)
+    return self._groups[j, row]
 
   def step_ms(self, assignment: Assignment) -> float:
     """The predicted synchronous step (ms), memoized on the assignment."""
@@ -235,8 +253,11 @@ class Evaluator:
     return self._steps[assignment]
 
   def memory(self, assignment: Assignment) -> list[int]:
-    groups = self.groups(assignment)
-    return [memory_bytes(groups[gi], self.op_memory) for gi in self.problem.inference]
+    """Bytes per device of every inference group, memoized on (group, its levels)."""
+    for j, row in enumerate(assignment):
+      if (j, row) not in self._memory:
+        self._memory[j, row] = memory_bytes(self.group(j, row), self.op_memory)
+    return [self._memory[j, row] for j, row in enumerate(assignment)]
 
   def fits(self, assignment: Assignment) -> bool:
     return all(m <= lim for m, lim in zip(self.memory(assignment), self.problem.limits))
@@ -365,7 +386,12 @@ def to_plan(problem: Problem, assignment: Assignment, predictions: Mapping[str, 
       policies[g.name] = PrecisionPolicy.from_ops(ops)
     else:
       policies[g.name] = PrecisionPolicy.uniform(problem.train_policy)
-  return Plan(policies=policies, predictions=dict(predictions or {}))
+  return Plan(
+    policies=policies,
+    predictions=dict(predictions or {}),
+    reduction=problem.reduction,
+    optimizer_update=problem.optimizer_update,
+  )
 
 
 def _finish(problem, ev, assignment, target, straggles) -> Allocation:

@@ -15,25 +15,59 @@ comparable across batch splits, 0 for a plan at the training precision, and with
 batches it is QSync's Σ Ω scaled by the inference groups' share.
 
 **Objective**: the highest predicted throughput (``B / step``), within ``slack`` of the best;
-among those, the least accuracy cost. Search:
+among those, the least accuracy cost.
+
+**Affine step model.** A group's predicted step alone under one configuration is modeled as
+``t(b) = a + s·b`` for ``b ≤ cap`` (the largest batch that fits memory): the line through its
+replays at ``cap/2`` and ``cap`` with the whole cluster's all-reduce, two replays per group and
+configuration; for a set of running groups ``a`` moves by the difference of one replay with
+that set's all-reduce (``Search.affine``). The replayed step is convex in the batch (flat where
+the all-reduce dominates, then linear in the compute), so below ``cap/2`` the line lies under
+it. The search prunes with this model and replays what survives; a split is dropped only when
+its affine step exceeds the step it is tested against by more than ``MARGIN``.
+
+Search:
 
 1. *Configurations* of an inference group: every op at its fastest ladder level, and every
    uniform level (one precision on every op, fp32 included).
-2. *Fastest split* of each set of participating groups and each combination of their
-   configurations: a group's predicted step is affine in its batch (two replays fit it);
-   every split at granularity that fits memory is scored on the affine steps, the best few
-   are replayed. ``T_best``: the fastest of all.
-3. *Least cost at* ``T = T_best·(1 + slack)``: for each set of participating inference
-   groups, the training groups take the largest batch whose step keeps pace with ``T``; the
-   inference groups share the rest, each group's precisions set by the allocator's greedy
-   at its batch (fastest first, then the most sensitive ops recovered while its step ≤ T),
-   the split of least cost kept. The whole plan is then replayed.
+2. *Fastest split* of a set of running groups under one configuration each: the ``keep``
+   splits of least affine step are replayed, the fastest kept (``fastest_splits`` finds them
+   as a full enumeration ranks them, enumerating only the splits under a step that rises from
+   the continuous water-filling level ``water_level``). ``T_best``: the fastest over every set
+   of running inference groups and combination of their configurations, restricted to the
+   configurations no other one of the group beats at every batch (``a`` and ``s`` no larger,
+   ``cap`` no smaller); the combinations are visited in order of water level, a lower bound of
+   their affine step, until it exceeds the fastest replayed step (beyond ``MARGIN``).
+3. *Least cost at* ``T = T_best·(1 + slack)``. The training groups alone, where they take
+   ``B`` within ``T``, cost 0 and end the search. Else, for each set of running inference
+   groups, the training groups take the largest batch (one for all) whose replayed step keeps
+   pace with ``T``, and the inference groups share the rest: a group's batch is bounded by its
+   affine steps at ``T``, its cost at a batch estimated from its configurations (its share
+   times the lower convex hull of their (affine step, cost) points at ``T``), and the split of
+   least estimated cost found by dynamic programming over the groups (``cheapest_split``).
+   Splits go to the allocator's greedy in order of estimated cost over every set, each group's
+   precisions at its batch (fastest first, then the most sensitive ops recovered while its
+   step alone ≤ T), at most ``GREEDY_RUNS`` runs in all; the least-cost plan whose replayed
+   step keeps pace is kept. What a split teaches is used before the next: a group whose
+   configurations are all slower than ``T`` alone at its batch (replayed; then no greedy runs)
+   or whose greedy straggles is bounded below that batch and the set re-split; a plan slower
+   than ``T`` when replayed whole (the groups' all-reduces wait on each other) re-plans its
+   set against ``T`` lowered by twice that overhead; a plan that keeps pace adds its
+   neighbours (one granule moved between two groups).
 4. *Alternatives*, predicted the same way: the training groups alone, the spec's batches at
    the training precision, dynamic batching (the fastest split at the training precision),
    uniform low precision (the spec's batches, inference groups at their lowest-bit
    precision), QSync's precision-only plan (the spec's batches, the allocator's greedy).
    The plan is the least-cost candidate within ``slack`` of the fastest of all, so it is
    never predicted slower than an alternative by more than ``slack``.
+
+**Modes.** Steps 1-4 run once per way the trainer can combine gradients and update the
+optimizer (``modes_for``): the flat all-reduce with every device updating every parameter, the
+optimizer sharded over the devices, and the two-level reduction where the cluster has fast links
+inside groups. Every candidate carries its mode (``Candidate.mode``, written into the plan's
+``reduction`` / ``optimizer_update``), alternatives included, so dynamic batching and the
+training groups alone are compared at their own best mode too (QSync's precision-only
+alternative is computed in the default mode only).
 
 ``batch="equal"`` keeps the spec's batches (for models whose semantics need them, e.g.
 BatchNorm statistics): the plan is QSync's, the alternatives those of the same batches.
@@ -42,19 +76,29 @@ BatchNorm statistics): the plan is QSync's, the alternatives those of the same b
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from planners.allocator.greedy import Evaluator, Problem, fastest_levels, greedy, to_plan, uniform_levels
 from planners.predictor.memory_model import memory_bytes
 from planners.predictor.replay import comm_for, sync_step_ms
 from planners.profile import GroupCost
+from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.precision import PRECISION_BITS
 
 Row = tuple[int, ...] | None
 """Ladder level of every op of an inference group (None: a training group)."""
+
+MARGIN = 0.005
+"""Relative error allowed to the affine step model where it prunes (module docstring)."""
+
+GREEDY_RUNS = 6
+"""Runs of the allocator's greedy in step 3 of the search, at most (the first split's always run)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +113,7 @@ class Candidate:
   cost: float
   global_batch: int
   fits: bool = True
+  mode: tuple[str, str] = ("flat", "replicated")  # (reduction, optimizer_update) it is predicted under
 
   @property
   def samples_per_s(self) -> float:
@@ -83,6 +128,8 @@ class Candidate:
       "samples_per_s": self.samples_per_s,
       "accuracy_cost": self.cost,
       "fits_memory": self.fits,
+      "reduction": self.mode[0],
+      "optimizer_update": self.mode[1],
     }
 
 
@@ -104,8 +151,30 @@ def precision_counts(problem: Problem, cand: Candidate) -> dict[str, dict[str, i
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Affine:
+  """A group's modeled step at per-device batch ``b``: ``a + s·b`` ms, for ``b ≤ cap`` (the
+  largest batch that fits its memory, a multiple of the granularity; 0 if none does)."""
+
+  a: float
+  s: float
+  cap: int
+
+  def step_ms(self, b: float) -> float:
+    return self.a + self.s * b
+
+  def largest_batch(self, t_ms: float, q: int) -> int:
+    """The largest multiple of ``q`` that is ≤ cap and whose step is ≤ ``t_ms`` (0 if none)."""
+    if self.s <= 0:
+      return self.cap if self.a <= t_ms else 0
+    if t_ms == math.inf:
+      return self.cap
+    b = math.floor((t_ms - self.a) / self.s / q + 1e-9) * q
+    return max(0, min(self.cap, b))
+
+
 class Search:
-  """Replays candidate plans of ``problem`` (memoized op costs)."""
+  """Replays candidate plans of ``problem`` (memoized: a plan is replayed once)."""
 
   def __init__(self, problem: Problem, granularity: int):
     self.p, self.q = problem, granularity
@@ -113,6 +182,9 @@ class Search:
     self.B = problem.cluster.global_batch
     self.replays = 0
     self._comm: dict = {}
+    self._steps: dict = {}
+    self._affine: dict = {}
+    self._greedy: dict = {}
     train = problem.train_policy if problem.train_policy in PRECISION_BITS else "fp32"
     self.base = [uniform_levels(problem, j, train) for j in range(len(problem.inference))]
 
@@ -125,10 +197,16 @@ class Search:
     return dataclasses.replace(g, op_policies=pols, batch_per_device=b)
 
   def comm(self, batches: Sequence[int]):
+    """The all-reduce of the groups that run (``batches`` > 0 there), memoized."""
     key = tuple(b > 0 for b in batches)
     if key not in self._comm:
-      cluster = self.p.cluster.with_batch_per_device({g.name: b for g, b in zip(self.p.groups, batches)})
-      self._comm[key] = comm_for(cluster, self.p.bucket_bytes)
+      kept = {g.name: g.batch_per_device if run else 0 for g, run in zip(self.p.cluster.groups, key)}
+      self._comm[key] = comm_for(
+        self.p.cluster.with_batch_per_device(kept),
+        self.p.bucket_bytes,
+        reduction=self.p.reduction,
+        optimizer_update=self.p.optimizer_update,
+      )
     return self._comm[key]
 
   def step(
@@ -136,32 +214,64 @@ class Search:
   ) -> float:
     """The predicted synchronous step of the groups that run (with the all-reduce of the
     groups that run in ``comm_batches``, default ``batches``)."""
-    self.replays += 1
-    groups = [self.group_at(gi, b, r) for gi, (b, r) in enumerate(zip(batches, rows)) if b > 0]
-    return sync_step_ms(groups, self.comm(batches if comm_batches is None else comm_batches), self.ev.cost)
+    comm_batches = batches if comm_batches is None else comm_batches
+    key = (
+      tuple(batches),
+      tuple(r if b else None for b, r in zip(batches, rows)),
+      tuple(b > 0 for b in comm_batches),
+    )
+    if key not in self._steps:
+      self.replays += 1
+      groups = [self.group_at(gi, b, r) for gi, (b, r) in enumerate(zip(batches, rows)) if b > 0]
+      self._steps[key] = sync_step_ms(groups, self.comm(comm_batches), self.ev.cost)
+    return self._steps[key]
 
   def max_batch(self, gi: int, row: Row) -> int:
-    """The largest per-device batch (multiple of q, ≤ B / count) that fits the group's memory."""
-    cap = self.B // self.p.cluster.groups[gi].count
-    lo, hi = 0, cap // self.q
-    while lo < hi:
-      mid = (lo + hi + 1) // 2
-      if self.fits(gi, mid * self.q, row):
-        lo = mid
+    """The largest per-device batch (multiple of q, ≤ B / count) that fits the group's memory (0: none)."""
+    cap = self.B // self.p.cluster.groups[gi].count // self.q * self.q
+    return largest_true(lambda b: self.fits(gi, b, row), self.q, cap, self.q)
+
+  def affine(self, gi: int, row: Row, running: Sequence[int] | None = None) -> Affine:
+    """Group ``gi``'s affine step under ``row`` (module docstring), memoized; with ``running``
+    (per group, > 0 where it runs), ``a`` moved by that set's all-reduce: by the difference of
+    the group's replays with it and with the whole cluster's, at the training precision and
+    its largest batch that fits (nothing if none fits)."""
+    if (gi, row) not in self._affine:
+      cap = self.max_batch(gi, row)
+      if cap < self.q:
+        model = Affine(math.inf, 0.0, cap)
       else:
-        hi = mid - 1
-    return lo * self.q
+        lo = max(self.q, cap // 2 // self.q * self.q)
+        hi = max(cap, lo + self.q)
+        t_lo, t_hi = self._alone(gi, lo, row), self._alone(gi, hi, row)
+        slope = (t_hi - t_lo) / (hi - lo)
+        model = Affine(t_lo - slope * lo, slope, cap) if slope > 0 else Affine(max(t_lo, t_hi), 0.0, cap)
+      self._affine[gi, row] = model
+    model = self._affine[gi, row]
+    mask = tuple(b > 0 for b in running) if running is not None else (True,) * len(self.p.groups)
+    if all(mask):
+      return model
+    base = None if gi not in self.p.inference else self.base[self.p.inference.index(gi)]
+    ref = self.affine(gi, base).cap
+    if ref < self.q:
+      return model
+    shift = self._alone(gi, ref, base, mask) - self._alone(gi, ref, base)
+    return dataclasses.replace(model, a=model.a + shift)
+
+  def row_cost(self, gi: int, row: Row) -> float:
+    """The accuracy cost of group ``gi`` under ``row`` per unit of share (module docstring)."""
+    if row is None:
+      return 0.0
+    j = self.p.inference.index(gi)
+    om, base = self.p.omega[j], self.base[j]
+    return sum(max(0.0, om[i][lv] - om[i][base[i]]) for i, lv in enumerate(row))
 
   def cost(self, batches: Sequence[int], rows: Sequence[Row]) -> float:
     """The accuracy cost (module docstring); Ω counts above the training precision's."""
-    total = 0.0
-    for gi, (b, row) in enumerate(zip(batches, rows)):
-      if b and row is not None:
-        j = self.p.inference.index(gi)
-        share = self.p.cluster.groups[gi].count * b / self.B
-        om, base = self.p.omega[j], self.base[j]
-        total += share * sum(max(0.0, om[i][lv] - om[i][base[i]]) for i, lv in enumerate(row))
-    return total
+    counts = [g.count for g in self.p.cluster.groups]
+    return sum(
+      c * b / self.B * self.row_cost(gi, r) for gi, (c, b, r) in enumerate(zip(counts, batches, rows)) if b
+    )
 
   def fits(self, gi: int, b: int, row: Row) -> bool:
     limit = self.p.cluster.groups[gi].memory_gb * 1e9
@@ -178,24 +288,14 @@ class Search:
     self, members: Sequence[int], rows: Sequence[Row], keep: int = 3
   ) -> tuple[int, ...] | None:
     """The split of B over ``members`` (group indices; the others get 0) with the least
-    predicted step under ``rows``, or None if no split fits."""
+    replayed step under ``rows`` among the ``keep`` of least affine step, or None if no split
+    fits."""
+    members = list(members)
+    running = [gi in members for gi in range(len(self.p.groups))]
+    models = [self.affine(gi, rows[gi], running) for gi in members]
     counts = [self.p.cluster.groups[gi].count for gi in members]
-    caps = [self.max_batch(gi, rows[gi]) for gi in members]
-    if any(c < self.q for c in caps):
-      return None
-    affine = []
-    for gi, cap in zip(members, caps):
-      lo, hi = self.q, max(cap, 2 * self.q)
-      t_lo, t_hi = self._alone(gi, lo, rows[gi]), self._alone(gi, hi, rows[gi])
-      slope = (t_hi - t_lo) / (hi - lo)
-      affine.append((t_lo - slope * lo, slope))
-    scored = []
-    for split in _splits(self.B, counts, caps, self.q):
-      scored.append((max(a + s * b for (a, s), b in zip(affine, split)), split))
-    if not scored:
-      return None
     best, best_ms = None, math.inf
-    for _, split in sorted(scored)[:keep]:
+    for split in fastest_splits(self.B, counts, models, self.q, keep):
       batches = [0] * len(self.p.groups)
       for gi, b in zip(members, split):
         batches[gi] = b
@@ -204,21 +304,146 @@ class Search:
         best, best_ms = tuple(batches), ms
     return best
 
-  def _alone(self, gi: int, b: int, row: Row) -> float:
-    self.replays += 1
-    return sync_step_ms([self.group_at(gi, b, row)], self.comm([1] * len(self.p.groups)), self.ev.cost)
+  def _alone(self, gi: int, b: int, row: Row, running: Sequence[bool] | None = None) -> float:
+    """Group ``gi``'s replayed step alone at batch ``b`` under ``row``, with the all-reduce of
+    the groups ``running`` (default: the whole cluster), memoized."""
+    mask = tuple(running) if running is not None else (True,) * len(self.p.groups)
+    key = ("alone", gi, b, row, mask)
+    if key not in self._steps:
+      self.replays += 1
+      self._steps[key] = sync_step_ms([self.group_at(gi, b, row)], self.comm(mask), self.ev.cost)
+    return self._steps[key]
 
 
-def _splits(total: int, counts: Sequence[int], caps: Sequence[int], q: int):
-  """Every ``(b_0, …)``, multiples of q with q ≤ b_i ≤ caps[i], with Σ counts[i]·b_i = total."""
-  if len(counts) == 1:
-    b, rem = divmod(total, counts[0])
-    if rem == 0 and b % q == 0 and q <= b <= caps[0]:
-      yield (b,)
+def largest_true(ok: Callable[[int], bool], lo: int, hi: int, q: int) -> int:
+  """The largest multiple of ``q`` in ``[lo, hi]`` where ``ok`` holds, ``ok`` true up to some
+  batch and false above it (bisection, ``hi`` tried first), or 0 if it holds nowhere."""
+  lo_k, hi_k = -(-lo // q), hi // q
+  if hi_k < lo_k:
+    return 0
+  if ok(hi_k * q):
+    return hi_k * q
+  if not ok(lo_k * q):
+    return 0
+  while hi_k - lo_k > 1:  # ok(lo_k·q), not ok(hi_k·q)
+    mid = (lo_k + hi_k) // 2
+    if ok(mid * q):
+      lo_k = mid
+    else:
+      hi_k = mid
+  return lo_k * q
+
+
+def water_level(total: int, counts: Sequence[int], models: Sequence[Affine], q: int) -> float:
+  """The least ``T`` with ``Σ_i counts[i]·min(cap_i, max(q, (T − a_i)/s_i)) ≥ total`` and every
+  ``a_i + s_i·q ≤ T`` (batches continuous): a lower bound of the affine step ``max_i a_i + s_i·b_i``
+  of every split at granularity ``q``; inf if none fits (``Σ counts·cap < total`` or
+  ``Σ counts·q > total``)."""
+  if sum(c * m.cap for c, m in zip(counts, models)) < total or q * sum(counts) > total:
+    return math.inf
+
+  def taken(t):
+    return sum(
+      c * (m.cap if m.s <= 0 else min(m.cap, max(q, (t - m.a) / m.s))) for c, m in zip(counts, models)
+    )
+
+  lo = max(m.step_ms(q) for m in models)
+  hi = max(m.step_ms(m.cap) for m in models)
+  if taken(lo) >= total:
+    return lo
+  for _ in range(100):
+    mid = (lo + hi) / 2
+    if taken(mid) >= total:
+      hi = mid
+    else:
+      lo = mid
+  return hi
+
+
+def splits_within(total: int, counts: Sequence[int], lows: Sequence[int], highs: Sequence[int], q: int):
+  """Every ``(b_0, …)``, multiples of q with lows[i] ≤ b_i ≤ highs[i] and Σ counts[i]·b_i = total
+  (lows multiples of q); a prefix is extended only where the rest can still reach the total."""
+  if not counts:
+    if total == 0:
+      yield ()
     return
-  for b in range(q, min(caps[0], total // counts[0]) + 1, q):
-    for rest in _splits(total - counts[0] * b, counts[1:], caps[1:], q):
-      yield (b, *rest)
+  rest_lo = sum(c * b for c, b in zip(counts[1:], lows[1:]))
+  rest_hi = sum(c * b for c, b in zip(counts[1:], highs[1:]))
+  first = max(lows[0], -(-(total - rest_hi) // (counts[0] * q)) * q)
+  for b in range(first, highs[0] + 1, q):
+    rem = total - counts[0] * b
+    if rem < rest_lo:
+      return
+    yield from ((b, *rest) for rest in splits_within(rem, counts[1:], lows[1:], highs[1:], q))
+
+
+def fastest_splits(
+  total: int, counts: Sequence[int], models: Sequence[Affine], q: int, keep: int
+) -> list[tuple[int, ...]]:
+  """The ``keep`` splits of ``total`` (multiples of q in ``[q, cap_i]``, ``Σ counts·b = total``)
+  of least affine step ``max_i a_i + s_i·b_i``, least first (ties: the smaller split), as a full
+  enumeration ranks them: every split with step ≤ T, for T rising from the water level (its
+  excess doubling) until ``keep`` are found or every cap is reached."""
+  level = water_level(total, counts, models, q)
+  if level == math.inf:
+    return []
+  caps = [m.cap for m in models]
+  excess = 1e-3 * max(abs(level), 1e-9)
+  while True:
+    highs = [m.largest_batch(level + excess, q) for m in models]
+    lows = [q] * len(models)
+    found = sorted(
+      (max(m.step_ms(b) for m, b in zip(models, split)), split)
+      for split in splits_within(total, counts, lows, highs, q)
+    )
+    if len(found) >= keep or highs == caps:
+      return [split for _, split in found[:keep]]
+    excess *= 2
+
+
+def hull_cost(points: Sequence[tuple[float, float]], t_ms: float) -> float:
+  """The lower convex hull of ``points`` (step ms, cost) at step ``t_ms``: the least cost of a
+  point no slower than ``t_ms``, or of a faster and a slower point interpolated linearly in the
+  step; inf if every point is slower than ``t_ms``."""
+  faster = [(t, c) for t, c in points if t <= t_ms]
+  best = min((c for _, c in faster), default=math.inf)
+  for t1, c1 in faster:
+    for t2, c2 in points:
+      if t2 > t_ms and c2 < c1:
+        best = min(best, c1 + (c2 - c1) * (t_ms - t1) / (t2 - t1))
+  return best
+
+
+def cheapest_split(
+  total: int, counts: Sequence[int], tables: Sequence[Sequence[float]], q: int
+) -> tuple[float, tuple[int, ...]] | None:
+  """The split of ``total`` (``b_i = k_i·q``, ``k_i ≥ 1``, ``Σ counts·b = total``) of least
+  ``Σ_i tables[i][k_i]`` (an inf entry: not allowed; k beyond a table: not allowed), as (that
+  sum, split), or None if none is finite. Dynamic programming over the groups: ``best[r]`` is
+  the least sum of the groups so far over their splits of ``r·q`` examples."""
+  units = total // q
+  best = np.full(units + 1, np.inf)
+  best[0] = 0.0
+  picks = []
+  for c, table in zip(counts, tables):
+    new, pick = np.full(units + 1, np.inf), np.zeros(units + 1, dtype=np.int64)
+    for k in range(1, min(len(table), units // c + 1)):
+      if math.isfinite(table[k]):
+        shift = c * k
+        cand = best[: units + 1 - shift] + table[k]
+        better = cand < new[shift:]
+        new[shift:][better] = cand[better]
+        pick[shift:][better] = k
+    best = new
+    picks.append(pick)
+  if not math.isfinite(best[units]):
+    return None
+  split, r = [], units
+  for c, pick in zip(reversed(counts), reversed(picks)):
+    k = int(pick[r])
+    split.append(k * q)
+    r -= c * k
+  return float(best[units]), tuple(reversed(split))
 
 
 def _subsets(items: Sequence[int]):
@@ -238,13 +463,56 @@ def check_granularity(problem: Problem, granularity: int) -> None:
     )
 
 
+MODES = (("flat", "replicated"), ("flat", "sharded"), ("two_level", "replicated"))
+"""The (reduction, optimizer_update) pairs the trainer runs (``qsync_jax.plan``)."""
+
+
+def modes_for(cluster: ClusterSpec) -> list[tuple[str, str]]:
+  """The modes worth searching on ``cluster``: the flat all-reduce with the optimizer replicated;
+  sharded, where the job has more than one device; two-level, where more than one group runs and
+  some group of several devices has a link inside it faster than its link out."""
+  modes = [MODES[0]] + [MODES[1]] * (cluster.num_devices > 1)
+  if len(cluster.groups) > 1 and any(
+    g.count > 1 and g.intra_group_gbps > g.link_gbps for g in cluster.groups
+  ):
+    modes.append(MODES[2])
+  return modes
+
+
 def joint_plan(problem: Problem, granularity: int = 1, slack: float = 0.02, batch: str = "joint"):
-  """``(chosen Candidate, every Candidate, Search)``; see the module docstring."""
+  """``(chosen Candidate, every Candidate, the chosen mode's Search)``; see the module docstring.
+
+  The search runs once per mode of ``modes_for`` (the problem's ``reduction`` and
+  ``optimizer_update`` replaced); every candidate carries its mode, and the choice is made over
+  all of them: the least accuracy cost within ``slack`` of the fastest (ties: the faster, then
+  the earlier mode)."""
   if batch not in ("joint", "equal"):
     raise PlanError(f"batch={batch!r} is not a batch mode. Fix: use 'joint' or 'equal'.")
   if not (isinstance(slack, (int, float)) and 0 <= slack < 1):
     raise PlanError(f"slack={slack!r} must be a fraction in [0, 1). Fix: pass e.g. 0.02.")
   check_granularity(problem, granularity)
+  cands, searches = [], {}
+  for mode in modes_for(problem.cluster):
+    moded = dataclasses.replace(problem, reduction=mode[0], optimizer_update=mode[1])
+    found, searches[mode] = _search_mode(moded, granularity, slack, batch)
+    cands += [dataclasses.replace(c, mode=mode) for c in found]
+  fitting = [c for c in cands if c.fits]
+  if not fitting:
+    hint = ", or use --batch joint" if batch == "equal" else ""
+    raise PlanError(
+      f"no plan of cluster {problem.cluster.name!r} fits its groups' memory. Fix: raise memory_gb where the "
+      f"devices have more, or lower the global batch{hint}."
+    )
+  best_ms = min(c.step_ms for c in fitting)
+  within = [c for c in fitting if c.step_ms <= best_ms * (1 + slack) + 1e-12]
+  chosen = min(within, key=lambda c: (c.cost, c.step_ms, MODES.index(c.mode)))
+  return chosen, cands, searches[chosen.mode]
+
+
+def _search_mode(
+  problem: Problem, granularity: int, slack: float, batch: str
+) -> tuple[list[Candidate], Search]:
+  """Every candidate of ``problem`` under its own mode (module docstring, steps 1-4)."""
   s = Search(problem, granularity)
   n = len(problem.groups)
   train_idx = [gi for gi in range(n) if gi not in problem.inference]
@@ -275,12 +543,15 @@ def joint_plan(problem: Problem, granularity: int = 1, slack: float = 0.02, batc
       )
   cands = [s.candidate("equal batches, training precision", spec, train_rows)]
   cands.append(s.candidate("uniform low precision", spec, [lowest.get(gi) for gi in range(n)]))
-  try:
-    qsync = greedy(problem)
-    cands.append(s.candidate("QSync (precision only)", spec, _rows_of(problem, qsync.assignment)))
-  except PlanError:
-    if batch == "equal":
-      raise
+  # QSync's precision-only plan (its greedy is most of a joint search's time) in the default mode
+  # only: under batch="joint" it is an alternative, under "equal" the plan itself (every mode).
+  if batch == "equal" or (problem.reduction, problem.optimizer_update) == MODES[0]:
+    try:
+      qsync = greedy(problem)
+      cands.append(s.candidate("QSync (precision only)", spec, _rows_of(problem, qsync.assignment)))
+    except PlanError:
+      if batch == "equal":
+        raise
   if batch == "joint":
     if train_idx:
       split = s.fastest_split(train_idx, train_rows)
@@ -290,16 +561,7 @@ def joint_plan(problem: Problem, granularity: int = 1, slack: float = 0.02, batc
     if split is not None:
       cands.append(s.candidate("dynamic batching", split, train_rows))
     cands += _joint(problem, s, train_idx, configs, slack, cands)
-  fitting = [c for c in cands if c.fits]
-  if not fitting:
-    raise PlanError(
-      f"no plan of cluster {problem.cluster.name!r} fits its groups' memory. Fix: raise memory_gb where the "
-      "devices have more, lower the global batch, or use --batch joint."
-    )
-  best_ms = min(c.step_ms for c in fitting)
-  within = [c for c in fitting if c.step_ms <= best_ms * (1 + slack) + 1e-12]
-  chosen = min(within, key=lambda c: (c.cost, c.step_ms))
-  return chosen, cands, s
+  return cands, s
 
 
 def _rows_of(problem: Problem, assignment) -> list[Row]:
@@ -310,97 +572,291 @@ def _rows_of(problem: Problem, assignment) -> list[Row]:
 
 
 def _joint(problem: Problem, s: Search, train_idx, configs, slack, alternatives) -> list[Candidate]:
-  """Steps 2 and 3 of the module docstring: the fastest plans of every participating set and
-  configuration, then the least-cost plan at ``T_best·(1 + slack)``."""
-  n = len(problem.groups)
-  fastest: list[Candidate] = []
-  for members_inf in _subsets(problem.inference):
-    if not train_idx and not members_inf:
-      continue
-    for combo in itertools.product(*(configs[gi] for gi in members_inf)):
-      rows = [None] * n
-      for gi, row in zip(members_inf, combo):
-        rows[gi] = row
-      split = s.fastest_split(sorted(train_idx + list(members_inf)), rows)
-      if split is not None:
-        fastest.append(s.candidate("fastest", split, rows))
-  if not fastest:
+  """Steps 2 and 3 of the module docstring: the fastest plan, then the least-cost plan at
+  ``T_best·(1 + slack)``."""
+  fastest = _fastest(problem, s, train_idx, configs)
+  if fastest is None:
     return []
-  t_best = min(c.step_ms for c in fastest + [a for a in alternatives if a.fits])
+  t_best = min(c.step_ms for c in [fastest] + [a for a in alternatives if a.fits])
   target = t_best * (1 + slack)
-  out = [min(fastest, key=lambda c: c.step_ms)]
-  for members_inf in _subsets(problem.inference):
-    if not train_idx:
-      break
-    cand = _least_cost(problem, s, train_idx, list(members_inf), target)
-    if cand is not None:
-      out.append(cand)
+  out = [fastest]
+  if train_idx:
+    out += _least_cost(problem, s, train_idx, configs, target)
   best = min((c for c in out if c.step_ms <= target * (1 + 1e-9)), key=lambda c: c.cost, default=None)
   return [dataclasses.replace(best, name="joint")] + out[:1] if best is not None else out[:1]
 
 
-def _least_cost(problem, s: Search, train_idx, members_inf, target) -> Candidate | None:
-  """Training groups at the largest batch that keeps pace with ``target``; the inference
-  groups of ``members_inf`` share the rest at their greedy precisions (least cost split)."""
-  n, q, B = len(problem.groups), s.q, s.B
-  counts = {gi: problem.cluster.groups[gi].count for gi in range(n)}
-  caps = {gi: s.max_batch(gi, None) for gi in train_idx}
-  for b_train in range(min(caps.values()) // q * q, 0, -q):  # one batch for all training groups
-    batches = [0] * n
-    for gi in train_idx:
-      batches[gi] = b_train
-    running = [b_train if gi in train_idx or gi in members_inf else 0 for gi in range(n)]
-    if s.step(batches, [None] * n, running) > target * (1 + 1e-9):
+def _fast_configs(s: Search, gi: int, rows: Sequence[Row]) -> list[Row]:
+  """The configurations of group ``gi`` that no other one beats at every batch: another with
+  ``a`` and ``s`` no larger and ``cap`` no smaller (identical models: the first kept)."""
+  models = [s.affine(gi, r) for r in rows]
+
+  def beats(k, i):
+    m, o = models[k], models[i]
+    return m.a <= o.a and m.s <= o.s and m.cap >= o.cap and (m != o or k < i)
+
+  return [r for i, r in enumerate(rows) if not any(beats(k, i) for k in range(len(rows)) if k != i)]
+
+
+def _fastest(problem: Problem, s: Search, train_idx, configs) -> Candidate | None:
+  """Step 2 of the module docstring: the fastest replayed plan over every set of participating
+  inference groups and combination of their fast configurations, visited in order of water
+  level and cut off once the level exceeds the fastest replayed step (beyond ``MARGIN``)."""
+  n = len(problem.groups)
+  counts = [g.count for g in problem.cluster.groups]
+  fast = {gi: _fast_configs(s, gi, configs[gi]) for gi in problem.inference}
+  options = []
+  for members_inf in _subsets(problem.inference):
+    members = sorted(train_idx + list(members_inf))
+    if not members:
       continue
-    rest = B - sum(counts[gi] * b_train for gi in train_idx)
-    if not members_inf:
-      return s.candidate("training groups only", batches, [None] * n) if rest == 0 else None
-    if rest <= 0:
-      return None
-    best, straggled = None, False
-    caps_inf = [B // counts[gi] for gi in members_inf]
-    for split in _splits(rest, [counts[gi] for gi in members_inf], caps_inf, q):
-      rows = [None] * n
-      for gi, b in zip(members_inf, split):
-        rows[gi] = _greedy_at(problem, s, gi, b, batches, split, members_inf, target)
-      if any(rows[gi] is None for gi in members_inf):
-        straggled = True
-        continue
-      full = list(batches)
-      for gi, b in zip(members_inf, split):
-        full[gi] = b
-      cand = s.candidate("joint", full, rows)
-      if cand.step_ms <= target * (1 + 1e-9) and (best is None or cand.cost < best.cost):
+    for combo in itertools.product(*(fast[gi] for gi in members_inf)):
+      rows: list[Row] = [None] * n
+      for gi, row in zip(members_inf, combo):
+        rows[gi] = row
+      running = [gi in members for gi in range(n)]
+      models = [s.affine(gi, rows[gi], running) for gi in members]
+      level = water_level(s.B, [counts[gi] for gi in members], models, s.q)
+      if level < math.inf:
+        options.append((level, members, rows))
+  best = None
+  for level, members, rows in sorted(options, key=lambda o: o[0]):
+    if best is not None and level > best.step_ms * (1 + MARGIN):
+      break
+    split = s.fastest_split(members, rows)
+    if split is not None:
+      cand = s.candidate("fastest", split, rows)
+      if best is None or cand.step_ms < best.step_ms:
         best = cand
-    if best is not None or straggled:  # a smaller training batch leaves the inference groups more
-      return best
+  return best
+
+
+def _least_cost(problem: Problem, s: Search, train_idx, configs, target) -> list[Candidate]:
+  """Step 3 of the module docstring: the plans at ``target`` that the greedy was run for and
+  that keep pace (only the training groups alone, if they can take the whole batch)."""
+  alone = _training_only(problem, s, train_idx, target)
+  if alone is not None:
+    return [alone]
+  order = itertools.count()
+  queue = []  # (estimated cost, order, batches, Share)
+
+  def push(share):
+    found = share.cheapest(s, configs) if share is not None else None
+    if found is not None:
+      heapq.heappush(queue, (found[0], next(order), found[1], share))
+
+  for members in _subsets(problem.inference):
+    if members:
+      push(_share(problem, s, train_idx, members, configs, target, target))
+  out, runs, seen = [], 0, set()
+  while queue and (runs == 0 or runs < GREEDY_RUNS) and not any(c.cost == 0 for c in out):
+    _, _, batches, share = heapq.heappop(queue)
+    if (tuple(batches), share.goal) in seen:
+      continue
+    seen.add((tuple(batches), share.goal))
+    cand, runs, goal, highest = _greedy_split(problem, s, share, batches, configs, target, runs)
+    if cand is not None:
+      out.append(cand)
+      for est, near in share.neighbours(s, configs, batches):
+        heapq.heappush(queue, (est, next(order), near, share))
+    else:
+      push(_share(problem, s, train_idx, share.members, configs, target, goal, highest))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+  """The inference groups ``members`` sharing what the training groups leave (step 3 of the
+  module docstring): ``batches`` has the training groups' batch (0 elsewhere); each member's
+  greedy targets ``goal``, and member ``gi`` takes a batch of at most ``highest[gi]``."""
+
+  batches: tuple[int, ...]
+  members: tuple[int, ...]
+  goal: float
+  highest: dict[int, int]
+
+  def tables(self, s: Search, configs) -> list[list[float]]:
+    """Each member's ``_cost_table`` at ``goal`` (affine steps within ``goal·(1 + MARGIN)``)."""
+    running = [b > 0 or gi in self.members for gi, b in enumerate(self.batches)]
+    limit = self.goal * (1 + MARGIN)
+    out = []
+    for gi in self.members:
+      high = max(s.affine(gi, r, running).largest_batch(limit, s.q) for r in configs[gi])
+      out.append(_cost_table(s, gi, configs[gi], running, min(high, self.highest[gi]), limit))
+    return out
+
+  def cheapest(self, s: Search, configs) -> tuple[float, list[int]] | None:
+    """(estimated cost, batches) of the split of the rest of least estimated cost, or None."""
+    counts = [g.count for g in s.p.cluster.groups]
+    rest = s.B - sum(c * b for c, b in zip(counts, self.batches))
+    found = cheapest_split(rest, [counts[gi] for gi in self.members], self.tables(s, configs), s.q)
+    if found is None:
+      return None
+    batches = list(self.batches)
+    for gi, b in zip(self.members, found[1]):
+      batches[gi] = b
+    return found[0], batches
+
+  def neighbours(self, s: Search, configs, batches) -> list[tuple[float, list[int]]]:
+    """(estimated cost, batches) of the splits one granule from ``batches``: member i gains
+    ``count_j/g·q`` examples per device and member j loses ``count_i/g·q`` (g their gcd), so
+    the sum is kept; those with a finite estimate."""
+    counts = [g.count for g in s.p.cluster.groups]
+    tables = dict(zip(self.members, self.tables(s, configs)))
+    out = []
+    for i, j in itertools.permutations(self.members, 2):
+      g = math.gcd(counts[i], counts[j])
+      near = list(batches)
+      near[i] += counts[j] // g * s.q
+      near[j] -= counts[i] // g * s.q
+      ks = {gi: near[gi] // s.q for gi in self.members}
+      if all(1 <= ks[gi] < len(tables[gi]) for gi in self.members):
+        est = sum(tables[gi][ks[gi]] for gi in self.members)
+        if est < math.inf:
+          out.append((est, near))
+    return out
+
+
+def _share(
+  problem: Problem, s: Search, train_idx, members, configs, target, goal, highest=None
+) -> Share | None:
+  """The ``Share`` of ``members`` at ``goal`` (≤ ``target``): the training groups at the largest
+  batch whose replayed step keeps pace with it (or smaller, while the rest cannot be split at
+  an affine step within ``goal·(1 + MARGIN)``); None if no batch leaves a split."""
+  n, q, B = len(problem.groups), s.q, s.B
+  counts = [g.count for g in problem.cluster.groups]
+  limit = goal * (1 + MARGIN)
+  running = [gi in train_idx or gi in members for gi in range(n)]
+  train_count = sum(counts[gi] for gi in train_idx)
+  room = sum(
+    counts[gi] * max(s.affine(gi, r, running).largest_batch(limit, q) for r in configs[gi]) for gi in members
+  )
+  top = min(s.affine(gi, None, running).largest_batch(limit, q) for gi in train_idx)
+  top = min(top, (B - q * sum(counts[gi] for gi in members)) // train_count // q * q)
+  b_train = largest_true(lambda b: _training_step(s, train_idx, b, running) <= goal * (1 + 1e-9), q, top, q)
+  highest = highest if highest is not None else {gi: B for gi in members}
+  while b_train >= q and B - train_count * b_train <= room:
+    share = Share(tuple(b_train if gi in train_idx else 0 for gi in range(n)), members, goal, highest)
+    if share.cheapest(s, configs) is not None:
+      return share
+    b_train -= q
   return None
 
 
-def _greedy_at(problem, s: Search, gi, b, train_batches, split, members_inf, target) -> Row:
-  """The allocator's greedy for inference group ``gi`` alone at batch ``b`` (the comm of
-  every group that runs), against ``target``; None if it cannot keep pace or fit."""
-  j = problem.inference.index(gi)
-  batches = list(train_batches)
-  for g, bb in zip(members_inf, split):
-    batches[g] = bb
-  cluster = problem.cluster.with_batch_per_device({g.name: bb for g, bb in zip(problem.groups, batches)})
-  group = dataclasses.replace(problem.groups[gi], batch_per_device=b)
-  sub = dataclasses.replace(
-    problem,
-    cluster=cluster,
-    groups=(group,),
-    inference=(0,),
-    ladders=(problem.ladders[j],),
-    omega=(problem.omega[j],),
-    limits=(problem.limits[j],),
-  )
-  try:
-    alloc = greedy(sub, target_ms=target)
-  except PlanError:
+def _training_step(s: Search, train_idx, b: int, running) -> float:
+  """The replayed step of the training groups alone at batch ``b`` (the all-reduce of ``running``)."""
+  n = len(s.p.groups)
+  return s.step([b if gi in train_idx else 0 for gi in range(n)], [None] * n, running)
+
+
+def _greedy_split(problem: Problem, s: Search, share: Share, batches, configs, target, runs):
+  """``(candidate, runs, goal, highest)``: the greedy's precisions for each member of ``share``
+  at its batch in ``batches``, against ``share.goal``; the candidate is None unless its replayed
+  plan keeps pace with ``target``. ``runs``: the greedy runs spent, so far and here; none are
+  started beyond ``GREEDY_RUNS`` (the first split's always are). ``goal`` and ``highest``: the
+  share's, or what this split taught where there is no candidate:
+
+  * a member whose configurations (those that fit) are all slower than the goal alone at its
+    batch (replayed; no greedy is run then), or whose greedy straggles, may take no more than
+    ``_pace_batch`` (``highest``);
+  * a plan slower than ``target`` (the groups' all-reduces wait on each other) lowers the goal
+    by twice that overhead: the replayed step minus the slowest group's step alone.
+  """
+  members, goal, n = share.members, share.goal, len(problem.groups)
+  highest = {gi: _pace_batch(s, gi, batches, configs[gi], goal) for gi in members}
+  if all(highest[gi] >= batches[gi] for gi in members):
+    mask = tuple(b > 0 for b in batches)
+    new = sum((gi, batches[gi], mask, goal) not in s._greedy for gi in members)
+    if runs and runs + new > GREEDY_RUNS:
+      return None, GREEDY_RUNS, goal, share.highest
+    runs += new
+    found = {gi: _greedy_at(problem, s, gi, batches, goal) for gi in members}
+    for gi in members:
+      if found[gi][0] is None:
+        highest[gi] = batches[gi] - s.q
+  stragglers = [gi for gi in members if highest[gi] < batches[gi]]
+  if stragglers:
+    return None, runs, goal, {**share.highest, **{gi: highest[gi] for gi in stragglers}}
+  rows: list[Row] = [found[gi][0] if gi in members else None for gi in range(n)]
+  cand = s.candidate("joint", batches, rows)
+  if cand.step_ms <= target * (1 + 1e-9):
+    return cand, runs, goal, share.highest
+  train_idx = [gi for gi in range(n) if gi not in problem.inference]
+  alone = [found[gi][1] for gi in members] + [
+    _training_step(s, train_idx, share.batches[train_idx[0]], batches)
+  ]
+  return None, runs, goal - 2 * (cand.step_ms - max(alone)), share.highest
+
+
+def _pace_batch(s: Search, gi: int, batches, rows: Sequence[Row], goal: float) -> int:
+  """Group ``gi``'s batch ``b`` in ``batches`` if a configuration of ``rows`` that fits it keeps
+  pace with ``goal`` alone there (replayed with the all-reduce of the groups that run, fastest by
+  the affine model first); else the largest batch below ``b`` that the configurations' misses
+  allow: ``b`` less each miss (replayed, or affine where the configuration does not fit ``b``)
+  over its slope ``s``, the largest over the configurations (the step is convex in the batch, so
+  its slope below ``b`` is at most ``s``)."""
+  b, q = batches[gi], s.q
+  running = [b > 0 for b in batches]
+  models = [(s.affine(gi, r, running), k, r) for k, r in enumerate(rows)]
+  cut = math.inf
+  for model, _, row in sorted(models, key=lambda m: (m[0].step_ms(b), m[1])):
+    fits = model.cap >= b
+    miss = (s._alone(gi, b, row, running) if fits else model.step_ms(b)) - goal * (1 + 1e-9)
+    if miss <= 0 and fits:
+      return b
+    cut = min(cut, math.ceil(max(miss, 0) / (model.s * q)) if model.s > 0 else math.inf)
+  return b - q * max(cut, 1) if cut < math.inf else 0
+
+
+def _training_only(problem: Problem, s: Search, train_idx, target) -> Candidate | None:
+  """The training groups alone at one batch that sums to B, if it fits and keeps pace with ``target``."""
+  n, total = len(problem.groups), sum(problem.cluster.groups[gi].count for gi in train_idx)
+  b, rem = divmod(s.B, total)
+  if rem or b % s.q or any(s.affine(gi, None).cap < b for gi in train_idx):
     return None
-  s.replays += alloc.replays
-  return None if alloc.straggles else alloc.assignment[0]
+  cand = s.candidate("training groups only", [b if gi in train_idx else 0 for gi in range(n)], [None] * n)
+  return cand if cand.step_ms <= target * (1 + 1e-9) else None
+
+
+def _cost_table(s: Search, gi: int, rows: Sequence[Row], running, high: int, limit: float) -> list[float]:
+  """``[estimated cost of group gi at batch k·q for k = 0 … high/q]`` at step ``limit``: its
+  share times the lower convex hull of its configurations' (affine step with the all-reduce of
+  ``running``, cost per share) at ``limit`` (configurations that do not fit the batch left out;
+  k = 0: inf)."""
+  models = [(s.affine(gi, r, running), s.row_cost(gi, r)) for r in rows]
+  count = s.p.cluster.groups[gi].count
+  table = [math.inf]
+  for b in range(s.q, high + 1, s.q):
+    points = [(m.step_ms(b), c) for m, c in models if b <= m.cap]
+    table.append(count * b / s.B * hull_cost(points, limit))
+  return table
+
+
+def _greedy_at(problem: Problem, s: Search, gi: int, batches: Sequence[int], target: float):
+  """``(levels, step)`` of the allocator's greedy for inference group ``gi`` alone at its batch
+  in ``batches`` (the all-reduce of every group that runs there) against ``target``; ``(None,
+  inf)`` if it cannot keep pace or fit. Memoized on (group, batch, groups that run, target)."""
+  key = (gi, batches[gi], tuple(b > 0 for b in batches), target)
+  if key not in s._greedy:
+    j = problem.inference.index(gi)
+    cluster = problem.cluster.with_batch_per_device({g.name: b for g, b in zip(problem.groups, batches)})
+    group = dataclasses.replace(problem.groups[gi], batch_per_device=batches[gi])
+    sub = dataclasses.replace(
+      problem,
+      cluster=cluster,
+      groups=(group,),
+      inference=(0,),
+      ladders=(problem.ladders[j],),
+      omega=(problem.omega[j],),
+      limits=(problem.limits[j],),
+    )
+    try:
+      alloc = greedy(sub, target_ms=target)
+      s.replays += alloc.replays
+      s._greedy[key] = (None, math.inf) if alloc.straggles else (alloc.assignment[0], alloc.step_ms)
+    except PlanError:
+      s._greedy[key] = (None, math.inf)
+  return s._greedy[key]
 
 
 def plan_of(problem: Problem, cand: Candidate, predictions=None):
@@ -410,5 +866,6 @@ def plan_of(problem: Problem, cand: Candidate, predictions=None):
     cand.rows[gi] if cand.rows[gi] is not None else uniform_levels(problem, j, "fp32")
     for j, gi in enumerate(problem.inference)
   )
-  plan = to_plan(problem, rows, predictions)
+  moded = dataclasses.replace(problem, reduction=cand.mode[0], optimizer_update=cand.mode[1])
+  plan = to_plan(moded, rows, predictions)
   return dataclasses.replace(plan, batch_per_device={g.name: b for g, b in zip(problem.groups, cand.batches)})
