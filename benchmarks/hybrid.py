@@ -1,17 +1,22 @@
-"""Joint batch × precision plans on realistic hybrid pools, against every alternative (modeled).
+"""Joint batch × precision plans on hybrid pools, against the best baseline and the pool's bound (modeled).
 
-For each pool (4 training + 4 inference devices of the catalog, at their datasheet memory,
-100 Gbit/s links) and each model at real size (``benchmarks.common.zoo.HYBRID_MODELS``:
+For each pool of the catalog (``POOLS``: a training group and one or two inference groups at
+their datasheet memory), each topology (``TOPOLOGIES``: the training group on NVLink, 100 or
+25 Gbit/s between hosts) and each model at real size (``benchmarks.common.zoo.HYBRID_MODELS``:
 ResNet-50 at 224², BERT-base at sequence 128 and 512, a GPT-2-medium-sized LM at sequence
 1024), the model's ops are traced (abstractly: nothing runs), every device is costed from the
-catalog (``planners.predictor.modeled``), and ``planners.allocator.joint`` plans it. Printed and written as rows:
-predicted samples/s, its ratio to dynamic batching, and the accuracy cost of the joint plan
-and of every alternative. Every figure is **modeled** (catalog roofline + replay), not
+catalog (``planners.predictor.modeled``), and ``planners.allocator.joint`` plans it. The training
+group runs ``qsync plan``'s default precision (fp16 mixed precision on a V100, bf16 elsewhere).
+Printed and written as rows: every candidate's predicted samples/s and accuracy cost, its ratio
+to the best baseline (the faster of dynamic batching and the training group alone,
+``planners.allocator.bound``), the pool's bound, and what limits the chosen plan
+(``planners.allocator.summary``). Every figure is **modeled** (catalog roofline + replay), not
 measured. The sensitivities Ω are synthetic (a seeded exponential draw per op, int8 : fp8 :
 16-bit = 1 : 1/2 : 1/50): the accuracy costs compare plans of one model, not models.
 
-  python -m benchmarks.hybrid                    # all pools × models, ≈ 1-2 minutes on a CPU
-  python -m benchmarks.hybrid --models bert_s128 --pools A100+T4
+  python -m benchmarks.hybrid                    # every 2-group pool × topology × model, minutes on a CPU
+  python -m benchmarks.hybrid --pools A100+L4+T4 # the 3-group pool (slower: two inference groups)
+  python -m benchmarks.hybrid --models bert_s128 --pools A100+T4 --topologies 100G
 """
 
 from __future__ import annotations
@@ -25,26 +30,39 @@ import numpy as np
 from benchmarks.common.op_profile import base_profile, build, model_ops
 from benchmarks.common.result_rows import append_rows, result_row, results_path
 from benchmarks.common.zoo import HYBRID_MODELS
-from planners.allocator.greedy import fastest_levels, make_problem, uniform_levels
-from planners.allocator.joint import joint_plan, precision_counts
-from planners.catalog import allreduce_ms
+from planners.allocator.bound import best_baseline, pool_bound
+from planners.allocator.greedy import make_problem
+from planners.allocator.joint import joint_plan, plan_of, precision_counts
+from planners.allocator.summary import summarize
 from planners.predictor.modeled import modeled_profile
-from planners.predictor.replay import sync_step_ms
+from planners.predictor.replay import predict
 from planners.report import table
+from qsync_cli.plan import train_precision
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.devices import device
 
 RESULTS = results_path("hybrid")
 
 POOLS = {
-  "V100+T4": ("V100", "T4", "fp32"),
-  "A100+T4": ("A100", "T4", "bf16"),
-  "H100+L4": ("H100", "L4", "bf16"),
-  "A100+A10": ("A100", "A10", "bf16"),
+  "V100+T4": (("V100", 4), ("T4", 4)),
+  "A100+T4": (("A100", 4), ("T4", 4)),
+  "H100+L4": (("H100", 4), ("L4", 4)),
+  "A100+A10": (("A100", 4), ("A10", 4)),
+  "A100+L4": (("A100", 4), ("L4", 4)),
+  "H100+T4": (("H100", 4), ("T4", 4)),
+  "1xA100+7xT4": (("A100", 1), ("T4", 7)),
+  "1xA100+7xA10": (("A100", 1), ("A10", 7)),
+  "1xH100+7xL4": (("H100", 1), ("L4", 7)),
+  "A100+L4+T4": (("A100", 4), ("L4", 2), ("T4", 2)),
 }
-"""pool → (training device, inference device, training precision). V100 has no bf16."""
+"""pool → ((device type, count), …): the training group first, then the inference groups."""
+TWO_GROUP_POOLS = tuple(name for name, groups in POOLS.items() if len(groups) == 2)
 
-LINK_GBPS = 100.0
+NVLINK_GBPS = 2400.0
+"""Between two devices of the training group: NVLink, 300 GB/s."""
+TOPOLOGIES = {"100G": 100.0, "25G": 25.0}
+"""topology → Gbit/s between hosts (every device's ``link_gbps``); the training group on NVLink
+(``intra_link_gbps``), an inference group's devices on the inter-host link."""
 
 
 def traced(name: str) -> dict:
@@ -70,133 +88,176 @@ def synthetic_omega(op_names, seed: int = 0) -> dict:
   return {"omega": out}
 
 
-def plan_pool(model: dict, pool: str, granularity: int, slack: float):
-  train_dev, infer_dev, train_precision = POOLS[pool]
+def pool_cluster(pool: str, topology: str, batch_per_device: int) -> ClusterSpec:
+  """The groups of ``pool`` (``train``, then ``infer`` or ``infer_<type>``) at their datasheet
+  memory and the spec's ``batch_per_device``, linked as ``topology`` says."""
+  link = TOPOLOGIES[topology]
+  (train_dev, train_n), *inference = POOLS[pool]
+  groups = [
+    DeviceGroup("train", train_dev, train_n, device(train_dev).memory_gb, batch_per_device, link, NVLINK_GBPS)
+  ]
+  for dev, n in inference:
+    name = "infer" if len(inference) == 1 else f"infer_{dev}"
+    groups.append(DeviceGroup(name, dev, n, device(dev).memory_gb, batch_per_device, link))
+  return ClusterSpec(tuple(groups), name=f"{pool}@{topology}")
+
+
+def plan_pool(model: dict, pool: str, topology: str, granularity: int, slack: float):
+  """``(problem, profiles, chosen, candidates, planning seconds, search)`` of ``pool`` at ``topology``."""
   base = base_profile(model)
-  profiles = {d: modeled_profile(base, d) for d in (train_dev, infer_dev)}
-  b = model["batch_per_device"]
-  cluster = ClusterSpec(
-    (
-      DeviceGroup("train", train_dev, 4, device(train_dev).memory_gb, b, LINK_GBPS),
-      DeviceGroup("infer", infer_dev, 4, device(infer_dev).memory_gb, b, LINK_GBPS),
-    ),
-    name=pool,
-  )
-  problem = make_problem(cluster, profiles, synthetic_omega(base.op_names), ["train"], train_precision)
+  cluster = pool_cluster(pool, topology, model["batch_per_device"])
+  profiles = {g.device_type: modeled_profile(base, g.device_type) for g in cluster.groups}
+  preset = train_precision(cluster, ("train",), None)
+  problem = make_problem(cluster, profiles, synthetic_omega(base.op_names), ["train"], preset)
   t0 = time.perf_counter()
   chosen, cands, search = joint_plan(problem, granularity, slack)
-  return problem, chosen, cands, time.perf_counter() - t0, search
+  return problem, profiles, chosen, cands, time.perf_counter() - t0, search
 
 
-def limits(problem, search, model) -> tuple[float, float, float]:
-  """What caps the inference group: its fastest per-device speed (any configuration the
-  planner considers, at the spec's batch, compute alone) over a training device's, and the
-  all-reduce of the gradients over the training devices alone and over all 8 (ms)."""
-  b = model["batch_per_device"]
-  j, gi = 0, problem.inference[0]
-  rows = [uniform_levels(problem, j, p) for p in {p for lad in problem.ladders[j] for p, _ in lad}]
-  rows.append(fastest_levels(problem, fit_memory=False)[0])
-  alone = [predict_compute(search, gi, b, r) for r in rows]
-  ratio = predict_compute(search, 0, b, None) / min(alone)
-  grad_bytes = model["param_bytes"]
-  return ratio, allreduce_ms(grad_bytes, 4, LINK_GBPS), allreduce_ms(grad_bytes, 8, LINK_GBPS)
-
-
-def predict_compute(search, gi, b, row) -> float:
-  """The group's step at batch ``b`` on one device with no all-reduce (ms)."""
-  from planners.predictor.graph import Comm
-
-  group = search.group_at(gi, b, row)
-  comm = Comm(1, LINK_GBPS, search.p.bucket_bytes, 0.0, "tree")
-  return sync_step_ms([group], comm, search.ev.cost)
+def speeds(bound) -> list[float]:
+  """Each inference group's per-device speed over a training device's at their fastest
+  precisions, compute alone (the bound's slopes ``s_train / s_g``)."""
+  slope_train = bound.affine[0][1]
+  return [slope_train / s for _, s in bound.affine[1:]]
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.hybrid", description=__doc__.splitlines()[0])
   ap.add_argument("--models", default=",".join(HYBRID_MODELS))
-  ap.add_argument("--pools", default=",".join(POOLS))
+  ap.add_argument("--pools", default=",".join(TWO_GROUP_POOLS), help=f"comma-separated of {list(POOLS)}")
+  ap.add_argument("--topologies", default=",".join(TOPOLOGIES), help=f"comma-separated of {list(TOPOLOGIES)}")
   ap.add_argument("--granularity", type=int, default=1)
   ap.add_argument("--slack", type=float, default=0.02)
   args = ap.parse_args(argv)
-  device = jax.devices()[0].device_kind
-  rows, lines, summary = [], [], []
+  pools, topologies = args.pools.split(","), args.topologies.split(",")
+  for given, known, flag in ((pools, POOLS, "--pools"), (topologies, TOPOLOGIES, "--topologies")):
+    unknown = [x for x in given if x not in known]
+    if unknown:
+      raise SystemExit(f"{flag}: unknown {unknown}. Fix: use some of {list(known)}, comma-separated.")
+  host = jax.devices()[0].device_kind
+  rows, summary = [], []
   for name in args.models.split(","):
     model = traced(name)
-    for pool in args.pools.split(","):
-      problem, chosen, cands, seconds, search = plan_pool(model, pool, args.granularity, args.slack)
-      speed, ar4, ar8 = limits(problem, search, model)
-      case = f"{pool}/{name}"
-      dyn = next((c for c in cands if c.name == "dynamic batching"), None)
-      counts = precision_counts(problem, chosen).get("infer", {})
-      mix = ", ".join(f"{p}×{n}" for p, n in sorted(counts.items())) or "(sits out)"
-      summary.append(
-        [
-          pool,
-          name,
-          "/".join(map(str, chosen.batches)),
-          mix,
-          f"{chosen.samples_per_s:.1f}",
-          f"{chosen.samples_per_s / dyn.samples_per_s:.2f}×" if dyn else "-",
-          f"{chosen.cost:.3g}",
-          f"{speed:.2f}",
-          f"{ar4:.0f} / {ar8:.0f}",
-          f"{seconds:.2f}",
+    for pool in pools:
+      for topology in topologies:
+        problem, profiles, chosen, cands, seconds, search = plan_pool(
+          model, pool, topology, args.granularity, args.slack
+        )
+        pred = predict(problem.cluster, profiles, plan_of(problem, chosen))
+        result = summarize(chosen, cands, search, pred)
+        bound, base = pool_bound(search), best_baseline(cands)
+        case = f"{pool}@{topology}/{name}"
+        counts = precision_counts(problem, chosen)
+        mixes = [
+          ", ".join(f"{p}×{n}" for p, n in sorted(counts.get(g.name, {}).items())) or "(sits out)"
+          for g in problem.cluster.groups[1:]
         ]
-      )
-      for c in cands:
-        lines.append(
+        lim = result.limits
+        summary.append(
           [
             pool,
+            topology,
             name,
-            c.name + ("" if c.fits else " (does not fit)"),
-            "/".join(map(str, c.batches)),
-            f"{c.samples_per_s:.1f}",
-            f"{c.samples_per_s / dyn.samples_per_s:.2f}×" if dyn else "-",
-            f"{c.cost:.3g}",
+            "/".join(map(str, chosen.batches)),
+            " | ".join(mixes),
+            f"{chosen.samples_per_s:.1f}",
+            f"{base.name} {base.samples_per_s:.1f}" if base else "-",
+            f"{result.gain:.2f}×" if base else "-",
+            f"{bound.samples_per_s:.1f}",
+            f"{100 * result.headroom_captured:.0f} %" if result.headroom_captured is not None else "-",
+            f"{lim.straggler}; {lim.exposed_comm_ms:.0f} / {lim.optimizer_ms:.1f}",
+            " / ".join(f"{s:.2f}" for s in speeds(bound)),
+            f"{seconds:.1f}",
           ]
+        )
+        common = {"topology": topology, "slack": args.slack, "granularity": args.granularity}
+        for c in cands:
+          rows.append(
+            result_row(
+              "hybrid",
+              f"{case}/{c.name}",
+              "modeled_samples_per_s",
+              c.samples_per_s,
+              base.samples_per_s if base else None,
+              host,
+              accuracy_cost=c.cost,
+              batch_per_device=list(c.batches),
+              fits=c.fits,
+              chosen=c is chosen,
+              **common,
+            )
+          )
+        if base is not None:
+          rows.append(
+            result_row(
+              "hybrid",
+              f"{case}/best baseline",
+              "modeled_samples_per_s",
+              base.samples_per_s,
+              None,
+              host,
+              name=base.name,
+              **common,
+            )
+          )
+        rows.append(
+          result_row(
+            "hybrid",
+            f"{case}/bound",
+            "modeled_samples_per_s",
+            bound.samples_per_s,
+            base.samples_per_s if base else None,
+            host,
+            batch_per_device=list(bound.batches),
+            **common,
+          )
         )
         rows.append(
           result_row(
             "hybrid",
-            f"{case}/{c.name}",
-            "modeled_samples_per_s",
-            c.samples_per_s,
-            dyn.samples_per_s if dyn else None,
-            device,
-            accuracy_cost=c.cost,
-            batch_per_device=list(c.batches),
-            fits=c.fits,
-            chosen=c is chosen or (c.name == "joint" and chosen.name == "joint"),
-            slack=args.slack,
-            granularity=args.granularity,
+            case,
+            "modeled_gain_vs_best_baseline",
+            result.gain,
+            None,
+            host,
+            chosen=chosen.name,
+            headroom_captured=result.headroom_captured,
+            limited_by=lim.to_json(),
+            **common,
           )
         )
-      rows.append(result_row("hybrid", case, "planning_s", seconds, None, device, replays=search.replays))
-      rows.append(result_row("hybrid", case, "modeled_infer_over_train_speed", speed, None, device))
-  print("every candidate (modeled; batches train/infer per device; ratio to dynamic batching):")
-  print(table(["pool", "model", "plan", "batches", "samples/s", "vs dynamic", "acc. cost"], lines))
+        rows.append(
+          result_row("hybrid", case, "planning_s", seconds, None, host, replays=search.replays, **common)
+        )
+        print(
+          f"  … {case}: {chosen.name} {chosen.samples_per_s:.1f} samples/s (modeled), {seconds:.1f} s",
+          flush=True,
+        )
   print(
-    "\nthe chosen plan (modeled). infer/train speed: an inference device's fastest per-device speed (any "
-    "configuration, compute alone) over a training device's; all-reduce: the gradients over the 4 training "
-    "devices / all 8, at 100 Gbit/s:"
+    "\nthe chosen plan (modeled). batches: per device, training group first; best baseline: the faster of "
+    "dynamic batching and the training group alone; gain: the plan over it; bound: every device at its "
+    "fastest precision, the batch split by speed, no communication; headroom: (plan − best) / "
+    "(bound − best); "
+    "limited by: the straggling group; its all-reduce time not overlapped with its compute / its optimizer "
+    "update (ms); infer/train speed: an inference device's per-device speed over a training device's at "
+    "their fastest precisions, compute alone:"
   )
-  print(
-    table(
-      [
-        "pool",
-        "model",
-        "batches",
-        "infer precisions",
-        "samples/s",
-        "vs dynamic",
-        "acc. cost",
-        "infer/train speed",
-        "all-reduce ms 4/8",
-        "plan s",
-      ],
-      summary,
-    )
-  )
+  headers = [
+    "pool",
+    "links",
+    "model",
+    "batches",
+    "infer precisions",
+    "samples/s",
+    "best baseline",
+    "gain",
+    "bound",
+    "headroom",
+    "limited by",
+    "infer/train speed",
+    "plan s",
+  ]
+  print(table(headers, summary))
   append_rows(RESULTS, rows)
   print(f"appended {len(rows)} rows to {RESULTS}")
   return 0

@@ -7,18 +7,22 @@ modeled as V100, 32 GB) and ``inference`` (2 devices modeled as T4, 16 GB). The 
 
 1. **indicator** — trains the model briefly in fp32, then scores every op's sensitivity to
    int8 and fp16 (``planners.indicator``, gradient method);
-2. **profile** — traces the model's ops and memory and models V100 and T4 costs from the
+2. **profile** — traces the model's ops and memory and models V100, T4 and A100 costs from the
    device catalog (roofline; labelled *modeled*); no group runs on the local CPU, so nothing
    is measured;
 3. **plan** — the joint planner (``planners.allocator.joint``) chooses every group's per-device batch
-   and the T4s' per-op precisions, and predicts the alternatives it compared: the training
-   groups alone, dynamic batching, uniform low precision, QSync's precision-only plan;
+   and the T4s' per-op precisions, the V100s at fp16 mixed precision (with loss scaling; a V100
+   has no bf16; ``qsync plan``'s default), and predicts the alternatives it compared: the
+   training groups alone, dynamic batching, uniform low precision, QSync's precision-only plan;
+   it also plans a modern pool, 1 × A100 (bf16) + 7 × T4, that nothing trains;
 4. **train** — trains each of them on the 4 CPU devices with the hybrid trainer and
    evaluates held-out loss and accuracy (fp32 master weights);
 
 then prints one table (each column the replay predicts for the V100/T4 pool says *modeled*;
 the accuracy cost relative to uniform low precision), a line for each alternative the joint
-plan does not beat outright saying why, and writes to ``--out``: ``plan.json`` (the joint plan, its
+plan does not beat outright saying why, a table of both pools' chosen plans against their best
+baseline (the faster of dynamic batching and the training group alone) and their bound
+(``planners.allocator.summary``; modeled), and writes to ``--out``: ``plan.json`` (the joint plan, its
 alternatives under ``predictions.alternatives``), ``plans/<config>.json``, ``cluster.json``,
 ``indicator.json``, ``profile_*.json``, ``trace.json`` (Chrome trace of the joint plan's
 predicted step; open in ui.perfetto.dev), ``timeline.png``, ``sensitivity.png`` and
@@ -131,6 +135,28 @@ def demo_cluster(batch_per_device: int):
   )
 
 
+def modern_cluster(batch_per_device: int):
+  """1 × A100 (training, 80 GB) + 7 × T4 (inference, 16 GB), links as ``demo_cluster``'s: a pool
+  the demo plans (modeled) next to the paper's, and does not train."""
+  from qsync_jax.cluster import ClusterSpec, DeviceGroup
+
+  return ClusterSpec(
+    (
+      DeviceGroup("training", "A100", 1, 80.0, batch_per_device, link_gbps=100.0),
+      DeviceGroup("inference", "T4", 7, 16.0, batch_per_device, link_gbps=32.0),
+    ),
+    name="demo-a100-7t4",
+  )
+
+
+def training_precision(cluster) -> str:
+  """The training group's precision, as ``qsync plan`` defaults it (``qsync_cli.plan.train_precision``):
+  fp16 mixed precision (with loss scaling) on a V100, bf16 on an A100."""
+  from qsync_cli.plan import train_precision
+
+  return train_precision(cluster, ("training",), None)
+
+
 # -- stages ---------------------------------------------------------------------------------
 
 
@@ -167,18 +193,26 @@ def stage_profile(task, batch_per_device: int, say, device_types=("V100", "T4"))
 
 def stage_plan(cluster, profiles, indicator, say, train_policy="fp32", int8_op="int8_fwd") -> dict[str, Any]:
   """The joint planner's candidates: ``{name: (Plan, Prediction, Candidate)}``, the joint
-  plan under ``"joint"`` (with every alternative in its predictions); the ``training`` group
-  runs ``train_policy``, an op planned at int8 runs ``int8_op`` (``planners.allocator.greedy``)."""
+  plan under ``"joint"`` (with every alternative and the chosen plan's summary against the best
+  baseline and the pool's bound, ``planners.allocator.summary``, in its predictions); the
+  ``training`` group runs ``train_policy``, an op planned at int8 runs ``int8_op``
+  (``planners.allocator.greedy``)."""
   from planners.allocator import joint_plan, make_problem, plan_of
+  from planners.allocator.summary import summarize
   from planners.predictor import predict
 
   say(f"plan: joint batch × precision search (the training group runs {train_policy})")
   problem = make_problem(cluster, profiles, indicator, ["training"], train_policy, int8_op=int8_op)
-  chosen, cands, _ = joint_plan(problem)
+  chosen, cands, search = joint_plan(problem)
+  summary = summarize(chosen, cands, search, predict(cluster, profiles, plan_of(problem, chosen)))
   alternatives = [c.to_json(problem) for c in cands]
   out = {}
   for cand in cands:
-    extra = {"chosen": chosen.name, "alternatives": alternatives} if cand.name == "joint" else {}
+    extra = (
+      {"chosen": chosen.name, "alternatives": alternatives, **summary.to_json()}
+      if cand.name == "joint"
+      else {}
+    )
     plan = plan_of(problem, cand, {"accuracy_cost": cand.cost, "samples_per_s": cand.samples_per_s, **extra})
     out[cand.name] = (plan, predict(cluster, profiles, plan), cand)
   return out
@@ -365,8 +399,9 @@ def precision_mix(plan, group: str, op_names) -> str:
 
 MODELED_NOTE = (
   "modeled: the replay's predictions for the V100 / T4 pool from the device catalog, not CPU times; "
-  "CPU batch: the per-device batches the plan's shares give the CPU run; acc. cost: the planner's "
-  "Σ share·Ω, relative to uniform low precision on the T4s (1; 0: every op at the training precision)"
+  "CPU batch: the per-device batches the plan's shares give the CPU run; vs best baseline: over the faster "
+  "of dynamic batching and the training group alone; acc. cost: the planner's Σ share·Ω, relative to "
+  "uniform low precision on the T4s (1; 0: every op at the training precision)"
 )
 ACCURACY_NOTE = (
   "held-out accuracy is not compared here: one seed moves it more between plans of equal precision than "
@@ -375,12 +410,61 @@ ACCURACY_NOTE = (
 )
 
 
+POOLS_NOTE = (
+  "modeled: the replay's predictions from the device catalog; best baseline: the faster of dynamic batching "
+  "and the training group alone; bound: every device at its fastest precision, the batch split by speed "
+  "(fractional), no communication; headroom: (plan − best baseline) / (bound − best baseline); limited by: "
+  "the group whose backward ends last, the all-reduce time its compute does not overlap, its optimizer update"
+)
+
+
+def pools_table(pools) -> str:
+  """One row per ``(pool label, training precision, planned)`` (``planned`` from ``stage_plan``): the chosen
+  plan against its best baseline and the pool's bound (``planners.allocator.summary``, from the
+  joint plan's predictions); every figure modeled (``POOLS_NOTE``)."""
+  from planners.report import table
+
+  rows = []
+  for label, train_policy, planned in pools:
+    preds = planned["joint"][0].predictions
+    chosen = planned[preds["chosen"]][2]
+    base, lim = preds["best_baseline"], preds["limited_by"]
+    headroom = preds["headroom_captured"]
+    rows.append(
+      [
+        label,
+        train_policy,
+        f"{preds['chosen']} ({'/'.join(str(b) for b in chosen.batches)})",
+        f"{preds['samples_per_s']:.0f}",
+        f"{base['name']} ({base['samples_per_s']:.0f})" if base else "-",
+        f"{preds['gain_vs_best_baseline']:.2f}×" if base else "-",
+        f"{preds['bound_samples_per_s']:.0f}",
+        f"{100 * headroom:.0f} %" if headroom is not None else "-",
+        f"{lim['straggler']}; all-reduce {lim['exposed_comm_ms']:.2f} ms, "
+        f"optimizer {lim['optimizer_ms']:.2f} ms",
+      ]
+    )
+  headers = [
+    "pool",
+    "training at",
+    "plan (batch per device)",
+    "samples/s (modeled)",
+    "best baseline (modeled)",
+    "gain (modeled)",
+    "bound (modeled)",
+    "headroom (modeled)",
+    "limited by (modeled)",
+  ]
+  return table(headers, rows)
+
+
 def results_table(cluster, planned, trained, op_names) -> str:
   """The plans side by side: what each runs, and what the replay predicts for the modeled pool
   (every such column says so); no held-out metric (``ACCURACY_NOTE``)."""
+  from planners.allocator.bound import best_baseline
   from planners.report import table
 
-  dynamic = planned["dynamic batching"][2].samples_per_s if "dynamic batching" in planned else None
+  base = best_baseline([cand for _, _, cand in planned.values()])
   cost_header, cost = accuracy_cost_scale(planned)
   rows = []
   for name, (plan, pred, cand) in planned.items():
@@ -394,7 +478,7 @@ def results_table(cluster, planned, trained, op_names) -> str:
         t4,
         pred.step_ms,
         f"{cand.samples_per_s:.0f}",
-        f"{cand.samples_per_s / dynamic:.2f}×" if dynamic else "-",
+        f"{cand.samples_per_s / base.samples_per_s:.2f}×" if base else "-",
         cost(cand.cost),
         "yes" if cand.fits else "NO",
       ]
@@ -406,7 +490,7 @@ def results_table(cluster, planned, trained, op_names) -> str:
     "T4 fwd precisions",
     "step ms (modeled)",
     "samples/s (modeled)",
-    "vs dynamic (modeled)",
+    "vs best baseline (modeled)",
     cost_header,
     "fits (modeled)",
   ]
@@ -470,11 +554,15 @@ def run(args: argparse.Namespace) -> int:
   cpu = demo_cluster(args.batch_per_device)
   say(
     f"{task.name}: a 2 × V100 (training) + 2 × T4 (inference) pool planned at {args.pool_batch_per_device} "
-    f"per device; its plans trained on {len(devices)} simulated CPU devices at {cpu.global_batch} per step"
+    f"per device; its plans trained on {len(devices)} simulated CPU devices at {cpu.global_batch} per step; "
+    "a 1 × A100 + 7 × T4 pool planned (modeled) next to it"
   )
+  modern = modern_cluster(args.pool_batch_per_device)
   indicator = stage_indicator(task, args, say)
-  profiles = stage_profile(task, args.pool_batch_per_device, say)
-  planned = stage_plan(cluster, profiles, indicator, say)
+  profiles = stage_profile(task, args.pool_batch_per_device, say, ("V100", "T4", "A100"))
+  policies = {c.name: training_precision(c) for c in (cluster, modern)}
+  planned = stage_plan(cluster, profiles, indicator, say, policies[cluster.name])
+  planned_modern = stage_plan(modern, profiles, indicator, say, policies[modern.name])
   to_train = {
     name: cpu_plan(plan, cluster, cpu)
     for name, (plan, _, cand) in planned.items()
@@ -491,5 +579,9 @@ def run(args: argparse.Namespace) -> int:
     print(line)
   print(MODELED_NOTE)
   print(ACCURACY_NOTE)
+  pools = [("2 × V100 + 2 × T4", cluster, planned), ("1 × A100 + 7 × T4", modern, planned_modern)]
+  print("\nthe chosen plan of each pool against its best baseline and its bound (modeled; not trained here):")
+  print(pools_table([(label, policies[c.name], p) for label, c, p in pools]))
+  print(POOLS_NOTE)
   write_outputs(args.out, cluster, indicator, profiles, planned, trained, say)
   return 0

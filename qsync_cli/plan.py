@@ -106,6 +106,7 @@ def check_indicator_model(indicator, path: str, task_name: str, model: str) -> N
 def run(args) -> int:
   from planners.allocator import joint_plan, make_problem, plan_of, precision_counts
   from planners.allocator.greedy import default_training_groups
+  from planners.allocator.summary import summarize
   from planners.indicator import check_values
   from planners.predictor import predict
   from planners.report import estimated_costs, table
@@ -146,6 +147,7 @@ def run(args) -> int:
   alternatives = [c.to_json(problem) for c in cands]
   plan = plan_of(problem, chosen)
   pred = predict(cluster, profiles, plan)
+  summary = summarize(chosen, cands, search, pred)
   plan = plan_of(
     problem,
     chosen,
@@ -155,6 +157,7 @@ def run(args) -> int:
       "samples_per_s": chosen.samples_per_s,
       "accuracy_cost": chosen.cost,
       "alternatives": alternatives,
+      **summary.to_json(),
       "replays": search.replays,
       "planning_s": seconds,
     },
@@ -185,6 +188,7 @@ def run(args) -> int:
     f"chosen: {chosen.name}; predicted step {chosen.step_ms:.3f} ms, {chosen.samples_per_s:.1f} samples/s"
     f"{label}, accuracy cost {chosen.cost:.4g}; {search.replays} replays in {seconds:.2f} s"
   )
+  print("\n".join(summary.lines()))
   alt_rows = []
   for c in cands:
     batches = "/".join(str(b) for b in c.batches)

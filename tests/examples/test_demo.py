@@ -1,6 +1,7 @@
 """The demo's planning, table and outputs on hand-built profiles (no measuring, no training)."""
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -59,6 +60,32 @@ def test_stage_plan_gives_the_joint_plan_and_its_alternatives():
     assert "joint" in line or "faster" in line
 
 
+def test_pools_table_gives_the_gain_against_the_faster_baseline_and_the_bound():
+  """Each pool's row: the chosen plan against the faster of dynamic batching and the training group
+  alone, and the pool's bound; every figure's header says modeled."""
+  cluster, profiles, indicator, planned = _planned(np.random.default_rng(106))
+  modern = demo.modern_cluster(8)
+  profiles = {**profiles, "A100": dataclasses.replace(profiles["V100"], device_type="A100")}
+  planned_modern = demo.stage_plan(modern, profiles, indicator, lambda m: None, "bf16")
+  text = demo.pools_table([("paper", "fp16", planned), ("modern", "bf16", planned_modern)])
+  headers, rows = _columns(text)
+  assert all(
+    h.endswith("(modeled)") for h in headers if h not in ("pool", "training at", "plan (batch per device)")
+  )
+  for name, p in (("paper", planned), ("modern", planned_modern)):
+    baselines = [p[n][2] for n in ("dynamic batching", "training groups only") if n in p and p[n][2].fits]
+    best = max(baselines, key=lambda c: c.samples_per_s)
+    chosen = p[p["joint"][0].predictions["chosen"]][2]
+    assert rows[name]["best baseline (modeled)"] == f"{best.name} ({best.samples_per_s:.0f})"
+    assert rows[name]["gain (modeled)"] == f"{chosen.samples_per_s / best.samples_per_s:.2f}×"
+    assert float(rows[name]["bound (modeled)"]) >= chosen.samples_per_s * (1 - 1e-9)
+
+
+def test_training_precision_is_fp16_on_a_v100_and_bf16_on_an_a100():
+  assert demo.training_precision(demo.demo_cluster(8)) == "fp16"
+  assert demo.training_precision(demo.modern_cluster(8)) == "bf16"
+
+
 def _columns(text: str) -> tuple[list[str], dict[str, dict[str, str]]]:
   """The headers of a ``planners.report.table`` and ``{row name: {header: cell}}``: columns are
   split where the dashes under the headers are."""
@@ -80,7 +107,7 @@ def test_results_table_says_modeled_and_scales_the_accuracy_cost(tmp_path):
   text = demo.results_table(cluster, planned, trained, profiles["T4"].op_names)
   headers, rows = _columns(text)
   assert len(rows) == len(planned) and "joint" in rows
-  predicted = [h for h in headers if h.split(" (")[0] in ("step ms", "samples/s", "vs dynamic", "fits")]
+  predicted = [h for h in headers if h.split(" (")[0] in ("step ms", "samples/s", "vs best baseline", "fits")]
   assert len(predicted) == 4 and all(h.endswith("(modeled)") for h in predicted), headers
   assert not any("held-out" in h or "accuracy" in h for h in headers), headers
   cost = "acc. cost (uniform low = 1)"
@@ -104,7 +131,7 @@ def test_results_table_and_outputs(tmp_path):
   trained = {name: {"train_loss": 0.5, "eval_loss": 0.6, "eval_accuracy": 0.9} for name in planned}
   text = demo.results_table(cluster, planned, trained, profiles["T4"].op_names)
   lines = text.splitlines()
-  assert "samples/s" in lines[0] and "vs dynamic" in lines[0] and len(lines) == 2 + len(planned)
+  assert "samples/s" in lines[0] and "vs best baseline" in lines[0] and len(lines) == 2 + len(planned)
   assert any(line.startswith("joint") for line in lines)
   demo.write_outputs(str(tmp_path), cluster, indicator, profiles, planned, trained, lambda m: None)
   plan = Plan.load(str(tmp_path / "plan.json"))
@@ -225,7 +252,14 @@ def test_the_demo_runs_end_to_end(tmp_path, capsys):
   headers, rows = _columns(printed.split("\n\n")[0].split("\nmodeled: ")[0])
   assert set(demo.CONFIGS) <= set(rows) and rows["joint"]["CPU batch"] != "-"
   assert "step ms (modeled)" in headers and "acc. cost (uniform low = 1)" in headers
-  assert demo.MODELED_NOTE in printed and demo.ACCURACY_NOTE in printed
+  assert demo.MODELED_NOTE in printed and demo.ACCURACY_NOTE in printed and demo.POOLS_NOTE in printed
+  pools_text = printed.split("not trained here):\n")[1].split("\n" + demo.POOLS_NOTE)[0]
+  headers, pools = _columns(pools_text)
+  assert set(pools) == {"2 × V100 + 2 × T4", "1 × A100 + 7 × T4"}
+  assert (
+    pools["2 × V100 + 2 × T4"]["training at"] == "fp16"
+    and pools["1 × A100 + 7 × T4"]["training at"] == "bf16"
+  )
   results = json.loads((out / "results.json").read_text())
   assert np.isfinite(results["joint"]["eval_loss"]) and results["joint"]["steps_run"] == 2
   assert Plan.load(str(out / "plan.json")).predictions["alternatives"]

@@ -1,0 +1,136 @@
+"""A plan's predicted throughput against the best baseline and the pool's bound, and what limits it.
+
+``summarize(chosen, candidates, search, prediction)`` gives a ``Summary``: the plan's predicted
+samples/s; the best baseline (``bound.best_baseline``: the faster of dynamic batching and the
+training groups alone) and ``gain`` = plan / best baseline; the pool's bound (``bound.pool_bound``)
+and the share of the headroom the plan captures, ``(plan − best) / (bound − best)`` when the
+bound is above the best baseline; and ``Limits`` read from the plan's ``Prediction``. Every figure
+is modeled (the replay's prediction); ``lines()`` says so on each line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from planners.allocator.bound import best_baseline, pool_bound
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What the predicted step waits on, from the plan's ``Prediction``:
+
+  * ``straggler``: the running group whose last forward/backward node ends last (at
+    ``backward_end_ms``, from the prediction's nodes and times); ``straggler_lead_ms``: how much
+    later than the first group's it ends (0 with one group);
+  * ``exposed_comm_ms``: the prediction's ``exposed_comm_ms`` of the straggler: the time
+    collectives run while its devices compute nothing (not overlapped);
+  * ``optimizer_ms``: the prediction's ``optimizer_tail_ms`` of the straggler: its optimizer
+    update's time per device, after the collectives of each bucket.
+  """
+
+  straggler: str
+  backward_end_ms: float
+  straggler_lead_ms: float
+  exposed_comm_ms: float
+  optimizer_ms: float
+  step_ms: float
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def limits(prediction) -> Limits:
+  """``Limits`` of a ``planners.predictor.replay.Prediction``."""
+  if not prediction.nodes:
+    raise ValueError("the prediction has no nodes: pass the one `planners.predictor.replay.predict` returns.")
+  ends: dict[str, float] = {}
+  for node, (_, end) in zip(prediction.nodes, prediction.times):
+    if node.stream == "compute" and node.kind != "optimizer":
+      ends[node.group] = max(ends.get(node.group, end), end)
+  straggler = max(ends, key=lambda g: ends[g])
+  return Limits(
+    straggler=straggler,
+    backward_end_ms=ends[straggler],
+    straggler_lead_ms=ends[straggler] - min(ends.values()),
+    exposed_comm_ms=prediction.exposed_comm_ms[straggler],
+    optimizer_ms=prediction.optimizer_tail_ms[straggler],
+    step_ms=prediction.step_ms,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+  """See the module docstring. ``baseline`` is None where the search had no baseline candidate
+  (``--batch equal``); ``headroom_captured`` None where the bound is not above the baseline."""
+
+  samples_per_s: float
+  baseline: str | None
+  baseline_samples_per_s: float | None
+  gain: float | None
+  bound_samples_per_s: float
+  headroom_captured: float | None
+  limits: Limits
+
+  def to_json(self) -> dict:
+    """The keys ``qsync plan`` writes under the plan's ``predictions``."""
+    return {
+      "figures": "modeled",
+      "best_baseline": None
+      if self.baseline is None
+      else {"name": self.baseline, "samples_per_s": self.baseline_samples_per_s},
+      "gain_vs_best_baseline": self.gain,
+      "bound_samples_per_s": self.bound_samples_per_s,
+      "headroom_captured": self.headroom_captured,
+      "limited_by": self.limits.to_json(),
+    }
+
+  def lines(self) -> list[str]:
+    """Three lines, each figure labelled modeled."""
+    if self.baseline is None:
+      first = (
+        f"modeled: {self.samples_per_s:.1f} samples/s; no baseline (dynamic batching, training groups "
+        "only) was planned"
+      )
+    else:
+      first = (
+        f"modeled: {self.samples_per_s:.1f} samples/s, {self.gain:.2f}× the best baseline ({self.baseline}, "
+        f"{self.baseline_samples_per_s:.1f} samples/s)"
+      )
+    second = (
+      f"modeled: pool bound {self.bound_samples_per_s:.1f} samples/s (every device at its fastest precision, "
+      "batch split by speed, no communication)"
+    )
+    if self.headroom_captured is not None:
+      second += (
+        f"; the plan captures {100 * self.headroom_captured:.0f} % of the headroom above the best baseline"
+      )
+    elif self.baseline is not None:
+      second += "; the best baseline is at the bound"
+    lim = self.limits
+    third = (
+      f"modeled: limited by: straggler {lim.straggler} (backward ends at {lim.backward_end_ms:.3f} ms, "
+      f"{lim.straggler_lead_ms:.3f} ms after the first group's), exposed all-reduce "
+      f"{lim.exposed_comm_ms:.3f} ms (not overlapped with its compute), "
+      f"optimizer update {lim.optimizer_ms:.3f} ms (step {lim.step_ms:.3f} ms)"
+    )
+    return [first, second, third]
+
+
+def summarize(chosen, candidates, search, prediction) -> Summary:
+  """The ``Summary`` of ``chosen`` among ``candidates`` (``joint_plan``'s), ``prediction`` its
+  ``planners.predictor.replay.predict``."""
+  base = best_baseline(candidates)
+  bound = pool_bound(search).samples_per_s
+  plan = chosen.samples_per_s
+  headroom = None
+  if base is not None and bound > base.samples_per_s * (1 + 1e-9):
+    headroom = (plan - base.samples_per_s) / (bound - base.samples_per_s)
+  return Summary(
+    samples_per_s=plan,
+    baseline=None if base is None else base.name,
+    baseline_samples_per_s=None if base is None else base.samples_per_s,
+    gain=None if base is None else plan / base.samples_per_s,
+    bound_samples_per_s=bound,
+    headroom_captured=headroom,
+    limits=limits(prediction),
+  )
