@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
   if command == "test":
     if _run([py, "-m", "ruff", "check", "."]) != 0:
       return 1
-    # Two workers: the whole suite takes about 4.5 min on a 2-core machine (8 min serial).
+    # Two workers (a 2-core CI machine).
     workers = ["-n", os.environ.get("QSYNC_TEST_WORKERS", "2")]
     code = _run([py, "-m", "pytest", "-q", *workers, *rest], env=env)
     return 1 if code == 5 else code  # 5 = no test ran: that is a failure too

@@ -182,6 +182,8 @@ def main(argv=None) -> int:
               host,
               accuracy_cost=c.cost,
               batch_per_device=list(c.batches),
+              reduction=c.mode[0],
+              optimizer_update=c.mode[1],
               fits=c.fits,
               chosen=c is chosen,
               **common,
