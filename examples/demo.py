@@ -206,8 +206,15 @@ def stage_plan(cluster, profiles, indicator, say, train_policy="fp32", int8_op="
   chosen, cands, search = joint_plan(problem)
   summary = summarize(chosen, cands, search, predict(cluster, profiles, plan_of(problem, chosen)))
   alternatives = [c.to_json(problem) for c in cands]
-  out = {}
+  kept = {}  # one candidate per name (the search tries each in every mode): the chosen, else the fastest
   for cand in cands:
+    other = kept.get(cand.name)
+    if other is not chosen and (
+      cand is chosen or other is None or (cand.fits, cand.samples_per_s) > (other.fits, other.samples_per_s)
+    ):
+      kept[cand.name] = cand
+  out = {}
+  for cand in kept.values():
     extra = (
       {"chosen": chosen.name, "alternatives": alternatives, **summary.to_json()}
       if cand.name == "joint"

@@ -11,10 +11,13 @@ test that runs such code marks itself ``@pytest.mark.standard_promotion`` (or a 
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On the CPU, LLVM's optimization of XLA's generated code is most of a test's compile time and
+# the tests' programs are tiny: compiling them unoptimized runs the suite about 12 % faster.
+CPU_FLAGS = " --xla_backend_optimization_level=0" if os.environ["JAX_PLATFORMS"] == "cpu" else ""
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + CPU_FLAGS
+).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
