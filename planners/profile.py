@@ -123,9 +123,20 @@ class Profile:
 @dataclasses.dataclass(frozen=True)
 class GroupCost:
   """What costs one device group's share of a step: its name, its device type's profile, its op
-  policies (op name → OpPolicy; None or absent: the unmodified float op) and per-device batch."""
+  policies (op name → OpPolicy; None or absent: the unmodified float op), per-device batch and
+  the micro-steps it runs that batch in (``Plan.micro_steps``: ``micro_batch`` examples each).
+
+  Compute is priced on ``batch_per_device`` whatever ``micro_steps`` (the step model is linear in
+  the batch: k micro-batches of b/k cost what b costs, to first order); memory on ``micro_batch``
+  (``planners.predictor.memory_model``)."""
 
   name: str
   profile: Profile
   op_policies: Mapping[str, OpPolicy | None]
   batch_per_device: int
+  micro_steps: int = 1
+
+  @property
+  def micro_batch(self) -> int:
+    """The examples one forward/backward of the group holds: ``batch_per_device / micro_steps``."""
+    return self.batch_per_device // self.micro_steps

@@ -146,13 +146,16 @@ def _optimizer(name: str, lr: float):
   }[name]()
 
 
-def _default_replan(sync: str | None) -> str:
-  """``once`` on GPUs; ``off`` on CPU devices and for step-builder strategies."""
+def _default_replan(sync: str | None, plan=None) -> str:
+  """``once`` on GPUs; ``off`` on CPU devices, for step-builder strategies and for a plan that
+  accumulates gradients (its micro-batches fix its batches)."""
   import jax
 
   from qsync_jax.sync import get_strategy
 
   if jax.devices()[0].platform == "cpu" or (sync and get_strategy(sync).kind == "train_step"):
+    return "off"
+  if plan is not None and any(k != 1 for k in plan.micro_steps.values()):
     return "off"
   return "once"
 
@@ -380,7 +383,7 @@ def _run(args: argparse.Namespace) -> int:
     log_every=args.log_every,
     progress=sys.stderr,
     step_timeout_s=args.step_timeout,
-    replan=args.replan or _default_replan(sync),
+    replan=args.replan or _default_replan(sync, plan),
   )
   if measured is not None:  # the run directory exists (and is checked) now
     write_auto_plan(args.out, plan, measured)

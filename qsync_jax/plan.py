@@ -3,7 +3,10 @@
 The allocator writes a plan, a person may edit it, the trainer executes it. A group the plan
 does not name runs the unmodified float model (an empty policy). ``batch_per_device``
 optionally overrides the cluster spec's per-device batch of some groups (0 leaves a group's
-devices out of the job); ``reduction`` says how gradients are combined (``"flat"``: one
+devices out of the job); ``micro_steps`` splits a group's per-device batch ``b`` into ``k``
+micro-batches of ``b/k`` whose weighted gradients are summed before the step's one gradient
+sync (gradient accumulation: the full-batch gradient, with BatchNorm statistics per
+micro-batch; default 1, none); ``reduction`` says how gradients are combined (``"flat"``: one
 all-reduce over every device; ``"two_level"``: within each group, then across groups);
 ``optimizer_update`` where the optimizer runs (``"replicated"``: every device updates every
 parameter; ``"sharded"``: each device updates an equal share and the updated parameters are
@@ -13,7 +16,7 @@ alternatives the planner compared…) that the trainer stores but never reads.
 JSON form::
 
   {"policies": {"infer": {"rules": [...], "__default__": "int8_fwd"}, "train": "fp32"},
-   "batch_per_device": {"infer": 16},
+   "batch_per_device": {"infer": 16}, "micro_steps": {"train": 2},
    "reduction": "flat", "optimizer_update": "replicated",
    "predictions": {"step_time_s": 0.21}}
 
@@ -55,6 +58,7 @@ class Plan(JsonFile):
 
   policies: Mapping[str, PrecisionPolicy] = dataclasses.field(default_factory=dict)
   batch_per_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  micro_steps: Mapping[str, int] = dataclasses.field(default_factory=dict)
   predictions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   reduction: str = "flat"
   optimizer_update: str = "replicated"
@@ -62,6 +66,7 @@ class Plan(JsonFile):
   def __post_init__(self):
     object.__setattr__(self, "policies", dict(self.policies))
     object.__setattr__(self, "batch_per_device", dict(self.batch_per_device))
+    object.__setattr__(self, "micro_steps", dict(self.micro_steps))
     object.__setattr__(self, "predictions", dict(self.predictions))
     for group, policy in self.policies.items():
       if not isinstance(policy, PrecisionPolicy):
@@ -80,6 +85,16 @@ class Plan(JsonFile):
           f"plan: batch_per_device[{group!r}]={b!r} must be an integer ≥ 0 (0: the group sits out). "
           "Fix: set it to 0 or more."
         )
+    for group, k in self.micro_steps.items():
+      if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise PlanError(
+          f"plan: micro_steps[{group!r}]={k!r} must be an integer ≥ 1 (1: no accumulation). "
+          "Fix: set it to 1 or more."
+        )
+
+  def micro_steps_of(self, group: str) -> int:
+    """How many micro-batches the group splits its per-device batch into (1 when the plan has none)."""
+    return self.micro_steps.get(group, 1)
 
   def policy_for(self, group: str) -> PrecisionPolicy:
     """The group's policy; an empty policy (unmodified float model) when the plan has none."""
@@ -88,7 +103,7 @@ class Plan(JsonFile):
   def validate_for(self, cluster: ClusterSpec) -> None:
     """Raises ``PlanError`` if the plan names unknown groups or a group's device can't run its policy."""
     names = set(cluster.group_names)
-    for field in ("policies", "batch_per_device"):
+    for field in ("policies", "batch_per_device", "micro_steps"):
       unknown = sorted(set(getattr(self, field)) - names)
       if unknown:
         raise PlanError(
@@ -100,6 +115,13 @@ class Plan(JsonFile):
         self.policy_for(group.name).validate_for_device(group.device_type)
       except (UnsupportedPrecisionError, PolicyError) as e:
         raise PlanError(f"plan: group {group.name!r} ({group.device_type}): {e}") from None
+      b, k = self.batch_per_device.get(group.name, group.batch_per_device), self.micro_steps_of(group.name)
+      if b % k:
+        raise PlanError(
+          f"plan: group {group.name!r} splits its per-device batch {b} into micro_steps={k} "
+          f"micro-batches, but {k} does not divide {b}. Fix: make micro_steps[{group.name!r}] a "
+          f"divisor of {b}, or the batch a multiple of {k}."
+        )
 
   def apply_to(self, cluster: ClusterSpec) -> ClusterSpec:
     """The cluster with this plan's per-device batch overrides applied (after validation)."""
@@ -119,12 +141,15 @@ class Plan(JsonFile):
     return any(_has_fp16(p) for p in self.policies.values())
 
   def fingerprint(self) -> str:
-    """Hash of what changes training (policies, batches, reduction); predictions and
-    ``optimizer_update`` excluded (the sharded update equals the replicated one)."""
+    """Hash of what changes training (policies, batches, micro-steps other than 1, reduction);
+    predictions and ``optimizer_update`` excluded (the sharded update equals the replicated one)."""
     obj = {
       "policies": self.to_json()["policies"],
       "batch_per_device": dict(sorted(self.batch_per_device.items())),
     }
+    accumulating = {g: k for g, k in sorted(self.micro_steps.items()) if k != 1}
+    if accumulating:  # (absent when none accumulates: plans without micro-steps keep their hash)
+      obj["micro_steps"] = accumulating
     if self.reduction != REDUCTIONS[0]:  # (where the optimizer runs does not change the training)
       obj["reduction"] = self.reduction
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
@@ -142,6 +167,7 @@ class Plan(JsonFile):
     return {
       "policies": {g: p.to_json() for g, p in sorted(self.policies.items())},
       "batch_per_device": dict(self.batch_per_device),
+      "micro_steps": dict(self.micro_steps),
       "reduction": self.reduction,
       "optimizer_update": self.optimizer_update,
       "predictions": dict(self.predictions),
@@ -154,9 +180,9 @@ class Plan(JsonFile):
         f"a plan must be a JSON object, got {type(obj).__name__}. "
         'Fix: write {"policies": {"<group>": {...}}, "batch_per_device": {}, "predictions": {}}.'
       )
-    keys = ("policies", "batch_per_device", "reduction", "optimizer_update", "predictions")
+    keys = ("policies", "batch_per_device", "micro_steps", "reduction", "optimizer_update", "predictions")
     reject_unknown_keys(obj, keys, "plan", PlanError, ", ".join(repr(k) for k in keys))
-    for key in ("policies", "batch_per_device", "predictions"):
+    for key in ("policies", "batch_per_device", "micro_steps", "predictions"):
       if not isinstance(obj.get(key, {}), Mapping):
         raise PlanError(
           f"plan: {key!r} must be an object keyed by group name, got {type(obj[key]).__name__}. "
@@ -171,6 +197,7 @@ class Plan(JsonFile):
     return cls(
       policies=policies,
       batch_per_device=dict(obj.get("batch_per_device", {})),
+      micro_steps=dict(obj.get("micro_steps", {})),
       predictions=dict(obj.get("predictions", {})),
       reduction=obj.get("reduction", REDUCTIONS[0]),
       optimizer_update=obj.get("optimizer_update", OPTIMIZER_UPDATES[0]),

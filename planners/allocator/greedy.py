@@ -225,7 +225,7 @@ class Evaluator:
     # Keyed on the policy's identity (hashing the dataclass costs more than the lookup); the
     # entry holds the policy, so no other object can take its id while the entry lives.
     policy = group.op_policies.get(self.problem.op_names[op_index])
-    key = (fn.__name__, group.name, group.batch_per_device, op_index, id(policy))
+    key = (fn.__name__, group.name, group.batch_per_device, group.micro_steps, op_index, id(policy))
     hit = self._costs.get(key)
     if hit is None:
       hit = self._costs[key] = (policy, fn(group, op_index))

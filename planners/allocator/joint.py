@@ -70,7 +70,10 @@ training groups alone are compared at their own best mode too (QSync's precision
 alternative is computed in the default mode only).
 
 ``batch="equal"`` keeps the spec's batches (for models whose semantics need them, e.g.
-BatchNorm statistics): the plan is QSync's, the alternatives those of the same batches.
+BatchNorm statistics): the plan is QSync's, the alternatives those of the same batches, and
+the training groups alone, accumulating (``_accumulating``): each keeps its spec batch as its
+micro-batch and runs ``k = B / (the training devices' spec batches)`` micro-steps (where that
+divides exactly), the inference groups sit out.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ class Candidate:
   global_batch: int
   fits: bool = True
   mode: tuple[str, str] = ("flat", "replicated")  # (reduction, optimizer_update) it is predicted under
+  micro_steps: tuple[int, ...] = ()  # per group (``Plan.micro_steps``); empty: 1 everywhere
 
   @property
   def samples_per_s(self) -> float:
@@ -130,6 +134,11 @@ class Candidate:
       "fits_memory": self.fits,
       "reduction": self.mode[0],
       "optimizer_update": self.mode[1],
+      **(
+        {"micro_steps": dict(zip((g.name for g in problem.groups), self.micro_steps))}
+        if self.micro_steps
+        else {}
+      ),
     }
 
 
@@ -552,6 +561,10 @@ def _search_mode(
     except PlanError:
       if batch == "equal":
         raise
+  if batch == "equal" and problem.inference and train_idx:
+    accumulating = _accumulating(problem, s, train_idx)
+    if accumulating is not None:
+      cands.append(accumulating)
   if batch == "joint":
     if train_idx:
       split = s.fastest_split(train_idx, train_rows)
@@ -818,6 +831,30 @@ def _training_only(problem: Problem, s: Search, train_idx, target) -> Candidate 
   return cand if cand.step_ms <= target * (1 + 1e-9) else None
 
 
+def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
+  """The training groups alone, each device at its spec batch ``m`` per micro-step, ``k = B /
+  sum(count·m)`` micro-steps (per-device batch ``k·m``), the inference groups out; None unless
+  ``k`` is a whole number. Its step is the replay at batches ``k·m`` (compute does not depend
+  on ``k``), its memory that of one micro-batch (``memory_bytes``)."""
+  groups = problem.cluster.groups
+  k, rem = divmod(s.B, sum(groups[gi].count * groups[gi].batch_per_device for gi in train_idx))
+  if rem or k < 2:
+    return None
+  n = len(problem.groups)
+  batches = [k * groups[gi].batch_per_device if gi in train_idx else 0 for gi in range(n)]
+  micro_steps = tuple(k if gi in train_idx else 1 for gi in range(n))
+  rows: list[Row] = [None] * n
+  fits = all(
+    memory_bytes(dataclasses.replace(s.group_at(gi, batches[gi], None), micro_steps=k), s.ev.op_memory)
+    <= groups[gi].memory_gb * 1e9
+    for gi in train_idx
+  )
+  name = "training groups only, accumulating"
+  return Candidate(
+    name, tuple(batches), tuple(rows), s.step(batches, rows), 0.0, s.B, fits, micro_steps=micro_steps
+  )
+
+
 def _cost_table(s: Search, gi: int, rows: Sequence[Row], running, high: int, limit: float) -> list[float]:
   """``[estimated cost of group gi at batch k·q for k = 0 … high/q]`` at step ``limit``: its
   share times the lower convex hull of its configurations' (affine step with the all-reduce of
@@ -861,11 +898,15 @@ def _greedy_at(problem: Problem, s: Search, gi: int, batches: Sequence[int], tar
 
 def plan_of(problem: Problem, cand: Candidate, predictions=None):
   """The ``Plan`` of a candidate: per-op rules on inference groups that run, the training
-  precision on the others, every group's per-device batch (0: out)."""
+  precision on the others, every group's per-device batch (0: out) and micro-steps (where not 1)."""
   rows = tuple(
     cand.rows[gi] if cand.rows[gi] is not None else uniform_levels(problem, j, "fp32")
     for j, gi in enumerate(problem.inference)
   )
   moded = dataclasses.replace(problem, reduction=cand.mode[0], optimizer_update=cand.mode[1])
   plan = to_plan(moded, rows, predictions)
-  return dataclasses.replace(plan, batch_per_device={g.name: b for g, b in zip(problem.groups, cand.batches)})
+  return dataclasses.replace(
+    plan,
+    batch_per_device={g.name: b for g, b in zip(problem.groups, cand.batches)},
+    micro_steps={g.name: k for g, k in zip(problem.groups, cand.micro_steps) if k != 1},
+  )

@@ -30,12 +30,16 @@ remainder (forward, backward) → for each op in reverse: [cast] → dlhs → dr
     whole optimizer update. No overlap.
 
 Times scale linearly with the group's batch over the profiled batch. ``longest_path`` gives
-every node's start and end; the synchronous step is the latest end.
+every node's start and end; the synchronous step is the latest end. ``step_ms`` computes that
+latest end without building the graph (what a planner replays per candidate plan).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -362,3 +366,112 @@ def longest_path(nodes: Sequence[Node]) -> list[tuple[float, float]]:
     start = max((times[d][1] for d in node.deps), default=0.0)
     times.append((start, start + node.ms))
   return times
+
+
+class ChainTimes(NamedTuple):
+  """End times (ms) on one group's compute chain (forward, remainder, backward; not its
+  optimizer), as ``longest_path`` gives them: ``closed[i]`` where op ``i``'s backward ends (its
+  drhs node), ``end`` where the chain's last node ends, ``peak`` the latest end of any of its
+  nodes (later than ``end`` where a negative remainder moves the nodes after it earlier)."""
+
+  closed: tuple[float, ...]
+  end: float
+  peak: float
+
+
+def chain_times(group: GroupCost, cost_fn) -> ChainTimes:
+  """``ChainTimes`` of ``group``'s chain in ``build_graph``: its nodes' ``ms`` summed in chain
+  order from 0, as ``longest_path`` sums them (bit-for-bit the same floats)."""
+  prof = group.profile
+  costs = [cost_fn(group, i) for i in range(len(prof.ops))]
+  scale = group.batch_per_device / prof.batch_per_device
+  forward = [c["fwd"][0] for c in costs] + [scale * prof.remainder_ms[part] for part in ("fwd", "bwd")]
+  backward = [[c[kind][0] for kind in ("cast_bwd", "dlhs", "drhs") if kind in c] for c in costs]
+  t, peak = 0.0, -math.inf
+  for ms in forward:
+    t += ms
+    if t > peak:
+      peak = t
+  closed = [0.0] * len(costs)
+  for i in reversed(range(len(costs))):
+    for ms in backward[i]:
+      t += ms
+      if t > peak:
+        peak = t
+    closed[i] = t
+  return ChainTimes(tuple(closed), t, peak)
+
+
+_CHAINS: dict[tuple, tuple[tuple, ChainTimes]] = {}
+"""``chain_times``' results by (weak reference to ``cost_fn``, group name, profile identity,
+batch, the identities of the ops' policies), emptied when it reaches 4,096 entries. Each entry
+holds the profile and the policies, so that no other object takes their ids while it lives; it
+refers to ``cost_fn`` (often a planner's bound memo method) weakly, so that it keeps no planner
+alive."""
+
+
+def memoized_chain_times(group: GroupCost, cost_fn) -> ChainTimes:
+  """``chain_times(group, cost_fn)``, memoized: ``cost_fn`` must be a pure function of the
+  group's name, profile, batch and op policies (``op_costs`` or a memo of it)."""
+  prof = group.profile
+  policies = tuple(map(group.op_policies.get, prof.op_names))
+  fn_ref = weakref.WeakMethod(cost_fn) if isinstance(cost_fn, types.MethodType) else weakref.ref(cost_fn)
+  key = (fn_ref, group.name, id(prof), group.batch_per_device, group.micro_steps, tuple(map(id, policies)))
+  hit = _CHAINS.get(key)
+  if hit is None:
+    if len(_CHAINS) >= 4096:
+      _CHAINS.clear()
+    hit = _CHAINS[key] = ((prof, policies), chain_times(group, cost_fn))
+  return hit[1]
+
+
+def step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:
+  """The synchronous step (ms) of ``groups`` sharing ``comm``: bit-for-bit
+  ``max(end for _, end in longest_path(build_graph(groups, comm, cost_fn)))``, computed from each
+  group's ``ChainTimes`` (memoized, ``memoized_chain_times``) and the shared collectives and
+  optimizer nodes as ``_flat`` / ``_two_level`` chain them, without building the graph."""
+  if not groups:
+    raise ValueError("step_ms needs at least one group. Fix: pass the GroupCost of every group that runs.")
+  chains = [memoized_chain_times(g, cost_fn or op_costs) for g in groups]
+  plan = buckets(groups[0].profile, comm.bucket_bytes, comm.bucket_order)
+  tail = _two_level_ends if comm.reduction == "two_level" else _flat_ends
+  return max(max(c.peak for c in chains), *tail(groups, comm, plan, chains))
+
+
+def _flat_ends(groups, comm: Comm, plan, chains: Sequence[ChainTimes]) -> list[float]:
+  """The end of every node ``_flat`` adds, in the order it adds them."""
+  n, link, lat = comm.n_devices, comm.link_gbps, comm.latency_us
+  sharded = comm.optimizer_update == "sharded"
+  collective_ms = reduce_scatter_ms if sharded else allreduce_ms
+  first, prev = [], -math.inf  # -inf: the first bucket has no previous one
+  for i, nbytes in plan:
+    prev = max(max(c.closed[i] for c in chains), prev) + collective_ms(nbytes, n, link, lat)
+    first.append(prev)
+  total = sum(nbytes for _, nbytes in plan)
+  share = 1 / n if sharded else 1.0
+  updated = []  # per group: the end of its update of each bucket
+  for g, chain in zip(groups, chains):
+    t, mine = chain.end, []
+    for (_, nbytes), reduced in zip(plan, first):
+      t = max(t, reduced) + g.profile.optimizer_ms * share * nbytes / total
+      mine.append(t)
+    updated.append(mine)
+  ends = first + [t for mine in updated for t in mine]
+  if sharded:
+    prev = first[-1]
+    for b, (_, nbytes) in enumerate(plan):
+      prev = max(max(mine[b] for mine in updated), prev) + all_gather_ms(nbytes, n, link, lat)
+      ends.append(prev)
+  return ends
+
+
+def _two_level_ends(groups, comm: Comm, plan, chains: Sequence[ChainTimes]) -> list[float]:
+  """The end of every node ``_two_level`` adds, in the order it adds them."""
+  total = sum(nbytes for _, nbytes in plan)
+  tree = tree_ms(total, comm.groups, comm.latency_us)
+  ring = round_ring_allreduce_ms(total, len(comm.groups), comm.leader_link_gbps, comm.latency_us)
+  t, ends = max(c.end for c in chains), []
+  for ms in (tree, ring, tree):
+    t += ms
+    ends.append(t)
+  return ends + [max(c.end, t) + g.profile.optimizer_ms for g, c in zip(groups, chains)]

@@ -3,9 +3,12 @@
 Per op, functions of its shape and policy: ``residual_bytes`` (what the op saves for its
 backward), ``kept_bytes`` (what the compiled step really keeps for it), ``transient_bytes``
 (what its backward materializes on top), ``forward_extra_bytes`` (what its forward holds at its
-busiest beyond the fp32 op's). ``memory_bytes(group)`` is the larger of two moments:
+busiest beyond the fp32 op's). Activations are those of one micro-batch (``GroupCost.micro_batch``:
+the per-device batch over the group's micro-steps, the whole batch without accumulation); the
+input batch is the whole per-device batch. ``memory_bytes(group)`` is the larger of two moments:
 
-* where the backward starts: parameters + optimizer state + gradients + batch + what every op
+* where the backward starts: parameters + optimizer state + gradients (+ their fp32
+  accumulator when the group runs several micro-steps) + batch + what every op
   keeps + the largest backward transient + the fitted ``other_bytes`` (mixed with
   ``other_bytes_16bit`` by the plan's share of 16-bit activations, ``sixteen_bit_share``);
 * during each op's forward: the fp32 step's peak less its headroom there
@@ -198,9 +201,9 @@ class OpMemory(NamedTuple):
 
 
 def op_memory(group: GroupCost, op_index: int) -> OpMemory:
-  """The ``OpMemory`` of one op of ``group`` at its batch."""
+  """The ``OpMemory`` of one op of ``group`` at its micro-batch (its batch without accumulation)."""
   prof = group.profile
-  op = prof.ops[op_index].scaled(group.batch_per_device / prof.batch_per_device)
+  op = prof.ops[op_index].scaled(group.micro_batch / prof.batch_per_device)
   pol = group.op_policies.get(op.name)
   upcast, fp8 = upcasts_16bit_products(prof.device_type), dequantizes_fp8_residuals(prof.device_type)
   kept = kept_bytes(op, pol, upcast, op_index > 0, fp8)
@@ -246,13 +249,15 @@ def memory_bytes(group: GroupCost, memory_fn=None, optimizer_shards: int = 1) ->
   ``optimizer_update: "sharded"``: each holds ``opt_state_bytes / N``)."""
   memory_fn = memory_fn or op_memory
   prof = group.profile
-  scale = group.batch_per_device / prof.batch_per_device
+  scale = group.micro_batch / prof.batch_per_device  # the activations': one micro-batch's
   mem = prof.memory
   terms = [memory_fn(group, i) for i in range(len(prof.ops))]
+  accumulator = mem["param_bytes"] if group.micro_steps > 1 else 0  # the summed fp32 gradient
   base = (
-    2 * mem["param_bytes"]
+    (2 * mem["param_bytes"] + accumulator)
     + mem["opt_state_bytes"] / optimizer_shards
-    + scale * (mem["batch_bytes"] + other_bytes(prof, group.op_policies))
+    + group.batch_per_device / prof.batch_per_device * mem["batch_bytes"]
+    + scale * other_bytes(prof, group.op_policies)
   )
   backward = base + sum(t.kept for t in terms) + max((t.transient for t in terms), default=0)
   fp32_peak = base + sum(t.fp32_kept for t in terms)

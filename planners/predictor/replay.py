@@ -25,6 +25,7 @@ from planners.predictor.graph import (
   Node,
   build_graph,
   longest_path,
+  step_ms,
 )
 from planners.predictor.memory_model import memory_bytes
 from planners.predictor.modeled import modeled_profile
@@ -93,13 +94,14 @@ def base_profile(profiles: Mapping[str, Profile]) -> Profile:
 
 
 def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Plan) -> list[GroupCost]:
-  """One ``GroupCost`` per group of ``cluster``, with the plan's policies and batches."""
+  """One ``GroupCost`` per group of ``cluster``, with the plan's policies, batches and micro-steps."""
   plan.validate_for(cluster)
   cluster = plan.apply_to(cluster)
   out = []
   for g in cluster.groups:
     prof = profile_for(profiles, g.device_type)
-    out.append(GroupCost(g.name, prof, plan.policy_for(g.name).resolve(prof.op_names), g.batch_per_device))
+    policies = plan.policy_for(g.name).resolve(prof.op_names)
+    out.append(GroupCost(g.name, prof, policies, g.batch_per_device, plan.micro_steps_of(g.name)))
   return out
 
 
@@ -140,8 +142,10 @@ def comm_for(
 
 
 def sync_step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:
-  """The synchronous step time (ms) of ``groups`` sharing ``comm``: the longest path."""
-  return max(end for _, end in longest_path(build_graph(groups, comm, cost_fn)))
+  """The synchronous step time (ms) of ``groups`` sharing ``comm``: the longest path's end,
+  ``max(end for _, end in longest_path(build_graph(groups, comm, cost_fn)))`` bit-for-bit,
+  without building the graph (``planners.predictor.graph.step_ms``)."""
+  return step_ms(groups, comm, cost_fn)
 
 
 def predict(

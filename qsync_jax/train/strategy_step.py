@@ -117,6 +117,12 @@ def make_strategy_step(
   plan = plan if plan is not None else Plan()
   check_optimizer_update(plan, name)
   check_two_level_sync(plan.reduction, name)
+  if any(k != 1 for k in plan.micro_steps.values()):
+    raise PlanError(
+      f"plan: micro_steps {dict(plan.micro_steps)} with sync strategy {name!r}: it builds its own step, "
+      "which does not accumulate gradients. Fix: remove micro_steps from the plan, or use a gradient-hook "
+      "strategy (fp32, bf16, fp16, global_qsgd)."
+    )
   if get_strategy(name).kind != "train_step":
     raise QsyncError(f"sync strategy {name!r} is a gradient hook. Fix: pass it to make_train_step.")
   if plan.needs_fp16_loss_scaling:

@@ -110,29 +110,30 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Branch:
-  """A distinct (policy, per-device batch) and the device groups that run it."""
+  """A distinct (policy, per-device batch, micro-steps) and the device groups that run it."""
 
   groups: tuple[str, ...]
   policy: PrecisionPolicy
   batch_per_device: int
+  micro_steps: int = 1  # the per-device batch runs as this many micro-batches (``Plan.micro_steps``)
 
 
 def plan_branches(cluster: ClusterSpec, plan: Plan) -> tuple[tuple[Branch, ...], tuple[int, ...]]:
   """The branches of ``plan`` on ``cluster`` (batches already applied) and each device's branch."""
-  keys: dict[tuple[str, int], int] = {}
+  keys: dict[tuple[str, int, int], int] = {}
   groups: list[list[str]] = []
-  specs: list[tuple[PrecisionPolicy, int]] = []
+  specs: list[tuple[PrecisionPolicy, int, int]] = []
   group_branch = []
   for g in cluster.groups:
-    policy = plan.policy_for(g.name)
-    key = (json.dumps(policy.to_json(), sort_keys=True), g.batch_per_device)
+    policy, k = plan.policy_for(g.name), plan.micro_steps_of(g.name)
+    key = (json.dumps(policy.to_json(), sort_keys=True), g.batch_per_device, k)
     if key not in keys:
       keys[key] = len(specs)
-      specs.append((policy, g.batch_per_device))
+      specs.append((policy, g.batch_per_device, k))
       groups.append([])
     groups[keys[key]].append(g.name)
     group_branch.append(keys[key])
-  branches = tuple(Branch(tuple(n), p, b) for n, (p, b) in zip(groups, specs))
+  branches = tuple(Branch(tuple(n), p, b, k) for n, (p, b, k) in zip(groups, specs))
   return branches, tuple(group_branch[i] for i in cluster.device_group_indices())
 
 
@@ -444,11 +445,41 @@ def make_train_step(
   global_batch = cluster.global_batch
 
   def branch_fn(branch: Branch):
+    """The branch's run: its ``k = micro_steps`` micro-batches of ``b/k`` (its rows of the batch
+    in order), each weighted by its share ``(b/k)/B`` of the global batch, summed in fp32 —
+    ``sum(micro(params, model_state, local[i*b/k:(i+1)*b/k], fold_in(key, i), scale) for i)``,
+    with the key unfolded when ``k == 1``; every micro-batch starts from the same model state,
+    so the state kept is the weighted average of the micro-batches' (non-float leaves: the last)."""
     task_loss_fn = task_loss(task, branch.policy)
-    b, weight = branch.batch_per_device, branch.batch_per_device / global_batch
+    b, k = branch.batch_per_device, branch.micro_steps
+    micro_batch = b // k
+    weight = micro_batch / global_batch
 
     def run(params, model_state, batch, key, scale):
       local = jax.tree.map(lambda x: x[:b], batch)
+      if k == 1:
+        return micro(params, model_state, local, key, scale)
+      names: list[tuple[str, ...]] = []
+
+      def step(acc, i_and_slice):
+        i, mb = i_and_slice
+        grads, scalars, new_state, metric_names = micro(
+          params, model_state, mb, jax.random.fold_in(key, i), scale
+        )
+        names.append(metric_names)
+        return jax.tree.map(lambda a, x: a + x if is_float(x) else x, acc, (grads, scalars, new_state)), None
+
+      slices = jax.tree.map(lambda x: x.reshape(k, micro_batch, *x.shape[1:]), local)
+      first = jax.tree.map(lambda x: x[0], slices)
+      shapes = jax.eval_shape(lambda mb: micro(params, model_state, mb, key, scale)[:3], first)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      # The carry is typed varying like the micro-steps' results (a constant zero is invariant).
+      zeros = zeros if alone else to_varying(zeros)
+      (grads, scalars, new_state), _ = lax.scan(step, zeros, (jnp.arange(k, dtype=jnp.int32), slices))
+      return grads, scalars, new_state, names[-1]
+
+    def micro(params, model_state, local, key, scale):
+      """One micro-batch's fp32 gradient, loss and metrics, and updated state, each times ``weight``."""
 
       def loss_fn(p):
         loss, metrics, updated = task_loss_fn({"params": p, **model_state}, local, key)

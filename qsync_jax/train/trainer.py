@@ -132,8 +132,14 @@ class Trainer:
       if isinstance(grad_sync, str):
         grad_sync = make_grad_sync(grad_sync, **(sync_options or {}))
       self._build = functools.partial(
-        make_train_step, task, cluster, optimizer=optimizer, grad_sync=grad_sync, devices=devices,
-        loss_scale=loss_scale, donate=donate,
+        make_train_step,
+        task,
+        cluster,
+        optimizer=optimizer,
+        grad_sync=grad_sync,
+        devices=devices,
+        loss_scale=loss_scale,
+        donate=donate,
       )
       self.program = self._build(plan)
       self._given_cluster = cluster
@@ -143,6 +149,13 @@ class Trainer:
       raise QsyncError(
         f"replan={self.replanner.mode!r}: sync strategy {grad_sync!r} builds its own step, which cannot be "
         "re-balanced. Fix: use replan='off', or a gradient-hook strategy (fp32, bf16, fp16, global_qsgd)."
+      )
+    accumulating = sorted(g for g, k in (plan or Plan()).micro_steps.items() if k != 1)
+    if self.replanner.mode != "off" and accumulating:
+      raise QsyncError(
+        f"replan={self.replanner.mode!r}: the plan accumulates gradients on {accumulating} (micro_steps), "
+        "whose per-device batches re-planning would change. Fix: use replan='off', or remove micro_steps "
+        "from the plan."
       )
     self._sample = sample
     self.out_dir = out_dir
@@ -333,7 +346,9 @@ class Trainer:
       self._write_replan_line({"step": step, "replan": record}, record)
     if batches is not None:
       plan = self.program.plan
-      program = self._program_for(dataclasses.replace(plan, batch_per_device={**plan.batch_per_device, **batches}))
+      program = self._program_for(
+        dataclasses.replace(plan, batch_per_device={**plan.batch_per_device, **batches})
+      )
       if program.mesh.devices.tolist() != self.program.mesh.devices.tolist():
         self.state = program.from_full_state(self.program.full_state(self.state))
       self.program = program
