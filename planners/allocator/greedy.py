@@ -24,10 +24,14 @@ device supports, one per bit width (the least sensitive of a width), ordered 8 �
 2. ``T*``: the predicted synchronous step of the training groups alone (with the all-reduce
    over the whole cluster); if the inference groups are slower even at ``start``, T* is the
    step of ``start`` (they cannot keep pace; the plan says so).
-3. A max-heap keyed by ``Ω(level) − Ω(next level)`` recovers the most sensitive op first:
-   pop, build the candidate plan with that op one level up, accept it only if every group's
-   memory fits and the predicted synchronous step is ≤ T*, then push the op's next level.
-   Plans are immutable tuples, so a rejected move leaves no trace.
+3. A max-heap keyed by the Ω a move recovers above the training precision's,
+   ``max(0, Ω(level) − Ω_train) − max(0, Ω(next level) − Ω_train)``, recovers the most
+   sensitive op first: pop, build the candidate plan with that op one level up, accept it only
+   if every group's memory fits and the predicted synchronous step is ≤ T*, then push the op's
+   next level. A move that recovers nothing (e.g. fp16 → fp32 when the training groups run
+   fp16: the accuracy cost counts Ω above theirs) is never made. With fp32 training this is
+   QSync's ``Ω(level) − Ω(next level)``. Plans are immutable tuples, so a rejected move leaves
+   no trace.
 
 ``exhaustive`` searches every combination of ladder levels for the plan of least total Ω
 under the same constraints (small graphs only). ``planners.allocator.joint`` chooses the groups'
@@ -315,6 +319,17 @@ def fastest_levels(problem: Problem, fit_memory: bool = True) -> Assignment:
   return tuple(out)
 
 
+def training_omega(problem: Problem) -> list[list[float]]:
+  """Ω of every op of every inference group at the training precision's ladder level
+  (``uniform_levels``): the accuracy cost counts Ω above it, so a move between levels at or below
+  it (e.g. fp16 → fp32 when the training groups run fp16) recovers nothing."""
+  train = problem.train_policy if problem.train_policy in PRECISION_BITS else "fp32"
+  return [
+    [problem.omega[j][i][lv] for i, lv in enumerate(uniform_levels(problem, j, train))]
+    for j in range(len(problem.inference))
+  ]
+
+
 def uniform_levels(problem: Problem, j: int, precision: str) -> tuple[int, ...]:
   """Inference group ``j`` with every op at ``precision``'s ladder level, or, where an op's
   ladder lacks it, at the op's lowest level of at least as many bits."""
@@ -427,10 +442,14 @@ def greedy(problem: Problem, rel_tol: float = 1e-9, target_ms: float | None = No
   heap: list[tuple[float, int, int, int, int]] = []
   counter = itertools.count()
 
+  floor = training_omega(problem)
+
   def push(j, i, lvl):
     if lvl + 1 < len(problem.ladders[j][i]):
-      key = problem.omega[j][i][lvl] - problem.omega[j][i][lvl + 1]
-      heapq.heappush(heap, (-key, next(counter), j, i, lvl))
+      om, base = problem.omega[j][i], floor[j][i]
+      key = max(0.0, om[lvl] - base) - max(0.0, om[lvl + 1] - base)
+      if key > 0:  # a move that recovers no accuracy above the training precision's spends slack for nothing
+        heapq.heappush(heap, (-key, next(counter), j, i, lvl))
 
   for j, row in enumerate(plan):
     for i, lvl in enumerate(row):

@@ -146,3 +146,17 @@ def test_unknown_int8_op_is_refused_by_name():
   cluster, profiles, indicator = _setup([(1.0, 1.0, 1.0)], 2.0, [1.0])
   with pytest.raises(PlanError, match=r"int8_op='int4'.*int8_fwd"):
     make_problem(cluster, profiles, indicator, int8_op="int4")
+
+
+@pytest.mark.parametrize("train_policy", ["fp32", "bf16"])
+def test_greedy_spends_no_slack_on_moves_that_recover_no_accuracy(train_policy):
+  """The accuracy cost counts Ω above the training precision's: with the training groups at bf16,
+  moving an inference op from 16 bits to fp32 recovers nothing, so the greedy never makes it (an
+  inference group fast enough to run fp32 everywhere stays at 16 bits); with fp32 training it does."""
+  cluster, profiles, indicator = _setup([(1.0, 1.0, 1.0)] * 3, 0.2, [1.0, 100.0, 5.0])
+  alloc = greedy(make_problem(cluster, profiles, indicator, train_policy=train_policy))
+  levels = set(alloc.plan.predictions["levels"]["infer"].values())
+  if train_policy == "fp32":
+    assert levels == {"fp32"}
+  else:
+    assert levels <= {"fp16", "bf16"} and levels  # every op recovered from int8, none moved to fp32
