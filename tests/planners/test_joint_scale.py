@@ -10,13 +10,12 @@ import pytest
 
 from benchmarks.allocator import exhaustive_joint, random_small_problem
 from planners.allocator.greedy import make_problem
-from planners.allocator.joint import (
+from planners.allocator.joint import joint_plan, plan_of
+from planners.allocator.splits import (
   Affine,
   cheapest_split,
   fastest_splits,
   hull_cost,
-  joint_plan,
-  plan_of,
   splits_within,
   water_level,
 )
