@@ -32,7 +32,8 @@ from benchmarks.common.result_rows import append_rows, result_row, results_path
 from benchmarks.common.zoo import HYBRID_MODELS
 from planners.allocator.bound import best_baseline, pool_bound
 from planners.allocator.greedy import make_problem
-from planners.allocator.joint import joint_plan, plan_of, precision_counts
+from planners.allocator.joint import joint_plan, plan_of
+from planners.allocator.search import precision_counts
 from planners.allocator.summary import summarize
 from planners.predictor.modeled import modeled_profile
 from planners.predictor.replay import predict

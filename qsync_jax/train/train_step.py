@@ -251,21 +251,20 @@ class TrainStep(StepProgram):
 
   @functools.cached_property
   def _gather_state(self) -> Callable[[TrainState], TrainState]:
-    n, optimizer = self.mesh.size, self.optimizer
-
-    def gather(s: TrainState) -> TrainState:
-      return s._replace(opt_state=gather_optimizer_state(optimizer, s.opt_state, s.params, n))
-
-    return jax.jit(gather, out_shardings=self.full_state_sharding)
+    return self._opt_state_converter(gather_optimizer_state, self.full_state_sharding)
 
   @functools.cached_property
   def _shard_state(self) -> Callable[[TrainState], TrainState]:
+    return self._opt_state_converter(shard_optimizer_state, self.state_sharding)
+
+  def _opt_state_converter(self, convert, out_shardings) -> Callable[[TrainState], TrainState]:
+    """A jitted ``state -> state`` with ``opt_state = convert(optimizer, opt_state, params, n)``."""
     n, optimizer = self.mesh.size, self.optimizer
 
-    def shard(s: TrainState) -> TrainState:
-      return s._replace(opt_state=shard_optimizer_state(optimizer, s.opt_state, s.params, n))
+    def converted(s: TrainState) -> TrainState:
+      return s._replace(opt_state=convert(optimizer, s.opt_state, s.params, n))
 
-    return jax.jit(shard, out_shardings=self.state_sharding)
+    return jax.jit(converted, out_shardings=out_shardings)
 
 
 # -- the sharded optimizer update (plan.optimizer_update == "sharded") ----------------------------

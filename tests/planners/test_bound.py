@@ -6,7 +6,8 @@ import pytest
 
 from planners.allocator.bound import best_baseline, bound_step_ms, pool_bound
 from planners.allocator.greedy import make_problem
-from planners.allocator.joint import Candidate, Search, joint_plan, plan_of
+from planners.allocator.joint import joint_plan, plan_of
+from planners.allocator.search import Candidate, Search
 from planners.allocator.summary import limits, summarize
 from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup

@@ -1,0 +1,222 @@
+"""The joint planner's candidates and the search state that replays them.
+
+``Candidate``: one plan (per-device batch of every group, ladder levels of every inference
+group, its predicted step and accuracy cost, the trainer mode it is predicted under).
+``Search``: replays candidate plans of a ``Problem`` (memoized: a plan is replayed once), fits
+each group's affine step model and prices a plan's accuracy cost (``planners.allocator.joint``'s
+module docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from planners.allocator.greedy import Evaluator, Problem, uniform_levels
+from planners.allocator.splits import Affine, fastest_splits, largest_true
+from planners.predictor.memory_model import memory_bytes
+from planners.predictor.replay import comm_for, sync_step_ms
+from planners.profile import GroupCost
+from qsync_jax.precision import PRECISION_BITS
+
+Row = tuple[int, ...] | None
+"""Ladder level of every op of an inference group (None: a training group)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One plan: per-device batch of every group (0: out), levels of every inference group
+  (None where out), its predicted step and accuracy cost."""
+
+  name: str
+  batches: tuple[int, ...]
+  rows: tuple[Row, ...]
+  step_ms: float
+  cost: float
+  global_batch: int
+  fits: bool = True
+  mode: tuple[str, str] = ("flat", "replicated")  # (reduction, optimizer_update) it is predicted under
+  micro_steps: tuple[int, ...] = ()  # per group (``Plan.micro_steps``); empty: 1 everywhere
+
+  @property
+  def samples_per_s(self) -> float:
+    return self.global_batch / self.step_ms * 1e3
+
+  def to_json(self, problem: Problem) -> dict:
+    return {
+      "name": self.name,
+      "batch_per_device": {g.name: b for g, b in zip(problem.groups, self.batches)},
+      "precisions": precision_counts(problem, self),
+      "step_ms": self.step_ms,
+      "samples_per_s": self.samples_per_s,
+      "accuracy_cost": self.cost,
+      "fits_memory": self.fits,
+      "reduction": self.mode[0],
+      "optimizer_update": self.mode[1],
+      **(
+        {"micro_steps": dict(zip((g.name for g in problem.groups), self.micro_steps))}
+        if self.micro_steps
+        else {}
+      ),
+    }
+
+
+def precision_counts(problem: Problem, cand: Candidate) -> dict[str, dict[str, int]]:
+  """``{group: {precision: number of ops}}`` of the groups that run."""
+  out = {}
+  for gi, (g, b, row) in enumerate(zip(problem.groups, cand.batches, cand.rows)):
+    if b == 0:
+      continue
+    if row is None:
+      out[g.name] = {problem.train_policy: len(problem.op_names)}
+      continue
+    j = problem.inference.index(gi)
+    counts: dict[str, int] = {}
+    for i, lv in enumerate(row):
+      p = problem.ladders[j][i][lv][0]
+      counts[p] = counts.get(p, 0) + 1
+    out[g.name] = counts
+  return out
+
+
+class Search:
+  """Replays candidate plans of ``problem`` (memoized: a plan is replayed once)."""
+
+  def __init__(self, problem: Problem, granularity: int):
+    self.p, self.q = problem, granularity
+    self.ev = Evaluator(problem)
+    self.B = problem.cluster.global_batch
+    self.replays = 0
+    self._comm: dict = {}
+    self._steps: dict = {}
+    self._affine: dict = {}
+    self._greedy: dict = {}
+    train = problem.train_policy if problem.train_policy in PRECISION_BITS else "fp32"
+    self.base = [uniform_levels(problem, j, train) for j in range(len(problem.inference))]
+
+  def group_at(self, gi: int, b: int, row: Row) -> GroupCost:
+    g = self.p.groups[gi]
+    if row is None:
+      return dataclasses.replace(g, batch_per_device=b)
+    j = self.p.inference.index(gi)
+    pols = {n: self.p.ladders[j][i][lv][1] for i, (n, lv) in enumerate(zip(self.p.op_names, row))}
+    return dataclasses.replace(g, op_policies=pols, batch_per_device=b)
+
+  def comm(self, batches: Sequence[int]):
+    """The all-reduce of the groups that run (``batches`` > 0 there), memoized."""
+    key = tuple(b > 0 for b in batches)
+    if key not in self._comm:
+      kept = {g.name: g.batch_per_device if run else 0 for g, run in zip(self.p.cluster.groups, key)}
+      self._comm[key] = comm_for(
+        self.p.cluster.with_batch_per_device(kept),
+        self.p.bucket_bytes,
+        reduction=self.p.reduction,
+        optimizer_update=self.p.optimizer_update,
+      )
+    return self._comm[key]
+
+  def step(
+    self, batches: Sequence[int], rows: Sequence[Row], comm_batches: Sequence[int] | None = None
+  ) -> float:
+    """The predicted synchronous step of the groups that run (with the all-reduce of the
+    groups that run in ``comm_batches``, default ``batches``)."""
+    comm_batches = batches if comm_batches is None else comm_batches
+    key = (
+      tuple(batches),
+      tuple(r if b else None for b, r in zip(batches, rows)),
+      tuple(b > 0 for b in comm_batches),
+    )
+    if key not in self._steps:
+      self.replays += 1
+      groups = [self.group_at(gi, b, r) for gi, (b, r) in enumerate(zip(batches, rows)) if b > 0]
+      self._steps[key] = sync_step_ms(groups, self.comm(comm_batches), self.ev.cost)
+    return self._steps[key]
+
+  def max_batch(self, gi: int, row: Row) -> int:
+    """The largest per-device batch (multiple of q, ≤ B / count) that fits the group's memory (0: none)."""
+    cap = self.B // self.p.cluster.groups[gi].count // self.q * self.q
+    return largest_true(lambda b: self.fits(gi, b, row), self.q, cap, self.q)
+
+  def affine(self, gi: int, row: Row, running: Sequence[int] | None = None) -> Affine:
+    """Group ``gi``'s affine step under ``row`` (module docstring), memoized; with ``running``
+    (per group, > 0 where it runs), ``a`` moved by that set's all-reduce: by the difference of
+    the group's replays with it and with the whole cluster's, at the training precision and
+    its largest batch that fits (nothing if none fits)."""
+    if (gi, row) not in self._affine:
+      cap = self.max_batch(gi, row)
+      if cap < self.q:
+        model = Affine(math.inf, 0.0, cap)
+      else:
+        lo = max(self.q, cap // 2 // self.q * self.q)
+        hi = max(cap, lo + self.q)
+        t_lo, t_hi = self._alone(gi, lo, row), self._alone(gi, hi, row)
+        slope = (t_hi - t_lo) / (hi - lo)
+        model = Affine(t_lo - slope * lo, slope, cap) if slope > 0 else Affine(max(t_lo, t_hi), 0.0, cap)
+      self._affine[gi, row] = model
+    model = self._affine[gi, row]
+    mask = tuple(b > 0 for b in running) if running is not None else (True,) * len(self.p.groups)
+    if all(mask):
+      return model
+    base = None if gi not in self.p.inference else self.base[self.p.inference.index(gi)]
+    ref = self.affine(gi, base).cap
+    if ref < self.q:
+      return model
+    shift = self._alone(gi, ref, base, mask) - self._alone(gi, ref, base)
+    return dataclasses.replace(model, a=model.a + shift)
+
+  def row_cost(self, gi: int, row: Row) -> float:
+    """The accuracy cost of group ``gi`` under ``row`` per unit of share (module docstring)."""
+    if row is None:
+      return 0.0
+    j = self.p.inference.index(gi)
+    om, base = self.p.omega[j], self.base[j]
+    return sum(max(0.0, om[i][lv] - om[i][base[i]]) for i, lv in enumerate(row))
+
+  def cost(self, batches: Sequence[int], rows: Sequence[Row]) -> float:
+    """The accuracy cost (module docstring); Ω counts above the training precision's."""
+    counts = [g.count for g in self.p.cluster.groups]
+    return sum(
+      c * b / self.B * self.row_cost(gi, r) for gi, (c, b, r) in enumerate(zip(counts, batches, rows)) if b
+    )
+
+  def fits(self, gi: int, b: int, row: Row) -> bool:
+    limit = self.p.cluster.groups[gi].memory_gb * 1e9
+    return memory_bytes(self.group_at(gi, b, row), self.ev.op_memory) <= limit
+
+  def candidate(self, name: str, batches: Sequence[int], rows: Sequence[Row]) -> Candidate:
+    rows = tuple(r if b else None for b, r in zip(batches, rows))
+    fits = all(self.fits(gi, b, r) for gi, (b, r) in enumerate(zip(batches, rows)) if b)
+    return Candidate(
+      name, tuple(batches), rows, self.step(batches, rows), self.cost(batches, rows), self.B, fits
+    )
+
+  def fastest_split(
+    self, members: Sequence[int], rows: Sequence[Row], keep: int = 3
+  ) -> tuple[int, ...] | None:
+    """The split of B over ``members`` (group indices; the others get 0) with the least
+    replayed step under ``rows`` among the ``keep`` of least affine step, or None if no split
+    fits."""
+    members = list(members)
+    running = [gi in members for gi in range(len(self.p.groups))]
+    models = [self.affine(gi, rows[gi], running) for gi in members]
+    counts = [self.p.cluster.groups[gi].count for gi in members]
+    best, best_ms = None, math.inf
+    for split in fastest_splits(self.B, counts, models, self.q, keep):
+      batches = [0] * len(self.p.groups)
+      for gi, b in zip(members, split):
+        batches[gi] = b
+      ms = self.step(batches, rows)
+      if ms < best_ms:
+        best, best_ms = tuple(batches), ms
+    return best
+
+  def _alone(self, gi: int, b: int, row: Row, running: Sequence[bool] | None = None) -> float:
+    """Group ``gi``'s replayed step alone at batch ``b`` under ``row``, with the all-reduce of
+    the groups ``running`` (default: the whole cluster), memoized."""
+    mask = tuple(running) if running is not None else (True,) * len(self.p.groups)
+    key = ("alone", gi, b, row, mask)
+    if key not in self._steps:
+      self.replays += 1
+      self._steps[key] = sync_step_ms([self.group_at(gi, b, row)], self.comm(mask), self.ev.cost)
+    return self._steps[key]
