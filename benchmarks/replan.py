@@ -30,9 +30,9 @@ Each row is written as soon as its case ends (to ``--out``, default
 spread), the ratio against the equal split of the same run. The first process prints each
 re-plan decision as it is taken (``REPLAN {...}``, flushed), and ``UNLOADED {...}``.
 
-  python -m benchmarks.replan [--gpus 2] [--width 768 --depth 4 --seq 256 --batch 32] [--out FILE]
-  python -m benchmarks.replan --cpu          # a smoke test: 2 processes of one CPU device each,
-                                             # each on its own core, the load on the last one
+  python -m benchmarks.replan [--gpus 2] [--width 1024 --depth 8 --seq 512 --batch 32] [--out FILE]
+  python -m benchmarks.replan --cpu --width 64 --depth 1 --seq 32 --cases replan
+      # a smoke test: 2 processes of one CPU device each, each on its own core, the load on the last one
 """
 
 from __future__ import annotations
@@ -342,16 +342,16 @@ def main(argv=None) -> int:
   parser.add_argument("--cases", default="replan,sweep,auto", help="of replan, sweep, auto (equal always runs)")
   parser.add_argument("--cpu", action="store_true", help="a smoke test on CPU processes, one core each")
   parser.add_argument("--no-load", action="store_true", help="no background load")
-  parser.add_argument("--width", type=int, default=768)
-  parser.add_argument("--depth", type=int, default=4)
-  parser.add_argument("--seq", type=int, default=256)
+  parser.add_argument("--width", type=int, default=1024)
+  parser.add_argument("--depth", type=int, default=8)
+  parser.add_argument("--seq", type=int, default=512)
   parser.add_argument("--vocab", type=int, default=8192)
   parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
   parser.add_argument("--granularity", type=int, default=4, help="the sweep's step")
   parser.add_argument("--steps", type=int, default=40, help="steps of equal (replan: 20 more)")
   parser.add_argument("--sweep-steps", type=int, default=20)
-  parser.add_argument("--auto-steps", type=int, default=1200)
-  parser.add_argument("--unload-at-step", type=int, default=400)
+  parser.add_argument("--auto-steps", type=int, default=700)
+  parser.add_argument("--unload-at-step", type=int, default=300)
   parser.add_argument("--skip", type=int, default=5, help="steps not timed after the start and after a re-plan")
   parser.add_argument("--window", type=int, default=10, help="auto: steps per window")
   parser.add_argument("--recheck-windows", type=int, default=5, help="auto: windows between periodic checks")
