@@ -1,4 +1,5 @@
-"""Multi-GPU validation: trainer scaling, gradient-sync payloads and times, SelSync, QSDP.
+"""Multi-GPU validation: trainer scaling, gradient-sync payloads and times, SelSync, QSDP, and the
+reduction / optimizer-update modes measured against the replay.
 
 The model: a byte-level GPT (``benchmarks.common.zoo.gpt``) of ``--d-model``, ``--layers``,
 ``--heads`` and ``--seq``. One process drives all local devices (``jax.devices()``); with
@@ -27,10 +28,25 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
   (``measure_profile``, or ``--profile-file``) and, per device count, the all-reduce line of
   a ``psum`` microbenchmark (``benchmarks.common.link``); then again with the profile's
   remainder refitted to the fp32 step measured on the same device count
-  (``planners.profiler.fit.fit_remainder``). The baseline of the ratio is the measured step.
+  (``planners.profiler.fit.fit_remainder``). The baseline of the ratio is the measured step;
+* modes: on all devices (two groups of ``n - n // 2`` and ``n // 2`` from 4 devices on, else
+  one), the bf16 policy with AdamW under every reduction / optimizer update the groups allow
+  (``MODES``: ``flat/replicated``, ``flat/sharded`` and, with two groups, ``two_level/replicated``),
+  timed round-robin (``MODE_ROUNDS`` rounds of ``--steps`` steps, each step waited for): the
+  measured step (median, IQR) and, from a trace of the first GPU's kernels (``step_kernels``),
+  each collective kind's kernel time, the other kernels' (compute) and the exposed collective
+  time (a collective kernel runs, no other kernel does); against the replay's modeled step,
+  ``comm_ms_by_phase``, ``exposed_comm_ms`` and ``optimizer_tail_ms`` of the same plan, from the
+  one-device profile and the all-reduce line measured on all devices in the same run (every
+  group's ``link_gbps`` and ``intra_link_gbps``: one host, the same link between any two
+  devices). The baseline of the ratio is the measured ``flat/replicated`` step.
+
+``--cases`` selects among them (default all). The modes case alone, its profile measuring bf16 only:
+
+  python -m benchmarks.multigpu --cases modes --profile-precisions bf16
 
   python -m benchmarks.multigpu [--d-model 768 --layers 12 --seq 256 --batch 8] [--steps 20]
-                                [--processes 2 4] [--profile-file PROFILE.json]
+                                [--processes 2 4] [--profile-file PROFILE.json] [--cases …]
 """
 
 from __future__ import annotations
@@ -49,16 +65,17 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.common.kernel_summary import gpu_kernels
+from benchmarks.common.kernel_summary import COMM_KERNEL_MARKS, gpu_kernels
 from benchmarks.common.link import measure_link
 from benchmarks.common.result_rows import ROOT, append_rows, result_row, results_path
 from benchmarks.common.zoo import gpt
+from planners.predictor.graph import DEFAULT_LATENCY_US
 from planners.predictor.replay import predict
 from planners.profile import Profile
 from planners.profiler import hlo
 from planners.profiler.fit import fit_remainder
 from planners.profiler.measure import measure_profile
-from planners.profiler.timing import PIPELINED_CLOCK, timed_ms
+from planners.profiler.timing import PIPELINED_CLOCK, default_step_clock, profiler_events, timed_ms
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.devices import device_type_of
 from qsync_jax.plan import Plan
@@ -69,6 +86,8 @@ from qsync_jax.train.task_step import task_loss_fn
 from qsync_jax.train.train_step import make_train_step
 
 RESULTS = results_path("multigpu")
+CASES = ("scaling", "order", "sync", "predictor", "modes")
+"""The cases ``--cases`` selects (module docstring)."""
 
 
 def policies() -> dict[str, PrecisionPolicy]:
@@ -140,23 +159,28 @@ def local_cluster(n: int, batch: int) -> ClusterSpec:
   return ClusterSpec((DeviceGroup("gpus", device_type_of(jax.devices()[0]), n, 80, batch),))
 
 
-def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync_options=None):
-  """``(train step, first state, 3 sharded batches)`` of the trainer on the first ``n`` devices."""
-  devices = jax.devices()[:n]
-  cluster = local_cluster(n, batch)
-  plan = Plan(policies={"gpus": policy})
+def build_program(task, cluster: ClusterSpec, plan: Plan, optimizer, grad_sync=None, leaf_order="auto"):
+  """``(train step, first state, 3 sharded batches)`` of the trainer on the first
+  ``cluster.num_devices`` devices under ``plan``."""
   ts = make_train_step(
     task,
     cluster,
     plan,
-    optax.adam(1e-4),
-    make_grad_sync(sync_name, **(sync_options or {})),
-    devices=devices,
+    optimizer,
+    grad_sync,
+    devices=jax.devices()[: cluster.num_devices],
     sync_leaf_order=leaf_order,
   )
   host = task.train_batches(cluster.global_batch, 0)
   batches = [ts.shard(next(host)) for _ in range(3)]
   return ts, ts.init(0, next(task.train_batches(cluster.global_batch, 0))), batches
+
+
+def build_case(task, n, batch, policy, sync_name="fp32", leaf_order="auto", sync_options=None):
+  """``(train step, first state, 3 sharded batches)`` of the trainer on the first ``n`` devices."""
+  plan = Plan(policies={"gpus": policy})
+  sync = make_grad_sync(sync_name, **(sync_options or {}))
+  return build_program(task, local_cluster(n, batch), plan, optax.adam(1e-4), sync, leaf_order)
 
 
 def pipelined_step_s(step, state, batches, steps: int):
@@ -372,6 +396,281 @@ def predictor_rows(
   return rows
 
 
+# -- the reduction and optimizer-update modes (case "modes") ------------------------------------
+
+MODES = (("flat", "replicated"), ("flat", "sharded"), ("two_level", "replicated"))
+"""``(Plan.reduction, Plan.optimizer_update)`` of the modes case, the first the ratios' baseline."""
+MODE_ROUNDS = 4
+"""Rounds of the modes case's round-robin timing, each of ``--steps`` steps per mode."""
+MODE_OPTIMIZER = optax.adamw(1e-4)
+"""The modes case's optimizer (elementwise, as the sharded update needs)."""
+COLLECTIVE_KINDS = {
+  "all-reduce": ("allreduce", "all-reduce"),
+  "reduce-scatter": ("reducescatter", "reduce-scatter"),
+  "all-gather": ("allgather", "all-gather"),
+  "collective-permute": ("sendrecv", "collective-permute", "send", "recv"),
+}
+"""Collective kind → substrings (lower case) of its kernels' names (NCCL's
+``ncclDevKernel_AllReduce_Sum_f32_RING_LL``, ``…_SendRecv``…) or of the HLO instruction they run
+(``hlo_op``: ``all-reduce-start.3``); the first kind that matches is the kernel's."""
+COLLECTIVE_OPCODES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+"""HLO opcodes (prefixes of ``hlo_op``) whose kernels are collectives whatever their names."""
+PHASE_KINDS = {
+  "all-reduce": "all-reduce",
+  "reduce-scatter": "reduce-scatter",
+  "all-gather": "all-gather",
+  "intra reduce": "collective-permute",
+  "inter all-reduce": "collective-permute",
+  "intra broadcast": "collective-permute",
+}
+"""The replay's ``Node.phase`` → the collective kind whose kernels run it: the two-level stages
+are ``lax.ppermute`` rounds (collective-permutes, ``qsync_jax.sync.two_level``)."""
+
+
+def mode_groups(n: int) -> tuple[int, ...]:
+  """Device counts of the modes case's groups on ``n`` devices: two (``n - n // 2``, ``n // 2``)
+  from 4 devices on, so that the two-level reduction has two groups with a tree each; else one."""
+  return (n - n // 2, n // 2) if n >= 4 else (n,)
+
+
+def modes_of(sizes: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
+  """The ``MODES`` the groups ``sizes`` allow: two-level needs at least two groups."""
+  return tuple(m for m in MODES if m[0] == "flat" or len(sizes) >= 2)
+
+
+def mode_cluster(device_type: str, sizes: tuple[int, ...], batch: int, link=None) -> ClusterSpec:
+  """Groups ``g0``, ``g1``… of ``sizes`` devices of ``device_type`` at ``batch`` per device; with
+  ``link`` (a ``benchmarks.common.link.LinkModel``) every group's ``link_gbps`` and
+  ``intra_link_gbps`` are its ``link_gbps``: one host, the same link (NVLink) between any two devices."""
+  gbps = {} if link is None else {"link_gbps": link.link_gbps, "intra_link_gbps": link.link_gbps}
+  return ClusterSpec(
+    tuple(DeviceGroup(f"g{i}", device_type, k, 80, batch, **gbps) for i, k in enumerate(sizes))
+  )
+
+
+def mode_plan(sizes: tuple[int, ...], reduction: str, optimizer_update: str) -> Plan:
+  """bf16 on every group of ``sizes``, with the mode's reduction and optimizer update."""
+  bf16 = PrecisionPolicy.uniform("bf16")
+  return Plan(
+    policies={f"g{i}": bf16 for i in range(len(sizes))},
+    reduction=reduction,
+    optimizer_update=optimizer_update,
+  )
+
+
+def collective_kind(event: dict) -> str | None:
+  """The ``COLLECTIVE_KINDS`` kind of a GPU kernel event (``"other collective"`` for a collective
+  of none of them), None for a kernel that is no collective (compute, copies)."""
+  name = event["name"].lower()
+  op = str(event.get("args", {}).get("hlo_op", "")).lower()
+  if not any(m in name for m in COMM_KERNEL_MARKS) and not op.startswith(COLLECTIVE_OPCODES):
+    return None
+  text = f"{name} {op}"
+  return next(
+    (k for k, marks in COLLECTIVE_KINDS.items() if any(m in text for m in marks)), "other collective"
+  )
+
+
+def union_intervals(intervals) -> list[tuple[float, float]]:
+  """Disjoint sorted intervals covering the points of ``intervals`` (empty ones dropped)."""
+  out: list[tuple[float, float]] = []
+  for s, e in sorted(t for t in intervals if t[1] > t[0]):
+    if out and s <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], e))
+    else:
+      out.append((s, e))
+  return out
+
+
+def exposed_length(comm, compute) -> float:
+  """Length of the points covered by an interval of ``comm`` and by none of ``compute``:
+  ``len(∪ comm) − len(∪ comm ∩ ∪ compute)``."""
+  comm, compute = union_intervals(comm), union_intervals(compute)
+  covered, j = 0.0, 0
+  for s, e in comm:
+    while j < len(compute) and compute[j][1] <= s:
+      j += 1
+    k = j
+    while k < len(compute) and compute[k][0] < e:
+      covered += min(e, compute[k][1]) - max(s, compute[k][0])
+      k += 1
+  return sum(e - s for s, e in comm) - covered
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKernels:
+  """A step's kernels on one GPU, measured: ms per step (means over the traced steps).
+
+  ``collective_ms``: the collective kernels' time per kind (``collective_kind``); ``compute_ms``:
+  every other kernel's; ``exposed_ms``: the time at least one collective kernel runs and no other
+  kernel does (from the kernels' start and end times). A collective kernel's time includes its
+  wait for the other devices to join it."""
+
+  collective_ms: dict[str, float]
+  compute_ms: float
+  exposed_ms: float
+
+
+def step_kernels(events: list[dict], repeats: int, device: str = "/device:GPU:0") -> StepKernels | None:
+  """The ``StepKernels`` of ``planners.profiler.timing.profiler_events`` of ``repeats`` steps on
+  the trace process ``device`` (the first GPU); None where it has no kernel (e.g. on a CPU)."""
+  mine = [e for e in events if e["process"].startswith(device)]
+  if not mine:
+    return None
+  by_kind: dict[str, float] = {}
+  comm, compute, compute_us = [], [], 0.0
+  for e in mine:
+    start, us, kind = float(e["ts"]), float(e["dur"]), collective_kind(e)
+    if kind is None:
+      compute.append((start, start + us))
+      compute_us += us
+    else:
+      comm.append((start, start + us))
+      by_kind[kind] = by_kind.get(kind, 0.0) + us
+  per_step = 1e3 * repeats  # µs over the trace → ms per step
+  return StepKernels(
+    {k: us / per_step for k, us in sorted(by_kind.items())},
+    compute_us / per_step,
+    exposed_length(comm, compute) / per_step,
+  )
+
+
+def build_mode(task, sizes: tuple[int, ...], batch: int, mode: tuple[str, str]):
+  """``(train step, first state, 3 sharded batches)`` of ``mode_plan`` on the first
+  ``sum(sizes)`` devices, with ``MODE_OPTIMIZER`` and the plan's own reduction."""
+  # the trainer reads no link: the cluster's are left unset
+  cluster = mode_cluster(device_type_of(jax.devices()[0]), sizes, batch)
+  return build_program(task, cluster, mode_plan(sizes, *mode), MODE_OPTIMIZER)
+
+
+def time_modes(task, sizes: tuple[int, ...], batch: int, steps: int, trace_steps: int = 5):
+  """``{mode: (step ms samples, StepKernels or None)}`` of every ``modes_of(sizes)`` that builds
+  and runs (a failure is printed, the mode left out): ``MODE_ROUNDS`` rounds of ``steps`` steps
+  each (one warm-up step per round; on a GPU queued back to back as a training loop runs them,
+  a sample per window of ``PIPELINE_WINDOW`` steps: ``default_step_clock``), the modes timed round-robin
+  so that a drift of the machine falls on all alike; then ``trace_steps`` steps of each traced
+  (``step_kernels``)."""
+  runs = {}
+  for m in modes_of(sizes):
+    try:  # built and compiled (its first step) one by one: a mode that fails leaves the others
+      ts, state, batches = build_mode(task, sizes, batch, m)
+      runs[m] = stepper(ts.step, state, batches)
+      jax.block_until_ready(runs[m][0]())
+    except Exception as e:  # noqa: BLE001 - report it; the other modes still count
+      runs.pop(m, None)
+      print(f"modes: {'/'.join(m)} failed: {type(e).__name__}: {str(e)[:300]}")
+  samples: dict[tuple[str, str], list[float]] = {m: [] for m in runs}
+  for _ in range(MODE_ROUNDS):
+    for m, (run, _) in runs.items():
+      samples[m] += timed_ms(run, steps, warmup=1, clock=default_step_clock())[1]
+  out = {}
+  for m, (run, _) in runs.items():
+    events = profiler_events(lambda run=run: jax.block_until_ready(run()), trace_steps)
+    out[m] = (samples[m], step_kernels(events, trace_steps))
+  return out
+
+
+def modeled_kinds(by_phase: dict[str, float]) -> dict[str, float]:
+  """The replay's ``comm_ms_by_phase`` summed per collective kind (``PHASE_KINDS``)."""
+  out: dict[str, float] = {}
+  for phase, ms in by_phase.items():
+    kind = PHASE_KINDS.get(phase, phase)
+    out[kind] = out.get(kind, 0.0) + ms
+  return out
+
+
+def predict_mode(prof, sizes: tuple[int, ...], batch: int, mode: tuple[str, str], link):
+  """The replay's ``Prediction`` of ``mode`` on groups of ``sizes`` devices of ``prof``'s type
+  joined by ``link``'s bandwidth (``mode_cluster``), each collective at the predictor's own
+  latency (``DEFAULT_LATENCY_US``, as ``qsync plan`` prices it). Not the link fit's intercept:
+  that is the host's round trip per timed ``psum`` call (dispatch and wait), which a collective
+  queued inside a step does not pay; these rows compare the model with kernel times."""
+  cluster = mode_cluster(prof.device_type, sizes, batch, link)
+  return predict(cluster, {prof.device_type: prof}, mode_plan(sizes, *mode), latency_us=DEFAULT_LATENCY_US)
+
+
+def pair(measured, modeled, digits: int, width: int) -> str:
+  """``measured/modeled`` right-aligned in ``width``, each with ``digits`` decimals (``-`` for None)."""
+  text = "/".join("-" if v is None else f"{v:.{digits}f}" for v in (measured, modeled))
+  return f"{text:>{width}}"
+
+
+def mode_rows(sizes, measured, predictions, link, device) -> list[dict]:
+  """Measured against modeled per mode: ``measured`` ``{mode: (step ms samples, StepKernels or
+  None)}`` (``time_modes``), ``predictions`` ``{mode: Prediction}`` (``predict_mode``). One
+  ``step_ms`` row per mode (the measured median; baseline the measured flat/replicated step of
+  the same run, None where it did not run) with the measured and modeled phase fields; prints
+  the table (``measured/modeled`` per cell: the step's ratio to flat/replicated's, then ms;
+  compute: the other kernels' time against the replay's forward, backward and optimizer; opt
+  tail: modeled only)."""
+  n, first = sum(sizes), "g0"  # the kernels are the first GPU's, of group g0
+  base = float(np.median(measured[MODES[0]][0])) if MODES[0] in measured else None
+  model_base = predictions[MODES[0]].step_ms if MODES[0] in predictions else None
+  kinds = sorted(
+    {k for _, kern in measured.values() if kern for k in kern.collective_ms}
+    | {k for p in predictions.values() for k in modeled_kinds(p.comm_ms_by_phase)}
+  )
+  print(
+    f"\nmodes on {n} devices (groups {list(sizes)}), link {link.link_gbps / 8:.0f} GB/s "
+    f"(fit: {link.latency_us:.0f} us per host-timed psum; modeled at {DEFAULT_LATENCY_US:g} us per collective): "
+    "measured (GPU 0 kernels) / modeled (replay) ms per step"
+  )
+  print(
+    f"{'mode':<22} {'step meas (IQR)':>17} {'model':>7} {'x flat meas/model':>17} "
+    + " ".join(f"{k:>22}" for k in kinds)
+    + f" {'exposed comm':>14} {'compute':>14} {'opt tail':>8}"
+  )
+  rows = []
+  for mode, (samples, kern) in measured.items():
+    pred = predictions[mode]
+    med = float(np.median(samples))
+    q1, q3 = np.percentile(samples, [25, 75])
+    model_kinds = modeled_kinds(pred.comm_ms_by_phase)
+    meas_kinds = kern.collective_ms if kern else {}
+    meas_ratio = None if base is None else med / base
+    model_ratio = None if model_base is None else pred.step_ms / model_base
+    cells = [
+      pair(meas_ratio, model_ratio, 3, 17),
+      *(pair(meas_kinds.get(k, 0.0) if kern else None, model_kinds.get(k, 0.0), 2, 22) for k in kinds),
+      pair(kern.exposed_ms if kern else None, pred.exposed_comm_ms[first], 2, 14),
+      pair(kern.compute_ms if kern else None, pred.group_compute_ms[first], 2, 14),
+    ]
+    print(
+      f"{'/'.join(mode):<22} {med:>9.2f} ({q3 - q1:>5.2f}) {pred.step_ms:>7.2f} "
+      + " ".join(cells)
+      + f" {pred.optimizer_tail_ms[first]:>8.2f}"
+    )
+    rows.append(
+      row(
+        f"modes/{n}dev/{mode[0]}/{mode[1]}",
+        "step_ms",
+        med,
+        base,
+        device,
+        iqr_ms=float(q3 - q1),
+        timed_samples=len(samples),
+        groups=list(sizes),
+        measured_collective_ms=meas_kinds if kern else None,
+        measured_compute_ms=kern.compute_ms if kern else None,
+        measured_exposed_comm_ms=kern.exposed_ms if kern else None,
+        exposed_from="GPU 0 kernel intervals (a collective kernel runs, no other kernel does)",
+        modeled_step_ms=pred.step_ms,
+        modeled_ratio=model_ratio,
+        modeled_comm_ms_by_phase=pred.comm_ms_by_phase,
+        modeled_collective_ms=model_kinds,
+        modeled_exposed_comm_ms=pred.exposed_comm_ms[first],
+        modeled_optimizer_tail_ms=pred.optimizer_tail_ms[first],
+        modeled_compute_ms=pred.group_compute_ms[first],
+        link_gbps=link.link_gbps,
+        link_fit_latency_us=link.latency_us,
+        modeled_latency_us=DEFAULT_LATENCY_US,
+      )
+    )
+  if not any(kern for _, kern in measured.values()):
+    print("(no GPU kernels traced: the measured collective and exposed times need a GPU)")
+  return rows
+
+
 def run_worker(args) -> int:
   """One ``jax.distributed`` process of a multi-process run: on process 0, prints one JSON line
   per scaling policy with its median step time."""
@@ -440,7 +739,14 @@ def main(argv=None) -> int:
   parser.add_argument("--port", type=int, default=12355, help=argparse.SUPPRESS)
   parser.add_argument("--no-save", action="store_true")
   parser.add_argument("--results", default=RESULTS, help=f"JSON lines file to append to (default {RESULTS})")
-  parser.add_argument("--skip-scaling", action="store_true")
+  parser.add_argument(
+    "--cases",
+    nargs="+",
+    choices=CASES,
+    default=list(CASES),
+    help="cases to run (default all): scaling, all-reduce order, sync strategies (with SelSync and QSDP), "
+    "the predictor against the scaling and order steps, the reduction / optimizer-update modes",
+  )
   parser.add_argument(
     "--policies",
     nargs="+",
@@ -452,29 +758,35 @@ def main(argv=None) -> int:
     "--order-rounds",
     type=int,
     default=5,
-    help="rounds of the interleaved all-reduce A/B (bf16: leaves in backward or tree order, or our own "
-    "30 MiB buckets) on 2, 4… devices; 0 skips it",
+    help="rounds of the order case's interleaved all-reduce A/B (bf16: leaves in backward or tree order, "
+    "or our own 30 MiB buckets) on 2, 4… devices; 0: none",
   )
   parser.add_argument("--profile-repeats", type=int, default=10, help="repeats of each profiled op")
   parser.add_argument(
     "--profile-precisions",
     nargs="+",
     default=["fp32", "bf16", "fp16", "int8"],
-    help="precisions the predictor's profile measures; it predicts the policies within them",
+    help="precisions the predictor's profile measures; it predicts the policies within them (the modes "
+    "case needs bf16)",
   )
-  parser.add_argument("--skip-predictor", action="store_true")
   parser.add_argument(
     "--profile-file",
     help="the predictor's op profile: loaded if the file exists (e.g. measured on a 1-GPU machine), "
     "else measured on one device and saved there",
   )
   parser.add_argument("--process-timeout", type=int, default=240, help="seconds for the multi-process run")
-  parser.add_argument(
-    "--skip-sync", action="store_true", help="skip the gradient-sync, SelSync and QSDP cases"
-  )
   args = parser.parse_args(argv)
   if args.process_id >= 0:
     return run_worker(args)
+  if (
+    "modes" in args.cases
+    and "bf16" not in args.profile_precisions
+    and not (args.profile_file and os.path.exists(args.profile_file))
+  ):
+    parser.error(
+      f"the modes case predicts bf16 plans, but --profile-precisions {' '.join(args.profile_precisions)} "
+      "has no bf16. Fix: add bf16 to --profile-precisions, or leave modes out of --cases."
+    )
 
   task = gpt(args.d_model, args.layers, args.heads, args.seq)
   total = jax.device_count()
@@ -494,10 +806,11 @@ def main(argv=None) -> int:
 
   # 1. weak scaling per policy
   counts = [n for n in args.counts or (1, 2, 4, 8) if n <= total]
-  print(f"{'policy':<10} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
   measured = {}  # (policy, devices) -> median step s
   measured_pipelined = {}  # (policy, devices) -> step s dispatched back to back
-  scaling = {k: v for k, v in policies().items() if k in args.policies and not args.skip_scaling}
+  scaling = {k: v for k, v in policies().items() if k in args.policies and "scaling" in args.cases}
+  if scaling:
+    print(f"{'policy':<10} {'devices':>7} {'step ms (IQR)':>16} {'efficiency':>10}")
   for name, policy in scaling.items():
     base = None
     for n in counts:
@@ -547,10 +860,10 @@ def main(argv=None) -> int:
         )
 
   # 1b. all-reduce leaf order and buckets, interleaved A/B (bf16 policy)
-  if args.order_rounds and "bf16" in scaling:
+  if args.order_rounds and "order" in args.cases:
     print(f"\n{'all-reduce':<10} {'devices':>7} {'step ms (min-max of rounds)':>28} {'x auto':>7}")
     for n in (n for n in counts if n > 1):
-      ab = interleaved_ab(task, n, args.batch, scaling["bf16"], args.steps, args.order_rounds)
+      ab = interleaved_ab(task, n, args.batch, policies()["bf16"], args.steps, args.order_rounds)
       for k, (med, lo, hi) in ab.items():
         if k != "auto":
           measured[(f"bf16-{k}", n)] = med
@@ -571,10 +884,11 @@ def main(argv=None) -> int:
         )
 
   # 2. gradient sync strategies on all devices
-  if not args.skip_sync:
+  sync_cases = "sync" in args.cases
+  if sync_cases:
     print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")
   base_t = base_b = None
-  for sync in ("fp32", "bf16", "global_qsgd") if not args.skip_sync else ():
+  for sync in ("fp32", "bf16", "global_qsgd") if sync_cases else ():
     dump = os.path.join(args.dump_dir, f"{sync}.hlo.txt") if args.dump_dir else None
     med, iqr, coll = trainer_case(task, total, args.batch, policies()["bf16"], sync, args.steps, dump)
     base_t, base_b = base_t or med, base_b or coll["wire_bytes"]
@@ -587,7 +901,7 @@ def main(argv=None) -> int:
     emit(row(f"sync/{sync}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes))
 
   # 3. SelSync and QSDP
-  for name in (*SELSYNC_CASES, "qsdp") if not args.skip_sync else ():
+  for name in (*SELSYNC_CASES, "qsdp") if sync_cases else ():
     try:
       med, iqr, coll, note = builder_case(task, total, args.batch, name, args.steps)
     except Exception as e:  # noqa: BLE001 - report and go on: the other cases still count
@@ -627,16 +941,29 @@ def main(argv=None) -> int:
         )
       )
 
-  # 5. the predictor against both
-  if (measured or measured_mp) and not args.skip_predictor:
-    prof, profiled = predictor_profile(task, args)
-    counts_seen = sorted({n for _, n in (*measured, *measured_mp) if n > 1})
-    links = {n: measure_link(jax.devices()[:n]) for n in counts_seen}
-    for n, link in links.items():
+  profiles = []  # the one-device profile, measured (or loaded) once for the predictor and the modes
+
+  def profile():
+    if not profiles:
+      profiles.append(predictor_profile(task, args))
+    return profiles[0]
+
+  links = {}  # device count -> its all-reduce line, measured once
+
+  def link_of(n: int):
+    if n not in links:
+      links[n] = link = measure_link(jax.devices()[:n])
       print(
         f"  link fit on {n} devices: {link.link_gbps / 8:.0f} GB/s, {link.latency_us:.0f} us per all-reduce "
         f"(fit rel. RMS {100 * link.rel_rms:.1f} %)"
       )
+    return links[n]
+
+  # 5. the predictor against both
+  if (measured or measured_mp) and "predictor" in args.cases:
+    prof, profiled = profile()
+    for n in sorted({n for _, n in (*measured, *measured_mp) if n > 1}):
+      link_of(n)
     # against the steps waited for one by one, and against those dispatched back to back (as a
     # training loop runs them); each set fits its own fp32 steps
     for label, steps, single in (
@@ -649,6 +976,25 @@ def main(argv=None) -> int:
         one = single.get(("fp32", 1))  # the one-process run's: the multi-process run has no n=1
         for r in predictor_rows(prof, profiled, links, steps, args.batch, device, label, one):
           emit(r)
+
+  # 6. the reduction and optimizer-update modes on all devices, measured against the replay
+  if "modes" in args.cases and total < 2:
+    print("\nmodes: skipped, they need at least 2 devices")
+  elif "modes" in args.cases:
+    prof, profiled = profile()  # first: a profile that cannot predict the modes fails before any timing
+    if "bf16" not in profiled:
+      raise ValueError(
+        f"modes: the profile {args.profile_file} covers {sorted(profiled)}, not bf16. Fix: pass a "
+        "profile measured with bf16 in --profile-precisions (or measure one: another --profile-file)."
+      )
+    sizes = mode_groups(total)
+    link = link_of(total)
+    measured_modes = time_modes(task, sizes, args.batch, args.steps)
+    if not measured_modes:
+      raise RuntimeError("modes: every mode failed (printed above); nothing to compare with the replay.")
+    predictions = {m: predict_mode(prof, sizes, args.batch, m, link) for m in measured_modes}
+    for r in mode_rows(sizes, measured_modes, predictions, link, device):
+      emit(r)
 
   if not args.no_save:
     print(f"appended {len(rows)} rows to {args.results}")

@@ -1,8 +1,13 @@
-"""The multi-GPU benchmark's predictor table and its offline replay, on a hand-built profile.
+"""The multi-GPU benchmark's predictor table and its offline replay, on a hand-built profile,
+and its modes case: the kernel-trace summary on a hand-built trace, the table on hand-built
+measurements, and the whole case run on the simulated CPU devices (a smoke test).
 
 These are the parts of ``benchmarks/multigpu.py`` that run after the GPUs are gone (the device
-time that measured the steps cannot be spent again), so they are tested here on the CPU.
+time that measured the steps cannot be spent again), or that must work the first time a GPU
+host runs them, so they are tested here on the CPU.
 """
+
+import json
 
 import jax
 import pytest
@@ -10,6 +15,7 @@ import pytest
 from benchmarks import multigpu
 from benchmarks.common.link import LinkModel
 from benchmarks.diagnosis import multigpu_replay
+from planners.profile import Profile
 from tests.benchmarks import result, write_rows
 from tests.planners.fakes import fake_profile
 
@@ -86,3 +92,115 @@ def test_stepper_feeds_each_step_the_last_state_and_cycles_the_batches():
   run, _ = multigpu.stepper(step, 0, [1], key=jax.random.key(0))
   run()
   assert seen == [0, 0, 0, 1]  # with a key, each step also gets fold_in(key, i)
+
+
+GPU0 = "/device:GPU:0 (pid 1)"
+
+
+def kernel(name, ts, dur, process=GPU0, hlo_op=None):
+  """A GPU kernel event as ``planners.profiler.timing.profiler_events`` gives it (µs)."""
+  return {
+    "process": process,
+    "name": name,
+    "ts": ts,
+    "dur": dur,
+    "args": {"hlo_op": hlo_op} if hlo_op else {},
+  }
+
+
+def test_step_kernels_times_each_collective_kind_and_what_no_compute_hides():
+  events = [
+    kernel("gemm_fusion_dot_1", 0.0, 100.0),
+    kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 50.0, 100.0),  # 100-150 exposed
+    kernel("ncclDevKernel_AllGather_RING_LL", 200.0, 40.0),  # all exposed
+    kernel("loop_add_fusion", 290.0, 40.0),
+    kernel("ncclDevKernel_SendRecv", 300.0, 20.0),  # under loop_add_fusion
+    kernel("one_shot_kernel", 400.0, 10.0, hlo_op="all-reduce-start.2"),  # a collective by its instruction
+    kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0.0, 1e3, process="/device:GPU:1 (pid 2)"),
+    kernel("PjitFunction(step)", 0.0, 1e3, process="/host:CPU"),
+  ]
+  k = multigpu.step_kernels(events, repeats=2)  # two steps traced: ms per step = µs / 2e3
+  assert k.collective_ms == pytest.approx(
+    {"reduce-scatter": 0.05, "all-gather": 0.02, "collective-permute": 0.01, "all-reduce": 0.005}
+  )
+  assert k.compute_ms == pytest.approx(0.07)
+  assert k.exposed_ms == pytest.approx((50.0 + 40.0 + 10.0) / 2e3)
+  assert multigpu.step_kernels(events[-1:], 1) is None  # no GPU kernel: a CPU host
+
+
+def test_mode_groups_split_from_four_devices_and_two_level_needs_two_groups():
+  assert [multigpu.mode_groups(n) for n in (2, 3, 4, 5, 8)] == [(2,), (3,), (2, 2), (3, 2), (4, 4)]
+  assert ("two_level", "replicated") not in multigpu.modes_of((2,))
+  assert multigpu.modes_of((2, 2)) == multigpu.MODES
+
+
+def mode_profile():
+  return fake_profile(
+    [(1.0, 2.0, 3.0), (1.0, 2.0, 3.0)], rhs_elems=ELEMS, device_type="cpu", optimizer_ms=0.5
+  )
+
+
+def test_mode_rows_put_measured_kernels_beside_the_replay(capsys):
+  prof, link, sizes = mode_profile(), LinkModel(4, 100.0, 20.0, 0.0), (2, 2)
+  kern = multigpu.StepKernels({"reduce-scatter": 0.4, "all-gather": 0.3, "all-reduce": 0.01}, 5.0, 0.2)
+  measured = {
+    ("flat", "replicated"): ([10.0, 11.0, 12.0], None),
+    ("flat", "sharded"): ([12.0, 13.0, 14.0, 15.0], kern),
+  }
+  predictions = {m: multigpu.predict_mode(prof, sizes, 8, m, link) for m in measured}
+  rows = _by_case(multigpu.mode_rows(sizes, measured, predictions, link, "test"))
+  flat, sharded = rows["modes/4dev/flat/replicated"], rows["modes/4dev/flat/sharded"]
+  assert (flat["value"], flat["ratio"]) == (11.0, 1.0)
+  assert (sharded["value"], sharded["baseline"], sharded["iqr_ms"]) == (13.5, 11.0, 1.5)
+  assert (
+    sharded["measured_collective_ms"] == kern.collective_ms and sharded["measured_exposed_comm_ms"] == 0.2
+  )
+  assert flat["measured_collective_ms"] is None  # no trace of this one
+  pred = predictions[("flat", "sharded")]
+  assert flat["modeled_ratio"] == 1.0
+  assert sharded["modeled_ratio"] == pytest.approx(pred.step_ms / predictions[("flat", "replicated")].step_ms)
+  assert sharded["modeled_collective_ms"] == pytest.approx(
+    {
+      "reduce-scatter": pred.comm_ms_by_phase["reduce-scatter"],
+      "all-gather": pred.comm_ms_by_phase["all-gather"],
+    }
+  )
+  assert sharded["modeled_optimizer_tail_ms"] == pytest.approx(0.5 / 4)  # a quarter of the update per device
+  assert (sharded["measured_compute_ms"], sharded["modeled_compute_ms"]) == (5.0, pred.group_compute_ms["g0"])
+  assert "0.40/" in capsys.readouterr().out  # measured / modeled reduce-scatter
+
+
+def test_modes_case_runs_on_the_simulated_devices_past_a_failing_mode(tmp_path, monkeypatch, capsys):
+  profile = tmp_path / "profile.json"
+  mode_profile().save(str(profile))
+  link = LinkModel(8, 100.0, 20.0, 0.0)
+  monkeypatch.setattr(multigpu, "measure_link", lambda devices: link)  # tests/benchmarks/test_link.py
+  build = multigpu.build_mode
+
+  def build_but_flat(task, sizes, batch, mode):  # flat/replicated, the baseline, fails to build
+    if mode == multigpu.MODES[0]:
+      raise ValueError("no flat here")
+    return build(task, sizes, batch, mode)
+
+  monkeypatch.setattr(multigpu, "build_mode", build_but_flat)
+  results = tmp_path / "multigpu.jsonl"
+  tiny = ["--d-model", "16", "--heads", "2", "--layers", "1", "--seq", "16", "--batch", "2", "--steps", "1"]
+  argv = ["--cases", "modes", *tiny, "--profile-file", str(profile), "--results", str(results)]
+  assert multigpu.main(argv) == 0
+  assert "flat/replicated failed: ValueError: no flat here" in capsys.readouterr().out
+  rows = _by_case(json.loads(line) for line in results.read_text().splitlines())
+  assert sorted(rows) == ["modes/8dev/flat/sharded", "modes/8dev/two_level/replicated"]
+  for case, r in rows.items():
+    assert (r["metric"], r["baseline"], r["ratio"], r["groups"]) == ("step_ms", None, None, [4, 4])
+    assert r["timed_samples"] == multigpu.MODE_ROUNDS and r["value"] > 0
+    assert r["measured_collective_ms"] is None  # no GPU kernels on a CPU
+    pred = multigpu.predict_mode(Profile.load(str(profile)), (4, 4), 2, tuple(case.split("/")[2:]), link)
+    assert r["modeled_step_ms"] == pytest.approx(pred.step_ms)
+    assert r["modeled_exposed_comm_ms"] == pytest.approx(pred.exposed_comm_ms["g0"])
+  assert set(rows["modes/8dev/two_level/replicated"]["modeled_collective_ms"]) == {"collective-permute"}
+
+
+def test_modes_case_without_a_bf16_profile_fails_before_measuring(capsys):
+  with pytest.raises(SystemExit):
+    multigpu.main(["--cases", "modes", "--profile-precisions", "fp32", "--no-save"])
+  assert "has no bf16. Fix: add bf16 to --profile-precisions" in capsys.readouterr().err
