@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from planners.allocator.greedy import fastest_levels
 from planners.predictor.graph import Comm, build_graph
+from qsync_jax.errors import PlanError
 
 BASELINES = ("dynamic batching", "training groups only")
 """The candidates of ``joint_plan`` a plan's gain is measured against (the faster one)."""
@@ -111,6 +112,13 @@ def pool_bound(search) -> Bound:
   for gi, row in enumerate(fastest_rows(problem)):
     t1, th = compute_ms(search, gi, 1, row), compute_ms(search, gi, hi, row)
     slope = (th - t1) / (hi - 1)
+    if not slope > 0:
+      g = problem.cluster.groups[gi]
+      raise PlanError(
+        f"group {g.name!r} ({g.device_type}): its profile prices {th:.4g} ms at {hi} examples per device and "
+        f"{t1:.4g} ms at 1, a step that does not grow with the batch (a negative fitted remainder outweighs "
+        "its ops). Fix: re-run `qsync profile` at a larger --batch or with more --repeats."
+      )
     affine.append((t1 - slope, slope))
   counts = [g.count for g in problem.cluster.groups]
   step = bound_step_ms(affine, counts, B)

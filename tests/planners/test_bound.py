@@ -11,6 +11,7 @@ from planners.allocator.search import Candidate, Search
 from planners.allocator.summary import limits, summarize
 from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.errors import PlanError
 from tests.planners.fakes import fake_indicator, fake_profile
 
 
@@ -104,3 +105,16 @@ def test_summary_without_a_baseline_says_so():
   assert summary.baseline is None and summary.gain is None and summary.headroom_captured is None
   assert "no baseline" in summary.lines()[0] and summary.to_json()["best_baseline"] is None
   assert summary.bound_samples_per_s == pytest.approx(32 / (13 / 6) * 1e3)
+
+
+def test_a_profile_whose_step_shrinks_with_the_batch_is_refused_by_name():
+  # A fitted remainder of -3 ms (standalone op timings above the step measured) outweighs the
+  # 2 ms of ops at batch 8: the priced step falls as the batch grows, so no bound exists.
+  train = fake_profile([(1.0, 1.0, 1.0)], device_type="A100", remainder_ms=-3.0)
+  infer = fake_profile([(2.0, 2.0, 2.0)], device_type="T4")
+  cluster = ClusterSpec(
+    (DeviceGroup("train", "A100", 2, 40.0, 8, 100.0), DeviceGroup("infer", "T4", 2, 16.0, 8, 100.0))
+  )
+  problem = make_problem(cluster, {"A100": train, "T4": infer}, fake_indicator(train.op_names, [1.0]))
+  with pytest.raises(PlanError, match=r"group 'train' \(A100\).*does not grow with the batch.*qsync profile"):
+    pool_bound(Search(problem, 1))
