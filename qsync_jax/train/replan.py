@@ -17,29 +17,52 @@ measures each group at the batch the balance gave it (``refine`` rounds at most)
 split it picks is predicted from measurements at that split, not extrapolated from other
 batches (a device time-sliced with another process is far from linear at small batches).
 
-``Replanner`` decides when a split replaces the running one:
+``Replanner`` decides when a split replaces the running one. Steps are timed as the wall time
+between two steps' completions, read one step behind (the device always has the next step
+queued: no host sync is added), the first ``warmup_steps`` steps of a run (or of a resumed run)
+left out (they compile), in windows of ``window`` steps; a window's median is *the measured
+step* (in a multi-process job, process 0's, so that every process decides alike).
 
-* ``mode="once"``: measure after the first ``warmup_steps`` steps; re-plan if the balanced
+* ``mode="once"``: after ``warmup_steps`` untimed steps and one timed window of the running
+  split (its measured step, ``measured_ms_old``), measure and decide: re-plan if the balanced
   split's predicted step is at least ``threshold`` shorter than the running split's, as both
-  are predicted from the same measurements. The next window of steps is timed (no collective)
-  and the decision's record gets the measured step (``measured_ms_new``).
-* ``mode="auto"``: as ``once``, then time every step (the wall time between two steps'
-  completions, read one step behind, so the device always has the next step queued) in
-  windows of ``window`` steps. A *check* measures each group at its running batch only (the
-  probes are compiled): when one of them moved by more than ``threshold`` from its last
-  measurement (and a second measurement of it agrees), a full decision follows. A check runs
-  when the step time's window median moved by more than ``threshold`` from its reference (the
-  first window after the last decision) in two windows in a row, or every ``recheck_windows``
-  windows (a group that gets faster does not shorten the step while another group is the
-  slowest, so only a check finds it); and only once the training time since the last check or
-  decision is at least the time that one took over ``max_overhead`` (compiling aside: a probe
-  compiles once per batch size, the step once per split; the first decision, which ``once``
-  pays too, costs nothing here). A re-plan needs a predicted gain of ``threshold``; noisy
-  timings cannot make it oscillate.
+  are predicted from the same measurements. The first full window after the switch (the steps
+  that compile the new split left out) is the new split's measured step (``measured_ms_new``).
+* ``mode="auto"``: as ``once``, then time every step in windows. A *check* measures each group
+  at its running batch only (the probes are compiled): when one of them moved by more than
+  ``threshold`` from its last measurement (and a second measurement of it agrees), a full
+  decision follows. A check runs when the step time's window median moved by more than
+  ``threshold`` from its reference (the first window after the last decision) in two windows in
+  a row, or every ``recheck_windows`` windows (a group that gets faster does not shorten the
+  step while another group is the slowest, so only a check finds it); and only once the
+  training time since the last check or decision is at least the time that one took over
+  ``max_overhead`` (compiling aside: a probe compiles once per batch size, the step once per
+  split; the first decision, which ``once`` pays too, costs nothing here). A re-plan needs a
+  predicted gain of ``threshold``; noisy timings cannot make it oscillate.
+* **Undo** (both modes): a re-plan is *undone* when its measured step is not shorter than the
+  measured step before it, ``measured_ms_new >= measured_ms_old`` (both rounded to 1 µs; no
+  margin: the re-plan was predicted ``threshold`` faster, and a measured step that shows no gain
+  at all says the prediction was wrong). The trainer switches back to the split that ran before
+  (its step is kept: nothing compiles; the same global batches in the same order) and an
+  ``undone`` record joins ``history``. The undone split is not chosen again while the groups'
+  speeds stay as they were: a later decision whose balanced split is that split keeps the
+  running one, unless some group's predicted time at that split's batch, from the new
+  measurements, differs by more than ``threshold`` from its time from the measurements of the
+  undone re-plan (then the block is lifted). So a split can be undone again only after the
+  speeds moved by ``threshold``: noise cannot make re-plans and undos alternate.
 * ``mode="off"``: never.
 
+**Precision lift.** A full decision also measures each group whose policy runs some legs in 8
+bits (int8, fp8) at its *lifted* policy (``lifted_policy``: those legs at the 16-bit precision
+of the policy's other ops), at the batches its running policy was just measured at. A group
+whose lifted policy is measured at least ``threshold`` faster at every one of them is predicted
+at its lifted policy (its further measurements too), and a re-plan switches it to that policy
+(``lifted`` in the record: each such group's old and new policy and its measurements). The lift
+only ever raises precisions, so it can only improve accuracy; it needs the same predicted gain
+as any re-plan, it is undone with the split, and a lifted group is never lowered again.
+
 Every group keeps at least ``granularity`` examples per device (a group is not dropped: the
-devices and their state stay as they are). The precisions of the plan are kept.
+devices and their state stay as they are). Precisions change only by a lift.
 """
 
 from __future__ import annotations
@@ -57,6 +80,8 @@ import numpy as np
 
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import QsyncError
+from qsync_jax.policy import PrecisionPolicy, Rule
+from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 
 MODES = ("off", "once", "auto")
 PROBE_ROUNDS = 3  # timed rounds per size (the median round counts)
@@ -139,7 +164,9 @@ def balance(
 def _split_within(names, counts, speeds, units, granularity, limit) -> dict[str, int] | None:
   """Per-device batches (in units of ``granularity``) adding up to ``units`` with every group's
   time at most ``limit``; None if there are none."""
-  allowed = {g: [k for k in range(1, units // counts[g] + 1) if speeds[g].ms(k * granularity) <= limit] for g in names}
+  allowed = {
+    g: [k for k in range(1, units // counts[g] + 1) if speeds[g].ms(k * granularity) <= limit] for g in names
+  }
   reach = [1]  # reach[i]: bit s set when the first i groups can take s units
   for g in names:
     mask = 0
@@ -151,7 +178,9 @@ def _split_within(names, counts, speeds, units, granularity, limit) -> dict[str,
   out, left = {}, units
   for i in range(len(names) - 1, -1, -1):  # walk back, the largest batch that still fits first
     g = names[i]
-    k = next(k for k in reversed(allowed[g]) if left >= counts[g] * k and (reach[i] >> (left - counts[g] * k)) & 1)
+    k = next(
+      k for k in reversed(allowed[g]) if left >= counts[g] * k and (reach[i] >> (left - counts[g] * k)) & 1
+    )
     out[g], left = k, left - counts[g] * k
   return {g: out[g] for g in names}
 
@@ -165,6 +194,37 @@ def probe_sizes(batch_per_device: int) -> tuple[int, int]:
   """The two per-device batches a group is first timed at: half its batch and its batch (1
   and 2 for a batch of 1)."""
   return (max(1, batch_per_device // 2), batch_per_device) if batch_per_device > 1 else (1, 2)
+
+
+SIXTEEN_BIT = ("fp16", "bf16")
+
+
+def lifted_policy(policy: PrecisionPolicy) -> PrecisionPolicy | None:
+  """``policy`` with every 8-bit leg (int8, fp8) of every rule and of the default at the 16-bit
+  precision the policy's other ops use, the rest as it is; None when nothing is lifted: no
+  8-bit leg, or no single such 16-bit precision. That precision is the one (fp16 or bf16) of
+  the op policies without an 8-bit leg; where they have none, the one of the 8-bit op
+  policies' other legs (``int8_fwd``: fp16). A lift only raises precisions (8 to 16 bits), and
+  the plan's fp16 loss scaling stays as it was (the precision is already the policy's)."""
+  ops = [r.policy for r in policy.rules] + ([policy.default] if policy.default is not None else [])
+  eight = [op for op in ops if any(p in QUANTIZED_PRECISIONS for p in op.precisions)]
+  if not eight:
+    return None
+  others = {p for op in ops if op not in eight for p in op.precisions if p in SIXTEEN_BIT}
+  others = others or {p for op in eight for p in op.precisions if p in SIXTEEN_BIT}
+  if len(others) != 1:
+    return None
+  (target,) = others
+
+  def lift(op: OpPolicy | None) -> OpPolicy | None:
+    if op is None:
+      return None
+    return op.replace(
+      **{leg: target for leg, p in zip(("fwd", "dlhs", "drhs"), op.precisions) if p in QUANTIZED_PRECISIONS}
+    )
+
+  rules = tuple(Rule(r.path, lift(r.policy), r.kind) for r in policy.rules)
+  return PrecisionPolicy(rules=rules, default=lift(policy.default))
 
 
 # Compiled probes, kept between measurements (and re-plans): {key: (task, optimizer, jitted step)}.
@@ -205,12 +265,18 @@ def _probe(task, optimizer, policy, cache: dict):
 
 
 def measure_groups(
-  program, state, host_batch, sizes: Mapping[str, tuple[int, ...]] | None = None, cache: dict | None = None
+  program,
+  state,
+  host_batch,
+  sizes: Mapping[str, tuple[int, ...]] | None = None,
+  cache: dict | None = None,
+  policies: Mapping[str, PrecisionPolicy] | None = None,
 ) -> dict[str, dict[int, float]]:
   """``{group: {per-device batch: ms}}``: one device's training step of each group without its
-  collectives — the forward and backward of the group's policy and the optimizer update — on
-  one of the group's devices (of this process), at ``sizes[group]`` (default ``probe_sizes`` of
-  its batch), on the first rows of ``host_batch``: ``PROBE_ROUNDS`` rounds of ``PROBE_RUNS``
+  collectives — the forward and backward of the group's policy (``policies[group]`` where
+  given) and the optimizer update — on one of the group's devices (of this process), at
+  ``sizes[group]`` (default ``probe_sizes`` of its batch), on the first rows of
+  ``host_batch``: ``PROBE_ROUNDS`` rounds of ``PROBE_RUNS``
   back-to-back runs after one that warms up (and compiles, the first time: the jitted probes
   stay in ``cache``), the median round's time per run. In a multi-process job every process
   measures its own groups and all get every group's numbers."""
@@ -223,11 +289,11 @@ def measure_groups(
   groups_devices = _first_local_device(program)
   out: dict[str, dict[int, float]] = {}
   for branch in program.branches:
-    timed = _probe(task, optimizer, branch.policy, cache)
     for name in branch.groups:
       device = groups_devices.get(name)
       if device is None or not sizes.get(name):
         continue
+      timed = _probe(task, optimizer, (policies or {}).get(name, branch.policy), cache)
       local = jax.device_put(jax.tree.map(_local_copy, variables), device)
       local_opt = jax.device_put(jax.tree.map(_local_copy, opt_state), device)
       key = jax.device_put(jax.random.key(0), device)
@@ -282,7 +348,9 @@ def _first_local_device(program) -> dict[str, object]:
   return out
 
 
-def _gather(measured: dict[str, dict[int, float]], cluster: ClusterSpec, sizes) -> dict[str, dict[int, float]]:
+def _gather(
+  measured: dict[str, dict[int, float]], cluster: ClusterSpec, sizes
+) -> dict[str, dict[int, float]]:
   """Every process's measurements, on every process (the first measurement of each group)."""
   if jax.process_count() == 1:
     return measured
@@ -305,6 +373,27 @@ def _gather(measured: dict[str, dict[int, float]], cluster: ClusterSpec, sizes) 
 
 
 @dataclasses.dataclass
+class Lift:
+  """A group's ``lifted`` policy (``lifted_policy`` of its ``running`` one) and its
+  ``measured`` ``{batch: ms}`` (added to as the decision measures more batches)."""
+
+  running: PrecisionPolicy
+  lifted: PrecisionPolicy
+  measured: dict[int, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undone:
+  """An undone re-plan (at ``step``) to ``split`` with the ``lifted`` policies (``{group: policy
+  JSON text}``), and the groups' ``speeds`` from its measurements: what blocks it."""
+
+  step: int
+  split: dict[str, int]
+  lifted: dict[str, str]
+  speeds: dict[str, GroupSpeed]
+
+
+@dataclasses.dataclass
 class Replanner:
   """When to re-plan (see the module docstring).
 
@@ -312,9 +401,15 @@ class Replanner:
   ``measure_groups``; tests inject their own: one that takes no ``sizes`` is asked for its
   default sizes only, and the split is not refined). ``report(record)``, if given, is called
   on every process with every decision record as it is taken, with ``{"step",
-  "measured_after_replan"}`` once a re-planned split's step is timed, and with ``{"step",
-  "checked"}`` for a check that changed nothing. ``clock``: seconds, for the cost of measuring
-  (tests inject their own)."""
+  "measured_after_replan"}`` once a re-planned split's step is timed (``"undone": True`` in it
+  when the re-plan is undone), and with ``{"step", "checked"}`` for a check that changed
+  nothing. ``clock``: seconds, for the cost of measuring (tests inject their own).
+
+  ``history``: every change of split (and policies), in order — a decision record that
+  re-planned (``"replanned": True``, ``"old"`` and ``"new"`` split, ``"lifted"`` policies,
+  ``measured_ms_new`` once timed), and an undo record ``{"step", "undone": <step of the
+  re-plan>, "old", "new", "measured_ms_old", "measured_ms_new"}`` (``new``: the split it went
+  back to). ``restore(history)`` takes up a checkpoint's."""
 
   mode: str = "once"
   threshold: float = 0.05
@@ -342,6 +437,7 @@ class Replanner:
       params = {}
     keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     self._sized = keywords or "sizes" in params
+    self._lifting = self._sized and (keywords or "policies" in params)
     self._last_decision_step = None
     self._reset_windows()
     self._points: dict[str, dict[int, float]] = {}  # each group's last full measurement
@@ -350,6 +446,19 @@ class Replanner:
     self._awaiting = None  # a re-plan's record, until the step it made is timed
     self._notes: list[dict] = []
     self._last_median = None
+    self._undone: list[_Undone] = []
+
+  def restore(self, history: list[dict]) -> None:
+    """Takes up the ``history`` of a checkpointed run: its undone splits stay blocked; in
+    ``once``, a run that decided makes no new decision, but a re-plan not yet timed is timed
+    (the first full window after the resumed run's warm-up) and may be undone."""
+    self.history[:] = history
+    by_step = {r["step"]: r for r in history if r.get("replanned")}
+    self._undone = [_undone_entry(by_step[r["undone"]]) for r in history if "undone" in r]
+    if self.mode == "once" and history:
+      self._last_decision_step = history[-1]["step"]
+      last = history[-1]
+      self._awaiting = last if last.get("replanned") and "measured_ms_new" not in last else None
 
   def _reset_windows(self) -> None:
     self._reference_ms, self._window, self._windows = None, [], 0
@@ -357,40 +466,39 @@ class Replanner:
 
   def times_steps(self) -> bool:
     """Whether the trainer should time its steps for ``wants_measurement`` now."""
-    return self.mode == "auto" or self._awaiting is not None
+    first = self.mode == "once" and self._last_decision_step is None
+    return self.mode == "auto" or first or self._awaiting is not None
 
   def take_notes(self) -> list[dict]:
-    """The measured steps after re-plans (``{"step", "decision_step", "predicted_ms",
-    "measured_ms"}``) found since the last call."""
+    """The measured steps after re-plans found since the last call: ``{"step",
+    "decision_step", "predicted_ms", "measured_ms", "measured_ms_old", "undone"}``; an undone
+    one has ``"restored"``, the split to switch back to (the trainer does), and
+    ``"restored_policies"`` (JSON) where the re-plan lifted some."""
     notes, self._notes = self._notes, []
     return notes
 
   def wants_measurement(self, step: int, start_step: int, step_ms: float | None) -> bool:
     """Whether to measure the groups after ``step`` (``step_ms``: the wall time of a step just
-    taken, or None when it was not timed). In ``auto`` every process must call it at every
-    step: at the end of a window the processes agree (a collective)."""
-    if self.mode == "off":
+    taken, or None when it was not timed; steps up to ``start_step + warmup_steps`` are not
+    counted). Every process must call it at every step: at the end of a window the processes
+    agree (a collective)."""
+    if self.mode == "off" or step_ms is None or not self.times_steps():
       return False
-    if self._last_decision_step is None:
-      return step >= start_step + self.warmup_steps and not (self.mode == "once" and self.history)
-    if step_ms is None or not self.times_steps():
+    if step <= start_step + self.warmup_steps:
       return False
     self._window.append(step_ms)
     self._since_ms += step_ms
     if len(self._window) < self.window:
       return False
-    median, self._window = statistics.median(self._window), []
+    median, self._window = process_zero_value(statistics.median(self._window)), []
     self._windows += 1
     self._last_median = median
+    if self._last_decision_step is None:
+      return True  # the first decision: after one timed window of the running split
     if self._reference_ms is None:
       self._reference_ms = median
       if self._awaiting is not None:
-        record, self._awaiting = self._awaiting, None
-        record["measured_ms_new"] = round(median, 3)
-        note = {"decision_step": record["step"], "predicted_ms": record["predicted_ms_new"], "measured_ms": round(median, 3)}
-        self._notes.append({"step": step, **note})
-        if self.report is not None:
-          self.report({"step": step, "measured_after_replan": note})
+        self._judge(step, median)
       return False
     if self.mode != "auto":
       return False
@@ -401,6 +509,43 @@ class Replanner:
     # Each process times its own steps: they decide together (a window ends at the same step
     # everywhere), or one would measure, a collective, while the others train on.
     return any_process(want)
+
+  def _judge(self, step: int, median: float) -> None:
+    """The awaited re-plan's measured step is ``median``: kept, or undone (the rule of the
+    module docstring) — an undo record joins ``history`` and a note asks to switch back."""
+    record, self._awaiting = self._awaiting, None
+    record["measured_ms_new"] = round(median, 3)
+    note = {
+      "decision_step": record["step"],
+      "predicted_ms": record["predicted_ms_new"],
+      "measured_ms": round(median, 3),
+    }
+    old = record.get("measured_ms_old")
+    undone = old is not None and record["measured_ms_new"] >= old
+    note = {**note, **({"measured_ms_old": old} if old is not None else {}), "undone": undone}
+    if undone:
+      note["restored"] = dict(record["old"])
+      lifted = record.get("lifted", {})
+      if lifted:
+        note["restored_policies"] = {g: lift["old"] for g, lift in lifted.items()}
+      for g in lifted:  # the checks' reference: the running policy's measurements again
+        self._points[g] = {int(b): ms for b, ms in record["measured_ms"][g].items()}
+      self.history.append(
+        {
+          "step": step,
+          "undone": record["step"],
+          "old": dict(record["new"]),
+          "new": dict(record["old"]),
+          "measured_ms_old": old,
+          "measured_ms_new": record["measured_ms_new"],
+        }
+      )
+      self._undone.append(_undone_entry(record))
+      self._last_decision_step = step
+      self._reset_windows()  # the first window after the switch back is the reference
+    self._notes.append({"step": step, **note})
+    if self.report is not None:
+      self.report({"step": step, "measured_after_replan": note})
 
   def replan(self, step: int, program, state, host_batch):
     """Measures and decides after ``step``: ``(new per-device batches or None, record or
@@ -425,19 +570,25 @@ class Replanner:
         fresh[g].update(checked.get(g, {}))
     sizes = {g: tuple(b for b in self._first_sizes(g, running[g]) if b not in fresh[g]) for g in running}
     self._merge(fresh, self._measure(program, state, host_batch, sizes))
+    lifts = self._lifts(program, state, host_batch, fresh)
     counts = {g.name: g.count for g in cluster.groups}
     for _ in range(self.refine if self._sized else 0):
       if not all(fresh.values()):
         break
-      speeds = {g: GroupSpeed.fit(fresh[g]) for g in running}
+      speeds = {g: GroupSpeed.fit(lifts[g].measured if g in lifts else fresh[g]) for g in running}
       balanced = balance(counts, speeds, cluster.global_batch, self.granularity)
-      if predicted_ms(speeds, balanced) > predicted_ms(speeds, running) * (1 - self.threshold):
+      before = predicted_ms({g: GroupSpeed.fit(fresh[g]) for g in running}, running)
+      if predicted_ms(speeds, balanced) > before * (1 - self.threshold):
         break  # no re-plan in sight: no new sizes (each one compiles a probe)
-      missing = {g: (b,) for g, b in balanced.items() if b not in fresh[g]}
+      missing = {
+        g: (b,) for g, b in balanced.items() if b not in (lifts[g].measured if g in lifts else fresh[g])
+      }
       if not missing:
         break
-      self._merge(fresh, self._measure(program, state, host_batch, missing))
-    batches, record = self.decide(step, cluster, fresh, report=False)
+      policies = {g: lifts[g].lifted for g in missing if g in lifts}
+      for g, points in self._measure(program, state, host_batch, missing, policies).items():
+        (lifts[g].measured if g in lifts else fresh[g]).update(points)
+    batches, record = self.decide(step, cluster, fresh, report=False, lifted=lifts)
     cost_s = self.clock() - t0
     record["measure_s"] = round(cost_s, 3)
     self._debt_ms = 0.0 if first else 1e3 * (cost_s - (compile_seconds() - compiling))
@@ -460,10 +611,11 @@ class Replanner:
     moved = [g for g in running if abs(change(checked, g)) > self.threshold]
     if not moved:
       return None
-    again = self._measure(program, state, host_batch, {g: ((running[g],) if g in moved else ()) for g in running})
+    again = self._measure(
+      program, state, host_batch, {g: ((running[g],) if g in moved else ()) for g in running}
+    )
     confirmed = [
-      g for g in moved
-      if abs(change(again, g)) > self.threshold and change(again, g) * change(checked, g) > 0
+      g for g in moved if abs(change(again, g)) > self.threshold and change(again, g) * change(checked, g) > 0
     ]
     if not confirmed:
       return None
@@ -472,13 +624,34 @@ class Replanner:
         checked[g][running[g]] = (checked[g][running[g]] + again[g][running[g]]) / 2
     return checked
 
-  def _measure(self, program, state, host_batch, sizes):
-    """``measure`` at ``sizes`` (a measure that takes no sizes: at its own)."""
+  def _measure(self, program, state, host_batch, sizes, policies=None):
+    """``measure`` at ``sizes`` (a measure that takes no sizes: at its own), of ``policies``
+    where given (else the groups' running policies)."""
     if not self._sized:
       return self.measure(program, state, host_batch)
     if not any(sizes.values()):  # the same on every process: none of them measures
       return {}
+    if policies:
+      return self.measure(program, state, host_batch, sizes=sizes, policies=policies)
     return self.measure(program, state, host_batch, sizes=sizes)
+
+  def _lifts(self, program, state, host_batch, measured) -> dict[str, Lift]:
+    """The groups whose ``lifted_policy`` is measured at least ``threshold`` faster than their
+    running policy at every batch ``measured`` holds of them (measured at those batches; a
+    ``measure`` that takes no ``policies``: none)."""
+    if not self._lifting:
+      return {}
+    running = {g: program.plan.policy_for(g) for g in measured}
+    lifted = {g: lifted_policy(p) for g, p in running.items()}
+    lifted = {g: p for g, p in lifted.items() if p is not None and measured[g]}
+    sizes = {g: tuple(sorted(measured[g])) if g in lifted else () for g in measured}
+    timed = self._measure(program, state, host_batch, sizes, lifted) if lifted else {}
+    out = {}
+    for g, policy in lifted.items():
+      ms = timed.get(g, {})
+      if all(b in ms and ms[b] <= t * (1 - self.threshold) for b, t in measured[g].items()):
+        out[g] = Lift(running[g], policy, dict(ms))
+    return out
 
   def _merge(self, into, measured):
     for g, points in measured.items():
@@ -494,14 +667,25 @@ class Replanner:
       return (batch, max(seen, key=lambda b: (abs(b - batch), b)))
     return probe_sizes(batch)
 
-  def decide(self, step: int, cluster: ClusterSpec, measured: Mapping[str, Mapping[int, float]], report: bool = True):
-    """``(new per-device batches or None, record)`` from the measurements: the balanced split
-    when it is predicted ``threshold`` faster than the running one."""
+  def decide(
+    self,
+    step: int,
+    cluster: ClusterSpec,
+    measured: Mapping[str, Mapping[int, float]],
+    report: bool = True,
+    lifted: Mapping[str, Lift] | None = None,
+  ):
+    """``(new per-device batches or None, record)`` from the measurements of the running
+    policies (and of the ``lifted`` groups' lifted policies, which the new split's prediction
+    uses): the balanced split, with the lifted policies, when it is predicted ``threshold``
+    faster than the running split with the running policies."""
+    lifted = dict(lifted or {})
     running = {g.name: g.batch_per_device for g in cluster.groups}
     speeds = {g: GroupSpeed.fit(measured[g]) for g in running}
+    new_speeds = {**speeds, **{g: GroupSpeed.fit(lift.measured) for g, lift in lifted.items()}}
     counts = {g.name: g.count for g in cluster.groups}
-    balanced = balance(counts, speeds, cluster.global_batch, self.granularity)
-    before, after = predicted_ms(speeds, running), predicted_ms(speeds, balanced)
+    balanced = balance(counts, new_speeds, cluster.global_batch, self.granularity)
+    before, after = predicted_ms(speeds, running), predicted_ms(new_speeds, balanced)
     self._points = {g: dict(measured[g]) for g in running}
     for g in running:
       self._sizes_seen.setdefault(g, set()).update(measured[g])
@@ -511,16 +695,28 @@ class Replanner:
     self._last_median = None
     record = {
       "step": step,
-      "ms_per_example": {g: round(s.slope_ms, 4) for g, s in speeds.items()},
-      "measured_ms": {g: {str(b): round(float(ms), 3) for b, ms in sorted(measured[g].items())} for g in running},
+      "ms_per_example": {g: round(s.slope_ms, 4) for g, s in speeds.items()},  # the running policies
+      "measured_ms": {g: _rounded(measured[g]) for g in running},
       "old": running,
       "new": balanced,
       "predicted_ms_old": round(before, 3),
       "predicted_ms_new": round(after, 3),
     }
+    if lifted:
+      record["lifted"] = {
+        g: {
+          "old": lift.running.to_json(),
+          "new": lift.lifted.to_json(),
+          "measured_ms": _rounded(lift.measured),
+        }
+        for g, lift in sorted(lifted.items())
+      }
     if last_median is not None:
       record["measured_ms_old"] = round(last_median, 3)
-    if balanced == running or after > before * (1 - self.threshold):
+    blocked = self._undone_replan_of(balanced, _lift_key(record), new_speeds)
+    if blocked is not None:
+      record["undone_replan"] = blocked
+    if (balanced == running and not lifted) or after > before * (1 - self.threshold) or blocked is not None:
       record = {**record, "replanned": False}
       batches = None
     else:
@@ -528,9 +724,61 @@ class Replanner:
       self.history.append(record)
       self._awaiting = record
       batches = balanced
+      for g, lift in lifted.items():  # the checks' reference: the lifted policy runs now
+        self._points[g] = dict(lift.measured)
+        self._sizes_seen[g].update(lift.measured)
     if report and self.report is not None:
       self.report(record)
     return batches, record
+
+  def _undone_replan_of(
+    self, split: Mapping[str, int], lifted: Mapping[str, str], speeds: Mapping[str, GroupSpeed]
+  ) -> int | None:
+    """The step of an undone re-plan to ``split`` with the ``lifted`` policies while no group's
+    time at its batch of ``split`` moved by more than ``threshold`` between that re-plan's
+    measurements and ``speeds``; None otherwise (a block whose speeds moved is lifted)."""
+    for i, undone in enumerate(self._undone):
+      if undone.split != dict(split) or undone.lifted != dict(lifted):
+        continue
+      then = undone.speeds
+      moved = any(
+        abs(speeds[g].ms(b) - then[g].ms(b)) > self.threshold * then[g].ms(b) for g, b in split.items()
+      )
+      if moved:
+        del self._undone[i]
+        return None
+      return undone.step
+    return None
+
+
+def _rounded(points: Mapping[int, float]) -> dict[str, float]:
+  """``{batch: ms}`` as a record holds it: ``{"<batch>": ms to 1 µs}``, by batch."""
+  return {str(b): round(float(ms), 3) for b, ms in sorted(points.items())}
+
+
+def _lift_key(record: Mapping) -> dict[str, str]:
+  """``{group: lifted policy as JSON text}`` of a decision record."""
+  return {g: json.dumps(lift["new"], sort_keys=True) for g, lift in record.get("lifted", {}).items()}
+
+
+def _undone_entry(record: Mapping) -> _Undone:
+  """What blocks an undone re-plan: its step, split, lifted policies and the groups' speeds from
+  its measurements (of the lifted policies, for lifted groups)."""
+  points = {
+    **record["measured_ms"],
+    **{g: lift["measured_ms"] for g, lift in record.get("lifted", {}).items()},
+  }
+  speeds = {g: GroupSpeed.fit({int(b): ms for b, ms in p.items()}) for g, p in points.items()}
+  return _Undone(record["step"], dict(record["new"]), _lift_key(record), speeds)
+
+
+def process_zero_value(x: float) -> float:
+  """``x`` as process 0 has it, on every process (every process must call it)."""
+  if jax.process_count() == 1:
+    return x
+  from jax.experimental import multihost_utils
+
+  return float(multihost_utils.broadcast_one_to_all(np.asarray([x], np.float32))[0])
 
 
 def describe(record: Mapping) -> str:
@@ -539,6 +787,13 @@ def describe(record: Mapping) -> str:
   split = "/".join(str(b) for b in record["old"].values())
   new = "/".join(str(b) for b in record["new"].values())
   verdict = "re-planned" if record["replanned"] else "kept the plan"
+  if record.get("lifted"):
+    groups = ", ".join(record["lifted"])
+    lift = "lifted to 16 bits" if record["replanned"] else "faster at 16 bits, not lifted"
+    verdict += f" ({groups}: 8-bit legs {lift})"
+  if "undone_replan" in record:
+    undone = record["undone_replan"]
+    verdict += f" (its split is that of the re-plan at step {undone}, undone; no group's speed moved since)"
   measured = f", measured {record['measured_ms_old']:.3g} ms" if "measured_ms_old" in record else ""
   return (
     f"step {record['step']}: measured ms per example {speeds}; split {split} -> {new} "
@@ -548,7 +803,16 @@ def describe(record: Mapping) -> str:
 
 def describe_measured(note: Mapping) -> str:
   """One log line for a note of ``Replanner.take_notes``: the step a re-plan made, measured."""
+  before = f", {note['measured_ms_old']:.3g} ms before" if "measured_ms_old" in note else ""
   return (
     f"step {note['step']}: the split of the re-plan at step {note['decision_step']} measured "
-    f"{note['measured_ms']:.3g} ms per step (predicted {note['predicted_ms']:.3g} ms compute)"
+    f"{note['measured_ms']:.3g} ms per step (predicted {note['predicted_ms']:.3g} ms compute{before}): kept"
+  )
+
+
+def describe_undone(note: Mapping) -> str:
+  """One log line for an undone note of ``Replanner.take_notes``."""
+  return (
+    f"step {note['step']}: the split of the re-plan at step {note['decision_step']} measured "
+    f"{note['measured_ms']:.3g} ms, slower than {note['measured_ms_old']:.3g} ms before: undone"
   )

@@ -20,8 +20,13 @@ metrics, progress, checkpoints and evaluation (at its consolidated / gathered pa
 ``replan`` (a mode of ``qsync_jax.train.replan``, or a ``Replanner``) measures each group's
 compute while the hybrid step trains and re-balances the per-device batches from the
 measurements: the step is rebuilt once with the new split and training continues from the same
-step on the same data. ``metrics.jsonl`` gets a ``replan`` line for every decision, and the
-checkpoint records the plan that runs, so ``resume`` rebuilds the re-planned step.
+step on the same data; a group whose 8-bit legs are measured faster at 16 bits also gets them
+lifted (``qsync_jax.train.replan.lifted_policy``). A re-plan whose measured step is not shorter
+than the step before it is undone: the trainer switches back to the step that ran before.
+``metrics.jsonl`` gets a ``replan`` line for every decision and a ``replan_measured`` line once
+a re-planned split's step is measured (``"undone": true`` when it was undone), and the
+checkpoint records the plan that runs and the decisions, so ``resume`` rebuilds the step that
+ran.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
 from qsync_jax.train.distributed import Watchdog
 from qsync_jax.train.outputs import TensorBoardWriter, check_run_dir
-from qsync_jax.train.replan import Replanner, describe, describe_measured
+from qsync_jax.train.replan import Replanner, describe, describe_measured, describe_undone
 from qsync_jax.train.strategy_step import make_strategy_step
 from qsync_jax.train.task import Task
 from qsync_jax.train.train_step import SyncFn, check_optimizer_update, make_train_step
@@ -143,7 +148,7 @@ class Trainer:
       )
       self.program = self._build(plan)
       self._given_cluster = cluster
-      self._programs = {_split_key(self.program): self.program}  # a split run before is not rebuilt
+      self._programs = {_step_key(self.program.cluster, self.program.plan): self.program}  # not rebuilt
     self.replanner = replan if isinstance(replan, Replanner) else Replanner(mode=replan)
     if self.replanner.mode != "off" and not hasattr(self, "_build"):
       raise QsyncError(
@@ -246,7 +251,7 @@ class Trainer:
       plan = dataclasses.replace(plan, optimizer_update=self.program.plan.optimizer_update)
       if plan.fingerprint() != self.program.plan.fingerprint():
         self.program = self._program_for(plan)
-      self.replanner.history[:] = saved["replans"]
+      self.replanner.restore(saved["replans"])
     state, meta = self.checkpoints.restore(like, self._meta(), step)
     state = self.program.from_full_state(state)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
@@ -293,7 +298,8 @@ class Trainer:
           if self.replanner.times_steps():
             step_ms = timing.after(metrics)
           wants = self.replanner.wants_measurement(step, start_step, step_ms)
-          self._note_measured_replans()
+          if self._note_measured_replans():  # a re-plan undone: the split before it runs again
+            timing.reset()
           if wants:
             if pending is not None:
               last, pending = self._log(*pending, steps, clock, callback), None
@@ -345,20 +351,35 @@ class Trainer:
       self._say("replan: " + describe(record))
       self._write_replan_line({"step": step, "replan": record}, record)
     if batches is not None:
-      plan = self.program.plan
-      program = self._program_for(
-        dataclasses.replace(plan, batch_per_device={**plan.batch_per_device, **batches})
-      )
-      if program.mesh.devices.tolist() != self.program.mesh.devices.tolist():
-        self.state = program.from_full_state(self.program.full_state(self.state))
-      self.program = program
+      self._switch_to(batches, {g: lift["new"] for g, lift in record.get("lifted", {}).items()})
 
-  def _note_measured_replans(self) -> None:
-    """Logs the measured step of each re-planned split once the replanner has timed it."""
+  def _switch_to(self, batches: Mapping[str, int], policies: Mapping[str, Any]) -> None:
+    """Runs the step of the per-device ``batches`` and the groups' ``policies`` (JSON; the
+    other groups' stay) from the next step on (the state carries over as it is on the same
+    devices, else through its full form)."""
+    plan = self.program.plan
+    plan = dataclasses.replace(
+      plan,
+      batch_per_device={**plan.batch_per_device, **batches},
+      policies={**plan.policies, **{g: PrecisionPolicy.from_json(p) for g, p in policies.items()}},
+    )
+    program = self._program_for(plan)
+    if program.mesh.devices.tolist() != self.program.mesh.devices.tolist():
+      self.state = program.from_full_state(self.program.full_state(self.state))
+    self.program = program
+
+  def _note_measured_replans(self) -> bool:
+    """Logs the measured step of each re-planned split once the replanner has timed it, and
+    switches back to the split before a re-plan the replanner undid; True when it did."""
+    undone = False
     for note in self.replanner.take_notes():
-      self._say("replan: " + describe_measured(note))
+      self._say("replan: " + (describe_undone(note) if note.get("undone") else describe_measured(note)))
       measured = {k: v for k, v in note.items() if k != "step"}
       self._write_replan_line({"step": note["step"], "replan_measured": measured}, measured)
+      if note.get("undone"):
+        self._switch_to(note["restored"], note.get("restored_policies", {}))
+        undone = True
+    return undone
 
   def _write_replan_line(self, line: Mapping[str, Any], scalars: Mapping[str, Any]) -> None:
     if self.out_dir and self.is_primary:
@@ -368,8 +389,9 @@ class Trainer:
       self.tensorboard.write(line["step"], scalars, prefix="replan/")
 
   def _program_for(self, plan: Plan):
-    """The hybrid step of ``plan`` (the batch split of a plan run before: its step again)."""
-    key = _split_key(plan.apply_to(self._given_cluster))
+    """The hybrid step of ``plan`` (the batch split and policies of a plan run before: its step
+    again)."""
+    key = _step_key(plan.apply_to(self._given_cluster), plan)
     if key not in self._programs:
       self._programs[key] = self._build(plan)
     return self._programs[key]
@@ -470,11 +492,13 @@ def _drop_metrics_after(path: str, step: int) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-def _split_key(program_or_cluster) -> tuple:
-  """What tells two hybrid steps of one trainer apart: the per-device batch of each group (the
-  policies do not change within a run)."""
-  cluster = getattr(program_or_cluster, "cluster", program_or_cluster)
-  return tuple((g.name, g.batch_per_device) for g in cluster.groups)
+def _step_key(cluster: ClusterSpec, plan: Plan) -> tuple:
+  """What tells two hybrid steps of one trainer apart: each group's per-device batch and
+  policy."""
+  return tuple(
+    (g.name, g.batch_per_device, json.dumps(plan.policy_for(g.name).to_json(), sort_keys=True))
+    for g in cluster.groups
+  )
 
 
 class _StepTimer:

@@ -70,18 +70,19 @@ def test_two_processes_equal_one_process(tmp_path):
 def test_every_process_takes_the_same_replan_decision(tmp_path):
   """``--replan auto``: each process measures its own groups, all gather the measurements and
   decide alike (the split must be the same everywhere, or the step would not run); and the
-  processes, which time their own steps, agree on when to measure again (step 43 ends a second
-  window of 20 steps: a collective every process must join, or the job would hang)."""
+  processes, which time their own steps, agree on when to measure (step 23 ends the first timed
+  window of 20 steps after 3 untimed ones: the decision; step 45 the window that measures the new
+  split: collectives every process must join, or the job would hang)."""
   processes = _launch(tmp_path, 45, "--replan", "auto")
   _finish(processes, timeout=240)
   logs = [(tmp_path / f"log{i}.txt").read_text() for i in range(2)]
   assert [p.returncode for p in processes] == [0, 0], logs
-  decisions = [line for line in logs[0].splitlines() if line.startswith("replan: step 3: measured")]
+  decisions = [line for line in logs[0].splitlines() if line.startswith("replan: step 23: measured")]
   assert len(decisions) == 1, logs[0][-2000:]
   assert "split 4/2 -> " in decisions[0]
   replans = [json.loads(x)["replan"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
              if '"replan"' in x]
-  assert replans[0]["step"] == 3 and set(replans[0]["ms_per_example"]) == {"a", "t"}
+  assert replans[0]["step"] == 23 and set(replans[0]["ms_per_example"]) == {"a", "t"}
   assert "step 45/45" in logs[0]
 
 

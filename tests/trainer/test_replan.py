@@ -1,7 +1,11 @@
 """Re-planning from measured group speeds: the balanced split, the decisions (with hysteresis),
-and the trainer that re-balances, logs it, checkpoints it and resumes bit-identically."""
+the undo of a re-plan whose step is measured slower, the precision lift, and the trainer that
+re-balances, logs it, checkpoints it and resumes bit-identically."""
 
+import dataclasses
 import json
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -11,7 +15,17 @@ import pytest
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
-from qsync_jax.train.replan import PROBE_COST_RUNS, GroupSpeed, Replanner, balance, predicted_ms, probe_sizes
+from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.precision import PRECISION_BITS, OpPolicy
+from qsync_jax.train.replan import (
+  PROBE_COST_RUNS,
+  GroupSpeed,
+  Replanner,
+  balance,
+  lifted_policy,
+  predicted_ms,
+  probe_sizes,
+)
 from qsync_jax.train.trainer import Trainer
 from tests.trainer.tiny import make_task
 
@@ -61,11 +75,13 @@ def _cluster(batch=8):
   return ClusterSpec((DeviceGroup("g0", "cpu", 2, 16, batch), DeviceGroup("g1", "cpu", 2, 16, batch)))
 
 
-def _measured(per_example, noise=0.0, rng=None, calls=None):
+def _measured(per_example, noise=0.0, rng=None, calls=None, lifted=None):
   """A fake measurement: ``per_example[g]`` ms per example (a number, or a function of the
-  batch giving the time), times 1 ± ``noise``; each call's sizes appended to ``calls``."""
+  batch giving the time), times 1 ± ``noise``; ``lifted[g]`` likewise for a group measured at
+  a policy of ``policies`` (checked to be ``lifted_policy`` of its plan's); each call's sizes
+  appended to ``calls``."""
 
-  def measure(program, state, host_batch, sizes=None):
+  def measure(program, state, host_batch, sizes=None, policies=None):
     if sizes is None:
       sizes = {g.name: probe_sizes(g.batch_per_device) for g in program.cluster.groups}
     if calls is not None:
@@ -73,7 +89,11 @@ def _measured(per_example, noise=0.0, rng=None, calls=None):
     out = {}
     for g, batches in sizes.items():
       jitter = (lambda: 1 + rng.uniform(-noise, noise)) if noise else (lambda: 1.0)
-      time_of = per_example[g] if callable(per_example[g]) else (lambda b, c=per_example[g]: c * b)
+      time_of = per_example[g]
+      if policies and g in policies:
+        assert policies[g] == lifted_policy(program.plan.policy_for(g))
+        time_of = lifted[g]
+      time_of = time_of if callable(time_of) else (lambda b, c=time_of: c * b)
       out[g] = {b: time_of(b) * jitter() for b in batches}
     return out
 
@@ -81,10 +101,10 @@ def _measured(per_example, noise=0.0, rng=None, calls=None):
 
 
 class _Program:
-  """What ``Replanner.replan`` reads of a program: its cluster."""
+  """What ``Replanner.replan`` reads of a program: its cluster and plan."""
 
-  def __init__(self, cluster):
-    self.cluster = cluster
+  def __init__(self, cluster, plan=None):
+    self.cluster, self.plan = cluster, plan or Plan()
 
 
 def test_decisions_need_a_predicted_gain_and_never_oscillate_on_noise():
@@ -105,7 +125,11 @@ def test_auto_replans_when_a_group_slows_and_back_when_it_recovers():
   slow = 1.0
   calls = []
   r = Replanner(
-    mode="auto", threshold=0.05, warmup_steps=2, window=5, max_overhead=0.5,
+    mode="auto",
+    threshold=0.05,
+    warmup_steps=2,
+    window=5,
+    max_overhead=0.5,
     measure=_measured({"g0": 1.0, "g1": lambda b: slow * b}, calls=calls),
   )
   cluster = _cluster()
@@ -126,9 +150,9 @@ def test_auto_replans_when_a_group_slows_and_back_when_it_recovers():
   assert 40 <= splits[0][0] < 60 and 120 <= splits[1][0] < 175
   # a check measures each group at its running batch only; a full measurement follows only
   # when a group's time moved; the sizes it adds are ones measured before where it can
-  assert checks == [2, 47, 97, 147, 197]
+  assert checks == [7, 47, 97, 147, 197]
   assert calls == [
-    {"g0": (4, 8), "g1": (4, 8)},  # step 2: the first decision (8/8 kept)
+    {"g0": (4, 8), "g1": (4, 8)},  # step 7: the first decision, after 2 untimed steps and a window (8/8 kept)
     {"g0": (8,), "g1": (8,)},  # step 47: a check (the step time drifted): g1 moved,
     {"g1": (8,)},  # confirmed by a second measurement
     {"g0": (4,), "g1": (4,)},  # the second size of each, then the balanced split's batches
@@ -142,43 +166,140 @@ def test_auto_replans_when_a_group_slows_and_back_when_it_recovers():
   ]
 
 
-def _trainer(tmp_path, name, replan, resume=False):
-  return Trainer(
+def _trainer(tmp_path, name, replan, resume=False, plan=None, checkpoint_every=0):
+  trainer = Trainer(
     make_task(),
     _cluster(),
-    Plan(),
+    plan or Plan(),
     optax.adam(1e-2),
     seed=3,
     out_dir=str(tmp_path / name),
+    checkpoint_every=checkpoint_every,
     devices=jax.devices()[:4],
     replan=replan,
     resume=resume,
   )
+  if isinstance(replan, _TimedReplanner):
+    replan.trainer = trainer
+  return trainer
 
 
-def test_the_trainer_rebalances_logs_and_resumes_bit_identically(tmp_path):
+def _split(trainer) -> dict[str, int]:
+  return {g.name: g.batch_per_device for g in trainer.program.cluster.groups}
+
+
+@dataclasses.dataclass
+class _TimedReplanner(Replanner):
+  """A replanner that is given ``step_ms(split)`` in place of each timed step's wall time
+  (``split``: the running per-device batches of ``trainer``), so that the CPU's timings do not
+  decide the test."""
+
+  step_ms: Callable[[dict[str, int]], float] | None = None
+  trainer: Any = None
+
+  def wants_measurement(self, step, start_step, step_ms):
+    timed = None if step_ms is None else self.step_ms(_split(self.trainer))
+    return super().wants_measurement(step, start_step, timed)
+
+
+def _slowest(per_example):
+  """The step time of a split as the fake probes predict it: the slowest group's."""
+  return lambda split: max(
+    per_example[g](b) if callable(per_example[g]) else per_example[g] * b for g, b in split.items()
+  )
+
+
+INT8_G1 = Plan.from_json({"policies": {"g1": "int8_fwd"}})  # g1: int8 forward, fp16 backward
+
+
+def test_the_trainer_rebalances_lifts_logs_and_resumes_bit_identically(tmp_path):
+  # g1's probe at its policy lifted to fp16 is measured twice as fast: the decision takes it
   def replanner():
-    return Replanner(mode="once", warmup_steps=2, measure=_measured({"g0": 1.0, "g1": 3.0}))
+    return _TimedReplanner(
+      mode="once",
+      warmup_steps=2,
+      window=3,
+      measure=_measured({"g0": 1.0, "g1": 3.0}, lifted={"g1": 1.5}),
+      step_ms=lambda split: 24.0 if split == {"g0": 8, "g1": 8} else 10.0,
+    )
 
-  full = _trainer(tmp_path, "full", replanner())
-  full.run(8)
-  assert {g.name: g.batch_per_device for g in full.program.cluster.groups} == {"g0": 12, "g1": 4}
+  full = _trainer(tmp_path, "full", replanner(), plan=INT8_G1, checkpoint_every=8)
+  full.run(12)
+  assert _split(full) == {"g0": 10, "g1": 6}
   assert full.global_batch == 32
+  assert full.program.plan.policies["g1"] == PrecisionPolicy.uniform("fp16")  # lifted
   lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
   replans = [x["replan"] for x in lines if "replan" in x]
-  assert len(replans) == 1 and replans[0]["step"] == 2 and replans[0]["new"] == {"g0": 12, "g1": 4}
+  # steps 1-2 untimed, 3-5 timed (a window of 3), then the decision
+  assert len(replans) == 1 and replans[0]["step"] == 5 and replans[0]["new"] == {"g0": 10, "g1": 6}
   assert replans[0]["replanned"] and replans[0]["predicted_ms_new"] < replans[0]["predicted_ms_old"]
+  assert (
+    list(replans[0]["lifted"]) == ["g1"] and replans[0]["lifted"]["g1"]["new"]["__default__"]["fwd"] == "fp16"
+  )
+  assert replans[0]["measured_ms_old"] == 24.0
+  # the new split's first full window (steps 6-7 left out: the timer restarts, the step compiles)
+  measured = [x for x in lines if "replan_measured" in x]
+  assert [x["step"] for x in measured] == [10] and measured[0]["replan_measured"]["measured_ms"] == 10.0
+  assert not measured[0]["replan_measured"]["undone"] and full.replanner.history[0]["measured_ms_new"] == 10.0
   full_params = jax.device_get(full.params)
   full.close()
 
-  first = _trainer(tmp_path, "cut", replanner())
-  first.run(5)
-  first.close()
-  resumed = _trainer(tmp_path, "cut", replanner(), resume=True)
-  assert resumed.step == 5
-  assert {g.name: g.batch_per_device for g in resumed.program.cluster.groups} == {"g0": 12, "g1": 4}
-  resumed.run(8)
-  assert not [x for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines() if '"replan"' in x][1:]
+  # resumed from the checkpoint of step 8: after the re-plan, before its step was measured
+  resumed = _trainer(tmp_path, "full", replanner(), resume=True, plan=INT8_G1)
+  assert resumed.resume(8) and resumed.step == 8
+  assert _split(resumed) == {"g0": 10, "g1": 6}
+  assert resumed.program.plan.policies["g1"] == PrecisionPolicy.uniform("fp16")
+  assert resumed.replanner.times_steps()  # the re-planned split's step is measured after the warm-up
+  resumed.run(12)
+  assert (
+    len([x for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines() if '"replan"' in x]) == 1
+  )
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), full_params)
+  resumed.close()
+
+
+def test_a_replan_measured_slower_is_undone_and_a_resumed_run_continues_bit_identically(tmp_path, capsys):
+  # the probes say g1 is 3x slower, but the step of the re-planned split is measured slower (a
+  # cost the probes do not see): the trainer goes back to 8/8
+  # (g1's lifted probe is faster too: the undo restores its policy as well)
+  def replanner():
+    return _TimedReplanner(
+      mode="once",
+      warmup_steps=2,
+      window=3,
+      measure=_measured({"g0": 1.0, "g1": 3.0}, lifted={"g1": 2.0}),
+      step_ms=lambda split: 10.0 if split == {"g0": 8, "g1": 8} else 11.0,
+    )
+
+  full = _trainer(tmp_path, "full", replanner(), plan=INT8_G1, checkpoint_every=11)
+  original = full.program
+  full.run(13)
+  assert _split(full) == {"g0": 8, "g1": 8} and full.program is original  # its step (and policy) was kept
+  history = full.replanner.history
+  assert [(r["step"], r.get("replanned"), r.get("undone")) for r in history] == [
+    (5, True, None),
+    (10, None, 5),
+  ]
+  assert history[0]["lifted"]["g1"]["new"] == PrecisionPolicy.uniform("fp16").to_json()
+  assert history[1]["old"] == {"g0": 11, "g1": 5} and history[1]["new"] == {"g0": 8, "g1": 8}
+  assert (history[1]["measured_ms_new"], history[1]["measured_ms_old"]) == (11.0, 10.0)
+  assert (
+    "replan: step 10: the split of the re-plan at step 5 measured 11 ms, slower than 10 ms before: undone"
+    in (capsys.readouterr().err)
+  )
+  lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+  measured = [x["replan_measured"] for x in lines if "replan_measured" in x]
+  assert len(measured) == 1 and measured[0]["undone"] and measured[0]["restored"] == {"g0": 8, "g1": 8}
+  assert measured[0]["restored_policies"] == {"g1": INT8_G1.policies["g1"].to_json()}
+  full_params = jax.device_get(full.params)
+  full.close()
+
+  # resumed from the checkpoint of step 11 (after the undo, at step 10)
+  resumed = _trainer(tmp_path, "full", replanner(), resume=True, plan=INT8_G1)
+  assert resumed.resume(11) and resumed.step == 11 and _split(resumed) == {"g0": 8, "g1": 8}
+  assert resumed.program.plan.policies == INT8_G1.policies
+  assert resumed.replanner.history == history and not resumed.replanner.times_steps()  # once: decided
+  resumed.run(13)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), full_params)
   resumed.close()
 
@@ -193,7 +314,9 @@ def test_measure_groups_times_each_group_at_two_batches_on_its_own_device():
 
   cluster = ClusterSpec((DeviceGroup("g0", "cpu", 1, 16, 8), DeviceGroup("g1", "cpu", 2, 16, 4)))
   policy = {"rules": [{"path": "Dense_0", "policy": "int8"}], "__default__": None}
-  trainer = Trainer(make_task(), cluster, Plan.from_json({"policies": {"g1": policy}}), devices=jax.devices()[:3])
+  trainer = Trainer(
+    make_task(), cluster, Plan.from_json({"policies": {"g1": policy}}), devices=jax.devices()[:3]
+  )
   cache, before = {}, compile_seconds()
   measured = measure_groups(trainer.program, trainer.state, trainer._sample, cache=cache)
   compiled = compile_seconds()
@@ -205,9 +328,15 @@ def test_measure_groups_times_each_group_at_two_batches_on_its_own_device():
   probes = [fn for _, _, fn in cache.values()]
   assert len(probes) == 2
   versions = [fn._cache_size() for fn in probes]
-  again = measure_groups(trainer.program, trainer.state, trainer._sample, sizes={"g0": (8,), "g1": (2,)}, cache=cache)
+  again = measure_groups(
+    trainer.program, trainer.state, trainer._sample, sizes={"g0": (8,), "g1": (2,)}, cache=cache
+  )
   assert {g: sorted(m) for g, m in again.items()} == {"g0": [8], "g1": [2]}
   assert [fn._cache_size() for fn in probes] == versions and compile_seconds() == compiled
+  # a group measured at another policy (as a lifted one is) runs a probe of that policy
+  other = {"g1": PrecisionPolicy.uniform("bf16")}
+  up = measure_groups(trainer.program, trainer.state, trainer._sample, {"g1": (2,)}, cache, other)
+  assert sorted(up) == ["g1"] and up["g1"][2] > 0 and len(cache) == 3
 
 
 def test_the_split_is_refined_where_it_lands_so_a_nonlinear_slowdown_is_followed():
@@ -240,8 +369,15 @@ def test_checks_cost_at_most_max_overhead_of_the_training_time():
     now[0] += PROBE_COST_RUNS * sum(sum(ms.values()) for ms in out.values()) / 1e3  # seconds
     return out
 
-  r = Replanner(mode="auto", warmup_steps=1, window=5, recheck_windows=1, max_overhead=0.05,
-                measure=measure, clock=lambda: now[0])
+  r = Replanner(
+    mode="auto",
+    warmup_steps=1,
+    window=5,
+    recheck_windows=1,
+    max_overhead=0.05,
+    measure=measure,
+    clock=lambda: now[0],
+  )
   program, trained, spent, measurements = _Program(_cluster()), 0.0, [], 0
   for step in range(1, 5000):
     trained += 10.0  # ms per step
@@ -257,9 +393,18 @@ def test_checks_cost_at_most_max_overhead_of_the_training_time():
 def test_auto_trainer_replans_back_to_the_step_it_built_before_and_logs_the_measured_step(tmp_path):
   slow = {"g1": 3.0}
   reported = []
+  speeds = {"g0": 1e-3, "g1": lambda b: slow["g1"] * 1e-3 * b}
   # (the fake probe times are far below the steps' on CPU: the periodic check is never held back)
-  r = Replanner(mode="auto", warmup_steps=2, window=3, recheck_windows=2, max_overhead=1.0,
-                measure=_measured({"g0": 1e-3, "g1": lambda b: slow["g1"] * 1e-3 * b}), report=reported.append)
+  r = _TimedReplanner(
+    mode="auto",
+    warmup_steps=2,
+    window=3,
+    recheck_windows=2,
+    max_overhead=1.0,
+    measure=_measured(speeds),
+    report=reported.append,
+    step_ms=_slowest(speeds),
+  )
   trainer = _trainer(tmp_path, "auto", r)
   built = []
   build = trainer._build
@@ -293,3 +438,150 @@ def test_a_check_takes_a_running_batch_no_decision_measured_as_its_reference():
   speed["g0"] = 2.0  # g0 slows down: the next check sees it
   new, record = r.replan(100, _Program(cluster), None, None)
   assert record is not None and new == {"g0": 10, "g1": 6}
+
+
+def _run_auto(r, cluster, steps, step_ms_of, rng, first_step=1):
+  """Drives ``r`` as the trainer does, ``step_ms_of(split)`` the running split's step time
+  (times 1 ± 3 %); returns the cluster at the end."""
+  for step in range(first_step, first_step + steps):
+    split = {g.name: g.batch_per_device for g in cluster.groups}
+    if r.wants_measurement(step, 0, step_ms_of(split) * (1 + rng.uniform(-0.03, 0.03))):
+      new, _ = r.replan(step, _Program(cluster), None, None)
+      if new is not None:
+        cluster = cluster.with_batch_per_device(new)
+    for note in r.take_notes():
+      if note["undone"]:
+        cluster = cluster.with_batch_per_device(note["restored"])
+  return cluster
+
+
+def test_once_times_a_window_before_deciding_and_keeps_a_replan_measured_faster():
+  r = Replanner(mode="once", warmup_steps=2, window=4, measure=_measured({"g0": 1.0, "g1": 3.0}))
+  cluster = _cluster()
+  assert r.times_steps()
+  times = [50.0, 50.0, 24.0, 26.0, 23.0, 25.0]  # steps 1-2 (compiling) are not counted
+  assert [r.wants_measurement(s, 0, ms) for s, ms in enumerate(times, 1)] == [False] * 5 + [True]
+  new, record = r.replan(6, _Program(cluster), None, None)
+  assert new == {"g0": 12, "g1": 4} and record["measured_ms_old"] == 24.5  # the window's median
+  assert r.times_steps()  # the new split's window is timed
+  assert not any(r.wants_measurement(s, 0, None) for s in (7, 8))  # the timer restarts after a switch
+  assert not any(r.wants_measurement(s, 0, ms) for s, ms in zip(range(9, 13), (13.0, 12.0, 14.0, 12.5)))
+  assert record["measured_ms_new"] == 12.75 and r.history == [record]
+  notes = r.take_notes()
+  assert [(n["step"], n["measured_ms"], n["measured_ms_old"], n["undone"]) for n in notes] == [
+    (12, 12.75, 24.5, False)
+  ]
+  assert not r.times_steps() and not r.wants_measurement(13, 0, 12.0)  # once: done
+
+
+def test_an_undone_split_is_not_chosen_again_until_a_speed_moves():
+  rng = np.random.default_rng(4)
+  speed = {"g0": 1.0, "g1": 3.0}
+  measure = _measured({g: (lambda b, g=g: speed[g] * b) for g in speed}, noise=0.02, rng=rng)
+  r = Replanner(mode="auto", warmup_steps=2, window=5, recheck_windows=2, max_overhead=1.0, measure=measure)
+  # the probes predict 12/4 twice as fast, but its step is measured slower than 8/8's
+  slower = {(8, 8): 30.0, (12, 4): 33.0}
+  cluster = _run_auto(r, _cluster(), 300, lambda split: slower[tuple(split.values())], rng)
+  assert {g.name: g.batch_per_device for g in cluster.groups} == {"g0": 8, "g1": 8}
+  assert [(r.get("replanned"), r.get("undone"), r["new"]) for r in r.history] == [
+    (True, None, {"g0": 12, "g1": 4}),
+    (None, r.history[0]["step"], {"g0": 8, "g1": 8}),
+  ]  # checks every 2 windows found no group moved: nothing more, no oscillation
+  # a full decision under unchanged (2 % noisy) speeds: the balanced split is the undone one, kept out
+  replanned_at = r.history[0]["step"]
+  for step in range(400, 420):
+    new, record = r.decide(
+      step, cluster, measure(_Program(cluster), None, None, {"g0": (4, 8, 12), "g1": (4, 8)})
+    )
+    assert new is None and record["new"] == {"g0": 12, "g1": 4} and record["undone_replan"] == replanned_at
+  # both groups 20 % slower: the same balanced split, but the speeds moved: it may be chosen again
+  speed.update(g0=1.2, g1=3.6)
+  new, record = r.decide(
+    500, cluster, measure(_Program(cluster), None, None, {"g0": (4, 8, 12), "g1": (4, 8)})
+  )
+  assert new == {"g0": 12, "g1": 4} and record["replanned"] and "undone_replan" not in record
+
+
+def test_restore_keeps_undone_splits_blocked_and_times_a_replan_not_yet_measured():
+  measure = _measured({"g0": 1.0, "g1": 3.0})
+  r = Replanner(mode="once", warmup_steps=2, window=2, measure=measure)
+  for step, ms in enumerate((9.0, 9.0, 24.0, 24.0), 1):
+    r.wants_measurement(step, 0, ms)
+  new, _ = r.replan(4, _Program(_cluster()), None, None)
+  checkpointed = json.loads(json.dumps(r.history))  # as a checkpoint holds it: a re-plan not yet timed
+  resumed = Replanner(mode="once", warmup_steps=2, window=2, measure=measure)
+  resumed.restore(checkpointed)
+  assert resumed.times_steps()
+  # resumed at step 6: 7-8 are its warm-up, 9-10 the window of the re-planned split, slower: undone
+  assert not any(resumed.wants_measurement(s, 6, 30.0) for s in range(7, 11))
+  assert [(h.get("undone"), h["new"]) for h in resumed.history] == [(None, new), (4, {"g0": 8, "g1": 8})]
+  assert resumed.take_notes()[0]["restored"] == {"g0": 8, "g1": 8} and not resumed.times_steps()
+  again = Replanner(mode="auto", measure=measure)
+  again.restore(json.loads(json.dumps(resumed.history)))
+  batches, record = again.decide(
+    20, _cluster(), measure(_Program(_cluster()), None, None, {"g0": (4, 8, 12), "g1": (4, 8)})
+  )
+  assert batches is None and record["undone_replan"] == 4
+
+
+def test_lifted_policy_raises_only_8_bit_legs_to_the_policys_16_bit_precision():
+  def policy(obj):
+    return Plan.from_json({"policies": {"g": obj}}).policies["g"]
+
+  int8_fwd = policy("int8_fwd")
+  assert lifted_policy(int8_fwd) == PrecisionPolicy.uniform("fp16")  # its backward's precision
+  mixed = policy({"rules": [{"path": "Dense_0", "policy": "int8_fwd"}], "__default__": "bf16"})
+  lifted = lifted_policy(mixed)  # the other ops' bf16: the 8-bit leg only, its fp16 legs stay
+  assert lifted.rules[0].policy.precisions == ("bf16", "fp16", "fp16") and lifted.default == mixed.default
+  assert lifted.rules[0].path == "Dense_0"
+  fp8 = policy({"rules": [{"path": "Dense_1", "kind": "dense", "policy": "fp8"}], "__default__": "fp16"})
+  assert (
+    lifted_policy(fp8).rules[0].policy == OpPolicy.uniform("fp16")
+    and lifted_policy(fp8).rules[0].kind == "dense"
+  )
+  for obj in ("int8", "bf16", "fp32"):  # no 16-bit leg to lift to, or nothing 8-bit: not lifted
+    assert lifted_policy(policy(obj)) is None
+  both = policy(
+    {"rules": [{"path": "a", "policy": "int8_fwd"}, {"path": "b", "policy": "fp16"}], "__default__": "bf16"}
+  )
+  assert lifted_policy(both) is None  # fp16 and bf16 among the other ops: no single precision
+  for before in (int8_fwd, mixed, fp8):  # accuracy can only improve: no leg loses bits
+    after = lifted_policy(before)
+    for old, new in zip(
+      [r.policy for r in before.rules] + [before.default], [r.policy for r in after.rules] + [after.default]
+    ):
+      if old is not None:
+        assert all(PRECISION_BITS[b] >= PRECISION_BITS[a] for a, b in zip(old.precisions, new.precisions))
+        assert not any(p in ("int8", "fp8") for p in new.precisions)
+
+
+def test_a_group_whose_lifted_probe_is_faster_gets_the_lifted_policy():
+  cluster = _cluster()
+  got = {}
+  for lifted_ms in (1.5, 2.9):  # g1 at fp16: twice as fast, or only 3 % faster (< threshold)
+    calls = []
+    r = Replanner(
+      mode="once", measure=_measured({"g0": 1.0, "g1": 3.0}, calls=calls, lifted={"g1": lifted_ms})
+    )
+    got[lifted_ms] = r.replan(3, _Program(cluster, INT8_G1), None, None)
+    assert calls[1] == {"g1": (4, 8)}  # the lifted policy, at the sizes its running one was measured at
+  new, record = got[1.5]
+  assert new == {"g0": 10, "g1": 6} and record["replanned"]
+  assert record["lifted"]["g1"]["new"] == PrecisionPolicy.uniform("fp16").to_json()
+  assert record["lifted"]["g1"]["old"] == INT8_G1.policies["g1"].to_json()
+  assert set(record["lifted"]["g1"]["measured_ms"]) >= {"4", "8", "6"}  # the new batch measured lifted
+  new, record = got[2.9]  # not lifted: the split balanced on g1's running policy
+  assert new == {"g0": 12, "g1": 4} and "lifted" not in record
+
+
+def test_the_undo_rule_is_not_faster_with_no_margin():
+  # measured_ms_old 24.5: a new step of 24.5 ms (not faster) is undone, 24.499 ms (1 µs faster) kept
+  for new_ms, undone in ((24.5, True), (24.499, False), (30.0, True)):
+    r = Replanner(mode="once", warmup_steps=0, window=2, measure=_measured({"g0": 1.0, "g1": 3.0}))
+    assert not r.wants_measurement(1, 0, 24.0) and r.wants_measurement(2, 0, 25.0)
+    new, record = r.replan(2, _Program(_cluster()), None, None)
+    assert new == {"g0": 12, "g1": 4} and record["measured_ms_old"] == 24.5
+    for step in (3, 4):
+      r.wants_measurement(step, 0, new_ms)
+    (note,) = r.take_notes()
+    assert note["undone"] == undone and len(r.history) == (2 if undone else 1)

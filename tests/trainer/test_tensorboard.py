@@ -58,7 +58,7 @@ def _scalars(directory) -> dict[str, dict[int, float]]:
 def test_events_hold_the_metrics_of_metrics_jsonl(tmp_path):
   pytest.importorskip("tensorboardX")
   out = tmp_path / "run"
-  replanner = Replanner(mode="once", warmup_steps=1, measure=_equal_speeds)
+  replanner = Replanner(mode="once", warmup_steps=1, window=1, measure=_equal_speeds)
   trainer = _trainer(str(out), replan=replanner, progress=None)
   trainer.run(3)
   trainer.close()
