@@ -5,6 +5,9 @@ quantizable ops (``planners.ops.OpShape``), each op's standalone leg and whole-p
 (``op_ms``), the fitted remainder of the step, the optimizer, cast models, memory, each op's
 forward headroom and in-step times, and ``meta`` (versions, clocks, the fit step and XLA peaks).
 ``docs/predictor.md`` describes every field and which are measured, fitted or modeled.
+A profile is of a device type, or, with ``group`` set, of one device group (one calibrated to
+that group's measured speed, ``planners.calibrate``): in a ``{profile_key: Profile}`` mapping a
+group's own profile wins over its device type's (``planners.predictor.replay.profile_for``).
 ``GroupCost`` is what costs one device group of a plan: a profile, its op policies and batch.
 """
 
@@ -24,6 +27,12 @@ FORMAT = "qsync-profile/1"
 CAST_TYPES = ("fp32->bf16", "fp32->fp16", "fp32->int8", "fp32->fp8", "int8->fp32", "fp8->fp32")
 """Conversions a profile has a cost model for: into each precision (a modeled leg's operands),
 and the dequantization of a saved 8-bit residual (``planners.predictor.graph``)."""
+
+
+def profile_key(device_type: str, group: str | None = None) -> str:
+  """The key of a profile in a ``{key: Profile}`` mapping: its device type, or ``"group:NAME"``
+  for a profile of device group ``NAME`` alone (``Profile.group``)."""
+  return device_type if group is None else f"group:{group}"
 
 
 def cast_precisions(cast_type: str) -> tuple[str, str]:
@@ -47,11 +56,12 @@ class CastModel:
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-  """Cost of one model's training step on one device type; see the module docstring."""
+  """Cost of one model's training step on one device type (or, with ``group``, on one device
+  group of it); see the module docstring."""
 
   model: str
   device_type: str
-  source: str  # measured | traced | modeled
+  source: str  # measured | traced | modeled | calibrated (modeled, calibrated to a group's measurements)
   batch_per_device: int
   ops: tuple[OpShape, ...]
   op_ms: dict[str, dict[str, dict[str, float]]]
@@ -62,10 +72,33 @@ class Profile:
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   forward_headroom: dict[str, int] = dataclasses.field(default_factory=dict)
   quantized_in_step_ms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+  group: str | None = None  # the device group this profile is of alone (None: every group of device_type)
 
   @property
   def op_names(self) -> tuple[str, ...]:
     return tuple(o.name for o in self.ops)
+
+  @property
+  def key(self) -> str:
+    """This profile's ``profile_key``."""
+    return profile_key(self.device_type, self.group)
+
+  def times_scaled(self, factor: float) -> Profile:
+    """This profile with every time multiplied by ``factor``: each op's leg and whole-policy
+    times, their in-step times, the remainder, the optimizer update and the cast models
+    (``a`` and ``b``; not their relative fit error). Shapes, memory and ``meta`` unchanged."""
+
+    def scaled(table):
+      return {k: scaled(v) for k, v in table.items()} if isinstance(table, dict) else factor * table
+
+    return dataclasses.replace(
+      self,
+      op_ms=scaled(self.op_ms),
+      remainder_ms=scaled(self.remainder_ms),
+      optimizer_ms=factor * self.optimizer_ms,
+      cast={k: dataclasses.replace(c, a=factor * c.a, b=factor * c.b) for k, c in self.cast.items()},
+      quantized_in_step_ms=scaled(self.quantized_in_step_ms),
+    )
 
   def leg_ms(self, op: str, leg: str, precision: str) -> float:
     """ms of one call of ``op``'s ``leg`` at ``precision`` (at the profiled batch)."""
@@ -84,6 +117,8 @@ class Profile:
 
   def to_json(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
+    if self.group is None:  # a device type's profile: no "group" key
+      del out["group"]
     return {"format": FORMAT, **out, "ops": [o.to_json() for o in self.ops]}
 
   def save(self, path: str) -> None:
@@ -111,6 +146,7 @@ class Profile:
           op: {leg: float(ms) for leg, ms in legs.items()}
           for op, legs in obj.get("quantized_in_step_ms", {}).items()
         },
+        group=None if obj.get("group") is None else str(obj["group"]),
       )
     except (KeyError, TypeError, ValueError) as e:
       raise PlanError(f"{source}: malformed profile ({e!r}). Fix: re-run `qsync profile`.") from None

@@ -30,38 +30,51 @@ def progress(msg: str) -> None:
 
 
 def load_profiles(paths: Sequence[str], with_paths: bool = False):
-  """``{device type: Profile}`` from ``qsync profile`` files; one per device type. With
-  ``with_paths``, ``(profiles, {device type: the file it came from})``."""
+  """``{profile_key: Profile}`` from ``qsync profile`` files (and the calibrated profiles of
+  single groups ``qsync plan --measured`` writes): one per device type, and one per group. With
+  ``with_paths``, ``(profiles, {profile_key: the file it came from})``."""
   from planners.profile import Profile
 
   out: dict[str, Profile] = {}
   files: dict[str, str] = {}
   for path in paths:
     prof = Profile.load(path)
-    if prof.device_type in out:
+    if prof.key in out:
+      what = f"device type {prof.device_type!r}" if prof.group is None else f"group {prof.group!r}"
       raise PlanError(
-        f"--profile {path!r}: a second profile for device type {prof.device_type!r}. "
-        "Fix: pass one profile per device type."
+        f"--profile {path!r}: a second profile for {what} (the first: {files[prof.key]!r}). "
+        "Fix: pass one profile per device type and at most one per group."
       )
-    out[prof.device_type] = prof
-    files[prof.device_type] = path
+    out[prof.key] = prof
+    files[prof.key] = path
   return (out, files) if with_paths else out
 
 
-def cost_source_lines(cluster, profiles: dict[str, Profile], files: dict[str, str]) -> list[str]:
-  """Where each group's costs come from, one line a group: ``measured: FILE`` / ``traced: FILE`` /
-  ``modeled from the catalog: FILE`` for the ``--profile`` file of its device type (by that
-  profile's source), else ``modeled from the catalog (based on FILE)`` with the file
-  ``planners.predictor.base_profile`` (the first measured one given). Then
-  one line per file that no group used: of a device type no group has, and not that base."""
-  from planners.predictor import base_profile
+CALIBRATED = "modeled, calibrated to measured"
+"""How figures from a calibrated profile (``planners.calibrate``) are labelled."""
 
-  base = base_profile(profiles).device_type if profiles else None
+
+def cost_source_lines(cluster, profiles: dict[str, Profile], files: dict[str, str]) -> list[str]:
+  """Where each group's costs come from, one line a group: for a profile of the group alone
+  (``Profile.group``) ``modeled, calibrated to measured: FILE`` with its scale, fit and run;
+  else for the ``--profile`` file of its device type ``measured: FILE`` / ``traced: FILE`` /
+  ``modeled from the catalog: FILE`` (by that profile's source); else ``modeled from the
+  catalog (based on FILE)`` with the file ``planners.predictor.base_profile`` (the first
+  measured one given). Then one line per file that no group used: of a device type no group
+  has, and not that base."""
+  from planners.predictor import base_profile
+  from planners.profile import profile_key
+
+  base = base_profile(profiles).key if profiles else None
   used = set()
   lines = []
   for g in cluster.groups:
+    own = profiles.get(profile_key(g.device_type, g.name))
     prof = profiles.get(g.device_type)
-    if prof is None:
+    if own is not None:
+      used.add(own.key)
+      where = f"{CALIBRATED}: {files[own.key]}{calibration_note(own)}"
+    elif prof is None:
       used.add(base)
       where = f"modeled from the catalog (based on {files[base]})"
     else:
@@ -70,13 +83,27 @@ def cost_source_lines(cluster, profiles: dict[str, Profile], files: dict[str, st
       where = f"{label}: {files[g.device_type]}"
     lines.append(f"  {g.name} ({g.device_type}): {where}")
   types = sorted({g.device_type for g in cluster.groups})
-  for t, path in files.items():
-    if t not in used:
+  for key, path in files.items():
+    t = profiles[key].device_type
+    if key not in used and t not in types and profiles[key].group is None:
       lines.append(
         f"  profile {path} (device type {t}) was not used: no group of the cluster is of type {t}. Fix: "
         f"profile on a host of one of the cluster's device types {types} and pass that file, or drop {path}."
       )
   return ["costs per group:", *lines]
+
+
+def calibration_note(prof: Profile) -> str:
+  """`` (×SCALE the costs of BASE, fit to N points measured at step S of RUN, RMS error E %)``
+  from a calibrated profile's ``meta["calibration"]``; "" without one."""
+  cal = prof.meta.get("calibration")
+  if not isinstance(cal, dict):
+    return ""
+  return (
+    f" (×{cal['scale']:.3g} the {cal['base']['source']} costs of {cal['base']['file']}, fit to "
+    f"{len(cal['points'])} points measured at step {cal['step']} of {cal['run']}, RMS error "
+    f"{100 * cal['rel_rms_error']:.0f} %)"
+  )
 
 
 def check_model(profiles: dict[str, Profile], task_name: str) -> None:
@@ -89,11 +116,30 @@ def check_model(profiles: dict[str, Profile], task_name: str) -> None:
 
 
 def check_profiles_fit(profiles: dict[str, Profile], cluster, plan=None) -> None:
-  """Each group's profile was measured at the group's per-device batch of the cluster spec (a
-  plan's ``batch_per_device`` overrides are scaled from there), and every rule of a group's policy
-  in ``plan`` matches an op of the profiled model; else ``PlanError``."""
+  """Each profile of one group (``Profile.group``) is of a group of the cluster, of that
+  group's device type; each group's profile (its own, else its device type's) was measured at
+  the group's per-device batch of the cluster spec (a plan's ``batch_per_device`` overrides are
+  scaled from there); and every rule of a group's policy in ``plan`` matches an op of the
+  profiled model; else ``PlanError``."""
+  from planners.profile import profile_key
+
+  for prof in profiles.values():
+    if prof.group is None:
+      continue
+    if prof.group not in cluster.group_names:
+      raise PlanError(
+        f"a --profile is calibrated for group {prof.group!r}, which cluster {cluster.name!r} does not have "
+        f"(it has {list(cluster.group_names)}). Fix: pass the cluster spec it was planned for, or drop that "
+        "profile."
+      )
+    if cluster.group(prof.group).device_type != prof.device_type:
+      raise PlanError(
+        f"the --profile of group {prof.group!r} is of device type {prof.device_type!r}, but the cluster's group "
+        f"{prof.group!r} is a {cluster.group(prof.group).device_type!r} group. Fix: pass the cluster spec it "
+        "was planned for, or drop that profile."
+      )
   for g in cluster.groups:
-    prof = profiles.get(g.device_type)
+    prof = profiles.get(profile_key(g.device_type, g.name)) or profiles.get(g.device_type)
     if prof is None:
       continue  # the replay names the missing profile
     if prof.batch_per_device != g.batch_per_device:

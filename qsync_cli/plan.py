@@ -1,14 +1,25 @@
-"""``qsync plan``: every group's per-device batch and per-op precisions (``planners.allocator.joint``)."""
+"""``qsync plan``: every group's per-device batch and per-op precisions (``planners.allocator.joint``).
+
+With ``--measured RUN``, each group is costed from a profile calibrated to its compute measured
+in a ``qsync train`` run (``planners.calibrate``), written next to ``--out`` as
+``profile-GROUP.json`` so that ``qsync plan --profile profile-*.json`` plans the same offline.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
 import time
 
 from planners.allocator import INT8_OPS
 from qsync_cli.common import (
+  CALIBRATED,
   add_model_argument,
   check_model,
   check_profiles_fit,
+  check_write_target,
   cost_source_lines,
   load_json,
   load_profiles,
@@ -58,6 +69,13 @@ def add_arguments(parser) -> None:
   )
   parser.add_argument("--slack", type=float, default=0.02, help="throughput given up for accuracy (fraction)")
   parser.add_argument("--granularity", type=int, default=1, help="per-device batches are multiples of this")
+  parser.add_argument(
+    "--measured",
+    metavar="RUN_DIR",
+    help="the --out directory of a `qsync train --replan once|auto` run on this cluster: cost each group from "
+    "--profile scaled to the group's compute measured there (its latest measurement, at the policy the run "
+    "ran), and write that profile next to --out as profile-GROUP.json",
+  )
   parser.add_argument("--out", required=True, help="output plan JSON")
 
 
@@ -103,14 +121,92 @@ def check_indicator_model(indicator, path: str, task_name: str, model: str) -> N
     )
 
 
+GROUP_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""Group names a ``profile-GROUP.json`` file can carry."""
+
+
+def calibrated_profile_paths(cluster, out: str) -> dict[str, str]:
+  """``{group: DIR/profile-GROUP.json}``, ``DIR`` the directory of the plan ``out``;
+  ``PlanError`` for a group name that cannot be part of a file name."""
+  paths = {}
+  for name in cluster.group_names:
+    if not GROUP_FILE_NAME.fullmatch(name):
+      raise PlanError(
+        f"--measured: group {name!r}'s calibrated profile would be written to profile-{name}.json, which is no "
+        "plain file name. Fix: name the group with letters, digits, '.', '_' and '-' only (in the cluster spec "
+        "and the run)."
+      )
+    paths[name] = os.path.join(os.path.dirname(out), f"profile-{name}.json")
+  return paths
+
+
+def read_run(run: str):
+  """``(each group's latest measurement, the plan the run ran, its checkpoint's meta)`` of the
+  ``qsync train`` directory ``run``: the measurements from its ``metrics.jsonl``
+  (``planners.calibrate.latest_measurements``; lines that are not JSON, such as one a kill cut
+  short, are skipped as the trainer skips them), the plan and the groups from its latest
+  checkpoint (re-planning changes only batches, so that plan's policies are the ones measured).
+  ``PlanError`` naming what is missing, before any model is built."""
+  from planners.calibrate import latest_measurements
+  from qsync_jax.plan import Plan
+  from qsync_jax.train.checkpoint import CheckpointStore
+
+  fix = "Fix: pass the --out directory of a `qsync train --replan once` (or auto) run."
+  if not os.path.isdir(run):
+    raise PlanError(f"--measured {run!r} is not a directory. {fix}")
+  metrics = os.path.join(run, "metrics.jsonl")
+  if not os.path.isfile(metrics):
+    raise PlanError(f"--measured {run!r} has no metrics.jsonl, so no measurements. {fix}")
+  with open(metrics) as f:
+    records = [_json_or_none(line) for line in f]
+  measured = latest_measurements([r for r in records if r is not None], metrics)
+  if not measured:
+    raise PlanError(
+      f"--measured {run!r}: {metrics} has no measurement of the groups' speeds (no `replan` line with "
+      "`measured_ms`). Fix: train with `qsync train --replan once` (the default on GPUs) or `--replan auto`, "
+      "and pass that run."
+    )
+  store = CheckpointStore(os.path.join(run, "checkpoints"))
+  try:
+    if store.latest_step() is None:
+      raise PlanError(
+        f"--measured {run!r} holds no checkpoint, so the plan it ran (each group's policy, at which the "
+        "groups were measured) is unknown. Fix: let the run checkpoint (it does at its end and every "
+        "--checkpoint-every steps; `qsync train ... --resume` with more --steps continues it), then pass it."
+      )
+    _, meta = store.read_meta()
+  finally:
+    store.close()
+  return measured, Plan.from_json(meta["plan"]), meta
+
+
+def _json_or_none(line: str):
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError:
+    return None
+
+
+def figures_label(sources, groups) -> str:
+  """How the plan's figures are labelled: ``modeled``, or ``CALIBRATED`` when every running
+  group in ``groups`` is costed from a calibrated profile (``Prediction.sources``), or
+  ``CALIBRATED for G, …`` when some are."""
+  calibrated = [g for g in groups if sources[g].startswith("calibrated")]
+  if not calibrated:
+    return "modeled"
+  return CALIBRATED if len(calibrated) == len(groups) else f"{CALIBRATED} for {', '.join(calibrated)}"
+
+
 def run(args) -> int:
   from planners.allocator import joint_plan, make_problem, plan_of, precision_counts
   from planners.allocator.greedy import default_training_groups
   from planners.allocator.summary import summarize
+  from planners.calibrate import calibrated_profiles, check_run_groups
   from planners.indicator import check_values
   from planners.predictor import predict
   from planners.report import estimated_costs, table
   from qsync_jax.cluster import ClusterSpec
+  from qsync_jax.train.outputs import check_file
   from qsync_jax.train.task import load_task
 
   # Arguments and input files first: a bad one is named before the model is built.
@@ -129,6 +225,13 @@ def run(args) -> int:
       f"Fix: use some of its groups {list(cluster.group_names)}, comma-separated."
     )
   preset = train_precision(cluster, training, args.train_precision)
+  if args.measured is not None:
+    measured, ran, run_meta = read_run(args.measured)
+    check_run_groups(cluster, measured, run_meta.get("cluster", []), args.measured, args.cluster)
+    profile_paths = calibrated_profile_paths(cluster, args.out)
+    for path in profile_paths.values():
+      check_file("--out (its calibrated profiles)", path)
+      check_write_target("--out (its calibrated profiles)", path, "file")
   profiles, files = load_profiles(args.profile, with_paths=True)
   check_profiles_fit(profiles, cluster)
   indicator = load_json(args.indicator, "indicator")
@@ -136,6 +239,17 @@ def run(args) -> int:
   task = load_task(args.model)
   check_model(profiles, task.name)
   check_indicator_model(indicator, args.indicator, task.name, args.model)
+  if args.measured is not None:
+    if run_meta.get("task") != task.name:
+      raise PlanError(
+        f"--measured {args.measured!r} trained model {run_meta.get('task')!r}, not {task.name!r} (--model "
+        f"{args.model}); its measurements say nothing of this model's costs. Fix: pass a run of --model "
+        f"{args.model}."
+      )
+    check_profiles_fit(profiles, cluster, ran)
+    calibrated = calibrated_profiles(cluster, profiles, ran, measured, os.path.abspath(args.measured), files)
+    profiles = {**profiles, **calibrated}
+    files = {**files, **{p.key: profile_paths[p.group] for p in calibrated.values()}}
   problem = make_problem(cluster, profiles, indicator, training, preset, int8_op=args.int8_op)
   progress(
     f"{len(problem.op_names)} ops, {len(cluster.groups)} groups, global batch {cluster.global_batch}: "
@@ -162,7 +276,13 @@ def run(args) -> int:
       "planning_s": seconds,
     },
   )
+  running = [g.name for g, b in zip(cluster.groups, chosen.batches) if b > 0]
+  figures = figures_label(pred.sources, running)
+  plan = dataclasses.replace(plan, predictions={**plan.predictions, "figures": figures})
   plan.save(args.out)
+  if args.measured is not None:
+    for prof in calibrated.values():
+      prof.save(profile_paths[prof.group])
   counts = precision_counts(problem, chosen)
   rows = []
   for g, b in zip(cluster.groups, chosen.batches):
@@ -184,11 +304,14 @@ def run(args) -> int:
   print(table(["group", "device", "count", "batch", "precisions", "step ms", "mem GB", "limit GB"], rows))
   modeled = sorted({g for g, src in pred.sources.items() if src.startswith("modeled")})
   label = f" (modeled costs for {', '.join(modeled)})" if modeled else ""
+  if figures != "modeled":
+    label += f" ({figures})"
   print(
     f"chosen: {chosen.name}; predicted step {chosen.step_ms:.3f} ms, {chosen.samples_per_s:.1f} samples/s"
     f"{label}, accuracy cost {chosen.cost:.4g}; {search.replays} replays in {seconds:.2f} s"
   )
-  print("\n".join(summary.lines()))
+  # the summary labels each line "modeled: "; a calibrated plan's figures say so instead
+  print("\n".join(f"{figures}: {line.removeprefix('modeled: ')}" for line in summary.lines()))
   alt_rows = []
   for c in cands:
     batches = "/".join(str(b) for b in c.batches)
@@ -199,7 +322,8 @@ def run(args) -> int:
   if estimates:
     print("modeled costs this plan relies on:\n  " + "\n  ".join(estimates))
   print("\n".join(cost_source_lines(cluster, profiles, files)))
-  print("\nalternatives (predicted; batch per device in group order):")
+  source = "" if figures == "modeled" else f", {figures}"
+  print(f"\nalternatives (predicted{source}; batch per device in group order):")
   print(table(["plan", "batches", "step ms", "samples/s", "vs chosen", "accuracy cost"], alt_rows))
   print(f"wrote {args.out}")
   return 0

@@ -135,7 +135,8 @@ def make_problem(
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
   int8_op: str = "int8_fwd",
 ) -> Problem:
-  """Resolves profiles, ladders and Ω for every inference group of ``cluster``; the int8 level
+  """Resolves profiles (each group's own, ``Profile.group``, over its device type's:
+  ``profile_for``), ladders and Ω for every inference group of ``cluster``; the int8 level
   runs ``int8_op`` (one of ``INT8_OPS``)."""
   if int8_op not in INT8_OPS:
     raise PlanError(f"int8_op={int8_op!r} is not one of {list(INT8_OPS)}. Fix: pick one of them.")
@@ -147,7 +148,7 @@ def make_problem(
   groups, inference, ladders, omegas, limits = [], [], [], [], []
   op_names = None
   for g in cluster.groups:
-    prof = profile_for(profiles, g.device_type)
+    prof = profile_for(profiles, g.device_type, g.name)
     op_names = op_names or prof.op_names
     if g.name in training:
       policy = PrecisionPolicy.uniform(train_policy)

@@ -141,4 +141,5 @@ def modeled_profile(base: Profile, device_type: str) -> Profile:
     meta={"derived_from": base.device_type, "catalog": dataclasses.asdict(spec)},
     forward_headroom={},
     quantized_in_step_ms={},
+    group=None,  # a device type's profile, even when modeled from one group's
   ).with_remainder(remainder_ms(spec, base.ops))

@@ -9,7 +9,8 @@ and returns a ``Prediction``: ``step_ms`` (the synchronous step, the longest pat
 ``exposed_comm_ms`` and ``optimizer_tail_ms`` (``Prediction``). The plan's ``reduction`` and
 ``optimizer_update`` choose the collectives (``comm_for``; ``planners.predictor.graph``). A group
 whose device type has no profile gets one modeled from the catalog
-(``planners.predictor.modeled``), labelled so in ``sources``.
+(``planners.predictor.modeled``), labelled so in ``sources``; a group with a profile of its own
+(``Profile.group``, calibrated to its measurements) is costed from that one (``profile_for``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from planners.predictor.graph import (
   GroupLink,
   Node,
   build_graph,
+  chain_times,
   longest_path,
+  op_costs,
   step_ms,
 )
 from planners.predictor.memory_model import memory_bytes
 from planners.predictor.modeled import modeled_profile
-from planners.profile import GroupCost, Profile
+from planners.profile import GroupCost, Profile, profile_key
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -78,8 +81,13 @@ class Prediction:
     return {**{f: getattr(self, f) for f in fields}, "cost_source": self.sources}
 
 
-def profile_for(profiles: Mapping[str, Profile], device_type: str) -> Profile:
-  """The profile of ``device_type``, else one modeled from a measured profile of the model."""
+def profile_for(profiles: Mapping[str, Profile], device_type: str, group: str | None = None) -> Profile:
+  """The profile of device group ``group`` alone (``profile_key(device_type, group)``: one
+  calibrated to its measurements), else of ``device_type``, else one modeled from a measured
+  profile of the model (``base_profile``)."""
+  own = profiles.get(profile_key(device_type, group)) if group is not None else None
+  if own is not None:
+    return own
   if device_type in profiles:
     return profiles[device_type]
   if not profiles:
@@ -88,9 +96,18 @@ def profile_for(profiles: Mapping[str, Profile], device_type: str) -> Profile:
 
 
 def base_profile(profiles: Mapping[str, Profile]) -> Profile:
-  """The profile a device type without one of its own is modeled from: the first measured one
-  (in the order given), else the first."""
-  return sorted(profiles.values(), key=lambda p: p.source != "measured")[0]
+  """The profile a device type without one of its own is modeled from: the first measured
+  profile of a device type (in the order given), else the first of a device type, else the
+  first of a group (``Profile.group``: one group's speed is not its device type's)."""
+  return sorted(profiles.values(), key=lambda p: (p.group is not None, p.source != "measured"))[0]
+
+
+def one_device_compute_ms(group: GroupCost) -> float:
+  """One device's training step of ``group`` without collectives — its forward, backward and
+  whole optimizer update (what ``qsync_jax.train.replan.measure_groups`` times) — modeled: the
+  sum of the group's compute nodes in ``build_graph`` with a replicated update,
+  ``chain_times(group, op_costs).end + group.profile.optimizer_ms``."""
+  return chain_times(group, op_costs).end + group.profile.optimizer_ms
 
 
 def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Plan) -> list[GroupCost]:
@@ -99,7 +116,7 @@ def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Pla
   cluster = plan.apply_to(cluster)
   out = []
   for g in cluster.groups:
-    prof = profile_for(profiles, g.device_type)
+    prof = profile_for(profiles, g.device_type, g.name)
     policies = plan.policy_for(g.name).resolve(prof.op_names)
     out.append(GroupCost(g.name, prof, policies, g.batch_per_device, plan.micro_steps_of(g.name)))
   return out

@@ -9,7 +9,7 @@ from qsync_cli.main import main
 from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
-from tests.planners.fakes import fake_indicator
+from tests.planners.fakes import fake_indicator, fake_profile
 
 MODEL = "tests.planners.tiny:mlp"
 
@@ -419,3 +419,145 @@ def test_a_group_of_the_profiled_type_is_costed_from_the_measurements(files, cap
   out = capsys.readouterr().out
   assert f"local (cpu): measured: {cpu}" in out
   assert f"infer (T4): modeled from the catalog (based on {cpu})" in out
+
+
+RUN_GROUPS = [
+  {"name": name, "device_type": "cpu", "count": 4, "memory_gb": 16, "batch_per_device": 16}
+  for name in ("g0", "g1")
+]
+
+
+@pytest.fixture(scope="module")
+def measured_run(tmp_path_factory):
+  """A tiny real `qsync train --replan once` run of two cpu groups of 4 simulated devices, its
+  cluster spec, a hand-built cpu profile of its model (a measured one of a model this small,
+  noisy on a busy host, can fit a step that shrinks with the batch) and an indicator."""
+  d = tmp_path_factory.mktemp("measured")
+  (d / "cluster.json").write_text(json.dumps({"groups": RUN_GROUPS}))
+  profile = fake_profile([(0.2, 0.2, 0.2)] * 3, batch=16, model="mlp", remainder_ms=0.3, optimizer_ms=0.1)
+  profile.save(str(d / "cpu.json"))
+  (d / "omega.json").write_text(json.dumps(fake_indicator(profile.op_names, [3.0, 1.0, 2.0])))
+  train = ["train", "--model", MODEL, "--cluster", str(d / "cluster.json"), "--replan", "once"]
+  assert main([*train, "--steps", "24", "--out", str(d / "run")]) == 0
+  assert '"measured_ms"' in (d / "run" / "metrics.jsonl").read_text()  # it measured the groups
+  return d
+
+
+def _plan_measured(d, out, *extra, cluster="cluster.json"):
+  args = ["plan", "--model", MODEL, "--cluster", str(d / cluster), "--indicator", str(d / "omega.json")]
+  return main([*args, "--train-precision", "fp32", *extra, "--out", str(out)])
+
+
+def test_plan_from_a_runs_measurements_writes_group_profiles_that_plan_the_same_offline(
+  measured_run, tmp_path, capsys
+):
+  d = measured_run
+  run = str(d / "run")
+  (tmp_path / "a").mkdir()
+  (tmp_path / "b").mkdir()
+  first = tmp_path / "a" / "plan.json"
+  assert _plan_measured(d, first, "--profile", str(d / "cpu.json"), "--measured", run) == 0
+  out = capsys.readouterr().out
+  records = [json.loads(x) for x in (d / "run" / "metrics.jsonl").read_text().splitlines()]
+  measured = [x["replan"]["measured_ms"] for x in records if "measured_ms" in x.get("replan", {})][-1]
+  paths = [str(tmp_path / "a" / f"profile-{g}.json") for g in ("g0", "g1")]
+  for g, path in zip(("g0", "g1"), paths):
+    prof = Profile.load(path)
+    cal = prof.meta["calibration"]
+    assert (prof.group, prof.source, prof.device_type) == (g, "calibrated", "cpu")
+    assert cal["run"] == run and cal["base"]["file"] == str(d / "cpu.json") and cal["scale"] > 0
+    assert {str(p["batch"]): p["measured_ms"] for p in cal["points"]} == measured[g]
+    assert f"  {g} (cpu): modeled, calibrated to measured: {path} (×" in out
+  # every figure of the report is labelled as what it is
+  assert "(modeled, calibrated to measured), accuracy cost" in out
+  assert len([x for x in out.splitlines() if x.startswith("modeled, calibrated to measured: ")]) == 3
+  assert not [x for x in out.splitlines() if x.startswith("modeled: ")]
+  assert "alternatives (predicted, modeled, calibrated to measured;" in out
+  plan = Plan.load(str(first))
+  assert plan.predictions["figures"] == "modeled, calibrated to measured"
+  # offline, from the written profiles alone: the same plan
+  second = tmp_path / "b" / "plan.json"
+  assert _plan_measured(d, second, "--profile", *paths) == 0
+  assert [x for x in capsys.readouterr().out.splitlines() if "(cpu): " in x] == [
+    x for x in out.splitlines() if "(cpu): " in x
+  ]
+  again = Plan.load(str(second))
+  assert (again.policies, again.batch_per_device, again.micro_steps) == (
+    plan.policies,
+    plan.batch_per_device,
+    plan.micro_steps,
+  )
+  assert (again.reduction, again.optimizer_update) == (plan.reduction, plan.optimizer_update)
+  for key in ("chosen", "step_ms", "samples_per_s", "alternatives", "figures"):
+    assert again.predictions[key] == plan.predictions[key], key
+
+
+def test_plan_from_measurements_gives_the_group_measured_slower_less_batch(measured_run, tmp_path, capsys):
+  """The run's latest record, hand-written: g1 (a GPU shared with another job, say) 3× slower."""
+  import shutil
+
+  run = tmp_path / "run"
+  shutil.copytree(measured_run / "run", run)
+  slow = {"g0": {"8": 1.0, "16": 2.0}, "g1": {"8": 3.0, "16": 6.0}}
+  with open(run / "metrics.jsonl", "a") as f:
+    f.write(json.dumps({"step": 99, "replan": {"step": 99, "measured_ms": slow}}) + "\n")
+  out = tmp_path / "plan.json"
+  assert (
+    _plan_measured(measured_run, out, "--profile", str(measured_run / "cpu.json"), "--measured", str(run))
+    == 0
+  )
+  assert "RMS error" in capsys.readouterr().out
+  batches = Plan.load(str(out)).batch_per_device
+  assert batches["g0"] > batches["g1"] > 0 and 4 * (batches["g0"] + batches["g1"]) == 128
+  scales = {g: Profile.load(str(tmp_path / f"profile-{g}.json")).meta["calibration"]["scale"] for g in slow}
+  assert scales["g1"] == pytest.approx(3 * scales["g0"])
+  # without the measurements both groups are alike: equal batches
+  assert (
+    _plan_measured(measured_run, tmp_path / "type.json", "--profile", str(measured_run / "cpu.json")) == 0
+  )
+  assert Plan.load(str(tmp_path / "type.json")).batch_per_device == {"g0": 16, "g1": 16}
+
+
+def test_plan_from_measurements_names_what_is_wrong_with_the_run(measured_run, tmp_path, capsys):
+  import shutil
+
+  d = measured_run
+  empty, no_replan, no_checkpoint, bad = (
+    tmp_path / name for name in ("empty", "no_replan", "no_ckpt", "bad")
+  )
+  empty.mkdir()
+  no_replan.mkdir()
+  (no_replan / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+  no_checkpoint.mkdir()
+  shutil.copy(d / "run" / "metrics.jsonl", no_checkpoint / "metrics.jsonl")
+  shutil.copytree(d / "run", bad)
+  with open(bad / "metrics.jsonl", "a") as f:
+    f.write(json.dumps({"step": 99, "replan": {"measured_ms": {"g0": {"8": -1.0}}}}) + "\n")
+  (d / "other.json").write_text(json.dumps({"groups": [RUN_GROUPS[0], dict(RUN_GROUPS[1], name="g2")]}))
+  blocked = tmp_path / "blocked"
+  (blocked / "profile-g0.json").mkdir(parents=True)
+  cases = [
+    (tmp_path / "missing", "cluster.json", "is not a directory"),
+    (empty, "cluster.json", "has no metrics.jsonl"),
+    (no_replan, "cluster.json", "has no measurement of the groups' speeds"),
+    (no_checkpoint, "cluster.json", "holds no checkpoint, so the plan it ran"),
+    (bad, "cluster.json", "the measured_ms of group 'g0', {'8': -1.0}, is not"),
+    (d / "run", "other.json", "ran groups {'g0': 4, 'g1': 4} (name: devices), but --cluster"),
+  ]
+  profile = ["--profile", str(d / "cpu.json")]
+  for run, cluster, needle in cases:
+    out = tmp_path / "plan.json"
+    assert _plan_measured(d, out, *profile, "--measured", str(run), cluster=cluster) == 2, needle
+    err = capsys.readouterr().err
+    assert needle in err and "Fix:" in err and "Traceback" not in err, err
+    assert not out.exists()
+  assert _plan_measured(d, blocked / "plan.json", *profile, "--measured", str(d / "run")) == 2
+  err = capsys.readouterr().err
+  assert "profile-g0.json' is a directory, not a file" in err and "Fix:" in err
+  # a group's calibrated profile names a group the cluster has, of its device type
+  (tmp_path / "ok").mkdir()
+  assert _plan_measured(d, tmp_path / "ok" / "plan.json", *profile, "--measured", str(d / "run")) == 0
+  capsys.readouterr()
+  g1 = str(tmp_path / "ok" / "profile-g1.json")
+  assert _plan_measured(d, tmp_path / "x.json", "--profile", g1, cluster="other.json") == 2
+  assert "calibrated for group 'g1', which cluster 'cluster' does not have" in capsys.readouterr().err
