@@ -31,8 +31,9 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
   (``planners.profiler.fit.fit_remainder``). The baseline of the ratio is the measured step;
 * modes: on all devices (two groups of ``n - n // 2`` and ``n // 2`` from 4 devices on, else
   one), the bf16 policy with AdamW under every reduction / optimizer update the groups allow
-  (``MODES``: ``flat/replicated``, ``flat/sharded`` and, with two groups, ``two_level/replicated``),
-  timed round-robin (``MODE_ROUNDS`` rounds of ``--steps`` steps, each step waited for): the
+  (``MODES``: ``flat/replicated``, ``flat/sharded``, ``flat/replicated/micro2`` — gradients
+  accumulated over two half-batches — and, with two groups, ``two_level/replicated``), timed
+  round-robin (``MODE_ROUNDS`` rounds of ``--steps`` steps, pipelined on a GPU): the
   measured step (median, IQR) and, from a trace of the first GPU's kernels (``step_kernels``),
   each collective kind's kernel time, the other kernels' (compute) and the exposed collective
   time (a collective kernel runs, no other kernel does); against the replay's modeled step,
@@ -398,8 +399,15 @@ def predictor_rows(
 
 # -- the reduction and optimizer-update modes (case "modes") ------------------------------------
 
-MODES = (("flat", "replicated"), ("flat", "sharded"), ("two_level", "replicated"))
-"""``(Plan.reduction, Plan.optimizer_update)`` of the modes case, the first the ratios' baseline."""
+MODES = (
+  ("flat", "replicated", 1),
+  ("flat", "sharded", 1),
+  ("flat", "replicated", 2),
+  ("two_level", "replicated", 1),
+)
+"""``(Plan.reduction, Plan.optimizer_update, micro-steps of every group)`` of the modes case, the
+first the ratios' baseline; 2 micro-steps: each device's batch in two halves, the gradients
+accumulated before the one all-reduce (``Plan.micro_steps``)."""
 MODE_ROUNDS = 4
 """Rounds of the modes case's round-robin timing, each of ``--steps`` steps per mode."""
 MODE_OPTIMIZER = optax.adamw(1e-4)
@@ -448,13 +456,22 @@ def mode_cluster(device_type: str, sizes: tuple[int, ...], batch: int, link=None
   )
 
 
-def mode_plan(sizes: tuple[int, ...], reduction: str, optimizer_update: str) -> Plan:
-  """bf16 on every group of ``sizes``, with the mode's reduction and optimizer update."""
+def mode_name(mode: tuple[str, str, int]) -> str:
+  """``reduction/optimizer_update``, with ``/micro<k>`` for k > 1 micro-steps."""
+  reduction, update, micro = mode
+  return f"{reduction}/{update}" + (f"/micro{micro}" if micro > 1 else "")
+
+
+def mode_plan(sizes: tuple[int, ...], reduction: str, optimizer_update: str, micro_steps: int = 1) -> Plan:
+  """bf16 on every group of ``sizes``, with the mode's reduction, optimizer update and
+  micro-steps (every group's)."""
   bf16 = PrecisionPolicy.uniform("bf16")
+  groups = [f"g{i}" for i in range(len(sizes))]
   return Plan(
-    policies={f"g{i}": bf16 for i in range(len(sizes))},
+    policies={g: bf16 for g in groups},
     reduction=reduction,
     optimizer_update=optimizer_update,
+    micro_steps={g: micro_steps for g in groups} if micro_steps > 1 else {},
   )
 
 
@@ -535,7 +552,7 @@ def step_kernels(events: list[dict], repeats: int, device: str = "/device:GPU:0"
   )
 
 
-def build_mode(task, sizes: tuple[int, ...], batch: int, mode: tuple[str, str]):
+def build_mode(task, sizes: tuple[int, ...], batch: int, mode: tuple[str, str, int]):
   """``(train step, first state, 3 sharded batches)`` of ``mode_plan`` on the first
   ``sum(sizes)`` devices, with ``MODE_OPTIMIZER`` and the plan's own reduction."""
   # the trainer reads no link: the cluster's are left unset
@@ -558,8 +575,8 @@ def time_modes(task, sizes: tuple[int, ...], batch: int, steps: int, trace_steps
       jax.block_until_ready(runs[m][0]())
     except Exception as e:  # noqa: BLE001 - report it; the other modes still count
       runs.pop(m, None)
-      print(f"modes: {'/'.join(m)} failed: {type(e).__name__}: {str(e)[:300]}")
-  samples: dict[tuple[str, str], list[float]] = {m: [] for m in runs}
+      print(f"modes: {mode_name(m)} failed: {type(e).__name__}: {str(e)[:300]}")
+  samples: dict[tuple[str, str, int], list[float]] = {m: [] for m in runs}
   for _ in range(MODE_ROUNDS):
     for m, (run, _) in runs.items():
       samples[m] += timed_ms(run, steps, warmup=1, clock=default_step_clock())[1]
@@ -579,7 +596,7 @@ def modeled_kinds(by_phase: dict[str, float]) -> dict[str, float]:
   return out
 
 
-def predict_mode(prof, sizes: tuple[int, ...], batch: int, mode: tuple[str, str], link):
+def predict_mode(prof, sizes: tuple[int, ...], batch: int, mode: tuple[str, str, int], link):
   """The replay's ``Prediction`` of ``mode`` on groups of ``sizes`` devices of ``prof``'s type
   joined by ``link``'s bandwidth (``mode_cluster``), each collective at the predictor's own
   latency (``DEFAULT_LATENCY_US``, as ``qsync plan`` prices it). Not the link fit's intercept:
@@ -636,13 +653,13 @@ def mode_rows(sizes, measured, predictions, link, device) -> list[dict]:
       pair(kern.compute_ms if kern else None, pred.group_compute_ms[first], 2, 14),
     ]
     print(
-      f"{'/'.join(mode):<22} {med:>9.2f} ({q3 - q1:>5.2f}) {pred.step_ms:>7.2f} "
+      f"{mode_name(mode):<22} {med:>9.2f} ({q3 - q1:>5.2f}) {pred.step_ms:>7.2f} "
       + " ".join(cells)
       + f" {pred.optimizer_tail_ms[first]:>8.2f}"
     )
     rows.append(
       row(
-        f"modes/{n}dev/{mode[0]}/{mode[1]}",
+        f"modes/{n}dev/{mode_name(mode)}",
         "step_ms",
         med,
         base,

@@ -130,7 +130,8 @@ def test_step_kernels_times_each_collective_kind_and_what_no_compute_hides():
 
 def test_mode_groups_split_from_four_devices_and_two_level_needs_two_groups():
   assert [multigpu.mode_groups(n) for n in (2, 3, 4, 5, 8)] == [(2,), (3,), (2, 2), (3, 2), (4, 4)]
-  assert ("two_level", "replicated") not in multigpu.modes_of((2,))
+  assert ("two_level", "replicated", 1) not in multigpu.modes_of((2,))
+  assert ("flat", "replicated", 2) in multigpu.modes_of((2,))
   assert multigpu.modes_of((2, 2)) == multigpu.MODES
 
 
@@ -144,21 +145,28 @@ def test_mode_rows_put_measured_kernels_beside_the_replay(capsys):
   prof, link, sizes = mode_profile(), LinkModel(4, 100.0, 20.0, 0.0), (2, 2)
   kern = multigpu.StepKernels({"reduce-scatter": 0.4, "all-gather": 0.3, "all-reduce": 0.01}, 5.0, 0.2)
   measured = {
-    ("flat", "replicated"): ([10.0, 11.0, 12.0], None),
-    ("flat", "sharded"): ([12.0, 13.0, 14.0, 15.0], kern),
+    ("flat", "replicated", 1): ([10.0, 11.0, 12.0], None),
+    ("flat", "sharded", 1): ([12.0, 13.0, 14.0, 15.0], kern),
+    ("flat", "replicated", 2): ([11.0], None),
   }
   predictions = {m: multigpu.predict_mode(prof, sizes, 8, m, link) for m in measured}
   rows = _by_case(multigpu.mode_rows(sizes, measured, predictions, link, "test"))
   flat, sharded = rows["modes/4dev/flat/replicated"], rows["modes/4dev/flat/sharded"]
+  micro = rows["modes/4dev/flat/replicated/micro2"]
+  # two micro-steps: compute priced on the whole batch as one step (linear in the batch), the same
+  # all-reduce; the row is of its own plan
+  assert micro["modeled_step_ms"] == pytest.approx(predictions[("flat", "replicated", 2)].step_ms)
   assert (flat["value"], flat["ratio"]) == (11.0, 1.0)
   assert (sharded["value"], sharded["baseline"], sharded["iqr_ms"]) == (13.5, 11.0, 1.5)
   assert (
     sharded["measured_collective_ms"] == kern.collective_ms and sharded["measured_exposed_comm_ms"] == 0.2
   )
   assert flat["measured_collective_ms"] is None  # no trace of this one
-  pred = predictions[("flat", "sharded")]
+  pred = predictions[("flat", "sharded", 1)]
   assert flat["modeled_ratio"] == 1.0
-  assert sharded["modeled_ratio"] == pytest.approx(pred.step_ms / predictions[("flat", "replicated")].step_ms)
+  assert sharded["modeled_ratio"] == pytest.approx(
+    pred.step_ms / predictions[("flat", "replicated", 1)].step_ms
+  )
   assert sharded["modeled_collective_ms"] == pytest.approx(
     {
       "reduce-scatter": pred.comm_ms_by_phase["reduce-scatter"],
@@ -189,12 +197,17 @@ def test_modes_case_runs_on_the_simulated_devices_past_a_failing_mode(tmp_path, 
   assert multigpu.main(argv) == 0
   assert "flat/replicated failed: ValueError: no flat here" in capsys.readouterr().out
   rows = _by_case(json.loads(line) for line in results.read_text().splitlines())
-  assert sorted(rows) == ["modes/8dev/flat/sharded", "modes/8dev/two_level/replicated"]
+  assert sorted(rows) == [
+    "modes/8dev/flat/replicated/micro2",
+    "modes/8dev/flat/sharded",
+    "modes/8dev/two_level/replicated",
+  ]
   for case, r in rows.items():
     assert (r["metric"], r["baseline"], r["ratio"], r["groups"]) == ("step_ms", None, None, [4, 4])
     assert r["timed_samples"] == multigpu.MODE_ROUNDS and r["value"] > 0
     assert r["measured_collective_ms"] is None  # no GPU kernels on a CPU
-    pred = multigpu.predict_mode(Profile.load(str(profile)), (4, 4), 2, tuple(case.split("/")[2:]), link)
+    mode = next(m for m in multigpu.MODES if f"modes/8dev/{multigpu.mode_name(m)}" == case)
+    pred = multigpu.predict_mode(Profile.load(str(profile)), (4, 4), 2, mode, link)
     assert r["modeled_step_ms"] == pytest.approx(pred.step_ms)
     assert r["modeled_exposed_comm_ms"] == pytest.approx(pred.exposed_comm_ms["g0"])
   assert set(rows["modes/8dev/two_level/replicated"]["modeled_collective_ms"]) == {"collective-permute"}
