@@ -560,8 +560,9 @@ def build_mode(task, sizes: tuple[int, ...], batch: int, mode: tuple[str, str, i
   return build_program(task, cluster, mode_plan(sizes, *mode), MODE_OPTIMIZER)
 
 
-def time_modes(task, sizes: tuple[int, ...], batch: int, steps: int, trace_steps: int = 5):
-  """``{mode: (step ms samples, StepKernels or None)}`` of every ``modes_of(sizes)`` that builds
+def time_modes(task, sizes: tuple[int, ...], batch: int, steps: int, names=None, trace_steps: int = 5):
+  """``{mode: (step ms samples, StepKernels or None)}`` of every ``modes_of(sizes)`` (of ``names``,
+  ``mode_name``s, where given) that builds
   and runs (a failure is printed, the mode left out): ``MODE_ROUNDS`` rounds of ``steps`` steps
   each (one warm-up step per round; on a GPU queued back to back as a training loop runs them,
   a sample per window of ``PIPELINE_WINDOW`` steps: ``default_step_clock``), the modes timed round-robin
@@ -569,6 +570,8 @@ def time_modes(task, sizes: tuple[int, ...], batch: int, steps: int, trace_steps
   (``step_kernels``)."""
   runs = {}
   for m in modes_of(sizes):
+    if names and mode_name(m) not in names:
+      continue
     try:  # built and compiled (its first step) one by one: a mode that fails leaves the others
       ts, state, batches = build_mode(task, sizes, batch, m)
       runs[m] = stepper(ts.step, state, batches)
@@ -763,6 +766,12 @@ def main(argv=None) -> int:
     default=list(CASES),
     help="cases to run (default all): scaling, all-reduce order, sync strategies (with SelSync and QSDP), "
     "the predictor against the scaling and order steps, the reduction / optimizer-update modes",
+  )
+  parser.add_argument(
+    "--modes",
+    nargs="+",
+    choices=[mode_name(m) for m in MODES],
+    help="the modes case's modes (default: every one the devices allow)",
   )
   parser.add_argument(
     "--policies",
@@ -1006,7 +1015,7 @@ def main(argv=None) -> int:
       )
     sizes = mode_groups(total)
     link = link_of(total)
-    measured_modes = time_modes(task, sizes, args.batch, args.steps)
+    measured_modes = time_modes(task, sizes, args.batch, args.steps, args.modes)
     if not measured_modes:
       raise RuntimeError("modes: every mode failed (printed above); nothing to compare with the replay.")
     predictions = {m: predict_mode(prof, sizes, args.batch, m, link) for m in measured_modes}
