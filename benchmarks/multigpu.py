@@ -71,7 +71,7 @@ from benchmarks.common.link import measure_link
 from benchmarks.common.result_rows import ROOT, append_rows, result_row, results_path
 from benchmarks.common.zoo import gpt
 from planners.predictor.graph import DEFAULT_LATENCY_US
-from planners.predictor.replay import predict
+from planners.predictor.replay import exposed_length, predict
 from planners.profile import Profile
 from planners.profiler import hlo
 from planners.profiler.fit import fit_remainder
@@ -486,32 +486,6 @@ def collective_kind(event: dict) -> str | None:
   return next(
     (k for k, marks in COLLECTIVE_KINDS.items() if any(m in text for m in marks)), "other collective"
   )
-
-
-def union_intervals(intervals) -> list[tuple[float, float]]:
-  """Disjoint sorted intervals covering the points of ``intervals`` (empty ones dropped)."""
-  out: list[tuple[float, float]] = []
-  for s, e in sorted(t for t in intervals if t[1] > t[0]):
-    if out and s <= out[-1][1]:
-      out[-1] = (out[-1][0], max(out[-1][1], e))
-    else:
-      out.append((s, e))
-  return out
-
-
-def exposed_length(comm, compute) -> float:
-  """Length of the points covered by an interval of ``comm`` and by none of ``compute``:
-  ``len(∪ comm) − len(∪ comm ∩ ∪ compute)``."""
-  comm, compute = union_intervals(comm), union_intervals(compute)
-  covered, j = 0.0, 0
-  for s, e in comm:
-    while j < len(compute) and compute[j][1] <= s:
-      j += 1
-    k = j
-    while k < len(compute) and compute[k][0] < e:
-      covered += min(e, compute[k][1]) - max(s, compute[k][0])
-      k += 1
-  return sum(e - s for s, e in comm) - covered
 
 
 @dataclasses.dataclass(frozen=True)

@@ -223,13 +223,26 @@ def exposed_comm_ms(nodes: Sequence[Node], times: Sequence[tuple[float, float]],
   """ms during which a collective runs (every one is shared by all groups) and ``group``'s
   compute stream is idle: the length of the union of the collectives' intervals less its
   overlap with the union of the group's compute intervals."""
-  comm = _union([t for n, t in zip(nodes, times) if n.stream == "comm"])
-  compute = _union([t for n, t in zip(nodes, times) if n.stream == "compute" and n.group == group])
-  overlap = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in comm for s2, e2 in compute)
-  return sum(e - s for s, e in comm) - overlap
+  comm = [t for n, t in zip(nodes, times) if n.stream == "comm"]
+  return exposed_length(comm, [t for n, t in zip(nodes, times) if n.stream == "compute" and n.group == group])
 
 
-def _union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+def exposed_length(comm: Sequence[tuple[float, float]], compute: Sequence[tuple[float, float]]) -> float:
+  """Length of the points covered by an interval of ``comm`` and by none of ``compute``:
+  ``len(∪ comm) − len(∪ comm ∩ ∪ compute)`` (one sweep over the sorted unions)."""
+  comm, compute = union_intervals(comm), union_intervals(compute)
+  covered, j = 0.0, 0
+  for s, e in comm:
+    while j < len(compute) and compute[j][1] <= s:
+      j += 1
+    k = j
+    while k < len(compute) and compute[k][0] < e:
+      covered += min(e, compute[k][1]) - max(s, compute[k][0])
+      k += 1
+  return sum(e - s for s, e in comm) - covered
+
+
+def union_intervals(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
   """Disjoint sorted intervals covering the same points as ``intervals`` (empty ones dropped)."""
   out: list[tuple[float, float]] = []
   for s, e in sorted(t for t in intervals if t[1] > t[0]):

@@ -212,16 +212,23 @@ def _slowest(per_example):
 INT8_G1 = Plan.from_json({"policies": {"g1": "int8_fwd"}})  # g1: int8 forward, fp16 backward
 
 
+def _once_on_int8_g1(lifted_g1: float, equal_ms: float, other_ms: float) -> _TimedReplanner:
+  """``once`` after 2 untimed steps and a window of 3, the probes measuring g1 (``INT8_G1``) 3×
+  slower per example than g0 and its lifted policy at ``lifted_g1``; a step takes ``equal_ms``
+  at the 8/8 split and ``other_ms`` at any other."""
+  return _TimedReplanner(
+    mode="once",
+    warmup_steps=2,
+    window=3,
+    measure=_measured({"g0": 1.0, "g1": 3.0}, lifted={"g1": lifted_g1}),
+    step_ms=lambda split: equal_ms if split == {"g0": 8, "g1": 8} else other_ms,
+  )
+
+
 def test_the_trainer_rebalances_lifts_logs_and_resumes_bit_identically(tmp_path):
   # g1's probe at its policy lifted to fp16 is measured twice as fast: the decision takes it
   def replanner():
-    return _TimedReplanner(
-      mode="once",
-      warmup_steps=2,
-      window=3,
-      measure=_measured({"g0": 1.0, "g1": 3.0}, lifted={"g1": 1.5}),
-      step_ms=lambda split: 24.0 if split == {"g0": 8, "g1": 8} else 10.0,
-    )
+    return _once_on_int8_g1(lifted_g1=1.5, equal_ms=24.0, other_ms=10.0)
 
   full = _trainer(tmp_path, "full", replanner(), plan=INT8_G1, checkpoint_every=8)
   full.run(12)
@@ -263,13 +270,7 @@ def test_a_replan_measured_slower_is_undone_and_a_resumed_run_continues_bit_iden
   # cost the probes do not see): the trainer goes back to 8/8
   # (g1's lifted probe is faster too: the undo restores its policy as well)
   def replanner():
-    return _TimedReplanner(
-      mode="once",
-      warmup_steps=2,
-      window=3,
-      measure=_measured({"g0": 1.0, "g1": 3.0}, lifted={"g1": 2.0}),
-      step_ms=lambda split: 10.0 if split == {"g0": 8, "g1": 8} else 11.0,
-    )
+    return _once_on_int8_g1(lifted_g1=2.0, equal_ms=10.0, other_ms=11.0)
 
   full = _trainer(tmp_path, "full", replanner(), plan=INT8_G1, checkpoint_every=11)
   original = full.program
