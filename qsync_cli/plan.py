@@ -12,6 +12,7 @@ import json
 import os
 import re
 import time
+from collections import Counter
 
 from planners.allocator import INT8_OPS
 from qsync_cli.common import (
@@ -53,7 +54,15 @@ def add_arguments(parser) -> None:
     default=None,
     help="policy preset of the training groups (default: bf16 where their device type runs bf16, fp16 "
     "mixed precision where it runs fp16 but not bf16 — a V100, a T4 —, else fp32; with training groups "
-    "of several types, the first of these that all of them run)",
+    "of several types, the first of these that all of them run); auto: that default, with an 8-bit preset "
+    "on each op whose measured 8-bit time in the group's profile is below its 16-bit time",
+  )
+  parser.add_argument(
+    "--train-budget",
+    type=float,
+    default=None,
+    help="with --train-precision auto: the share of the indicator's Ω of every paying op that the training "
+    "groups' 8-bit ops may spend, least Ω per ms saved first (default 1.0: every paying op)",
   )
   parser.add_argument(
     "--batch",
@@ -106,6 +115,42 @@ def train_precision(cluster, training: tuple[str, ...], preset: str | None) -> s
         "--train-precision out for its default."
       )
   return preset
+
+
+def training_policies(
+  cluster, training: tuple[str, ...], profiles, preset: str, omega, budget: float
+) -> dict[str, dict[str, str]]:
+  """``{group: {op: 8-bit preset}}`` of ``--train-precision auto``: for each training group, the
+  ops of the profile it is costed with (``profile_for``) whose measured 8-bit time is below
+  their time at ``preset``, within ``budget`` of Ω (``planners.allocator.payoff.profile_paying_ops``).
+  ``PlanError`` naming the group for a profile that is not measured or a device type without an
+  8-bit kernel: auto refuses rather than fall back to ``preset`` unasked."""
+  from planners.allocator.payoff import profile_paying_ops
+  from planners.predictor.replay import profile_for
+
+  chosen = {}
+  for name in training:
+    g = cluster.group(name)
+    try:
+      chosen[name] = profile_paying_ops(profile_for(profiles, g.device_type, name), preset, omega, budget)
+    except PlanError as e:
+      raise PlanError(f"--train-precision auto: training group {name!r} ({g.device_type}): {e}") from None
+  return chosen
+
+
+def training_precision_line(
+  name: str, eight_bit: dict[str, str], preset: str, budget: float, n_ops: int, source: str
+) -> str:
+  """What ``--train-precision auto`` chose for training group ``name``, and from which times:
+  ``measured`` for a measured profile, ``measured, scaled by calibration`` for one calibrated from a
+  measured profile (``Prediction.sources[name]``: the profile the group is costed with)."""
+  times = "measured" if source.startswith("measured") else "measured, scaled by calibration"
+  which = f" ({mix(Counter(eight_bit.values()))}: {', '.join(sorted(eight_bit))})" if eight_bit else ""
+  return (
+    f"training group {name}: {len(eight_bit)} of {n_ops} ops 8-bit{which}, the rest {preset}; an op runs "
+    f"8-bit where the profile's {times} 8-bit time is below its {preset} time, within --train-budget "
+    f"{budget:g} of their Ω"
+  )
 
 
 def check_indicator_model(indicator, path: str, task_name: str, model: str) -> None:
@@ -198,7 +243,7 @@ def figures_label(sources, groups) -> str:
 
 
 def run(args) -> int:
-  from planners.allocator import joint_plan, make_problem, plan_of, precision_counts
+  from planners.allocator import joint_plan, make_problem, omega_table, plan_of, precision_counts
   from planners.allocator.greedy import default_training_groups
   from planners.allocator.summary import summarize
   from planners.calibrate import calibrated_profiles, check_run_groups
@@ -214,6 +259,15 @@ def run(args) -> int:
     raise QsyncError(f"--slack {args.slack} must be 0 or more. Fix: pass e.g. --slack 0.02.")
   if args.granularity < 1:
     raise QsyncError(f"--granularity {args.granularity} must be at least 1. Fix: pass e.g. --granularity 1.")
+  auto = args.train_precision == "auto"
+  if args.train_budget is not None and not auto:
+    raise QsyncError(
+      "--train-budget applies to --train-precision auto alone. Fix: pass --train-precision auto, or leave "
+      "--train-budget out."
+    )
+  budget = 1.0 if args.train_budget is None else args.train_budget
+  if not 0.0 <= budget <= 1.0:
+    raise QsyncError(f"--train-budget {budget} is outside [0, 1]. Fix: pass a fraction, e.g. 0.5.")
   cluster = ClusterSpec.load(args.cluster)
   training = (
     tuple(args.training_groups.split(",")) if args.training_groups else default_training_groups(cluster)
@@ -224,7 +278,7 @@ def run(args) -> int:
       f"--training-groups names {unknown}, which cluster {cluster.name!r} ({args.cluster}) does not have. "
       f"Fix: use some of its groups {list(cluster.group_names)}, comma-separated."
     )
-  preset = train_precision(cluster, training, args.train_precision)
+  preset = train_precision(cluster, training, None if auto else args.train_precision)
   if args.measured is not None:
     measured, ran, run_meta = read_run(args.measured)
     check_run_groups(cluster, measured, run_meta.get("cluster", []), args.measured, args.cluster)
@@ -250,17 +304,22 @@ def run(args) -> int:
     calibrated = calibrated_profiles(cluster, profiles, ran, measured, os.path.abspath(args.measured), files)
     profiles = {**profiles, **calibrated}
     files = {**files, **{p.key: profile_paths[p.group] for p in calibrated.values()}}
-  problem = make_problem(cluster, profiles, indicator, training, preset, int8_op=args.int8_op)
+  eight_bit = {}
+  if auto:
+    eight_bit = training_policies(cluster, training, profiles, preset, omega_table(indicator), budget)
+  problem = make_problem(
+    cluster, profiles, indicator, training, preset, int8_op=args.int8_op, train_ops=eight_bit
+  )
   progress(
     f"{len(problem.op_names)} ops, {len(cluster.groups)} groups, global batch {cluster.global_batch}: "
     f"{args.batch} batch × precision search; training group(s) {', '.join(training)} at {preset}"
+    + (" with 8 bits where measured to pay" if auto else "")
   )
   t0 = time.perf_counter()
   chosen, cands, search = joint_plan(problem, args.granularity, args.slack, args.batch)
   seconds = time.perf_counter() - t0
   alternatives = [c.to_json(problem) for c in cands]
-  plan = plan_of(problem, chosen)
-  pred = predict(cluster, profiles, plan)
+  pred = predict(cluster, profiles, plan_of(problem, chosen))
   summary = summarize(chosen, cands, search, pred)
   plan = plan_of(
     problem,
@@ -302,6 +361,8 @@ def run(args) -> int:
       ]
     )
   print(table(["group", "device", "count", "batch", "precisions", "step ms", "mem GB", "limit GB"], rows))
+  for name, ops in eight_bit.items():
+    print(training_precision_line(name, ops, preset, budget, len(problem.op_names), pred.sources[name]))
   modeled = sorted({g for g, src in pred.sources.items() if src.startswith("modeled")})
   label = f" (modeled costs for {', '.join(modeled)})" if modeled else ""
   if figures != "modeled":

@@ -94,6 +94,9 @@ class Problem:
   limits: tuple[int, ...]  # memory per inference group, bytes
   bucket_bytes: int
   train_policy: str = "fp32"
+  train_ops: Mapping[str, Mapping[str, str]] = dataclasses.field(
+    default_factory=dict
+  )  # training group → op → 8-bit preset
   reduction: str = "flat"  # the plan's gradient reduction and optimizer update (``qsync_jax.plan``)
   optimizer_update: str = "replicated"
 
@@ -134,10 +137,13 @@ def make_problem(
   train_policy: str = "fp32",
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
   int8_op: str = "int8_fwd",
+  train_ops: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Problem:
   """Resolves profiles (each group's own, ``Profile.group``, over its device type's:
   ``profile_for``), ladders and Ω for every inference group of ``cluster``; the int8 level
-  runs ``int8_op`` (one of ``INT8_OPS``)."""
+  runs ``int8_op`` (one of ``INT8_OPS``). A training group runs ``train_policy`` on every op but
+  those ``train_ops[group]`` names (op → an 8-bit preset: ``training_group_policy``)."""
+  train_ops = {name: dict(ops) for name, ops in (train_ops or {}).items()}
   if int8_op not in INT8_OPS:
     raise PlanError(f"int8_op={int8_op!r} is not one of {list(INT8_OPS)}. Fix: pick one of them.")
   levels = {**LEVEL_POLICIES, "int8": int8_op}
@@ -151,7 +157,7 @@ def make_problem(
     prof = profile_for(profiles, g.device_type, g.name)
     op_names = op_names or prof.op_names
     if g.name in training:
-      policy = PrecisionPolicy.uniform(train_policy)
+      policy = training_group_policy(train_policy, train_ops.get(g.name, {}))
       cost = GroupCost(g.name, prof, policy.resolve(prof.op_names), g.batch_per_device)
       need = memory_bytes(cost)
       if need > g.memory_gb * 1e9:
@@ -184,7 +190,17 @@ def make_problem(
     tuple(limits),
     bucket_bytes,
     train_policy,
+    {name: ops for name, ops in train_ops.items() if name in training and ops},
   )
+
+
+def training_group_policy(preset: str, eight_bit: Mapping[str, str]) -> PrecisionPolicy:
+  """``preset`` on every op but those of ``eight_bit`` (op → 8-bit preset), which run theirs (one
+  exact rule each, sorted by op name); ``PrecisionPolicy.uniform(preset)`` without any."""
+  if not eight_bit:
+    return PrecisionPolicy.uniform(preset)
+  ops = PrecisionPolicy.from_ops({op: OpPolicy.preset(p) for op, p in sorted(eight_bit.items())})
+  return PrecisionPolicy(rules=ops.rules, default=OpPolicy.preset(preset))
 
 
 def default_training_groups(cluster: ClusterSpec) -> tuple[str, ...]:
@@ -401,7 +417,7 @@ def to_plan(problem: Problem, assignment: Assignment, predictions: Mapping[str, 
       }
       policies[g.name] = PrecisionPolicy.from_ops(ops)
     else:
-      policies[g.name] = PrecisionPolicy.uniform(problem.train_policy)
+      policies[g.name] = training_group_policy(problem.train_policy, problem.train_ops.get(g.name, {}))
   return Plan(
     policies=policies,
     predictions=dict(predictions or {}),

@@ -21,6 +21,9 @@ saves nothing at a lower precision), every other op not run 8-bit is at the base
 With an indicator table (``omega``: op → precision → Ω, ``qsync indicator``) and ``budget``, the
 paying ops are added in order of least Ω per ms saved while their summed Ω stays within
 ``budget`` × the Ω of quantizing every paying op (1.0: no limit; 0.0: nothing quantized).
+
+For a cluster's training groups (``qsync plan --train-precision auto``) nothing is timed:
+``profile_paying_ops`` applies the same rule (``paying_ops``) to a profile's measured times.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from typing import Any
 import jax
 
 from planners.ops import OpShape
+from planners.predictor.graph import op_costs
+from planners.profile import GroupCost, Profile
 from planners.profiler import timing
 from planners.profiler.measure import op_leg_ms, task_ops
 from qsync_jax.devices import device_type_of, supported_precisions
@@ -126,6 +131,64 @@ def paying_ops(
       chosen[op] = pay[op][0]
       spent += cost(op)
   return chosen
+
+
+def has_measured_times(profile: Profile) -> bool:
+  """Whether ``profile``'s op times are measured: a ``qsync profile`` run on the device
+  (``source="measured"``), or such a profile with every time scaled by one factor
+  (``source="calibrated"`` from a measured base, ``planners.calibrate``: the same ops pay)."""
+  if profile.source == "calibrated":
+    return profile.meta.get("calibration", {}).get("base", {}).get("source") == "measured"
+  return profile.source == "measured"
+
+
+def profile_payoffs(profile: Profile, base: str, presets: Sequence[str]) -> tuple[OpPayoff, ...]:
+  """An ``OpPayoff`` per candidate op of ``profile`` (``CANDIDATE_KINDS``, ``runs_8bit``): its
+  forward and gradient legs (with their casts) at the profile's batch under the preset ``base``
+  and under each of ``presets``, as the predictor costs them (``planners.predictor.graph.op_costs``):
+  the 8-bit legs at their in-step times where the profile traced the all-int8 step
+  (``Profile.quantized_in_step_ms``), else at their standalone times; the 16-bit legs at their
+  standalone times. Equivalent to::
+
+    ms = lambda op, preset: sum(t for t, _ in op_costs(GroupCost("", profile, {op.name: PRESETS[preset]},
+                                                                 profile.batch_per_device), i).values())
+    OpPayoff(op.name, ms(op, base), {p: ms(op, p) for p in presets})
+  """
+
+  def ms(i: int, preset: str) -> float:
+    op = profile.ops[i].name
+    cost = GroupCost("", profile, {op: PRESETS[preset]}, profile.batch_per_device)
+    return sum(t for t, _ in op_costs(cost, i).values())
+
+  return tuple(
+    OpPayoff(op.name, ms(i, base), {p: ms(i, p) for p in presets})
+    for i, op in enumerate(profile.ops)
+    if op.kind in CANDIDATE_KINDS and op.runs_8bit
+  )
+
+
+def profile_paying_ops(
+  profile: Profile, base: str, omega: Mapping[str, Mapping[str, float]], budget: float = 1.0
+) -> dict[str, str]:
+  """``{op: 8-bit preset}``: ``paying_ops(profile_payoffs(profile, base, eight_bit_presets(its
+  device type)), 0.0, omega, budget)`` — the ops whose measured 8-bit cost is below their cost at
+  ``base``, within the accuracy budget. ``PlanError`` when the profile's times are not measured
+  (``has_measured_times``: a modeled or traced profile has no 8-bit times to trust) or its
+  device type has no 8-bit kernel."""
+  what = f"the profile of {profile.model!r} on {profile.device_type}"
+  if not has_measured_times(profile):
+    raise PlanError(
+      f"{what} is {profile.source}, not measured: it has no measured 8-bit times to decide which ops pay. "
+      f"Fix: profile the model on a {profile.device_type} (`qsync profile`) and pass that file, or pass a "
+      "16-bit preset."
+    )
+  presets = eight_bit_presets(profile.device_type)
+  if not presets:
+    raise PlanError(
+      f"{what}: a {profile.device_type} has no 8-bit kernel (it runs {list(supported_precisions(profile.device_type))}). "
+      "Fix: pass a 16-bit preset for it."
+    )
+  return paying_ops(profile_payoffs(profile, base, presets), 0.0, omega, budget)
 
 
 def policy_of(ops: Sequence[OpShape], base: str, chosen: Mapping[str, str]) -> PrecisionPolicy:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 from planners.allocator.greedy import Evaluator, Problem, uniform_levels
@@ -69,7 +70,8 @@ def precision_counts(problem: Problem, cand: Candidate) -> dict[str, dict[str, i
     if b == 0:
       continue
     if row is None:
-      out[g.name] = {problem.train_policy: len(problem.op_names)}
+      ops = problem.train_ops.get(g.name, {})
+      out[g.name] = dict(Counter(ops.get(op, problem.train_policy) for op in problem.op_names))
       continue
     j = problem.inference.index(gi)
     counts: dict[str, int] = {}

@@ -561,3 +561,70 @@ def test_plan_from_measurements_names_what_is_wrong_with_the_run(measured_run, t
   g1 = str(tmp_path / "ok" / "profile-g1.json")
   assert _plan_measured(d, tmp_path / "x.json", "--profile", g1, cluster="other.json") == 2
   assert "calibrated for group 'g1', which cluster 'cluster' does not have" in capsys.readouterr().err
+
+
+# -- qsync plan --train-precision auto ------------------------------------------------------------
+
+
+@pytest.fixture
+def auto_files(tmp_path):
+  """A measured cpu profile of MODEL whose Dense_0 and Dense_1 are faster at int8 than at bf16
+  and whose Dense_2 is slower there, an indicator, and a cluster training on cpu (inference on a
+  T4, modeled from that profile)."""
+  import dataclasses
+
+  speed = {"fp32": 1.0, "tf32": 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.3, "fp8": 0.4}
+  prof = fake_profile([(1.0, 1.0, 1.0)] * 3, batch=16, model="mlp", speed=speed, remainder_ms=0.3)
+  slow = {leg: {**t, "int8": 0.6, "fp8": 0.6} for leg, t in prof.op_ms["Dense_2:dense"].items()}
+  dataclasses.replace(prof, op_ms={**prof.op_ms, "Dense_2:dense": slow}).save(str(tmp_path / "cpu.json"))
+  (tmp_path / "omega.json").write_text(json.dumps(fake_indicator(prof.op_names, [3.0, 1.0, 2.0])))
+  groups = [
+    {"name": "train", "device_type": "cpu", "count": 2, "memory_gb": 16, "batch_per_device": 16},
+    {"name": "infer", "device_type": "T4", "count": 2, "memory_gb": 16, "batch_per_device": 16},
+  ]
+  (tmp_path / "cluster.json").write_text(json.dumps({"groups": groups}))
+  return tmp_path
+
+
+def _plan_auto(d, *extra, cluster="cluster.json"):
+  args = ["plan", "--model", MODEL, "--cluster", str(d / cluster), "--indicator", str(d / "omega.json")]
+  args += ["--profile", str(d / "cpu.json"), "--training-groups", "train"]
+  return main([*args, *extra, "--out", str(d / "plan.json")])
+
+
+def test_plan_auto_runs_the_training_groups_8bit_on_exactly_the_ops_measured_to_pay(auto_files, capsys):
+  from planners.allocator.greedy import training_group_policy as training_policy
+
+  d = auto_files
+  assert _plan_auto(d, "--train-precision", "auto") == 0
+  out = capsys.readouterr().out
+  policy = Plan.load(str(d / "plan.json")).policy_for("train")
+  assert policy == training_policy("bf16", {"Dense_0:dense": "int8", "Dense_1:dense": "int8"})
+  assert [policy.lookup_name(f"Dense_{i}:dense").fwd for i in range(3)] == ["int8", "int8", "bf16"]
+  alternatives = Plan.load(str(d / "plan.json")).predictions["alternatives"]
+  assert alternatives and all(a["precisions"]["train"] == {"int8": 2, "bf16": 1} for a in alternatives)
+  assert "bf16×1, int8×2" in out  # the training group's row of the table
+  assert "training group train: 2 of 3 ops 8-bit (int8×2: Dense_0:dense, Dense_1:dense), the rest bf16" in out
+  assert "where the profile's measured 8-bit time is below its bf16 time, within --train-budget 1" in out
+  # the budget: Dense_1 alone spends Ω 1 of the 4 both would (it saves more ms per Ω)
+  assert _plan_auto(d, "--train-precision", "auto", "--train-budget", "0.5") == 0
+  policy = Plan.load(str(d / "plan.json")).policy_for("train")
+  assert policy == training_policy("bf16", {"Dense_1:dense": "int8"})
+  assert "training group train: 1 of 3 ops 8-bit" in capsys.readouterr().out
+
+
+def test_plan_auto_refuses_a_training_group_without_measured_times_and_a_stray_budget(auto_files, capsys):
+  d = auto_files
+  spec = json.loads((d / "cluster.json").read_text())
+  spec["groups"][0]["device_type"] = "A100"  # no A100 profile: modeled from the catalog
+  (d / "a100.json").write_text(json.dumps(spec))
+  assert _plan_auto(d, "--train-precision", "auto", cluster="a100.json") == 2
+  err = capsys.readouterr().err
+  assert (
+    "--train-precision auto: training group 'train' (A100): the profile of 'mlp' on A100 is modeled" in err
+  )
+  assert "Fix: profile the model on a A100" in err and not (d / "plan.json").exists()
+  assert _plan_auto(d, "--train-budget", "0.5") == 2
+  assert "--train-budget applies to --train-precision auto alone. Fix:" in capsys.readouterr().err
+  assert _plan_auto(d, "--train-precision", "auto", "--train-budget", "2") == 2
+  assert "--train-budget 2.0 is outside [0, 1]. Fix:" in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """8-bit only where it pays (planners.allocator.payoff): the choice from measured in-step times,
 the accuracy budget, and the whole measured search on this machine's CPU."""
 
+import dataclasses
+
 import pytest
 
 from planners.allocator import auto_policy
@@ -10,11 +12,14 @@ from planners.allocator.payoff import (
   eight_bit_presets,
   paying_ops,
   policy_of,
+  profile_paying_ops,
+  profile_payoffs,
 )
 from planners.ops import OpShape
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners import tiny
+from tests.planners.fakes import fake_indicator, fake_profile
 
 PAYOFFS = (
   OpPayoff("a:dense", 10.0, {"int8": 6.0, "fp8": 7.0}),  # saves 4 at int8
@@ -104,3 +109,64 @@ def test_bad_base_or_preset_is_refused_before_any_tracing():
     auto_policy(task, 8, base="int8")
   with pytest.raises(PlanError, match="preset 'int4' has no kernel"):
     auto_policy(task, 8, presets=("int4",))
+
+
+# -- profile_paying_ops: the training groups of `qsync plan --train-precision auto` -----------------
+
+EIGHT_BIT_SPEED = {"fp32": 1.0, "tf32": 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.3, "fp8": 0.4}
+
+
+def _profile():
+  """Three dense ops; Dense_0 and Dense_1 are faster at int8 (0.3) and fp8 (0.4) than at bf16
+  (0.5), Dense_2's 8-bit legs are slower (0.6)."""
+  prof = fake_profile([(1.0, 1.0, 1.0)] * 3, speed=EIGHT_BIT_SPEED, model="mlp", batch=16)
+  slow = {leg: {**t, "int8": 0.6, "fp8": 0.6} for leg, t in prof.op_ms["Dense_2:dense"].items()}
+  return dataclasses.replace(prof, op_ms={**prof.op_ms, "Dense_2:dense": slow})
+
+
+def test_a_training_group_runs_8bit_exactly_the_ops_whose_measured_8bit_time_pays():
+  prof = _profile()
+  payoffs = {p.op: p for p in profile_payoffs(prof, "bf16", ("int8", "fp8"))}
+  # Dense_0 is the first op: no input gradient, so fwd + drhs only
+  assert payoffs["Dense_0:dense"].base_ms == pytest.approx(1.0) and payoffs["Dense_1:dense"].base_ms == 1.5
+  assert payoffs["Dense_2:dense"].preset_ms == pytest.approx({"int8": 1.8, "fp8": 1.8})
+  omega = {op: {"int8": 1.0, "fp8": 1.0} for op in prof.op_names}
+  assert profile_paying_ops(prof, "bf16", omega) == {"Dense_0:dense": "int8", "Dense_1:dense": "int8"}
+  # at fp32 the base is slower than every 8-bit leg: Dense_2 pays too
+  assert set(profile_paying_ops(prof, "fp32", omega)) == set(prof.op_names)
+
+
+def test_a_training_group_uses_the_8bit_time_inside_the_step_where_the_profile_traced_it():
+  prof = _profile()
+  omega = {op: {"int8": 1.0, "fp8": 1.0} for op in prof.op_names}
+  # Dense_1 at int8 inside the step: 3x its standalone int8 legs, above its bf16 time
+  traced = dataclasses.replace(prof, quantized_in_step_ms={"Dense_1:dense": {"fwd": 0.9, "bwd": 1.8}})
+  assert profile_paying_ops(traced, "bf16", omega) == {"Dense_0:dense": "int8"}
+
+
+def test_the_training_budget_limits_the_8bit_ops_by_omega_per_ms_saved():
+  prof = _profile()
+  # Ω at int8: Dense_0 3 (saves 0.4 ms), Dense_1 1 (saves 0.6 ms): Dense_1 first, total Ω 4
+  omega = fake_indicator(prof.op_names, [3.0, 1.0, 5.0])["omega"]
+  assert profile_paying_ops(prof, "bf16", omega, 1.0) == {"Dense_0:dense": "int8", "Dense_1:dense": "int8"}
+  assert profile_paying_ops(prof, "bf16", omega, 0.5) == {"Dense_1:dense": "int8"}
+  assert profile_paying_ops(prof, "bf16", omega, 0.0) == {}
+
+
+def test_a_training_group_without_measured_8bit_times_or_kernels_is_refused_by_name():
+  prof = _profile()
+  omega = {op: {"int8": 1.0, "fp8": 1.0} for op in prof.op_names}
+  for source in ("modeled", "traced"):
+    with pytest.raises(
+      PlanError, match=rf"on cpu is {source}, not measured.*Fix: profile the model on a cpu"
+    ):
+      profile_paying_ops(dataclasses.replace(prof, source=source), "bf16", omega)
+  with pytest.raises(PlanError, match=r"a V100 has no 8-bit kernel.*Fix: pass a 16-bit preset"):
+    profile_paying_ops(dataclasses.replace(prof, device_type="V100"), "fp16", omega)
+  # calibrated from a measured profile: every time scaled by one factor, the same ops pay
+  calibration = {"calibration": {"base": {"source": "measured"}}}
+  scaled = dataclasses.replace(prof.times_scaled(2.0), source="calibrated", meta=calibration)
+  assert profile_paying_ops(scaled, "bf16", omega) == profile_paying_ops(prof, "bf16", omega)
+  modeled_base = dataclasses.replace(scaled, meta={"calibration": {"base": {"source": "modeled"}}})
+  with pytest.raises(PlanError, match="is calibrated, not measured"):
+    profile_paying_ops(modeled_base, "bf16", omega)
