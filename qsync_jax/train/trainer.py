@@ -21,7 +21,7 @@ metrics, progress, checkpoints and evaluation (at its consolidated / gathered pa
 compute while the hybrid step trains and re-balances the per-device batches from the
 measurements: the step is rebuilt once with the new split and training continues from the same
 step on the same data; a group whose 8-bit legs are measured faster at 16 bits also gets them
-lifted (``qsync_jax.train.replan.lifted_policy``). A re-plan whose measured step is not shorter
+lifted (``qsync_jax.train.probes.lifted_policy``). A re-plan whose measured step is not shorter
 than the step before it is undone: the trainer switches back to the step that ran before.
 ``metrics.jsonl`` gets a ``replan`` line for every decision and a ``replan_measured`` line once
 a re-planned split's step is measured (``"undone": true`` when it was undone), and the

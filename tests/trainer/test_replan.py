@@ -17,15 +17,9 @@ from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import PRECISION_BITS, OpPolicy
-from qsync_jax.train.replan import (
-  PROBE_COST_RUNS,
-  GroupSpeed,
-  Replanner,
-  balance,
-  lifted_policy,
-  predicted_ms,
-  probe_sizes,
-)
+from qsync_jax.train.group_speed import GroupSpeed, balance, predicted_ms
+from qsync_jax.train.probes import PROBE_COST_RUNS, lifted_policy, probe_sizes
+from qsync_jax.train.replan import Replanner
 from qsync_jax.train.trainer import Trainer
 from tests.trainer.tiny import make_task
 
@@ -311,7 +305,7 @@ def test_a_replan_of_a_step_builder_strategy_is_refused():
 
 
 def test_measure_groups_times_each_group_at_two_batches_on_its_own_device():
-  from qsync_jax.train.replan import compile_seconds, measure_groups
+  from qsync_jax.train.probes import compile_seconds, measure_groups
 
   cluster = ClusterSpec((DeviceGroup("g0", "cpu", 1, 16, 8), DeviceGroup("g1", "cpu", 2, 16, 4)))
   policy = {"rules": [{"path": "Dense_0", "policy": "int8"}], "__default__": None}

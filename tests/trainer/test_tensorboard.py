@@ -11,7 +11,8 @@ import pytest
 
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
-from qsync_jax.train.replan import Replanner, probe_sizes
+from qsync_jax.train.probes import probe_sizes
+from qsync_jax.train.replan import Replanner
 from qsync_jax.train.trainer import Trainer
 from tests.trainer.tiny import make_task
 
