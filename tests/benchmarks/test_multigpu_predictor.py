@@ -2,7 +2,7 @@
 and its modes case: the kernel-trace summary on a hand-built trace, the table on hand-built
 measurements, and the whole case run on the simulated CPU devices (a smoke test).
 
-These are the parts of ``benchmarks/multigpu.py`` that run after the GPUs are gone (the device
+These are the parts of ``benchmarks/multigpu.py`` (and ``benchmarks.common.multigpu_modes``) that run after the GPUs are gone (the device
 time that measured the steps cannot be spent again), or that must work the first time a GPU
 host runs them, so they are tested here on the CPU.
 """
@@ -13,7 +13,9 @@ import jax
 import pytest
 
 from benchmarks import multigpu
+from benchmarks.common import multigpu_modes as modes
 from benchmarks.common.link import LinkModel
+from benchmarks.common.train_steps import stepper
 from benchmarks.diagnosis import multigpu_replay
 from planners.profile import Profile
 from tests.benchmarks import result, write_rows
@@ -87,9 +89,9 @@ def test_stepper_feeds_each_step_the_last_state_and_cycles_the_batches():
     seen.append(len(key))
     return state + batch, None
 
-  run, current = multigpu.stepper(step, 0, [1, 10])
+  run, current = stepper(step, 0, [1, 10])
   assert [run() for _ in range(3)] == [1, 11, 12] and current() == 12
-  run, _ = multigpu.stepper(step, 0, [1], key=jax.random.key(0))
+  run, _ = stepper(step, 0, [1], key=jax.random.key(0))
   run()
   assert seen == [0, 0, 0, 1]  # with a key, each step also gets fold_in(key, i)
 
@@ -119,20 +121,20 @@ def test_step_kernels_times_each_collective_kind_and_what_no_compute_hides():
     kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0.0, 1e3, process="/device:GPU:1 (pid 2)"),
     kernel("PjitFunction(step)", 0.0, 1e3, process="/host:CPU"),
   ]
-  k = multigpu.step_kernels(events, repeats=2)  # two steps traced: ms per step = µs / 2e3
+  k = modes.step_kernels(events, repeats=2)  # two steps traced: ms per step = µs / 2e3
   assert k.collective_ms == pytest.approx(
     {"reduce-scatter": 0.05, "all-gather": 0.02, "collective-permute": 0.01, "all-reduce": 0.005}
   )
   assert k.compute_ms == pytest.approx(0.07)
   assert k.exposed_ms == pytest.approx((50.0 + 40.0 + 10.0) / 2e3)
-  assert multigpu.step_kernels(events[-1:], 1) is None  # no GPU kernel: a CPU host
+  assert modes.step_kernels(events[-1:], 1) is None  # no GPU kernel: a CPU host
 
 
 def test_mode_groups_split_from_four_devices_and_two_level_needs_two_groups():
-  assert [multigpu.mode_groups(n) for n in (2, 3, 4, 5, 8)] == [(2,), (3,), (2, 2), (3, 2), (4, 4)]
-  assert ("two_level", "replicated", 1) not in multigpu.modes_of((2,))
-  assert ("flat", "replicated", 2) in multigpu.modes_of((2,))
-  assert multigpu.modes_of((2, 2)) == multigpu.MODES
+  assert [modes.mode_groups(n) for n in (2, 3, 4, 5, 8)] == [(2,), (3,), (2, 2), (3, 2), (4, 4)]
+  assert ("two_level", "replicated", 1) not in modes.modes_of((2,))
+  assert ("flat", "replicated", 2) in modes.modes_of((2,))
+  assert modes.modes_of((2, 2)) == modes.MODES
 
 
 def mode_profile():
@@ -143,14 +145,14 @@ def mode_profile():
 
 def test_mode_rows_put_measured_kernels_beside_the_replay(capsys):
   prof, link, sizes = mode_profile(), LinkModel(4, 100.0, 20.0, 0.0), (2, 2)
-  kern = multigpu.StepKernels({"reduce-scatter": 0.4, "all-gather": 0.3, "all-reduce": 0.01}, 5.0, 0.2)
+  kern = modes.StepKernels({"reduce-scatter": 0.4, "all-gather": 0.3, "all-reduce": 0.01}, 5.0, 0.2)
   measured = {
     ("flat", "replicated", 1): ([10.0, 11.0, 12.0], None),
     ("flat", "sharded", 1): ([12.0, 13.0, 14.0, 15.0], kern),
     ("flat", "replicated", 2): ([11.0], None),
   }
-  predictions = {m: multigpu.predict_mode(prof, sizes, 8, m, link) for m in measured}
-  rows = _by_case(multigpu.mode_rows(sizes, measured, predictions, link, "test"))
+  predictions = {m: modes.predict_mode(prof, sizes, 8, m, link) for m in measured}
+  rows = _by_case(modes.mode_rows(sizes, measured, predictions, link, "test"))
   flat, sharded = rows["modes/4dev/flat/replicated"], rows["modes/4dev/flat/sharded"]
   micro = rows["modes/4dev/flat/replicated/micro2"]
   # two micro-steps: compute priced on the whole batch as one step (linear in the batch), the same
@@ -183,14 +185,14 @@ def test_modes_case_runs_on_the_simulated_devices_past_a_failing_mode(tmp_path, 
   mode_profile().save(str(profile))
   link = LinkModel(8, 100.0, 20.0, 0.0)
   monkeypatch.setattr(multigpu, "measure_link", lambda devices: link)  # tests/benchmarks/test_link.py
-  build = multigpu.build_mode
+  build = modes.build_mode
 
   def build_but_flat(task, sizes, batch, mode):  # flat/replicated, the baseline, fails to build
-    if mode == multigpu.MODES[0]:
+    if mode == modes.MODES[0]:
       raise ValueError("no flat here")
     return build(task, sizes, batch, mode)
 
-  monkeypatch.setattr(multigpu, "build_mode", build_but_flat)
+  monkeypatch.setattr(modes, "build_mode", build_but_flat)
   results = tmp_path / "multigpu.jsonl"
   tiny = ["--d-model", "16", "--heads", "2", "--layers", "1", "--seq", "16", "--batch", "2", "--steps", "1"]
   argv = ["--cases", "modes", *tiny, "--profile-file", str(profile), "--results", str(results)]
@@ -204,10 +206,10 @@ def test_modes_case_runs_on_the_simulated_devices_past_a_failing_mode(tmp_path, 
   ]
   for case, r in rows.items():
     assert (r["metric"], r["baseline"], r["ratio"], r["groups"]) == ("step_ms", None, None, [4, 4])
-    assert r["timed_samples"] == multigpu.MODE_ROUNDS and r["value"] > 0
+    assert r["timed_samples"] == modes.MODE_ROUNDS and r["value"] > 0
     assert r["measured_collective_ms"] is None  # no GPU kernels on a CPU
-    mode = next(m for m in multigpu.MODES if f"modes/8dev/{multigpu.mode_name(m)}" == case)
-    pred = multigpu.predict_mode(Profile.load(str(profile)), (4, 4), 2, mode, link)
+    mode = next(m for m in modes.MODES if f"modes/8dev/{modes.mode_name(m)}" == case)
+    pred = modes.predict_mode(Profile.load(str(profile)), (4, 4), 2, mode, link)
     assert r["modeled_step_ms"] == pytest.approx(pred.step_ms)
     assert r["modeled_exposed_comm_ms"] == pytest.approx(pred.exposed_comm_ms["g0"])
   assert set(rows["modes/8dev/two_level/replicated"]["modeled_collective_ms"]) == {"collective-permute"}
