@@ -80,9 +80,6 @@ class Task:
     object.__setattr__(self, "model", as_functional(self.model))
 
 
-
-
-
 ENTRY_POINT_GROUP = "qsync_jax.tasks"
 
 

@@ -80,8 +80,11 @@ def test_every_process_takes_the_same_replan_decision(tmp_path):
   decisions = [line for line in logs[0].splitlines() if line.startswith("replan: step 23: measured")]
   assert len(decisions) == 1, logs[0][-2000:]
   assert "split 4/2 -> " in decisions[0]
-  replans = [json.loads(x)["replan"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-             if '"replan"' in x]
+  replans = [
+    json.loads(x)["replan"]
+    for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    if '"replan"' in x
+  ]
   assert replans[0]["step"] == 23 and set(replans[0]["ms_per_example"]) == {"a", "t"}
   assert "step 45/45" in logs[0]
 
