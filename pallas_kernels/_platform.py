@@ -38,8 +38,10 @@ _COMPILES: dict[str, bool] = {}
 
 def compiles(name: str, arch: str, build: Callable[[], object]) -> bool:
   """Whether ``build()`` — lowering and compiling a tiny instance of kernel ``name`` on this GPU
-  of architecture ``arch`` — succeeds; asked once per process per ``name``. A failure warns once, naming the kernel and the reason, and
-  the caller runs its next implementation."""
+  of architecture ``arch`` — succeeds; asked once per process per ``name``. A failure warns once,
+  naming the kernel and the reason, and the caller runs its next implementation. A failure that
+  aborts the process instead of raising (an LLVM fatal error, as Triton's for e4m3 below sm89)
+  cannot be caught here: the architecture table never offers such a kernel."""
   if name not in _COMPILES:
     try:
       build()

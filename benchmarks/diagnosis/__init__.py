@@ -3,5 +3,6 @@ step differs from a measured one — the replay of logged runs offline (``predic
 ``multigpu_replay``), the catalog's roofline against a device (``roofline``), a step's time and
 memory taken apart (``step_ops``, ``step_kernels``, ``kernel_categories``, ``step_liveness``),
 its drift across executables (``step_drift``), the predictor on GPU-sized models
-(``models``), and delayed (amax-history) against dynamic 8-bit scaling (``delayed_scaling``). Run one as ``python -m benchmarks.diagnosis.<name>``; its rows go, like every
+(``models``), delayed (amax-history) against dynamic 8-bit scaling (``delayed_scaling``), and every 8-bit
+kernel compiled for each architecture without its GPU (``cross_compile``). Run one as ``python -m benchmarks.diagnosis.<name>``; its rows go, like every
 benchmark's, to ``benchmarks/results/<name>.jsonl``."""
