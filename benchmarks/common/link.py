@@ -2,7 +2,9 @@
 
 The replay costs each gradient bucket as a ring all-reduce (``catalog.allreduce_ms``):
 ``ms = latency + 2(n−1)/n · bytes / bandwidth``. ``measure_link(devices)`` times a jitted fp32
-``psum`` over ``devices`` at several sizes and fits that line by least squares, giving the
+``psum`` over ``devices`` at several sizes — on a GPU queued back to back, as a step queues its
+collectives (``planners.profiler.timing.default_step_clock``), so the host's round trip per call
+stays out of the latency — and fits that line by least squares, giving the
 ``link_gbps`` (Gbit/s, as ``DeviceGroup.link_gbps``) and ``latency_us`` the replay takes
 instead of the catalog's datasheet link. It measures collectives alone, never a training step,
 so a prediction calibrated by it is still a prediction.
@@ -19,11 +21,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from planners.profiler.timing import timed_ms
+from planners.profiler.timing import default_step_clock, timed_ms
 from qsync_jax.ops.vma import shard_map
 
-DEFAULT_SIZES = (2**20, 2**22, 2**24, 2**26)
-"""Bytes per device of the timed all-reduces (1 to 64 MiB: the span of gradient buckets)."""
+DEFAULT_SIZES = (2**20, 2**22, 2**24, 2**26, 2**28)
+"""Bytes per device of the timed all-reduces (1 to 256 MiB: gradient buckets up to a whole
+gradient; below the largest sizes an NVLink all-reduce does not reach its bandwidth)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,5 +78,5 @@ def measure_link(
   times = []
   for size in sizes:
     x = jax.device_put(jnp.ones((n * (size // 4),), jnp.float32), sharding)
-    times.append(timed_ms(lambda x=x: psum(x), repeats)[0])
+    times.append(timed_ms(lambda x=x: psum(x), repeats, clock=default_step_clock())[0])
   return fit_link(n, sizes, times)
