@@ -10,7 +10,7 @@
   epilogue into one elementwise pass over the accumulator.
 * ``pallas``: ``kernel.scaled_matmul``, the epilogue fused into the GEMM.
 * ``mosaic``: ``hopper.scaled_matmul_nt`` (Pallas Mosaic GPU: TMA + wgmma,
-  warp-specialized; int8, e4m3, e5m2×e4m3), the epilogue fused into the GEMM.
+  warp-specialized; int8, e4m3, e5m2×e4m3, e4m3×e5m2), the epilogue fused into the GEMM.
 
 ``impl='auto'`` runs, on a GPU, the first implementation that the architecture's entry of
 ``pallas_kernels.arch.KERNELS`` lists for the operand kind and contraction length (an untested
@@ -143,10 +143,6 @@ def mosaic_nt(c: Canonical, out_dtype) -> jax.Array:
   if c.bias is not None or not on_gpu():
     raise NotImplementedError("the Mosaic GPU GEMM takes no bias and runs on a GPU only")
   a, b = c.kmajor()
-  if not _hopper._supported(a.dtype, b.dtype) and _hopper._supported(b.dtype, a.dtype):
-    # e4m3 · e5m2 (a weight gradient, Xᵀ·dY): the kernel reads the e5m2 operand on the left,
-    # so it computes the transposed product; the transpose is of the (weight-sized) result
-    return _hopper.scaled_matmul_nt(b, a, c.b_scale, c.a_scale, out_dtype).T
   return _hopper.scaled_matmul_nt(a, b, c.a_scale, c.b_scale, out_dtype)
 
 

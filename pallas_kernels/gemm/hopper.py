@@ -6,7 +6,8 @@
     out = (acc.astype(jnp.float32) * a_scale[:, None] * b_scale[None, :]).astype(out_dtype)
 
 for ``a`` ``[M, K]`` and ``b`` ``[N, K]`` (both contraction-major: the layout Hopper's 8-bit
-wgmma reads), int8×int8 (``acc_dtype`` int32) or e4m3×e4m3 / e5m2×e4m3 (float32), with
+wgmma reads), int8×int8 (``acc_dtype`` int32) or e4m3×e4m3 / e5m2×e4m3 / e4m3×e5m2 (float32; the mixed pairs
+need jax ≥ 0.11), with
 ``a_scale`` ``[M]`` and ``b_scale`` ``[N]`` float32 — the 2-D "NT" case of
 ``reference.scaled_dot_general_reference``.
 
@@ -135,12 +136,14 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: HopperConfig)
 
 
 def _supported(a_dtype, b_dtype) -> bool:
+  """int8×int8, e4m3×e4m3, and from jax 0.11 (mixed-type wgmma) e5m2×e4m3 and e4m3×e5m2."""
   a_dtype, b_dtype = jnp.dtype(a_dtype), jnp.dtype(b_dtype)
   if a_dtype == jnp.int8:
     return b_dtype == jnp.int8
-  if a_dtype != b_dtype and jax.__version_info__ < (0, 11):  # mixed-fp8 wgmma came in jax 0.11
+  e4m3 = jnp.dtype(jnp.float8_e4m3fn)
+  if a_dtype not in FP8 or b_dtype not in FP8 or e4m3 not in (a_dtype, b_dtype):
     return False
-  return a_dtype in FP8 and b_dtype == jnp.dtype(jnp.float8_e4m3fn)
+  return a_dtype == b_dtype or jax.__version_info__ >= (0, 11)
 
 
 @functools.partial(
@@ -150,7 +153,8 @@ def scaled_matmul_nt(a, b, a_scale, b_scale, out_dtype=jnp.bfloat16, config: Hop
   """See the module docstring. ``NotImplementedError`` for shapes or types it cannot take."""
   if not _supported(a.dtype, b.dtype):
     raise NotImplementedError(
-      f"hopper scaled_matmul_nt takes int8×int8, e4m3×e4m3 or e5m2×e4m3, got {a.dtype}×{b.dtype}."
+      f"hopper scaled_matmul_nt takes int8×int8 or fp8 pairs with an e4m3 operand (mixed from jax 0.11), "
+      f"got {a.dtype}×{b.dtype}."
     )
   (m, k), (n, k2) = a.shape, b.shape
   if k != k2:

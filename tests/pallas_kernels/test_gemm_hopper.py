@@ -18,7 +18,13 @@ from pallas_kernels.quantize.reference import quantize_reference
 from tests.tolerances import rel_err
 
 NT = (((1,), (1,)), ((), ()))
-PAIRS = {"int8": ("int8", "int8"), "e4m3": ("e4m3", "e4m3"), "e5m2_e4m3": ("e5m2", "e4m3")}
+PAIRS = {
+  "int8": ("int8", "int8"),
+  "e4m3": ("e4m3", "e4m3"),
+  "e5m2_e4m3": ("e5m2", "e4m3"),  # an input gradient dY·Wᵀ
+  "e4m3_e5m2": ("e4m3", "e5m2"),  # a weight gradient Xᵀ·dY
+}
+MIXED = {"e5m2_e4m3", "e4m3_e5m2"}
 MIXED_FP8 = jax.__version_info__ >= (0, 11)
 
 
@@ -36,7 +42,7 @@ def reference_nt(a, b, sa, sb, out_dtype):
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_kernel_traces_to_one_wgmma_kernel(pair, out_dtype):
-  if pair == "e5m2_e4m3" and not MIXED_FP8:
+  if pair in MIXED and not MIXED_FP8:
     with pytest.raises(NotImplementedError, match="e5m2"):
       hopper.scaled_matmul_nt(*nt_operands(256, 256, 256, pair), out_dtype)
     return
@@ -85,7 +91,7 @@ def test_api_mosaic_off_gpu_falls_back_to_the_same_numbers():
 def test_kernel_matches_reference_on_gpu(pair, out_dtype, shape):
   m, k, n = shape
   args = nt_operands(m, k, n, pair, seed=m + k)
-  if pair == "e5m2_e4m3" and not MIXED_FP8:  # mixed-fp8 wgmma came in jax 0.11: refused before
+  if pair in MIXED and not MIXED_FP8:  # mixed-fp8 wgmma came in jax 0.11: refused before
     with pytest.raises(NotImplementedError, match="e5m2"):
       hopper.scaled_matmul_nt(*args, out_dtype)
     return
@@ -116,25 +122,46 @@ def test_training_gemms_through_the_api_run_the_mosaic_kernel(lhs, rhs, dims):
   assert rel_err(f(lq, rq, ls, rs), scaled_dot_general_reference(lq, rq, ls, rs, dims)) < 1e-6
 
 
-def test_api_mosaic_runs_e4m3_times_e5m2_as_the_transposed_product(monkeypatch):
-  """The kernel takes e5m2 on the left only; a weight gradient's e4m3 · e5m2 product runs as
-  (e5m2 · e4m3)ᵀ. On the CPU the kernel is replaced by its reference to check the swap."""
+def test_api_mosaic_hands_a_weight_gradient_to_the_kernel_as_it_is(monkeypatch):
+  """A weight gradient's e4m3 · e5m2 product (Xᵀ·dY) reaches the kernel in that order, its
+  result in the product's own layout: a transposed product would leave XLA a transpose of
+  the weight gradient, which it fuses into the optimizer update (a slow multi-output
+  transpose fusion on a GPU). On the CPU the kernel is replaced by its reference."""
   calls = []
 
   def kernel(a, b, sa, sb, out_dtype=jnp.bfloat16, config=None):
-    calls.append((a.dtype, b.dtype))
+    calls.append((a.dtype, a.shape, b.dtype, b.shape))
     return reference_nt(a, b, sa, sb, out_dtype)
 
   monkeypatch.setattr(api, "on_gpu", lambda: True)
   monkeypatch.setattr(hopper, "scaled_matmul_nt", kernel)
-  monkeypatch.setattr(hopper, "_supported", lambda a, b: jnp.dtype(b) == jnp.dtype(jnp.float8_e4m3fn))
-  lq, ls = quantize_reference(jax.random.normal(jax.random.key(1), (256, 128)), "e4m3", (0,))  # Xᵀ
+  lq, ls = quantize_reference(jax.random.normal(jax.random.key(1), (256, 128)), "e4m3", (0,))  # X
   rq, rs = quantize_reference(jax.random.normal(jax.random.key(2), (256, 512)), "e5m2", (0,))  # dY
   dims = (((0,), (0,)), ((), ()))
   out = api.scaled_dot_general(lq, rq, ls, rs, dims, jnp.float32, impl="mosaic")
-  assert calls == [(jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.float8_e4m3fn))]
+  e4m3, e5m2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+  assert calls == [(e4m3, (128, 256), e5m2, (512, 256))]
   assert out.shape == (128, 512)
   assert rel_err(out, scaled_dot_general_reference(lq, rq, ls, rs, dims)) < 1e-6
+
+
+@pytest.mark.parametrize(
+  "a,b,mixed",
+  [
+    ("int8", "int8", False),
+    ("e4m3", "e4m3", False),
+    ("e5m2", "e4m3", True),
+    ("e4m3", "e5m2", True),
+    ("e5m2", "e5m2", None),
+    ("int8", "e4m3", None),
+  ],
+)
+def test_supported_pairs(a, b, mixed):
+  """Mixed e4m3/e5m2 pairs run from jax 0.11 (mixed-type wgmma); e5m2×e5m2 (no product of
+  the training step) and int8 with fp8 never."""
+  dtypes = {"int8": jnp.int8, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+  expected = False if mixed is None else (MIXED_FP8 or not mixed)
+  assert hopper._supported(dtypes[a], dtypes[b]) is expected
 
 
 @pytest.mark.gpu
