@@ -367,9 +367,13 @@ def run(args) -> int:
   label = f" (modeled costs for {', '.join(modeled)})" if modeled else ""
   if figures != "modeled":
     label += f" ({figures})"
+  # the cost counts the training groups' 8-bit ops (--train-precision auto) too: say how much
+  of_training = ""
+  if problem.train_ops:
+    of_training = f" ({search.training_cost(chosen.batches):.4g} of it the training groups' 8-bit ops)"
   print(
     f"chosen: {chosen.name}; predicted step {chosen.step_ms:.3f} ms, {chosen.samples_per_s:.1f} samples/s"
-    f"{label}, accuracy cost {chosen.cost:.4g}; {search.replays} replays in {seconds:.2f} s"
+    f"{label}, accuracy cost {chosen.cost:.4g}{of_training}; {search.replays} replays in {seconds:.2f} s"
   )
   # the summary labels each line "modeled: "; a calibrated plan's figures say so instead
   print("\n".join(f"{figures}: {line.removeprefix('modeled: ')}" for line in summary.lines()))

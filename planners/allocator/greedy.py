@@ -33,6 +33,11 @@ device supports, one per bit width (the least sensitive of a width), ordered 8 �
    QSync's ``Ω(level) − Ω(next level)``. Plans are immutable tuples, so a rejected move leaves
    no trace.
 
+A plan's Ω (``Allocation.omega``) is QSync's Σ Ω over the inference groups' ops, plus, for each
+training group that runs ops at 8 bits (``make_problem(train_ops=…)``), those ops' Ω above the
+training precision's (``Problem.train_cost``): the same for every assignment, so it moves no
+choice.
+
 ``exhaustive`` searches every combination of ladder levels for the plan of least total Ω
 under the same constraints (small graphs only). ``planners.allocator.joint`` chooses the groups'
 batches too, with ``greedy`` for the precisions at each batch.
@@ -81,6 +86,48 @@ def omega_table(indicator: Mapping[str, Any]) -> dict[str, dict[str, float]]:
   return {op: {p: float(v) for p, v in row.items()} for op, row in table.items()}
 
 
+def omega_of(omega: Mapping[str, Mapping[str, float]], op: str, precision: str) -> float:
+  """``omega[op][precision]``; ``PlanError`` naming the op and the precision where the table lacks
+  it or it is not finite."""
+  try:
+    value = float(omega[op][precision])
+  except KeyError:
+    raise PlanError(
+      f"the indicator has no Ω for op {op!r} at {precision!r}. "
+      f"Fix: run `qsync indicator --precisions {precision}` on this model."
+    ) from None
+  if not math.isfinite(value):
+    raise PlanError(f"the indicator's Ω of {op!r} at {precision!r} is {value}. Fix: recompute the indicator.")
+  return value
+
+
+def floor_precision(train_policy: str) -> str:
+  """The precision the accuracy cost counts Ω above: the training preset where it names a
+  precision, else fp32 (Ω 0)."""
+  return train_policy if train_policy in PRECISION_BITS else "fp32"
+
+
+def training_cost_per_share(
+  omega: Mapping[str, Mapping[str, float]], train_policy: str, eight_bit: Mapping[str, str]
+) -> float:
+  """A training group's accuracy cost per unit of batch share: its 8-bit ops' Ω above the training
+  precision's. Equivalent to::
+
+    train = floor_precision(train_policy)
+    sum(max(0, omega[op][PRESETS[p].fwd] - (0 if train == "fp32" else omega[op].get(train, 0)))
+        for op, p in eight_bit.items())
+
+  (Ω scores an op's forward product; where the table does not score the training precision, the
+  op's Ω counts above fp32's 0.) ``PlanError`` (``omega_of``) where the table lacks an op's Ω at its
+  8-bit precision."""
+  train = floor_precision(train_policy)
+  total = 0.0
+  for op, preset in sorted(eight_bit.items()):
+    floor = 0.0 if train == "fp32" else omega.get(op, {}).get(train, 0.0)
+    total += max(0.0, omega_of(omega, op, OpPolicy.preset(preset).fwd) - floor)
+  return total
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """Everything the search needs, precomputed. ``ladders[g][i]`` lists (precision, OpPolicy)."""
@@ -97,6 +144,9 @@ class Problem:
   train_ops: Mapping[str, Mapping[str, str]] = dataclasses.field(
     default_factory=dict
   )  # training group → op → 8-bit preset
+  train_cost: Mapping[str, float] = dataclasses.field(
+    default_factory=dict
+  )  # training group → accuracy cost per unit of batch share (``training_cost_per_share``)
   reduction: str = "flat"  # the plan's gradient reduction and optimizer update (``qsync_jax.plan``)
   optimizer_update: str = "replicated"
 
@@ -180,6 +230,7 @@ def make_problem(
     inference.append(len(groups))
     limits.append(int(g.memory_gb * 1e9))
     groups.append(GroupCost(g.name, prof, {}, g.batch_per_device))
+  eight_bit = {name: ops for name, ops in train_ops.items() if name in training and ops}
   return Problem(
     cluster,
     tuple(groups),
@@ -190,7 +241,8 @@ def make_problem(
     tuple(limits),
     bucket_bytes,
     train_policy,
-    {name: ops for name, ops in train_ops.items() if name in training and ops},
+    eight_bit,
+    {name: training_cost_per_share(omega, train_policy, ops) for name, ops in eight_bit.items()},
   )
 
 
@@ -233,6 +285,12 @@ class Evaluator:
     self._steps: dict[Assignment, float] = {}
     self._memory: dict[tuple[int, tuple[int, ...]], int] = {}
     self._groups: dict[tuple[int, tuple[int, ...]], GroupCost] = {}
+    # the training groups' part of ``omega``, the same for every assignment
+    self.training_cost = sum(
+      problem.train_cost.get(g.name, 0.0)
+      for gi, g in enumerate(problem.groups)
+      if gi not in problem.inference
+    )
 
   def cost(self, group: GroupCost, op_index: int):
     """``graph.op_costs``, memoized on (group, batch, op, its policy)."""
@@ -289,7 +347,13 @@ class Evaluator:
     return sync_step_ms(training, self.comm, self.cost) if training else 0.0
 
   def omega(self, assignment: Assignment) -> float:
-    return sum(self.problem.omega[j][i][lvl] for j, row in enumerate(assignment) for i, lvl in enumerate(row))
+    """QSync's Σ Ω of the inference groups' ops at their levels, plus each training group's
+    ``Problem.train_cost`` (its 8-bit ops' Ω above the training precision's); every group counted
+    once, whatever its count and batch."""
+    inference = sum(
+      self.problem.omega[j][i][lvl] for j, row in enumerate(assignment) for i, lvl in enumerate(row)
+    )
+    return inference + self.training_cost if self.training_cost else inference
 
 
 def _op_time(group: GroupCost, op_index: int) -> float:
@@ -340,7 +404,7 @@ def training_omega(problem: Problem) -> list[list[float]]:
   """Ω of every op of every inference group at the training precision's ladder level
   (``uniform_levels``): the accuracy cost counts Ω above it, so a move between levels at or below
   it (e.g. fp16 → fp32 when the training groups run fp16) recovers nothing."""
-  train = problem.train_policy if problem.train_policy in PRECISION_BITS else "fp32"
+  train = floor_precision(problem.train_policy)
   return [
     [problem.omega[j][i][lv] for i, lv in enumerate(uniform_levels(problem, j, train))]
     for j in range(len(problem.inference))

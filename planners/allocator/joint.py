@@ -6,8 +6,8 @@ granularity ``q`` (0 leaves an inference group out of the job; training groups a
 one ladder level per op (``planners.allocator.greedy``).
 
 **Accuracy cost** of a plan: ``Σ_groups (count·batch / B) · Σ_ops Ω(op, its precision)``, Ω
-the indicator's per-op score above that of the training precision (so 0 at it, and on
-training groups). The step averages
+the indicator's per-op score above that of the training precision (so 0 at it, and on a
+training group's ops but those it runs at 8 bits: ``Problem.train_cost``). The step averages
 per-example gradients over the global batch, so a group's quantization error enters the
 averaged gradient scaled by its share ``count·batch / B``; Ω scores an op's error on a whole
 batch, and independent per-example errors add linearly in the share. So the cost is
@@ -39,12 +39,15 @@ Search:
    ``cap`` no smaller); the combinations are visited in order of water level, a lower bound of
    their affine step, until it exceeds the fastest replayed step (beyond ``MARGIN``).
 3. *Least cost at* ``T = T_best·(1 + slack)``. The training groups alone, where they take
-   ``B`` within ``T``, cost 0 and end the search. Else, for each set of running inference
-   groups, the training groups take the largest batch (one for all) whose replayed step keeps
-   pace with ``T``, and the inference groups share the rest: a group's batch is bounded by its
-   affine steps at ``T``, its cost at a batch estimated from its configurations (its share
-   times the lower convex hull of their (affine step, cost) points at ``T``), and the split of
-   least estimated cost found by dynamic programming over the groups (``cheapest_split``).
+   ``B`` within ``T`` and run no op at 8 bits, cost 0 and end the search (with 8-bit ops they
+   cost their share's Ω and are one plan among the search's). Else, for each set of running
+   inference groups, the training groups take the largest batch (one for all) whose replayed
+   step keeps pace with ``T``, and the inference groups share the rest: a group's batch is
+   bounded by its affine steps at ``T``, its cost at a batch estimated from its configurations
+   (its share times the lower convex hull of their (affine step, cost) points at ``T``), and the
+   split of least estimated cost found by dynamic programming over the groups
+   (``cheapest_split``). Training groups with 8-bit ops take part in that split as one group
+   (any batch up to theirs, costing their share times their 8-bit ops' Ω).
    Splits go to the allocator's greedy in order of estimated cost over every set, each group's
    precisions at its batch (fastest first, then the most sensitive ops recovered while its
    step alone ≤ T), at most ``GREEDY_RUNS`` runs in all; the least-cost plan whose replayed
@@ -295,9 +298,10 @@ def _fastest(problem: Problem, s: Search, train_idx, configs) -> Candidate | Non
 
 def _least_cost(problem: Problem, s: Search, train_idx, configs, target) -> list[Candidate]:
   """Step 3 of the module docstring: the plans at ``target`` that the greedy was run for and
-  that keep pace (only the training groups alone, if they can take the whole batch)."""
+  that keep pace, and the training groups alone if they can take the whole batch (only they,
+  if that costs 0)."""
   alone = _training_only(problem, s, train_idx, target)
-  if alone is not None:
+  if alone is not None and alone.cost == 0:
     return [alone]
   order = itertools.count()
   queue = []  # (estimated cost, order, batches, Share)
@@ -310,7 +314,7 @@ def _least_cost(problem: Problem, s: Search, train_idx, configs, target) -> list
   for members in _subsets(problem.inference):
     if members:
       push(_share(problem, s, train_idx, members, configs, target, target))
-  out, runs, seen = [], 0, set()
+  out, runs, seen = [] if alone is None else [alone], 0, set()
   while queue and (runs == 0 or runs < GREEDY_RUNS) and not any(c.cost == 0 for c in out):
     _, _, batches, share = heapq.heappop(queue)
     if (tuple(batches), share.goal) in seen:
@@ -330,12 +334,24 @@ def _least_cost(problem: Problem, s: Search, train_idx, configs, target) -> list
 class Share:
   """The inference groups ``members`` sharing what the training groups leave (step 3 of the
   module docstring): ``batches`` has the training groups' batch (0 elsewhere); each member's
-  greedy targets ``goal``, and member ``gi`` takes a batch of at most ``highest[gi]``."""
+  greedy targets ``goal``, and member ``gi`` takes a batch of at most ``highest[gi]``. Where the
+  training groups cost something (8-bit ops: ``Search.training_cost``), their batch is at most
+  that of ``batches`` and is chosen with the members' (``cheapest``)."""
 
   batches: tuple[int, ...]
   members: tuple[int, ...]
   goal: float
   highest: dict[int, int]
+
+  def training_table(self, s: Search) -> list[float] | None:
+    """``[the training groups' cost at batch k·q for k = 0 … their batch in batches / q]`` (k = 0:
+    inf; every batch up to theirs keeps pace, the step rising with the batch), or None where they
+    cost nothing (then they take their batch in ``batches``)."""
+    if s.training_cost(self.batches) == 0:
+      return None
+    top = max(self.batches) // s.q
+    train = [b > 0 for b in self.batches]
+    return [math.inf] + [s.training_cost([k * s.q if t else 0 for t in train]) for k in range(1, top + 1)]
 
   def tables(self, s: Search, configs) -> list[list[float]]:
     """Each member's ``_cost_table`` at ``goal`` (affine steps within ``goal·(1 + MARGIN)``)."""
@@ -348,21 +364,34 @@ class Share:
     return out
 
   def cheapest(self, s: Search, configs) -> tuple[float, list[int]] | None:
-    """(estimated cost, batches) of the split of the rest of least estimated cost, or None."""
+    """(estimated cost, batches) of the split of the rest of least estimated cost, or None; where
+    the training groups cost something, of the whole batch over them (one batch for all, up to
+    theirs in ``batches``: ``training_table``) and the members."""
     counts = [g.count for g in s.p.cluster.groups]
-    rest = s.B - sum(c * b for c, b in zip(counts, self.batches))
-    found = cheapest_split(rest, [counts[gi] for gi in self.members], self.tables(s, configs), s.q)
+    training = self.training_table(s)
+    if training is None:
+      rest = s.B - sum(c * b for c, b in zip(counts, self.batches))
+      found = cheapest_split(rest, [counts[gi] for gi in self.members], self.tables(s, configs), s.q)
+      if found is None:
+        return None
+      batches = list(self.batches)
+      for gi, b in zip(self.members, found[1]):
+        batches[gi] = b
+      return found[0], batches
+    train_count = sum(c for c, b in zip(counts, self.batches) if b > 0)
+    member_counts = [counts[gi] for gi in self.members]
+    found = cheapest_split(s.B, [train_count, *member_counts], [training, *self.tables(s, configs)], s.q)
     if found is None:
       return None
-    batches = list(self.batches)
-    for gi, b in zip(self.members, found[1]):
+    batches = [found[1][0] if b > 0 else 0 for b in self.batches]
+    for gi, b in zip(self.members, found[1][1:]):
       batches[gi] = b
     return found[0], batches
 
   def neighbours(self, s: Search, configs, batches) -> list[tuple[float, list[int]]]:
     """(estimated cost, batches) of the splits one granule from ``batches``: member i gains
     ``count_j/g·q`` examples per device and member j loses ``count_i/g·q`` (g their gcd), so
-    the sum is kept; those with a finite estimate."""
+    the sum is kept (the training groups' batch too); those with a finite estimate."""
     counts = [g.count for g in s.p.cluster.groups]
     tables = dict(zip(self.members, self.tables(s, configs)))
     out = []
@@ -373,7 +402,7 @@ class Share:
       near[j] -= counts[i] // g * s.q
       ks = {gi: near[gi] // s.q for gi in self.members}
       if all(1 <= ks[gi] < len(tables[gi]) for gi in self.members):
-        est = sum(tables[gi][ks[gi]] for gi in self.members)
+        est = sum(tables[gi][ks[gi]] for gi in self.members) + s.training_cost(near)
         if est < math.inf:
           out.append((est, near))
     return out
@@ -384,7 +413,8 @@ def _share(
 ) -> Share | None:
   """The ``Share`` of ``members`` at ``goal`` (≤ ``target``): the training groups at the largest
   batch whose replayed step keeps pace with it (or smaller, while the rest cannot be split at
-  an affine step within ``goal·(1 + MARGIN)``); None if no batch leaves a split."""
+  an affine step within ``goal·(1 + MARGIN)``; where they cost something, that batch is their
+  most: ``Share.cheapest``); None if no batch leaves a split."""
   n, q, B = len(problem.groups), s.q, s.B
   counts = [g.count for g in problem.cluster.groups]
   limit = goal * (1 + MARGIN)
@@ -401,6 +431,8 @@ def _share(
     share = Share(tuple(b_train if gi in train_idx else 0 for gi in range(n)), members, goal, highest)
     if share.cheapest(s, configs) is not None:
       return share
+    if share.training_table(s) is not None:
+      return None  # its split already ranged over every training batch up to b_train
     b_train -= q
   return None
 
@@ -444,9 +476,7 @@ def _greedy_split(problem: Problem, s: Search, share: Share, batches, configs, t
   if cand.step_ms <= target * (1 + 1e-9):
     return cand, runs, goal, share.highest
   train_idx = [gi for gi in range(n) if gi not in problem.inference]
-  alone = [found[gi][1] for gi in members] + [
-    _training_step(s, train_idx, share.batches[train_idx[0]], batches)
-  ]
+  alone = [found[gi][1] for gi in members] + [_training_step(s, train_idx, batches[train_idx[0]], batches)]
   return None, runs, goal - 2 * (cand.step_ms - max(alone)), share.highest
 
 
@@ -500,7 +530,14 @@ def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
   )
   name = "training groups only, accumulating"
   return Candidate(
-    name, tuple(batches), tuple(rows), s.step(batches, rows), 0.0, s.B, fits, micro_steps=micro_steps
+    name,
+    tuple(batches),
+    tuple(rows),
+    s.step(batches, rows),
+    s.cost(batches, rows),
+    s.B,
+    fits,
+    micro_steps=micro_steps,
   )
 
 

@@ -29,12 +29,12 @@ For a cluster's training groups (``qsync plan --train-precision auto``) nothing 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
+from planners.allocator.greedy import omega_of
 from planners.ops import OpShape
 from planners.predictor.graph import op_costs
 from planners.profile import GroupCost, Profile
@@ -109,20 +109,7 @@ def paying_ops(
     )
 
   def cost(op: str) -> float:
-    preset = pay[op][0]
-    precision = PRESETS[preset].fwd
-    try:
-      value = float(omega[op][precision])
-    except KeyError:
-      raise PlanError(
-        f"the indicator has no Ω for op {op!r} at {precision!r}. "
-        f"Fix: run `qsync indicator --precisions {precision}` on this model."
-      ) from None
-    if not math.isfinite(value):
-      raise PlanError(
-        f"the indicator's Ω of {op!r} at {precision!r} is {value}. Fix: recompute the indicator."
-      )
-    return value
+    return omega_of(omega, op, PRESETS[pay[op][0]].fwd)
 
   total = sum(cost(op) for op in pay)
   chosen, spent = {}, 0.0

@@ -1,7 +1,8 @@
 """The joint planner's candidates and the search state that replays them.
 
 ``Candidate``: one plan (per-device batch of every group, ladder levels of every inference
-group, its predicted step and accuracy cost, the trainer mode it is predicted under).
+group, its predicted step and accuracy cost — the training groups' 8-bit ops included —, the
+trainer mode it is predicted under).
 ``Search``: replays candidate plans of a ``Problem`` (memoized: a plan is replayed once), fits
 each group's affine step model and prices a plan's accuracy cost (``planners.allocator.joint``'s
 module docstring).
@@ -14,12 +15,11 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from planners.allocator.greedy import Evaluator, Problem, uniform_levels
+from planners.allocator.greedy import Evaluator, Problem, floor_precision, uniform_levels
 from planners.allocator.splits import Affine, fastest_splits, largest_true
 from planners.predictor.memory_model import memory_bytes
 from planners.predictor.replay import comm_for, sync_step_ms
 from planners.profile import GroupCost
-from qsync_jax.precision import PRECISION_BITS
 
 Row = tuple[int, ...] | None
 """Ladder level of every op of an inference group (None: a training group)."""
@@ -94,7 +94,7 @@ class Search:
     self._steps: dict = {}
     self._affine: dict = {}
     self._greedy: dict = {}
-    train = problem.train_policy if problem.train_policy in PRECISION_BITS else "fp32"
+    train = floor_precision(problem.train_policy)
     self.base = [uniform_levels(problem, j, train) for j in range(len(problem.inference))]
 
   def group_at(self, gi: int, b: int, row: Row) -> GroupCost:
@@ -168,7 +168,11 @@ class Search:
     return dataclasses.replace(model, a=model.a + shift)
 
   def row_cost(self, gi: int, row: Row) -> float:
-    """The accuracy cost of group ``gi`` under ``row`` per unit of share (module docstring)."""
+    """The accuracy cost of group ``gi`` under ``row`` per unit of share (module docstring): an
+    inference group's ops' Ω above the training precision's; a training group's
+    ``Problem.train_cost`` (its 8-bit ops', 0 without any)."""
+    if gi not in self.p.inference:
+      return self.p.train_cost.get(self.p.groups[gi].name, 0.0)
     if row is None:
       return 0.0
     j = self.p.inference.index(gi)
@@ -176,11 +180,17 @@ class Search:
     return sum(max(0.0, om[i][lv] - om[i][base[i]]) for i, lv in enumerate(row))
 
   def cost(self, batches: Sequence[int], rows: Sequence[Row]) -> float:
-    """The accuracy cost (module docstring); Ω counts above the training precision's."""
+    """The accuracy cost (module docstring): ``Σ_groups that run (count·batch / B) · row_cost``; Ω
+    counts above the training precision's, on the training groups' 8-bit ops too."""
     counts = [g.count for g in self.p.cluster.groups]
     return sum(
       c * b / self.B * self.row_cost(gi, r) for gi, (c, b, r) in enumerate(zip(counts, batches, rows)) if b
     )
+
+  def training_cost(self, batches: Sequence[int]) -> float:
+    """The training groups' part of ``cost(batches, …)``: their 8-bit ops' Ω times their share."""
+    train = [0 if gi in self.p.inference else b for gi, b in enumerate(batches)]
+    return self.cost(train, [None] * len(train))
 
   def fits(self, gi: int, b: int, row: Row) -> bool:
     limit = self.p.cluster.groups[gi].memory_gb * 1e9

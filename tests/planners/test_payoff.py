@@ -3,9 +3,11 @@ the accuracy budget, and the whole measured search on this machine's CPU."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
-from planners.allocator import auto_policy
+from benchmarks.allocator import exhaustive_joint
+from planners.allocator import auto_policy, exhaustive, greedy, joint_plan, make_problem, plan_of
 from planners.allocator.payoff import (
   CANDIDATE_KINDS,
   OpPayoff,
@@ -15,7 +17,9 @@ from planners.allocator.payoff import (
   profile_paying_ops,
   profile_payoffs,
 )
+from planners.allocator.search import Search
 from planners.ops import OpShape
+from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners import tiny
@@ -170,3 +174,117 @@ def test_a_training_group_without_measured_8bit_times_or_kernels_is_refused_by_n
   modeled_base = dataclasses.replace(scaled, meta={"calibration": {"base": {"source": "modeled"}}})
   with pytest.raises(PlanError, match="is calibrated, not measured"):
     profile_paying_ops(modeled_base, "bf16", omega)
+
+
+# -- the accuracy cost of a training group's 8-bit ops (`qsync plan --train-precision auto`) --------
+
+TRAIN_8BIT = {"train": {"Dense_0:dense": "int8", "Dense_2:dense": "int8"}}
+"""Two of the three ops of the training group at int8; Ω above bf16's: (3 − 0.3) + (2 − 0.2) = 4.5."""
+
+
+def _cluster(slow: float):
+  """2 A100 training devices and 2 T4 inference devices, batch 8 each (B = 32): three dense ops of
+  1 ms per leg at fp32 on the A100, ``slow`` times that on the T4; Ω at int8 3, 1, 2 (fake_indicator)."""
+  train = fake_profile([(1.0, 1.0, 1.0)] * 3, device_type="A100")
+  infer = fake_profile([(slow, slow, slow)] * 3, device_type="T4")
+  cluster = ClusterSpec(
+    (DeviceGroup("train", "A100", 2, 40.0, 8, 100.0), DeviceGroup("infer", "T4", 2, 16.0, 8, 100.0))
+  )
+  return cluster, {"A100": train, "T4": infer}, fake_indicator(train.op_names, [3.0, 1.0, 2.0])
+
+
+def _hand_cost(plan, indicator, cluster) -> float:
+  """The objective's accuracy cost of ``plan``, by hand: Σ_groups (count·batch / B) · Σ_ops
+  max(0, Ω(op, its forward precision) − Ω(op, bf16)), Ω(op, fp32) = 0."""
+  omega = indicator["omega"]
+  total = 0.0
+  for g in cluster.groups:
+    share = g.count * plan.batch_per_device[g.name] / cluster.global_batch
+    policy = plan.policy_for(g.name)
+    total += share * sum(max(0.0, row[policy.lookup_name(op).fwd] - row["bf16"]) for op, row in omega.items())
+  return total
+
+
+def test_a_training_groups_8bit_ops_cost_their_omega_above_the_training_precision_times_their_share():
+  cluster, profiles, indicator = _cluster(2.0)
+  problem = make_problem(cluster, profiles, indicator, ["train"], "bf16", train_ops=TRAIN_8BIT)
+  assert problem.train_cost == {"train": pytest.approx(4.5)}
+  s = Search(problem, 1)
+  base = s.base[0]  # the inference group at the training precision's level: Ω 0 above it
+  # (count · batch / B) · 4.5, changing with the training group's share
+  assert s.cost((8, 8), (None, base)) == pytest.approx(2.25)
+  assert s.cost((12, 4), (None, base)) == pytest.approx(3.375)
+  assert s.cost((16, 0), (None, None)) == pytest.approx(4.5)
+  # Dense_1 at int8 on the inference group adds its share · (1 − 0.1)
+  assert s.cost((8, 8), (None, (base[0], 0, base[2]))) == pytest.approx(2.25 + 0.5 * 0.9)
+  assert s.training_cost((12, 4)) == pytest.approx(3.375)
+  chosen, cands, _ = joint_plan(problem, 1, 0.3)
+  for c in [chosen, *cands]:
+    assert c.cost == pytest.approx(_hand_cost(plan_of(problem, c), indicator, cluster)), c.name
+  alone = next(c for c in cands if c.name == "training groups only")
+  assert alone.batches == (16, 0) and alone.cost == pytest.approx(4.5)
+  # the greedy's Ω (QSync's Σ Ω, each group once) counts the training group's 4.5 too
+  blind = dataclasses.replace(problem, train_cost={})
+  assert greedy(problem).omega == pytest.approx(greedy(blind).omega + 4.5)
+  assert exhaustive(problem).omega == pytest.approx(exhaustive(blind).omega + 4.5)
+  # equal batches: the training groups alone, accumulating, cost their whole share
+  _, equal, _ = joint_plan(problem, 1, 0.3, batch="equal")
+  accumulating = next(c for c in equal if c.name == "training groups only, accumulating")
+  assert accumulating.cost == pytest.approx(4.5)
+
+
+def test_the_training_groups_8bit_omega_decides_between_plans_within_the_slack():
+  # at 30 % slack the dynamic batching split (13, 3) is fastest; the training group's 4.5 per
+  # share makes (12, 4), one example per device more on the T4 at its training-precision level
+  # (Ω 0 above it) and slower but within the slack, the cheaper plan: 2·12/32·4.5 = 3.375
+  cluster, profiles, indicator = _cluster(3.0)
+  problem = make_problem(cluster, profiles, indicator, ["train"], "bf16", train_ops=TRAIN_8BIT)
+  chosen, cands, search = joint_plan(problem, 1, 0.3)
+  assert chosen.batches == (12, 4) and chosen.rows[1] == search.base[0]
+  assert chosen.cost == pytest.approx(3.375)
+  assert chosen.step_ms <= min(c.step_ms for c in cands if c.fits) * 1.3 * (1 + 1e-9)
+  # blind to the training group's Ω every plan at the training precision costs 0: the fastest wins
+  blind, _, _ = joint_plan(dataclasses.replace(problem, train_cost={}), 1, 0.3)
+  assert blind.batches == (13, 3) and blind.cost == 0
+  counted = search.cost(blind.batches, blind.rows)
+  assert counted == pytest.approx(2 * 13 / 32 * 4.5) and counted > chosen.cost
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_joint_plan_with_training_8bit_ops_is_the_least_cost_plan_of_an_exhaustive_search(seed):
+  rng = np.random.default_rng(500 + seed)  # seeded: leg times, slowdown, Ω and which ops run 8-bit
+  leg_ms = [tuple(rng.uniform(0.2, 3.0, size=3)) for _ in range(3)]
+  train = fake_profile(leg_ms, device_type="A100")
+  infer = fake_profile([tuple(rng.uniform(1, 6) * t for t in legs) for legs in leg_ms], device_type="T4")
+  counts = [(2, 2), (1, 3), (3, 1), (2, 2)][seed]
+  cluster = ClusterSpec(
+    (
+      DeviceGroup("train", "A100", counts[0], 40.0, 4, 100.0),
+      DeviceGroup("infer", "T4", counts[1], 16.0, 4, 100.0),
+    )
+  )
+  indicator = fake_indicator(train.op_names, rng.exponential(size=3).tolist())
+  ops = {op: "int8" for op in train.op_names if rng.uniform() < 0.6} or {train.op_names[0]: "int8"}
+  problem = make_problem(
+    cluster, {"A100": train, "T4": infer}, indicator, ["train"], "bf16", train_ops={"train": ops}
+  )
+  slack = (0.0, 0.05, 0.2, 0.05)[seed]
+  chosen, _, _ = joint_plan(problem, 1, slack)
+  optimum, best_ms = exhaustive_joint(problem, slack)
+  assert chosen.step_ms <= best_ms * (1 + slack) * (1 + 1e-9)
+  assert chosen.cost == pytest.approx(optimum.cost)
+
+
+def test_a_training_groups_8bit_op_without_omega_at_its_precision_is_refused_before_the_search():
+  cluster, profiles, indicator = _cluster(2.0)
+  del indicator["omega"]["Dense_2:dense"]["int8"]
+  with pytest.raises(
+    PlanError, match=r"no Ω for op 'Dense_2:dense' at 'int8'\. Fix: run `qsync indicator --precisions int8`"
+  ):
+    make_problem(cluster, profiles, indicator, ["train"], "bf16", train_ops=TRAIN_8BIT)
+  # a training precision the indicator does not score (tf32): the 8-bit ops' Ω counts in full
+  _, _, full = _cluster(2.0)
+  problem = make_problem(cluster, profiles, full, ["train"], "tf32", train_ops=TRAIN_8BIT)
+  assert problem.train_cost == {"train": pytest.approx(3.0 + 2.0)}
+  # no 8-bit ops: no cost
+  assert make_problem(cluster, profiles, full, ["train"], "bf16").train_cost == {}
