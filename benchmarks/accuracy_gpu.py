@@ -5,7 +5,7 @@ standard library's source, trained on GPUs.
   embeddings, q/k/v/out projections, both attention products, the MLP and the head) over
   seeds: does uniform low precision cost held-out loss beyond the seed spread? ``auto``: the
   policy ``planners.allocator.auto_policy`` measures on this GPU (8-bit where it pays, else bf16);
-  ``int8_dense``: int8 on every Dense, the rest bf16 (``int8_dense_policy``).
+  ``int8_dense`` / ``fp8_dense``: that preset on every Dense, the rest bf16 (``dense_policy``).
 * ``compare`` (``benchmarks.accuracy --testbed gpt``): the planner's candidates trained on
   two devices with their batch shares and precisions.
 
@@ -96,16 +96,17 @@ def trained_rows(args, mode: str, trained: dict, extra: dict | None = None) -> l
   return rows
 
 
-def int8_dense_policy():
-  """int8 on every ``Dense`` / ``DenseGeneral`` (q/k/v/out projections, the MLP, the head), the
-  rest bf16 with the attention products fused: what ``auto_policy`` keeps on an H200 at GPT
-  widths 2048 and 4096 (``docs/results.md``), on this testbed's model."""
+def dense_policy(preset: str):
+  """``preset`` (``"int8"``, ``"fp8"``) on every ``Dense`` / ``DenseGeneral`` (q/k/v/out
+  projections, the MLP, the head), the rest bf16 with the attention products fused: what
+  ``auto_policy`` keeps on an H200 at GPT widths 2048 and 4096 (``docs/results.md``), on this
+  testbed's model."""
   from qsync_jax.policy import PrecisionPolicy, Rule
   from qsync_jax.precision import OpPolicy
 
-  int8 = OpPolicy.preset("int8")
+  op = OpPolicy.preset(preset)
   return PrecisionPolicy(
-    rules=(Rule(".*", int8, kind="dense"), Rule(".*", int8, kind="dense_general")),
+    rules=(Rule(".*", op, kind="dense"), Rule(".*", op, kind="dense_general")),
     default=OpPolicy.preset("bf16"),
   )
 
@@ -117,7 +118,7 @@ def sweep(args) -> int:
 
   task = zoo.task(MODEL)
   cluster = ClusterSpec.uniform("H100", 1, args.batch, memory_gb=80.0, name="gpu")
-  named = {"int8_dense": int8_dense_policy()}
+  named = {f"{p}_dense": dense_policy(p) for p in ("int8", "fp8")}
   plans = {
     p: (Plan() if p == "fp32" else Plan.uniform(cluster, named.get(p, p)))
     for p in args.policies
