@@ -64,11 +64,20 @@ def test_batchnorm_statistics_are_per_micro_batch():
   hand = jax.jit(jax.value_and_grad(hand_loss, has_aux=True), static_argnums=1)
   (loss, stats), ref = hand(state.params, ((0, 2), (2, 4), (4, 6)))
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
-  # fp32 tolerance: the same sums in another order (per-device partial sums, then the all-reduce);
-  # atol 1e-5: the bias of the Dense before BatchNorm has a true gradient of 0, both sides hold
-  # fp32 round-off (~1e-6) there.
-  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
-    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+  # The bias of the Dense before BatchNorm has a true gradient of 0 (BatchNorm subtracts the
+  # mean): both sides hold only fp32 round-off there, which BatchNorm's 1/std over a micro-batch
+  # of two examples scales up to ~1e-5 (1e-5 of the BatchNorm parameters' gradients, ~0.8), and
+  # which differs between two summation orders; it is checked against 0, not against each other.
+  for side in (grads, ref):
+    assert float(jnp.max(jnp.abs(side["Dense_0"]["bias"]))) < 1e-4
+  # fp32 tolerance elsewhere: the same sums in another order (per-device partial sums, then the
+  # all-reduce).
+  compared = 0
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
+    if jax.tree_util.keystr(path) != "['Dense_0']['bias']":
+      np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+      compared += 1
+  assert compared == 5
   for g, e in zip(jax.tree.leaves(new_state.model_state["batch_stats"]), jax.tree.leaves(stats)):
     np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7)
   # Statistics over the halves are not those over device a's whole batch (micro_steps 1, as
