@@ -353,7 +353,7 @@ class Evaluator:
     inference = sum(
       self.problem.omega[j][i][lvl] for j, row in enumerate(assignment) for i, lvl in enumerate(row)
     )
-    return inference + self.training_cost if self.training_cost else inference
+    return inference + self.training_cost
 
 
 def _op_time(group: GroupCost, op_index: int) -> float:

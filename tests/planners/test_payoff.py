@@ -252,7 +252,7 @@ def test_the_training_groups_8bit_omega_decides_between_plans_within_the_slack()
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_joint_plan_with_training_8bit_ops_is_the_least_cost_plan_of_an_exhaustive_search(seed):
-  rng = np.random.default_rng(500 + seed)  # seeded: leg times, slowdown, Ω and which ops run 8-bit
+  rng = np.random.default_rng(500 + seed)  # seeded: leg times, slowdown, Ω and the 8-bit ops
   leg_ms = [tuple(rng.uniform(0.2, 3.0, size=3)) for _ in range(3)]
   train = fake_profile(leg_ms, device_type="A100")
   infer = fake_profile([tuple(rng.uniform(1, 6) * t for t in legs) for legs in leg_ms], device_type="T4")
