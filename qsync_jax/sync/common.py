@@ -19,6 +19,12 @@ from qsync_jax.ops.vma import pvary
 
 AXIS = "data"
 
+STEP_COMPILER_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
+"""XLA options a data-parallel training step is compiled with (``jax.jit(...,
+compiler_options=...)``): up to 4 asynchronous collectives in flight at once. With XLA's default
+of one, its scheduler overlaps a single gradient all-reduce with the backward pass and queues the
+other buckets' all-reduces after the backward's last kernel, exposed."""
+
 
 def to_varying(tree, axis_name: str = AXIS):
   """Marks every leaf varying over ``axis_name`` (a no-op on leaves that already are)."""

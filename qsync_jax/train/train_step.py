@@ -63,7 +63,14 @@ from qsync_jax.ops.quant_ops import RNG_COLLECTION
 from qsync_jax.ops.vma import shard_map
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.sync.common import AXIS, all_gather_invariant, is_float, optimizer_init, to_varying
+from qsync_jax.sync.common import (
+  AXIS,
+  STEP_COMPILER_OPTIONS,
+  all_gather_invariant,
+  is_float,
+  optimizer_init,
+  to_varying,
+)
 from qsync_jax.sync.order import backward_order, from_order, in_order
 from qsync_jax.sync.qsdp import even_layout
 from qsync_jax.sync.two_level import check_two_level_sync, two_level_sync
@@ -181,6 +188,9 @@ class TrainStep(StepProgram):
   ``step(state, sharded_batch) -> (state, metrics)`` (plus the combined gradient when built
   with ``return_grads=True``); ``init(seed, host_batch)`` makes the first state;
   ``shard(host_batch)`` cuts a global batch into per-device shards on the mesh.
+
+  ``step`` is a top-level ``jax.jit`` compiled with ``STEP_COMPILER_OPTIONS``: call it (or its
+  ``lower`` / ``trace``), do not nest it inside another jit, where JAX refuses XLA options.
   """
 
   optimizer: optax.GradientTransformation
@@ -617,7 +627,7 @@ def make_train_step(
   )
   if donate is None:
     donate = devices[0].platform != "cpu"
-  step = jax.jit(mapped, donate_argnums=(0,) if donate else ())
+  step = jax.jit(mapped, donate_argnums=(0,) if donate else (), compiler_options=STEP_COMPILER_OPTIONS)
   state_sharding = TrainState(*(NamedSharding(mesh, s) for s in state_specs))
   return TrainStep(
     task=task,

@@ -99,7 +99,8 @@ def test_each_group_branch_has_its_planned_dtypes():
   ts = make_train_step(task, cluster, plan, optax.sgd(0.1))
   batch = _fresh_batch(task, ts.global_batch)
   state = ts.init(0, batch)
-  jaxpr = jax.make_jaxpr(ts.step)(state, ts.shard(batch)).jaxpr
+  # the step is a top-level jit with XLA options (it cannot be traced as a nested jit)
+  jaxpr = ts.step.trace(state, ts.shard(batch)).jaxpr.jaxpr
   cond = _find_cond(jaxpr)
   assert cond is not None and len(cond.params["branches"]) == 3
   by_group = {
