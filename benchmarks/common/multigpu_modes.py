@@ -20,6 +20,7 @@ from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.devices import device_type_of
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.sync.common import STEP_COMPILER_OPTIONS
 
 MODES = (
   ("flat", "replicated", 1),
@@ -228,7 +229,7 @@ def mode_rows(sizes, measured, predictions, link, device) -> list[dict]:
   )
   print(
     f"\nmodes on {n} devices (groups {list(sizes)}), link {link.link_gbps / 8:.0f} GB/s "
-    f"(fit: {link.latency_us:.0f} us per host-timed psum; modeled at {DEFAULT_LATENCY_US:g} us per collective): "
+    f"(fit: {link.latency_us:.0f} us per psum queued back to back; modeled at {DEFAULT_LATENCY_US:g} us per collective): "
     "measured (GPU 0 kernels) / modeled (replay) ms per step"
   )
   print(
@@ -281,6 +282,7 @@ def mode_rows(sizes, measured, predictions, link, device) -> list[dict]:
         link_gbps=link.link_gbps,
         link_fit_latency_us=link.latency_us,
         modeled_latency_us=DEFAULT_LATENCY_US,
+        step_compiler_options=STEP_COMPILER_OPTIONS,
       )
     )
   if not any(kern for _, kern in measured.values()):

@@ -30,7 +30,8 @@ def result_row(
   benchmark: str, case: str, metric: str, value, baseline, device: str, ratio=None, **extra
 ) -> dict:
   """One result: ``ratio`` defaults to ``value / baseline`` (None without a baseline); ``extra``
-  keys follow."""
+  keys follow, then the ``XLA_FLAGS`` the process ran with, where set."""
+  flags = os.environ.get("XLA_FLAGS")
   return {
     "benchmark": benchmark,
     "case": case,
@@ -42,6 +43,7 @@ def result_row(
     "baseline": baseline,
     "ratio": ratio if ratio is not None else (value / baseline if baseline else None),
     **extra,
+    **({"xla_flags": flags} if flags else {}),
   }
 
 
