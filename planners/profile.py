@@ -73,6 +73,12 @@ class Profile:
   forward_headroom: dict[str, int] = dataclasses.field(default_factory=dict)
   quantized_in_step_ms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
   group: str | None = None  # the device group this profile is of alone (None: every group of device_type)
+  fixed_share: float = 0.0
+  """The share of the step's compute at the profiled batch that does not scale with the batch
+  (launches, kernels too small to fill the device): one forward and backward over ``b``
+  examples costs ``fixed_share + (1 − fixed_share) · b / batch_per_device`` times the profiled
+  one (``GroupCost.compute_scale``). Fitted from the fit step timed at the profiled batch and at
+  half of it (``planners.profiler.fit.fit_fixed_share``); 0: compute linear in the batch."""
 
   @property
   def op_names(self) -> tuple[str, ...]:
@@ -133,6 +139,11 @@ class Profile:
         f'{source} is not a qsync profile (no "format": "{FORMAT}"). '
         "Fix: pass a file written by `qsync profile`."
       )
+    fixed = obj.get("fixed_share", 0.0)
+    if not isinstance(fixed, (int, float)) or not 0.0 <= fixed <= 1.0:
+      raise PlanError(
+        f"{source}: fixed_share {fixed!r} is not a share between 0 and 1. Fix: re-run `qsync profile`."
+      )
     try:
       return cls(
         **{k: obj[k] for k in ("model", "device_type", "source", "op_ms", "remainder_ms", "memory")},
@@ -147,6 +158,7 @@ class Profile:
           for op, legs in obj.get("quantized_in_step_ms", {}).items()
         },
         group=None if obj.get("group") is None else str(obj["group"]),
+        fixed_share=float(fixed),
       )
     except (KeyError, TypeError, ValueError) as e:
       raise PlanError(f"{source}: malformed profile ({e!r}). Fix: re-run `qsync profile`.") from None
@@ -162,8 +174,8 @@ class GroupCost:
   policies (op name → OpPolicy; None or absent: the unmodified float op), per-device batch and
   the micro-steps it runs that batch in (``Plan.micro_steps``: ``micro_batch`` examples each).
 
-  Compute is priced on ``batch_per_device`` whatever ``micro_steps`` (the step model is linear in
-  the batch: k micro-batches of b/k cost what b costs, to first order); memory on ``micro_batch``
+  Compute is priced at ``compute_scale`` times the profiled batch's (each micro-step pays the
+  profile's batch-independent share again); memory on ``micro_batch``
   (``planners.predictor.memory_model``)."""
 
   name: str
@@ -171,6 +183,14 @@ class GroupCost:
   op_policies: Mapping[str, OpPolicy | None]
   batch_per_device: int
   micro_steps: int = 1
+
+  @property
+  def compute_scale(self) -> float:
+    """The group's forward and backward over the profiled batch's: ``k·f + (1 − f)·b/p`` for
+    ``k`` micro-steps over a per-device batch ``b``, the profile's batch ``p`` and fixed share
+    ``f`` (``Profile.fixed_share``); ``b/p`` where ``f`` is 0."""
+    f = self.profile.fixed_share
+    return self.micro_steps * f + (1.0 - f) * self.batch_per_device / self.profile.batch_per_device
 
   @property
   def micro_batch(self) -> int:

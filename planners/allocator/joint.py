@@ -513,8 +513,9 @@ def _training_only(problem: Problem, s: Search, train_idx, target) -> Candidate 
 def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
   """The training groups alone, each device at its spec batch ``m`` per micro-step, ``k = B /
   sum(count·m)`` micro-steps (per-device batch ``k·m``), the inference groups out; None unless
-  ``k`` is a whole number. Its step is the replay at batches ``k·m`` (compute does not depend
-  on ``k``), its memory that of one micro-batch (``memory_bytes``)."""
+  ``k`` is a whole number. Its step is the replay at batches ``k·m`` in ``k`` micro-steps (each
+  paying the profile's batch-independent share, ``GroupCost.compute_scale``), its memory that
+  of one micro-batch (``memory_bytes``)."""
   groups = problem.cluster.groups
   k, rem = divmod(s.B, sum(groups[gi].count * groups[gi].batch_per_device for gi in train_idx))
   if rem or k < 2:
@@ -533,7 +534,7 @@ def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
     name,
     tuple(batches),
     tuple(rows),
-    s.step(batches, rows),
+    s.step(batches, rows, micro_steps=micro_steps),
     s.cost(batches, rows),
     s.B,
     fits,

@@ -119,19 +119,30 @@ class Search:
     return self._comm[key]
 
   def step(
-    self, batches: Sequence[int], rows: Sequence[Row], comm_batches: Sequence[int] | None = None
+    self,
+    batches: Sequence[int],
+    rows: Sequence[Row],
+    comm_batches: Sequence[int] | None = None,
+    micro_steps: Sequence[int] = (),
   ) -> float:
     """The predicted synchronous step of the groups that run (with the all-reduce of the
-    groups that run in ``comm_batches``, default ``batches``)."""
+    groups that run in ``comm_batches``, default ``batches``), each in its ``micro_steps``
+    (per group; empty: 1 everywhere)."""
     comm_batches = batches if comm_batches is None else comm_batches
+    micro_steps = tuple(micro_steps) or (1,) * len(batches)
     key = (
       tuple(batches),
       tuple(r if b else None for b, r in zip(batches, rows)),
       tuple(b > 0 for b in comm_batches),
+      micro_steps,
     )
     if key not in self._steps:
       self.replays += 1
-      groups = [self.group_at(gi, b, r) for gi, (b, r) in enumerate(zip(batches, rows)) if b > 0]
+      groups = [
+        dataclasses.replace(self.group_at(gi, b, r), micro_steps=k)
+        for gi, (b, r, k) in enumerate(zip(batches, rows, micro_steps))
+        if b > 0
+      ]
       self._steps[key] = sync_step_ms(groups, self.comm(comm_batches), self.ev.cost)
     return self._steps[key]
 

@@ -29,7 +29,9 @@ remainder (forward, backward) → for each op in reverse: [cast] → dlhs → dr
     broadcast``), each a shared node over all of the comm's groups; then each group runs the
     whole optimizer update. No overlap.
 
-Times scale linearly with the group's batch over the profiled batch. ``longest_path`` gives
+A group's compute times are the profiled ones times ``GroupCost.compute_scale``: linear in its
+batch over the profiled batch, plus the profile's batch-independent share again for every
+micro-step after the first. ``longest_path`` gives
 every node's start and end; the synchronous step is the latest end. ``step_ms`` computes that
 latest end without building the graph (what a planner replays per candidate plan).
 """
@@ -143,7 +145,7 @@ def op_costs(group: GroupCost, op_index: int) -> dict[str, tuple[float, str]]:
   prof = group.profile
   op = prof.ops[op_index]
   pol = group.op_policies.get(op.name) or OpPolicy.uniform(float_precision(prof))
-  costs = standalone_costs(prof, op_index, pol, group.batch_per_device / prof.batch_per_device)
+  costs = standalone_costs(prof, op_index, pol, group.compute_scale)
   return in_step(costs, in_step_factors(prof, op_index))
 
 
@@ -263,7 +265,7 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
   last = []
   for g in groups:
     prof = g.profile
-    scale = g.batch_per_device / prof.batch_per_device
+    scale = g.compute_scale
     prev: tuple[int, ...] = ()
     drhs_nodes = {}
     costs = [cost_fn(g, i) for i in range(len(prof.ops))]
@@ -384,7 +386,7 @@ def chain_times(group: GroupCost, cost_fn) -> ChainTimes:
   order from 0, as ``longest_path`` sums them (bit-for-bit the same floats)."""
   prof = group.profile
   costs = [cost_fn(group, i) for i in range(len(prof.ops))]
-  scale = group.batch_per_device / prof.batch_per_device
+  scale = group.compute_scale
   forward = [c["fwd"][0] for c in costs] + [scale * prof.remainder_ms[part] for part in ("fwd", "bwd")]
   backward = [[c[kind][0] for kind in ("cast_bwd", "dlhs", "drhs") if kind in c] for c in costs]
   t, peak = 0.0, -math.inf

@@ -142,4 +142,5 @@ def modeled_profile(base: Profile, device_type: str) -> Profile:
     forward_headroom={},
     quantized_in_step_ms={},
     group=None,  # a device type's profile, even when modeled from one group's
+    fixed_share=0.0,  # the catalog's costs are linear in the batch
   ).with_remainder(remainder_ms(spec, base.ops))

@@ -6,7 +6,10 @@
   where standalone op timings exceed their cost inside the fused step);
 * ``fit_memory`` — ``other_bytes``: XLA's peak of the compiled fp32 step minus what the memory
   model accounts for, and ``other_bytes_16bit`` likewise on the all-bf16 step;
-* ``fit_profile`` — both, from the measurements a profile's ``meta`` records.
+* ``fit_fixed_share`` — ``fixed_share``: from the fit step timed at the profiled batch and at
+  half of it, the share of its compute (the step less the optimizer update) that the half
+  batch still pays;
+* ``fit_profile`` — all three, from the measurements a profile's ``meta`` records.
 """
 
 from __future__ import annotations
@@ -91,10 +94,40 @@ def fit_memory(profile: Profile, fp32_peak: int | None, sixteen_bit_peak: int | 
   return out
 
 
+def fit_fixed_share(
+  step_ms: float, batch: int, small_step_ms: float, small_batch: int, optimizer_ms: float
+) -> float:
+  """The ``f`` for which a forward and backward (a step less ``optimizer_ms``) over ``small_batch``
+  costs ``f + (1 − f) · small_batch / batch`` times the one over ``batch``, measured as
+  ``small_step_ms`` and ``step_ms``; clipped to [0, 1] (0 where the small step costs no more
+  than its share of the batch, 1 where it costs the whole step). ``ValueError`` unless
+  ``0 < small_batch < batch``."""
+  if not 0 < small_batch < batch:
+    raise ValueError(f"small_batch {small_batch} must be between 0 and batch {batch}, exclusive.")
+  compute, small = step_ms - optimizer_ms, small_step_ms - optimizer_ms
+  if compute <= 0:
+    return 0.0
+  r = small_batch / batch
+  return float(min(1.0, max(0.0, (small / compute - r) / (1.0 - r))))
+
+
 def fit_profile(profile: Profile) -> Profile:
-  """``profile`` with its remainder and memory corrections fitted to the measurements its meta
-  records: ``fit_preset`` and ``fit_step_ms`` (the median of the fit step's round medians),
-  ``fp32_xla_peak_bytes`` and, where compiled, ``bf16_xla_peak_bytes``."""
+  """``profile`` with its remainder, memory corrections and fixed share fitted to the
+  measurements its meta records: ``fit_preset`` and ``fit_step_ms`` (the median of the fit
+  step's round medians), ``fp32_xla_peak_bytes`` and, where compiled, ``bf16_xla_peak_bytes``;
+  where timed, ``fit_step_small_ms`` at ``fit_small_batch`` (else the fixed share is 0)."""
   meta = profile.meta
-  out = fit_remainder(profile, meta["fit_preset"], meta["fit_step_ms"])
+  fixed = 0.0
+  if "fit_step_small_ms" in meta:
+    fixed = fit_fixed_share(
+      meta["fit_step_ms"],
+      profile.batch_per_device,
+      meta["fit_step_small_ms"],
+      meta["fit_small_batch"],
+      profile.optimizer_ms,
+    )
+  # the remainder is fitted at the profiled batch, where the fixed share changes nothing
+  out = fit_remainder(
+    dataclasses.replace(profile, fixed_share=fixed), meta["fit_preset"], meta["fit_step_ms"]
+  )
   return fit_memory(out, meta.get("fp32_xla_peak_bytes"), meta.get("bf16_xla_peak_bytes"))

@@ -6,10 +6,11 @@ precision and every preset op policy whose precisions are profiled (``planners.p
 on a GPU on the device clock with the activations precast, elsewhere on the step clock less the
 dispatch overhead), keeping the op tables in a checkpoint file after every op so that an
 interrupted profile resumes (``planners.profiler.checkpoint``); times the optimizer, the casts
-and, over ``fit_rounds`` rounds, the fit step (``planners.profiler.fit.fit_preset``); compiles the fp32
+and, over ``fit_rounds`` rounds, the fit step (``planners.profiler.fit.fit_preset``) at the
+profiled batch and at half of it; compiles the fp32
 step (XLA's peak, each op's forward headroom) and takes the all-bf16 step's peak; on the device
 clock traces the all-int8 step op by op (``Profile.quantized_in_step_ms``); then fits the
-remainder and the memory corrections (``planners.profiler.fit.fit_profile``).
+remainder, the memory corrections and the fixed share (``planners.profiler.fit.fit_profile``).
 """
 
 from __future__ import annotations
@@ -193,6 +194,19 @@ def measure_profile(
     clocks=(step_clock,),
     progress=lambda msg: say(f"fit step: {msg}"),
   )[step_clock][preset]
+  small = batch_per_device // 2
+  small_ms = None
+  if small >= 1:  # the same step at half the batch: what of its compute does not scale (fixed_share)
+    say(f"fit step at {small} per device (the fixed share)")
+    small_ms = timing.time_train_steps_interleaved(
+      task,
+      {preset: PrecisionPolicy.uniform(preset)},
+      timing.device_batch(task, small, seed),
+      step_repeats,
+      fit_rounds,
+      clocks=(step_clock,),
+      progress=lambda msg: say(f"fit step at {small}: {msg}"),
+    )[step_clock][preset][0]
   say("memory: the fp32 step compiled")
   fp32_peak, headroom = step_memory(task, batch, ops, seed)
   sixteen_bit_peak = fit_peak if preset == SIXTEEN_BIT_PRESET else None
@@ -218,6 +232,7 @@ def measure_profile(
     "fit_preset": preset,
     "fit_step_ms": fit_ms,
     "fit_step_round_ms": round_ms,
+    **({"fit_small_batch": small, "fit_step_small_ms": small_ms} if small_ms is not None else {}),
     "fp32_xla_peak_bytes": fp32_peak,
     **({"bf16_xla_peak_bytes": sixteen_bit_peak} if sixteen_bit_peak is not None else {}),
   }
@@ -277,6 +292,17 @@ def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
   peak, headroom = step_memory(task, batch, ops, seed)
   meta = {**versions(), "fp32_xla_peak_bytes": peak}
   skeleton = Profile(
-    task.name, device_type_of(jax.devices()[0]), "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory, meta, headroom
+    task.name,
+    device_type_of(jax.devices()[0]),
+    "traced",
+    batch_per_device,
+    ops,
+    {},
+    {},
+    0.0,
+    {},
+    memory,
+    meta,
+    headroom,
   )
   return fit_memory(skeleton, peak)

@@ -64,6 +64,29 @@ def test_a_profile_scaled_by_a_known_factor_is_recovered_from_its_measured_point
   assert at_20 == pytest.approx(one_device_compute_ms(GroupCost("g", truth, policies, 20)), rel=1e-12)
 
 
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.8])
+def test_points_at_several_batches_recover_the_fixed_share_and_the_scale(share):
+  base = _base()
+  policies = {"Dense_0:dense": None, "Dense_1:dense": OpPolicy.preset("int8_fwd")}
+  truth = dataclasses.replace(base, fixed_share=share).times_scaled(1.7)
+  points = {b: one_device_compute_ms(GroupCost("g", truth, policies, b)) for b in (4, 8, 16)}
+  cal = calibrated_profile(base, "g", policies, GroupMeasurement(3, points), "runs/a", "cpu.json")
+  assert cal.fixed_share == pytest.approx(share, abs=1e-9)
+  assert cal.meta["calibration"]["fixed_share"] == cal.fixed_share
+  assert cal.meta["calibration"]["scale"] == pytest.approx(1.7, rel=1e-9)
+  for b in (2, 24):  # batches it was not measured at
+    want = one_device_compute_ms(GroupCost("g", truth, policies, b))
+    assert one_device_compute_ms(GroupCost("g", cal, policies, b)) == pytest.approx(want, rel=1e-9)
+
+
+def test_one_batch_keeps_the_profiles_fixed_share_and_a_flat_line_takes_all_of_it():
+  base = dataclasses.replace(_base(), fixed_share=0.25)
+  one = calibrated_profile(base, "g", {}, GroupMeasurement(1, {8: 20.0}), "runs/a", "cpu.json")
+  assert one.fixed_share == 0.25
+  flat = calibrated_profile(base, "g", {}, GroupMeasurement(1, {4: 20.0, 8: 20.0}), "runs/a", "cpu.json")
+  assert flat.fixed_share == 1.0  # a time-sliced device: the time does not grow with the batch
+
+
 def test_one_device_compute_is_the_replays_compute_of_a_replicated_update():
   base = _base()
   cluster = ClusterSpec((DeviceGroup("g", "cpu", 2, 16.0, 8),))

@@ -1,6 +1,8 @@
 """Joint batch × precision planning: never slower than an alternative (beyond the slack), plans
 that fit and keep their batch sums, batch splits as the replay predicts them, named errors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -118,12 +120,26 @@ def test_equal_mode_drops_a_slow_inference_group_and_accumulates():
   assert chosen.to_json(problem)["micro_steps"] == {"train": 2, "infer": 1}
 
 
+def test_the_accumulating_candidate_pays_its_fixed_share_per_micro_step():
+  cluster, profiles, indicator = _setup([(1.0, 1.0, 1.0)] * 3, 40.0, [1.0, 1.0, 1.0])
+  profiles = {**profiles, "A100": dataclasses.replace(profiles["A100"], fixed_share=0.5)}
+  problem = make_problem(cluster, profiles, indicator)
+  chosen, _, _ = joint_plan(problem, 1, 0.0, batch="equal")
+  assert (chosen.batches, chosen.micro_steps) == ((16, 0), (2, 1))
+  plan = plan_of(problem, chosen)
+  assert predict(cluster, profiles, plan).step_ms == pytest.approx(chosen.step_ms)
+  one_pass = predict(cluster, profiles, dataclasses.replace(plan, micro_steps={})).step_ms
+  # the second micro-step pays half the profiled 8 ms of compute again (3 ops; no dlhs of the first)
+  assert chosen.step_ms - one_pass == pytest.approx(0.5 * 8.0)
+
+
 def test_micro_steps_cut_modeled_memory_not_step_time():
   prof = fake_profile([(1.0, 1.0, 1.0)] * 2, device_type="A100", lhs_elems=100_000)
   cluster = ClusterSpec((DeviceGroup("g", "A100", 2, 40.0, 16, 100.0),))
   whole = predict(cluster, {"A100": prof}, Plan())
   halves = predict(cluster, {"A100": prof}, Plan(micro_steps={"g": 2}))
-  assert halves.step_ms == whole.step_ms  # compute is linear in the batch: 2 × 8 costs what 16 does
+  # without a fixed share (fake_profile's) compute is linear in the batch: 2 × 8 costs what 16 does
+  assert halves.step_ms == whole.step_ms
   # activations of 8 examples instead of 16, plus one fp32 gradient accumulator (the parameters' size)
   saved = 2 * 4 * 100_000 * (16 - 8) // 8 - prof.memory["param_bytes"]
   assert whole.memory_bytes["g"] - halves.memory_bytes["g"] == saved > 0
