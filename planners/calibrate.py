@@ -10,14 +10,12 @@ line ``{"step": N, "replan": {"measured_ms": {group: {"<batch>": ms, ...}}, ...}
   (and, where that record lifted the group's 8-bit legs to 16 bits, the lifted policy's points:
   the plan that ran holds the lifted policy unless the re-plan was undone);
 * ``fit_scale``: the least-squares scale through the origin of modeled against measured times;
-* ``fit_fixed_share``: the share of a group's compute that does not grow with its batch
-  (``Profile.fixed_share``), from points at two batches or more;
 * ``calibrated_profile``: a group's profile scaled to its measurements. The model's equivalent
   of what was measured is ``planners.predictor.replay.one_device_compute_ms`` of the group at
   its policy at each measured batch, from the profile the planner costs it with
   (``profile_for``: its device type's, measured or modeled from the catalog); where the group
   was measured at two batches or more, that profile's fixed share refitted to them
-  (``fit_fixed_share``), then one scale ``s`` per group, ``fit_scale`` over its points; the
+  (``planners.profiler.fit.fit_fixed_share``), then one scale ``s`` per group, ``fit_scale`` over its points; the
   group's profile is that profile with every time times ``s`` (``Profile.times_scaled``: op
   legs, remainder, optimizer, cast models),
   ``group`` set (it wins over its device type's profile for that group alone),
@@ -40,6 +38,7 @@ from typing import Any, NamedTuple
 
 from planners.predictor.replay import base_profile, one_device_compute_ms, profile_for
 from planners.profile import GroupCost, Profile, profile_key
+from planners.profiler.fit import fit_fixed_share
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
@@ -113,36 +112,6 @@ def fit_scale(pairs: Sequence[tuple[float, float]]) -> float:
   return sum(x * y for x, y in pairs) / den
 
 
-def fit_fixed_share(
-  base: Profile, group: str, policies: Mapping[str, OpPolicy | None], points: Mapping[int, float]
-) -> float:
-  """The fixed share ``f`` (``Profile.fixed_share``) of ``base`` at ``policies`` under which the
-  modeled compute grows with the batch as the measured ``{per-device batch: ms}`` ``points``
-  (two batches or more) do: the model at a fixed share ``f`` is a line ``A(f) + B(f)·b`` (both
-  linear in ``f``), and ``f`` makes ``A(f) / B(f)`` the ratio ``α / β`` of the least-squares line
-  ``α + β·b`` through the points (the scale fitted after it sets the level); clipped to
-  [0, 1] (1 where the measured time does not grow with the batch)."""
-
-  def line(f: float) -> tuple[float, float]:
-    prof, p = dataclasses.replace(base, fixed_share=f), base.batch_per_device
-    at_p, at_2p = (one_device_compute_ms(GroupCost(group, prof, policies, b)) for b in (p, 2 * p))
-    slope = (at_2p - at_p) / p
-    return at_p - slope * p, slope
-
-  xs = sorted(points)
-  mean_x = sum(xs) / len(xs)
-  mean_y = sum(points[b] for b in xs) / len(xs)
-  beta = sum((b - mean_x) * (points[b] - mean_y) for b in xs) / sum((b - mean_x) ** 2 for b in xs)
-  if beta <= 0:
-    return 1.0
-  rho = (mean_y - beta * mean_x) / beta
-  (a0, b0), (a1, b1) = line(0.0), line(1.0)
-  den = (a1 - a0) - rho * (b1 - b0)
-  if den == 0:
-    return base.fixed_share
-  return min(1.0, max(0.0, (rho * b0 - a0) / den))
-
-
 def calibrated_profile(
   base: Profile,
   group: str,
@@ -156,7 +125,7 @@ def calibrated_profile(
   names ``base`` (its file) in the record. See the module docstring."""
   batches = sorted(measured.points)
   if len(batches) > 1:  # how the time grows with the batch is measured too
-    base = dataclasses.replace(base, fixed_share=fit_fixed_share(base, group, policies, measured.points))
+    base = dataclasses.replace(base, fixed_share=fit_fixed_share(base, policies, measured.points, group))
   modeled = {b: one_device_compute_ms(GroupCost(group, base, policies, b)) for b in batches}
   scale = fit_scale([(modeled[b], measured.points[b]) for b in batches])
   if not scale > 0:  # a modeled time below 0 (a negative fitted remainder)

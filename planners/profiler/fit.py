@@ -6,26 +6,26 @@
   where standalone op timings exceed their cost inside the fused step);
 * ``fit_memory`` — ``other_bytes``: XLA's peak of the compiled fp32 step minus what the memory
   model accounts for, and ``other_bytes_16bit`` likewise on the all-bf16 step;
-* ``fit_fixed_share`` — ``fixed_share``: from the fit step timed at the profiled batch and at
-  half of it, the share of its compute (the step less the optimizer update) that the half
-  batch still pays;
+* ``fit_fixed_share`` — ``fixed_share``: the share of the modeled compute that does not grow
+  with the batch, fitted to measured steps at two batches or more (the fit step at the profiled
+  batch and at half of it; a training run's points, ``planners.calibrate``);
 * ``fit_profile`` — all three, from the measurements a profile's ``meta`` records.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from planners.predictor.memory_model import memory_bytes
-from planners.predictor.replay import predict
+from planners.predictor.replay import one_device_compute_ms, predict
 from planners.profile import CastModel, GroupCost, Profile
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.precision import PRESETS
+from qsync_jax.precision import PRESETS, OpPolicy
 
 SIXTEEN_BIT_PRESET = "bf16"
 """The uniform 16-bit preset: the remainder's fit step where profiled, and the step whose XLA
@@ -95,20 +95,39 @@ def fit_memory(profile: Profile, fp32_peak: int | None, sixteen_bit_peak: int | 
 
 
 def fit_fixed_share(
-  step_ms: float, batch: int, small_step_ms: float, small_batch: int, optimizer_ms: float
+  profile: Profile,
+  policies: Mapping[str, OpPolicy | None],
+  points: Mapping[int, float],
+  group: str = "local",
 ) -> float:
-  """The ``f`` for which a forward and backward (a step less ``optimizer_ms``) over ``small_batch``
-  costs ``f + (1 − f) · small_batch / batch`` times the one over ``batch``, measured as
-  ``small_step_ms`` and ``step_ms``; clipped to [0, 1] (0 where the small step costs no more
-  than its share of the batch, 1 where it costs the whole step). ``ValueError`` unless
-  ``0 < small_batch < batch``."""
-  if not 0 < small_batch < batch:
-    raise ValueError(f"small_batch {small_batch} must be between 0 and batch {batch}, exclusive.")
-  compute, small = step_ms - optimizer_ms, small_step_ms - optimizer_ms
-  if compute <= 0:
-    return 0.0
-  r = small_batch / batch
-  return float(min(1.0, max(0.0, (small / compute - r) / (1.0 - r))))
+  """The fixed share ``f`` (``Profile.fixed_share``) of ``profile`` at ``policies`` under which
+  the modeled compute of one device (``one_device_compute_ms``) grows with the batch as the
+  measured ``{per-device batch: ms}`` ``points`` (two batches or more) do: the model at a fixed
+  share ``f`` is a line ``A(f) + B(f)·b`` (both linear in ``f``), and ``f`` makes ``A(f) / B(f)``
+  the ratio ``α / β`` of the least-squares line ``α + β·b`` through the points (the level is
+  the remainder's or the calibration scale's); clipped to [0, 1] (1 where the measured time does
+  not grow with the batch)."""
+
+  def line(share: float) -> tuple[float, float]:
+    prof, p = dataclasses.replace(profile, fixed_share=share), profile.batch_per_device
+    at_p, at_2p = (one_device_compute_ms(GroupCost(group, prof, policies, b)) for b in (p, 2 * p))
+    slope = (at_2p - at_p) / p
+    return at_p - slope * p, slope
+
+  xs = sorted(points)
+  if len(xs) < 2:
+    raise ValueError(f"fit_fixed_share needs points at two batches or more, got {dict(points)}.")
+  mean_x = sum(xs) / len(xs)
+  mean_y = sum(points[b] for b in xs) / len(xs)
+  beta = sum((b - mean_x) * (points[b] - mean_y) for b in xs) / sum((b - mean_x) ** 2 for b in xs)
+  if beta <= 0:
+    return 1.0
+  rho = (mean_y - beta * mean_x) / beta
+  (a0, b0), (a1, b1) = line(0.0), line(1.0)
+  den = (a1 - a0) - rho * (b1 - b0)
+  if den == 0:
+    return profile.fixed_share
+  return min(1.0, max(0.0, (rho * b0 - a0) / den))
 
 
 def fit_profile(profile: Profile) -> Profile:
@@ -117,17 +136,12 @@ def fit_profile(profile: Profile) -> Profile:
   step's round medians), ``fp32_xla_peak_bytes`` and, where compiled, ``bf16_xla_peak_bytes``;
   where timed, ``fit_step_small_ms`` at ``fit_small_batch`` (else the fixed share is 0)."""
   meta = profile.meta
+  # the remainder is fitted at the profiled batch, where the fixed share changes nothing
+  out = fit_remainder(profile, meta["fit_preset"], meta["fit_step_ms"])
   fixed = 0.0
   if "fit_step_small_ms" in meta:
-    fixed = fit_fixed_share(
-      meta["fit_step_ms"],
-      profile.batch_per_device,
-      meta["fit_step_small_ms"],
-      meta["fit_small_batch"],
-      profile.optimizer_ms,
-    )
-  # the remainder is fitted at the profiled batch, where the fixed share changes nothing
-  out = fit_remainder(
-    dataclasses.replace(profile, fixed_share=fixed), meta["fit_preset"], meta["fit_step_ms"]
-  )
+    policies = PrecisionPolicy.uniform(meta["fit_preset"]).resolve(out.op_names)
+    points = {out.batch_per_device: meta["fit_step_ms"], meta["fit_small_batch"]: meta["fit_step_small_ms"]}
+    fixed = fit_fixed_share(out, policies, points)
+  out = dataclasses.replace(out, fixed_share=fixed)
   return fit_memory(out, meta.get("fp32_xla_peak_bytes"), meta.get("bf16_xla_peak_bytes"))

@@ -51,17 +51,19 @@ def test_the_replay_charges_micro_steps_their_fixed_share():
 
 @pytest.mark.parametrize("f", [0.0, 0.3, 0.9])
 def test_fit_fixed_share_recovers_an_affine_compute(f):
-  compute, opt = 20.0, 3.0
+  base = fake_profile(LEGS, batch=8, optimizer_ms=3.0, remainder_ms=12.0)
+  truth = dataclasses.replace(base, fixed_share=f)
   for small in (1, 4, 7):
-    small_ms = compute * (f + (1 - f) * small / 8) + opt
-    assert fit_fixed_share(compute + opt, 8, small_ms, small, opt) == pytest.approx(f)
+    points = {b: one_device_compute_ms(_group(truth, b)) for b in (small, 8)}
+    assert fit_fixed_share(base, {}, points) == pytest.approx(f)
 
 
 def test_fit_fixed_share_clips_and_checks_its_batches():
-  assert fit_fixed_share(13.0, 8, 3.0, 4, 3.0) == 0.0  # the half batch costs nothing
-  assert fit_fixed_share(13.0, 8, 20.0, 4, 3.0) == 1.0  # the half batch costs more than all
-  with pytest.raises(ValueError, match="small_batch 8 must be between 0 and batch 8"):
-    fit_fixed_share(13.0, 8, 10.0, 8, 3.0)
+  base = fake_profile(LEGS, batch=8, optimizer_ms=3.0)
+  assert fit_fixed_share(base, {}, {4: 3.0, 8: 13.0}) == 0.0  # the half batch costs nothing
+  assert fit_fixed_share(base, {}, {4: 13.0, 8: 13.0}) == 1.0  # it costs the whole step
+  with pytest.raises(ValueError, match="needs points at two batches or more"):
+    fit_fixed_share(base, {}, {8: 13.0})
 
 
 def test_fit_profile_fits_the_share_and_keeps_the_fit_step():
