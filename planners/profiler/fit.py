@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -105,8 +106,10 @@ def fit_fixed_share(
   measured ``{per-device batch: ms}`` ``points`` (two batches or more) do: the model at a fixed
   share ``f`` is a line ``A(f) + B(f)·b`` (both linear in ``f``), and ``f`` makes ``A(f) / B(f)``
   the ratio ``α / β`` of the least-squares line ``α + β·b`` through the points (the level is
-  the remainder's or the calibration scale's); clipped to [0, 1] (1 where the measured time does
-  not grow with the batch)."""
+  the remainder's or the calibration scale's); 0 where the points grow faster than linearly.
+  Where they do not grow with the batch, or grow less than a share below 1 allows (noise, a
+  device time-sliced with another job), they say nothing the model can hold: ``profile``'s own
+  share is kept (a share of 1 would price every batch alike)."""
 
   def line(share: float) -> tuple[float, float]:
     prof, p = dataclasses.replace(profile, fixed_share=share), profile.batch_per_device
@@ -121,13 +124,12 @@ def fit_fixed_share(
   mean_y = sum(points[b] for b in xs) / len(xs)
   beta = sum((b - mean_x) * (points[b] - mean_y) for b in xs) / sum((b - mean_x) ** 2 for b in xs)
   if beta <= 0:
-    return 1.0
+    return profile.fixed_share
   rho = (mean_y - beta * mean_x) / beta
   (a0, b0), (a1, b1) = line(0.0), line(1.0)
   den = (a1 - a0) - rho * (b1 - b0)
-  if den == 0:
-    return profile.fixed_share
-  return min(1.0, max(0.0, (rho * b0 - a0) / den))
+  share = (rho * b0 - a0) / den if den else math.inf
+  return max(0.0, share) if share < 1.0 else profile.fixed_share
 
 
 def fit_profile(profile: Profile) -> Profile:

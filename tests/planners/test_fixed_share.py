@@ -58,10 +58,12 @@ def test_fit_fixed_share_recovers_an_affine_compute(f):
     assert fit_fixed_share(base, {}, points) == pytest.approx(f)
 
 
-def test_fit_fixed_share_clips_and_checks_its_batches():
+def test_fit_fixed_share_clips_keeps_and_checks_its_batches():
   base = fake_profile(LEGS, batch=8, optimizer_ms=3.0)
   assert fit_fixed_share(base, {}, {4: 3.0, 8: 13.0}) == 0.0  # the half batch costs nothing
-  assert fit_fixed_share(base, {}, {4: 13.0, 8: 13.0}) == 1.0  # it costs the whole step
+  # a step that does not grow with the batch says nothing the model can hold: the share is kept
+  assert fit_fixed_share(dataclasses.replace(base, fixed_share=0.2), {}, {4: 13.0, 8: 13.0}) == 0.2
+  assert fit_fixed_share(base, {}, {4: 14.0, 8: 13.0}) == 0.0
   with pytest.raises(ValueError, match="needs points at two batches or more"):
     fit_fixed_share(base, {}, {8: 13.0})
 
