@@ -2,10 +2,11 @@
 
 For each pool of the catalog (``POOLS``: a training group and one or two inference groups at
 their datasheet memory), each topology (``TOPOLOGIES``: the training group on NVLink, 100 or
-25 Gbit/s between hosts) and each model at real size (``benchmarks.common.zoo.HYBRID_MODELS``:
-ResNet-50 at 224², BERT-base at sequence 128 and 512, a GPT-2-medium-sized LM at sequence
-1024), the model's ops are traced (abstractly: nothing runs), every device is costed from the
-catalog (``planners.predictor.modeled``), and ``planners.allocator.joint`` plans it. The training
+25 Gbit/s between hosts, and the what-if of free links) and each model at real size
+(``benchmarks.common.zoo.HYBRID_MODELS``: ResNet-50 at 224², BERT-base at sequence 128 and 512,
+a GPT-2-medium-sized LM at sequence 1024), the model's ops are traced (abstractly: nothing
+runs), every device is costed from the catalog (``planners.predictor.modeled``), and
+``planners.allocator.joint`` plans it. The training
 group runs ``qsync plan``'s default precision (fp16 mixed precision on a V100, bf16 elsewhere).
 Printed and written as rows: every candidate's predicted samples/s and accuracy cost, its ratio
 to the best baseline (the faster of dynamic batching and the training group alone,
@@ -61,9 +62,13 @@ TWO_GROUP_POOLS = tuple(name for name, groups in POOLS.items() if len(groups) ==
 
 NVLINK_GBPS = 2400.0
 """Between two devices of the training group: NVLink, 300 GB/s."""
-TOPOLOGIES = {"100G": 100.0, "25G": 25.0}
+FREE_LINKS_GBPS = 1e6
+TOPOLOGIES = {"100G": 100.0, "25G": 25.0, "free": FREE_LINKS_GBPS}
 """topology → Gbit/s between hosts (every device's ``link_gbps``); the training group on NVLink
-(``intra_link_gbps``), an inference group's devices on the inter-host link."""
+(``intra_link_gbps``), an inference group's devices on the inter-host link. ``free`` is a
+what-if, not a cluster: every link, NVLink included, at ``FREE_LINKS_GBPS``, so the gradients
+cost only the collectives' latency; it separates what communication costs every candidate
+from what the plan's precisions and batches leave of the headroom to the bound."""
 
 
 def traced(name: str) -> dict:
@@ -94,8 +99,9 @@ def pool_cluster(pool: str, topology: str, batch_per_device: int) -> ClusterSpec
   memory and the spec's ``batch_per_device``, linked as ``topology`` says."""
   link = TOPOLOGIES[topology]
   (train_dev, train_n), *inference = POOLS[pool]
+  nvlink = max(NVLINK_GBPS, link)
   groups = [
-    DeviceGroup("train", train_dev, train_n, device(train_dev).memory_gb, batch_per_device, link, NVLINK_GBPS)
+    DeviceGroup("train", train_dev, train_n, device(train_dev).memory_gb, batch_per_device, link, nvlink)
   ]
   for dev, n in inference:
     name = "infer" if len(inference) == 1 else f"infer_{dev}"
@@ -122,6 +128,54 @@ def speeds(bound) -> list[float]:
   return [slope_train / s for _, s in bound.affine[1:]]
 
 
+def chosen_label(chosen) -> str:
+  """``"name (batches[, mode])"``: the candidate, its per-device batches (training group first)
+  and its mode where it is not the flat all-reduce with the replicated update."""
+  name = "training only" if chosen.name == "training groups only" else chosen.name
+  mode = {("flat", "sharded"): ", sharded update", ("two_level", "replicated"): ", two-level"}.get(
+    chosen.mode, ""
+  )
+  return f"{name} ({'/'.join(map(str, chosen.batches))}{mode})"
+
+
+def markdown_table(cases: dict) -> str:
+  """One markdown row per pool × model from ``cases[(pool, model)][topology] = (chosen,
+  best baseline samples/s, bound samples/s, Limits)``: the chosen plan at 100G and 25G, its
+  gain over the best baseline, the bound over the best baseline at 100G, 25G and with free
+  links, the plan over the best baseline with free links, and what limits the plan at 100G."""
+  headers = [
+    "pool",
+    "model",
+    "chosen at 100G (batches)",
+    "chosen at 25G (batches)",
+    "gain vs best baseline, 100G / 25G",
+    "bound samples/s",
+    "bound / best baseline, 100G / 25G / free links",
+    "plan / best baseline, free links",
+    "limited by at 100G: group; exposed comm / optimizer ms",
+  ]
+  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+  for (pool, model), by_topology in cases.items():
+
+    def at(topology, fmt, by=by_topology):
+      return fmt(*by[topology]) if topology in by else "–"
+
+    lim = by_topology.get("100G", (None, None, None, None))[3]
+    cells = [
+      pool,
+      model,
+      at("100G", lambda c, *_: chosen_label(c)),
+      at("25G", lambda c, *_: chosen_label(c)),
+      " / ".join(at(t, lambda c, best, *_: f"{c.samples_per_s / best:.2f}×") for t in ("100G", "25G")),
+      at("100G", lambda c, best, bound, _: f"{bound:.1f}"),
+      " / ".join(at(t, lambda c, best, bound, _: f"{bound / best:.2f}") for t in ("100G", "25G", "free")),
+      at("free", lambda c, best, *_: f"{c.samples_per_s / best:.3f}"),
+      f"{lim.straggler}; {lim.exposed_comm_ms:.0f} / {lim.optimizer_ms:.1f}" if lim else "–",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.hybrid", description=__doc__.splitlines()[0])
   ap.add_argument("--models", default=",".join(HYBRID_MODELS))
@@ -136,7 +190,7 @@ def main(argv=None) -> int:
     if unknown:
       raise SystemExit(f"{flag}: unknown {unknown}. Fix: use some of {list(known)}, comma-separated.")
   host = jax.devices()[0].device_kind
-  rows, summary = [], []
+  rows, summary, cases = [], [], {}
   for name in args.models.split(","):
     model = traced(name)
     for pool in pools:
@@ -154,6 +208,13 @@ def main(argv=None) -> int:
           for g in problem.cluster.groups[1:]
         ]
         lim = result.limits
+        if base is not None:
+          cases.setdefault((pool, name), {})[topology] = (
+            chosen,
+            base.samples_per_s,
+            bound.samples_per_s,
+            lim,
+          )
         summary.append(
           [
             pool,
@@ -261,6 +322,7 @@ def main(argv=None) -> int:
     "plan s",
   ]
   print(table(headers, summary))
+  print("\nper pool × model (modeled; docs/planning.md):\n" + markdown_table(cases))
   append_rows(RESULTS, rows)
   print(f"appended {len(rows)} rows to {RESULTS}")
   return 0
