@@ -29,6 +29,9 @@ ATTENTION_EINSUMS = {"attention_qk": "...qhd,...khd->...hqk", "attention_pv": ".
 """The products of ``flax.linen.dot_product_attention`` (their real operand layouts; also
 how they are named in a step's JAX name stack)."""
 
+ACTIVATION_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+"""The compute dtypes an op's activations can have, by dtype name, and their precision names."""
+
 WEIGHT_KINDS = ("dense", "dense_general", "conv", "einsum", "embed", "embed_attend")
 """Op kinds whose right operand is a parameter (its gradient is all-reduced)."""
 
@@ -47,6 +50,9 @@ class OpShape:
     out_elems: elements of the output.
     lhs_shape, rhs_shape: the operands' shapes at the profiled batch (attention products
       are timed with their real einsum layout, which decides int8 speed on some backends).
+    activation_dtype: the dtype the op returns, its model's compute dtype whatever its policy
+      (``qsync_jax.ops.qdot``): what its activations and their gradients are between ops
+      (``"float32"``, ``"bfloat16"`` or ``"float16"``).
   """
 
   name: str
@@ -61,6 +67,19 @@ class OpShape:
   out_elems: int = 0
   lhs_shape: tuple[int, ...] = ()
   rhs_shape: tuple[int, ...] = ()
+  activation_dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.activation_dtype not in ACTIVATION_PRECISIONS:
+      raise ValueError(
+        f"op {self.name!r}: activation_dtype {self.activation_dtype!r} is not one of "
+        f"{list(ACTIVATION_PRECISIONS)}. Fix: trace a model computing in one of them."
+      )
+
+  @property
+  def activation_precision(self) -> str:
+    """``activation_dtype`` as a precision name (``"fp32"``, ``"bf16"``, ``"fp16"``)."""
+    return ACTIVATION_PRECISIONS[self.activation_dtype]
 
   @property
   def runs_8bit(self) -> bool:
@@ -152,6 +171,7 @@ def collect_ops(model, variables, *args, **kwargs) -> list[OpShape]:
       math.prod(y.shape),
       tuple(info.lhs_shape),
       tuple(info.rhs_shape),
+      jax.numpy.dtype(y.dtype).name,
     )
     return y
 

@@ -1,10 +1,15 @@
 """The device catalog's roofline and the legs ``planners.predictor.modeled`` builds from it."""
 
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import pytest
 
 from planners import catalog
 from planners.catalog import gemm_roofline_ms, parallel_fraction
-from planners.ops import OpShape
+from planners.ops import OpShape, collect_ops
 from planners.predictor import modeled
 from planners.predictor.modeled import leg_ms, modeled_cast, modeled_profile, quantize_leg_ms
 from planners.profile import Profile
@@ -90,6 +95,50 @@ def test_a_16_bit_leg_pays_half_of_its_operands_fused_conversions():
     assert leg_ms(h100, op, leg, "fp32") == gemm_roofline_ms(h100, "fp32", m, k, n, 1, (a, b, out))
   bf16 = modeled_cast(h100, "fp32->bf16")
   assert bf16.b == 0.0 and bf16.a == pytest.approx(catalog.memory_ms(h100, 2))  # the copy's write
+
+
+def test_a_leg_converts_only_the_operands_stored_at_another_precision_than_its_own():
+  h100 = device("H100")
+  op = OpShape("mlp:dense", "dense", 1, 4096, 768, 3072, 1, 4096 * 768, 768 * 3072, 4096 * 3072)
+  bf16_model = dataclasses.replace(op, activation_dtype="bfloat16")
+  write = {p: catalog.memory_ms(h100, catalog.BYTES[p]) for p in ("bf16", "fp32")}  # a copy's write
+  for leg, (a, b) in {"fwd": (op.lhs_elems, op.rhs_elems), "drhs": (op.lhs_elems, op.out_elems)}.items():
+    # a float32 model converts both operands of a bf16 leg; a bf16 model only the (float32) weight
+    weight = op.rhs_elems if leg == "fwd" else 0
+    saved = (a + b - weight) * write["bf16"] / 2
+    assert leg_ms(h100, op, leg, "bf16") - leg_ms(h100, bf16_model, leg, "bf16") == pytest.approx(saved)
+    # and at fp32 the bf16 model's activations are converted up, the float32 model's nothing
+    assert leg_ms(h100, bf16_model, leg, "fp32") - leg_ms(h100, op, leg, "fp32") == pytest.approx(
+      (a + b - weight) * write["fp32"] / 2
+    )
+
+
+def test_an_8_bit_leg_of_a_bf16_model_reads_its_activations_at_two_bytes():
+  h100 = device("H100")
+  t, k, n = 4096, 768, 3072
+  op = OpShape("mlp:dense", "dense", 1, t, k, n, 1, t * k, k * n, t * n, activation_dtype="bfloat16")
+  launch = h100.launch_us * 1e-3
+  per_byte = 1e3 / (3350e9 * catalog.QUANTIZE_EFFICIENCY)
+  # X (bf16) read once, int8 written; W (float32 parameters) as in a float32 model
+  assert quantize_leg_ms(h100, op, "fwd") == pytest.approx((3 * t * k + 9 * k * n) * per_byte + 3 * launch)
+  # dY (bf16) read twice, two int8 copies written, half each
+  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(((4 + 2) * t * n * per_byte + 2 * launch) / 2)
+
+
+def test_an_op_records_the_dtype_its_model_computes_in():
+  x = jax.ShapeDtypeStruct((2, 8), jnp.float32)
+  for dtype, name in ((jnp.float32, "float32"), (jnp.bfloat16, "bfloat16")):
+    model = nn.Dense(4, dtype=dtype)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    (op,) = collect_ops(model, variables, x)
+    assert op.activation_dtype == name
+    assert OpShape.from_json(op.to_json()) == op
+  old = {
+    k: v for k, v in op.to_json().items() if k != "activation_dtype"
+  }  # a profile written before the field
+  assert OpShape.from_json(old).activation_precision == "fp32"
+  with pytest.raises(ValueError, match=r"activation_dtype 'int8' is not one of .*Fix: trace a model"):
+    dataclasses.replace(op, activation_dtype="int8")
 
 
 def test_an_8_bit_leg_pays_the_quantize_kernels_the_trainer_runs_at_their_measured_rate():
