@@ -1,9 +1,9 @@
 """The catalog's modeled steps of ``benchmarks.e2e``'s GPTs against their measured H100 steps.
 
-For each width of the committed measurements (``benchmarks/results/e2e.jsonl``, cases
-``gpt/d<width>/plain`` and ``gpt/d<width>/int8_dense`` on an H100: the median of their rows),
-the GPT ``benchmarks.common.zoo.e2e_gpt`` builds (bf16 modules) is traced abstractly, its
-ops costed from the catalog on an H100 (``planners.predictor.modeled``) and the step of one
+For each width of the committed measurements on ``--device`` (``benchmarks/results/e2e.jsonl``,
+cases ``gpt/d<width>/plain`` and ``gpt/d<width>/int8_dense``: the median of their rows), the GPT
+``benchmarks.common.zoo.e2e_gpt`` builds (bf16 modules) is traced abstractly, its ops costed
+from the catalog on that device type (``planners.predictor.modeled``) and the step of one
 device replayed (``planners.predictor.replay``) at the plain bf16 policy and with every
 ``dense`` / ``dense_general`` op at the ``int8`` preset. Printed: both steps, modeled and
 measured, and the difference ``int8 − bf16`` the planner decides on. Every op's activations
@@ -11,7 +11,7 @@ are at the dtype the trace records (``OpShape.activation_dtype``: bf16 for these
 ``--activation-dtype float32`` costs them as a float32 model's instead, to compare. Runs on a
 CPU (nothing is measured here); rows go to ``benchmarks/results/catalog_check.jsonl``.
 
-  python -m benchmarks.diagnosis.catalog_check [--widths 768,1024,2048,4096] [--activation-dtype float32]
+  python -m benchmarks.diagnosis.catalog_check [--device H200] [--widths 2048,4096] [--activation-dtype float32]
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from planners.predictor.replay import predict
 from planners.profiler import timing
 from planners.report import table
 from qsync_jax.cluster import ClusterSpec
+from qsync_jax.devices import DEVICES, device
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy, Rule
 from qsync_jax.precision import OpPolicy
 
 RESULTS = results_path("catalog_check")
 E2E = results_path("e2e")
-DEVICE, DEVICE_KIND = "H100", "NVIDIA H100 80GB HBM3"
 POLICIES = {
   "plain": PrecisionPolicy.uniform("bf16"),
   "int8_dense": PrecisionPolicy(
@@ -48,15 +48,17 @@ POLICIES = {
 }
 
 
-def measured_steps(path: str = E2E) -> dict[tuple[int, str], float]:
-  """``{(width, policy): median step ms}`` of the H100 rows of ``POLICIES``' GPT cases in ``path``."""
+def measured_steps(device_type: str, path: str = E2E) -> dict[tuple[int, str], float]:
+  """``{(width, policy): median step ms}`` of ``device_type``'s rows of ``POLICIES``' GPT cases in
+  ``path``."""
+  kinds = device(device_type).kinds
   steps: dict[tuple[int, str], list[float]] = {}
   with open(path) as f:
     for line in f:
       row = json.loads(line)
       parts = row["case"].split("/")
       if (
-        row.get("device") == DEVICE_KIND
+        row.get("device") in kinds
         and row["metric"] == "step_ms"
         and len(parts) == 3
         and parts[0] == "gpt"
@@ -66,8 +68,8 @@ def measured_steps(path: str = E2E) -> dict[tuple[int, str], float]:
   return {key: statistics.median(values) for key, values in steps.items()}
 
 
-def modeled_steps(width: int, activation_dtype: str | None = None) -> dict[str, float]:
-  """``{policy: modeled step ms}`` of the e2e GPT at ``width`` on one ``DEVICE``; every op's
+def modeled_steps(device_type: str, width: int, activation_dtype: str | None = None) -> dict[str, float]:
+  """``{policy: modeled step ms}`` of the e2e GPT at ``width`` on one ``device_type``; every op's
   activations at ``activation_dtype`` where given, else at its traced dtype."""
   task, batch = zoo.e2e_gpt(width)
   ops, param_bytes = model_ops(task, timing.device_batch(task, batch))
@@ -80,10 +82,10 @@ def modeled_steps(width: int, activation_dtype: str | None = None) -> dict[str, 
     "ops": [op.to_json() for op in ops],
     "param_bytes": param_bytes,
   }
-  profile = modeled_profile(base_profile(traced), DEVICE)
-  cluster = ClusterSpec.uniform(DEVICE, 1, batch, memory_gb=1e3)
+  profile = modeled_profile(base_profile(traced), device_type)
+  cluster = ClusterSpec.uniform(device_type, 1, batch, memory_gb=1e3)
   return {
-    name: predict(cluster, {DEVICE: profile}, Plan(policies={"all": policy})).step_ms
+    name: predict(cluster, {device_type: profile}, Plan(policies={"all": policy})).step_ms
     for name, policy in POLICIES.items()
   }
 
@@ -92,20 +94,30 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(
     prog="python -m benchmarks.diagnosis.catalog_check", description=__doc__.splitlines()[0]
   )
-  ap.add_argument("--widths", default="768,1024,2048,4096")
+  ap.add_argument("--device", choices=sorted(d for d, t in DEVICES.items() if t.arch), default="H100")
+  ap.add_argument(
+    "--widths", default=None, help="comma-separated (default: every width measured at both policies)"
+  )
   ap.add_argument("--activation-dtype", choices=sorted(ACTIVATION_PRECISIONS), default=None)
   args = ap.parse_args(argv)
-  measured = measured_steps()
-  widths = [int(w) for w in args.widths.split(",")]
+  measured = measured_steps(args.device)
+  both = sorted({w for w, _ in measured if all((w, p) in measured for p in POLICIES)})
+  widths = [int(w) for w in args.widths.split(",")] if args.widths else both
   missing = [w for w in widths if any((w, p) not in measured for p in POLICIES)]
+  if not both:
+    raise SystemExit(
+      f"--device {args.device}: {E2E} has no step of {list(POLICIES)} measured on it. Fix: run "
+      f"`python -m benchmarks.e2e` there first, or pick a device it has rows of."
+    )
   if missing:
     raise SystemExit(
-      f"--widths: no measured H100 rows of {list(POLICIES)} at {missing} in {E2E}. Fix: pick widths it has."
+      f"--widths: no measured {args.device} rows of {list(POLICIES)} at {missing} in {E2E}. Fix: pick some of "
+      f"{both}."
     )
   host = jax.devices()[0].device_kind
   lines, rows = [], []
   for w in widths:
-    modeled = modeled_steps(w, args.activation_dtype)
+    modeled = modeled_steps(args.device, w, args.activation_dtype)
     m_diff = measured[w, "int8_dense"] - measured[w, "plain"]
     p_diff = modeled["int8_dense"] - modeled["plain"]
     lines.append(
@@ -119,7 +131,7 @@ def main(argv=None) -> int:
         p_diff,
       ]
     )
-    extra = {"activation_dtype": args.activation_dtype or "traced", "modeled_on": DEVICE}
+    extra = {"activation_dtype": args.activation_dtype or "traced", "modeled_on": args.device}
     for name in POLICIES:
       rows.append(
         result_row(
@@ -141,7 +153,7 @@ def main(argv=None) -> int:
     "int8−bf16 meas.",
     "int8−bf16 model",
   ]
-  print(f"ms per step on one {DEVICE} (measured: e2e.jsonl medians; modeled: the catalog, on this CPU):")
+  print(f"ms per step on one {args.device} (measured: e2e.jsonl medians; modeled: the catalog, on this CPU):")
   print(table(headers, lines))
   append_rows(RESULTS, rows)
   print(f"appended {len(rows)} rows to {RESULTS}")
