@@ -9,12 +9,13 @@ Memory is the base profile's. The profile is labelled ``"modeled"``.
 What the trainer runs between ops (``qsync_jax.ops.qdot``): an op returns its model's dtype,
 whatever its policy (``OpShape.activation_dtype``), so the activations and gradients of a
 float32 model (the catalog's checked models) are float32 between ops, those of a model computing
-in bf16 are bf16; the parameters are float32. A leg converts each operand whose dtype is not its
-precision's (a 16-bit leg of a float32 model both, of a bf16 model its weight only); XLA fuses
-each conversion into the producer of its source, which writes the copy. An 8-bit leg's operands
-are quantized by the Pallas kernels (``pallas_kernels.quantize``): kernels of their own, which
-read the source at its dtype. The remainder is the catalog's per-element traffic
-(``REST_BYTES``), whatever the activations' width.
+in bf16 are bf16. The parameters are float32, and a Flax module converts its weight to its own
+dtype before the product (``promote_dtype``, whatever the op's policy), so both operands reach an
+op at the model's dtype. A leg at another precision converts them; XLA fuses each conversion
+into the producer of its source, which writes the copy. An 8-bit leg's operands are quantized by
+the Pallas kernels (``pallas_kernels.quantize``): kernels of their own, which read the source at
+the model's dtype. The remainder is the catalog's per-element traffic (``REST_BYTES``), whatever
+the activations' width.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from qsync_jax.precision import FP32_LIKE, LEGS, QUANTIZED_PRECISIONS
 
 # Each leg's two operands and its result, as the forward's tensors (dX = dY·Wᵀ, dW = Xᵀ·dY).
 LEG_TENSORS = {"fwd": ("lhs", "rhs", "out"), "dlhs": ("out", "rhs", "lhs"), "drhs": ("lhs", "out", "rhs")}
-PARAM_PRECISION = "fp32"
-"""A parameter's storage: float32 under every policy."""
+
 REST_BYTES = {"conv": 43.0, "other": 21.0}
 """The remainder (norms, activations, softmax, the loss and their gradients): bytes moved per
 step per element of an op's output, by the op's kind (a convolution's output goes through a
@@ -68,30 +68,23 @@ def quantize_leg_ms(spec: DeviceType, op: OpShape, leg: str) -> float:
     copies written), half of it charged to each leg.
   """
   launch = spec.launch_us * 1e-3
-  a = catalog.BYTES[op.activation_precision]
+  a = catalog.BYTES[op.activation_precision]  # both operands reach the op at the model's dtype
   if leg != "fwd":
     return (catalog.quantize_ms(spec, (2 * a + 2) * op.out_elems) + 2 * launch) / 2
   lhs, im2col_ms = op.lhs_elems, 0.0
   if op.kind == "conv":
     lhs = op.batch * op.m * op.k
     im2col_ms = catalog.memory_ms(spec, a * (op.lhs_elems + lhs))  # reads the input, writes the patches
-  rhs_bytes = catalog.BYTES[PARAM_PRECISION] if op.has_weight else a
-  nbytes = (a + 1) * lhs + (2 * rhs_bytes + 1) * op.rhs_elems
+  nbytes = (a + 1) * lhs + (2 * a + 1) * op.rhs_elems
   return im2col_ms + catalog.quantize_ms(spec, nbytes) + 3 * launch
-
-
-def tensor_precision(op: OpShape, tensor: str) -> str:
-  """What ``op``'s forward ``tensor`` (``"lhs"``, ``"rhs"``, ``"out"``) is stored as between ops:
-  a weight ``PARAM_PRECISION``, an activation (or its gradient) the model's compute dtype."""
-  return PARAM_PRECISION if tensor == "rhs" and op.has_weight else op.activation_precision
 
 
 def leg_ms(spec: DeviceType, op: OpShape, leg: str, precision: str) -> float:
   """Modeled ms of one call of ``op``'s ``leg`` at ``precision``: the roofline of its product over
-  the tensors it moves, plus its operands' conversions — at 16 or 32 bits half of the fused
-  conversion of each operand stored at another precision (``tensor_precision``; each tensor
-  feeds two of the op's legs, which share its converted copy), at 8 bits the quantization the
-  leg runs (``quantize_leg_ms``). An embedding lookup is a gather and its table gradient a
+  the tensors it moves, plus its operands' conversions — at a float precision other than the
+  model's dtype half of each operand's fused conversion (each tensor feeds two of the op's legs,
+  which share its converted copy), at 8 bits the quantization the leg runs
+  (``quantize_leg_ms``). An embedding lookup is a gather and its table gradient a
   scatter-add: the bytes they move."""
   if op.kind == "embed":  # fwd: rows read, output written; drhs: table zeroed, dY read, rows updated
     nbytes = {"fwd": 8 * op.out_elems, "dlhs": 0, "drhs": 4 * (op.rhs_elems + 3 * op.out_elems)}[leg]
@@ -103,10 +96,8 @@ def leg_ms(spec: DeviceType, op: OpShape, leg: str, precision: str) -> float:
   if precision in QUANTIZED_PRECISIONS:
     return ms + quantize_leg_ms(spec, op, leg)
   stored = "fp32" if precision in FP32_LIKE else precision
-  for tensor, elems in zip(LEG_TENSORS[leg][:2], (a, b)):
-    source = tensor_precision(op, tensor)
-    if source != stored:
-      ms += modeled_cast(spec, f"{source}->{stored}").ms(elems) / 2
+  if op.activation_precision != stored:
+    ms += modeled_cast(spec, f"{op.activation_precision}->{stored}").ms(a + b) / 2
   return ms
 
 
