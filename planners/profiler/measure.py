@@ -69,8 +69,8 @@ def memory_sizes(params, opt_state, batch) -> dict[str, int]:
 
 
 def policy_key(preset: str, op: OpShape) -> tuple:
-  """Cache key of one whole-policy timing: ops of equal kind and shapes share it."""
-  return (preset, op.kind, op.lhs_shape, op.rhs_shape, op.batch, op.m, op.k, op.n)
+  """Cache key of one whole-policy timing: ops of equal kind, shapes and dtype share it."""
+  return (preset, op.kind, op.lhs_shape, op.rhs_shape, op.batch, op.m, op.k, op.n, op.activation_dtype)
 
 
 def step_memory(task, batch, ops, seed: int = 0, preset: str = "fp32") -> tuple[int | None, dict[str, int]]:

@@ -126,9 +126,10 @@ def precast_dtypes(op_policy: OpPolicy) -> tuple[Any, Any]:
   """``(input dtype, output dtype)`` a product under ``op_policy`` gets its activations in
   when the step's neighbouring kernels convert them (``policy_programs(precast=True)``): the
   forward's float dtype for its activation inputs, the backward legs' float dtype (when both
-  share one) for its output and so its output gradient; ``None`` where the op takes fp32 —
-  fp32 legs, and quantized legs, whose scaling reads the fp32 values. Uniform bf16 gives
-  (bf16, bf16); QSync's int8 op (int8 forward, fp16 backward) gives (None, fp16)."""
+  share one) for its output and so its output gradient; ``None`` where the op takes its
+  activations as they come, at its model's dtype — fp32 legs, and quantized legs, whose scaling
+  reads them as they are. Uniform bf16 gives (bf16, bf16); QSync's int8 op (int8 forward, fp16
+  backward) gives (None, fp16)."""
   float_bwd = op_policy.dlhs if op_policy.dlhs == op_policy.drhs else None
   return FLOAT_DTYPES.get(op_policy.fwd), FLOAT_DTYPES.get(float_bwd)
 
@@ -138,7 +139,10 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
   ``measure_policy`` times for one op under a whole op policy. The gradients come from ``jax.vjp`` of
   ``quantized_dot_general``. Given ``op`` (an ``OpShape`` with its operand shapes), attention
   products run their real einsum, convolutions their real convolution and weight ops their
-  real operand shapes (``real_dims``), else the canonical GEMM.
+  real operand shapes (``real_dims``), else the canonical GEMM. Both operands are drawn at the
+  op's model dtype (``op.activation_dtype``, float32 without ``op``): a Flax module converts its
+  weight to its dtype before the product, so a bf16 model's op gets bf16 operands and returns
+  bf16.
 
   ``precast``: the activations come in the dtypes the training step converts them to
   (``precast_dtypes``), as if the ops around this one had converted them: in a GPU training
@@ -155,7 +159,8 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
   if conv:
     ls, rs = op.lhs_shape, op.rhs_shape
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  lhs, rhs = jax.random.normal(k1, ls, jnp.float32), jax.random.normal(k2, rs, jnp.float32)
+  dtype = jnp.dtype(op.activation_dtype if op is not None else "float32")
+  lhs, rhs = jax.random.normal(k1, ls, dtype), jax.random.normal(k2, rs, dtype)
   key = jax.random.key(seed + 1)
 
   in_dtype, out_dtype = precast_dtypes(op_policy) if precast else (None, None)
@@ -176,7 +181,7 @@ def policy_programs(op_policy: OpPolicy, batch, m, k, n, seed=0, op=None, precas
         dimension_numbers=("NHWC", "HWIO", "NHWC"),
         op_policy=op_policy,
         key=key,
-        out_dtype=out_dtype or jnp.float32,
+        out_dtype=out_dtype or dtype,
       )
     return quantized_dot_general(a, b, dims, op_policy, key, out_dtype=out_dtype)
 

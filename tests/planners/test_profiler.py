@@ -104,9 +104,7 @@ def test_modeled_profile_is_labelled_and_follows_the_roofline():
   assert set(t4.op_ms["Dense_0:dense"]["fwd"]) == {"fp32", "fp16", "int8"}
   op = base.ops[0]  # the product over the tensors the op moves
   assert t4.op_ms[op.name]["fwd"]["fp32"] == pytest.approx(
-    gemm_roofline_ms(
-      device("T4"), "fp32", op.m, op.k, op.n, 1, (op.lhs_elems, op.rhs_elems, op.out_elems)
-    )
+    gemm_roofline_ms(device("T4"), "fp32", op.m, op.k, op.n, 1, (op.lhs_elems, op.rhs_elems, op.out_elems))
   )
   with pytest.raises(ClusterSpecError, match="Fix: use one of"):
     modeled_profile(base, "TPUv9")
@@ -132,6 +130,28 @@ def test_profile_json_round_trip_and_errors(tmp_path):
   path.write_text(json.dumps({"format": "qsync-profile/1", "model": "m"}))
   with pytest.raises(PlanError, match="malformed profile.*Fix"):
     Profile.load(str(path))
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_policy_programs_hand_a_bf16_models_op_both_operands_in_bf16(kind):
+  lhs_shape, rhs_shape = ((2, 8, 16), (16, 32)) if kind == "dense" else ((2, 8, 8, 16), (3, 3, 16, 32))
+  out_elems = {"dense": 2 * 8 * 32, "conv": 2 * 8 * 8 * 32}[kind]
+  op = OpShape(
+    "op", kind, 1, 2, 8, 16, 32, math.prod(lhs_shape), math.prod(rhs_shape), out_elems, lhs_shape, rhs_shape
+  )
+  bf16_op = dataclasses.replace(op, activation_dtype="bfloat16")
+  for preset in ("int8", "bf16"):  # quantized from bf16 (the module converted its weight); bf16: no cast
+    for precast in (True, False):
+      fwd_prog, fwd_bwd_prog = policy_programs(
+        OpPolicy.preset(preset), 1, 2, 8, 16, op=bf16_op, precast=precast
+      )
+      lhs, rhs, _, g = fwd_bwd_prog.args
+      assert lhs.dtype == rhs.dtype == g.dtype == jnp.bfloat16
+      y, (d_lhs, d_rhs) = fwd_bwd_prog()
+      assert y.dtype == jnp.bfloat16 and d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
+  # a float32 model's weight stays float32 (its conversion is part of the op's program)
+  _, fwd_bwd_prog = policy_programs(OpPolicy.preset("int8"), 1, 2, 8, 16, op=op, precast=True)
+  assert fwd_bwd_prog.args[1].dtype == jnp.float32
 
 
 @pytest.mark.parametrize(
