@@ -1,15 +1,18 @@
-"""The catalog's modeled steps of ``benchmarks.e2e``'s GPTs against their measured H100 steps.
+"""The catalog's modeled steps of ``benchmarks.e2e``'s GPTs against their measured steps.
 
-For each width of the committed measurements on ``--device`` (``benchmarks/results/e2e.jsonl``,
-cases ``gpt/d<width>/plain`` and ``gpt/d<width>/int8_dense``: the median of their rows), the GPT
-``benchmarks.common.zoo.e2e_gpt`` builds (bf16 modules) is traced abstractly, its ops costed
-from the catalog on that device type (``planners.predictor.modeled``) and the step of one
-device replayed (``planners.predictor.replay``) at the plain bf16 policy and with every
-``dense`` / ``dense_general`` op at the ``int8`` preset. Printed: both steps, modeled and
-measured, and the difference ``int8 − bf16`` the planner decides on. Every op's activations
-are at the dtype the trace records (``OpShape.activation_dtype``: bf16 for these modules);
-``--activation-dtype float32`` costs them as a float32 model's instead, to compare. Runs on a
-CPU (nothing is measured here); rows go to ``benchmarks/results/catalog_check.jsonl``.
+For each width of the committed measurements on ``--device`` (``benchmarks/results/e2e.jsonl``:
+the median of the rows of a cell), the GPT ``benchmarks.common.zoo.e2e_gpt`` builds (bf16
+modules) is traced abstractly, its ops costed from the catalog on that device type
+(``planners.predictor.modeled``) and the step of one device replayed (``planners.predictor.replay``)
+at the plain bf16 policy and with every ``dense`` / ``dense_general`` op at the ``int8`` preset.
+The catalog prices one attention (its two products, the scores never written: cuDNN's fused
+kernel); each pair of measured cells ``MEASURED`` names is compared where both were measured:
+unfused attention (``plain``, ``int8_dense``) and cuDNN's fused attention
+(``plain_cudnn_attn`` or ``bf16_fused_attn``, ``int8_dense_fused_attn``). Printed: both steps,
+modeled and measured, and the difference ``int8 − bf16`` the planner decides on. Every op's
+operands are at the dtype the trace records (``OpShape.activation_dtype``: bf16 for these
+modules); ``--activation-dtype float32`` costs them as a float32 model's instead, to compare.
+Runs on a CPU (nothing is measured here); rows go to ``benchmarks/results/catalog_check.jsonl``.
 
   python -m benchmarks.diagnosis.catalog_check [--device H200] [--widths 2048,4096] [--activation-dtype float32]
 """
@@ -48,9 +51,16 @@ POLICIES = {
 }
 
 
+MEASURED = {
+  "unfused": {"plain": ("plain",), "int8_dense": ("int8_dense",)},
+  "fused": {"plain": ("plain_cudnn_attn", "bf16_fused_attn"), "int8_dense": ("int8_dense_fused_attn",)},
+}
+"""attention → {modeled policy: the e2e GPT cells measuring it, the first measured one used}."""
+
+
 def measured_steps(device_type: str, path: str = E2E) -> dict[tuple[int, str], float]:
-  """``{(width, policy): median step ms}`` of ``device_type``'s rows of ``POLICIES``' GPT cases in
-  ``path``."""
+  """``{(width, cell): median step ms}`` of ``device_type``'s rows of the GPT cells ``MEASURED``
+  names in ``path``."""
   kinds = device(device_type).kinds
   steps: dict[tuple[int, str], list[float]] = {}
   with open(path) as f:
@@ -62,10 +72,24 @@ def measured_steps(device_type: str, path: str = E2E) -> dict[tuple[int, str], f
         and row["metric"] == "step_ms"
         and len(parts) == 3
         and parts[0] == "gpt"
-        and parts[2] in POLICIES
+        and any(parts[2] in cells for pairs in MEASURED.values() for cells in pairs.values())
       ):
         steps.setdefault((int(parts[1].removeprefix("d")), parts[2]), []).append(row["value"])
   return {key: statistics.median(values) for key, values in steps.items()}
+
+
+def measured_pairs(measured: dict[tuple[int, str], float]) -> dict[tuple[int, str], dict[str, str]]:
+  """``{(width, attention): {modeled policy: measured cell}}`` for every width and attention of
+  ``MEASURED`` with a cell measured for both policies (the first measured of each tuple)."""
+  out = {}
+  for w in sorted({w for w, _ in measured}):
+    for attention, policies in MEASURED.items():
+      cells = {
+        name: next((c for c in options if (w, c) in measured), None) for name, options in policies.items()
+      }
+      if all(cells.values()):
+        out[w, attention] = cells
+  return out
 
 
 def modeled_steps(device_type: str, width: int, activation_dtype: str | None = None) -> dict[str, float]:
@@ -101,51 +125,49 @@ def main(argv=None) -> int:
   ap.add_argument("--activation-dtype", choices=sorted(ACTIVATION_PRECISIONS), default=None)
   args = ap.parse_args(argv)
   measured = measured_steps(args.device)
-  both = sorted({w for w, _ in measured if all((w, p) in measured for p in POLICIES)})
-  widths = [int(w) for w in args.widths.split(",")] if args.widths else both
-  missing = [w for w in widths if any((w, p) not in measured for p in POLICIES)]
+  pairs = measured_pairs(measured)
+  both = sorted({w for w, _ in pairs})
   if not both:
     raise SystemExit(
-      f"--device {args.device}: {E2E} has no step of {list(POLICIES)} measured on it. Fix: run "
+      f"--device {args.device}: {E2E} has no pair of cells {MEASURED} measured on it. Fix: run "
       f"`python -m benchmarks.e2e` there first, or pick a device it has rows of."
     )
+  widths = [int(w) for w in args.widths.split(",")] if args.widths else both
+  missing = [w for w in widths if w not in both]
   if missing:
     raise SystemExit(
-      f"--widths: no measured {args.device} rows of {list(POLICIES)} at {missing} in {E2E}. Fix: pick some of "
-      f"{both}."
+      f"--widths: no measured {args.device} pair of cells at {missing} in {E2E}. Fix: pick some of {both}."
     )
   host = jax.devices()[0].device_kind
   lines, rows = [], []
   for w in widths:
     modeled = modeled_steps(args.device, w, args.activation_dtype)
-    m_diff = measured[w, "int8_dense"] - measured[w, "plain"]
-    p_diff = modeled["int8_dense"] - modeled["plain"]
-    lines.append(
-      [
-        w,
-        measured[w, "plain"],
-        modeled["plain"],
-        measured[w, "int8_dense"],
-        modeled["int8_dense"],
-        m_diff,
-        p_diff,
-      ]
-    )
-    extra = {"activation_dtype": args.activation_dtype or "traced", "modeled_on": args.device}
-    for name in POLICIES:
-      rows.append(
-        result_row(
-          "catalog_check",
-          f"gpt/d{w}/{name}",
-          "modeled_step_ms",
-          modeled[name],
-          measured[w, name],
-          host,
-          **extra,
-        )
+    for (width, attention), cells in pairs.items():
+      if width != w:
+        continue
+      meas = {name: measured[w, cell] for name, cell in cells.items()}
+      lines.append(
+        [
+          w,
+          attention,
+          meas["plain"],
+          modeled["plain"],
+          meas["int8_dense"],
+          modeled["int8_dense"],
+          meas["int8_dense"] - meas["plain"],
+          modeled["int8_dense"] - modeled["plain"],
+        ]
       )
+      extra = {"activation_dtype": args.activation_dtype or "traced", "modeled_on": args.device}
+      for name, cell in cells.items():
+        rows.append(
+          result_row(
+            "catalog_check", f"gpt/d{w}/{cell}", "modeled_step_ms", modeled[name], meas[name], host, **extra
+          )
+        )
   headers = [
     "width",
+    "attention",
     "bf16 meas.",
     "bf16 model",
     "int8 meas.",
