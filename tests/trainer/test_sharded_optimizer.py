@@ -194,3 +194,24 @@ def test_sharded_update_refuses_what_it_cannot_run(fields, grad_sync, needle):
 def test_trainer_refuses_sharded_update_with_a_step_builder_strategy(strategy):
   with pytest.raises(QsyncError, match=f"optimizer_update='sharded' with sync '{strategy}'.*Fix:"):
     Trainer(make_task(), CLUSTER, Plan(optimizer_update="sharded"), grad_sync=strategy, progress=None)
+
+
+def test_each_device_holds_its_share_of_the_adam_moments_as_the_memory_model_charges(runs):
+  # the memory model charges a sharded plan opt_state_bytes / N per device
+  # (planners.predictor.memory_model.memory_bytes): here each device holds ⌈size / 3⌉ of every
+  # moment leaf, so 1/3 of the state up to the padding of each leaf to a multiple of 3
+  replicated, sharded = (runs[mode][1][-1].opt_state[0] for mode in ("replicated", "sharded"))
+  full_bytes = 0
+  per_device = dict.fromkeys(jax.devices()[:3], 0)
+  for moments in ("mu", "nu"):
+    whole, cut = getattr(replicated, moments), getattr(sharded, moments)
+    for full, shards in zip(jax.tree.leaves(whole), jax.tree.leaves(cut)):
+      full_bytes += full.nbytes
+      assert all(s.data.size == full.size for s in full.addressable_shards)  # replicated: all of it
+      assert len(shards.addressable_shards) == 3
+      for s in shards.addressable_shards:
+        assert s.data.size == -(-full.size // 3)
+        per_device[s.device] += s.data.nbytes
+  assert full_bytes == 2 * 4 * (96 + 16 + 48 + 3)
+  padding = 2 * 4 * 2  # of the leaves of 96, 16, 48 and 3 values only Dense_0's bias pads, 16 → 18
+  assert set(per_device.values()) == {(full_bytes + padding) // 3}
