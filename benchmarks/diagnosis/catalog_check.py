@@ -26,6 +26,7 @@ import statistics
 
 import jax
 
+from benchmarks import e2e
 from benchmarks.common import zoo
 from benchmarks.common.op_profile import base_profile, model_ops
 from benchmarks.common.result_rows import append_rows, result_row, results_path
@@ -37,17 +38,14 @@ from planners.report import table
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.devices import DEVICES, device
 from qsync_jax.plan import Plan
-from qsync_jax.policy import PrecisionPolicy, Rule
+from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
 RESULTS = results_path("catalog_check")
-E2E = results_path("e2e")
 POLICIES = {
   "plain": PrecisionPolicy.uniform("bf16"),
-  "int8_dense": PrecisionPolicy(
-    rules=tuple(Rule(".*", OpPolicy.preset("int8"), kind) for kind in ("dense", "dense_general")),
-    default=OpPolicy.preset("bf16"),
-  ),
+  # e2e's int8_dense, with the ops it leaves to the bf16 modules priced at bf16
+  "int8_dense": dataclasses.replace(e2e.POLICIES["int8_dense"], default=OpPolicy.preset("bf16")),
 }
 
 
@@ -58,7 +56,7 @@ MEASURED = {
 """attention → {modeled policy: the e2e GPT cells measuring it, the first measured one used}."""
 
 
-def measured_steps(device_type: str, path: str = E2E) -> dict[tuple[int, str], float]:
+def measured_steps(device_type: str, path: str = e2e.RESULTS) -> dict[tuple[int, str], float]:
   """``{(width, cell): median step ms}`` of ``device_type``'s rows of the GPT cells ``MEASURED``
   names in ``path``."""
   kinds = device(device_type).kinds
@@ -129,14 +127,14 @@ def main(argv=None) -> int:
   both = sorted({w for w, _ in pairs})
   if not both:
     raise SystemExit(
-      f"--device {args.device}: {E2E} has no pair of cells {MEASURED} measured on it. Fix: run "
+      f"--device {args.device}: {e2e.RESULTS} has no pair of cells {MEASURED} measured on it. Fix: run "
       f"`python -m benchmarks.e2e` there first, or pick a device it has rows of."
     )
   widths = [int(w) for w in args.widths.split(",")] if args.widths else both
   missing = [w for w in widths if w not in both]
   if missing:
     raise SystemExit(
-      f"--widths: no measured {args.device} pair of cells at {missing} in {E2E}. Fix: pick some of {both}."
+      f"--widths: no measured {args.device} pair of cells at {missing} in {e2e.RESULTS}. Fix: pick some of {both}."
     )
   host = jax.devices()[0].device_kind
   lines, rows = [], []
