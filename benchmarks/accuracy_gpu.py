@@ -101,14 +101,12 @@ def dense_policy(preset: str):
   projections, the MLP, the head), the rest bf16 with the attention products fused: what
   ``auto_policy`` keeps on an H200 at GPT widths 2048 and 4096 (``docs/results.md``), on this
   testbed's model."""
-  from qsync_jax.policy import PrecisionPolicy, Rule
+  import dataclasses
+
+  from benchmarks.e2e import DENSE_KINDS, kinds_policy
   from qsync_jax.precision import OpPolicy
 
-  op = OpPolicy.preset(preset)
-  return PrecisionPolicy(
-    rules=(Rule(".*", op, kind="dense"), Rule(".*", op, kind="dense_general")),
-    default=OpPolicy.preset("bf16"),
-  )
+  return dataclasses.replace(kinds_policy(preset, DENSE_KINDS), default=OpPolicy.preset("bf16"))
 
 
 def sweep(args) -> int:
