@@ -32,12 +32,14 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
 * modes: on all devices (two groups of ``n - n // 2`` and ``n // 2`` from 4 devices on, else
   one), the bf16 policy with AdamW under every reduction / optimizer update the groups allow
   (``MODES``: ``flat/replicated``, ``flat/sharded``, ``flat/replicated/micro2`` — gradients
-  accumulated over two half-batches — and, with two groups, ``two_level/replicated``), timed
+  accumulated over two half-batches — and, with two groups, ``two_level/replicated``; one
+  device has the replicated update alone, and no link), timed
   round-robin (``MODE_ROUNDS`` rounds of ``--steps`` steps, pipelined on a GPU): the
   measured step (median, IQR) and, from a trace of the first GPU's kernels (``step_kernels``),
   each collective kind's kernel time, the other kernels' (compute) and the exposed collective
-  time (a collective kernel runs, no other kernel does); against the replay's modeled step,
-  ``comm_ms_by_phase``, ``exposed_comm_ms`` and ``optimizer_tail_ms`` of the same plan, from the
+  time (a collective kernel runs, no other kernel does), and the first device's peak memory of
+  the compiled step (``xla_peak_bytes``); against the replay's modeled step,
+  ``comm_ms_by_phase``, ``exposed_comm_ms``, ``optimizer_tail_ms`` and ``memory_bytes`` of the same plan, from the
   one-device profile and the all-reduce line measured on all devices in the same run (every
   group's ``link_gbps`` and ``intra_link_gbps``: one host, the same link between any two
   devices). The baseline of the ratio is the measured ``flat/replicated`` step.
@@ -665,9 +667,7 @@ def main(argv=None) -> int:
           emit(r)
 
   # 6. the reduction and optimizer-update modes on all devices, measured against the replay
-  if "modes" in args.cases and total < 2:
-    print("\nmodes: skipped, they need at least 2 devices")
-  elif "modes" in args.cases:
+  if "modes" in args.cases:
     prof, profiled = profile()  # first: a profile that cannot predict the modes fails before any timing
     if "bf16" not in profiled:
       raise ValueError(
@@ -675,7 +675,7 @@ def main(argv=None) -> int:
         "profile measured with bf16 in --profile-precisions (or measure one: another --profile-file)."
       )
     sizes = mode_groups(total)
-    link = link_of(total)
+    link = link_of(total) if total >= 2 else None  # one device: no collective, no link
     measured_modes = time_modes(task, sizes, args.batch, args.steps, args.modes)
     if not measured_modes:
       raise RuntimeError("modes: every mode failed (printed above); nothing to compare with the replay.")

@@ -15,7 +15,7 @@ from benchmarks.common.result_rows import result_row
 from benchmarks.common.train_steps import build_program, stepper
 from planners.predictor.graph import DEFAULT_LATENCY_US
 from planners.predictor.replay import exposed_length, predict
-from planners.profiler.timing import default_step_clock, profiler_events, timed_ms
+from planners.profiler.timing import default_step_clock, profiler_events, timed_ms, xla_peak_bytes
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.devices import device_type_of
 from qsync_jax.plan import Plan
@@ -64,9 +64,12 @@ def mode_groups(n: int) -> tuple[int, ...]:
   return (n - n // 2, n // 2) if n >= 4 else (n,)
 
 
-def modes_of(sizes: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
-  """The ``MODES`` the groups ``sizes`` allow: two-level needs at least two groups."""
-  return tuple(m for m in MODES if m[0] == "flat" or len(sizes) >= 2)
+def modes_of(sizes: tuple[int, ...]) -> tuple[tuple[str, str, int], ...]:
+  """The ``MODES`` the groups ``sizes`` allow: two-level needs at least two groups; one device
+  has the replicated update only (sharded over one device, it is the same program)."""
+  return tuple(
+    m for m in MODES if (m[0] == "flat" or len(sizes) >= 2) and (m[1] == "replicated" or sum(sizes) >= 2)
+  )
 
 
 def mode_cluster(device_type: str, sizes: tuple[int, ...], batch: int, link=None) -> ClusterSpec:
@@ -157,20 +160,32 @@ def build_mode(task, sizes: tuple[int, ...], batch: int, mode: tuple[str, str, i
   return build_program(task, cluster, mode_plan(sizes, *mode), MODE_OPTIMIZER)
 
 
+@dataclasses.dataclass(frozen=True)
+class MeasuredMode:
+  """One mode's step as ``time_modes`` measured it: ``samples_ms`` (step times), ``kernels`` (the
+  first GPU's ``StepKernels``, None without a GPU) and ``peak_bytes``: one device's peak of the
+  compiled step, arguments + outputs − donated + temporaries (``xla_peak_bytes``: XLA's buffer
+  assignment, which is what the GPU allocates for the step)."""
+
+  samples_ms: list[float]
+  kernels: StepKernels | None
+  peak_bytes: int | None
+
+
 def time_modes(task, sizes: tuple[int, ...], batch: int, steps: int, names=None, trace_steps: int = 5):
-  """``{mode: (step ms samples, StepKernels or None)}`` of every ``modes_of(sizes)`` (of ``names``,
-  ``mode_name``s, where given) that builds
-  and runs (a failure is printed, the mode left out): ``MODE_ROUNDS`` rounds of ``steps`` steps
-  each (one warm-up step per round; on a GPU queued back to back as a training loop runs them,
-  a sample per window of ``PIPELINE_WINDOW`` steps: ``default_step_clock``), the modes timed round-robin
-  so that a drift of the machine falls on all alike; then ``trace_steps`` steps of each traced
-  (``step_kernels``)."""
-  runs = {}
+  """``{mode: MeasuredMode}`` of every ``modes_of(sizes)`` (of ``names``, ``mode_name``s, where
+  given) that builds and runs (a failure is printed, the mode left out): ``MODE_ROUNDS`` rounds of
+  ``steps`` steps each (one warm-up step per round; on a GPU queued back to back as a training loop
+  runs them, a sample per window of ``PIPELINE_WINDOW`` steps: ``default_step_clock``), the modes
+  timed round-robin so that a drift of the machine falls on all alike; then ``trace_steps`` steps of
+  each traced (``step_kernels``). The peak is the compiled step's (``ts.step.lower(…).compile()``)."""
+  runs, peaks = {}, {}
   for m in modes_of(sizes):
     if names and mode_name(m) not in names:
       continue
     try:  # built and compiled (its first step) one by one: a mode that fails leaves the others
       ts, state, batches = build_mode(task, sizes, batch, m)
+      peaks[m] = xla_peak_bytes(ts.step.lower(state, batches[0]).compile())
       runs[m] = stepper(ts.step, state, batches)
       jax.block_until_ready(runs[m][0]())
     except Exception as e:  # noqa: BLE001 - report it; the other modes still count
@@ -183,7 +198,7 @@ def time_modes(task, sizes: tuple[int, ...], batch: int, steps: int, names=None,
   out = {}
   for m, (run, _) in runs.items():
     events = profiler_events(lambda run=run: jax.block_until_ready(run()), trace_steps)
-    out[m] = (samples[m], step_kernels(events, trace_steps))
+    out[m] = MeasuredMode(samples[m], step_kernels(events, trace_steps), peaks[m])
   return out
 
 
@@ -213,32 +228,39 @@ def pair(measured, modeled, digits: int, width: int) -> str:
 
 
 def mode_rows(sizes, measured, predictions, link, device) -> list[dict]:
-  """Measured against modeled per mode: ``measured`` ``{mode: (step ms samples, StepKernels or
-  None)}`` (``time_modes``), ``predictions`` ``{mode: Prediction}`` (``predict_mode``). One
-  ``step_ms`` row per mode (the measured median; baseline the measured flat/replicated step of
-  the same run, None where it did not run) with the measured and modeled phase fields; prints
-  the table (``measured/modeled`` per cell: the step's ratio to flat/replicated's, then ms;
-  compute: the other kernels' time against the replay's forward, backward and optimizer; opt
-  tail: modeled only)."""
+  """Measured against modeled per mode: ``measured`` ``{mode: MeasuredMode}`` (``time_modes``),
+  ``predictions`` ``{mode: Prediction}`` (``predict_mode``), ``link`` the measured ``LinkModel``
+  (None on one device). One ``step_ms`` row per mode (the
+  measured median; baseline the measured flat/replicated step of the same run, None where it did
+  not run) with the measured and modeled phase fields and memory; prints the table
+  (``measured/modeled`` per cell: the step's ratio to flat/replicated's, then ms; compute: the
+  other kernels' time against the replay's forward, backward and optimizer; memory: the first
+  device's compiled peak against the memory model's, GB; opt tail: modeled only)."""
   n, first = sum(sizes), "g0"  # the kernels are the first GPU's, of group g0
-  base = float(np.median(measured[MODES[0]][0])) if MODES[0] in measured else None
+  base = float(np.median(measured[MODES[0]].samples_ms)) if MODES[0] in measured else None
   model_base = predictions[MODES[0]].step_ms if MODES[0] in predictions else None
   kinds = sorted(
-    {k for _, kern in measured.values() if kern for k in kern.collective_ms}
+    {k for run in measured.values() if run.kernels for k in run.kernels.collective_ms}
     | {k for p in predictions.values() for k in modeled_kinds(p.comm_ms_by_phase)}
   )
+  link_text = (
+    "no link"
+    if link is None
+    else f"link {link.link_gbps / 8:.0f} GB/s (fit: {link.latency_us:.0f} us per psum queued back to "
+    f"back; modeled at {DEFAULT_LATENCY_US:g} us per collective)"
+  )
   print(
-    f"\nmodes on {n} devices (groups {list(sizes)}), link {link.link_gbps / 8:.0f} GB/s "
-    f"(fit: {link.latency_us:.0f} us per psum queued back to back; modeled at {DEFAULT_LATENCY_US:g} us per collective): "
+    f"\nmodes on {n} devices (groups {list(sizes)}), {link_text}: "
     "measured (GPU 0 kernels) / modeled (replay) ms per step"
   )
   print(
     f"{'mode':<22} {'step meas (IQR)':>17} {'model':>7} {'x flat meas/model':>17} "
     + " ".join(f"{k:>22}" for k in kinds)
-    + f" {'exposed comm':>14} {'compute':>14} {'opt tail':>8}"
+    + f" {'exposed comm':>14} {'compute':>14} {'memory GB':>11} {'opt tail':>8}"
   )
   rows = []
-  for mode, (samples, kern) in measured.items():
+  for mode, run in measured.items():
+    samples, kern = run.samples_ms, run.kernels
     pred = predictions[mode]
     med = float(np.median(samples))
     q1, q3 = np.percentile(samples, [25, 75])
@@ -251,6 +273,7 @@ def mode_rows(sizes, measured, predictions, link, device) -> list[dict]:
       *(pair(meas_kinds.get(k, 0.0) if kern else None, model_kinds.get(k, 0.0), 2, 22) for k in kinds),
       pair(kern.exposed_ms if kern else None, pred.exposed_comm_ms[first], 2, 14),
       pair(kern.compute_ms if kern else None, pred.group_compute_ms[first], 2, 14),
+      pair(None if run.peak_bytes is None else run.peak_bytes / 1e9, pred.memory_bytes[first] / 1e9, 2, 11),
     ]
     print(
       f"{mode_name(mode):<22} {med:>9.2f} ({q3 - q1:>5.2f}) {pred.step_ms:>7.2f} "
@@ -279,12 +302,15 @@ def mode_rows(sizes, measured, predictions, link, device) -> list[dict]:
         modeled_exposed_comm_ms=pred.exposed_comm_ms[first],
         modeled_optimizer_tail_ms=pred.optimizer_tail_ms[first],
         modeled_compute_ms=pred.group_compute_ms[first],
-        link_gbps=link.link_gbps,
-        link_fit_latency_us=link.latency_us,
+        peak_bytes=run.peak_bytes,
+        peak_from="the first device's compiled step: arguments + outputs - donated + temporaries",
+        modeled_peak_bytes=pred.memory_bytes[first],
+        link_gbps=None if link is None else link.link_gbps,
+        link_fit_latency_us=None if link is None else link.latency_us,
         modeled_latency_us=DEFAULT_LATENCY_US,
         step_compiler_options=STEP_COMPILER_OPTIONS,
       )
     )
-  if not any(kern for _, kern in measured.values()):
+  if not any(run.kernels for run in measured.values()):
     print("(no GPU kernels traced: the measured collective and exposed times need a GPU)")
   return rows

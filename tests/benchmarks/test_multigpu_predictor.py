@@ -135,6 +135,20 @@ def test_mode_groups_split_from_four_devices_and_two_level_needs_two_groups():
   assert ("two_level", "replicated", 1) not in modes.modes_of((2,))
   assert ("flat", "replicated", 2) in modes.modes_of((2,))
   assert modes.modes_of((2, 2)) == modes.MODES
+  # one device: the sharded update over one device is the replicated one, so only that and micro-steps
+  assert modes.modes_of((1,)) == (("flat", "replicated", 1), ("flat", "replicated", 2))
+
+
+def test_mode_rows_on_one_device_have_no_link_and_model_the_accumulator(capsys):
+  prof = mode_profile()
+  measured = {m: modes.MeasuredMode([5.0, 6.0], None, 1_000_000) for m in modes.modes_of((1,))}
+  predictions = {m: modes.predict_mode(prof, (1,), 8, m, None) for m in measured}
+  rows = _by_case(modes.mode_rows((1,), measured, predictions, None, "test"))
+  flat, micro = rows["modes/1dev/flat/replicated"], rows["modes/1dev/flat/replicated/micro2"]
+  assert flat["link_gbps"] is None and not any(flat["modeled_collective_ms"].values())  # nothing to reduce
+  # two micro-steps hold the summed fp32 gradient (one parameter set) and half the activations
+  assert micro["modeled_peak_bytes"] != flat["modeled_peak_bytes"]
+  assert "no link" in capsys.readouterr().out
 
 
 def mode_profile():
@@ -147,9 +161,9 @@ def test_mode_rows_put_measured_kernels_beside_the_replay(capsys):
   prof, link, sizes = mode_profile(), LinkModel(4, 100.0, 20.0, 0.0), (2, 2)
   kern = modes.StepKernels({"reduce-scatter": 0.4, "all-gather": 0.3, "all-reduce": 0.01}, 5.0, 0.2)
   measured = {
-    ("flat", "replicated", 1): ([10.0, 11.0, 12.0], None),
-    ("flat", "sharded", 1): ([12.0, 13.0, 14.0, 15.0], kern),
-    ("flat", "replicated", 2): ([11.0], None),
+    ("flat", "replicated", 1): modes.MeasuredMode([10.0, 11.0, 12.0], None, 3_000_000_000),
+    ("flat", "sharded", 1): modes.MeasuredMode([12.0, 13.0, 14.0, 15.0], kern, 2_000_000_000),
+    ("flat", "replicated", 2): modes.MeasuredMode([11.0], None, None),
   }
   predictions = {m: modes.predict_mode(prof, sizes, 8, m, link) for m in measured}
   rows = _by_case(modes.mode_rows(sizes, measured, predictions, link, "test"))
@@ -177,7 +191,15 @@ def test_mode_rows_put_measured_kernels_beside_the_replay(capsys):
   )
   assert sharded["modeled_optimizer_tail_ms"] == pytest.approx(0.5 / 4)  # a quarter of the update per device
   assert (sharded["measured_compute_ms"], sharded["modeled_compute_ms"]) == (5.0, pred.group_compute_ms["g0"])
-  assert "0.40/" in capsys.readouterr().out  # measured / modeled reduce-scatter
+  # memory: the compiled peak beside the memory model's, which holds a quarter of the optimizer state
+  # on each of the 4 devices under the sharded update
+  assert (flat["peak_bytes"], sharded["peak_bytes"], micro["peak_bytes"]) == (3e9, 2e9, None)
+  assert sharded["modeled_peak_bytes"] == pred.memory_bytes["g0"]
+  opt_state = prof.memory["opt_state_bytes"]
+  assert flat["modeled_peak_bytes"] - sharded["modeled_peak_bytes"] == pytest.approx(0.75 * opt_state, abs=1)
+  out = capsys.readouterr().out
+  assert "0.40/" in out  # measured / modeled reduce-scatter
+  assert f"2.00/{pred.memory_bytes['g0'] / 1e9:.2f}" in out  # measured / modeled memory, GB
 
 
 def test_modes_case_runs_on_the_simulated_devices_past_a_failing_mode(tmp_path, monkeypatch, capsys):
@@ -212,6 +234,7 @@ def test_modes_case_runs_on_the_simulated_devices_past_a_failing_mode(tmp_path, 
     pred = modes.predict_mode(Profile.load(str(profile)), (4, 4), 2, mode, link)
     assert r["modeled_step_ms"] == pytest.approx(pred.step_ms)
     assert r["modeled_exposed_comm_ms"] == pytest.approx(pred.exposed_comm_ms["g0"])
+    assert r["peak_bytes"] > 0 and r["modeled_peak_bytes"] == pred.memory_bytes["g0"]  # compiled on the CPU
   assert set(rows["modes/8dev/two_level/replicated"]["modeled_collective_ms"]) == {"collective-permute"}
 
 
