@@ -75,6 +75,7 @@ from benchmarks.common.multigpu_modes import (
   mode_groups,
   mode_name,
   mode_rows,
+  modes_of,
   predict_mode,
   time_modes,
 )
@@ -480,6 +481,12 @@ def main(argv=None) -> int:
   task = gpt(args.d_model, args.layers, args.heads, args.seq)
   total = jax.device_count()
   device = f"{jax.devices()[0].device_kind} x{total}"
+  allowed = [mode_name(m) for m in modes_of(mode_groups(total))]
+  if "modes" in args.cases and (refused := [m for m in args.modes or () if m not in allowed]):
+    parser.error(
+      f"--modes {' '.join(refused)}: {total} device(s) run only {', '.join(allowed)} (the sharded update "
+      "needs 2 devices, two-level 4). Fix: leave those modes out, or run on more devices."
+    )
   if args.dump_dir:
     os.makedirs(args.dump_dir, exist_ok=True)
   rows = []
