@@ -244,12 +244,11 @@ def test_modes_case_without_a_bf16_profile_fails_before_measuring(capsys):
   assert "has no bf16. Fix: add bf16 to --profile-precisions" in capsys.readouterr().err
 
 
-def test_modes_case_refuses_a_mode_the_devices_cannot_run_before_measuring(capsys):
+def test_modes_case_refuses_a_mode_the_devices_cannot_run_before_measuring(monkeypatch, capsys):
   # the tests' 8 simulated CPU devices run every mode; a device count of one runs no sharded update
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(multigpu.jax, "device_count", lambda: 1)
-    with pytest.raises(SystemExit):
-      multigpu.main(["--cases", "modes", "--modes", "flat/sharded", "--no-save"])
+  monkeypatch.setattr(multigpu.jax, "device_count", lambda: 1)
+  with pytest.raises(SystemExit):
+    multigpu.main(["--cases", "modes", "--modes", "flat/sharded", "--no-save"])
   err = capsys.readouterr().err
   assert "--modes flat/sharded: 1 device(s) run only flat/replicated, flat/replicated/micro2" in err
   assert "Fix: leave those modes out" in err
