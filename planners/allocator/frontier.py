@@ -15,14 +15,10 @@ that does not fit ends that op's moves (the ops after it may still fit). ``0`` q
 ``1`` is the frontier's end; ``"speed"`` (``SPEED``) is no accuracy limit at all (``auto_policy``
 then keeps whichever measured candidate is fastest).
 
-``DEFAULT_BUDGET`` is calibrated on the accuracy testbed (docs/results.md, "Choosing the default
-accuracy budget"): on the d 512 GPT testbed fp8 on every Dense (the speed-only choice at d ≥ 2048)
-raised the held-out loss by +0.0079 ± 0.0026 nats over bf16 (3 paired seeds), int8 on every Dense
-by −0.0031 ± 0.0016 (not worse). Taking the loss rise as proportional to the Ω spent (to second
-order the expected loss change of a small output error is the Fisher-weighted error energy, which
-Ω estimates), the fraction of the speed-only Ω whose predicted rise stays within one standard error
-of the paired difference is 0.0026 / 0.0079 = 0.33, and 0.2 with the rise at its upper two-s.e.
-bound (0.0026 / 0.0131): the default is 0.2.
+``DEFAULT_BUDGET`` is calibrated on the accuracy testbed, not chosen by hand: the fraction of the
+speed-only Ω whose predicted held-out loss rise (taken as proportional to the Ω spent) stays within
+one standard error of the testbed's paired difference, with fp8 on every Dense's measured rise at
+the upper end of its interval (docs/results.md, "Choosing the default accuracy budget").
 """
 
 from __future__ import annotations
