@@ -342,6 +342,7 @@ def main(argv=None) -> int:
   ap.add_argument("--eval-windows", type=int, default=2048, help="wide: held-out windows")
   ap.add_argument("--eval-batch", type=int, default=64, help="wide: held-out windows per batch")
   ap.add_argument("--tiny", action="store_true", help="wide: a CPU size (width 32, one block), seconds")
+  ap.add_argument("--depth", type=int, help="wide: blocks per model (default 2; --tiny 1)")
   ap.add_argument(
     "--log-every", type=int, default=100, help="training loss every N steps; stop a seed on NaN"
   )

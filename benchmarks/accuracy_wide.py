@@ -66,8 +66,9 @@ DENSE_KINDS = ("dense", "dense_general")
 TINY_SEARCH = dict(trace_repeats=1, step_repeats=2, rounds=1, indicator_steps=2, indicator_batches=1)
 
 
-def task_of(model: str, tiny: bool):
-  cfg = {**MODELS[model], **(TINY if tiny else {})}
+def task_of(model: str, tiny: bool, depth: int | None = None):
+  """``model``'s task (``MODELS``; ``TINY`` sizes with ``tiny``), with ``depth`` blocks if given."""
+  cfg = {**MODELS[model], **(TINY if tiny else {}), **({"depth": depth} if depth else {})}
   return zoo.gpt(**cfg, dtype=jnp.bfloat16)
 
 
@@ -150,7 +151,7 @@ class Trainer:
 def run_model(model: str, args, make_optimizer, write, say) -> list[dict]:
   """Searches, trains every policy over ``args.seeds`` with ``make_optimizer(lr, steps, warmup)``,
   times each step alone; writes each row as soon as it exists (``write``) and returns them."""
-  task = task_of(model, args.tiny)
+  task = task_of(model, args.tiny, args.depth)
   device = jax.devices()[0].device_kind
   batch = timing.device_batch(task, args.batch, 0)
   ops = traced_ops(task, batch, 0)

@@ -358,7 +358,7 @@ def auto_policy(
   batch = timing.device_batch(task, batch_per_device, seed)
   ops = traced_ops(task, batch, seed)
   candidates = [op for op in ops if op.kind in CANDIDATE_KINDS and op.runs_8bit]
-  if omega is not None and budget != SPEED:  # a table without a candidate's Ω is refused before measuring
+  if omega is not None:  # a table without a candidate's Ω is refused before measuring
     cost = omega_cost(omega, base)
     for op in candidates:
       for p in presets:
