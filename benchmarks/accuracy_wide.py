@@ -5,8 +5,8 @@ standard library's source, trained on one GPU under each policy over paired seed
 Models (``MODELS``): ``examples.models.transformer.TransformerLM`` with d = 2048, 16 heads of 128,
 2 blocks, sequence 256, byte vocabulary, bf16 modules (float32 parameters), on the first 24 MB of
 the standard library's source (``examples.data.stdlib_text``; the last 10 % held out): ``gpt``
-(pre-LayerNorm, GELU MLP of 4 d; 101 M parameters) and ``llama`` (RMSNorm, SwiGLU of 5632, no
-biases; 103 M). Training: AdamW (weight decay 0.1, gradients clipped at global norm 1), linear warmup
+(pre-LayerNorm, GELU MLP of 4 d; 102.3 M parameters) and ``llama`` (RMSNorm, SwiGLU of 5632, no
+biases; 104.3 M). Training: AdamW (weight decay 0.1, gradients clipped at global norm 1), linear warmup
 over 100 steps then cosine decay to a tenth of the peak learning rate 5e-4, 1,000 steps of 32
 sequences (8,192 tokens). Held-out loss: the plain model (bf16 modules) on the first 2,048 windows
 (524,288 tokens) of the held-out split.
@@ -25,8 +25,9 @@ A policy whose 8-bit set equals an earlier one's is not trained again (its rows 
 marked ``same_as``). Each policy's training step (``planners.profiler.timing.single_device_step``: the
 task's loss under the policy, its gradient, the optax update) is compiled once and trains every seed
 (seed s: the same initial weights and batches under every policy); the next policy's step compiles
-in a background thread while this one trains. After training, each policy's step is timed alone
-(round-robin, its own compile) on this GPU. The search is then run again to time loading its cached
+in a background thread while this one trains (so XLA's autotuning of that step shares the GPU with
+the training). After training, each policy's step is timed alone (round-robin) on this GPU; the
+search's own interleaved timing of its candidates is in the search row. The search is then run again to time loading its cached
 result.
 
 Rows (``accuracy_gpu.jsonl``): ``wide/<model>/<policy>`` held-out loss per seed (with the policy's
