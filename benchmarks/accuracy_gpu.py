@@ -17,9 +17,14 @@ to a tenth of the peak learning rate (1e-3 after 100 warmup steps, 1,000 steps),
 (16,384 tokens) per step. Held-out metrics are over the first 4,096 windows (1 M tokens) of the
 held-out split.
 
+* ``wide`` (``benchmarks.accuracy_wide``): byte LMs of width 2048, a GPT and a Llama-style model,
+  where ``auto_policy`` keeps 8-bit: bf16, int8 / fp8 on every Dense, auto with its default accuracy
+  budget and auto speed-only, over paired seeds on one GPU.
+
   python -m benchmarks.accuracy_gpu sweep [--policies fp32 int8_fwd int8 fp8 auto] [--lr 1e-3]
   python -m benchmarks.accuracy_gpu plan; python -m benchmarks.accuracy_gpu compare
-  python -m benchmarks.accuracy_gpu report        # rewrites the testbed's section of docs/results.md
+  python -m benchmarks.accuracy_gpu wide [--models gpt llama] [--seeds 0 1 2]   # lr 5e-4, batch 32
+  python -m benchmarks.accuracy_gpu report        # rewrites the testbeds' sections of docs/results.md
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import sys
 import jax
 import optax
 
+from benchmarks import accuracy_wide
 from benchmarks.common import zoo
 from benchmarks.common.result_rows import ROOT, append_rows, mean_std, result_row, results_path, write_section
 
@@ -294,14 +300,18 @@ def report(args) -> int:
     rows = [json.loads(line) for line in f]
   rows = [r for r in rows if not r.get("superseded")]  # a defect's rows, kept in the file with why
   command = "python -m benchmarks.accuracy_gpu report"
-  write_section(args.doc, markdown(rows, command), "gpt")
-  print(markdown(rows, command))
+  narrow = [r for r in rows if not r["case"].startswith("wide/")]
+  write_section(args.doc, markdown(narrow, command), "gpt")
+  print(markdown(narrow, command))
+  if len(narrow) < len(rows):
+    write_section(args.doc, accuracy_wide.markdown(rows, command), "gpt-wide")
+    print(accuracy_wide.markdown(rows, command))
   return 0
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.accuracy_gpu", description=__doc__)
-  ap.add_argument("mode", choices=["sweep", "plan", "compare", "report"])
+  ap.add_argument("mode", choices=["sweep", "plan", "compare", "wide", "report"])
   ap.add_argument(
     "--configs",
     nargs="+",
@@ -318,11 +328,25 @@ def main(argv=None) -> int:
   ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   ap.add_argument("--steps", type=int, default=1000)
   ap.add_argument("--warmup", type=int, default=100)
-  ap.add_argument("--lr", type=float, default=1e-3)
+  ap.add_argument("--lr", type=float, help="peak learning rate (default 1e-3; wide: 5e-4)")
+  ap.add_argument(
+    "--models", nargs="+", choices=list(accuracy_wide.MODELS), default=list(accuracy_wide.MODELS)
+  )
+  ap.add_argument(
+    "--wide-policies",
+    nargs="+",
+    choices=accuracy_wide.POLICIES,
+    default=list(accuracy_wide.POLICIES),
+    help="wide: the policies to train, in this order",
+  )
+  ap.add_argument("--eval-windows", type=int, default=2048, help="wide: held-out windows")
+  ap.add_argument("--eval-batch", type=int, default=64, help="wide: held-out windows per batch")
+  ap.add_argument("--tiny", action="store_true", help="wide: a CPU size (width 32, one block), seconds")
+  ap.add_argument("--depth", type=int, help="wide: blocks per model (default 2; --tiny 1)")
   ap.add_argument(
     "--log-every", type=int, default=100, help="training loss every N steps; stop a seed on NaN"
   )
-  ap.add_argument("--batch", type=int, default=BATCH, help="global batch (sequences)")
+  ap.add_argument("--batch", type=int, help=f"global batch (sequences; default {BATCH}, wide: 32)")
   ap.add_argument("--indicator-after", type=int, default=100, help="fp32 steps before the indicator")
   ap.add_argument("--indicator-batches", type=int, default=16)
   ap.add_argument("--indicator", help="plan: an indicator JSON to use instead of computing one")
@@ -336,6 +360,12 @@ def main(argv=None) -> int:
     "--doc", default=os.path.join(ROOT, "docs", "results.md"), help="report: the file to update"
   )
   args = ap.parse_args(argv)
+  wide = args.mode == "wide"
+  args.lr = args.lr if args.lr is not None else (5e-4 if wide else 1e-3)
+  args.batch = args.batch if args.batch is not None else (32 if wide else BATCH)
+  if wide:
+    args.policies = args.wide_policies
+    return accuracy_wide.run(args, optimizer, lambda row: write_row(args, row))
   return {"sweep": sweep, "plan": plan, "compare": compare, "report": report}[args.mode](args)
 
 

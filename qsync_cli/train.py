@@ -23,6 +23,7 @@ import math
 import os
 import sys
 
+from planners.allocator.frontier import DEFAULT_BUDGET
 from qsync_cli.common import add_model_argument
 from qsync_jax.errors import Interrupted, PlanError, QsyncError
 
@@ -45,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "are faster in 8-bit inside the step and run those 8-bit, the rest bf16 (fp16 where the GPU has no "
     "bf16), on every group (one device type; written to OUT/plan.json and OUT/auto_policy.json); "
     "default: fp32 everywhere",
+  )
+  parser.add_argument(
+    "--accuracy-budget",
+    metavar="FRACTION|speed",
+    help="with --plan auto: how much accuracy cost the 8-bit ops may spend, as a fraction in [0, 1] of the "
+    "sensitivity indicator's Ω of the speed-only choice (0: every op bf16; default "
+    f"{DEFAULT_BUDGET:g}, calibrated on the accuracy testbed; docs/results.md), or 'speed': the fastest "
+    "measured policy whatever its Ω (no indicator)",
   )
   parser.add_argument(
     "--no-fused-attention",
@@ -232,6 +241,7 @@ def check_device_count(cluster, devices, num_processes: int) -> None:
 
 def _check_arguments(args: argparse.Namespace) -> None:
   """The options' own constraints, checked before JAX starts and the model is built."""
+  from planners.allocator.frontier import parse_budget
   from qsync_jax.sync import STRATEGIES
 
   if args.steps <= 0:
@@ -242,6 +252,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
     )
   if args.sync is not None and args.sync != "psum" and args.sync not in STRATEGIES:
     raise QsyncError(f"--sync {args.sync!r} is not a sync strategy. Fix: use one of {sorted(STRATEGIES)}.")
+  if args.accuracy_budget is not None:
+    if args.plan != AUTO:
+      raise QsyncError(
+        "--accuracy-budget applies to --plan auto alone. Fix: pass --plan auto, or leave --accuracy-budget out."
+      )
+    parse_budget(args.accuracy_budget, "--accuracy-budget")
   if args.plan == AUTO and args.num_processes > 1:
     raise QsyncError(
       "--plan auto measures one host's device and cannot run in a multi-process job (each process would "
@@ -269,16 +285,24 @@ AUTO = "auto"
 def auto_plan(args: argparse.Namespace, task, cluster):
   """``(plan, measurements or None)`` of ``--plan auto``: ``OUT/plan.json`` when resuming a run
   that wrote it; else every group runs the policy ``planners.allocator.auto_policy`` measures on
-  the local device (8-bit only on the ops it measures faster inside the step; the rest at bf16, or
-  fp16 on a device without bf16). ``write_auto_plan`` writes both into the run directory."""
+  the local device (8-bit only on the ops it measures faster inside the step, within
+  ``--accuracy-budget``; the rest at bf16, or fp16 on a device without bf16), loaded from the
+  cache (``planners.allocator.auto_cache.default_dir``) where the same search ran before.
+  ``write_auto_plan`` writes both into the run directory."""
   import jax
 
-  from planners.allocator import auto_policy
+  from planners.allocator import auto_cache, auto_policy
+  from planners.allocator.frontier import parse_budget
   from qsync_jax.devices import device_type_of, supported_precisions
   from qsync_jax.plan import Plan
 
   path = os.path.join(args.out, "plan.json")
   if args.resume and os.path.exists(path):
+    if jax.process_index() == 0:
+      print(
+        f"auto policy: resuming with {path} (chosen when the run started; not measured again)",
+        file=sys.stderr,
+      )
     return Plan.load(path), None
   local = device_type_of(jax.devices()[0])
   types = sorted({g.device_type for g in cluster.groups})
@@ -294,7 +318,16 @@ def auto_plan(args: argparse.Namespace, task, cluster):
     if jax.process_index() == 0
     else None
   )
-  result = auto_policy(task, cluster.max_batch_per_device, base=base, progress=say, seed=args.seed)
+  budget = DEFAULT_BUDGET if args.accuracy_budget is None else parse_budget(args.accuracy_budget)
+  result = auto_policy(
+    task,
+    cluster.max_batch_per_device,
+    base=base,
+    budget=budget,
+    progress=say,
+    seed=args.seed,
+    cache_dir=auto_cache.default_dir(),
+  )
   if say:
     for line in result.summary():
       print(line, file=sys.stderr, flush=True)

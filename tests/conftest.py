@@ -33,3 +33,16 @@ def _dtype_promotion(request):
   mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
   with jax.numpy_dtype_promotion(mode):
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _auto_policy_cache(tmp_path_factory):
+  """``qsync train --plan auto`` keeps its searches in ``$QSYNC_CACHE_DIR``: a fresh one for the
+  session, not the user's cache."""
+  previous = os.environ.get("QSYNC_CACHE_DIR")
+  os.environ["QSYNC_CACHE_DIR"] = str(tmp_path_factory.mktemp("qsync-cache"))
+  yield
+  if previous is None:
+    os.environ.pop("QSYNC_CACHE_DIR", None)
+  else:
+    os.environ["QSYNC_CACHE_DIR"] = previous

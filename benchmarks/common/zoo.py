@@ -94,14 +94,20 @@ def gpt(
   vocab: int | None = None,
   max_bytes: int | None = None,
   dtype=None,
+  block: str = "gpt",
 ) -> Task:
   """A GPT of ``depth`` pre-LN blocks of ``width`` with ``heads`` attention heads over ``seq``
   tokens (``examples.models.transformer.TransformerLM``): byte-level on the standard library's
   source (``vocab=None``; its first ``max_bytes``, default 2 MB), or on uniform random tokens of a
-  ``vocab``-sized vocabulary. ``dtype``: the modules' compute dtype (``with_dtype``)."""
+  ``vocab``-sized vocabulary. ``dtype``: the modules' compute dtype (``with_dtype``). ``block``:
+  ``"llama"`` for Llama-style blocks (RMSNorm, SwiGLU, no biases; byte-level only)."""
   shape = dict(d_model=width, num_heads=heads, num_layers=depth, seq_len=seq)
   if vocab is None:
-    task = stdlib_lm(**shape, **({} if max_bytes is None else {"max_bytes": max_bytes}))
+    task = stdlib_lm(**shape, block=block, **({} if max_bytes is None else {"max_bytes": max_bytes}))
+  elif block != "gpt":
+    raise ValueError(
+      "gpt: block='llama' is built for the byte corpus; random tokens (vocab=...) run GPT blocks."
+    )
   elif max_bytes is not None:
     raise ValueError("gpt: max_bytes is the byte corpus's size; random tokens (vocab=...) have none.")
   else:

@@ -10,8 +10,9 @@ import numpy as np
 import optax
 
 from examples.data import stdlib_text
-from examples.models.transformer import TransformerLM
+from examples.models.transformer import BLOCKS, TransformerLM
 from examples.tasks.config import make_config
+from qsync_jax.errors import QsyncError
 from qsync_jax.train.task import Task
 
 
@@ -38,10 +39,14 @@ class LMConfig:
   seq_len: int = 64
   max_bytes: int = 2_000_000
   holdout_fraction: float = 0.1
+  block: str = "gpt"
+  """``TransformerLM.block``: ``gpt`` (pre-LayerNorm, GELU MLP) or ``llama`` (RMSNorm, SwiGLU, no biases)."""
 
 
 def stdlib_lm(**overrides) -> Task:
   cfg = make_config(LMConfig, overrides, "lm")
+  if cfg.block not in BLOCKS:
+    raise QsyncError(f"task 'lm': block={cfg.block!r} is unknown. Fix: use one of {sorted(BLOCKS)}.")
   train, test = stdlib_text.load(cfg.max_bytes, cfg.holdout_fraction)
   model = TransformerLM(
     vocab_size=stdlib_text.VOCAB_SIZE,
@@ -49,6 +54,7 @@ def stdlib_lm(**overrides) -> Task:
     num_heads=cfg.num_heads,
     num_layers=cfg.num_layers,
     max_len=cfg.seq_len,
+    block=cfg.block,
   )
   return Task(
     name="lm",

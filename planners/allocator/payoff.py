@@ -5,7 +5,7 @@ For one device type and no cluster. Every *candidate* op — a GEMM that can run
 products, which stay at the base type so that fused attention runs, nor embedding lookups,
 which are gathers) — is timed inside the training step: the step is traced with every candidate
 at the base precision, then once per 8-bit preset the device runs (``eight_bit_presets``), and
-each op's kernels are charged to it (``planners.profiler.measure.op_leg_ms``: device-clock
+each op's kernels are charged to it (``planners.allocator.auto_steps.Programs.op_legs``: device-clock
 kernel times on a GPU, per-instruction events on XLA:CPU). An op *pays* at a preset where its
 in-step time (forward and gradient legs) is below its base time; its preset is the fastest.
 
@@ -14,13 +14,22 @@ reduction, a transpose — is charged to a neighbour or to no op, so the per-op 
 not the answer: ``auto_policy`` then times whole training steps, interleaved — the base policy
 alone; per preset, every op that pays at that preset (``"paying_int8"``…); every paying op at its
 fastest preset (``"paying"``) and only those saving at least ``STRONG_GAIN`` of their base time
-(``"strong"``) — and returns the fastest. The base policy is a candidate, so the result is never
-a step measured slower than it. Embedding lookups are left as the model wrote them (a gather
-saves nothing at a lower precision), every other op not run 8-bit is at the base precision.
+(``"strong"``); and the frontier's choice within the accuracy budget (``"frontier"``). Each
+distinct set is compiled once (``planners.allocator.auto_steps.Programs``): the all-base and
+all-preset programs the per-op traces ran are timed as candidates too. Embedding lookups are left
+as the model wrote them (a gather saves nothing at a lower precision), every other op not run
+8-bit is at the base precision.
 
-With an indicator table (``omega``: op → precision → Ω, ``qsync indicator``) and ``budget``, the
-paying ops are added in order of least Ω per ms saved while their summed Ω stays within
-``budget`` × the Ω of quantizing every paying op (1.0: no limit; 0.0: nothing quantized).
+Accuracy: the sensitivity indicator (``omega``: op → precision → Ω; by default the project's
+``gradient`` indicator measured on a few batches after a short all-base training,
+``auto_steps.measured_omega``) prices each op's 8-bit preset, and the budget
+(``planners.allocator.frontier``: a fraction of the Ω of the speed-only choice, ``DEFAULT_BUDGET``
+unless given) limits which candidates may win: ``auto_policy`` returns the fastest candidate whose
+Ω is within the budget — the base policy always is, so the result is never a step measured slower
+than it — and reports the fastest of all (the ``"speed"`` budget's choice) beside it. With the
+``"speed"`` budget no indicator is measured and the fastest candidate wins; with 0 nothing is
+traced and every op stays at the base. ``cache_dir`` keeps each result on disk
+(``planners.allocator.auto_cache``), so that the same search again loads it.
 
 For a cluster's training groups (``qsync plan --train-precision auto``) nothing is timed:
 ``profile_paying_ops`` applies the same rule (``paying_ops``) to a profile's measured times.
@@ -29,17 +38,31 @@ For a cluster's training groups (``qsync plan --train-precision auto``) nothing 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from planners.allocator import auto_cache
+from planners.allocator.auto_steps import Programs, measured_omega
+from planners.allocator.frontier import (
+  DEFAULT_BUDGET,
+  SPEED,
+  Choice,
+  budget_label,
+  choose,
+  omega_cost,
+  parse_budget,
+)
 from planners.allocator.greedy import omega_of
-from planners.ops import OpShape
+from planners.indicator import PROBED_PRECISIONS, check_values
+from planners.ops import OpShape, collect_ops
 from planners.predictor.graph import op_costs
 from planners.profile import GroupCost, Profile
 from planners.profiler import timing
-from planners.profiler.measure import op_leg_ms, task_ops
 from qsync_jax.devices import device_type_of, supported_precisions
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
@@ -188,9 +211,13 @@ def policy_of(ops: Sequence[OpShape], base: str, chosen: Mapping[str, str]) -> P
 
 @dataclasses.dataclass(frozen=True)
 class AutoPolicy:
-  """What ``auto_policy`` measured and chose (``to_json`` for a file). All times are measured on
-  ``device_kind``: ``payoffs`` in-step per op, ``step_ms`` whole steps (median of the rounds'
-  medians; ``step_round_ms`` each round's) on ``clock``."""
+  """What ``auto_policy`` measured and chose (``to_json`` for a file, ``from_json`` back). All times
+  are measured on ``device_kind``: ``payoffs`` in-step per op, ``step_ms`` whole steps (median of the
+  rounds' medians; ``step_round_ms`` each round's) on ``clock``. ``winner``: the fastest candidate
+  within the accuracy ``budget`` (every candidate's Ω in ``candidate_omega``, from the table
+  ``omega``, measured as ``indicator`` says); ``speed_winner`` and ``speed_policy``: the fastest of
+  all (the ``"speed"`` budget's choice); ``frontier``: the frontier's choice within the budget
+  (``planners.allocator.frontier``). ``loaded``: read from ``cache_path`` instead of measured."""
 
   policy: PrecisionPolicy
   chosen: dict[str, str]
@@ -203,11 +230,26 @@ class AutoPolicy:
   step_round_ms: dict[str, list[float]]
   winner: str
   clock: str
+  budget: float | str = SPEED
+  omega: dict[str, dict[str, float]] | None = None
+  indicator: str = ""
+  frontier: Choice | None = None
+  candidate_omega: dict[str, float] = dataclasses.field(default_factory=dict)
+  speed_winner: str = ""
+  speed_policy: PrecisionPolicy | None = None
+  search_s: float = 0.0
+  cache_path: str = ""
+  loaded: bool = False
 
   @property
   def speedup(self) -> float:
     """Measured base step ms / the chosen policy's step ms (1.0 when the base won)."""
     return self.step_ms["base"] / self.step_ms[self.winner]
+
+  @property
+  def speed_speedup(self) -> float:
+    """Measured base step ms / the fastest candidate's (the speed-only choice's)."""
+    return self.step_ms["base"] / self.step_ms[self.speed_winner or self.winner]
 
   def to_json(self) -> dict[str, Any]:
     return {
@@ -222,23 +264,42 @@ class AutoPolicy:
       "step_round_ms": self.step_round_ms,
       "winner": self.winner,
       "clock": self.clock,
+      "budget": self.budget,
+      "omega": self.omega,
+      "indicator": self.indicator,
+      "frontier": self.frontier.to_json() if self.frontier else None,
+      "candidate_omega": self.candidate_omega,
+      "speed_winner": self.speed_winner,
+      "speed_policy": self.speed_policy.to_json() if self.speed_policy else None,
+      "search_s": self.search_s,
       "measured": True,
     }
 
+  @classmethod
+  def from_json(cls, obj: Mapping[str, Any], **changes) -> AutoPolicy:
+    """The result ``to_json`` wrote (``changes``: fields to replace, e.g. ``loaded=True``)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in obj.items() if k in fields}
+    values["policy"] = PrecisionPolicy.from_json(obj["policy"])
+    values["payoffs"] = tuple(OpPayoff(p["op"], p["base_ms"], p["preset_ms"]) for p in obj["payoffs"])
+    values["frontier"] = Choice(**obj["frontier"]) if obj.get("frontier") else None
+    values["speed_policy"] = (
+      PrecisionPolicy.from_json(obj["speed_policy"]) if obj.get("speed_policy") else None
+    )
+    return cls(**{**values, **changes})
+
   def summary(self) -> list[str]:
-    """Lines a user reads: the measured steps and which ops run 8-bit."""
-    lines = [
-      f"auto policy on {self.device_kind} (measured, {self.clock} clock, batch {self.batch_per_device} per device): "
-      + ", ".join(
-        f"{name} ({len(self.candidates[name])} ops 8-bit) {ms:.3f} ms" for name, ms in self.step_ms.items()
-      )
-      + f" -> {self.winner}, {self.speedup:.3f}x the all-{self.base} step"
-    ]
-    for p in self.payoffs:
-      timed = ", ".join(f"{k} {v:.3f}" for k, v in sorted(p.preset_ms.items()))
-      mark = self.chosen.get(p.op, self.base)
-      lines.append(f"  {p.op}: {self.base} {p.base_ms:.3f} ms, {timed} ms in step -> {mark}")
-    return lines
+    """Lines a user reads: the measured steps, the accuracy budget and what it kept, and each
+    candidate op's times, Ω and precision (with why, where it is left out)."""
+    from planners.allocator.auto_summary import summary_lines
+
+    return summary_lines(self)
+
+
+INDICATOR_STEPS = 50
+"""Steps of the all-base program ``auto_policy`` trains before probing the indicator."""
+INDICATOR_BATCHES = 4
+"""Batches the indicator probes (``planners.indicator``, ``gradient``)."""
 
 
 def auto_policy(
@@ -246,24 +307,34 @@ def auto_policy(
   batch_per_device: int,
   base: str = "bf16",
   omega: Mapping[str, Mapping[str, float]] | None = None,
-  budget: float = 1.0,
+  budget: float | str = DEFAULT_BUDGET,
   presets: Sequence[str] | None = None,
   trace_repeats: int = 5,
   step_repeats: int | None = None,
   rounds: int = 3,
   progress: Callable[[str], None] | None = None,
   seed: int = 0,
+  indicator_steps: int = INDICATOR_STEPS,
+  indicator_batches: int = INDICATOR_BATCHES,
+  cache_dir: str | None = None,
 ) -> AutoPolicy:
   """The fastest measured of the base policy and the policies quantizing the ops that pay on the
-  local device (module docstring), for ``task`` at ``batch_per_device``.
+  local device, within an accuracy budget (module docstring), for ``task`` at ``batch_per_device``.
 
   Args:
     base: the precision of every op not quantized (a 16-bit or fp32 preset).
-    omega, budget: an indicator table and the share of its Ω the chosen ops may spend.
+    omega: an indicator table (``{op: {precision: Ω}}``); default: the ``gradient`` indicator
+      measured on ``indicator_batches`` batches after ``indicator_steps`` all-base training steps.
+    budget: ``planners.allocator.frontier.parse_budget``: a fraction of the speed-only choice's Ω
+      (default ``DEFAULT_BUDGET``; 0: every op at ``base``), or ``"speed"`` (no indicator, speed alone).
     presets: the 8-bit presets to try (default ``eight_bit_presets`` of the local device).
     trace_repeats: steps per in-step trace; ``step_repeats`` × ``rounds``: the timed steps.
+    cache_dir: where results are kept (``planners.allocator.auto_cache``): a search of the same
+      case loads its result instead of measuring; None: nothing kept.
   """
+  t0 = time.perf_counter()
   say = progress or (lambda msg: None)
+  budget = parse_budget(budget)
   device = jax.devices()[0]
   device_type = device_type_of(device)
   if base not in PRESETS or PRESETS[base].fwd in EIGHT_BIT_PRESETS:
@@ -277,60 +348,176 @@ def auto_policy(
         f"8-bit preset {p!r} has no kernel on {device.device_kind} ({device_type}; it runs {list(available)}). "
         "Fix: leave presets unset, or choose among those."
       )
-  batch, _, ops = task_ops(task, batch_per_device, seed)
-  candidates = [op for op in ops if op.kind in CANDIDATE_KINDS and op.runs_8bit]
-  clock = timing.default_step_clock()
-  base_policy = policy_of(ops, base, {})
-  say(f"{len(candidates)} of {len(ops)} ops can run 8-bit; tracing the all-{base} step")
-  traces = {base: op_leg_ms(task, base_policy, batch, ops, trace_repeats)}
-  for p in presets:
-    say(f"tracing the step with every candidate at {p}")
-    traces[p] = op_leg_ms(
-      task, policy_of(ops, base, {op.name: p for op in candidates}), batch, ops, trace_repeats
-    )
-  if any(not t for t in traces.values()):
+  if omega is not None:
+    check_values(omega, "omega")
+  if min(indicator_steps, indicator_batches - 1) < 0:
     raise PlanError(
-      "auto policy: the step could not be traced (another jax.profiler trace is running). "
-      "Fix: stop that trace and run again."
+      f"indicator_steps={indicator_steps}, indicator_batches={indicator_batches}: the indicator needs at least "
+      "one batch and no negative steps. Fix: pass indicator_batches >= 1, indicator_steps >= 0."
     )
-  payoffs = tuple(
-    OpPayoff(
-      op.name,
-      sum(traces[base].get(op.name, {}).values()),
-      {p: sum(traces[p].get(op.name, {}).values()) for p in presets},
-    )
-    for op in candidates
+  batch = timing.device_batch(task, batch_per_device, seed)
+  ops = traced_ops(task, batch, seed)
+  candidates = [op for op in ops if op.kind in CANDIDATE_KINDS and op.runs_8bit]
+  if omega is not None:  # a table without a candidate's Ω is refused before measuring
+    cost = omega_cost(omega, base)
+    for op in candidates:
+      for p in presets:
+        cost(op.name, p)
+  fields = None
+  if cache_dir is not None:
+    if omega is not None:
+      source = {"table": auto_cache.digest(omega)}
+    elif budget not in (SPEED, 0.0):
+      source = {"method": "gradient", "steps": indicator_steps, "batches": indicator_batches, "seed": seed}
+    else:
+      source = {}
+    fingerprint = auto_cache.model_fingerprint(task, policy_of(ops, base, {}), batch, seed)
+    fields = auto_cache.key_fields(fingerprint, batch_per_device, base, presets, budget, source)
+    saved = auto_cache.load(cache_dir, fields)
+    if saved is not None:
+      result = AutoPolicy.from_json(saved, cache_path=auto_cache.path_of(cache_dir, fields), loaded=True)
+      say(
+        f"loaded the result of an earlier search from {result.cache_path} in {time.perf_counter() - t0:.2f} s"
+      )
+      return result
+  settings = _Settings(
+    batch_per_device,
+    base,
+    presets,
+    budget,
+    trace_repeats,
+    step_repeats,
+    rounds,
+    seed,
+    indicator_steps,
+    indicator_batches,
   )
-  sets = {"base": {}}
-  tries = [(f"paying_{p}", 0.0, p) for p in presets] + [("paying", 0.0, None), ("strong", STRONG_GAIN, None)]
-  for name, min_gain, only in tries:
-    chosen = paying_ops(payoffs, min_gain, omega, budget, only)
-    if chosen and chosen not in sets.values():
-      sets[name] = chosen
+  measured = _search(task, batch, ops, candidates, omega, settings, say)
+  result = dataclasses.replace(measured, search_s=time.perf_counter() - t0)
+  if fields is not None:
+    path = auto_cache.save(cache_dir, fields, result.to_json())
+    result = dataclasses.replace(result, cache_path=path)
+    say(f"kept the result in {path}")
+  return result
+
+
+def traced_ops(task, batch, seed: int) -> tuple[OpShape, ...]:
+  """The quantizable ops of ``task``'s training-mode ``apply`` on ``batch`` (``collect_ops`` on
+  abstract variables: traced, nothing computed)."""
+  variables = jax.eval_shape(lambda b: timing.init_variables(task, b, seed), batch)
+  kwargs = {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
+  keys = jax.random.split(jax.random.key(seed), len(task.rng_streams))
+  kwargs["rngs"] = dict(zip(task.rng_streams, keys))
+  return tuple(collect_ops(task.model, variables, *task.inputs(batch), **kwargs))
+
+
+class _Settings(NamedTuple):
+  """``auto_policy``'s arguments that ``_search`` reads."""
+
+  batch_per_device: int
+  base: str
+  presets: tuple[str, ...]
+  budget: float | str
+  trace_repeats: int
+  step_repeats: int | None
+  rounds: int
+  seed: int
+  indicator_steps: int
+  indicator_batches: int
+
+
+def _search(task, batch, ops, candidates, omega, s: _Settings, say) -> AutoPolicy:
+  """``auto_policy``'s measurements: the indicator (unless given or unneeded), the per-op traces, the
+  candidate sets and their interleaved whole-step timing, and the choice."""
+  base, presets, budget = s.base, s.presets, s.budget
+  clock = timing.default_step_clock()
+  variables = timing.init_variables(task, batch, s.seed)
+  programs = Programs(task, ops, lambda chosen: policy_of(ops, base, chosen), batch, variables, say)
+  say(f"{len(candidates)} of {len(ops)} ops can run 8-bit; accuracy budget {budget_label(budget)}")
+  payoffs, indicator = (), "given" if omega is not None else ""
+  sets: dict[str, dict[str, str]] = {"base": {}}
+  frontier = None
+  if budget != 0.0 and presets and candidates:
+    if omega is None and budget != SPEED:
+      omega, indicator = _measure_omega(task, programs, s, say)
+    say(f"tracing the all-{base} step")
+    traces = {base: programs.op_legs({}, s.trace_repeats)}
+    for p in presets:
+      say(f"tracing the step with every candidate at {p}")
+      traces[p] = programs.op_legs({op.name: p for op in candidates}, s.trace_repeats)
+    if any(not t for t in traces.values()):
+      raise PlanError(
+        "auto policy: the step could not be traced (another jax.profiler trace is running). "
+        "Fix: stop that trace and run again."
+      )
+    payoffs = tuple(
+      OpPayoff(
+        op.name,
+        sum(traces[base].get(op.name, {}).values()),
+        {p: sum(traces[p].get(op.name, {}).values()) for p in presets},
+      )
+      for op in candidates
+    )
+    tries = [(f"paying_{p}", 0.0, p) for p in presets] + [
+      ("paying", 0.0, None),
+      ("strong", STRONG_GAIN, None),
+    ]
+    for name, min_gain, only in tries:
+      chosen = paying_ops(payoffs, min_gain, preset=only)
+      if chosen and chosen not in sets.values():
+        sets[name] = chosen
+    if budget != SPEED:
+      frontier = choose(payoffs, omega_cost(omega, base), budget)
+      if frontier.chosen and frontier.chosen not in sets.values():
+        sets["frontier"] = frontier.chosen
+  cost = omega_cost(omega, base) if omega is not None else None
+  candidate_omega = {n: sum(cost(op, p) for op, p in c.items()) for n, c in sets.items()} if cost else {}
   say(
     f"timing {len(sets)} candidate steps: " + ", ".join(f"{n} ({len(c)} ops 8-bit)" for n, c in sets.items())
   )
-  timed = timing.time_train_steps_interleaved(
-    task,
-    {name: policy_of(ops, base, chosen) for name, chosen in sets.items()},
-    batch,
-    step_repeats or timing.default_step_repeats(clock),
-    rounds,
-    clocks=(clock,),
-    progress=say,
+  runs = {name: programs.get(chosen, name).run for name, chosen in sets.items()}
+  timed = timing.time_round_robin(
+    runs, s.step_repeats or timing.default_step_repeats(clock), s.rounds, clocks=(clock,), progress=say
   )[clock]
-  step_ms = {name: timed[name][0] for name in sets}
-  winner = min(step_ms, key=lambda n: (step_ms[n], n != "base"))
+  step_ms = {name: float(np.median(timed[name])) for name in sets}
+  allowed = frontier.allowed * (1 + 1e-12) if frontier is not None else float("inf")
+  eligible = [n for n in sets if n == "base" or budget == SPEED or candidate_omega[n] <= allowed]
+  winner = min(eligible, key=lambda n: (step_ms[n], n != "base"))
+  speed_winner = min(sets, key=lambda n: (step_ms[n], n != "base"))
   return AutoPolicy(
     policy_of(ops, base, sets[winner]),
     dict(sets[winner]),
     base,
-    device.device_kind,
-    batch_per_device,
+    jax.devices()[0].device_kind,
+    s.batch_per_device,
     payoffs,
     sets,
     step_ms,
-    {name: list(timed[name][1]) for name in sets},
+    {name: list(timed[name]) for name in sets},
     winner,
     clock,
+    budget=budget,
+    omega={p.op: dict(omega[p.op]) for p in payoffs if p.op in omega} if omega is not None else None,
+    indicator=indicator,
+    frontier=frontier,
+    candidate_omega=candidate_omega,
+    speed_winner=speed_winner,
+    speed_policy=policy_of(ops, base, sets[speed_winner]),
   )
+
+
+def _measure_omega(task, programs: Programs, s: _Settings, say):
+  """``(Ω table, how it was measured)``: the ``gradient`` indicator at the presets' forward
+  precisions (and the base's, which the frontier counts Ω above) on ``indicator_batches`` training
+  batches, after ``indicator_steps`` steps of the all-base program on others."""
+  base, size, steps, n_batches = s.base, s.batch_per_device, s.indicator_steps, s.indicator_batches
+  stream = task.train_batches(size, s.seed + 1)
+  say(f"training {steps} all-{base} steps, then probing the indicator on {n_batches} batches")
+  warm = programs.warmed_variables(jax.tree_util.tree_map(jnp.asarray, next(stream)) for _ in range(steps))
+  probe = [next(stream) for _ in range(n_batches)]
+  floor = PRESETS[base].fwd
+  precisions = sorted(
+    {PRESETS[p].fwd for p in s.presets} | ({floor} if floor in PROBED_PRECISIONS else set())
+  )
+  omega = measured_omega(task, warm, probe, precisions, s.seed)
+  return omega, f"gradient indicator on {n_batches} batches of {size} after {steps} {base} steps"

@@ -349,15 +349,27 @@ NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 """XLA:GPU compile option: no CUDA graphs, so that each traced kernel names its instruction."""
 
 
-def instruction_times(task: Task, policy: PrecisionPolicy, batch, repeats: int) -> tuple[str, dict[str, float]]:
+def instruction_times(
+  task: Task, policy: PrecisionPolicy, batch, repeats: int
+) -> tuple[str, dict[str, float]]:
   """``(module text, {instruction: ms per step})`` of the training step of ``task`` under
   ``policy``: on a GPU its kernels (compiled with ``NO_COMMAND_BUFFERS``, each kernel charged
   to its ``hlo_op``), on XLA:CPU its per-instruction events (wall time: the median event of an
   instruction times its events per step)."""
+  compiled, run = compile_train_step(task, policy, batch, compiler_options=trace_options())
+  return traced_instruction_times(compiled, run, repeats)
+
+
+def trace_options() -> dict:
+  """The compile options ``instruction_times`` traces a step under: ``NO_COMMAND_BUFFERS`` on a
+  GPU, ``CPU_EVENT_OPTIONS`` elsewhere."""
+  return NO_COMMAND_BUFFERS if jax.devices()[0].platform == "gpu" else CPU_EVENT_OPTIONS
+
+
+def traced_instruction_times(compiled, run, repeats: int) -> tuple[str, dict[str, float]]:
+  """``instruction_times`` of a step already compiled under ``trace_options`` (``compiled``, and
+  ``run``: one step)."""
   gpu = jax.devices()[0].platform == "gpu"
-  compiled, run = compile_train_step(
-    task, policy, batch, compiler_options=NO_COMMAND_BUFFERS if gpu else CPU_EVENT_OPTIONS
-  )
   jax.block_until_ready(run())  # warm-up
   events = profiler_events(lambda: jax.block_until_ready(run()), repeats)
   if gpu:

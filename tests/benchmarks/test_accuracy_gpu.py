@@ -81,3 +81,80 @@ def test_report_pairs_by_seed_and_leaves_out_superseded_rows(tmp_path):
   (fp8,) = [line for line in doc.read_text().splitlines() if line.startswith("| fp8 |")]
   # seeds 0 and 1 only, paired: (0.03 + 0.01) / 2 = +0.0200, s.e. 0.01; the NaN row is not shown
   assert "| 0,1 |" in fp8 and "nan" not in fp8 and "+0.0200 ± 0.0100 (2 seeds)" in fp8
+
+
+def test_wide_trains_each_distinct_policy_once_over_paired_seeds_and_prints_its_table(
+  tmp_path, monkeypatch, capsys
+):
+  """The wide testbed's path at its CPU size, with a stand-in search (the real one is
+  tests/planners/test_payoff.py's): auto keeps mlp_in at int8, which is also the fastest candidate,
+  so that set is trained once for the auto and auto_speed rows (two compiles in all)."""
+  from benchmarks import accuracy_wide
+  from planners.allocator.frontier import Choice
+  from planners.allocator.payoff import AutoPolicy, OpPayoff, policy_of, traced_ops
+  from planners.profiler import timing
+
+  task = accuracy_wide.task_of("gpt", tiny=True)
+  ops = traced_ops(task, timing.device_batch(task, 4, 0), 0)
+  dense = {op.name: "int8" for op in ops if op.kind in accuracy_wide.DENSE_KINDS}
+  calls = []
+
+  def fake_auto_policy(task, batch, cache_dir=None, progress=None, **options):
+    calls.append(cache_dir)
+    chosen = {"block0/mlp_in:dense": "int8"}
+    omega = {op: {"bf16": 0.0, "int8": 1.0, "fp8": 4.0} for op in dense}
+    return AutoPolicy(
+      policy_of(ops, "bf16", chosen), chosen, "bf16", "cpu", batch,
+      (OpPayoff("block0/mlp_in:dense", 2.0, {"int8": 1.0}),),
+      {"base": {}, "frontier": chosen, "paying_int8": dense}, {"base": 2.0, "frontier": 1.2, "paying_int8": 1.5},
+      {}, "frontier", "wall", budget=0.2, omega=omega, frontier=Choice(chosen, 1.0, 1.4, 7.0, 1.0, 2.0, {}),
+      candidate_omega={"base": 0.0, "frontier": 1.0, "paying_int8": 7.0}, speed_winner="frontier",
+      search_s=3.0, loaded=len(calls) > 1,
+    )  # fmt: skip
+
+  monkeypatch.setattr(accuracy_wide, "auto_policy", fake_auto_policy)
+  jsonl = str(tmp_path / "rows.jsonl")
+  common = ["--tiny", "--models", "gpt", "--steps", "2", "--warmup", "1", "--seeds", "0", "1", "--batch", "4"]
+  sizes = [
+    "--eval-windows",
+    "8",
+    "--eval-batch",
+    "4",
+    "--log-every",
+    "1",
+    "--jsonl",
+    jsonl,
+    "--out",
+    str(tmp_path),
+  ]
+  policies = ["--wide-policies", "bf16", "auto", "auto_speed"]
+  assert testbed.main(["wide", *common, *sizes, *policies]) == 0
+  assert calls[0] == calls[1] and calls[0] is not None  # searched, then loaded from the same cache
+  rows = _rows(jsonl)
+  assert rows == _rows(tmp_path / "accuracy_gpu.jsonl")  # and under --out
+  search = rows[0]
+  assert search["case"] == "wide/gpt/search" and search["loaded"] and search["winner"] == "frontier"
+  held = {(r["case"], r["seed"]): r for r in rows if r["metric"] == "held-out loss"}
+  assert set(held) == {(f"wide/gpt/{p}", s) for p in ("bf16", "auto", "auto_speed") for s in (0, 1)}
+  assert all(math.isfinite(r["value"]) and r["steps_run"] == 2 for r in held.values())
+  # the fastest candidate is auto's own set: trained once (as auto), the same numbers
+  for s in (0, 1):
+    assert (
+      held[("wide/gpt/auto_speed", s)]["same_as"] == "auto" and held[("wide/gpt/auto", s)]["same_as"] is None
+    )
+    assert held[("wide/gpt/auto_speed", s)]["value"] == held[("wide/gpt/auto", s)]["value"]
+    assert held[("wide/gpt/auto", s)]["value"] != held[("wide/gpt/bf16", s)]["value"]  # mlp_in ran int8
+  auto = held[("wide/gpt/auto", 0)]
+  assert auto["eight_bit"] == {"block0/mlp_in:dense": "int8"} and auto["omega"] == 1.0
+  assert auto["omega_fraction"] == 1.0 / 7.0 and auto["dense_ops"] == len(dense)
+  steps = {r["case"] for r in rows if r["metric"] == "step_ms"}
+  assert steps == {f"wide/gpt/{p}" for p in ("bf16", "auto", "auto_speed")}
+  out = capsys.readouterr().out
+  assert "| policy | 8-bit Dense ops | Ω / speed-only Ω |" in out
+  assert f"| auto | 1 of {len(dense)} | 0.14 |" in out and "search 3.0 s" in out and "auto − bf16: " in out
+  # report: the wide rows get their own section of the doc, the same table
+  doc = tmp_path / "results.md"
+  assert testbed.main(["report", "--jsonl", jsonl, "--doc", str(doc)]) == 0
+  text = doc.read_text()
+  assert "<!-- accuracy.py gpt-wide: begin -->" in text and "GPU testbed where auto keeps 8-bit" in text
+  assert f"| auto | 1 of {len(dense)} | 0.14 |" in text and "### GPU testbed: a 25 M-parameter GPT" in text

@@ -120,6 +120,21 @@ def test_lm_task_shapes_and_loss_is_near_uniform_at_init(seed):
   assert 0.0 <= float(metrics["accuracy"]) <= 1.0
 
 
+def test_the_llama_block_has_rmsnorm_swiglu_and_no_bias_and_a_bad_block_is_refused():
+  task = stdlib_lm(d_model=16, num_heads=2, num_layers=1, seq_len=12, block="llama")
+  (tokens,) = task.inputs(next(task.train_batches(2, 0)))
+  params = jax.eval_shape(task.model.init, jax.random.key(0), tokens)["params"]
+  names = {
+    "/".join(str(getattr(k, "key", k)) for k in path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  }
+  assert not any(n.endswith("bias") for n in names)
+  assert {"block0/norm1/scale", "ln_f/scale", "block0/mlp_gate/kernel", "block0/mlp_down/kernel"} <= names
+  assert params["block0"]["mlp_up"]["kernel"].shape == (16, 48)  # 8/3 · 16 rounded up to a multiple of 16
+  with pytest.raises(QsyncError, match=r"block='lama' is unknown. Fix: use one of \['gpt', 'llama'\]"):
+    stdlib_lm(d_model=16, num_heads=2, num_layers=1, seq_len=12, block="lama")
+
+
 def test_bad_batch_size_names_the_fix():
   task = resnet_digits()
   with pytest.raises(QsyncError, match="global_batch=100000 exceeds"):

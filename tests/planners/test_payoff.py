@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.allocator import exhaustive_joint
 from planners.allocator import auto_policy, exhaustive, greedy, joint_plan, make_problem, plan_of
+from planners.allocator.frontier import DEFAULT_BUDGET
 from planners.allocator.payoff import (
   CANDIDATE_KINDS,
   OpPayoff,
@@ -78,15 +79,28 @@ def test_policy_of_runs_chosen_ops_at_their_preset_lookups_unmodified_and_the_re
 
 
 @pytest.mark.standard_promotion  # optax's update promotes bf16 with float32
-def test_auto_policy_returns_the_fastest_measured_candidate_and_never_quantizes_attention():
+def test_auto_policy_returns_the_fastest_candidate_within_the_budget_and_a_second_search_loads_it(tmp_path):
   task = tiny.attn()
-  result = auto_policy(task, 8, presets=("int8",), trace_repeats=2, step_repeats=3, rounds=1)
+  messages = []
+  small = dict(trace_repeats=2, step_repeats=3, rounds=1, indicator_steps=3, indicator_batches=1)
+  result = auto_policy(task, 8, presets=("int8",), cache_dir=str(tmp_path), progress=messages.append, **small)
   names = [p.op for p in result.payoffs]
   assert names and all(n.split(":")[1] in CANDIDATE_KINDS for n in names)
   assert not any("attention" in n for n in names)
   assert "base" in result.step_ms and result.candidates["base"] == {}
-  assert result.winner == min(result.step_ms, key=result.step_ms.get)
-  assert result.speedup >= 1.0
+  # the indicator was measured (the default): every candidate op has Ω at int8 and at the base
+  assert "gradient indicator on 1 batches of 8 after 3 bf16 steps" == result.indicator
+  assert set(result.omega) == set(names) and all(
+    {"int8", "bf16"} <= set(row) for row in result.omega.values()
+  )
+  assert result.budget == DEFAULT_BUDGET and result.frontier.allowed == pytest.approx(
+    DEFAULT_BUDGET * result.frontier.reference
+  )
+  # the winner: the fastest candidate whose Ω is within the budget; the speed winner: the fastest
+  within = [n for n in result.step_ms if result.candidate_omega[n] <= result.frontier.allowed * (1 + 1e-9)]
+  assert result.winner == min(within, key=result.step_ms.get)
+  assert result.speed_winner == min(result.step_ms, key=result.step_ms.get)
+  assert result.speedup >= 1.0 and result.speed_speedup >= result.speedup
   assert result.chosen == result.candidates[result.winner]
   for op, preset in result.chosen.items():
     assert result.policy.lookup_name(op).fwd == preset and preset in ("int8", "fp8")
@@ -94,25 +108,42 @@ def test_auto_policy_returns_the_fastest_measured_candidate_and_never_quantizes_
   assert all(result.policy.lookup_name(n).fwd == "bf16" for n in unchosen)
   assert PrecisionPolicy.from_json(result.to_json()["policy"]) == result.policy
   lines = result.summary()
-  assert "measured" in lines[0] and len(lines) == 1 + len(names)
+  assert "measured" in lines[0] and lines[1].startswith(
+    f"accuracy budget {DEFAULT_BUDGET:g} of the speed-only Ω"
+  )
+  assert "Ω spent" in lines[1] and len(lines) == 2 + len(names)
+  for p, line in zip(result.payoffs, lines[2:]):  # why each op not at its fastest preset is left out
+    if p.best() is not None and p.op not in result.chosen:
+      assert "over the budget" in line or f"not in the {result.winner} candidate" in line
+  # the same search again loads the result (nothing measured) and says so
+  assert result.cache_path and any(m.startswith("kept the result in") for m in messages)
+  again = auto_policy(task, 8, presets=("int8",), cache_dir=str(tmp_path), progress=messages.append, **small)
+  assert again.loaded and "loaded the result of an earlier search" in messages[-1]
+  assert again.summary()[0].startswith("auto policy loaded from") and again.summary()[1:] == lines
+  assert again.policy == result.policy and again.to_json() == result.to_json()
 
 
 @pytest.mark.standard_promotion  # optax's update promotes bf16 with float32
 def test_a_zero_budget_times_the_base_alone():
   task = tiny.mlp()
-  omega = {f"Dense_{i}:dense": {"int8": 1.0, "fp8": 1.0} for i in range(3)}
-  result = auto_policy(
-    task, 8, presets=("int8",), omega=omega, budget=0.0, trace_repeats=2, step_repeats=3, rounds=1
-  )
+  result = auto_policy(task, 8, presets=("int8",), budget=0.0, trace_repeats=2, step_repeats=3, rounds=1)
   assert list(result.step_ms) == ["base"] and result.chosen == {} and result.speedup == 1.0
+  assert result.payoffs == () and result.omega is None  # nothing traced, no indicator
 
 
-def test_bad_base_or_preset_is_refused_before_any_tracing():
+def test_bad_base_preset_budget_or_table_is_refused_before_any_tracing(monkeypatch):
   task = tiny.mlp()
+  monkeypatch.setattr("planners.allocator.payoff._search", lambda *a: pytest.fail("measured"))
   with pytest.raises(PlanError, match="base precision 'int8'"):
     auto_policy(task, 8, base="int8")
   with pytest.raises(PlanError, match="preset 'int4' has no kernel"):
     auto_policy(task, 8, presets=("int4",))
+  with pytest.raises(PlanError, match=r"accuracy budget -0.5 is outside \[0, 1\]. Fix"):
+    auto_policy(task, 8, budget=-0.5)
+  with pytest.raises(PlanError, match="accuracy budget 'fastest' is neither a number nor 'speed'. Fix"):
+    auto_policy(task, 8, budget="fastest")
+  with pytest.raises(PlanError, match=r"no Ω for op 'Dense_2:dense' at 'int8'"):
+    auto_policy(task, 8, presets=("int8",), omega={f"Dense_{i}:dense": {"int8": 1.0} for i in range(2)})
 
 
 # -- profile_paying_ops: the training groups of `qsync plan --train-precision auto` -----------------
