@@ -8,16 +8,12 @@ Three kinds of output:
 * ``dir`` — a directory the command fills: new (missing parents are created) or empty;
 * ``run`` — the run directory of ``qsync train``: new or empty for a new run; one holding
   checkpoints to continue with ``resume``.
-
-``TensorBoardWriter`` writes a run's metrics as TensorBoard events (optional: needs
-``tensorboardX``, ``pip install "qsync-jax[tensorboard]"``).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
 
 from qsync_jax.errors import OutputPathError
 
@@ -133,55 +129,3 @@ def check_outputs(args, outputs: dict[str, str]) -> None:
       check_run_dir(flag, path, bool(getattr(args, "resume", False)))
     else:
       raise ValueError(f"output kind {kind!r} is not one of {KINDS}")
-
-
-def _scalars(record: Mapping, prefix: str = ""):
-  """``(tag, value)`` for every number of ``record`` (bools as 0/1; nested mappings as
-  ``outer/inner`` tags; strings, lists and ``None`` skipped)."""
-  for key, value in record.items():
-    tag = f"{prefix}{key}"
-    if isinstance(value, Mapping):
-      yield from _scalars(value, tag + "/")
-    elif isinstance(value, (bool, int, float)):
-      yield tag, float(value)
-
-
-class TensorBoardWriter:
-  """TensorBoard events in ``directory``: ``write(step, record)`` adds every number of ``record``
-  (``_scalars``; its ``step`` key is the x-axis, not a scalar) at ``step`` and flushes, so a
-  killed run keeps what it logged.
-
-  Optional: the ``tensorboardX`` package is imported at the first write; without it nothing is
-  written (no directory, no error). The event file opens at the first write with
-  ``purge_step`` = that step, so a resumed run hides the events an earlier run logged from
-  that step on (as ``metrics.jsonl`` drops them). ``close`` is idempotent.
-  """
-
-  def __init__(self, directory: str):
-    self.directory = directory
-    self._writer = None
-    self._unavailable = False
-
-  @property
-  def enabled(self) -> bool:
-    """False once the first write found no ``tensorboardX``."""
-    return not self._unavailable
-
-  def write(self, step: int, record: Mapping, prefix: str = "") -> None:
-    if self._unavailable:
-      return
-    if self._writer is None:
-      try:
-        from tensorboardX import SummaryWriter
-      except ImportError:
-        self._unavailable = True
-        return
-      self._writer = SummaryWriter(self.directory, purge_step=int(step))
-    for tag, value in _scalars({k: v for k, v in record.items() if k != "step"}, prefix):
-      self._writer.add_scalar(tag, value, int(step))
-    self._writer.flush()
-
-  def close(self) -> None:
-    if self._writer is not None:
-      self._writer.close()
-      self._writer = None

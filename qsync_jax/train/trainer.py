@@ -21,12 +21,15 @@ metrics, progress, checkpoints and evaluation (at its consolidated / gathered pa
 compute while the hybrid step trains and re-balances the per-device batches from the
 measurements: the step is rebuilt once with the new split and training continues from the same
 step on the same data; a group whose 8-bit legs are measured faster at 16 bits also gets them
-lifted (``qsync_jax.train.probes.lifted_policy``). A re-plan whose measured step is not shorter
+lifted (``qsync_jax.train.replan.lifted_policy``). A re-plan whose measured step is not shorter
 than the step before it is undone: the trainer switches back to the step that ran before.
 ``metrics.jsonl`` gets a ``replan`` line for every decision and a ``replan_measured`` line once
 a re-planned split's step is measured (``"undone": true`` when it was undone), and the
 checkpoint records the plan that runs and the decisions, so ``resume`` rebuilds the step that
 ran.
+
+``run`` is a loop over step hooks (``qsync_jax.train.run_hooks``): after each step, re-planning,
+logging, checkpoints and the watchdog, in that order.
 """
 
 from __future__ import annotations
@@ -35,10 +38,7 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import sys
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
@@ -55,9 +55,17 @@ from qsync_jax.sync.two_level import check_two_level_sync
 from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
-from qsync_jax.train.distributed import Watchdog
-from qsync_jax.train.outputs import TensorBoardWriter, check_run_dir
-from qsync_jax.train.replan import Replanner, describe, describe_measured, describe_undone
+from qsync_jax.train.outputs import check_run_dir
+from qsync_jax.train.replan import ReplanEvent, Replanner
+from qsync_jax.train.run_hooks import (
+  CheckpointHook,
+  LogHook,
+  ReplanHook,
+  RunState,
+  StopOnSigint,
+  WatchdogHook,
+)
+from qsync_jax.train.run_log import RunLog
 from qsync_jax.train.strategy_step import make_strategy_step
 from qsync_jax.train.task import Task
 from qsync_jax.train.train_step import SyncFn, check_optimizer_update, make_train_step
@@ -167,9 +175,8 @@ class Trainer:
     progress = sys.stderr if progress is _STDERR else progress
     self.checkpoint_every, self.log_every, self.progress = checkpoint_every, max(1, log_every), progress
     self.is_primary = jax.process_index() == 0
-    self.tensorboard = (
-      TensorBoardWriter(os.path.join(out_dir, "tensorboard")) if out_dir and self.is_primary else None
-    )
+    self.log = RunLog(out_dir, self.is_primary)
+    self.tensorboard = self.log.tensorboard
     # XLA's CPU collectives can deadlock with two multi-device steps in flight on a small host
     # (seen on 2 cores: "Termination timeout for all reduce"); accelerators pipeline steps.
     self._one_step_in_flight = jax.default_backend() == "cpu" and jax.device_count() > 1
@@ -197,6 +204,11 @@ class Trainer:
   @property
   def step(self) -> int:
     return int(self.program.step_count(self.state))
+
+  @property
+  def sample(self):
+    """One global batch of the task (host arrays), the first: what re-planning's probes run on."""
+    return self._sample
 
   @property
   def params(self):
@@ -255,8 +267,7 @@ class Trainer:
     state, meta = self.checkpoints.restore(like, self._meta(), step)
     state = self.program.from_full_state(state)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
-    if self.out_dir and self.is_primary:
-      _drop_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.step)
+    self.log.drop_after(self.step)
     return True
 
   # -- training -----------------------------------------------------------------------------
@@ -276,59 +287,27 @@ class Trainer:
     one-process run with ``out_dir``, checkpoints the last finished step, then raises
     ``Interrupted`` naming that step. A second Ctrl-C stops at once (``KeyboardInterrupt``).
     """
-    start_step = step = self.step
-    last: dict[str, float] = {}
-    watchdog = None
-    pending = None  # metrics of the previous step, read after the next one is dispatched
-    timing = _StepTimer()  # the replanner's step times, when it wants them
-    clock = _Clock(start_step)
-    if step < steps:
-      self._say(
+    run = RunState(steps, self.step, self.step, callback)
+    stop = StopOnSigint()
+    log, watchdog = LogHook(self), WatchdogHook(self, self.step_timeout_s)
+    hooks = (ReplanHook(self, log), log, CheckpointHook(self, log, stop), watchdog)
+    if run.step < steps:
+      self.say(
         f"compiling the step ({self.program.cluster.num_devices} devices, global batch {self.global_batch})…"
       )
-    stop = _StopOnSigint()
     try:
       with stop:
-        while step < steps and not stop.requested:
-          self.state, metrics = self.program(self.state, self._next_batch())
-          if self._one_step_in_flight or step == start_step:
-            jax.block_until_ready(metrics)
-          step += 1
-          step_ms = None
-          if self.replanner.times_steps():
-            step_ms = timing.after(metrics)
-          wants = self.replanner.wants_measurement(step, start_step, step_ms)
-          if self._note_measured_replans():  # a re-plan undone: the split before it runs again
-            timing.reset()
-          if wants:
-            if pending is not None:
-              last, pending = self._log(*pending, steps, clock, callback), None
-            self._replan(step)
-            timing.reset()  # the next interval would hold the measurement (and a compile)
-          if step == start_step + 1:
-            self._say(f"compiled and ran the first step in {clock.first_step_done(step):.1f} s")
-          if pending is not None:
-            last = self._log(*pending, steps, clock, callback)
-          pending = (step, metrics) if step % self.log_every == 0 or step == steps else None
-          if watchdog is not None:
-            watchdog.beat()
-          if self.checkpoint_every and step % self.checkpoint_every == 0:
-            if pending is not None:
-              last, pending = self._log(*pending, steps, clock, callback), None
-            self.save()
-            if watchdog is not None:
-              watchdog.beat()
-          if watchdog is None and self.step_timeout_s:  # after the first step, which compiles
-            jax.block_until_ready(self.program.step_count(self.state))
-            watchdog = Watchdog(self.step_timeout_s).start()
-      if pending is not None:
-        last = self._log(*pending, steps, clock, callback)
-      saves = self.checkpoints is not None and (not stop.requested or jax.process_count() == 1)
-      if saves and self.step > 0 and self.checkpoints.latest_step() != self.step:
-        self.save()
+        while run.step < steps and not stop.requested:
+          self.state, run.metrics = self.program(self.state, self._next_batch())
+          if self._one_step_in_flight or run.step == run.start_step:
+            jax.block_until_ready(run.metrics)
+          run.step += 1
+          for hook in hooks:
+            hook.after_step(run)
+        for hook in hooks:
+          hook.finish(run)
     finally:
-      if watchdog is not None:
-        watchdog.stop()
+      watchdog.close()
     if stop.requested:
       saved = self.checkpoints.latest_step() if self.checkpoints is not None else None
       raise Interrupted(
@@ -339,19 +318,15 @@ class Trainer:
           else "; nothing saved"
         )
       )
-    return last
+    return run.last
 
-  def _replan(self, step: int) -> None:
-    """Measures the groups and decides (``Replanner.replan``), logs the decision and, when the
-    split changes, switches to the step of the new split (built once per split; the state
-    carries over as it is on the same devices — the replanner drops no group —, else through
-    its full form)."""
-    batches, record = self.replanner.replan(step, self.program, self.state, self._sample)
-    if record is not None:
-      self._say("replan: " + describe(record))
-      self._write_replan_line({"step": step, "replan": record}, record)
-    if batches is not None:
-      self._switch_to(batches, {g: lift["new"] for g, lift in record.get("lifted", {}).items()})
+  def apply_replan(self, event: ReplanEvent) -> None:
+    """Logs a re-planning ``event`` (its line, its record in ``metrics.jsonl`` and as ``replan/``
+    scalars) and, when it says so, switches to its split from the next step."""
+    self.say(event.line)
+    self.log.write({"step": event.step, event.key: event.record}, event.record, prefix="replan/")
+    if event.switch_to is not None:
+      self._switch_to(*event.switch_to)
 
   def _switch_to(self, batches: Mapping[str, int], policies: Mapping[str, Any]) -> None:
     """Runs the step of the per-device ``batches`` and the groups' ``policies`` (JSON; the
@@ -368,26 +343,6 @@ class Trainer:
       self.state = program.from_full_state(self.program.full_state(self.state))
     self.program = program
 
-  def _note_measured_replans(self) -> bool:
-    """Logs the measured step of each re-planned split once the replanner has timed it, and
-    switches back to the split before a re-plan the replanner undid; True when it did."""
-    undone = False
-    for note in self.replanner.take_notes():
-      self._say("replan: " + (describe_undone(note) if note.get("undone") else describe_measured(note)))
-      measured = {k: v for k, v in note.items() if k != "step"}
-      self._write_replan_line({"step": note["step"], "replan_measured": measured}, measured)
-      if note.get("undone"):
-        self._switch_to(note["restored"], note.get("restored_policies", {}))
-        undone = True
-    return undone
-
-  def _write_replan_line(self, line: Mapping[str, Any], scalars: Mapping[str, Any]) -> None:
-    if self.out_dir and self.is_primary:
-      os.makedirs(self.out_dir, exist_ok=True)
-      with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(line) + "\n")
-      self.tensorboard.write(line["step"], scalars, prefix="replan/")
-
   def _program_for(self, plan: Plan):
     """The hybrid step of ``plan`` (the batch split and policies of a plan run before: its step
     again)."""
@@ -396,28 +351,10 @@ class Trainer:
       self._programs[key] = self._build(plan)
     return self._programs[key]
 
-  def _say(self, msg: str) -> None:
+  def say(self, msg: str) -> None:
+    """Prints ``msg`` to the progress stream (process 0; nothing when ``progress`` is None)."""
     if self.progress is not None and self.is_primary:
       print(msg, file=self.progress, flush=True)
-
-  def _log(self, step, metrics, steps, clock, callback) -> dict[str, float]:
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer
-    rate = clock.steps_per_s(step)
-    record = {"step": step, **values, "steps_per_s": rate, "samples_per_s": rate * self.global_batch}
-    record["time_s"] = clock.elapsed()
-    if self.out_dir and self.is_primary:
-      os.makedirs(self.out_dir, exist_ok=True)
-      with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
-      self.tensorboard.write(step, record)
-    eta = f"ETA {(steps - step) / rate:.0f}s" if rate > 0 else "ETA after the next step"
-    self._say(
-      f"step {step}/{steps}  loss {values['loss']:.4f}  {rate * self.global_batch:.1f} samples/s  "
-      f"{rate:.2f} steps/s  {eta}"
-    )
-    if callback is not None:
-      callback(step, values)
-    return values
 
   # -- evaluation ---------------------------------------------------------------------------
   def evaluate(self, batch_size: int = 256, max_batches: int | None = None) -> dict[str, float]:
@@ -450,8 +387,7 @@ class Trainer:
     return {k: v / count for k, v in totals.items()} if count else {}
 
   def close(self) -> None:
-    if self.tensorboard is not None:
-      self.tensorboard.close()
+    self.log.close()
     if self.checkpoints is not None:
       self.checkpoints.close()
 
@@ -471,27 +407,6 @@ def check_plan_matches_model(task: Task, plan: Plan, variables, batch) -> None:
       raise PlanError(str(e)) from None
 
 
-def _drop_metrics_after(path: str, step: int) -> None:
-  """Removes the lines of metrics file ``path`` logged after ``step`` (the steps a resumed run
-  will log again) and a line a kill cut short, atomically; keeps other lines it cannot parse."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    lines = f.readlines()
-
-  def keep(line: str) -> bool:
-    try:
-      return int(json.loads(line)["step"]) <= step
-    except (ValueError, KeyError, TypeError):
-      return True
-
-  kept = [line for line in lines if line.endswith("\n") and keep(line)]
-  if len(kept) != len(lines):
-    with open(f"{path}.tmp", "w") as f:
-      f.writelines(kept)
-    os.replace(f"{path}.tmp", path)
-
-
 def _step_key(cluster: ClusterSpec, plan: Plan) -> tuple:
   """What tells two hybrid steps of one trainer apart: each group's per-device batch and
   policy."""
@@ -499,73 +414,6 @@ def _step_key(cluster: ClusterSpec, plan: Plan) -> tuple:
     (g.name, g.batch_per_device, json.dumps(plan.policy_for(g.name).to_json(), sort_keys=True))
     for g in cluster.groups
   )
-
-
-class _StepTimer:
-  """Step times without a host sync of the step just dispatched: ``after(metrics)`` waits for
-  the previous step's metrics (the device has this step queued meanwhile) and returns the
-  wall time between the previous two completions (None until there are two)."""
-
-  def __init__(self):
-    self.reset()
-
-  def reset(self) -> None:
-    self._previous, self._done = None, None
-
-  def after(self, metrics) -> float | None:
-    if self._previous is None:
-      self._previous = metrics
-      return None
-    jax.block_until_ready(self._previous)
-    now = time.perf_counter()
-    ms = None if self._done is None else 1e3 * (now - self._done)
-    self._previous, self._done = metrics, now
-    return ms
-
-
-class _Clock:
-  """Throughput of a run, measured from the end of its first (compiling) step."""
-
-  def __init__(self, start_step: int):
-    self.t0 = time.perf_counter()
-    self.t_first, self.first = None, start_step + 1
-
-  def first_step_done(self, step: int) -> float:
-    """Seconds the first step took (compilation included); the rate counts from here."""
-    self.t_first, self.first = time.perf_counter(), step
-    return self.t_first - self.t0
-
-  def elapsed(self) -> float:
-    return time.perf_counter() - self.t0
-
-  def steps_per_s(self, step: int) -> float:
-    """Steps per second since the first step (0.0 until a second one has finished)."""
-    if self.t_first is None or step <= self.first:
-      return 0.0
-    return (step - self.first) / (time.perf_counter() - self.t_first)
-
-
-class _StopOnSigint:
-  """Within ``with``: the first SIGINT sets ``requested`` (the loop stops between two steps), a
-  second raises ``KeyboardInterrupt``. Does nothing outside the main thread."""
-
-  def __init__(self):
-    self.requested, self._previous = False, None
-
-  def _handle(self, signum, frame):
-    if self.requested:
-      raise KeyboardInterrupt
-    self.requested = True
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGINT, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
-      self._previous = None
 
 
 def _sync_meta(grad_sync, options) -> dict[str, Any]:

@@ -17,9 +17,15 @@ from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import PRECISION_BITS, OpPolicy
-from qsync_jax.train.group_speed import GroupSpeed, balance, predicted_ms
-from qsync_jax.train.probes import PROBE_COST_RUNS, lifted_policy, probe_sizes
-from qsync_jax.train.replan import Replanner
+from qsync_jax.train.replan import (
+  PROBE_COST_RUNS,
+  GroupSpeed,
+  Replanner,
+  balance,
+  lifted_policy,
+  predicted_ms,
+  probe_sizes,
+)
 from qsync_jax.train.trainer import Trainer
 from tests.trainer.tiny import make_task
 
@@ -305,7 +311,7 @@ def test_a_replan_of_a_step_builder_strategy_is_refused():
 
 
 def test_measure_groups_times_each_group_at_two_batches_on_its_own_device():
-  from qsync_jax.train.probes import compile_seconds, measure_groups
+  from qsync_jax.train.replan import compile_seconds, measure_groups
 
   cluster = ClusterSpec((DeviceGroup("g0", "cpu", 1, 16, 8), DeviceGroup("g1", "cpu", 2, 16, 4)))
   policy = {"rules": [{"path": "Dense_0", "policy": "int8"}], "__default__": None}
@@ -330,7 +336,7 @@ def test_measure_groups_times_each_group_at_two_batches_on_its_own_device():
   assert [fn._cache_size() for fn in probes] == versions and compile_seconds() == compiled
   # a group measured at another policy (as a lifted one is) runs a probe of that policy
   other = {"g1": PrecisionPolicy.uniform("bf16")}
-  up = measure_groups(trainer.program, trainer.state, trainer._sample, {"g1": (2,)}, cache, other)
+  up = measure_groups(trainer.program, trainer.state, trainer._sample, {"g1": (2,)}, other, cache=cache)
   assert sorted(up) == ["g1"] and up["g1"][2] > 0 and len(cache) == 3
 
 
@@ -359,8 +365,8 @@ def test_checks_cost_at_most_max_overhead_of_the_training_time():
   now = [0.0]
   fake = _measured({"g0": 1.0, "g1": 1.0}, noise=0.4, rng=np.random.default_rng(2))
 
-  def measure(program, state, host_batch, sizes=None):
-    out = fake(program, state, host_batch, sizes)
+  def measure(program, state, host_batch, sizes, policies):
+    out = fake(program, state, host_batch, sizes, policies)
     now[0] += PROBE_COST_RUNS * sum(sum(ms.values()) for ms in out.values()) / 1e3  # seconds
     return out
 

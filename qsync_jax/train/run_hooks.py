@@ -1,0 +1,201 @@
+"""What ``Trainer.run`` does between two steps, one hook per concern: re-planning, logging,
+the watchdog, checkpoints. ``Trainer.run`` dispatches a step, then calls each hook's
+``after_step(run)`` in that order; at the end of the run, each hook's ``finish(run)``.
+
+``RunState`` is what the hooks share: the step just dispatched and its (device) metrics, the last
+logged metrics, and ``beat`` (the watchdog's: a hook that pauses training calls it before and
+after). A hook that pauses training first has the log write the metrics it holds back
+(``LogHook.flush``), so ``metrics.jsonl`` stays in step order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from qsync_jax.train.distributed import Watchdog
+from qsync_jax.train.replan import StepTimer
+
+
+@dataclasses.dataclass
+class RunState:
+  """One ``Trainer.run``: the target ``steps``, the step it started from, the ``step`` just
+  dispatched and its ``metrics`` (device arrays), the ``last`` metrics logged (host floats), the
+  user's ``callback(step, metrics)``."""
+
+  steps: int
+  start_step: int
+  step: int
+  callback: Callable[[int, dict[str, float]], None] | None = None
+  metrics: Any = None
+  last: dict[str, float] = dataclasses.field(default_factory=dict)
+  beat: Callable[[], None] = lambda: None
+
+
+class ReplanHook:
+  """Times the steps the trainer's ``Replanner`` wants timed, hands it each step
+  (``Replanner.observe``) and, when it asks, has it measure and decide (``replan_event``); the
+  trainer applies every event (``Trainer.apply_replan``: log line, record, switch)."""
+
+  def __init__(self, trainer, log: LogHook):
+    self.trainer, self.log = trainer, log
+    self.timer = StepTimer()
+
+  def after_step(self, run: RunState) -> None:
+    trainer, replanner = self.trainer, self.trainer.replanner
+    step_ms = self.timer.after(run.metrics) if replanner.times_steps() else None
+    wants, events = replanner.observe(run.step, run.start_step, step_ms)
+    for event in events:
+      trainer.apply_replan(event)
+    if any(event.switch_to is not None for event in events):
+      self.timer.reset()  # a re-plan undone: the split before it runs again
+    if wants:
+      self.log.flush(run)
+      event = replanner.replan_event(run.step, trainer.program, trainer.state, trainer.sample)
+      if event is not None:
+        trainer.apply_replan(event)
+      self.timer.reset()  # the next interval would hold the measurement (and a compile)
+
+  def finish(self, run: RunState) -> None:
+    pass
+
+
+class LogHook:
+  """Every ``log_every`` steps (and the last): the step's metrics to ``metrics.jsonl``, TensorBoard,
+  the progress stream and the callback — read one step late, so that reading them never waits for
+  the step just dispatched."""
+
+  def __init__(self, trainer):
+    self.trainer = trainer
+    self.pending = None  # (step, device metrics), written after the next step is dispatched
+    self.clock = _Clock(trainer.step)
+
+  def after_step(self, run: RunState) -> None:
+    if run.step == run.start_step + 1:
+      self.trainer.say(f"compiled and ran the first step in {self.clock.first_step_done(run.step):.1f} s")
+    self.flush(run)
+    if run.step % self.trainer.log_every == 0 or run.step == run.steps:
+      self.pending = (run.step, run.metrics)
+
+  def flush(self, run: RunState) -> None:
+    """Writes the metrics held back, if any."""
+    if self.pending is not None:
+      step, metrics = self.pending
+      self.pending = None
+      run.last = self.write(run, step, metrics)
+
+  def finish(self, run: RunState) -> None:
+    self.flush(run)
+
+  def write(self, run: RunState, step: int, metrics) -> dict[str, float]:
+    trainer = self.trainer
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer
+    rate = self.clock.steps_per_s(step)
+    record = {"step": step, **values, "steps_per_s": rate, "samples_per_s": rate * trainer.global_batch}
+    record["time_s"] = self.clock.elapsed()
+    trainer.log.write(record)
+    eta = f"ETA {(run.steps - step) / rate:.0f}s" if rate > 0 else "ETA after the next step"
+    trainer.say(
+      f"step {step}/{run.steps}  loss {values['loss']:.4f}  {rate * trainer.global_batch:.1f} samples/s  "
+      f"{rate:.2f} steps/s  {eta}"
+    )
+    if run.callback is not None:
+      run.callback(step, values)
+    return values
+
+
+class WatchdogHook:
+  """Multi-process: ends the process when a step (after the first, which compiles) takes longer
+  than ``timeout_s`` (``distributed.Watchdog``); off when ``timeout_s`` is None or 0."""
+
+  def __init__(self, trainer, timeout_s: float | None):
+    self.trainer, self.timeout_s = trainer, timeout_s
+    self.watchdog: Watchdog | None = None
+
+  def after_step(self, run: RunState) -> None:
+    if self.watchdog is not None:
+      self.watchdog.beat()
+    elif self.timeout_s:  # after the first step, which compiles
+      jax.block_until_ready(self.trainer.program.step_count(self.trainer.state))
+      self.watchdog = Watchdog(self.timeout_s).start()
+      run.beat = self.watchdog.beat
+
+  def finish(self, run: RunState) -> None:
+    pass
+
+  def close(self) -> None:
+    if self.watchdog is not None:
+      self.watchdog.stop()
+
+
+class CheckpointHook:
+  """Every ``checkpoint_every`` steps, and at the end of the run (unless a multi-process run was
+  interrupted: its peers may not reach the collective save), checkpoints the state."""
+
+  def __init__(self, trainer, log: LogHook, stop: StopOnSigint):
+    self.trainer, self.log, self.stop = trainer, log, stop
+
+  def after_step(self, run: RunState) -> None:
+    every = self.trainer.checkpoint_every
+    if every and run.step % every == 0:
+      self.log.flush(run)
+      run.beat()
+      self.trainer.save()
+      run.beat()
+
+  def finish(self, run: RunState) -> None:
+    trainer = self.trainer
+    saves = trainer.checkpoints is not None and (not self.stop.requested or jax.process_count() == 1)
+    if saves and trainer.step > 0 and trainer.checkpoints.latest_step() != trainer.step:
+      trainer.save()
+
+
+class StopOnSigint:
+  """Within ``with``: the first SIGINT sets ``requested`` (the loop stops between two steps), a
+  second raises ``KeyboardInterrupt``. Does nothing outside the main thread."""
+
+  def __init__(self):
+    self.requested, self._previous = False, None
+
+  def _handle(self, signum, frame):
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+      self._previous = None
+
+
+class _Clock:
+  """Throughput of a run, measured from the end of its first (compiling) step."""
+
+  def __init__(self, start_step: int):
+    self.t0 = time.perf_counter()
+    self.t_first, self.first = None, start_step + 1
+
+  def first_step_done(self, step: int) -> float:
+    """Seconds the first step took (compilation included); the rate counts from here."""
+    self.t_first, self.first = time.perf_counter(), step
+    return self.t_first - self.t0
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.t0
+
+  def steps_per_s(self, step: int) -> float:
+    """Steps per second since the first step (0.0 until a second one has finished)."""
+    if self.t_first is None or step <= self.first:
+      return 0.0
+    return (step - self.first) / (time.perf_counter() - self.t_first)
