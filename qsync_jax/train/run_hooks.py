@@ -3,13 +3,15 @@ the watchdog, checkpoints. ``Trainer.run`` dispatches a step, then calls each ho
 ``after_step(run)`` in that order; at the end of the run, each hook's ``finish(run)``.
 
 ``RunState`` is what the hooks share: the step just dispatched and its (device) metrics, the last
-logged metrics, and ``beat`` (the watchdog's: a hook that pauses training calls it before and
-after). A hook that pauses training first has the log write the metrics it holds back
-(``LogHook.flush``), so ``metrics.jsonl`` stays in step order.
+logged metrics, the run's ``Throughput`` and ``beat`` (the watchdog's). A hook that pauses
+training (measures, saves, evaluates) first has the log write the metrics it holds back
+(``LogHook.flush``), so ``metrics.jsonl`` stays in step order, then works inside
+``RunState.paused()``: the pause is left out of the rate and the watchdog beats before and after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import threading
@@ -20,6 +22,7 @@ from typing import Any
 import jax
 
 from qsync_jax.train.distributed import Watchdog
+from qsync_jax.train.progress import Throughput, legend, progress_line, rates
 from qsync_jax.train.replan import StepTimer
 
 
@@ -27,7 +30,7 @@ from qsync_jax.train.replan import StepTimer
 class RunState:
   """One ``Trainer.run``: the target ``steps``, the step it started from, the ``step`` just
   dispatched and its ``metrics`` (device arrays), the ``last`` metrics logged (host floats), the
-  user's ``callback(step, metrics)``."""
+  user's ``callback(step, metrics)``, ``flops``: the running step's FLOPs per device (None: unknown)."""
 
   steps: int
   start_step: int
@@ -36,6 +39,22 @@ class RunState:
   metrics: Any = None
   last: dict[str, float] = dataclasses.field(default_factory=dict)
   beat: Callable[[], None] = lambda: None
+  throughput: Throughput = dataclasses.field(default_factory=Throughput)
+  flops: float | None = None
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Training pauses within: the step in flight finishes first, and nothing from here until
+    the next step's batch is ready counts toward the rate; the watchdog beats around it."""
+    if self.metrics is not None:
+      jax.block_until_ready(self.metrics)
+    self.throughput.stop()
+    self.beat()
+    try:
+      yield
+    finally:
+      self.beat()
+      self.throughput.restart(self.step)
 
 
 class ReplanHook:
@@ -57,7 +76,8 @@ class ReplanHook:
       self.timer.reset()  # a re-plan undone: the split before it runs again
     if wants:
       self.log.flush(run)
-      event = replanner.replan_event(run.step, trainer.program, trainer.state, trainer.sample)
+      with run.paused():
+        event = replanner.replan_event(run.step, trainer.program, trainer.state, trainer.sample)
       if event is not None:
         trainer.apply_replan(event)
       self.timer.reset()  # the next interval would hold the measurement (and a compile)
@@ -74,11 +94,12 @@ class LogHook:
   def __init__(self, trainer):
     self.trainer = trainer
     self.pending = None  # (step, device metrics), written after the next step is dispatched
-    self.clock = _Clock(trainer.step)
+    self.t0 = time.perf_counter()
+    self.explained = False  # the legend of the rates is printed once, with the first rate
 
   def after_step(self, run: RunState) -> None:
     if run.step == run.start_step + 1:
-      self.trainer.say(f"compiled and ran the first step in {self.clock.first_step_done(run.step):.1f} s")
+      self.trainer.say(f"compiled and ran the first step in {time.perf_counter() - self.t0:.1f} s")
     self.flush(run)
     if run.step % self.trainer.log_every == 0 or run.step == run.steps:
       self.pending = (run.step, run.metrics)
@@ -96,15 +117,18 @@ class LogHook:
   def write(self, run: RunState, step: int, metrics) -> dict[str, float]:
     trainer = self.trainer
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer
-    rate = self.clock.steps_per_s(step)
-    record = {"step": step, **values, "steps_per_s": rate, "samples_per_s": rate * trainer.global_batch}
-    record["time_s"] = self.clock.elapsed()
-    trainer.log.write(record)
-    eta = f"ETA {(run.steps - step) / rate:.0f}s" if rate > 0 else "ETA after the next step"
-    trainer.say(
-      f"step {step}/{run.steps}  loss {values['loss']:.4f}  {rate * trainer.global_batch:.1f} samples/s  "
-      f"{rate:.2f} steps/s  {eta}"
+    if step < run.step:  # read one step late, as the rate's marks are (not early, before a pause)
+      run.throughput.mark(step)
+    peak = trainer.peak_tflops
+    fields = rates(
+      run.throughput.steps_per_s(), trainer.global_batch, trainer.task.tokens_per_example, run.flops, peak
     )
+    record = {"step": step, **values, **fields, "time_s": time.perf_counter() - self.t0}
+    trainer.log.write(record)
+    if fields["steps_per_s"] and not self.explained:
+      trainer.say(legend(run.flops, peak))
+      self.explained = True
+    trainer.say(progress_line(step, run.steps, values, record))
     if run.callback is not None:
       run.callback(step, values)
     return values
@@ -145,9 +169,8 @@ class CheckpointHook:
     every = self.trainer.checkpoint_every
     if every and run.step % every == 0:
       self.log.flush(run)
-      run.beat()
-      self.trainer.save()
-      run.beat()
+      with run.paused():
+        self.trainer.save()
 
   def finish(self, run: RunState) -> None:
     trainer = self.trainer
@@ -177,25 +200,3 @@ class StopOnSigint:
     if self._previous is not None:
       signal.signal(signal.SIGINT, self._previous)
       self._previous = None
-
-
-class _Clock:
-  """Throughput of a run, measured from the end of its first (compiling) step."""
-
-  def __init__(self, start_step: int):
-    self.t0 = time.perf_counter()
-    self.t_first, self.first = None, start_step + 1
-
-  def first_step_done(self, step: int) -> float:
-    """Seconds the first step took (compilation included); the rate counts from here."""
-    self.t_first, self.first = time.perf_counter(), step
-    return self.t_first - self.t0
-
-  def elapsed(self) -> float:
-    return time.perf_counter() - self.t0
-
-  def steps_per_s(self, step: int) -> float:
-    """Steps per second since the first step (0.0 until a second one has finished)."""
-    if self.t_first is None or step <= self.first:
-      return 0.0
-    return (step - self.first) / (time.perf_counter() - self.t_first)

@@ -29,7 +29,9 @@ checkpoint records the plan that runs and the decisions, so ``resume`` rebuilds 
 ran.
 
 ``run`` is a loop over step hooks (``qsync_jax.train.run_hooks``): after each step, re-planning,
-logging, checkpoints and the watchdog, in that order.
+logging, checkpoints and the watchdog, in that order. The rates it prints and logs (steps, samples
+and tokens per second, TFLOP/s per device, MFU, the ETA) are over the last steps of training,
+pauses left out (``qsync_jax.train.progress``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
 from qsync_jax.train.outputs import check_run_dir
+from qsync_jax.train.progress import peak_tflops, step_flops
 from qsync_jax.train.replan import ReplanEvent, Replanner
 from qsync_jax.train.run_hooks import (
   CheckpointHook,
@@ -186,6 +189,7 @@ class Trainer:
     self.state = self.program.init(self.seed, sample)
     check_plan_matches_model(task, self.program.plan, self.program.variables_of(self.state), sample)
     self.data_position = 0
+    self._step_flops: dict[int, float | None] = {}  # id(program) -> FLOPs per device, once it ran
     self._batches = None
     self._eval_fn = None
     if step_timeout_s is None and jax.process_count() > 1:
@@ -209,6 +213,11 @@ class Trainer:
   def sample(self):
     """One global batch of the task (host arrays), the first: what re-planning's probes run on."""
     return self._sample
+
+  @property
+  def peak_tflops(self) -> tuple[str, float] | None:
+    """``(device type, dense 16-bit peak TFLOP/s)`` of the run's devices (MFU's denominator)."""
+    return peak_tflops(list(self.program.mesh.devices.flat))
 
   @property
   def params(self):
@@ -298,10 +307,18 @@ class Trainer:
     try:
       with stop:
         while run.step < steps and not stop.requested:
-          self.state, run.metrics = self.program(self.state, self._next_batch())
-          if self._one_step_in_flight or run.step == run.start_step:
+          program, batch = self.program, self._next_batch()
+          run.throughput.batch_ready()
+          self.state, run.metrics = program(self.state, batch)
+          compiled = id(program) not in self._step_flops or run.step == run.start_step
+          if self._one_step_in_flight or compiled:
             jax.block_until_ready(run.metrics)
           run.step += 1
+          if compiled:  # the step compiled (or is a run's first): the rate counts from here
+            if id(program) not in self._step_flops:
+              self._step_flops[id(program)] = step_flops(program, self.state, batch)
+            run.throughput.restart(run.step)
+          run.flops = self._step_flops[id(program)]
           for hook in hooks:
             hook.after_step(run)
         for hook in hooks:

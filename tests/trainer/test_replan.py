@@ -21,7 +21,10 @@ from qsync_jax.train.replan import (
   PROBE_COST_RUNS,
   GroupSpeed,
   Replanner,
+  Running,
+  Undone,
   balance,
+  decide,
   lifted_policy,
   predicted_ms,
   probe_sizes,
@@ -586,3 +589,19 @@ def test_the_undo_rule_is_not_faster_with_no_margin():
       r.wants_measurement(step, 0, new_ms)
     (note,) = r.take_notes()
     assert note["undone"] == undone and len(r.history) == (2 if undone else 1)
+
+
+def test_decide_is_a_pure_function_of_measurements_running_split_and_undone_replans():
+  running = Running({"g0": 2, "g1": 2}, {"g0": 8, "g1": 8})
+  measured = {"g0": {4: 4.0, 8: 8.0}, "g1": {4: 12.0, 8: 24.0}}
+  d = decide(measured, running)
+  assert d.batches == {"g0": 12, "g1": 4} and d.blocked_by is None and d.undone == ()
+  assert (d.record["predicted_ms_old"], d.record["predicted_ms_new"]) == (24.0, 12.0)
+  assert decide(measured, running) == d  # same inputs, same decision: nothing kept between calls
+  block = Undone(5, {"g0": 12, "g1": 4}, {}, {g: GroupSpeed.fit(m) for g, m in measured.items()})
+  blocked = decide(measured, running, (block,))
+  assert blocked.batches is None and blocked.blocked_by == 5 and blocked.undone == (block,)
+  slower = {g: {b: 1.2 * ms for b, ms in m.items()} for g, m in measured.items()}  # speeds moved
+  freed = decide(slower, running, (block,))
+  assert freed.batches == {"g0": 12, "g1": 4} and freed.blocked_by is None and freed.undone == ()
+  assert decide(measured, running, threshold=0.6).batches is None  # 24 -> 12 ms is 50 % shorter, not 60 %
