@@ -81,10 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--replan",
     choices=("off", "once", "auto"),
-    help="re-balance the groups' batches from their measured speeds: once after the first steps "
-    "(the default on GPUs), auto (also when the step time drifts, and every 10 windows of 20 steps), "
-    "or off (the default on simulated CPU devices, which share one host's cores, and with selsync "
-    "and qsdp, which build their own step)",
+    help="re-balance the groups' batches from their measured speeds: once after the first steps, auto "
+    "(also when the step time drifts, and every 10 windows of 20 steps), or off. Default (as the Python "
+    "Trainer's): once on GPUs with two or more device groups, off on simulated CPU devices (which "
+    "share one host's cores), with selsync and qsdp (which build their own step) and for a plan that "
+    "accumulates gradients. One group is never measured (nothing to balance); a resumed run keeps "
+    "its checkpoint's decisions",
   )
   parser.add_argument("--eval", action="store_true", help="evaluate on the task's held-out set at the end")
   parser.add_argument(
@@ -144,20 +146,6 @@ def _optimizer(name: str, lr: float):
     "sgd": lambda: optax.sgd(lr),
     "momentum": lambda: optax.sgd(lr, momentum=0.9),
   }[name]()
-
-
-def _default_replan(sync: str | None, plan=None) -> str:
-  """``once`` on GPUs; ``off`` on CPU devices, for step-builder strategies and for a plan that
-  accumulates gradients (its micro-batches fix its batches)."""
-  import jax
-
-  from qsync_jax.sync import get_strategy
-
-  if jax.devices()[0].platform == "cpu" or (sync and get_strategy(sync).kind == "train_step"):
-    return "off"
-  if plan is not None and any(k != 1 for k in plan.micro_steps.values()):
-    return "off"
-  return "once"
 
 
 def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
@@ -383,7 +371,7 @@ def _run(args: argparse.Namespace) -> int:
     log_every=args.log_every,
     progress=sys.stderr,
     step_timeout_s=args.step_timeout,
-    replan=args.replan or _default_replan(sync, plan),
+    replan=args.replan,
   )
   if measured is not None:  # the run directory exists (and is checked) now
     write_auto_plan(args.out, plan, measured)

@@ -99,8 +99,10 @@ class Trainer:
       first, which compiles). Default 120 s when there are several processes, else off.
     donate: let each step reuse the previous state's buffers (default: on accelerators; hybrid
       step only, a step-builder strategy's step keeps its input).
-    replan: ``"off"`` (default), ``"once"`` or ``"auto"``, or a ``Replanner``: re-balance the
-      per-device batches from measured group speeds (hybrid step only; module doc).
+    replan: ``"off"``, ``"once"`` or ``"auto"``, or a ``Replanner``: re-balance the per-device
+      batches from measured group speeds (hybrid step only; module doc). Default (None):
+      ``default_replan``, ``"once"`` where re-planning can change something, else ``"off"``. A pool
+      of one device group has nothing to balance: it never measures, whatever the mode.
   """
 
   def __init__(
@@ -123,7 +125,7 @@ class Trainer:
     progress: TextIO | None = _STDERR,
     step_timeout_s: float | None = None,
     donate: bool | None = None,
-    replan: str | Replanner = "off",
+    replan: str | Replanner | None = None,
   ):
     if out_dir and jax.process_index() == 0:
       check_run_dir("out_dir", out_dir, resume)
@@ -160,19 +162,7 @@ class Trainer:
       self.program = self._build(plan)
       self._given_cluster = cluster
       self._programs = {_step_key(self.program.cluster, self.program.plan): self.program}  # not rebuilt
-    self.replanner = replan if isinstance(replan, Replanner) else Replanner(mode=replan)
-    if self.replanner.mode != "off" and not hasattr(self, "_build"):
-      raise QsyncError(
-        f"replan={self.replanner.mode!r}: sync strategy {grad_sync!r} builds its own step, which cannot be "
-        "re-balanced. Fix: use replan='off', or a gradient-hook strategy (fp32, bf16, fp16, global_qsgd)."
-      )
-    accumulating = sorted(g for g, k in (plan or Plan()).micro_steps.items() if k != 1)
-    if self.replanner.mode != "off" and accumulating:
-      raise QsyncError(
-        f"replan={self.replanner.mode!r}: the plan accumulates gradients on {accumulating} (micro_steps), "
-        "whose per-device batches re-planning would change. Fix: use replan='off', or remove micro_steps "
-        "from the plan."
-      )
+    self.replanner = _replanner(replan, self.program, grad_sync)
     self._sample = sample
     self.out_dir = out_dir
     progress = sys.stderr if progress is _STDERR else progress
@@ -257,6 +247,7 @@ class Trainer:
       data_position=self.data_position,
       plan=self.program.plan.to_json(),
       replans=self.replanner.history,
+      replan_decided=self.replanner.decided_step,
     )
     self.checkpoints.save(self.step, self.program.full_state(self.state), self.params, meta)
 
@@ -272,7 +263,7 @@ class Trainer:
       plan = dataclasses.replace(plan, optimizer_update=self.program.plan.optimizer_update)
       if plan.fingerprint() != self.program.plan.fingerprint():
         self.program = self._program_for(plan)
-      self.replanner.restore(saved["replans"])
+    self.replanner.restore(saved.get("replans", []), saved.get("replan_decided"))
     state, meta = self.checkpoints.restore(like, self._meta(), step)
     state = self.program.from_full_state(state)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
@@ -299,7 +290,11 @@ class Trainer:
     run = RunState(steps, self.step, self.step, callback)
     stop = StopOnSigint()
     log, watchdog = LogHook(self), WatchdogHook(self, self.step_timeout_s)
-    hooks = (ReplanHook(self, log), log, CheckpointHook(self, log, stop), watchdog)
+    hooks = (log, CheckpointHook(self, log, stop), watchdog)
+    if self.replanner.mode != "off" and len(self.program.cluster.groups) > 1:
+      hooks = (ReplanHook(self, log), *hooks)
+    elif self.replanner.mode != "off" and run.step < steps:
+      self.say(f"replan={self.replanner.mode}: one device group, nothing to balance: nothing is measured")
     if run.step < steps:
       self.say(
         f"compiling the step ({self.program.cluster.num_devices} devices, global batch {self.global_batch})…"
@@ -422,6 +417,37 @@ def check_plan_matches_model(task: Task, plan: Plan, variables, batch) -> None:
       policy.check_rules_match(ops, f"plan: group {group!r}")
     except PolicyError as e:
       raise PlanError(str(e)) from None
+
+
+def default_replan(program, grad_sync=None) -> str:
+  """``"once"`` where re-planning can change something — the hybrid step (not a step-builder
+  strategy's) on accelerators, over more than one device group, without gradient accumulation —
+  else ``"off"`` (simulated CPU devices share one host's cores: their speeds say nothing)."""
+  builds_own = isinstance(grad_sync, str) and get_strategy(grad_sync).kind == "train_step"
+  accumulates = any(k != 1 for k in program.plan.micro_steps.values())
+  cpu = program.mesh.devices.flat[0].platform == "cpu"
+  return "off" if builds_own or accumulates or cpu or len(program.cluster.groups) < 2 else "once"
+
+
+def _replanner(replan: str | Replanner | None, program, grad_sync) -> Replanner:
+  """The trainer's ``Replanner`` for ``replan`` (None: ``default_replan``), checked against what it
+  would re-balance."""
+  if replan is None:
+    replan = default_replan(program, grad_sync)
+  replanner = replan if isinstance(replan, Replanner) else Replanner(mode=replan)
+  if replanner.mode != "off" and isinstance(grad_sync, str) and get_strategy(grad_sync).kind == "train_step":
+    raise QsyncError(
+      f"replan={replanner.mode!r}: sync strategy {grad_sync!r} builds its own step, which cannot be "
+      "re-balanced. Fix: use replan='off', or a gradient-hook strategy (fp32, bf16, fp16, global_qsgd)."
+    )
+  accumulating = sorted(g for g, k in program.plan.micro_steps.items() if k != 1)
+  if replanner.mode != "off" and accumulating:
+    raise QsyncError(
+      f"replan={replanner.mode!r}: the plan accumulates gradients on {accumulating} (micro_steps), "
+      "whose per-device batches re-planning would change. Fix: use replan='off', or remove micro_steps "
+      "from the plan."
+    )
+  return replanner
 
 
 def _step_key(cluster: ClusterSpec, plan: Plan) -> tuple:

@@ -605,3 +605,62 @@ def test_decide_is_a_pure_function_of_measurements_running_split_and_undone_repl
   freed = decide(slower, running, (block,))
   assert freed.batches == {"g0": 12, "g1": 4} and freed.blocked_by is None and freed.undone == ()
   assert decide(measured, running, threshold=0.6).batches is None  # 24 -> 12 ms is 50 % shorter, not 60 %
+
+
+def _counting(calls):
+  """A fake measurement that records its calls: every group 1 ms per example."""
+
+  def measure(program, state, host_batch, sizes, policies):
+    calls.append(dict(sizes))
+    return {g: {b: float(b) for b in batches} for g, batches in sizes.items() if batches}
+
+  return measure
+
+
+def test_one_group_is_never_measured_whatever_the_mode(tmp_path, capsys):
+  calls = []
+  r = Replanner(mode="auto", warmup_steps=1, window=1, recheck_windows=1, measure=_counting(calls))
+  one = ClusterSpec((DeviceGroup("g0", "cpu", 2, 16, 8),))
+  trainer = Trainer(make_task(), one, Plan(), optax.adam(1e-2), devices=jax.devices()[:2], replan=r)
+  trainer.run(6)
+  assert calls == [] and r.history == []
+  assert "replan=auto: one device group, nothing to balance: nothing is measured" in capsys.readouterr().err
+
+
+def test_a_resumed_run_keeps_a_decision_that_kept_the_plan(tmp_path):
+  calls = []
+  first = _trainer(
+    tmp_path, "run", Replanner(mode="once", warmup_steps=1, window=1, measure=_counting(calls))
+  )
+  first.run(4)  # equal speeds: the decision at step 3 keeps 8/8
+  first.close()
+  assert len(calls) == 1 and first.replanner.history == [] and first.replanner.decided_step == 3
+  calls.clear()
+  r = Replanner(mode="once", warmup_steps=1, window=1, measure=_counting(calls))
+  resumed = _trainer(tmp_path, "run", r, resume=True)
+  assert resumed.step == 4 and r.decided_step == 3 and not r.times_steps()
+  resumed.run(10)
+  resumed.close()
+  assert calls == []  # measured nothing again
+
+
+def test_one_default_where_rebalancing_can_change_something():
+  from types import SimpleNamespace
+
+  from qsync_jax.train.trainer import default_replan
+
+  def program(platform="gpu", groups=2, micro_steps=None):
+    return SimpleNamespace(
+      mesh=SimpleNamespace(devices=np.asarray([SimpleNamespace(platform=platform)])),
+      cluster=SimpleNamespace(groups=[None] * groups),
+      plan=Plan.from_json({"micro_steps": micro_steps or {}}),
+    )
+
+  assert default_replan(program()) == "once"
+  assert default_replan(program(), "global_qsgd") == "once"  # a gradient hook: the hybrid step
+  assert default_replan(program(groups=1)) == "off"
+  assert default_replan(program(platform="cpu")) == "off"
+  assert default_replan(program(), "selsync") == "off"
+  assert default_replan(program(micro_steps={"g0": 2})) == "off"
+  trainer = Trainer(make_task(), _cluster(), devices=jax.devices()[:4])  # the CLI passes None too
+  assert trainer.replanner.mode == "off"  # simulated CPU devices

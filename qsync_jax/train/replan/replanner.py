@@ -145,15 +145,25 @@ class Replanner:
     _, record = self.replan(step, program, state, host_batch)
     return None if record is None else decision_event(record)
 
-  def restore(self, history: list[dict]) -> None:
-    """Takes up the ``history`` of a checkpointed run: its undone splits stay blocked; in
-    ``once``, a run that decided makes no new decision, but a re-plan not yet timed is timed
-    (the first full window after the resumed run's warm-up) and may be undone."""
+  @property
+  def decided_step(self) -> int | None:
+    """The step of the last decision, undo or check (None: none yet); a checkpoint keeps it."""
+    return self._last_decision_step
+
+  def restore(self, history: list[dict], decided_step: int | None = None) -> None:
+    """Takes up the ``history`` and ``decided_step`` of a checkpointed run: its undone splits stay
+    blocked; a run that decided (even to keep its split) makes no first decision again — ``once``
+    no decision at all, ``auto`` only the ones its step times call for —, but in ``once`` a re-plan
+    not yet timed is timed (the first full window after the resumed run's warm-up) and may be
+    undone."""
     self.history[:] = history
     by_step = {r["step"]: r for r in history if r.get("replanned")}
     self._undone = tuple(Undone.of_record(by_step[r["undone"]]) for r in history if "undone" in r)
+    if decided_step is None and history:
+      decided_step = history[-1]["step"]
+    if decided_step is not None:
+      self._last_decision_step = decided_step
     if self.mode == "once" and history:
-      self._last_decision_step = history[-1]["step"]
       last = history[-1]
       self._awaiting = last if last.get("replanned") and "measured_ms_new" not in last else None
 
