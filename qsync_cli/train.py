@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--out",
     required=True,
-    help="run directory: metrics.jsonl, checkpoints/ and tensorboard/ when tensorboardX is installed",
+    help="run directory: metrics.jsonl, checkpoints/ and tensorboard/ (TensorBoard events)",
   )
   parser.add_argument(
     "--sync",
@@ -89,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "its checkpoint's decisions",
   )
   parser.add_argument("--eval", action="store_true", help="evaluate on the task's held-out set at the end")
+  parser.add_argument(
+    "--eval-every",
+    type=int,
+    default=0,
+    metavar="N",
+    help="also evaluate on the held-out set every N steps (0: never; results in metrics.jsonl and "
+    "TensorBoard's eval/ tags; the time it takes is left out of the printed rates)",
+  )
   parser.add_argument(
     "--compilation-cache",
     metavar="DIR",
@@ -224,6 +232,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
   if args.steps <= 0:
     raise QsyncError(f"--steps {args.steps} must be positive. Fix: pass --steps 1 or more.")
+  if args.eval_every < 0:
+    raise QsyncError(
+      f"--eval-every {args.eval_every} must be 0 (never) or a number of steps. Fix: pass e.g. --eval-every 100."
+    )
   if args.local_devices is not None and args.local_devices < 1:
     raise QsyncError(
       f"--local-devices {args.local_devices} must be at least 1. Fix: pass e.g. --local-devices 8."
@@ -352,6 +364,12 @@ def _run(args: argparse.Namespace) -> int:
   check_device_count(cluster, jax.devices(), args.num_processes)
   check_device_types(cluster, jax.devices(), args.simulate_device_types)
   task = load_task(args.model, **overrides)
+  if (args.eval or args.eval_every) and task.eval_batches is None:
+    flag = "--eval-every" if args.eval_every else "--eval"
+    raise QsyncError(
+      f"{flag}: task {task.name!r} has no held-out set (its eval_batches is None). Fix: drop {flag}, or "
+      "give the task eval_batches."
+    )
   measured = None
   if args.plan == AUTO:
     plan, measured = auto_plan(args, task, cluster)
@@ -378,17 +396,14 @@ def _run(args: argparse.Namespace) -> int:
   if trainer.step and jax.process_index() == 0:
     print(f"resumed {args.out} at step {trainer.step}", file=sys.stderr)
   try:
-    last = trainer.run(args.steps)
+    last = trainer.run(args.steps, eval_every=args.eval_every)
+    record = {"step": trainer.step, **last}
+    if args.eval:
+      record["eval"] = trainer.evaluate_and_log()
   except Interrupted as e:
     raise Interrupted(f"{e}. Resume with the same command and --resume.") from None
   finally:
     trainer.close()
-  record = {"step": trainer.step, **last}
-  if args.eval:
-    record["eval"] = trainer.evaluate()
-    if jax.process_index() == 0:
-      with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": trainer.step, "eval": record["eval"]}) + "\n")
   if jax.process_index() == 0:
     print(json.dumps(record))
   return 0

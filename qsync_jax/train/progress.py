@@ -130,7 +130,10 @@ def progress_line(step: int, steps: int, values: dict[str, float], record: dict[
   """``step 40/100  loss 2.3012  1234.5 samples/s  78.3k tokens/s  3.21 steps/s  41.2 TFLOP/s/device
   MFU 4.2%  ETA 19s``."""
   rate = record["steps_per_s"]
-  parts = [f"step {step}/{steps}", f"loss {values['loss']:.4f}", f"{record['samples_per_s']:.1f} samples/s"]
+  parts = [f"step {step}/{steps}", f"loss {values['loss']:.4f}"]
+  if "lr" in values:
+    parts.append(f"lr {values['lr']:.3g}")
+  parts.append(f"{record['samples_per_s']:.1f} samples/s")
   if "tokens_per_s" in record:
     parts.append(f"{_si(record['tokens_per_s'])} tokens/s")
   parts.append(f"{rate:.2f} steps/s")

@@ -1,5 +1,5 @@
 """What ``Trainer.run`` does between two steps, one hook per concern: re-planning, logging,
-the watchdog, checkpoints. ``Trainer.run`` dispatches a step, then calls each hook's
+evaluation, checkpoints, the watchdog. ``Trainer.run`` dispatches a step, then calls each hook's
 ``after_step(run)`` in that order; at the end of the run, each hook's ``finish(run)``.
 
 ``RunState`` is what the hooks share: the step just dispatched and its (device) metrics, the last
@@ -124,7 +124,7 @@ class LogHook:
       run.throughput.steps_per_s(), trainer.global_batch, trainer.task.tokens_per_example, run.flops, peak
     )
     record = {"step": step, **values, **fields, "time_s": time.perf_counter() - self.t0}
-    trainer.log.write(record)
+    trainer.log.write(record, prefix="train/")
     if fields["steps_per_s"] and not self.explained:
       trainer.say(legend(run.flops, peak))
       self.explained = True
@@ -132,6 +132,23 @@ class LogHook:
     if run.callback is not None:
       run.callback(step, values)
     return values
+
+
+class EvalHook:
+  """Every ``every`` steps: the held-out metrics at that step (``Trainer.evaluate_and_log``), a
+  pause of training."""
+
+  def __init__(self, trainer, log: LogHook, every: int):
+    self.trainer, self.log, self.every = trainer, log, every
+
+  def after_step(self, run: RunState) -> None:
+    if self.every and run.step % self.every == 0:
+      self.log.flush(run)
+      with run.paused():
+        self.trainer.evaluate_and_log()
+
+  def finish(self, run: RunState) -> None:
+    pass
 
 
 class WatchdogHook:

@@ -1,5 +1,7 @@
 """What a training run logs: ``metrics.jsonl`` (one JSON record per line) and the same numbers as
-TensorBoard scalars (``TensorBoardWriter``), in the run directory; process 0 writes.
+TensorBoard scalars (``TensorBoardWriter``, in ``tensorboard/``), in the run directory; process 0
+writes. TensorBoard tags carry the record's kind: ``train/`` (a logged step's metrics and rates),
+``eval/`` (held-out metrics), ``replan/`` (re-planning's decisions and measured steps).
 
 A resumed run first drops the lines logged after its checkpoint (``drop_metrics_after``), so that
 no step appears twice.
@@ -9,17 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
 class RunLog:
   """``metrics.jsonl`` and TensorBoard events (``tensorboard/``) in ``out_dir``; nothing when
-  ``out_dir`` is None or this is not the process that writes (``primary``)."""
+  ``out_dir`` is None or this is not the process that writes (``primary``). ``say``: where a
+  missing ``tensorboardX`` is reported (once)."""
 
-  def __init__(self, out_dir: str | None, primary: bool):
+  def __init__(self, out_dir: str | None, primary: bool, say: Callable[[str], None] | None = None):
     self.path = os.path.join(out_dir, "metrics.jsonl") if out_dir and primary else None
-    self.tensorboard = TensorBoardWriter(os.path.join(out_dir, "tensorboard")) if self.path else None
+    self.tensorboard = TensorBoardWriter(os.path.join(out_dir, "tensorboard"), say) if self.path else None
 
   def write(
     self, line: Mapping[str, Any], scalars: Mapping[str, Any] | None = None, prefix: str = ""
@@ -80,14 +83,15 @@ class TensorBoardWriter:
   (``_scalars``; its ``step`` key is the x-axis, not a scalar) at ``step`` and flushes, so a
   killed run keeps what it logged.
 
-  Optional: the ``tensorboardX`` package is imported at the first write; without it nothing is
-  written (no directory, no error). The event file opens at the first write with
+  ``tensorboardX`` (a dependency) is imported at the first write; where it is missing (a broken
+  install) nothing is written (no directory) and ``say`` reports it once. The event file opens at
+  the first write with
   ``purge_step`` = that step, so a resumed run hides the events an earlier run logged from
   that step on (as ``metrics.jsonl`` drops them). ``close`` is idempotent.
   """
 
-  def __init__(self, directory: str):
-    self.directory = directory
+  def __init__(self, directory: str, say: Callable[[str], None] | None = None):
+    self.directory, self.say = directory, say
     self._writer = None
     self._unavailable = False
 
@@ -104,6 +108,11 @@ class TensorBoardWriter:
         from tensorboardX import SummaryWriter
       except ImportError:
         self._unavailable = True
+        if self.say is not None:
+          self.say(
+            "TensorBoard: no events are written, tensorboardX cannot be imported (metrics.jsonl has the "
+            "same numbers). Fix: pip install tensorboardX (a qsync-jax dependency)."
+          )
         return
       self._writer = SummaryWriter(self.directory, purge_step=int(step))
     for tag, value in _scalars({k: v for k, v in record.items() if k != "step"}, prefix):

@@ -2,8 +2,9 @@
 
 ``Trainer`` wraps the compiled step of ``qsync_jax.train.train_step`` and owns what lives between
 steps: the ``TrainState``, the training data iterator and its position, the metrics log
-(``metrics.jsonl``, and TensorBoard events in ``tensorboard/`` when ``tensorboardX`` is installed),
-progress on stderr and checkpoints (``checkpoints/``) in ``out_dir``.
+(``metrics.jsonl``, and the same numbers as TensorBoard events in ``tensorboard/``, tagged
+``train/``, ``eval/`` and ``replan/``), progress on stderr and checkpoints (``checkpoints/``) in
+``out_dir``.
 
 Example::
 
@@ -29,7 +30,7 @@ checkpoint records the plan that runs and the decisions, so ``resume`` rebuilds 
 ran.
 
 ``run`` is a loop over step hooks (``qsync_jax.train.run_hooks``): after each step, re-planning,
-logging, checkpoints and the watchdog, in that order. The rates it prints and logs (steps, samples
+logging, evaluation (``eval_every``), checkpoints and the watchdog, in that order. The rates it prints and logs (steps, samples
 and tokens per second, TFLOP/s per device, MFU, the ETA) are over the last steps of training,
 pauses left out (``qsync_jax.train.progress``).
 """
@@ -62,6 +63,7 @@ from qsync_jax.train.progress import peak_tflops, step_flops
 from qsync_jax.train.replan import ReplanEvent, Replanner
 from qsync_jax.train.run_hooks import (
   CheckpointHook,
+  EvalHook,
   LogHook,
   ReplanHook,
   RunState,
@@ -89,7 +91,7 @@ class Trainer:
     sync_options: options of the named strategy (its ``Strategy.options``).
     seed: seeds the parameters, the step RNG and the data order.
     out_dir: where ``metrics.jsonl``, ``checkpoints/`` and ``tensorboard/`` (the metrics as TensorBoard
-      scalars, when ``tensorboardX`` is installed) go (None: nothing is written). Process 0 writes.
+      scalars) go (None: nothing is written). Process 0 writes.
     checkpoint_every: save every this many steps (0: only at the end of ``run``).
     resume: restore the latest checkpoint of ``out_dir`` if there is one.
     log_every: write metrics every this many steps.
@@ -168,7 +170,7 @@ class Trainer:
     progress = sys.stderr if progress is _STDERR else progress
     self.checkpoint_every, self.log_every, self.progress = checkpoint_every, max(1, log_every), progress
     self.is_primary = jax.process_index() == 0
-    self.log = RunLog(out_dir, self.is_primary)
+    self.log = RunLog(out_dir, self.is_primary, self.say)
     self.tensorboard = self.log.tensorboard
     # XLA's CPU collectives can deadlock with two multi-device steps in flight on a small host
     # (seen on 2 cores: "Termination timeout for all reduce"); accelerators pipeline steps.
@@ -182,6 +184,7 @@ class Trainer:
     self._step_flops: dict[int, float | None] = {}  # id(program) -> FLOPs per device, once it ran
     self._batches = None
     self._eval_fn = None
+    self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, held-out metrics)
     if step_timeout_s is None and jax.process_count() > 1:
       step_timeout_s = 120.0
     self.step_timeout_s = step_timeout_s
@@ -277,11 +280,15 @@ class Trainer:
     return {k: float(v) for k, v in metrics.items()}
 
   def run(
-    self, steps: int, callback: Callable[[int, dict[str, float]], None] | None = None
+    self,
+    steps: int,
+    callback: Callable[[int, dict[str, float]], None] | None = None,
+    *,
+    eval_every: int = 0,
   ) -> dict[str, float]:
     """Trains until ``steps`` steps in total have run (a resumed run continues); returns the
-    last metrics. Logs every ``log_every`` steps, checkpoints every ``checkpoint_every`` steps
-    and at the end.
+    last metrics. Logs every ``log_every`` steps, evaluates every ``eval_every`` steps
+    (``evaluate_and_log``; 0: never), checkpoints every ``checkpoint_every`` steps and at the end.
 
     Ctrl-C (SIGINT, in the main thread) stops the run between two steps: it logs and, in a
     one-process run with ``out_dir``, checkpoints the last finished step, then raises
@@ -289,8 +296,13 @@ class Trainer:
     """
     run = RunState(steps, self.step, self.step, callback)
     stop = StopOnSigint()
+    if eval_every and self.task.eval_batches is None:
+      raise QsyncError(
+        f"eval_every={eval_every}: task {self.task.name!r} has no held-out set (eval_batches). Fix: pass "
+        "eval_every=0, or give the task eval_batches."
+      )
     log, watchdog = LogHook(self), WatchdogHook(self, self.step_timeout_s)
-    hooks = (log, CheckpointHook(self, log, stop), watchdog)
+    hooks = (log, EvalHook(self, log, eval_every), CheckpointHook(self, log, stop), watchdog)
     if self.replanner.mode != "off" and len(self.program.cluster.groups) > 1:
       hooks = (ReplanHook(self, log), *hooks)
     elif self.replanner.mode != "off" and run.step < steps:
@@ -397,6 +409,18 @@ class Trainer:
         totals[k] = totals.get(k, 0.0) + float(v) * n
       count += n
     return {k: v / count for k, v in totals.items()} if count else {}
+
+  def evaluate_and_log(self, batch_size: int = 256) -> dict[str, float]:
+    """``evaluate()`` at the current step (again only if the step moved on since the last), logged:
+    a ``{"step", "eval": {...}}`` line in ``metrics.jsonl``, ``eval/`` scalars and a progress line."""
+    if self.last_eval is not None and self.last_eval[0] == self.step:
+      return self.last_eval[1]
+    metrics = self.evaluate(batch_size)
+    self.last_eval = (self.step, metrics)
+    if metrics:
+      self.log.write({"step": self.step, "eval": metrics}, metrics, prefix="eval/")
+      self.say(f"eval at step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
 
   def close(self) -> None:
     self.log.close()

@@ -51,9 +51,19 @@ def _mse(out, batch):
   return loss, {"mae": jnp.mean(jnp.abs(err))}
 
 
-def make_task(hidden: int = 16, batchnorm: bool = False, fixed_batch: int = 0) -> Task:
+def _held_out(examples: int, batch_size: int):
+  batches = _batches(batch_size, 12345)
+  for start in range(0, examples, batch_size):
+    batch = next(batches)
+    yield {k: v[: examples - start] for k, v in batch.items()}
+
+
+def make_task(
+  hidden: int = 16, batchnorm: bool = False, fixed_batch: int = 0, eval_examples: int = 0
+) -> Task:
   """``QSYNC_TEST_BATCH_DELAY_S`` slows data loading (for kill tests); ``fixed_batch`` > 0 makes
-  every batch that many examples, whatever the global batch asked (a task that ignores it)."""
+  every batch that many examples, whatever the global batch asked (a task that ignores it);
+  ``eval_examples`` > 0 gives the MLP a held-out set of that many examples."""
   delay = float(os.environ.get("QSYNC_TEST_BATCH_DELAY_S", "0"))
   if fixed_batch:
     return Task(
@@ -76,6 +86,7 @@ def make_task(hidden: int = 16, batchnorm: bool = False, fixed_batch: int = 0) -
     inputs=lambda b: (b["x"],),
     loss=_mse,
     train_batches=lambda n, seed: _batches(n, seed, delay),
+    eval_batches=(lambda n: _held_out(eval_examples, n)) if eval_examples else None,
   )
 
 
