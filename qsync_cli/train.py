@@ -18,6 +18,7 @@ start one process per host (or several on one CPU host) with the same arguments 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -29,6 +30,8 @@ from qsync_jax.errors import Interrupted, PlanError, QsyncError
 HELP = "train a model on a hybrid cluster under a plan (synchronous data parallel)"
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+OPTIMIZER_SETTINGS = ("optimizer", "lr")
+"""The options a checkpoint records of the optimizer: a ``--resume`` with other values says which."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "from its group's device_type is refused (CPU devices always simulate)",
   )
   dist.add_argument(
-    "--step-timeout", type=float, help="seconds a step may take before a process gives up (default 120)"
+    "--step-timeout",
+    type=float,
+    help="seconds a step may take before the process gives up (default 120 with several processes; 0: no "
+    "watchdog, the default of a one-process run)",
   )
   dist.add_argument(
     "--heartbeat-timeout",
@@ -236,6 +242,16 @@ def _check_arguments(args: argparse.Namespace) -> None:
     raise QsyncError(
       f"--eval-every {args.eval_every} must be 0 (never) or a number of steps. Fix: pass e.g. --eval-every 100."
     )
+  if args.checkpoint_every < 0:
+    raise QsyncError(
+      f"--checkpoint-every {args.checkpoint_every} must be 0 (a checkpoint at the end only) or a number of "
+      "steps. Fix: pass e.g. --checkpoint-every 100."
+    )
+  if args.step_timeout is not None and not args.step_timeout >= 0:
+    raise QsyncError(
+      f"--step-timeout {args.step_timeout:g} must be a number of seconds (0: no watchdog). Fix: pass e.g. "
+      "--step-timeout 600, or leave it out."
+    )
   if args.local_devices is not None and args.local_devices < 1:
     raise QsyncError(
       f"--local-devices {args.local_devices} must be at least 1. Fix: pass e.g. --local-devices 8."
@@ -301,6 +317,28 @@ def auto_plan(args: argparse.Namespace, task, cluster):
   return Plan.uniform(cluster, result.policy), result
 
 
+def _say_changed_settings(trainer, settings: dict) -> None:
+  """Records the optimizer ``settings`` in the run's checkpoints; a resumed run whose settings
+  differ from its checkpoint's says so (a line on stderr and one in ``metrics.jsonl``) and runs with
+  the new ones from the next step — the optimizer's state (its moments, its step count) is the
+  checkpoint's."""
+  import jax
+
+  changed = trainer.set_run_settings(settings)
+  if not changed or jax.process_index() != 0:
+    return
+  flags = ", ".join(f"--{k.replace('_', '-')} {old} -> {new}" for k, (old, new) in changed.items())
+  print(
+    f"qsync train: resuming with other optimizer settings than checkpoint {trainer.step}: {flags}; they "
+    f"apply from step {trainer.step + 1} on (the optimizer state is the checkpoint's)",
+    file=sys.stderr,
+  )
+  trainer.log.write(
+    {"step": trainer.step, "resumed_with": {k: {"checkpoint": a, "now": b} for k, (a, b) in changed.items()}},
+    {},
+  )
+
+
 def write_auto_plan(out: str, plan, result) -> None:
   """``OUT/plan.json`` (the plan a ``--resume`` reuses) and ``OUT/auto_policy.json`` (what was
   measured), each written atomically."""
@@ -315,11 +353,32 @@ def write_auto_plan(out: str, plan, result) -> None:
 def run(args: argparse.Namespace) -> int:
   from qsync_jax.ops.qattention import fused_attention
 
-  with fused_attention(False if args.no_fused_attention else None):  # traced when the step compiles
-    return _run(args)
+  with contextlib.ExitStack() as held:
+    held.enter_context(fused_attention(False if args.no_fused_attention else None))  # traced at compile
+    return _run(args, held)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _hold_out_dir(args: argparse.Namespace, held: contextlib.ExitStack) -> None:
+  """Holds ``--out`` for this run (process 0; released when ``held`` closes) and refuses a
+  ``--resume --steps`` below the checkpoint it would continue from, before any work."""
+  from qsync_jax.train.outputs import checkpoint_steps, lock_run_dir
+
+  if args.process_id == 0:
+    lock = lock_run_dir("--out", args.out)
+    held.callback(lock.release)
+    if lock.note:
+      print(f"qsync train: {lock.note}", file=sys.stderr)
+      lock.note = None
+  latest = max(checkpoint_steps(args.out), default=None) if args.resume else None
+  if latest is not None and args.steps < latest:
+    raise QsyncError(
+      f"--steps {args.steps} is below step {latest}, where --resume continues {args.out!r} from: --steps is "
+      f"the total number of steps to train until. Fix: pass --steps {latest} or more (e.g. --steps "
+      f"{latest + args.steps} for {args.steps} more)."
+    )
+
+
+def _run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
 
@@ -331,6 +390,7 @@ def _run(args: argparse.Namespace) -> int:
   plan = Plan.load(args.plan) if args.plan and args.plan != AUTO else Plan()
   if cluster is not None:
     plan.validate_for(cluster)
+  _hold_out_dir(args, held)
 
   if args.coordinator:
     from qsync_jax.train.distributed import initialize
@@ -395,6 +455,7 @@ def _run(args: argparse.Namespace) -> int:
     write_auto_plan(args.out, plan, measured)
   if trainer.step and jax.process_index() == 0:
     print(f"resumed {args.out} at step {trainer.step}", file=sys.stderr)
+  _say_changed_settings(trainer, {k: getattr(args, k) for k in OPTIMIZER_SETTINGS})
   try:
     last = trainer.run(args.steps, eval_every=args.eval_every)
     record = {"step": trainer.step, **last}

@@ -1,6 +1,7 @@
-"""What ``Trainer.run`` does between two steps, one hook per concern: re-planning, logging,
-evaluation, checkpoints, the watchdog. ``Trainer.run`` dispatches a step, then calls each hook's
-``after_step(run)`` in that order; at the end of the run, each hook's ``finish(run)``.
+"""What ``Trainer.run`` does between two steps, one hook per concern: the finite-loss check,
+re-planning, logging, evaluation, checkpoints, the watchdog. ``Trainer.run`` dispatches a step,
+then calls each hook's ``after_step(run)`` in that order (none after one that found the run
+diverged); at the end of the run, each hook's ``finish(run)``.
 
 ``RunState`` is what the hooks share: the step just dispatched and its (device) metrics, the last
 logged metrics, the run's ``Throughput`` and ``beat`` (the watchdog's). A hook that pauses
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import signal
 import threading
 import time
@@ -21,6 +23,8 @@ from typing import Any
 
 import jax
 
+from qsync_jax.errors import CheckpointError
+from qsync_jax.train.checkpoint import CheckpointWriteError
 from qsync_jax.train.distributed import Watchdog
 from qsync_jax.train.progress import Throughput, legend, progress_line, rates
 from qsync_jax.train.replan import StepTimer
@@ -30,7 +34,8 @@ from qsync_jax.train.replan import StepTimer
 class RunState:
   """One ``Trainer.run``: the target ``steps``, the step it started from, the ``step`` just
   dispatched and its ``metrics`` (device arrays), the ``last`` metrics logged (host floats), the
-  user's ``callback(step, metrics)``, ``flops``: the running step's FLOPs per device (None: unknown)."""
+  user's ``callback(step, metrics)``, ``flops``: the running step's FLOPs per device (None: unknown),
+  ``diverged``: ``(step, what is not finite)`` once the run diverged (it stops)."""
 
   steps: int
   start_step: int
@@ -41,6 +46,7 @@ class RunState:
   beat: Callable[[], None] = lambda: None
   throughput: Throughput = dataclasses.field(default_factory=Throughput)
   flops: float | None = None
+  diverged: tuple[int, str] | None = None
 
   @contextlib.contextmanager
   def paused(self):
@@ -55,6 +61,31 @@ class RunState:
     finally:
       self.beat()
       self.throughput.restart(self.step)
+
+
+class FiniteLossHook:
+  """Stops the run at the first step whose loss is not finite, unless dynamic loss scaling skipped
+  that step (its ``skipped`` metric; the state stayed as it was). Reads each step's loss one step
+  late, while the next step runs (as the log does at ``log_every=1``)."""
+
+  def __init__(self):
+    self.previous = None  # (step, device metrics) of the step before the one just dispatched
+
+  def after_step(self, run: RunState) -> None:
+    previous, self.previous = self.previous, (run.step, run.metrics)
+    if previous is not None:
+      self._check(run, *previous)
+
+  def finish(self, run: RunState) -> None:
+    if self.previous is not None and run.diverged is None:
+      self._check(run, *self.previous)
+
+  @staticmethod
+  def _check(run: RunState, step: int, metrics) -> None:
+    read = jax.device_get({k: metrics[k] for k in ("loss", "skipped") if k in metrics})
+    loss = float(read["loss"])
+    if not math.isfinite(loss) and not float(read.get("skipped", 0.0)):
+      run.diverged = (step, f"the loss is {loss}")
 
 
 class ReplanHook:
@@ -177,7 +208,12 @@ class WatchdogHook:
 
 class CheckpointHook:
   """Every ``checkpoint_every`` steps, and at the end of the run (unless a multi-process run was
-  interrupted: its peers may not reach the collective save), checkpoints the state."""
+  interrupted: its peers may not reach the collective save), checkpoints the state — never a state
+  whose parameters or optimizer state are not finite (the run stops there as diverged).
+
+  A checkpoint that cannot be written (``CheckpointWriteError``: a full disk…) is one line on the
+  progress stream; training goes on with the state in memory and the next interval tries again. A
+  failed save at the end raises ``CheckpointError`` naming the last checkpoint written."""
 
   def __init__(self, trainer, log: LogHook, stop: StopOnSigint):
     self.trainer, self.log, self.stop = trainer, log, stop
@@ -187,13 +223,47 @@ class CheckpointHook:
     if every and run.step % every == 0:
       self.log.flush(run)
       with run.paused():
-        self.trainer.save()
+        if not self.trainer.state_is_finite():
+          run.diverged = (run.step, "the parameters or optimizer state it left are not finite")
+          return
+        self._save(run)
 
   def finish(self, run: RunState) -> None:
     trainer = self.trainer
     saves = trainer.checkpoints is not None and (not self.stop.requested or jax.process_count() == 1)
-    if saves and trainer.step > 0 and trainer.checkpoints.latest_step() != trainer.step:
+    if not saves or trainer.step == 0 or trainer.checkpoints.latest_step() == trainer.step:
+      return
+    if run.diverged is not None and not trainer.state_is_finite():
+      return  # the last finite state is the last checkpoint
+    if not self._save(run):
+      last = trainer.checkpoints.latest_step()
+      raise CheckpointError(
+        f"the run's last checkpoint, at step {trainer.step}, could not be written in "
+        f"{trainer.checkpoints.directory}: {self.failure}. The last checkpoint written is "
+        + (f"step {last}" if last is not None else "none")
+        + f"; the steps after it are lost when this process ends (a Python Trainer still holds step "
+        f"{trainer.step}: call save() again). Fix: free space in (or make writable) that directory, then "
+        "run again with --resume."
+      )
+
+  def _save(self, run: RunState) -> bool:
+    """Saves; False, with one line said, when the checkpoint cannot be written."""
+    trainer = self.trainer
+    try:
       trainer.save()
+    except CheckpointWriteError as e:
+      self.failure = e.reason
+      last = trainer.checkpoints.latest_step()
+      every = trainer.checkpoint_every
+      again = (
+        f"trying again at step {run.step + every}" if every and run.step + every <= run.steps else "not again"
+      )
+      trainer.say(
+        f"checkpoint: step {run.step} could not be written ({e.reason}); training goes on with the state in "
+        f"memory, {again}; last checkpoint written: {'step ' + str(last) if last is not None else 'none'}"
+      )
+      return False
+    return True
 
 
 class StopOnSigint:

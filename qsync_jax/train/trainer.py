@@ -29,8 +29,15 @@ a re-planned split's step is measured (``"undone": true`` when it was undone), a
 checkpoint records the plan that runs and the decisions, so ``resume`` rebuilds the step that
 ran.
 
-``run`` is a loop over step hooks (``qsync_jax.train.run_hooks``): after each step, re-planning,
-logging, evaluation (``eval_every``), checkpoints and the watchdog, in that order. The rates it prints and logs (steps, samples
+``run`` is a loop over step hooks (``qsync_jax.train.run_hooks``): after each step, the finite-loss
+check, re-planning, logging, evaluation (``eval_every``), checkpoints and the watchdog, in that
+order.
+
+Nothing is lost: ``out_dir`` is held for the run (``qsync_jax.train.outputs.lock_run_dir``: another
+run into it is refused, naming its process); a checkpoint that cannot be written is said in one
+line, training goes on and the next interval tries again (a failure at the end raises, naming the
+last checkpoint written); a step whose loss is not finite stops the run (``NonFiniteLossError``)
+without checkpointing a non-finite state. The rates it prints and logs (steps, samples
 and tokens per second, TFLOP/s per device, MFU, the ETA) are over the last steps of training,
 pauses left out (``qsync_jax.train.progress``).
 """
@@ -49,7 +56,14 @@ import jax
 import optax
 
 from qsync_jax.cluster import ClusterSpec
-from qsync_jax.errors import CheckpointError, Interrupted, PlanError, PolicyError, QsyncError
+from qsync_jax.errors import (
+  CheckpointError,
+  Interrupted,
+  NonFiniteLossError,
+  PlanError,
+  PolicyError,
+  QsyncError,
+)
 from qsync_jax.models.flax_quant import quantize
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
@@ -58,12 +72,13 @@ from qsync_jax.sync.two_level import check_two_level_sync
 from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
-from qsync_jax.train.outputs import check_run_dir
+from qsync_jax.train.outputs import check_run_dir, lock_run_dir
 from qsync_jax.train.progress import peak_tflops, step_flops
-from qsync_jax.train.replan import ReplanEvent, Replanner
+from qsync_jax.train.replan import ReplanEvent, Replanner, trainer_replanner
 from qsync_jax.train.run_hooks import (
   CheckpointHook,
   EvalHook,
+  FiniteLossHook,
   LogHook,
   ReplanHook,
   RunState,
@@ -97,8 +112,8 @@ class Trainer:
     log_every: write metrics every this many steps.
     progress: stream for progress lines, default ``sys.stderr`` (the one in place when the trainer
       is made); None: silent.
-    step_timeout_s: multi-process watchdog: end the process if a step takes longer (after the
-      first, which compiles). Default 120 s when there are several processes, else off.
+    step_timeout_s: watchdog: end the process if a step takes longer (after the first, which
+      compiles). Default 120 s when there are several processes, else off (None or 0).
     donate: let each step reuse the previous state's buffers (default: on accelerators; hybrid
       step only, a step-builder strategy's step keeps its input).
     replan: ``"off"``, ``"once"`` or ``"auto"``, or a ``Replanner``: re-balance the per-device
@@ -129,8 +144,9 @@ class Trainer:
     donate: bool | None = None,
     replan: str | Replanner | None = None,
   ):
+    _check_run_settings(checkpoint_every, step_timeout_s)
     if out_dir and jax.process_index() == 0:
-      check_run_dir("out_dir", out_dir, resume)
+      check_run_dir("out_dir", out_dir, resume, api=True)
     self.task, self.seed = task, int(seed)
     optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
     self.sync = _sync_meta(grad_sync, sync_options)
@@ -164,7 +180,7 @@ class Trainer:
       self.program = self._build(plan)
       self._given_cluster = cluster
       self._programs = {_step_key(self.program.cluster, self.program.plan): self.program}  # not rebuilt
-    self.replanner = _replanner(replan, self.program, grad_sync)
+    self.replanner = trainer_replanner(replan, self.program, grad_sync)
     self._sample = sample
     self.out_dir = out_dir
     progress = sys.stderr if progress is _STDERR else progress
@@ -188,10 +204,16 @@ class Trainer:
     if step_timeout_s is None and jax.process_count() > 1:
       step_timeout_s = 120.0
     self.step_timeout_s = step_timeout_s
+    self.run_settings: dict[str, Any] = {}  # what checkpoints record of how the run was asked for
+    self._resumed_settings: dict[str, Any] | None = None
     if resume and not self.resume():
       raise CheckpointError(
         f"resume: out_dir {out_dir!r} holds no checkpoint. Fix: start without resume, or pass the run's directory."
       )
+    self._lock = lock_run_dir("out_dir", out_dir) if out_dir and self.is_primary else None
+    if self._lock is not None and self._lock.note:
+      self.say(self._lock.note)
+      self._lock.note = None
 
   # -- properties -------------------------------------------------------------------------
   @property
@@ -251,6 +273,7 @@ class Trainer:
       plan=self.program.plan.to_json(),
       replans=self.replanner.history,
       replan_decided=self.replanner.decided_step,
+      run_settings=self.run_settings,
     )
     self.checkpoints.save(self.step, self.program.full_state(self.state), self.params, meta)
 
@@ -268,6 +291,7 @@ class Trainer:
         self.program = self._program_for(plan)
     self.replanner.restore(saved.get("replans", []), saved.get("replan_decided"))
     state, meta = self.checkpoints.restore(like, self._meta(), step)
+    self._resumed_settings = meta.get("run_settings")
     state = self.program.from_full_state(state)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
     self.log.drop_after(self.step)
@@ -294,6 +318,12 @@ class Trainer:
     one-process run with ``out_dir``, checkpoints the last finished step, then raises
     ``Interrupted`` naming that step. A second Ctrl-C stops at once (``KeyboardInterrupt``).
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < self.step:
+      now = f"at step {self.step} already (a resumed run)" if self.step else "at step 0"
+      raise QsyncError(
+        f"run(steps={steps!r}): steps is the total number of steps to train until, and this trainer is {now}. "
+        f"Fix: pass an int of at least {self.step}, e.g. run({self.step + 100}) for 100 more steps."
+      )
     run = RunState(steps, self.step, self.step, callback)
     stop = StopOnSigint()
     if eval_every and self.task.eval_batches is None:
@@ -302,9 +332,15 @@ class Trainer:
         "eval_every=0, or give the task eval_batches."
       )
     log, watchdog = LogHook(self), WatchdogHook(self, self.step_timeout_s)
-    hooks = (log, EvalHook(self, log, eval_every), CheckpointHook(self, log, stop), watchdog)
+    hooks = (
+      FiniteLossHook(),
+      log,
+      EvalHook(self, log, eval_every),
+      CheckpointHook(self, log, stop),
+      watchdog,
+    )
     if self.replanner.mode != "off" and len(self.program.cluster.groups) > 1:
-      hooks = (ReplanHook(self, log), *hooks)
+      hooks = (hooks[0], ReplanHook(self, log), *hooks[1:])
     elif self.replanner.mode != "off" and run.step < steps:
       self.say(f"replan={self.replanner.mode}: one device group, nothing to balance: nothing is measured")
     if run.step < steps:
@@ -313,7 +349,7 @@ class Trainer:
       )
     try:
       with stop:
-        while run.step < steps and not stop.requested:
+        while run.step < steps and not stop.requested and run.diverged is None:
           program, batch = self.program, self._next_batch()
           run.throughput.batch_ready()
           self.state, run.metrics = program(self.state, batch)
@@ -328,10 +364,14 @@ class Trainer:
           run.flops = self._step_flops[id(program)]
           for hook in hooks:
             hook.after_step(run)
+            if run.diverged is not None:
+              break
         for hook in hooks:
           hook.finish(run)
     finally:
       watchdog.close()
+    if run.diverged is not None:
+      raise NonFiniteLossError(self._diverged_message(*run.diverged))
     if stop.requested:
       saved = self.checkpoints.latest_step() if self.checkpoints is not None else None
       raise Interrupted(
@@ -343,6 +383,30 @@ class Trainer:
         )
       )
     return run.last
+
+  def _diverged_message(self, step: int, what: str) -> str:
+    saved = self.checkpoints.latest_step() if self.checkpoints is not None else None
+    if saved is not None:
+      kept = f"the last checkpoint, all finite, is step {saved} in {self.checkpoints.directory}"
+    else:
+      kept = "no checkpoint was written" if self.checkpoints is not None else "nothing is saved (no out_dir)"
+    return (
+      f"training diverged at step {step}: {what}. The run stopped; {kept}. Fix: lower the learning rate "
+      "(--lr) or check the model and data at that step, then start again (or --resume from that checkpoint)."
+    )
+
+  def state_is_finite(self) -> bool:
+    """Whether every floating-point number of the training state (parameters, optimizer state…) is
+    finite."""
+    return bool(_all_finite(self.state))
+
+  def set_run_settings(self, settings: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Records ``settings`` (JSON values: how the run was asked for, e.g. the command line's
+    optimizer flags) in the checkpoints from now on; returns ``{name: (checkpoint's value, new
+    value)}`` for those that differ from the resumed checkpoint's (none for a new run)."""
+    self.run_settings = json.loads(json.dumps(dict(settings)))
+    before = self._resumed_settings or {}
+    return {k: (before[k], v) for k, v in self.run_settings.items() if k in before and before[k] != v}
 
   def apply_replan(self, event: ReplanEvent) -> None:
     """Logs a re-planning ``event`` (its line, its record in ``metrics.jsonl`` and as ``replan/``
@@ -378,7 +442,10 @@ class Trainer:
   def say(self, msg: str) -> None:
     """Prints ``msg`` to the progress stream (process 0; nothing when ``progress`` is None)."""
     if self.progress is not None and self.is_primary:
-      print(msg, file=self.progress, flush=True)
+      try:
+        print(msg, file=self.progress, flush=True)
+      except OSError:  # the stream is gone (a terminal closed with SIGHUP): training goes on silently
+        self.progress = None
 
   # -- evaluation ---------------------------------------------------------------------------
   def evaluate(self, batch_size: int = 256, max_batches: int | None = None) -> dict[str, float]:
@@ -424,6 +491,9 @@ class Trainer:
 
   def close(self) -> None:
     self.log.close()
+    if getattr(self, "_lock", None) is not None:
+      self._lock.release()
+      self._lock = None
     if self.checkpoints is not None:
       self.checkpoints.close()
 
@@ -443,35 +513,24 @@ def check_plan_matches_model(task: Task, plan: Plan, variables, batch) -> None:
       raise PlanError(str(e)) from None
 
 
-def default_replan(program, grad_sync=None) -> str:
-  """``"once"`` where re-planning can change something — the hybrid step (not a step-builder
-  strategy's) on accelerators, over more than one device group, without gradient accumulation —
-  else ``"off"`` (simulated CPU devices share one host's cores: their speeds say nothing)."""
-  builds_own = isinstance(grad_sync, str) and get_strategy(grad_sync).kind == "train_step"
-  accumulates = any(k != 1 for k in program.plan.micro_steps.values())
-  cpu = program.mesh.devices.flat[0].platform == "cpu"
-  return "off" if builds_own or accumulates or cpu or len(program.cluster.groups) < 2 else "once"
+def _check_run_settings(checkpoint_every, step_timeout_s) -> None:
+  """``Trainer``'s numeric settings, checked before any work."""
+  if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+    raise QsyncError(
+      f"checkpoint_every={checkpoint_every!r} must be 0 (a checkpoint at the end only) or a number of steps. "
+      "Fix: pass e.g. checkpoint_every=100 (--checkpoint-every 100)."
+    )
+  if step_timeout_s is not None and not step_timeout_s >= 0:
+    raise QsyncError(
+      f"step_timeout_s={step_timeout_s!r} must be a number of seconds (0: no watchdog). Fix: pass e.g. "
+      "step_timeout_s=600 (--step-timeout 600), or leave it unset."
+    )
 
 
-def _replanner(replan: str | Replanner | None, program, grad_sync) -> Replanner:
-  """The trainer's ``Replanner`` for ``replan`` (None: ``default_replan``), checked against what it
-  would re-balance."""
-  if replan is None:
-    replan = default_replan(program, grad_sync)
-  replanner = replan if isinstance(replan, Replanner) else Replanner(mode=replan)
-  if replanner.mode != "off" and isinstance(grad_sync, str) and get_strategy(grad_sync).kind == "train_step":
-    raise QsyncError(
-      f"replan={replanner.mode!r}: sync strategy {grad_sync!r} builds its own step, which cannot be "
-      "re-balanced. Fix: use replan='off', or a gradient-hook strategy (fp32, bf16, fp16, global_qsgd)."
-    )
-  accumulating = sorted(g for g, k in program.plan.micro_steps.items() if k != 1)
-  if replanner.mode != "off" and accumulating:
-    raise QsyncError(
-      f"replan={replanner.mode!r}: the plan accumulates gradients on {accumulating} (micro_steps), "
-      "whose per-device batches re-planning would change. Fix: use replan='off', or remove micro_steps "
-      "from the plan."
-    )
-  return replanner
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+  return jax.numpy.all(jax.numpy.asarray([jax.numpy.all(jax.numpy.isfinite(x)) for x in leaves]))
 
 
 def _step_key(cluster: ClusterSpec, plan: Plan) -> tuple:

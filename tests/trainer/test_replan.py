@@ -647,7 +647,7 @@ def test_a_resumed_run_keeps_a_decision_that_kept_the_plan(tmp_path):
 def test_one_default_where_rebalancing_can_change_something():
   from types import SimpleNamespace
 
-  from qsync_jax.train.trainer import default_replan
+  from qsync_jax.train.replan import default_replan
 
   def program(platform="gpu", groups=2, micro_steps=None):
     return SimpleNamespace(

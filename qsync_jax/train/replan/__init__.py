@@ -1,7 +1,8 @@
 """Re-planning while training: measure each group's speed, re-balance the batch, undo what
 measures slower (``replanner``: when; ``measure``: the probes; ``decide``: the pure decision over
 measurements; ``group_speed``: speeds and the balanced split; ``lift``: 8-bit legs lifted to 16
-bits; ``window``: step timing; ``events``: what the trainer logs and switches to)."""
+bits; ``window``: step timing; ``events``: what the trainer logs and switches to; ``setup``: the
+trainer's mode and its default)."""
 
 from qsync_jax.train.replan.decide import Decision, Running, Undone, decide
 from qsync_jax.train.replan.events import ReplanEvent, describe, describe_measured, describe_undone
@@ -16,6 +17,7 @@ from qsync_jax.train.replan.measure import (
   probe_sizes,
 )
 from qsync_jax.train.replan.replanner import MODES, Replanner
+from qsync_jax.train.replan.setup import default_replan, trainer_replanner
 from qsync_jax.train.replan.window import StepTimer, StepWindows, any_process, process_zero_value
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
   "balance",
   "compile_seconds",
   "decide",
+  "default_replan",
   "describe",
   "describe_measured",
   "describe_undone",
@@ -44,4 +47,5 @@ __all__ = [
   "predicted_ms",
   "probe_sizes",
   "process_zero_value",
+  "trainer_replanner",
 ]
