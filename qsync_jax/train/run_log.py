@@ -34,12 +34,15 @@ class RunLog:
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
     with open(self.path, "a") as f:
       f.write(json.dumps(line) + "\n")
-    self.tensorboard.write(line["step"], line if scalars is None else scalars, prefix=prefix)
+    scalars = line if scalars is None else scalars
+    if scalars:
+      self.tensorboard.write(line["step"], scalars, prefix=prefix)
 
   def drop_after(self, step: int) -> None:
     """Drops what was logged after ``step`` (a resumed run logs it again)."""
     if self.path is not None:
       drop_metrics_after(self.path, step)
+      self.tensorboard.purge_step = step + 1
 
   def close(self) -> None:
     if self.tensorboard is not None:
@@ -85,13 +88,14 @@ class TensorBoardWriter:
 
   ``tensorboardX`` (a dependency) is imported at the first write; where it is missing (a broken
   install) nothing is written (no directory) and ``say`` reports it once. The event file opens at
-  the first write with
-  ``purge_step`` = that step, so a resumed run hides the events an earlier run logged from
-  that step on (as ``metrics.jsonl`` drops them). ``close`` is idempotent.
+  the first write with ``purge_step`` (default: that write's step; a resumed run's: the step after
+  its checkpoint), so a resumed run hides the events an earlier run logged from that step on (as
+  ``metrics.jsonl`` drops them). ``close`` is idempotent.
   """
 
   def __init__(self, directory: str, say: Callable[[str], None] | None = None):
     self.directory, self.say = directory, say
+    self.purge_step: int | None = None
     self._writer = None
     self._unavailable = False
 
@@ -114,7 +118,8 @@ class TensorBoardWriter:
             "same numbers). Fix: pip install tensorboardX (a qsync-jax dependency)."
           )
         return
-      self._writer = SummaryWriter(self.directory, purge_step=int(step))
+      purge = self.purge_step if self.purge_step is not None else int(step)
+      self._writer = SummaryWriter(self.directory, purge_step=purge)
     for tag, value in _scalars({k: v for k, v in record.items() if k != "step"}, prefix):
       self._writer.add_scalar(tag, value, int(step))
     self._writer.flush()

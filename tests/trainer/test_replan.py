@@ -629,17 +629,30 @@ def test_one_group_is_never_measured_whatever_the_mode(tmp_path, capsys):
 
 def test_a_resumed_run_keeps_a_decision_that_kept_the_plan(tmp_path):
   calls = []
-  first = _trainer(
-    tmp_path, "run", Replanner(mode="once", warmup_steps=1, window=1, measure=_counting(calls))
-  )
-  first.run(4)  # equal speeds: the decision at step 3 keeps 8/8
+  pair = ClusterSpec((DeviceGroup("g0", "cpu", 1, 16, 4), DeviceGroup("g1", "cpu", 1, 16, 4)))
+
+  def trainer(replanner, resume=False):
+    return Trainer(
+      make_task(),
+      pair,
+      Plan(),
+      optax.sgd(0.1),
+      out_dir=str(tmp_path / "run"),
+      devices=jax.devices()[:2],
+      replan=replanner,
+      resume=resume,
+      progress=None,
+    )
+
+  first = trainer(Replanner(mode="once", warmup_steps=1, window=1, measure=_counting(calls)))
+  first.run(4)  # equal speeds: the decision at step 3 keeps 4/4
   first.close()
   assert len(calls) == 1 and first.replanner.history == [] and first.replanner.decided_step == 3
   calls.clear()
   r = Replanner(mode="once", warmup_steps=1, window=1, measure=_counting(calls))
-  resumed = _trainer(tmp_path, "run", r, resume=True)
+  resumed = trainer(r, resume=True)
   assert resumed.step == 4 and r.decided_step == 3 and not r.times_steps()
-  resumed.run(10)
+  resumed.run(8)
   resumed.close()
   assert calls == []  # measured nothing again
 
