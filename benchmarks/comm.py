@@ -45,7 +45,7 @@ from benchmarks.common.zoo import digits_cnn  # noqa: E402
 from planners.profiler import hlo  # noqa: E402
 from qsync_jax.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step  # noqa: E402
-from qsync_jax.train.task_step import task_loss_fn  # noqa: E402
+from qsync_jax.train.task_step import task_loss  # noqa: E402
 from qsync_jax.train.train_step import make_train_step  # noqa: E402
 
 RESULTS = results_path("comm")
@@ -110,7 +110,7 @@ def hook_case(task, name, steps):
 
 
 def builder_case(task, name, steps, initial, mesh):
-  loss_fn = task_loss_fn(task)
+  loss_fn = task_loss(task, params_only=True)
   if name == "selsync":
     trainer = make_selsync_step(loss_fn, optax.adam(LR), mesh)
     params_of = trainer.consolidate

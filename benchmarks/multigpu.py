@@ -93,7 +93,7 @@ from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy, Rule
 from qsync_jax.precision import OpPolicy
 from qsync_jax.sync import make_grad_sync, make_qsdp_step, make_selsync_step
-from qsync_jax.train.task_step import task_loss_fn
+from qsync_jax.train.task_step import task_loss
 from qsync_jax.train.train_step import make_train_step
 
 RESULTS = results_path("multigpu")
@@ -208,7 +208,7 @@ def builder_case(task, n, batch, name, steps):
   cluster = local_cluster(n, batch)
   ts = make_train_step(task, cluster, None, optax.adam(1e-4), devices=devices)
   initial = ts.init(0, next(task.train_batches(cluster.global_batch, 0))).params
-  loss_fn = task_loss_fn(task, PrecisionPolicy.uniform("bf16"))
+  loss_fn = task_loss(task, PrecisionPolicy.uniform("bf16"), params_only=True)
   if name in SELSYNC_CASES:
     trainer = make_selsync_step(loss_fn, optax.adam(1e-4), ts.mesh, **SELSYNC_CASES[name])
   else:

@@ -17,7 +17,8 @@ Bad input raises ``QsyncError`` subclasses, which the CLI prints as one clear li
 traceback) and exits with status 2. Ctrl-C ends a command with one line (``Interrupted``'s
 message: where it stopped and how to resume) and status 130. SIGTERM — what Slurm, Kubernetes
 and preemptible VMs send before they kill a job — takes the same path (``train`` checkpoints,
-``profile`` keeps its ``.partial`` file) and ends with status 143 (128 + SIGTERM).
+``profile`` keeps its ``.partial`` file) and ends with status 143 (128 + SIGTERM); so does SIGHUP
+(a dropped SSH session), ending with status 129.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ COMMAND_GROUP = "qsync_jax.commands"
 # Exit statuses of an interrupted command: the shell's 128 + signal number.
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+EXIT_HUNG_UP = 128 + signal.SIGHUP  # 129
+_STOPPED_BY = {
+  signal.SIGTERM: ("terminated (SIGTERM)", EXIT_TERMINATED),
+  signal.SIGHUP: ("hung up (SIGHUP)", EXIT_HUNG_UP),
+}
 
 # name -> {option dest: output kind (qsync_jax.train.outputs.KINDS)}; `export` checks its own --out
 # (a new file or directory, never overwritten).
@@ -81,17 +87,18 @@ def _installed_commands() -> dict:
 
 
 class TerminateAsInterrupt:
-  """Within ``with``: SIGTERM is handled as Ctrl-C. The handler calls whatever handles SIGINT at
-  that moment — the trainer's, which stops between two steps and checkpoints, or Python's, which
-  raises ``KeyboardInterrupt`` in the main thread — and sets ``received``. Where SIGINT is
-  ignored or left to the system, it raises ``KeyboardInterrupt`` itself. The previous SIGTERM
-  handler comes back on exit. Does nothing outside the main thread (only it can set handlers)."""
+  """Within ``with``: SIGTERM and SIGHUP are handled as Ctrl-C. The handler calls whatever handles
+  SIGINT at that moment — the trainer's, which stops between two steps and checkpoints, or
+  Python's, which raises ``KeyboardInterrupt`` in the main thread — and sets ``received`` (the
+  signal). Where SIGINT is ignored or left to the system, it raises ``KeyboardInterrupt`` itself.
+  The previous handlers come back on exit. Does nothing outside the main thread (only it can set
+  handlers)."""
 
   def __init__(self):
-    self.received, self._previous, self._armed = False, None, False
+    self.received, self._previous, self._armed = None, {}, False
 
   def _handle(self, signum, frame):
-    self.received = True
+    self.received = signal.Signals(signum)
     on_sigint = signal.getsignal(signal.SIGINT)
     if callable(on_sigint):
       on_sigint(signal.SIGINT, frame)
@@ -100,12 +107,14 @@ class TerminateAsInterrupt:
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      self._previous, self._armed = signal.signal(signal.SIGTERM, self._handle), True
+      self._previous = {sig: signal.signal(sig, self._handle) for sig in _STOPPED_BY}
+      self._armed = True
     return self
 
   def __exit__(self, *exc):
     if self._armed:
-      signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+      for sig, previous in self._previous.items():
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
       self._armed = False
 
 
@@ -149,9 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"qsync {args.command}: error: {e}", file=sys.stderr)
     return 2
   except (Interrupted, KeyboardInterrupt) as e:
-    cause = "terminated (SIGTERM): " if terminate.received else ""
-    print(f"qsync {args.command}: {cause}{str(e) or 'interrupted'}", file=sys.stderr)
-    return EXIT_TERMINATED if terminate.received else EXIT_INTERRUPTED
+    cause, code = _STOPPED_BY.get(terminate.received, ("", EXIT_INTERRUPTED))
+    _print_err(f"qsync {args.command}: {cause + ': ' if cause else ''}{str(e) or 'interrupted'}")
+    return code
+
+
+def _print_err(line: str) -> None:
+  """``line`` to stderr, if it can still be written (after SIGHUP the terminal may be gone)."""
+  try:
+    print(line, file=sys.stderr)
+  except OSError:
+    pass
 
 
 def run_as_program() -> None:
@@ -164,10 +181,13 @@ def run_as_program() -> None:
   trainer's checkpoint, the profiler's ``.partial`` file — is written and closed before ``main``
   returns."""
   code = main()
-  if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+  if code in (EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_HUNG_UP):
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except OSError:  # a terminal gone with SIGHUP
+        pass
     os._exit(code)
   sys.exit(code)
 

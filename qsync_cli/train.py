@@ -18,6 +18,7 @@ start one process per host (or several on one CPU host) with the same arguments 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,8 @@ from qsync_jax.errors import Interrupted, PlanError, QsyncError
 HELP = "train a model on a hybrid cluster under a plan (synchronous data parallel)"
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+OPTIMIZER_SETTINGS = ("optimizer", "lr")
+"""The options a checkpoint records of the optimizer: a ``--resume`` with other values says which."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--out",
     required=True,
-    help="run directory: metrics.jsonl, checkpoints/ and tensorboard/ when tensorboardX is installed",
+    help="run directory: metrics.jsonl, checkpoints/ and tensorboard/ (TensorBoard events)",
   )
   parser.add_argument(
     "--sync",
@@ -90,12 +93,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--replan",
     choices=("off", "once", "auto"),
-    help="re-balance the groups' batches from their measured speeds: once after the first steps "
-    "(the default on GPUs), auto (also when the step time drifts, and every 10 windows of 20 steps), "
-    "or off (the default on simulated CPU devices, which share one host's cores, and with selsync "
-    "and qsdp, which build their own step)",
+    help="re-balance the groups' batches from their measured speeds: once after the first steps, auto "
+    "(also when the step time drifts, and every 10 windows of 20 steps), or off. Default (as the Python "
+    "Trainer's): once on GPUs with two or more device groups, off on simulated CPU devices (which "
+    "share one host's cores), with selsync and qsdp (which build their own step) and for a plan that "
+    "accumulates gradients. One group is never measured (nothing to balance); a resumed run keeps "
+    "its checkpoint's decisions",
   )
   parser.add_argument("--eval", action="store_true", help="evaluate on the task's held-out set at the end")
+  parser.add_argument(
+    "--eval-every",
+    type=int,
+    default=0,
+    metavar="N",
+    help="also evaluate on the held-out set every N steps (0: never; results in metrics.jsonl and "
+    "TensorBoard's eval/ tags; the time it takes is left out of the printed rates)",
+  )
   parser.add_argument(
     "--compilation-cache",
     metavar="DIR",
@@ -121,7 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "from its group's device_type is refused (CPU devices always simulate)",
   )
   dist.add_argument(
-    "--step-timeout", type=float, help="seconds a step may take before a process gives up (default 120)"
+    "--step-timeout",
+    type=float,
+    help="seconds a step may take before the process gives up (default 120 with several processes; 0: no "
+    "watchdog, the default of a one-process run)",
   )
   dist.add_argument(
     "--heartbeat-timeout",
@@ -153,20 +169,6 @@ def _optimizer(name: str, lr: float):
     "sgd": lambda: optax.sgd(lr),
     "momentum": lambda: optax.sgd(lr, momentum=0.9),
   }[name]()
-
-
-def _default_replan(sync: str | None, plan=None) -> str:
-  """``once`` on GPUs; ``off`` on CPU devices, for step-builder strategies and for a plan that
-  accumulates gradients (its micro-batches fix its batches)."""
-  import jax
-
-  from qsync_jax.sync import get_strategy
-
-  if jax.devices()[0].platform == "cpu" or (sync and get_strategy(sync).kind == "train_step"):
-    return "off"
-  if plan is not None and any(k != 1 for k in plan.micro_steps.values()):
-    return "off"
-  return "once"
 
 
 def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
@@ -246,6 +248,20 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
   if args.steps <= 0:
     raise QsyncError(f"--steps {args.steps} must be positive. Fix: pass --steps 1 or more.")
+  if args.eval_every < 0:
+    raise QsyncError(
+      f"--eval-every {args.eval_every} must be 0 (never) or a number of steps. Fix: pass e.g. --eval-every 100."
+    )
+  if args.checkpoint_every < 0:
+    raise QsyncError(
+      f"--checkpoint-every {args.checkpoint_every} must be 0 (a checkpoint at the end only) or a number of "
+      "steps. Fix: pass e.g. --checkpoint-every 100."
+    )
+  if args.step_timeout is not None and not args.step_timeout >= 0:
+    raise QsyncError(
+      f"--step-timeout {args.step_timeout:g} must be a number of seconds (0: no watchdog). Fix: pass e.g. "
+      "--step-timeout 600, or leave it out."
+    )
   if args.local_devices is not None and args.local_devices < 1:
     raise QsyncError(
       f"--local-devices {args.local_devices} must be at least 1. Fix: pass e.g. --local-devices 8."
@@ -334,6 +350,28 @@ def auto_plan(args: argparse.Namespace, task, cluster):
   return Plan.uniform(cluster, result.policy), result
 
 
+def _say_changed_settings(trainer, settings: dict) -> None:
+  """Records the optimizer ``settings`` in the run's checkpoints; a resumed run whose settings
+  differ from its checkpoint's says so (a line on stderr and one in ``metrics.jsonl``) and runs with
+  the new ones from the next step — the optimizer's state (its moments, its step count) is the
+  checkpoint's."""
+  import jax
+
+  changed = trainer.set_run_settings(settings)
+  if not changed or jax.process_index() != 0:
+    return
+  flags = ", ".join(f"--{k.replace('_', '-')} {old} -> {new}" for k, (old, new) in changed.items())
+  print(
+    f"qsync train: resuming with other optimizer settings than checkpoint {trainer.step}: {flags}; they "
+    f"apply from step {trainer.step + 1} on (the optimizer state is the checkpoint's)",
+    file=sys.stderr,
+  )
+  trainer.log.write(
+    {"step": trainer.step, "resumed_with": {k: {"checkpoint": a, "now": b} for k, (a, b) in changed.items()}},
+    {},
+  )
+
+
 def write_auto_plan(out: str, plan, result) -> None:
   """``OUT/plan.json`` (the plan a ``--resume`` reuses) and ``OUT/auto_policy.json`` (what was
   measured), each written atomically."""
@@ -348,11 +386,32 @@ def write_auto_plan(out: str, plan, result) -> None:
 def run(args: argparse.Namespace) -> int:
   from qsync_jax.ops.qattention import fused_attention
 
-  with fused_attention(False if args.no_fused_attention else None):  # traced when the step compiles
-    return _run(args)
+  with contextlib.ExitStack() as held:
+    held.enter_context(fused_attention(False if args.no_fused_attention else None))  # traced at compile
+    return _run(args, held)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _hold_out_dir(args: argparse.Namespace, held: contextlib.ExitStack) -> None:
+  """Holds ``--out`` for this run (process 0; released when ``held`` closes) and refuses a
+  ``--resume --steps`` below the checkpoint it would continue from, before any work."""
+  from qsync_jax.train.outputs import checkpoint_steps, lock_run_dir
+
+  if args.process_id == 0:
+    lock = lock_run_dir("--out", args.out)
+    held.callback(lock.release)
+    if lock.note:
+      print(f"qsync train: {lock.note}", file=sys.stderr)
+      lock.note = None
+  latest = max(checkpoint_steps(args.out), default=None) if args.resume else None
+  if latest is not None and args.steps < latest:
+    raise QsyncError(
+      f"--steps {args.steps} is below step {latest}, where --resume continues {args.out!r} from: --steps is "
+      f"the total number of steps to train until. Fix: pass --steps {latest} or more (e.g. --steps "
+      f"{latest + args.steps} for {args.steps} more)."
+    )
+
+
+def _run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
 
@@ -364,6 +423,7 @@ def _run(args: argparse.Namespace) -> int:
   plan = Plan.load(args.plan) if args.plan and args.plan != AUTO else Plan()
   if cluster is not None:
     plan.validate_for(cluster)
+  _hold_out_dir(args, held)
 
   if args.coordinator:
     from qsync_jax.train.distributed import initialize
@@ -397,6 +457,12 @@ def _run(args: argparse.Namespace) -> int:
   check_device_count(cluster, jax.devices(), args.num_processes)
   check_device_types(cluster, jax.devices(), args.simulate_device_types)
   task = load_task(args.model, **overrides)
+  if (args.eval or args.eval_every) and task.eval_batches is None:
+    flag = "--eval-every" if args.eval_every else "--eval"
+    raise QsyncError(
+      f"{flag}: task {task.name!r} has no held-out set (its eval_batches is None). Fix: drop {flag}, or "
+      "give the task eval_batches."
+    )
   measured = None
   if args.plan == AUTO:
     plan, measured = auto_plan(args, task, cluster)
@@ -416,24 +482,22 @@ def _run(args: argparse.Namespace) -> int:
     log_every=args.log_every,
     progress=sys.stderr,
     step_timeout_s=args.step_timeout,
-    replan=args.replan or _default_replan(sync, plan),
+    replan=args.replan,
   )
   if measured is not None:  # the run directory exists (and is checked) now
     write_auto_plan(args.out, plan, measured)
   if trainer.step and jax.process_index() == 0:
     print(f"resumed {args.out} at step {trainer.step}", file=sys.stderr)
+  _say_changed_settings(trainer, {k: getattr(args, k) for k in OPTIMIZER_SETTINGS})
   try:
-    last = trainer.run(args.steps)
+    last = trainer.run(args.steps, eval_every=args.eval_every)
+    record = {"step": trainer.step, **last}
+    if args.eval:
+      record["eval"] = trainer.evaluate_and_log()
   except Interrupted as e:
     raise Interrupted(f"{e}. Resume with the same command and --resume.") from None
   finally:
     trainer.close()
-  record = {"step": trainer.step, **last}
-  if args.eval:
-    record["eval"] = trainer.evaluate()
-    if jax.process_index() == 0:
-      with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": trainer.step, "eval": record["eval"]}) + "\n")
   if jax.process_index() == 0:
     print(json.dumps(record))
   return 0

@@ -37,5 +37,9 @@ class OutputPathError(QsyncError):
   """An output path cannot be written (a file where a directory is needed, a missing parent…)."""
 
 
+class NonFiniteLossError(QsyncError):
+  """Training diverged: a step's loss (or the parameters it left) is not finite."""
+
+
 class Interrupted(Exception):
   """The user interrupted a command (Ctrl-C); the message says where it stopped and how to resume."""

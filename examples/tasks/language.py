@@ -65,6 +65,7 @@ def stdlib_lm(**overrides) -> Task:
       train, cfg.seq_len, global_batch, seed
     ),
     eval_batches=functools.partial(stdlib_text.eval_windows, test, cfg.seq_len),
+    tokens_per_example=cfg.seq_len,
   )
 
 
@@ -107,4 +108,5 @@ def synthetic_lm(**overrides) -> Task:
     inputs=lm_inputs,
     loss=lm_loss,
     train_batches=functools.partial(uniform_token_batches, cfg),
+    tokens_per_example=cfg.seq_len,
   )

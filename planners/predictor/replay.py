@@ -104,7 +104,7 @@ def base_profile(profiles: Mapping[str, Profile]) -> Profile:
 
 def one_device_compute_ms(group: GroupCost) -> float:
   """One device's training step of ``group`` without collectives — its forward, backward and
-  whole optimizer update (what ``qsync_jax.train.probes.measure_groups`` times) — modeled: the
+  whole optimizer update (what ``qsync_jax.train.replan.measure_groups`` times) — modeled: the
   sum of the group's compute nodes in ``build_graph`` with a replicated update,
   ``chain_times(group, op_costs).end + group.profile.optimizer_ms``."""
   return chain_times(group, op_costs).end + group.profile.optimizer_ms

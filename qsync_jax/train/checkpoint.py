@@ -27,14 +27,23 @@ format, that its params have the model's paths and shapes, that its plan and clu
 run's, and that the rest of the state (optimizer) matches; after reading the arrays it verifies
 their checksums. Any mismatch raises ``CheckpointError`` naming the difference and the fix; the
 checkpoint directory and the caller's state are left untouched.
+
+A save that cannot be written (a full disk, a file-size limit, a read-only directory) raises
+``CheckpointWriteError`` with the system's reason, after removing what it had written of that step:
+the earlier checkpoints stay as they were, and the next save starts afresh.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
+import logging
 import os
+import re
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +60,51 @@ FORMAT = 2
 FIX_CORRUPTED = (
   "Fix: delete that step's directory to resume from an earlier checkpoint, or start fresh in a new --out."
 )
+
+
+class CheckpointWriteError(CheckpointError):
+  """A checkpoint could not be written; ``step`` and ``reason`` (the system's, e.g. "No space left
+  on device")."""
+
+  def __init__(self, step: int, directory: str, reason: str):
+    super().__init__(f"checkpoint {step} could not be written in {directory}: {reason}")
+    self.step, self.reason = step, reason
+
+
+# tensorstore (orbax's writer) reports a failed write as a ValueError carrying the errno.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def write_failure_reason(e: BaseException) -> str | None:
+  """The system's reason when ``e`` is a failed write (an ``OSError``, or tensorstore's error
+  carrying one); None for any other error."""
+  if isinstance(e, OSError):
+    return (e.strerror or os.strerror(e.errno)) if e.errno else str(e)
+  match = _OS_ERROR_CODE.search(str(e))
+  if match:
+    code = int(match.group(1))
+    return os.strerror(code) if code in errno.errorcode else f"error {code}"
+  return None
+
+
+@contextlib.contextmanager
+def _orbax_logs_held():
+  """Holds back what orbax logs (through absl's logger) within, and logs it at the end, unless the
+  caller cleared the list it gets."""
+  held: list[logging.LogRecord] = []
+  logger = logging.getLogger("absl")
+
+  def hold(record: logging.LogRecord) -> bool:
+    held.append(record)
+    return False
+
+  logger.addFilter(hold)
+  try:
+    yield held
+  finally:
+    logger.removeFilter(hold)
+    for record in held:
+      logger.handle(record)
 
 
 def signature(tree) -> list[list[str]]:
@@ -130,14 +184,37 @@ class CheckpointStore:
         "params": [_checksum(x) for x in jax.tree.leaves(params)],
       },
     )
-    self.manager.save(
-      step,
-      args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-      ),
-      force=True,
-    )
-    self.manager.wait_until_finished()
+    with _orbax_logs_held() as held:
+      try:
+        self.manager.save(
+          step,
+          args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            state=ocp.args.StandardSave(state),
+            meta=ocp.args.JsonSave(meta),
+          ),
+          force=True,
+        )
+        self.manager.wait_until_finished()
+      except Exception as e:
+        reason = write_failure_reason(e)
+        if reason is None:
+          raise
+        held.clear()  # orbax's tracebacks of the failed write: the error below says it in one line
+        self._discard(step)
+        raise CheckpointWriteError(step, self.directory, reason) from None
+
+  def _discard(self, step: int) -> None:
+    """Removes what a failed save of ``step`` wrote (its temporary directory) and starts a new
+    manager, so that the next save begins afresh."""
+    try:
+      self.close()
+    except Exception:  # noqa: BLE001 - a manager whose save failed may fail to close too
+      self._manager = None
+    if os.path.isdir(self.directory):
+      for name in os.listdir(self.directory):
+        if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def close(self) -> None:
     if self._manager is not None:

@@ -8,7 +8,7 @@ A dead peer must not hang the others. JAX's coordination service notices a missi
 (``heartbeat_timeout_s``) and gloo fails a collective whose peer closed its socket, but a
 peer that stops answering can still leave a collective waiting. ``Watchdog`` bounds that: if
 no step finishes within ``timeout_s`` it prints one clear line to stderr and ends the
-process with ``EXIT_PEER_LOST``.
+process with ``EXIT_PEER_LOST`` (in a one-process run, its line says the step itself hangs).
 """
 
 from __future__ import annotations
@@ -100,12 +100,20 @@ class Watchdog:
     while not self._stop.wait(min(1.0, self.timeout_s / 4)):
       idle = time.monotonic() - self._last
       if idle > self.timeout_s:
-        print(
-          f"qsync: error: {self.what} made no progress for {idle:.0f} s (limit {self.timeout_s:.0f} s): "
-          f"a peer process has probably died or hangs (process {jax.process_index()} of "
-          f"{jax.process_count()}). Fix: check the other processes' logs, then restart all of them "
-          "with --resume.",
-          file=sys.stderr,
-          flush=True,
-        )
+        print(self.message(idle), file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
+
+  def message(self, idle: float) -> str:
+    """What the watchdog says after ``idle`` seconds without a beat: in a multi-process job, that
+    a peer probably died; in one process, that the step itself hangs or the limit is too short."""
+    head = f"qsync: error: {self.what} made no progress for {idle:.0f} s (limit {self.timeout_s:.0f} s)"
+    if jax.process_count() == 1:
+      return (
+        f"{head} in this one-process run: the step hangs, or takes longer than the limit. Fix: raise "
+        "--step-timeout (step_timeout_s), or leave it unset (no watchdog in a one-process run), then "
+        "restart with --resume."
+      )
+    return (
+      f"{head}: a peer process has probably died or hangs (process {jax.process_index()} of "
+      f"{jax.process_count()}). Fix: check the other processes' logs, then restart all of them with --resume."
+    )

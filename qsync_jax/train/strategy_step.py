@@ -19,7 +19,7 @@
   of the training key (checkpointed as is).
 
 Not supported, with a clear error: fp16 legs (they need dynamic loss scaling, which these
-steps do not have) and tasks with mutable collections (``task_loss_fn``).
+steps do not have) and tasks with mutable collections (``task_loss(..., params_only=True)``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from qsync_jax.sync import get_strategy, make_step_strategy
 from qsync_jax.sync.common import AXIS
 from qsync_jax.sync.two_level import check_two_level_sync
 from qsync_jax.train.task import Task
-from qsync_jax.train.task_step import task_loss_fn
+from qsync_jax.train.task_step import task_loss
 from qsync_jax.train.train_step import (
   Branch,
   StepProgram,
@@ -67,7 +67,7 @@ def branch_loss_fn(
   policy on the first ``batch_per_device`` rows of its (padded) shard."""
 
   def one(branch: Branch):
-    loss_fn, b = task_loss_fn(task, branch.policy), branch.batch_per_device
+    loss_fn, b = task_loss(task, branch.policy, params_only=True), branch.batch_per_device
     return lambda params, batch, key: loss_fn(params, jax.tree.map(lambda x: x[:b], batch), key)
 
   return device_switch([one(b) for b in branches], device_branch, axis_name)

@@ -61,6 +61,8 @@ class Task:
       (e.g. ``{"train": True}`` for BatchNorm / dropout).
     mutable: collections updated in training (e.g. ``("batch_stats",)``).
     rng_streams: RNG streams the model needs in training besides ``"qsync"`` (e.g. dropout).
+    tokens_per_example: tokens in one example (a sequence model's positions), or None: the
+      trainer then reports tokens/s beside samples/s.
   """
 
   name: str
@@ -73,11 +75,18 @@ class Task:
   eval_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   mutable: tuple[str, ...] = ()
   rng_streams: tuple[str, ...] = ()
+  tokens_per_example: int | None = None
 
   def __post_init__(self):
     from qsync_jax.models.nnx_model import as_functional  # flax.nnx loads on first use
 
     object.__setattr__(self, "model", as_functional(self.model))
+    t = self.tokens_per_example
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+      raise QsyncError(
+        f"task {self.name!r}: tokens_per_example {t!r} must be a positive int or None. Fix: pass the "
+        "sequence length, e.g. tokens_per_example=512."
+      )
 
 
 ENTRY_POINT_GROUP = "qsync_jax.tasks"

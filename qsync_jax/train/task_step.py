@@ -1,7 +1,7 @@
 """The task's training loss under a precision policy.
 
 One definition of "run the task's model under a policy and take the loss", used by the hybrid
-trainer (``qsync_jax.train.train_step``), SelSync and QSDP (``task_loss_fn``), the
+trainer (``qsync_jax.train.train_step``), SelSync and QSDP (``params_only=True``), the
 profiler's single-device step (``planners.profiler.timing``) and the sensitivity probes
 (``planners.indicator.probes``). ``task_loss(task, policy, tap)`` returns
 ``loss_fn(variables, batch, key) -> (loss, metrics, updated)``, equivalent to::
@@ -39,9 +39,19 @@ def training_rngs(task: Task, key: jax.Array) -> dict[str, jax.Array]:
   return dict(zip(names, jax.random.split(key, len(names))))
 
 
-def task_loss(task: Task, policy: PrecisionPolicy | None = None, tap: Tap | None = None) -> LossFn:
+def task_loss(
+  task: Task, policy: PrecisionPolicy | None = None, tap: Tap | None = None, *, params_only: bool = False
+) -> LossFn | Callable[[Any, Any, jax.Array], jax.Array]:
   """``loss_fn(variables, batch, key)`` of ``task`` under ``policy`` (and ``tap``, which needs a
-  policy); see the module docstring."""
+  policy); see the module docstring. ``params_only=True``: ``loss_fn(params, batch, key) -> loss``,
+  the same loss of ``{"params": params}`` (a task with mutable collections is refused: SelSync and
+  QSDP, which take this form, do not carry them)."""
+  if params_only and task.mutable:
+    raise QsyncError(
+      f"task {task.name!r} updates the collections {list(task.mutable)} in training (e.g. BatchNorm), "
+      "which SelSync and QSDP do not carry. Fix: use a model without them (e.g. GroupNorm/LayerNorm), "
+      "or a gradient-hook strategy (fp32, bf16, fp16, global_qsgd)."
+    )
   model = task.model if policy is None else quantize(task.model, policy, tap)
   mutable = list(task.mutable)
 
@@ -54,21 +64,6 @@ def task_loss(task: Task, policy: PrecisionPolicy | None = None, tap: Tap | None
     loss, metrics = task.loss(outputs, batch)
     return loss, metrics, updated
 
-  return loss_fn
-
-
-def task_loss_fn(task: Task, policy=None):
-  """``loss_fn(params, batch, key)``: ``task.loss`` of the model's training-mode output under
-  ``policy`` (None: the unmodified model)."""
-  if task.mutable:
-    raise QsyncError(
-      f"task {task.name!r} updates the collections {list(task.mutable)} in training (e.g. BatchNorm), "
-      "which SelSync and QSDP do not carry. Fix: use a model without them (e.g. GroupNorm/LayerNorm), "
-      "or a gradient-hook strategy (fp32, bf16, fp16, global_qsgd)."
-    )
-  loss = task_loss(task, policy)
-
-  def loss_fn(params, batch, key):
-    return loss({"params": params}, batch, key)[0]
-
+  if params_only:
+    return lambda params, batch, key: loss_fn({"params": params}, batch, key)[0]
   return loss_fn

@@ -2,8 +2,9 @@
 
 ``Trainer`` wraps the compiled step of ``qsync_jax.train.train_step`` and owns what lives between
 steps: the ``TrainState``, the training data iterator and its position, the metrics log
-(``metrics.jsonl``, and TensorBoard events in ``tensorboard/`` when ``tensorboardX`` is installed),
-progress on stderr and checkpoints (``checkpoints/``) in ``out_dir``.
+(``metrics.jsonl``, and the same numbers as TensorBoard events in ``tensorboard/``, tagged
+``train/``, ``eval/`` and ``replan/``), progress on stderr and checkpoints (``checkpoints/``) in
+``out_dir``.
 
 Example::
 
@@ -21,12 +22,24 @@ metrics, progress, checkpoints and evaluation (at its consolidated / gathered pa
 compute while the hybrid step trains and re-balances the per-device batches from the
 measurements: the step is rebuilt once with the new split and training continues from the same
 step on the same data; a group whose 8-bit legs are measured faster at 16 bits also gets them
-lifted (``qsync_jax.train.probes.lifted_policy``). A re-plan whose measured step is not shorter
+lifted (``qsync_jax.train.replan.lifted_policy``). A re-plan whose measured step is not shorter
 than the step before it is undone: the trainer switches back to the step that ran before.
 ``metrics.jsonl`` gets a ``replan`` line for every decision and a ``replan_measured`` line once
 a re-planned split's step is measured (``"undone": true`` when it was undone), and the
 checkpoint records the plan that runs and the decisions, so ``resume`` rebuilds the step that
 ran.
+
+``run`` is a loop over step hooks (``qsync_jax.train.run_hooks``): after each step, the finite-loss
+check, re-planning, logging, evaluation (``eval_every``), checkpoints and the watchdog, in that
+order.
+
+Nothing is lost: ``out_dir`` is held for the run (``qsync_jax.train.outputs.lock_run_dir``: another
+run into it is refused, naming its process); a checkpoint that cannot be written is said in one
+line, training goes on and the next interval tries again (a failure at the end raises, naming the
+last checkpoint written); a step whose loss is not finite stops the run (``NonFiniteLossError``)
+without checkpointing a non-finite state. The rates it prints and logs (steps, samples
+and tokens per second, TFLOP/s per device, MFU, the ETA) are over the last steps of training,
+pauses left out (``qsync_jax.train.progress``).
 """
 
 from __future__ import annotations
@@ -35,10 +48,7 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import sys
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
@@ -46,7 +56,14 @@ import jax
 import optax
 
 from qsync_jax.cluster import ClusterSpec
-from qsync_jax.errors import CheckpointError, Interrupted, PlanError, PolicyError, QsyncError
+from qsync_jax.errors import (
+  CheckpointError,
+  Interrupted,
+  NonFiniteLossError,
+  PlanError,
+  PolicyError,
+  QsyncError,
+)
 from qsync_jax.models.flax_quant import quantize
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
@@ -55,9 +72,20 @@ from qsync_jax.sync.two_level import check_two_level_sync
 from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
-from qsync_jax.train.distributed import Watchdog
-from qsync_jax.train.outputs import TensorBoardWriter, check_run_dir
-from qsync_jax.train.replan import Replanner, describe, describe_measured, describe_undone
+from qsync_jax.train.outputs import check_run_dir, lock_run_dir
+from qsync_jax.train.progress import peak_tflops, step_flops
+from qsync_jax.train.replan import ReplanEvent, Replanner, trainer_replanner
+from qsync_jax.train.run_hooks import (
+  CheckpointHook,
+  EvalHook,
+  FiniteLossHook,
+  LogHook,
+  ReplanHook,
+  RunState,
+  StopOnSigint,
+  WatchdogHook,
+)
+from qsync_jax.train.run_log import RunLog
 from qsync_jax.train.strategy_step import make_strategy_step
 from qsync_jax.train.task import Task
 from qsync_jax.train.train_step import SyncFn, check_optimizer_update, make_train_step
@@ -78,18 +106,20 @@ class Trainer:
     sync_options: options of the named strategy (its ``Strategy.options``).
     seed: seeds the parameters, the step RNG and the data order.
     out_dir: where ``metrics.jsonl``, ``checkpoints/`` and ``tensorboard/`` (the metrics as TensorBoard
-      scalars, when ``tensorboardX`` is installed) go (None: nothing is written). Process 0 writes.
+      scalars) go (None: nothing is written). Process 0 writes.
     checkpoint_every: save every this many steps (0: only at the end of ``run``).
     resume: restore the latest checkpoint of ``out_dir`` if there is one.
     log_every: write metrics every this many steps.
     progress: stream for progress lines, default ``sys.stderr`` (the one in place when the trainer
       is made); None: silent.
-    step_timeout_s: multi-process watchdog: end the process if a step takes longer (after the
-      first, which compiles). Default 120 s when there are several processes, else off.
+    step_timeout_s: watchdog: end the process if a step takes longer (after the first, which
+      compiles). Default 120 s when there are several processes, else off (None or 0).
     donate: let each step reuse the previous state's buffers (default: on accelerators; hybrid
       step only, a step-builder strategy's step keeps its input).
-    replan: ``"off"`` (default), ``"once"`` or ``"auto"``, or a ``Replanner``: re-balance the
-      per-device batches from measured group speeds (hybrid step only; module doc).
+    replan: ``"off"``, ``"once"`` or ``"auto"``, or a ``Replanner``: re-balance the per-device
+      batches from measured group speeds (hybrid step only; module doc). Default (None):
+      ``default_replan``, ``"once"`` where re-planning can change something, else ``"off"``. A pool
+      of one device group has nothing to balance: it never measures, whatever the mode.
   """
 
   def __init__(
@@ -112,10 +142,11 @@ class Trainer:
     progress: TextIO | None = _STDERR,
     step_timeout_s: float | None = None,
     donate: bool | None = None,
-    replan: str | Replanner = "off",
+    replan: str | Replanner | None = None,
   ):
+    _check_run_settings(checkpoint_every, step_timeout_s)
     if out_dir and jax.process_index() == 0:
-      check_run_dir("out_dir", out_dir, resume)
+      check_run_dir("out_dir", out_dir, resume, api=True)
     self.task, self.seed = task, int(seed)
     optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
     self.sync = _sync_meta(grad_sync, sync_options)
@@ -149,27 +180,14 @@ class Trainer:
       self.program = self._build(plan)
       self._given_cluster = cluster
       self._programs = {_step_key(self.program.cluster, self.program.plan): self.program}  # not rebuilt
-    self.replanner = replan if isinstance(replan, Replanner) else Replanner(mode=replan)
-    if self.replanner.mode != "off" and not hasattr(self, "_build"):
-      raise QsyncError(
-        f"replan={self.replanner.mode!r}: sync strategy {grad_sync!r} builds its own step, which cannot be "
-        "re-balanced. Fix: use replan='off', or a gradient-hook strategy (fp32, bf16, fp16, global_qsgd)."
-      )
-    accumulating = sorted(g for g, k in (plan or Plan()).micro_steps.items() if k != 1)
-    if self.replanner.mode != "off" and accumulating:
-      raise QsyncError(
-        f"replan={self.replanner.mode!r}: the plan accumulates gradients on {accumulating} (micro_steps), "
-        "whose per-device batches re-planning would change. Fix: use replan='off', or remove micro_steps "
-        "from the plan."
-      )
+    self.replanner = trainer_replanner(replan, self.program, grad_sync)
     self._sample = sample
     self.out_dir = out_dir
     progress = sys.stderr if progress is _STDERR else progress
     self.checkpoint_every, self.log_every, self.progress = checkpoint_every, max(1, log_every), progress
     self.is_primary = jax.process_index() == 0
-    self.tensorboard = (
-      TensorBoardWriter(os.path.join(out_dir, "tensorboard")) if out_dir and self.is_primary else None
-    )
+    self.log = RunLog(out_dir, self.is_primary, self.say)
+    self.tensorboard = self.log.tensorboard
     # XLA's CPU collectives can deadlock with two multi-device steps in flight on a small host
     # (seen on 2 cores: "Termination timeout for all reduce"); accelerators pipeline steps.
     self._one_step_in_flight = jax.default_backend() == "cpu" and jax.device_count() > 1
@@ -179,15 +197,23 @@ class Trainer:
     self.state = self.program.init(self.seed, sample)
     check_plan_matches_model(task, self.program.plan, self.program.variables_of(self.state), sample)
     self.data_position = 0
+    self._step_flops: dict[int, float | None] = {}  # id(program) -> FLOPs per device, once it ran
     self._batches = None
     self._eval_fn = None
+    self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, held-out metrics)
     if step_timeout_s is None and jax.process_count() > 1:
       step_timeout_s = 120.0
     self.step_timeout_s = step_timeout_s
+    self.run_settings: dict[str, Any] = {}  # what checkpoints record of how the run was asked for
+    self._resumed_settings: dict[str, Any] | None = None
     if resume and not self.resume():
       raise CheckpointError(
         f"resume: out_dir {out_dir!r} holds no checkpoint. Fix: start without resume, or pass the run's directory."
       )
+    self._lock = lock_run_dir("out_dir", out_dir) if out_dir and self.is_primary else None
+    if self._lock is not None and self._lock.note:
+      self.say(self._lock.note)
+      self._lock.note = None
 
   # -- properties -------------------------------------------------------------------------
   @property
@@ -197,6 +223,16 @@ class Trainer:
   @property
   def step(self) -> int:
     return int(self.program.step_count(self.state))
+
+  @property
+  def sample(self):
+    """One global batch of the task (host arrays), the first: what re-planning's probes run on."""
+    return self._sample
+
+  @property
+  def peak_tflops(self) -> tuple[str, float] | None:
+    """``(device type, dense 16-bit peak TFLOP/s)`` of the run's devices (MFU's denominator)."""
+    return peak_tflops(list(self.program.mesh.devices.flat))
 
   @property
   def params(self):
@@ -236,6 +272,8 @@ class Trainer:
       data_position=self.data_position,
       plan=self.program.plan.to_json(),
       replans=self.replanner.history,
+      replan_decided=self.replanner.decided_step,
+      run_settings=self.run_settings,
     )
     self.checkpoints.save(self.step, self.program.full_state(self.state), self.params, meta)
 
@@ -251,12 +289,12 @@ class Trainer:
       plan = dataclasses.replace(plan, optimizer_update=self.program.plan.optimizer_update)
       if plan.fingerprint() != self.program.plan.fingerprint():
         self.program = self._program_for(plan)
-      self.replanner.restore(saved["replans"])
+    self.replanner.restore(saved.get("replans", []), saved.get("replan_decided"))
     state, meta = self.checkpoints.restore(like, self._meta(), step)
+    self._resumed_settings = meta.get("run_settings")
     state = self.program.from_full_state(state)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
-    if self.out_dir and self.is_primary:
-      _drop_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.step)
+    self.log.drop_after(self.step)
     return True
 
   # -- training -----------------------------------------------------------------------------
@@ -266,69 +304,74 @@ class Trainer:
     return {k: float(v) for k, v in metrics.items()}
 
   def run(
-    self, steps: int, callback: Callable[[int, dict[str, float]], None] | None = None
+    self,
+    steps: int,
+    callback: Callable[[int, dict[str, float]], None] | None = None,
+    *,
+    eval_every: int = 0,
   ) -> dict[str, float]:
     """Trains until ``steps`` steps in total have run (a resumed run continues); returns the
-    last metrics. Logs every ``log_every`` steps, checkpoints every ``checkpoint_every`` steps
-    and at the end.
+    last metrics. Logs every ``log_every`` steps, evaluates every ``eval_every`` steps
+    (``evaluate_and_log``; 0: never), checkpoints every ``checkpoint_every`` steps and at the end.
 
     Ctrl-C (SIGINT, in the main thread) stops the run between two steps: it logs and, in a
     one-process run with ``out_dir``, checkpoints the last finished step, then raises
     ``Interrupted`` naming that step. A second Ctrl-C stops at once (``KeyboardInterrupt``).
     """
-    start_step = step = self.step
-    last: dict[str, float] = {}
-    watchdog = None
-    pending = None  # metrics of the previous step, read after the next one is dispatched
-    timing = _StepTimer()  # the replanner's step times, when it wants them
-    clock = _Clock(start_step)
-    if step < steps:
-      self._say(
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < self.step:
+      now = f"at step {self.step} already (a resumed run)" if self.step else "at step 0"
+      raise QsyncError(
+        f"run(steps={steps!r}): steps is the total number of steps to train until, and this trainer is {now}. "
+        f"Fix: pass an int of at least {self.step}, e.g. run({self.step + 100}) for 100 more steps."
+      )
+    run = RunState(steps, self.step, self.step, callback)
+    stop = StopOnSigint()
+    if eval_every and self.task.eval_batches is None:
+      raise QsyncError(
+        f"eval_every={eval_every}: task {self.task.name!r} has no held-out set (eval_batches). Fix: pass "
+        "eval_every=0, or give the task eval_batches."
+      )
+    log, watchdog = LogHook(self), WatchdogHook(self, self.step_timeout_s)
+    hooks = (
+      FiniteLossHook(),
+      log,
+      EvalHook(self, log, eval_every),
+      CheckpointHook(self, log, stop),
+      watchdog,
+    )
+    if self.replanner.mode != "off" and len(self.program.cluster.groups) > 1:
+      hooks = (hooks[0], ReplanHook(self, log), *hooks[1:])
+    elif self.replanner.mode != "off" and run.step < steps:
+      self.say(f"replan={self.replanner.mode}: one device group, nothing to balance: nothing is measured")
+    if run.step < steps:
+      self.say(
         f"compiling the step ({self.program.cluster.num_devices} devices, global batch {self.global_batch})…"
       )
-    stop = _StopOnSigint()
     try:
       with stop:
-        while step < steps and not stop.requested:
-          self.state, metrics = self.program(self.state, self._next_batch())
-          if self._one_step_in_flight or step == start_step:
-            jax.block_until_ready(metrics)
-          step += 1
-          step_ms = None
-          if self.replanner.times_steps():
-            step_ms = timing.after(metrics)
-          wants = self.replanner.wants_measurement(step, start_step, step_ms)
-          if self._note_measured_replans():  # a re-plan undone: the split before it runs again
-            timing.reset()
-          if wants:
-            if pending is not None:
-              last, pending = self._log(*pending, steps, clock, callback), None
-            self._replan(step)
-            timing.reset()  # the next interval would hold the measurement (and a compile)
-          if step == start_step + 1:
-            self._say(f"compiled and ran the first step in {clock.first_step_done(step):.1f} s")
-          if pending is not None:
-            last = self._log(*pending, steps, clock, callback)
-          pending = (step, metrics) if step % self.log_every == 0 or step == steps else None
-          if watchdog is not None:
-            watchdog.beat()
-          if self.checkpoint_every and step % self.checkpoint_every == 0:
-            if pending is not None:
-              last, pending = self._log(*pending, steps, clock, callback), None
-            self.save()
-            if watchdog is not None:
-              watchdog.beat()
-          if watchdog is None and self.step_timeout_s:  # after the first step, which compiles
-            jax.block_until_ready(self.program.step_count(self.state))
-            watchdog = Watchdog(self.step_timeout_s).start()
-      if pending is not None:
-        last = self._log(*pending, steps, clock, callback)
-      saves = self.checkpoints is not None and (not stop.requested or jax.process_count() == 1)
-      if saves and self.step > 0 and self.checkpoints.latest_step() != self.step:
-        self.save()
+        while run.step < steps and not stop.requested and run.diverged is None:
+          program, batch = self.program, self._next_batch()
+          run.throughput.batch_ready()
+          self.state, run.metrics = program(self.state, batch)
+          compiled = id(program) not in self._step_flops or run.step == run.start_step
+          if self._one_step_in_flight or compiled:
+            jax.block_until_ready(run.metrics)
+          run.step += 1
+          if compiled:  # the step compiled (or is a run's first): the rate counts from here
+            if id(program) not in self._step_flops:
+              self._step_flops[id(program)] = step_flops(program, self.state, batch)
+            run.throughput.restart(run.step)
+          run.flops = self._step_flops[id(program)]
+          for hook in hooks:
+            hook.after_step(run)
+            if run.diverged is not None:
+              break
+        for hook in hooks:
+          hook.finish(run)
     finally:
-      if watchdog is not None:
-        watchdog.stop()
+      watchdog.close()
+    if run.diverged is not None:
+      raise NonFiniteLossError(self._diverged_message(*run.diverged))
     if stop.requested:
       saved = self.checkpoints.latest_step() if self.checkpoints is not None else None
       raise Interrupted(
@@ -339,19 +382,39 @@ class Trainer:
           else "; nothing saved"
         )
       )
-    return last
+    return run.last
 
-  def _replan(self, step: int) -> None:
-    """Measures the groups and decides (``Replanner.replan``), logs the decision and, when the
-    split changes, switches to the step of the new split (built once per split; the state
-    carries over as it is on the same devices — the replanner drops no group —, else through
-    its full form)."""
-    batches, record = self.replanner.replan(step, self.program, self.state, self._sample)
-    if record is not None:
-      self._say("replan: " + describe(record))
-      self._write_replan_line({"step": step, "replan": record}, record)
-    if batches is not None:
-      self._switch_to(batches, {g: lift["new"] for g, lift in record.get("lifted", {}).items()})
+  def _diverged_message(self, step: int, what: str) -> str:
+    saved = self.checkpoints.latest_step() if self.checkpoints is not None else None
+    if saved is not None:
+      kept = f"the last checkpoint, all finite, is step {saved} in {self.checkpoints.directory}"
+    else:
+      kept = "no checkpoint was written" if self.checkpoints is not None else "nothing is saved (no out_dir)"
+    return (
+      f"training diverged at step {step}: {what}. The run stopped; {kept}. Fix: lower the learning rate "
+      "(--lr) or check the model and data at that step, then start again (or --resume from that checkpoint)."
+    )
+
+  def state_is_finite(self) -> bool:
+    """Whether every floating-point number of the training state (parameters, optimizer state…) is
+    finite."""
+    return bool(_all_finite(self.state))
+
+  def set_run_settings(self, settings: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Records ``settings`` (JSON values: how the run was asked for, e.g. the command line's
+    optimizer flags) in the checkpoints from now on; returns ``{name: (checkpoint's value, new
+    value)}`` for those that differ from the resumed checkpoint's (none for a new run)."""
+    self.run_settings = json.loads(json.dumps(dict(settings)))
+    before = self._resumed_settings or {}
+    return {k: (before[k], v) for k, v in self.run_settings.items() if k in before and before[k] != v}
+
+  def apply_replan(self, event: ReplanEvent) -> None:
+    """Logs a re-planning ``event`` (its line, its record in ``metrics.jsonl`` and as ``replan/``
+    scalars) and, when it says so, switches to its split from the next step."""
+    self.say(event.line)
+    self.log.write({"step": event.step, event.key: event.record}, event.record, prefix="replan/")
+    if event.switch_to is not None:
+      self._switch_to(*event.switch_to)
 
   def _switch_to(self, batches: Mapping[str, int], policies: Mapping[str, Any]) -> None:
     """Runs the step of the per-device ``batches`` and the groups' ``policies`` (JSON; the
@@ -368,26 +431,6 @@ class Trainer:
       self.state = program.from_full_state(self.program.full_state(self.state))
     self.program = program
 
-  def _note_measured_replans(self) -> bool:
-    """Logs the measured step of each re-planned split once the replanner has timed it, and
-    switches back to the split before a re-plan the replanner undid; True when it did."""
-    undone = False
-    for note in self.replanner.take_notes():
-      self._say("replan: " + (describe_undone(note) if note.get("undone") else describe_measured(note)))
-      measured = {k: v for k, v in note.items() if k != "step"}
-      self._write_replan_line({"step": note["step"], "replan_measured": measured}, measured)
-      if note.get("undone"):
-        self._switch_to(note["restored"], note.get("restored_policies", {}))
-        undone = True
-    return undone
-
-  def _write_replan_line(self, line: Mapping[str, Any], scalars: Mapping[str, Any]) -> None:
-    if self.out_dir and self.is_primary:
-      os.makedirs(self.out_dir, exist_ok=True)
-      with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(line) + "\n")
-      self.tensorboard.write(line["step"], scalars, prefix="replan/")
-
   def _program_for(self, plan: Plan):
     """The hybrid step of ``plan`` (the batch split and policies of a plan run before: its step
     again)."""
@@ -396,28 +439,13 @@ class Trainer:
       self._programs[key] = self._build(plan)
     return self._programs[key]
 
-  def _say(self, msg: str) -> None:
+  def say(self, msg: str) -> None:
+    """Prints ``msg`` to the progress stream (process 0; nothing when ``progress`` is None)."""
     if self.progress is not None and self.is_primary:
-      print(msg, file=self.progress, flush=True)
-
-  def _log(self, step, metrics, steps, clock, callback) -> dict[str, float]:
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer
-    rate = clock.steps_per_s(step)
-    record = {"step": step, **values, "steps_per_s": rate, "samples_per_s": rate * self.global_batch}
-    record["time_s"] = clock.elapsed()
-    if self.out_dir and self.is_primary:
-      os.makedirs(self.out_dir, exist_ok=True)
-      with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
-      self.tensorboard.write(step, record)
-    eta = f"ETA {(steps - step) / rate:.0f}s" if rate > 0 else "ETA after the next step"
-    self._say(
-      f"step {step}/{steps}  loss {values['loss']:.4f}  {rate * self.global_batch:.1f} samples/s  "
-      f"{rate:.2f} steps/s  {eta}"
-    )
-    if callback is not None:
-      callback(step, values)
-    return values
+      try:
+        print(msg, file=self.progress, flush=True)
+      except OSError:  # the stream is gone (a terminal closed with SIGHUP): training goes on silently
+        self.progress = None
 
   # -- evaluation ---------------------------------------------------------------------------
   def evaluate(self, batch_size: int = 256, max_batches: int | None = None) -> dict[str, float]:
@@ -449,9 +477,23 @@ class Trainer:
       count += n
     return {k: v / count for k, v in totals.items()} if count else {}
 
+  def evaluate_and_log(self, batch_size: int = 256) -> dict[str, float]:
+    """``evaluate()`` at the current step (again only if the step moved on since the last), logged:
+    a ``{"step", "eval": {...}}`` line in ``metrics.jsonl``, ``eval/`` scalars and a progress line."""
+    if self.last_eval is not None and self.last_eval[0] == self.step:
+      return self.last_eval[1]
+    metrics = self.evaluate(batch_size)
+    self.last_eval = (self.step, metrics)
+    if metrics:
+      self.log.write({"step": self.step, "eval": metrics}, metrics, prefix="eval/")
+      self.say(f"eval at step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
   def close(self) -> None:
-    if self.tensorboard is not None:
-      self.tensorboard.close()
+    self.log.close()
+    if getattr(self, "_lock", None) is not None:
+      self._lock.release()
+      self._lock = None
     if self.checkpoints is not None:
       self.checkpoints.close()
 
@@ -471,25 +513,24 @@ def check_plan_matches_model(task: Task, plan: Plan, variables, batch) -> None:
       raise PlanError(str(e)) from None
 
 
-def _drop_metrics_after(path: str, step: int) -> None:
-  """Removes the lines of metrics file ``path`` logged after ``step`` (the steps a resumed run
-  will log again) and a line a kill cut short, atomically; keeps other lines it cannot parse."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    lines = f.readlines()
+def _check_run_settings(checkpoint_every, step_timeout_s) -> None:
+  """``Trainer``'s numeric settings, checked before any work."""
+  if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+    raise QsyncError(
+      f"checkpoint_every={checkpoint_every!r} must be 0 (a checkpoint at the end only) or a number of steps. "
+      "Fix: pass e.g. checkpoint_every=100 (--checkpoint-every 100)."
+    )
+  if step_timeout_s is not None and not step_timeout_s >= 0:
+    raise QsyncError(
+      f"step_timeout_s={step_timeout_s!r} must be a number of seconds (0: no watchdog). Fix: pass e.g. "
+      "step_timeout_s=600 (--step-timeout 600), or leave it unset."
+    )
 
-  def keep(line: str) -> bool:
-    try:
-      return int(json.loads(line)["step"]) <= step
-    except (ValueError, KeyError, TypeError):
-      return True
 
-  kept = [line for line in lines if line.endswith("\n") and keep(line)]
-  if len(kept) != len(lines):
-    with open(f"{path}.tmp", "w") as f:
-      f.writelines(kept)
-    os.replace(f"{path}.tmp", path)
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+  return jax.numpy.all(jax.numpy.asarray([jax.numpy.all(jax.numpy.isfinite(x)) for x in leaves]))
 
 
 def _step_key(cluster: ClusterSpec, plan: Plan) -> tuple:
@@ -499,73 +540,6 @@ def _step_key(cluster: ClusterSpec, plan: Plan) -> tuple:
     (g.name, g.batch_per_device, json.dumps(plan.policy_for(g.name).to_json(), sort_keys=True))
     for g in cluster.groups
   )
-
-
-class _StepTimer:
-  """Step times without a host sync of the step just dispatched: ``after(metrics)`` waits for
-  the previous step's metrics (the device has this step queued meanwhile) and returns the
-  wall time between the previous two completions (None until there are two)."""
-
-  def __init__(self):
-    self.reset()
-
-  def reset(self) -> None:
-    self._previous, self._done = None, None
-
-  def after(self, metrics) -> float | None:
-    if self._previous is None:
-      self._previous = metrics
-      return None
-    jax.block_until_ready(self._previous)
-    now = time.perf_counter()
-    ms = None if self._done is None else 1e3 * (now - self._done)
-    self._previous, self._done = metrics, now
-    return ms
-
-
-class _Clock:
-  """Throughput of a run, measured from the end of its first (compiling) step."""
-
-  def __init__(self, start_step: int):
-    self.t0 = time.perf_counter()
-    self.t_first, self.first = None, start_step + 1
-
-  def first_step_done(self, step: int) -> float:
-    """Seconds the first step took (compilation included); the rate counts from here."""
-    self.t_first, self.first = time.perf_counter(), step
-    return self.t_first - self.t0
-
-  def elapsed(self) -> float:
-    return time.perf_counter() - self.t0
-
-  def steps_per_s(self, step: int) -> float:
-    """Steps per second since the first step (0.0 until a second one has finished)."""
-    if self.t_first is None or step <= self.first:
-      return 0.0
-    return (step - self.first) / (time.perf_counter() - self.t_first)
-
-
-class _StopOnSigint:
-  """Within ``with``: the first SIGINT sets ``requested`` (the loop stops between two steps), a
-  second raises ``KeyboardInterrupt``. Does nothing outside the main thread."""
-
-  def __init__(self):
-    self.requested, self._previous = False, None
-
-  def _handle(self, signum, frame):
-    if self.requested:
-      raise KeyboardInterrupt
-    self.requested = True
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGINT, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
-      self._previous = None
 
 
 def _sync_meta(grad_sync, options) -> dict[str, Any]:

@@ -17,9 +17,18 @@ from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import PRECISION_BITS, OpPolicy
-from qsync_jax.train.group_speed import GroupSpeed, balance, predicted_ms
-from qsync_jax.train.probes import PROBE_COST_RUNS, lifted_policy, probe_sizes
-from qsync_jax.train.replan import Replanner
+from qsync_jax.train.replan import (
+  PROBE_COST_RUNS,
+  GroupSpeed,
+  Replanner,
+  Running,
+  Undone,
+  balance,
+  decide,
+  lifted_policy,
+  predicted_ms,
+  probe_sizes,
+)
 from qsync_jax.train.trainer import Trainer
 from tests.trainer.tiny import make_task
 
@@ -305,7 +314,7 @@ def test_a_replan_of_a_step_builder_strategy_is_refused():
 
 
 def test_measure_groups_times_each_group_at_two_batches_on_its_own_device():
-  from qsync_jax.train.probes import compile_seconds, measure_groups
+  from qsync_jax.train.replan import compile_seconds, measure_groups
 
   cluster = ClusterSpec((DeviceGroup("g0", "cpu", 1, 16, 8), DeviceGroup("g1", "cpu", 2, 16, 4)))
   policy = {"rules": [{"path": "Dense_0", "policy": "int8"}], "__default__": None}
@@ -330,7 +339,7 @@ def test_measure_groups_times_each_group_at_two_batches_on_its_own_device():
   assert [fn._cache_size() for fn in probes] == versions and compile_seconds() == compiled
   # a group measured at another policy (as a lifted one is) runs a probe of that policy
   other = {"g1": PrecisionPolicy.uniform("bf16")}
-  up = measure_groups(trainer.program, trainer.state, trainer._sample, {"g1": (2,)}, cache, other)
+  up = measure_groups(trainer.program, trainer.state, trainer._sample, {"g1": (2,)}, other, cache=cache)
   assert sorted(up) == ["g1"] and up["g1"][2] > 0 and len(cache) == 3
 
 
@@ -359,8 +368,8 @@ def test_checks_cost_at_most_max_overhead_of_the_training_time():
   now = [0.0]
   fake = _measured({"g0": 1.0, "g1": 1.0}, noise=0.4, rng=np.random.default_rng(2))
 
-  def measure(program, state, host_batch, sizes=None):
-    out = fake(program, state, host_batch, sizes)
+  def measure(program, state, host_batch, sizes, policies):
+    out = fake(program, state, host_batch, sizes, policies)
     now[0] += PROBE_COST_RUNS * sum(sum(ms.values()) for ms in out.values()) / 1e3  # seconds
     return out
 
@@ -580,3 +589,91 @@ def test_the_undo_rule_is_not_faster_with_no_margin():
       r.wants_measurement(step, 0, new_ms)
     (note,) = r.take_notes()
     assert note["undone"] == undone and len(r.history) == (2 if undone else 1)
+
+
+def test_decide_is_a_pure_function_of_measurements_running_split_and_undone_replans():
+  running = Running({"g0": 2, "g1": 2}, {"g0": 8, "g1": 8})
+  measured = {"g0": {4: 4.0, 8: 8.0}, "g1": {4: 12.0, 8: 24.0}}
+  d = decide(measured, running)
+  assert d.batches == {"g0": 12, "g1": 4} and d.blocked_by is None and d.undone == ()
+  assert (d.record["predicted_ms_old"], d.record["predicted_ms_new"]) == (24.0, 12.0)
+  assert decide(measured, running) == d  # same inputs, same decision: nothing kept between calls
+  block = Undone(5, {"g0": 12, "g1": 4}, {}, {g: GroupSpeed.fit(m) for g, m in measured.items()})
+  blocked = decide(measured, running, (block,))
+  assert blocked.batches is None and blocked.blocked_by == 5 and blocked.undone == (block,)
+  slower = {g: {b: 1.2 * ms for b, ms in m.items()} for g, m in measured.items()}  # speeds moved
+  freed = decide(slower, running, (block,))
+  assert freed.batches == {"g0": 12, "g1": 4} and freed.blocked_by is None and freed.undone == ()
+  assert decide(measured, running, threshold=0.6).batches is None  # 24 -> 12 ms is 50 % shorter, not 60 %
+
+
+def _counting(calls):
+  """A fake measurement that records its calls: every group 1 ms per example."""
+
+  def measure(program, state, host_batch, sizes, policies):
+    calls.append(dict(sizes))
+    return {g: {b: float(b) for b in batches} for g, batches in sizes.items() if batches}
+
+  return measure
+
+
+def test_one_group_is_never_measured_whatever_the_mode(tmp_path, capsys):
+  calls = []
+  r = Replanner(mode="auto", warmup_steps=1, window=1, recheck_windows=1, measure=_counting(calls))
+  one = ClusterSpec((DeviceGroup("g0", "cpu", 2, 16, 8),))
+  trainer = Trainer(make_task(), one, Plan(), optax.adam(1e-2), devices=jax.devices()[:2], replan=r)
+  trainer.run(6)
+  assert calls == [] and r.history == []
+  assert "replan=auto: one device group, nothing to balance: nothing is measured" in capsys.readouterr().err
+
+
+def test_a_resumed_run_keeps_a_decision_that_kept_the_plan(tmp_path):
+  calls = []
+  pair = ClusterSpec((DeviceGroup("g0", "cpu", 1, 16, 4), DeviceGroup("g1", "cpu", 1, 16, 4)))
+
+  def trainer(replanner, resume=False):
+    return Trainer(
+      make_task(),
+      pair,
+      Plan(),
+      optax.sgd(0.1),
+      out_dir=str(tmp_path / "run"),
+      devices=jax.devices()[:2],
+      replan=replanner,
+      resume=resume,
+      progress=None,
+    )
+
+  first = trainer(Replanner(mode="once", warmup_steps=1, window=1, measure=_counting(calls)))
+  first.run(4)  # equal speeds: the decision at step 3 keeps 4/4
+  first.close()
+  assert len(calls) == 1 and first.replanner.history == [] and first.replanner.decided_step == 3
+  calls.clear()
+  r = Replanner(mode="once", warmup_steps=1, window=1, measure=_counting(calls))
+  resumed = trainer(r, resume=True)
+  assert resumed.step == 4 and r.decided_step == 3 and not r.times_steps()
+  resumed.run(8)
+  resumed.close()
+  assert calls == []  # measured nothing again
+
+
+def test_one_default_where_rebalancing_can_change_something():
+  from types import SimpleNamespace
+
+  from qsync_jax.train.replan import default_replan
+
+  def program(platform="gpu", groups=2, micro_steps=None):
+    return SimpleNamespace(
+      mesh=SimpleNamespace(devices=np.asarray([SimpleNamespace(platform=platform)])),
+      cluster=SimpleNamespace(groups=[None] * groups),
+      plan=Plan.from_json({"micro_steps": micro_steps or {}}),
+    )
+
+  assert default_replan(program()) == "once"
+  assert default_replan(program(), "global_qsgd") == "once"  # a gradient hook: the hybrid step
+  assert default_replan(program(groups=1)) == "off"
+  assert default_replan(program(platform="cpu")) == "off"
+  assert default_replan(program(), "selsync") == "off"
+  assert default_replan(program(micro_steps={"g0": 2})) == "off"
+  trainer = Trainer(make_task(), _cluster(), devices=jax.devices()[:4])  # the CLI passes None too
+  assert trainer.replanner.mode == "off"  # simulated CPU devices

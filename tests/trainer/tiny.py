@@ -6,6 +6,7 @@ Importable as ``tests.trainer.tiny:make_task`` (the CLI's ``package.module:attr`
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import flax.linen as nn
@@ -35,10 +36,14 @@ class BNNet(nn.Module):
     return nn.Dense(3)(nn.relu(x))
 
 
-def _batches(global_batch, seed, delay_s=0.0):
+def _batches(global_batch, seed, delay_s=0.0, hangup_at=0):
   rng = np.random.default_rng(seed)
   w = rng.normal(size=(FEATURES, 3)).astype(np.float32)
+  loaded = 0
   while True:
+    loaded += 1
+    if loaded == hangup_at:  # as a dropped SSH session would, while the batch loads
+      os.kill(os.getpid(), signal.SIGHUP)
     if delay_s:
       time.sleep(delay_s)
     x = rng.normal(size=(global_batch, FEATURES)).astype(np.float32)
@@ -51,9 +56,20 @@ def _mse(out, batch):
   return loss, {"mae": jnp.mean(jnp.abs(err))}
 
 
-def make_task(hidden: int = 16, batchnorm: bool = False, fixed_batch: int = 0) -> Task:
+def _held_out(examples: int, batch_size: int):
+  batches = _batches(batch_size, 12345)
+  for start in range(0, examples, batch_size):
+    batch = next(batches)
+    yield {k: v[: examples - start] for k, v in batch.items()}
+
+
+def make_task(
+  hidden: int = 16, batchnorm: bool = False, fixed_batch: int = 0, eval_examples: int = 0, hangup_at: int = 0
+) -> Task:
   """``QSYNC_TEST_BATCH_DELAY_S`` slows data loading (for kill tests); ``fixed_batch`` > 0 makes
-  every batch that many examples, whatever the global batch asked (a task that ignores it)."""
+  every batch that many examples, whatever the global batch asked (a task that ignores it);
+  ``eval_examples`` > 0 gives the MLP a held-out set of that many examples; ``hangup_at`` > 0 sends
+  this process SIGHUP while the MLP's training data loads its batch of that number."""
   delay = float(os.environ.get("QSYNC_TEST_BATCH_DELAY_S", "0"))
   if fixed_batch:
     return Task(
@@ -75,7 +91,8 @@ def make_task(hidden: int = 16, batchnorm: bool = False, fixed_batch: int = 0) -
     model=MLP(hidden),
     inputs=lambda b: (b["x"],),
     loss=_mse,
-    train_batches=lambda n, seed: _batches(n, seed, delay),
+    train_batches=lambda n, seed: _batches(n, seed, delay, hangup_at),
+    eval_batches=(lambda n: _held_out(eval_examples, n)) if eval_examples else None,
   )
 
 

@@ -1,20 +1,28 @@
-"""Balancing the batch from measured speeds: online calibration and re-planning.
+"""Balancing the batch from measured speeds: when to measure and re-plan (``Replanner``).
 
 A plan's per-device batches come from modeled costs. While the trainer runs, each group's
-compute is measured (``qsync_jax.train.probes.measure_groups``: one device's step of the group
-without collectives, outside the training step) and each group's time is a
-``qsync_jax.train.group_speed.GroupSpeed`` through those points; ``balance`` splits the same
-global batch so that the slowest group finishes first. A decision
+compute is measured (``measure.measure_groups``: one device's step of the group without
+collectives, outside the training step) and each group's time is a ``group_speed.GroupSpeed``
+through those points; ``decide.decide`` (pure) balances the same global batch so that the slowest
+group finishes first and says whether that split replaces the running one. A decision
 first measures each group at two batches (half its batch and its batch), balances, then
 measures each group at the batch the balance gave it (``refine`` rounds at most), so that the
 split it picks is predicted from measurements at that split, not extrapolated from other
 batches (a device time-sliced with another process is far from linear at small batches).
 
-``Replanner`` decides when a split replaces the running one. Steps are timed as the wall time
-between two steps' completions, read one step behind (the device always has the next step
-queued: no host sync is added), the first ``warmup_steps`` steps of a run (or of a resumed run)
-left out (they compile), in windows of ``window`` steps; a window's median is *the measured
-step* (in a multi-process job, process 0's, so that every process decides alike).
+``Replanner`` decides when to measure and keeps what decisions need between them (the last
+measurements, the undone re-plans, the ``history``). Steps are timed as the wall time between two
+steps' completions, read one step behind (``window.StepTimer``: the device always has the next
+step queued, no host sync is added), the first ``warmup_steps`` steps of a run (or of a resumed
+run) left out (they compile), in windows of ``window`` steps (``window.StepWindows``); a window's
+median is *the measured step* (in a multi-process job, process 0's, so that every process decides
+alike).
+
+The trainer's side (``Trainer.run``'s re-planning hook) is three calls: ``times_steps()`` (whether
+to time the step), ``observe(step, start_step, step_ms)`` (whether to measure now, and the events
+of re-plans measured since), ``replan_event(step, program, state, host_batch)`` (measure, decide,
+the event); an event (``events.ReplanEvent``) carries its log line, its ``metrics.jsonl`` record
+and the split to switch to. A checkpoint stores ``history``; ``restore(history)`` takes it up.
 
 * ``mode="once"``: after ``warmup_steps`` untimed steps and one timed window of the running
   split (its measured step, ``measured_ms_old``), measure and decide: re-plan if the balanced
@@ -61,56 +69,31 @@ devices and their state stay as they are). Precisions change only by a lift.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import json
-import statistics
 import time
 from collections.abc import Callable, Mapping
 
-import jax
-import numpy as np
-
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import QsyncError
-from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.train.group_speed import GroupSpeed, balance, predicted_ms
-from qsync_jax.train.probes import any_process, compile_seconds, lifted_policy, measure_groups, probe_sizes
+from qsync_jax.train.replan.decide import Running, Undone, decide
+from qsync_jax.train.replan.events import ReplanEvent, decision_event, measured_event
+from qsync_jax.train.replan.group_speed import GroupSpeed, balance, predicted_ms
+from qsync_jax.train.replan.lift import Lift, lifted_policy
+from qsync_jax.train.replan.measure import Measure, Measurements, compile_seconds, measure_groups, probe_sizes
+from qsync_jax.train.replan.window import StepWindows, any_process
 
 MODES = ("off", "once", "auto")
-
-
-@dataclasses.dataclass
-class Lift:
-  """A group's ``lifted`` policy (``lifted_policy`` of its ``running`` one) and its
-  ``measured`` ``{batch: ms}`` (added to as the decision measures more batches)."""
-
-  running: PrecisionPolicy
-  lifted: PrecisionPolicy
-  measured: dict[int, float]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Undone:
-  """An undone re-plan (at ``step``) to ``split`` with the ``lifted`` policies (``{group: policy
-  JSON text}``), and the groups' ``speeds`` from its measurements: what blocks it."""
-
-  step: int
-  split: dict[str, int]
-  lifted: dict[str, str]
-  speeds: dict[str, GroupSpeed]
 
 
 @dataclasses.dataclass
 class Replanner:
   """When to re-plan (see the module docstring).
 
-  ``measure(program, state, host_batch[, sizes=...])`` gives ``{group: {batch: ms}}`` (default
-  ``measure_groups``; tests inject their own: one that takes no ``sizes`` is asked for its
-  default sizes only, and the split is not refined). ``report(record)``, if given, is called
-  on every process with every decision record as it is taken, with ``{"step",
-  "measured_after_replan"}`` once a re-planned split's step is timed (``"undone": True`` in it
-  when the re-plan is undone), and with ``{"step", "checked"}`` for a check that changed
-  nothing. ``clock``: seconds, for the cost of measuring (tests inject their own).
+  ``measure``: a ``Measure`` (default ``measure_groups``; tests inject their own, with the same
+  signature). ``report(record)``, if given, is called on every process with every decision record
+  as it is taken, with ``{"step", "measured_after_replan"}`` once a re-planned split's step is
+  timed (``"undone": True`` in it when the re-plan is undone), and with ``{"step", "checked"}``
+  for a check that changed nothing. ``clock``: seconds, for the cost of measuring (tests inject
+  their own).
 
   ``history``: every change of split (and policies), in order — a decision record that
   re-planned (``"replanned": True``, ``"old"`` and ``"new"`` split, ``"lifted"`` policies,
@@ -126,7 +109,7 @@ class Replanner:
   granularity: int = 1
   refine: int = 3
   max_overhead: float = 0.05
-  measure: Callable = measure_groups
+  measure: Measure = measure_groups
   report: Callable | None = None
   clock: Callable[[], float] = time.perf_counter
   history: list = dataclasses.field(default_factory=list)
@@ -138,43 +121,61 @@ class Replanner:
       raise QsyncError(f"replan threshold {self.threshold!r} must be in (0, 1). Fix: e.g. 0.05.")
     if not 0 < self.max_overhead <= 1:
       raise QsyncError(f"replan max_overhead {self.max_overhead!r} must be in (0, 1]. Fix: e.g. 0.05.")
-    try:
-      params = inspect.signature(self.measure).parameters
-    except (TypeError, ValueError):
-      params = {}
-    keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    self._sized = keywords or "sizes" in params
-    self._lifting = self._sized and (keywords or "policies" in params)
     self._last_decision_step = None
+    self._windows = StepWindows(self.window)
     self._reset_windows()
-    self._points: dict[str, dict[int, float]] = {}  # each group's last full measurement
+    self._points: Measurements = {}  # each group's last full measurement
     self._sizes_seen: dict[str, set[int]] = {}
     self._debt_ms = 0.0  # what the last measurement cost, compiling aside (the first: nothing)
     self._awaiting = None  # a re-plan's record, until the step it made is timed
     self._notes: list[dict] = []
     self._last_median = None
-    self._undone: list[_Undone] = []
+    self._undone: tuple[Undone, ...] = ()
 
-  def restore(self, history: list[dict]) -> None:
-    """Takes up the ``history`` of a checkpointed run: its undone splits stay blocked; in
-    ``once``, a run that decided makes no new decision, but a re-plan not yet timed is timed
-    (the first full window after the resumed run's warm-up) and may be undone."""
+  # -- the trainer's side ---------------------------------------------------------------------
+  def observe(self, step: int, start_step: int, step_ms: float | None) -> tuple[bool, list[ReplanEvent]]:
+    """``(whether to measure after step, the events of re-planned splits measured since the last
+    call)``: ``wants_measurement`` and ``take_notes``; every process must call it at every step."""
+    wants = self.wants_measurement(step, start_step, step_ms)
+    return wants, [measured_event(note) for note in self.take_notes()]
+
+  def replan_event(self, step: int, program, state, host_batch) -> ReplanEvent | None:
+    """Measures and decides after ``step`` (``replan``): the decision's event, None when a check
+    found nothing to decide."""
+    _, record = self.replan(step, program, state, host_batch)
+    return None if record is None else decision_event(record)
+
+  @property
+  def decided_step(self) -> int | None:
+    """The step of the last decision, undo or check (None: none yet); a checkpoint keeps it."""
+    return self._last_decision_step
+
+  def restore(self, history: list[dict], decided_step: int | None = None) -> None:
+    """Takes up the ``history`` and ``decided_step`` of a checkpointed run: its undone splits stay
+    blocked; a run that decided (even to keep its split) makes no first decision again — ``once``
+    no decision at all, ``auto`` only the ones its step times call for —, but in ``once`` a re-plan
+    not yet timed is timed (the first full window after the resumed run's warm-up) and may be
+    undone."""
     self.history[:] = history
     by_step = {r["step"]: r for r in history if r.get("replanned")}
-    self._undone = [_undone_entry(by_step[r["undone"]]) for r in history if "undone" in r]
+    self._undone = tuple(Undone.of_record(by_step[r["undone"]]) for r in history if "undone" in r)
+    if decided_step is None and history:
+      decided_step = history[-1]["step"]
+    if decided_step is not None:
+      self._last_decision_step = decided_step
     if self.mode == "once" and history:
-      self._last_decision_step = history[-1]["step"]
       last = history[-1]
       self._awaiting = last if last.get("replanned") and "measured_ms_new" not in last else None
-
-  def _reset_windows(self) -> None:
-    self._reference_ms, self._window, self._windows = None, [], 0
-    self._drifted, self._since_ms = 0, 0.0
 
   def times_steps(self) -> bool:
     """Whether the trainer should time its steps for ``wants_measurement`` now."""
     first = self.mode == "once" and self._last_decision_step is None
     return self.mode == "auto" or first or self._awaiting is not None
+
+  # -- when -----------------------------------------------------------------------------------
+  def _reset_windows(self) -> None:
+    self._reference_ms, self._drifted = None, 0
+    self._windows.reset()
 
   def take_notes(self) -> list[dict]:
     """The measured steps after re-plans found since the last call: ``{"step",
@@ -193,12 +194,9 @@ class Replanner:
       return False
     if step <= start_step + self.warmup_steps:
       return False
-    self._window.append(step_ms)
-    self._since_ms += step_ms
-    if len(self._window) < self.window:
+    median = self._windows.add(step_ms)
+    if median is None:
       return False
-    median, self._window = process_zero_value(statistics.median(self._window)), []
-    self._windows += 1
     self._last_median = median
     if self._last_decision_step is None:
       return True  # the first decision: after one timed window of the running split
@@ -211,8 +209,8 @@ class Replanner:
       return False
     moved = abs(median - self._reference_ms) / self._reference_ms > self.threshold
     self._drifted = self._drifted + 1 if moved else 0
-    affordable = self._since_ms * self.max_overhead >= self._debt_ms
-    want = affordable and (self._drifted >= 2 or self._windows >= self.recheck_windows)
+    affordable = self._windows.since_ms * self.max_overhead >= self._debt_ms
+    want = affordable and (self._drifted >= 2 or self._windows.count >= self.recheck_windows)
     # Each process times its own steps: they decide together (a window ends at the same step
     # everywhere), or one would measure, a collective, while the others train on.
     return any_process(want)
@@ -247,13 +245,14 @@ class Replanner:
           "measured_ms_new": record["measured_ms_new"],
         }
       )
-      self._undone.append(_undone_entry(record))
+      self._undone = (*self._undone, Undone.of_record(record))
       self._last_decision_step = step
       self._reset_windows()  # the first window after the switch back is the reference
     self._notes.append({"step": step, **note})
     if self.report is not None:
       self.report({"step": step, "measured_after_replan": note})
 
+  # -- measuring ------------------------------------------------------------------------------
   def replan(self, step: int, program, state, host_batch):
     """Measures and decides after ``step``: ``(new per-device batches or None, record or
     None)``. After a first decision, a check at the running batches comes first: when no
@@ -263,7 +262,7 @@ class Replanner:
     first = not self._points
     cluster = program.cluster
     running = {g.name: g.batch_per_device for g in cluster.groups}
-    fresh: dict[str, dict[int, float]] = {g: {} for g in running}
+    fresh: Measurements = {g: {} for g in running}
     if not first:
       checked = self._check(program, state, host_batch, running)
       if checked is None:
@@ -276,10 +275,24 @@ class Replanner:
       for g in running:
         fresh[g].update(checked.get(g, {}))
     sizes = {g: tuple(b for b in self._first_sizes(g, running[g]) if b not in fresh[g]) for g in running}
-    self._merge(fresh, self._measure(program, state, host_batch, sizes))
+    _merge(fresh, self._measure(program, state, host_batch, sizes))
     lifts = self._lifts(program, state, host_batch, fresh)
+    self._refine(program, state, host_batch, fresh, lifts)
+    batches, record = self.decide(step, cluster, fresh, report=False, lifted=lifts)
+    cost_s = self.clock() - t0
+    record["measure_s"] = round(cost_s, 3)
+    self._debt_ms = 0.0 if first else 1e3 * (cost_s - (compile_seconds() - compiling))
+    if self.report is not None:
+      self.report(record)
+    return batches, record
+
+  def _refine(self, program, state, host_batch, fresh: Measurements, lifts: Mapping[str, Lift]) -> None:
+    """Measures each group at the batch the balance gives it, up to ``refine`` rounds, while a
+    re-plan is in sight and a balanced batch was not measured (into ``fresh`` or the lift's)."""
+    cluster = program.cluster
+    running = {g.name: g.batch_per_device for g in cluster.groups}
     counts = {g.name: g.count for g in cluster.groups}
-    for _ in range(self.refine if self._sized else 0):
+    for _ in range(self.refine):
       if not all(fresh.values()):
         break
       speeds = {g: GroupSpeed.fit(lifts[g].measured if g in lifts else fresh[g]) for g in running}
@@ -295,13 +308,6 @@ class Replanner:
       policies = {g: lifts[g].lifted for g in missing if g in lifts}
       for g, points in self._measure(program, state, host_batch, missing, policies).items():
         (lifts[g].measured if g in lifts else fresh[g]).update(points)
-    batches, record = self.decide(step, cluster, fresh, report=False, lifted=lifts)
-    cost_s = self.clock() - t0
-    record["measure_s"] = round(cost_s, 3)
-    self._debt_ms = 0.0 if first else 1e3 * (cost_s - (compile_seconds() - compiling))
-    if self.report is not None:
-      self.report(record)
-    return batches, record
 
   def _check(self, program, state, host_batch, running):
     """Each group's time at its running batch, or None when none moved by ``threshold`` from
@@ -331,23 +337,15 @@ class Replanner:
         checked[g][running[g]] = (checked[g][running[g]] + again[g][running[g]]) / 2
     return checked
 
-  def _measure(self, program, state, host_batch, sizes, policies=None):
-    """``measure`` at ``sizes`` (a measure that takes no sizes: at its own), of ``policies``
-    where given (else the groups' running policies)."""
-    if not self._sized:
-      return self.measure(program, state, host_batch)
+  def _measure(self, program, state, host_batch, sizes, policies=None) -> Measurements:
+    """``measure`` at ``sizes``, of ``policies`` where given (else the groups' running policies)."""
     if not any(sizes.values()):  # the same on every process: none of them measures
       return {}
-    if policies:
-      return self.measure(program, state, host_batch, sizes=sizes, policies=policies)
-    return self.measure(program, state, host_batch, sizes=sizes)
+    return self.measure(program, state, host_batch, sizes, dict(policies or {}))
 
   def _lifts(self, program, state, host_batch, measured) -> dict[str, Lift]:
     """The groups whose ``lifted_policy`` is measured at least ``threshold`` faster than their
-    running policy at every batch ``measured`` holds of them (measured at those batches; a
-    ``measure`` that takes no ``policies``: none)."""
-    if not self._lifting:
-      return {}
+    running policy at every batch ``measured`` holds of them (measured at those batches)."""
     running = {g: program.plan.policy_for(g) for g in measured}
     lifted = {g: lifted_policy(p) for g, p in running.items()}
     lifted = {g: p for g, p in lifted.items() if p is not None and measured[g]}
@@ -360,11 +358,6 @@ class Replanner:
         out[g] = Lift(running[g], policy, dict(ms))
     return out
 
-  def _merge(self, into, measured):
-    for g, points in measured.items():
-      if g in into:
-        into[g].update(points)
-
   def _first_sizes(self, group: str, batch: int) -> tuple[int, ...]:
     """A full measurement's first sizes: the running batch and, after a first decision, the
     size measured before that lies farthest from it (its probe is compiled); else
@@ -374,6 +367,7 @@ class Replanner:
       return (batch, max(seen, key=lambda b: (abs(b - batch), b)))
     return probe_sizes(batch)
 
+  # -- deciding -------------------------------------------------------------------------------
   def decide(
     self,
     step: int,
@@ -382,144 +376,44 @@ class Replanner:
     report: bool = True,
     lifted: Mapping[str, Lift] | None = None,
   ):
-    """``(new per-device batches or None, record)`` from the measurements of the running
-    policies (and of the ``lifted`` groups' lifted policies, which the new split's prediction
-    uses): the balanced split, with the lifted policies, when it is predicted ``threshold``
-    faster than the running split with the running policies."""
+    """``(new per-device batches or None, record)``: ``decide.decide`` on the measurements of the
+    running policies (and of the ``lifted`` groups' lifted policies), with this replanner's
+    undone re-plans; the record joins ``history`` when it re-plans."""
     lifted = dict(lifted or {})
-    running = {g.name: g.batch_per_device for g in cluster.groups}
-    speeds = {g: GroupSpeed.fit(measured[g]) for g in running}
-    new_speeds = {**speeds, **{g: GroupSpeed.fit(lift.measured) for g, lift in lifted.items()}}
-    counts = {g.name: g.count for g in cluster.groups}
-    balanced = balance(counts, new_speeds, cluster.global_batch, self.granularity)
-    before, after = predicted_ms(speeds, running), predicted_ms(new_speeds, balanced)
-    self._points = {g: dict(measured[g]) for g in running}
-    for g in running:
+    decision = decide(
+      measured,
+      Running.of(cluster),
+      self._undone,
+      lifted=lifted,
+      threshold=self.threshold,
+      granularity=self.granularity,
+    )
+    self._undone = decision.undone
+    self._points = {g.name: dict(measured[g.name]) for g in cluster.groups}
+    for g in self._points:
       self._sizes_seen.setdefault(g, set()).update(measured[g])
     last_median = self._last_median
     self._last_decision_step = step
     self._reset_windows()
     self._last_median = None
-    record = {
-      "step": step,
-      "ms_per_example": {g: round(s.slope_ms, 4) for g, s in speeds.items()},  # the running policies
-      "measured_ms": {g: _rounded(measured[g]) for g in running},
-      "old": running,
-      "new": balanced,
-      "predicted_ms_old": round(before, 3),
-      "predicted_ms_new": round(after, 3),
-    }
-    if lifted:
-      record["lifted"] = {
-        g: {
-          "old": lift.running.to_json(),
-          "new": lift.lifted.to_json(),
-          "measured_ms": _rounded(lift.measured),
-        }
-        for g, lift in sorted(lifted.items())
-      }
+    record = {"step": step, **decision.record}
     if last_median is not None:
       record["measured_ms_old"] = round(last_median, 3)
-    blocked = self._undone_replan_of(balanced, _lift_key(record), new_speeds)
-    if blocked is not None:
-      record["undone_replan"] = blocked
-    if (balanced == running and not lifted) or after > before * (1 - self.threshold) or blocked is not None:
-      record = {**record, "replanned": False}
-      batches = None
-    else:
-      record = {**record, "replanned": True}
+    if decision.blocked_by is not None:
+      record["undone_replan"] = decision.blocked_by
+    record["replanned"] = decision.batches is not None
+    if decision.batches is not None:
       self.history.append(record)
       self._awaiting = record
-      batches = balanced
       for g, lift in lifted.items():  # the checks' reference: the lifted policy runs now
         self._points[g] = dict(lift.measured)
         self._sizes_seen[g].update(lift.measured)
     if report and self.report is not None:
       self.report(record)
-    return batches, record
-
-  def _undone_replan_of(
-    self, split: Mapping[str, int], lifted: Mapping[str, str], speeds: Mapping[str, GroupSpeed]
-  ) -> int | None:
-    """The step of an undone re-plan to ``split`` with the ``lifted`` policies while no group's
-    time at its batch of ``split`` moved by more than ``threshold`` between that re-plan's
-    measurements and ``speeds``; None otherwise (a block whose speeds moved is lifted)."""
-    for i, undone in enumerate(self._undone):
-      if undone.split != dict(split) or undone.lifted != dict(lifted):
-        continue
-      then = undone.speeds
-      moved = any(
-        abs(speeds[g].ms(b) - then[g].ms(b)) > self.threshold * then[g].ms(b) for g, b in split.items()
-      )
-      if moved:
-        del self._undone[i]
-        return None
-      return undone.step
-    return None
+    return decision.batches, record
 
 
-def _rounded(points: Mapping[int, float]) -> dict[str, float]:
-  """``{batch: ms}`` as a record holds it: ``{"<batch>": ms to 1 µs}``, by batch."""
-  return {str(b): round(float(ms), 3) for b, ms in sorted(points.items())}
-
-
-def _lift_key(record: Mapping) -> dict[str, str]:
-  """``{group: lifted policy as JSON text}`` of a decision record."""
-  return {g: json.dumps(lift["new"], sort_keys=True) for g, lift in record.get("lifted", {}).items()}
-
-
-def _undone_entry(record: Mapping) -> _Undone:
-  """What blocks an undone re-plan: its step, split, lifted policies and the groups' speeds from
-  its measurements (of the lifted policies, for lifted groups)."""
-  points = {
-    **record["measured_ms"],
-    **{g: lift["measured_ms"] for g, lift in record.get("lifted", {}).items()},
-  }
-  speeds = {g: GroupSpeed.fit({int(b): ms for b, ms in p.items()}) for g, p in points.items()}
-  return _Undone(record["step"], dict(record["new"]), _lift_key(record), speeds)
-
-
-def process_zero_value(x: float) -> float:
-  """``x`` as process 0 has it, on every process (every process must call it)."""
-  if jax.process_count() == 1:
-    return x
-  from jax.experimental import multihost_utils
-
-  return float(multihost_utils.broadcast_one_to_all(np.asarray([x], np.float32))[0])
-
-
-def describe(record: Mapping) -> str:
-  """One log line for a decision ``record`` of ``Replanner.decide``."""
-  speeds = ", ".join(f"{g} {ms:.3g}" for g, ms in record["ms_per_example"].items())
-  split = "/".join(str(b) for b in record["old"].values())
-  new = "/".join(str(b) for b in record["new"].values())
-  verdict = "re-planned" if record["replanned"] else "kept the plan"
-  if record.get("lifted"):
-    groups = ", ".join(record["lifted"])
-    lift = "lifted to 16 bits" if record["replanned"] else "faster at 16 bits, not lifted"
-    verdict += f" ({groups}: 8-bit legs {lift})"
-  if "undone_replan" in record:
-    undone = record["undone_replan"]
-    verdict += f" (its split is that of the re-plan at step {undone}, undone; no group's speed moved since)"
-  measured = f", measured {record['measured_ms_old']:.3g} ms" if "measured_ms_old" in record else ""
-  return (
-    f"step {record['step']}: measured ms per example {speeds}; split {split} -> {new} "
-    f"(predicted {record['predicted_ms_old']:.3g}{measured} -> {record['predicted_ms_new']:.3g} ms): {verdict}"
-  )
-
-
-def describe_measured(note: Mapping) -> str:
-  """One log line for a note of ``Replanner.take_notes``: the step a re-plan made, measured."""
-  before = f", {note['measured_ms_old']:.3g} ms before" if "measured_ms_old" in note else ""
-  return (
-    f"step {note['step']}: the split of the re-plan at step {note['decision_step']} measured "
-    f"{note['measured_ms']:.3g} ms per step (predicted {note['predicted_ms']:.3g} ms compute{before}): kept"
-  )
-
-
-def describe_undone(note: Mapping) -> str:
-  """One log line for an undone note of ``Replanner.take_notes``."""
-  return (
-    f"step {note['step']}: the split of the re-plan at step {note['decision_step']} measured "
-    f"{note['measured_ms']:.3g} ms, slower than {note['measured_ms_old']:.3g} ms before: undone"
-  )
+def _merge(into: Measurements, measured: Measurements) -> None:
+  for g, points in measured.items():
+    if g in into:
+      into[g].update(points)

@@ -1,12 +1,14 @@
-"""Measuring each device group's compute while the trainer runs (``measure_groups``).
+"""Measuring each device group's compute while the trainer runs (``measure_groups``, a ``Measure``).
 
 One device's training step of a group without its collectives — forward, backward and optimizer
 update at the group's policy — on one of the group's own devices, outside the training step:
 nothing is added to the step itself. A size is timed as the training loop runs it, back to back
 (``PROBE_ROUNDS`` rounds of ``PROBE_RUNS`` runs after one run that warms up or compiles, the
 median round), so a device shared with another process is measured in the regime it trains in.
-The compiled probes are kept: measuring a size again never recompiles. ``lifted_policy`` is a
-policy with its 8-bit legs at 16 bits, the alternative a group is also measured at.
+The compiled probes are kept: measuring a size again never recompiles.
+
+``Measure`` is the one signature a measurement has (``measure_groups``'s; a test double takes the
+same arguments).
 """
 
 from __future__ import annotations
@@ -15,54 +17,44 @@ import json
 import statistics
 import time
 from collections.abc import Mapping
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
 from qsync_jax.cluster import ClusterSpec
-from qsync_jax.policy import PrecisionPolicy, Rule
-from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
+from qsync_jax.policy import PrecisionPolicy
 
 PROBE_ROUNDS = 3  # timed rounds per size (the median round counts)
 PROBE_RUNS = 2  # back-to-back runs per round
 PROBE_COST_RUNS = 1 + PROBE_ROUNDS * PROBE_RUNS  # runs of one size in a measurement (warm-up included)
 
 
+Measurements = dict[str, dict[int, float]]
+"""``{group: {per-device batch: ms}}``."""
+
+
+class Measure(Protocol):
+  """Times each group of ``program`` (a ``TrainStep``: its ``cluster``, ``plan``, ``branches``,
+  ``mesh``, ``task`` and ``optimizer``) at the per-device batches ``sizes[group]`` (a group with
+  none, or not in ``sizes``, is not measured), at ``policies[group]`` where given (else the
+  group's running policy), from ``state`` and the rows of ``host_batch``; every process of a job
+  calls it and gets every group's times."""
+
+  def __call__(
+    self,
+    program: Any,
+    state: Any,
+    host_batch: Any,
+    sizes: Mapping[str, tuple[int, ...]],
+    policies: Mapping[str, PrecisionPolicy],
+  ) -> Measurements: ...
+
+
 def probe_sizes(batch_per_device: int) -> tuple[int, int]:
   """The two per-device batches a group is first timed at: half its batch and its batch (1
   and 2 for a batch of 1)."""
   return (max(1, batch_per_device // 2), batch_per_device) if batch_per_device > 1 else (1, 2)
-
-
-SIXTEEN_BIT = ("fp16", "bf16")
-
-
-def lifted_policy(policy: PrecisionPolicy) -> PrecisionPolicy | None:
-  """``policy`` with every 8-bit leg (int8, fp8) of every rule and of the default at the 16-bit
-  precision the policy's other ops use, the rest as it is; None when nothing is lifted: no
-  8-bit leg, or no single such 16-bit precision. That precision is the one (fp16 or bf16) of
-  the op policies without an 8-bit leg; where they have none, the one of the 8-bit op
-  policies' other legs (``int8_fwd``: fp16). A lift only raises precisions (8 to 16 bits), and
-  the plan's fp16 loss scaling stays as it was (the precision is already the policy's)."""
-  ops = [r.policy for r in policy.rules] + ([policy.default] if policy.default is not None else [])
-  eight = [op for op in ops if any(p in QUANTIZED_PRECISIONS for p in op.precisions)]
-  if not eight:
-    return None
-  others = {p for op in ops if op not in eight for p in op.precisions if p in SIXTEEN_BIT}
-  others = others or {p for op in eight for p in op.precisions if p in SIXTEEN_BIT}
-  if len(others) != 1:
-    return None
-  (target,) = others
-
-  def lift(op: OpPolicy | None) -> OpPolicy | None:
-    if op is None:
-      return None
-    return op.replace(
-      **{leg: target for leg, p in zip(("fwd", "dlhs", "drhs"), op.precisions) if p in QUANTIZED_PRECISIONS}
-    )
-
-  rules = tuple(Rule(r.path, lift(r.policy), r.kind) for r in policy.rules)
-  return PrecisionPolicy(rules=rules, default=lift(policy.default))
 
 
 # Compiled probes, kept between measurements (and re-plans): {key: (task, optimizer, jitted step)}.
@@ -107,9 +99,10 @@ def measure_groups(
   state,
   host_batch,
   sizes: Mapping[str, tuple[int, ...]] | None = None,
-  cache: dict | None = None,
   policies: Mapping[str, PrecisionPolicy] | None = None,
-) -> dict[str, dict[int, float]]:
+  *,
+  cache: dict | None = None,
+) -> Measurements:
   """``{group: {per-device batch: ms}}``: one device's training step of each group without its
   collectives — the forward and backward of the group's policy (``policies[group]`` where
   given) and the optimizer update — on one of the group's devices (of this process), at
@@ -159,15 +152,6 @@ def _cache_size(fn) -> int | None:
   """How many compiled versions the jitted ``fn`` holds (None where JAX does not say)."""
   size = getattr(fn, "_cache_size", None)
   return size() if callable(size) else None
-
-
-def any_process(flag: bool) -> bool:
-  """Whether ``flag`` is true on any process of the job (every process must call it)."""
-  if jax.process_count() == 1:
-    return flag
-  from jax.experimental import multihost_utils
-
-  return bool(np.any(multihost_utils.process_allgather(np.asarray([flag]))))
 
 
 def _local_copy(x):
