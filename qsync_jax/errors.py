@@ -37,5 +37,12 @@ class OutputPathError(QsyncError):
   """An output path cannot be written (a file where a directory is needed, a missing parent…)."""
 
 
+class QsyncWarning(UserWarning):
+  """Input that is used, but not as the user may think (a rule that matches no op, precisions an
+  indicator never scored, lines of a log that cannot be read). The CLI prints each as one line
+  ``qsync COMMAND: warning: ...``; in Python, ``warnings.simplefilter("error", QsyncWarning)``
+  turns them into errors."""
+
+
 class Interrupted(Exception):
   """The user interrupted a command (Ctrl-C); the message says where it stopped and how to resume."""
