@@ -9,6 +9,7 @@ Three kinds of output:
 * ``run`` — the run directory of ``qsync train``: new or empty for a new run; one holding
   checkpoints to continue with ``resume``.
 
+``drop_metrics_after`` trims a run's ``metrics.jsonl`` to the steps a resumed run keeps.
 ``TensorBoardWriter`` writes a run's metrics as TensorBoard events (optional: needs
 ``tensorboardX``, ``pip install "qsync-jax[tensorboard]"``).
 """
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping
 
-from qsync_jax.errors import OutputPathError
+from qsync_jax.errors import OutputPathError, QsyncWarning
+from qsync_jax.jsonio import JsonLine, read_json_lines, undecodable_warning, write_atomic
 
 KINDS = ("file", "dir", "run")
 
@@ -133,6 +136,32 @@ def check_outputs(args, outputs: dict[str, str]) -> None:
       check_run_dir(flag, path, bool(getattr(args, "resume", False)))
     else:
       raise ValueError(f"output kind {kind!r} is not one of {KINDS}")
+
+
+def drop_metrics_after(path: str, step: int) -> None:
+  """Removes the lines of metrics file ``path`` logged after ``step`` (the steps a resumed run
+  will log again) and a line a kill cut short, atomically; keeps the other lines it cannot parse
+  byte for byte (one that is not UTF-8 is named in a ``QsyncWarning``)."""
+  if not os.path.exists(path):
+    return
+  lines, undecodable = read_json_lines(path)
+  if undecodable:
+    warnings.warn(undecodable_warning(path, undecodable, "kept as they are"), QsyncWarning, stacklevel=2)
+
+  def keep(line: JsonLine) -> bool:
+    try:
+      return line.complete and int(line.value["step"]) <= step
+    except (ValueError, KeyError, TypeError):
+      return True
+
+  kept = [line.raw for line in lines if keep(line)]
+  if len(kept) != len(lines):
+
+    def write(tmp: str) -> None:
+      with open(tmp, "wb") as f:
+        f.writelines(kept)
+
+    write_atomic(path, write, "metrics file", OutputPathError)
 
 
 def _scalars(record: Mapping, prefix: str = ""):

@@ -56,7 +56,7 @@ from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, signature
 from qsync_jax.train.distributed import Watchdog
-from qsync_jax.train.outputs import TensorBoardWriter, check_run_dir
+from qsync_jax.train.outputs import TensorBoardWriter, check_run_dir, drop_metrics_after
 from qsync_jax.train.replan import Replanner, describe, describe_measured, describe_undone
 from qsync_jax.train.strategy_step import make_strategy_step
 from qsync_jax.train.task import Task
@@ -256,7 +256,7 @@ class Trainer:
     state = self.program.from_full_state(state)
     self.state, self.data_position, self._batches = state, int(meta["data_position"]), None
     if self.out_dir and self.is_primary:
-      _drop_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.step)
+      drop_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.step)
     return True
 
   # -- training -----------------------------------------------------------------------------
@@ -469,27 +469,6 @@ def check_plan_matches_model(task: Task, plan: Plan, variables, batch) -> None:
       policy.check_rules_match(ops, f"plan: group {group!r}")
     except PolicyError as e:
       raise PlanError(str(e)) from None
-
-
-def _drop_metrics_after(path: str, step: int) -> None:
-  """Removes the lines of metrics file ``path`` logged after ``step`` (the steps a resumed run
-  will log again) and a line a kill cut short, atomically; keeps other lines it cannot parse."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    lines = f.readlines()
-
-  def keep(line: str) -> bool:
-    try:
-      return int(json.loads(line)["step"]) <= step
-    except (ValueError, KeyError, TypeError):
-      return True
-
-  kept = [line for line in lines if line.endswith("\n") and keep(line)]
-  if len(kept) != len(lines):
-    with open(f"{path}.tmp", "w") as f:
-      f.writelines(kept)
-    os.replace(f"{path}.tmp", path)
 
 
 def _step_key(cluster: ClusterSpec, plan: Plan) -> tuple:
