@@ -551,6 +551,10 @@ def run(args: argparse.Namespace) -> int:
   unknown = [c for c in configs if c not in CONFIGS]
   if unknown:
     raise QsyncError(f"--configs: unknown configuration(s) {unknown}. Fix: choose from {list(CONFIGS)}.")
+  if not (math.isfinite(args.lr) and args.lr > 0):
+    raise QsyncError(
+      f"--lr {args.lr} is not a learning rate: it must be a finite number above 0. Fix: pass e.g. --lr 3e-3."
+    )
   devices = simulated_devices(NUM_DEVICES)
   import optax
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,6 +140,7 @@ class Profile:
         f'{source} is not a qsync profile (no "format": "{FORMAT}"). '
         "Fix: pass a file written by `qsync profile`."
       )
+    _check_times(obj, source)
     fixed = obj.get("fixed_share", 0.0)
     if not isinstance(fixed, (int, float)) or not 0.0 <= fixed <= 1.0:
       raise PlanError(
@@ -166,6 +168,36 @@ class Profile:
   @classmethod
   def load(cls, path: str) -> Profile:
     return cls.from_json(parse_json(read_text(path, "profile", PlanError), path, PlanError), source=path)
+
+
+def _check_times(obj: Mapping[str, Any], source: str) -> None:
+  """``PlanError`` naming ``source`` and the first op whose measured numbers (``op_ms``: each
+  leg's and whole policy's times, its bytes; ``quantized_in_step_ms``) are not finite numbers of
+  at least 0, or an ``optimizer_ms`` that is not: a time below 0 makes every prediction that
+  sums it wrong. (The fitted remainder and cast models may be below 0: they are corrections.)"""
+
+  def bad(table, path):
+    if isinstance(table, Mapping):
+      for key, value in table.items():
+        found = bad(value, (*path, str(key)))
+        if found:
+          return found
+      return None
+    number = isinstance(table, (int, float)) and not isinstance(table, bool)
+    return None if number and math.isfinite(table) and table >= 0 else (path, table)
+
+  fix = "Fix: re-run `qsync profile` for this model and device (a file edited by hand or by a tool broke it)."
+  for field in ("op_ms", "quantized_in_step_ms"):
+    table = obj.get(field, {})
+    found = bad(table, ()) if isinstance(table, Mapping) else None
+    if found:
+      (op, *where), value = found
+      raise PlanError(
+        f"{source}: op {op!r} has {field} {'/'.join(where)} = {value!r}, not a finite number of at least 0. {fix}"
+      )
+  optimizer = obj.get("optimizer_ms", 0.0)
+  if bad(optimizer, ()):
+    raise PlanError(f"{source}: optimizer_ms = {optimizer!r} is not a finite time of at least 0. {fix}")
 
 
 @dataclasses.dataclass(frozen=True)

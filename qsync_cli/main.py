@@ -14,7 +14,8 @@ in ``OUTPUT_PATHS``, an installed command in its module's ``OUTPUTS`` (``{option
 "run"}``).
 
 Bad input raises ``QsyncError`` subclasses, which the CLI prints as one clear line (no
-traceback) and exits with status 2. Ctrl-C ends a command with one line (``Interrupted``'s
+traceback) and exits with status 2; input used, but perhaps not as meant, a ``QsyncWarning``,
+which it prints as one line ``qsync COMMAND: warning: ...`` and goes on. Ctrl-C ends a command with one line (``Interrupted``'s
 message: where it stopped and how to resume) and status 130. SIGTERM — what Slurm, Kubernetes
 and preemptible VMs send before they kill a job — takes the same path (``train`` checkpoints,
 ``profile`` keeps its ``.partial`` file) and ends with status 143 (128 + SIGTERM); so does SIGHUP
@@ -30,11 +31,12 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from importlib.metadata import entry_points
 
 import qsync_jax
 from qsync_cli.common import check_write_targets
-from qsync_jax.errors import Interrupted, QsyncError
+from qsync_jax.errors import Interrupted, QsyncError, QsyncWarning
 from qsync_jax.train.outputs import check_outputs
 
 # name -> module that defines ``HELP``, ``add_arguments(parser)`` and ``run(args)``.
@@ -118,6 +120,29 @@ class TerminateAsInterrupt:
       self._armed = False
 
 
+class WarningLines(warnings.catch_warnings):
+  """Within ``with``: each distinct ``QsyncWarning`` is printed as one line ``qsync COMMAND:
+  warning: MESSAGE`` on stderr, whatever the warnings filters say (other warnings as before)."""
+
+  def __init__(self, command: str):
+    super().__init__()
+    self.command = command
+
+  def __enter__(self):
+    super().__enter__()
+    warnings.simplefilter("default", QsyncWarning)
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+      if issubclass(category, QsyncWarning):
+        print(f"qsync {self.command}: warning: {message}", file=sys.stderr, flush=True)
+      else:
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    return self
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="qsync",
@@ -150,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   terminate = TerminateAsInterrupt()
   try:
-    with terminate:
+    with terminate, WarningLines(args.command):
       check_outputs(args, args._outputs)
       check_write_targets(args, {**args._outputs, **LATE_WRITE_TARGETS.get(args.command, {})})
       return int(args._run(args) or 0)

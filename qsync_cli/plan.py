@@ -8,10 +8,10 @@ in a ``qsync train`` run (``planners.calibrate``), written next to ``--out`` as
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import time
+import warnings
 from collections import Counter
 
 from planners.allocator import INT8_OPS
@@ -27,7 +27,8 @@ from qsync_cli.common import (
   progress,
 )
 from qsync_jax.devices import DEVICES
-from qsync_jax.errors import PlanError, QsyncError, UnsupportedPrecisionError
+from qsync_jax.errors import PlanError, QsyncError, QsyncWarning, UnsupportedPrecisionError
+from qsync_jax.jsonio import read_json_lines, undecodable_warning
 from qsync_jax.precision import PRESETS
 
 # The default --train-precision of a training group's device type: the first of these it runs
@@ -73,8 +74,9 @@ def add_arguments(parser) -> None:
   parser.add_argument(
     "--int8-op",
     choices=INT8_OPS,
-    default="int8_fwd",
-    help="what an op planned at int8 runs: int8_fwd (QSync's op: int8 forward, fp16 backward) or int8 on all legs",
+    default=None,
+    help="what an op planned at int8 runs: int8_fwd (QSync's op: int8 forward, fp16 backward; the default) or "
+    "int8 on all legs",
   )
   parser.add_argument("--slack", type=float, default=0.02, help="throughput given up for accuracy (fraction)")
   parser.add_argument("--granularity", type=int, default=1, help="per-device batches are multiples of this")
@@ -166,6 +168,28 @@ def check_indicator_model(indicator, path: str, task_name: str, model: str) -> N
     )
 
 
+def check_indicator_scores_8bit(indicator, args, cluster, training: tuple[str, ...]) -> None:
+  """Raises ``PlanError`` when the plan asks for 8-bit ops — ``--int8-op`` given (of the inference
+  groups), ``--train-precision auto`` (of the training groups) — and the ``--indicator`` scores
+  no op at an 8-bit precision those groups' devices run: the planner could not plan one. Else
+  warns (``planners.indicator.coverage.warn_unscored``) of inference groups left without 8 bits."""
+  from planners.allocator import omega_table
+  from planners.indicator.coverage import unscored_eight_bit, unscored_line, warn_unscored
+
+  omega = omega_table(indicator)
+  inference = [g for g in cluster.group_names if g not in training]
+  for flag, groups in (
+    (f"--int8-op {args.int8_op}", inference if args.int8_op else []),
+    ("--train-precision auto", list(training) if args.train_precision == "auto" else []),
+  ):
+    unscored = unscored_eight_bit(omega, cluster, groups)
+    if unscored:
+      raise PlanError(
+        f"{flag} asks for 8-bit ops, but --indicator {args.indicator!r}: {unscored_line(unscored, omega)}"
+      )
+  warn_unscored(omega, cluster, inference)
+
+
 GROUP_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 """Group names a ``profile-GROUP.json`` file can carry."""
 
@@ -189,7 +213,8 @@ def read_run(run: str):
   """``(each group's latest measurement, the plan the run ran, its checkpoint's meta)`` of the
   ``qsync train`` directory ``run``: the measurements from its ``metrics.jsonl``
   (``planners.calibrate.latest_measurements``; lines that are not JSON, such as one a kill cut
-  short, are skipped as the trainer skips them), the plan and the groups from its latest
+  short, are skipped as the trainer skips them, and lines that are not UTF-8 with a
+  ``QsyncWarning`` naming them), the plan and the groups from its latest
   checkpoint (re-planning changes only batches, so that plan's policies are the ones measured).
   ``PlanError`` naming what is missing, before any model is built."""
   from planners.calibrate import latest_measurements
@@ -202,9 +227,10 @@ def read_run(run: str):
   metrics = os.path.join(run, "metrics.jsonl")
   if not os.path.isfile(metrics):
     raise PlanError(f"--measured {run!r} has no metrics.jsonl, so no measurements. {fix}")
-  with open(metrics) as f:
-    records = [_json_or_none(line) for line in f]
-  measured = latest_measurements([r for r in records if r is not None], metrics)
+  lines, undecodable = read_json_lines(metrics)
+  if undecodable:
+    warnings.warn(undecodable_warning(metrics, undecodable, "skipped"), QsyncWarning, stacklevel=2)
+  measured = latest_measurements([line.value for line in lines if line.value is not None], metrics)
   if not measured:
     raise PlanError(
       f"--measured {run!r}: {metrics} has no measurement of the groups' speeds (no `replan` line with "
@@ -223,13 +249,6 @@ def read_run(run: str):
   finally:
     store.close()
   return measured, Plan.from_json(meta["plan"]), meta
-
-
-def _json_or_none(line: str):
-  try:
-    return json.loads(line)
-  except json.JSONDecodeError:
-    return None
 
 
 def figures_label(sources, groups) -> str:
@@ -290,6 +309,7 @@ def run(args) -> int:
   check_profiles_fit(profiles, cluster)
   indicator = load_json(args.indicator, "indicator")
   check_values(indicator, args.indicator)
+  check_indicator_scores_8bit(indicator, args, cluster, training)
   task = load_task(args.model)
   check_model(profiles, task.name)
   check_indicator_model(indicator, args.indicator, task.name, args.model)
@@ -308,7 +328,7 @@ def run(args) -> int:
   if auto:
     eight_bit = training_policies(cluster, training, profiles, preset, omega_table(indicator), budget)
   problem = make_problem(
-    cluster, profiles, indicator, training, preset, int8_op=args.int8_op, train_ops=eight_bit
+    cluster, profiles, indicator, training, preset, int8_op=args.int8_op or "int8_fwd", train_ops=eight_bit
   )
   progress(
     f"{len(problem.op_names)} ops, {len(cluster.groups)} groups, global batch {cluster.global_batch}: "

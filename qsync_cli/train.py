@@ -4,7 +4,8 @@
   qsync train --model mypkg.tasks:make_task --cluster c.yaml --steps 50 --out runs/b --resume
 
 ``--sync NAME`` picks a strategy of ``qsync_jax.sync`` (fp32, bf16, fp16, global_qsgd, selsync,
-qsdp), ``--sync-option KEY=VALUE`` (repeatable, JSON values) sets its options, e.g.
+qsdp), ``--sync-option KEY=VALUE`` (repeatable, JSON values, checked against the types the
+strategy declares before anything starts) sets its options, e.g.
 ``--sync selsync --sync-option delta=0.2 --sync-option warmup=10``.
 
 ``--model`` is a registered task name (``qsync_jax.train.task``: the examples' ``vgg``, ``resnet``,
@@ -172,13 +173,18 @@ def _optimizer(name: str, lr: float):
 
 
 def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
-  """(strategy name or None for the default fp32 psum, its options) from --sync / --sync-option."""
+  """(strategy name or None for the default fp32 psum, its options) from --sync / --sync-option,
+  the options checked against the strategy's (names and types)."""
+  from qsync_jax.sync import check_options
+
   options = _overrides(items, "--sync-option", "delta=0.2")
   if name is None and options:
     raise QsyncError("--sync-option needs a --sync strategy. Fix: add e.g. --sync selsync.")
   if name in (None, "psum", "fp32") and not options:
     return None, {}
-  return ("fp32" if name == "psum" else name), options
+  name = "fp32" if name == "psum" else name
+  check_options(name, options)
+  return name, options
 
 
 def check_memory(task, cluster, plan, optimizer) -> None:
@@ -261,6 +267,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
     raise QsyncError(
       f"--step-timeout {args.step_timeout:g} must be a number of seconds (0: no watchdog). Fix: pass e.g. "
       "--step-timeout 600, or leave it out."
+    )
+  if not (math.isfinite(args.lr) and args.lr > 0):
+    raise QsyncError(
+      f"--lr {args.lr} is not a learning rate: it must be a finite number above 0. Fix: pass e.g. --lr 1e-3."
     )
   if args.local_devices is not None and args.local_devices < 1:
     raise QsyncError(

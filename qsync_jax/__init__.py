@@ -11,6 +11,7 @@ from qsync_jax.errors import (
   PlanError,
   PolicyError,
   QsyncError,
+  QsyncWarning,
   UnsupportedPrecisionError,
 )
 from qsync_jax.models.flax_quant import QuantizedModel, quantize
@@ -62,6 +63,7 @@ __all__ = [
   "PolicyError",
   "PrecisionPolicy",
   "QsyncError",
+  "QsyncWarning",
   "QuantizedModel",
   "QuantizedNnxModel",
   "Rule",

@@ -41,5 +41,12 @@ class NonFiniteLossError(QsyncError):
   """Training diverged: a step's loss (or the parameters it left) is not finite."""
 
 
+class QsyncWarning(UserWarning):
+  """Input that is used, but not as the user may think (a rule that matches no op, precisions an
+  indicator never scored, lines of a log that cannot be read). The CLI prints each as one line
+  ``qsync COMMAND: warning: ...``; in Python, ``warnings.simplefilter("error", QsyncWarning)``
+  turns them into errors."""
+
+
 class Interrupted(Exception):
   """The user interrupted a command (Ctrl-C); the message says where it stopped and how to resume."""

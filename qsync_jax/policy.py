@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from qsync_jax.devices import check_op_policy_on_device, supported_precisions
-from qsync_jax.errors import PolicyError
+from qsync_jax.errors import PolicyError, QsyncWarning
 from qsync_jax.jsonio import JsonFile, reject_unknown_keys
 from qsync_jax.precision import OpPolicy
 
@@ -168,16 +169,30 @@ class PrecisionPolicy(JsonFile):
 
   def check_rules_match(self, op_names: Iterable[str], where: str = "the precision policy") -> None:
     """Raises ``PolicyError`` naming the rules that match none of ``op_names`` (``"path:kind"``):
-    rules written for another model, or for modules since renamed."""
-    names = list(op_names)
+    rules written for another model, or for modules since renamed or misspelled (with a
+    ``__default__``, such ops silently get the default)."""
+    message = self._unused_message(list(op_names), where)
+    if message:
+      raise PolicyError(message)
+
+  def warn_unused_rules(self, op_names: Iterable[str], where: str = "quantize(model, policy)") -> None:
+    """``check_rules_match`` as a ``QsyncWarning``: what ``quantize`` says, where one policy may
+    serve several models (``qsync train``, ``plan`` and ``predict`` refuse instead)."""
+    message = self._unused_message(list(op_names), where)
+    if message:
+      warnings.warn(message, QsyncWarning, stacklevel=3)
+
+  def _unused_message(self, names: list[str], where: str) -> str | None:
     unused = self.unused_rules(names)
-    if unused:
-      raise PolicyError(
-        f"{where}: rule path(s) {[r.path for r in unused][:4]} match none of the model's {len(names)} "
-        f"quantizable ops (e.g. {names[:4]}), so the policy was written for another model or its modules "
-        "were renamed. Fix: plan again for this model (`qsync plan`), or correct the rules' paths "
-        "(qmodel.ops(variables, *inputs) lists the ops)."
-      )
+    if not unused:
+      return None
+    default = "; the ops they were meant for run the __default__ instead" if self.default is not None else ""
+    return (
+      f"{where}: rule path(s) {[r.path for r in unused][:4]} match none of the model's {len(names)} "
+      f"quantizable ops (e.g. {names[:4]}), so the policy was written for another model or its modules "
+      f"were renamed or misspelled{default}. Fix: plan again for this model (`qsync plan`), or correct the "
+      "rules' paths (qmodel.ops(variables, *inputs) lists the ops)."
+    )
 
   @property
   def needs_rng(self) -> bool:
@@ -239,7 +254,6 @@ class PrecisionPolicy(JsonFile):
     default_obj = obj.get("__default__")
     default = None if default_obj is None else OpPolicy.from_json(default_obj, "__default__")
     return cls(rules=tuple(rules), default=default)
-
 
 
 def _rule_from_json(i: int, obj: Any) -> Rule:

@@ -52,6 +52,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from planners.indicator.coverage import warn_unscored
 from planners.predictor.graph import DEFAULT_BUCKET_BYTES, op_costs
 from planners.predictor.memory_model import memory_bytes, op_memory, residual_bytes
 from planners.predictor.replay import comm_for, profile_for, sync_step_ms
@@ -192,7 +193,9 @@ def make_problem(
   """Resolves profiles (each group's own, ``Profile.group``, over its device type's:
   ``profile_for``), ladders and Ω for every inference group of ``cluster``; the int8 level
   runs ``int8_op`` (one of ``INT8_OPS``). A training group runs ``train_policy`` on every op but
-  those ``train_ops[group]`` names (op → an 8-bit preset: ``training_group_policy``)."""
+  those ``train_ops[group]`` names (op → an 8-bit preset: ``training_group_policy``). A
+  ``QsyncWarning`` says when the indicator scores no op at an 8-bit precision an inference
+  group's devices run (``planners.indicator.coverage``): no op can be planned at it."""
   train_ops = {name: dict(ops) for name, ops in (train_ops or {}).items()}
   if int8_op not in INT8_OPS:
     raise PlanError(f"int8_op={int8_op!r} is not one of {list(INT8_OPS)}. Fix: pick one of them.")
@@ -230,6 +233,7 @@ def make_problem(
     inference.append(len(groups))
     limits.append(int(g.memory_gb * 1e9))
     groups.append(GroupCost(g.name, prof, {}, g.batch_per_device))
+  warn_unscored(omega, cluster, [g.name for g in cluster.groups if g.name not in training])
   eight_bit = {name: ops for name, ops in train_ops.items() if name in training and ops}
   return Problem(
     cluster,

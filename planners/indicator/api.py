@@ -37,7 +37,7 @@ from planners.indicator.random_ind import random_omega
 from planners.indicator.wvar import wvar_omega
 from planners.ops import grouped_conv
 from qsync_jax.errors import QsyncError
-from qsync_jax.jsonio import write_text_atomic
+from qsync_jax.jsonio import parse_json, read_text, write_text_atomic
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 from qsync_jax.train.task import Task
 
@@ -154,13 +154,8 @@ def save(table: dict, path: str | os.PathLike) -> None:
 
 def load(path: str | os.PathLike) -> dict:
   """A table saved by ``save``; raises ``QsyncError`` naming what is wrong with the file."""
-  try:
-    with open(path) as f:
-      table = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise QsyncError(
-      f"indicator table {str(path)!r} cannot be read ({e}). Fix: run `qsync indicator`."
-    ) from None
+  path = os.fspath(path)
+  table = parse_json(read_text(path, "indicator table", QsyncError), path, QsyncError)
   if not isinstance(table, dict) or table.get("format") != FORMAT or not isinstance(table.get("omega"), dict):
     raise QsyncError(
       f"indicator table {str(path)!r} is not a {FORMAT} table (needs keys format, omega). "
@@ -172,9 +167,10 @@ def load(path: str | os.PathLike) -> dict:
 
 def check_values(table: Mapping[str, Any], source: str) -> None:
   """Raises ``QsyncError`` naming ``source`` unless every Ω of ``table`` (a table of ``save``, or a
-  bare ``{op: {precision: Ω}}``) is a finite number. A NaN or infinite Ω (the probed loss was not
-  finite: a diverged or broken model) would make every plan's accuracy cost NaN and the ranking
-  of precisions meaningless."""
+  bare ``{op: {precision: Ω}}``) is a finite number, and some Ω other than fp32's is at least 0.
+  A NaN or infinite Ω (the probed loss was not finite: a diverged or broken model) would make
+  every plan's accuracy cost NaN and the ranking of precisions meaningless; so would a table whose
+  every Ω is negative (the planners count Ω above 0)."""
   omega = table.get("omega", table) if isinstance(table, Mapping) else None
   bad = []
   for op, row in omega.items() if isinstance(omega, Mapping) else ():
@@ -189,6 +185,21 @@ def check_values(table: Mapping[str, Any], source: str) -> None:
       "them was not finite (a diverged model, or a loss that overflows at its initial parameters). Fix: "
       "run `qsync indicator` again on a model whose fp32 training loss is finite (fewer --train-steps, "
       "another --seed, or a fixed model)."
+    )
+  scores = [
+    value
+    for row in (omega.values() if isinstance(omega, Mapping) else ())
+    if isinstance(row, Mapping)
+    for precision, value in row.items()
+    if precision != "fp32"
+  ]
+  if scores and max(scores) < 0:
+    raise QsyncError(
+      f"indicator table {source!r}: every Ω is below 0 (from {min(scores):.3g} to {max(scores):.3g}), as if "
+      "every precision lowered the loss; a planner counts only Ω above 0, so every plan would cost nothing "
+      "and no op would rank above another. The signed estimator gives such tables on a model still "
+      "training. Fix: score sensitivities with `qsync indicator --estimator moments` (the default), or "
+      "score a trained model (--train-steps N)."
     )
 
 

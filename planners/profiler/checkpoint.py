@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from qsync_jax.errors import CheckpointError
+from qsync_jax.jsonio import write_text_atomic
 
 FORMAT = "qsync-profile-partial/1"
 
@@ -53,10 +54,8 @@ def save_partial(
   if not path:
     return
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump({"format": FORMAT, "settings": settings, "op_ms": op_ms, "unrunnable": unrunnable}, f)
-  os.replace(tmp, path)
+  data = {"format": FORMAT, "settings": settings, "op_ms": op_ms, "unrunnable": unrunnable}
+  write_text_atomic(path, json.dumps(data), "profile checkpoint", CheckpointError)
 
 
 def remove_partial(path: str | None) -> None:

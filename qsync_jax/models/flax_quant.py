@@ -215,14 +215,19 @@ class QuantizedModel:
       out = fn(*args, **kwargs)
     if check:
       self.policy.check_quantizes_some(interceptor.seen, _bridge_hint(interceptor.bridged))
+      if kwargs.get("method") is None:  # the whole model ran: a rule that matched nothing matches nothing
+        self.policy.warn_unused_rules(interceptor.seen)
     return out, interceptor.seen
 
   def init(self, rngs, *args, **kwargs):
-    """``model.init`` under the policy; refuses a policy that would quantize none of its ops."""
+    """``model.init`` under the policy; refuses a policy that would quantize none of its ops, and
+    warns (``QsyncWarning``) of a rule that matches none."""
     return self._run(self.model.init, rngs, *args, **kwargs)[0]
 
   def apply(self, variables, *args, **kwargs):
-    """``model.apply`` under the policy; refuses a policy that would quantize none of its ops."""
+    """``model.apply`` under the policy; refuses a policy that would quantize none of its ops, and
+    warns (``QsyncWarning``) of a rule that matches none (where the whole model runs: no
+    ``method``)."""
     return self._run(self.model.apply, variables, *args, **kwargs)[0]
 
   def ops(self, variables, *args, **kwargs) -> dict[str, OpPolicy | None]:

@@ -367,9 +367,11 @@ class QuantizedNnxModel:
 
 
 def quantize_nnx(model: NnxModel, policy: PrecisionPolicy, tap: Tap | None = None) -> QuantizedNnxModel:
-  """``model`` under ``policy``; refuses a policy that would quantize none of its ops."""
+  """``model`` under ``policy``; refuses a policy that would quantize none of its ops, and warns
+  (``QsyncWarning``) of a rule that matches none of the ops its modules can call."""
   candidates = [op_name(path, k) for path, m in quantizable_modules(model.module()) for k in kinds_of(m)]
   policy.check_quantizes_some(candidates, _bridge_hint(model))
+  policy.warn_unused_rules(candidates)
   return QuantizedNnxModel(model, policy, tap)
 
 

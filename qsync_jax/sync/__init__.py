@@ -21,7 +21,9 @@ A plan whose ``reduction`` is ``"two_level"`` makes the trainer sum the gradient
 ``two_level_allreduce`` (inside each device group, then across groups) in place of the default
 fp32 all-reduce.
 
-``Strategy.options`` lists the options a strategy takes by name (``--sync-option KEY=VALUE``).
+``Strategy.options`` lists the options a strategy takes by name (``--sync-option KEY=VALUE``);
+their types are those its ``Strategy.declared`` function or dataclass annotates, and
+``check_options`` refuses a value of another type (``delta="abc"``) before anything is built.
 
 Every strategy's state is a pytree of arrays (orbax checkpoints it as is).
 ``planners.profiler.hlo`` counts the bytes each one really sends, in the compiled HLO.
@@ -48,6 +50,7 @@ from qsync_jax.sync.allreduce import allreduce
 from qsync_jax.sync.allreduce import check_options as check_allreduce
 from qsync_jax.sync.common import AXIS
 from qsync_jax.sync.global_qsgd import global_qsgd_allreduce
+from qsync_jax.sync.options import check_option_types
 from qsync_jax.sync.qsdp import QSDPTrainer, make_qsdp_step
 from qsync_jax.sync.selsync import SelSyncConfig, SelSyncTrainer, make_selsync_step
 from qsync_jax.sync.two_level import two_level_allreduce
@@ -78,7 +81,9 @@ class Strategy:
   """A registered strategy: ``kind`` is "grad_sync" or "train_step"; ``build`` makes it.
 
   ``build(**options)`` for "grad_sync"; ``build(loss_fn, optimizer, params, mesh, **options)``
-  for "train_step". ``options``: the option names it takes (checked by name before building).
+  for "train_step". ``options``: the option names it takes; ``declared``: the function whose
+  keyword parameters, or the dataclass whose fields, they are (their annotations are the types
+  ``check_options`` checks before building, their defaults the examples its errors give).
   """
 
   name: str
@@ -86,6 +91,7 @@ class Strategy:
   description: str
   build: Callable[..., Any]
   options: tuple[str, ...] = ()
+  declared: Callable[..., Any] | None = None
 
 
 def _grad_sync_from(
@@ -133,6 +139,7 @@ STRATEGIES: dict[str, Strategy] = {
     "fp32 all-reduce (the default; bucket_bytes)",
     _grad_sync_from(_allreduce("fp32"), functools.partial(check_allreduce, "fp32")),
     ("bucket_bytes",),
+    allreduce,
   ),
   "bf16": Strategy(
     "bf16",
@@ -140,6 +147,7 @@ STRATEGIES: dict[str, Strategy] = {
     "bf16 all-reduce (accumulate='payload'|'fp32', bucket_bytes)",
     _grad_sync_from(_allreduce("bf16"), functools.partial(check_allreduce, "bf16")),
     _ACCUMULATE,
+    allreduce,
   ),
   "fp16": Strategy(
     "fp16",
@@ -147,6 +155,7 @@ STRATEGIES: dict[str, Strategy] = {
     "fp16 all-reduce (accumulate='payload'|'fp32', bucket_bytes)",
     _grad_sync_from(_allreduce("fp16"), functools.partial(check_allreduce, "fp16")),
     _ACCUMULATE,
+    allreduce,
   ),
   "global_qsgd": Strategy(
     "global_qsgd",
@@ -154,6 +163,7 @@ STRATEGIES: dict[str, Strategy] = {
     "Global-QSGD: global pmax scale, unbiased integer all-reduce (payload, bucket_size)",
     _grad_sync_from(global_qsgd_allreduce),
     ("payload", "bucket_size", "rounding"),
+    global_qsgd_allreduce,
   ),
   "selsync": Strategy(
     "selsync",
@@ -161,6 +171,7 @@ STRATEGIES: dict[str, Strategy] = {
     "SelSync: sync only when a gradient norm changes (delta, window, warmup, mode)",
     _selsync,
     tuple(f.name for f in dataclasses.fields(SelSyncConfig)),
+    SelSyncConfig,
   ),
   "qsdp": Strategy(
     "qsdp",
@@ -168,6 +179,7 @@ STRATEGIES: dict[str, Strategy] = {
     "QSDP: sharded params, int8 all-gather and reduce-scatter (bucket_size, weight/grad_payload)",
     make_qsdp_step,
     ("bucket_size", "weight_payload", "grad_payload", "full_precision"),
+    make_qsdp_step,
   ),
 }
 
@@ -180,7 +192,9 @@ def get_strategy(name: str) -> Strategy:
 
 
 def check_options(name: str, options) -> None:
-  """``QsyncError`` naming any of ``options`` that strategy ``name`` does not take."""
+  """``QsyncError`` naming any of ``options`` that strategy ``name`` does not take, or whose
+  value is not of the type it declares (``Strategy.declared``): the option, the type and an
+  example."""
   strategy = get_strategy(name)
   unknown = sorted(set(options) - set(strategy.options))
   if unknown:
@@ -188,6 +202,8 @@ def check_options(name: str, options) -> None:
       f"sync strategy {name!r} has no option {', '.join(map(repr, unknown))}; its options are "
       f"{list(strategy.options)}. Fix: drop it or use one of those (--sync-option KEY=VALUE)."
     )
+  if strategy.declared is not None:
+    check_option_types(name, strategy.declared, options)
 
 
 def make_grad_sync(name: str, *, axis_name: str = AXIS, **options) -> GradSync:

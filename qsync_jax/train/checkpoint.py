@@ -222,10 +222,25 @@ class CheckpointStore:
       self._manager = None
 
   def _step(self, step: int | None) -> int:
-    step = self.latest_step() if step is None else step
+    """``step``, or the latest step for None; ``CheckpointError`` when there is no such checkpoint
+    (naming the steps there are)."""
     if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise CheckpointError(
+          f"no checkpoint in {self.directory}. Fix: start without --resume, or point --out at the run's directory."
+        )
+      return step
+    saved = sorted(self.manager.all_steps()) if os.path.isdir(self.directory) else []
+    if step not in saved:
+      there = f"its checkpoints are of steps {saved}" if saved else "it holds no checkpoint"
+      fix = (
+        f"pass one of those steps, or none for the latest ({saved[-1]})"
+        if saved
+        else "pass the directory of a run that checkpointed"
+      )
       raise CheckpointError(
-        f"no checkpoint in {self.directory}. Fix: start without --resume, or point --out at the run's directory."
+        f"there is no checkpoint of step {step} in {self.directory}: {there}. Fix: {fix}."
       )
     return step
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from qsync_jax.errors import OutputPathError, QsyncWarning
+from qsync_jax.jsonio import JsonLine, read_json_lines, undecodable_warning, write_atomic
 
 
 class RunLog:
@@ -51,23 +55,28 @@ class RunLog:
 
 def drop_metrics_after(path: str, step: int) -> None:
   """Removes the lines of metrics file ``path`` logged after ``step`` (the steps a resumed run
-  will log again) and a line a kill cut short, atomically; keeps other lines it cannot parse."""
+  will log again) and a line a kill cut short, atomically; keeps the other lines it cannot parse
+  byte for byte (one that is not UTF-8 is named in a ``QsyncWarning``)."""
   if not os.path.exists(path):
     return
-  with open(path) as f:
-    lines = f.readlines()
+  lines, undecodable = read_json_lines(path)
+  if undecodable:
+    warnings.warn(undecodable_warning(path, undecodable, "kept as they are"), QsyncWarning, stacklevel=2)
 
-  def keep(line: str) -> bool:
+  def keep(line: JsonLine) -> bool:
     try:
-      return int(json.loads(line)["step"]) <= step
+      return line.complete and int(line.value["step"]) <= step
     except (ValueError, KeyError, TypeError):
       return True
 
-  kept = [line for line in lines if line.endswith("\n") and keep(line)]
+  kept = [line.raw for line in lines if keep(line)]
   if len(kept) != len(lines):
-    with open(f"{path}.tmp", "w") as f:
-      f.writelines(kept)
-    os.replace(f"{path}.tmp", path)
+
+    def write(tmp: str) -> None:
+      with open(tmp, "wb") as f:
+        f.writelines(kept)
+
+    write_atomic(path, write, "metrics file", OutputPathError)
 
 
 def _scalars(record: Mapping, prefix: str = ""):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from planners.allocator.greedy import exhaustive, greedy, make_problem
 from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
-from qsync_jax.errors import PlanError
+from qsync_jax.errors import PlanError, QsyncWarning
 from qsync_jax.plan import Plan
 from tests.planners.fakes import fake_indicator, fake_profile
 
@@ -160,3 +160,16 @@ def test_greedy_spends_no_slack_on_moves_that_recover_no_accuracy(train_policy):
     assert levels == {"fp32"}
   else:
     assert levels <= {"fp16", "bf16"} and levels  # every op recovered from int8, none moved to fp32
+
+
+def test_an_indicator_scored_at_16_bits_alone_is_said_to_leave_the_t4_without_8_bits():
+  cluster, profiles, indicator = _setup([(1.0, 1.0, 1.0)] * 2, 3.0, [1.0, 2.0])
+  sixteen = {
+    op: {p: w for p, w in row.items() if p in ("fp32", "fp16")} for op, row in indicator["omega"].items()
+  }
+  with pytest.warns(
+    QsyncWarning, match=r"scores no op at int8 \(it scores fp16\), so no op of group\(s\) \['infer'\]"
+  ):
+    problem = make_problem(cluster, profiles, {"omega": sixteen})
+  assert {p for ladder in problem.ladders[0] for p, _ in ladder} == {"fp16", "fp32"}  # what it searches
+  make_problem(cluster, profiles, indicator)  # int8 scored: nothing to say (a warning fails the test)

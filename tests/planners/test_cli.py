@@ -6,7 +6,7 @@ import pytest
 
 from planners.profile import Profile
 from qsync_cli.main import main
-from qsync_jax.errors import QsyncError
+from qsync_jax.errors import PlanError, QsyncError, QsyncWarning
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners.fakes import fake_indicator, fake_profile
@@ -561,6 +561,17 @@ def test_plan_from_measurements_names_what_is_wrong_with_the_run(measured_run, t
   g1 = str(tmp_path / "ok" / "profile-g1.json")
   assert _plan_measured(d, tmp_path / "x.json", "--profile", g1, cluster="other.json") == 2
   assert "calibrated for group 'g1', which cluster 'cluster' does not have" in capsys.readouterr().err
+
+
+def test_plan_measured_skips_metrics_lines_that_are_not_utf8_with_one_warning(tmp_path):
+  from qsync_cli.plan import read_run
+
+  replan = {"step": 3, "replan": {"measured_ms": {"g0": {"8": 2.0}}}}
+  (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\x00\n" + json.dumps(replan).encode() + b"\n\x80\n")
+  # the measurements are read past the bad lines: what stops it is the missing checkpoint
+  with pytest.warns(QsyncWarning, match=r"metrics.jsonl: line\(s\) 1, 3 are not UTF-8 text.*skipped"):
+    with pytest.raises(PlanError, match="holds no checkpoint, so the plan it ran"):
+      read_run(str(tmp_path))
 
 
 # -- qsync plan --train-precision auto ------------------------------------------------------------

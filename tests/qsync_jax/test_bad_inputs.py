@@ -1,5 +1,6 @@
 """Bad input through the Python API: a named error with the fix, before any work."""
 
+import json
 import types
 
 import flax.linen as nn
@@ -11,12 +12,20 @@ from flax import nnx
 from qsync_jax import quantize
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.devices import device_type_of
-from qsync_jax.errors import ClusterSpecError, OutputPathError, PlanError, PolicyError
+from qsync_jax.errors import (
+  ClusterSpecError,
+  OutputPathError,
+  PlanError,
+  PolicyError,
+  QsyncError,
+  QsyncWarning,
+)
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 from qsync_jax.train.distributed import check_device_types
 from qsync_jax.train.outputs import check_dir, check_file, check_run_dir
+from qsync_jax.train.run_log import drop_metrics_after
 
 READ_ONLY_DIR = "/sys"  # no file can be created there, not even by root
 
@@ -77,6 +86,73 @@ def test_a_rule_matching_no_op_is_named():
   with pytest.raises(PolicyError, match=r"plan: group 'g': rule path\(s\) \['Dense_9'\] match none.*Fix"):
     policy.check_rules_match(["Dense_0:dense", "Dense_1:dense"], "plan: group 'g'")
   policy.check_rules_match(["Dense_9:dense"])  # used: no error
+
+
+class TwoDense(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3)(nn.relu(nn.Dense(4)(x)))
+
+
+class NnxTwoDense(nnx.Module):
+  def __init__(self, rngs):
+    self.first, self.second = nnx.Linear(2, 4, rngs=rngs), nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.second(nnx.relu(self.first(x)))
+
+
+def test_a_misspelled_rule_behind_a_default_is_named_by_quantize_train_plan_and_predict():
+  """With a ``__default__`` every op gets a policy, so nothing else shows that a rule matched no op:
+  ``quantize`` warns (one policy may serve several models), the commands refuse."""
+  from qsync_cli.common import check_profiles_fit
+  from qsync_jax.train.trainer import check_plan_matches_model
+  from tests.planners.fakes import fake_profile
+  from tests.trainer.tiny import make_task
+
+  misspelled = {"rules": [{"path": "Dnse_1", "policy": "fp32"}], "__default__": "bf16"}
+  x = jax.random.normal(jax.random.key(0), (2, 2))
+  needle = r"rule path\(s\) \['Dnse_1'\] match none of the model's 2 .*run the __default__ instead.*Fix"
+  qmodel = quantize(TwoDense(), misspelled)
+  with pytest.warns(QsyncWarning, match="quantize.*" + needle):
+    variables = qmodel.init(jax.random.key(0), x)
+  with pytest.warns(QsyncWarning, match=needle):
+    qmodel.apply(variables, x)
+  with pytest.warns(QsyncWarning, match=needle):
+    quantize(NnxTwoDense(nnx.Rngs(0)), misspelled)
+  plan = Plan.from_json({"policies": {"g": misspelled}})
+  task = make_task()
+  batch = next(task.train_batches(4, 0))
+  with pytest.raises(PlanError, match="plan: group 'g': " + needle):  # qsync train
+    check_plan_matches_model(task, plan, task.model.init(jax.random.key(0), batch["x"]), batch)
+  cluster = ClusterSpec((DeviceGroup("g", "cpu", 1, 16, 8),))
+  with pytest.raises(PlanError, match="plan: group 'g': " + needle):  # qsync plan --measured, qsync predict
+    check_profiles_fit({"cpu": fake_profile([(1.0, 1.0, 1.0)] * 2)}, cluster, plan)
+
+
+def test_a_sync_option_of_the_wrong_type_is_named_with_its_type_and_an_example():
+  from qsync_jax.sync import make_grad_sync, make_step_strategy
+
+  with pytest.raises(
+    QsyncError, match=r"option delta='abc' is of type str, but delta takes a number.*delta=0\.3"
+  ):
+    make_step_strategy("selsync", None, None, None, delta="abc")
+  with pytest.raises(QsyncError, match=r"bucket_size='x' .* takes an integer or null.*bucket_size=1024"):
+    make_grad_sync("global_qsgd", bucket_size="x")
+  with pytest.raises(
+    QsyncError, match=r"full_precision=3 .* a Python function.*--sync-option cannot give one"
+  ):
+    make_step_strategy("qsdp", None, None, None, full_precision=3)
+  make_grad_sync("global_qsgd", bucket_size=None, payload="int8")  # the declared types pass
+
+
+def test_resume_keeps_metrics_lines_that_are_not_utf8_and_says_so(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  lines = [json.dumps({"step": 1}).encode(), b"\xff\xfe\x00garbage", json.dumps({"step": 2}).encode()]
+  path.write_bytes(b"\n".join(lines) + b"\n" + b'{"step": 3')  # and a line a kill cut short
+  with pytest.warns(QsyncWarning, match=r"metrics.jsonl: line\(s\) 2 are not UTF-8 text.*kept as they are"):
+    drop_metrics_after(str(path), 1)
+  assert path.read_bytes() == lines[0] + b"\n" + lines[1] + b"\n"  # step 2 dropped, the bytes kept
 
 
 def test_output_paths(tmp_path):

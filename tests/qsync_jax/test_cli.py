@@ -1,5 +1,6 @@
 """``qsync``'s commands: the pipeline's stages, and those installed packages add (entry points)."""
 
+import os
 from importlib.metadata import EntryPoint, EntryPoints
 
 import pytest
@@ -126,6 +127,33 @@ def test_sigterm_takes_the_ctrl_c_path_and_exits_143(monkeypatch, capsys):
     (["train", "--cluster", "C4", "--steps", "2"], "Fix: pass --local-devices 4"),
     (["train", "--cluster", "C8", "--plan", "PLAN", "--steps", "2"], "names group(s) ['gpu']"),
     (["train", "--sync", "fp64", "--steps", "2"], "--sync 'fp64' is not a sync strategy"),
+    (["train", "--lr", "nan", "--steps", "2"], "--lr nan is not a learning rate"),
+    (["train", "--lr", "inf", "--steps", "2"], "--lr inf is not a learning rate"),
+    (
+      ["train", "--lr", "0", "--steps", "2"],
+      "--lr 0.0 is not a learning rate: it must be a finite number above 0",
+    ),
+    (["train", "--lr=-1e-3", "--steps", "2"], "--lr -0.001 is not a learning rate"),
+    (
+      ["train", "--sync", "selsync", "--sync-option", "delta=abc", "--steps", "2"],
+      "option delta='abc' is of type str, but delta takes a number. Fix: pass e.g. --sync-option delta=0.3",
+    ),
+    (
+      ["train", "--sync", "qsdp", "--sync-option", "bucket_size=1.5", "--steps", "2"],
+      "option bucket_size=1.5 is of type float, but bucket_size takes an integer",
+    ),
+    (["train", "--cluster", "DUP", "--steps", "2"], "gives key 'count' twice in one object"),
+    (["plan", "--cluster", "C2", "--indicator", "I16", "--profile", "PROF"], ""),  # plans: see below
+    (
+      ["plan", "--cluster", "C2", "--indicator", "I16", "--profile", "PROF", "--int8-op", "int8"],
+      "--int8-op int8 asks for 8-bit ops, but --indicator",
+    ),
+    (["plan", "--cluster", "C2", "--indicator", "INEG", "--profile", "PROF"], "every Ω is below 0"),
+    (["plan", "--cluster", "C2", "--indicator", "IDUP", "--profile", "PROF"], "gives key 'int8' twice"),
+    (
+      ["predict", "--cluster", "C2", "--plan", "PLAN2", "--profile", "PNEG"],
+      "op 'Dense_1:dense' has op_ms dlhs/fp32 = -1.03, not a finite number of at least 0",
+    ),
   ],
 )
 def test_bad_arguments_and_inputs_are_named_before_the_model_loads(
@@ -143,14 +171,66 @@ def test_bad_arguments_and_inputs_are_named_before_the_model_loads(
   ClusterSpec.uniform("cpu", 4, 2).save(str(tmp_path / "c4.json"))
   ClusterSpec.uniform("cpu", 8, 2).save(str(tmp_path / "c8.json"))
   (tmp_path / "plan.json").write_text('{"policies": {"gpu": "int8_fwd"}}')
-  files = {"MISSING": "missing.json", "C4": "c4.json", "C8": "c8.json", "PLAN": "plan.json"}
+  _bad_input_files(tmp_path)
+  files = {
+    "MISSING": "missing.json",
+    "C4": "c4.json",
+    "C8": "c8.json",
+    "PLAN": "plan.json",
+    **{name.upper().replace(".JSON", ""): name for name in os.listdir(tmp_path) if name.endswith(".json")},
+  }
   command = [str(tmp_path / files[a]) if a in files else a for a in command]
   out = ["--out", str(tmp_path / ("run" if command[0] == "train" else "out.json"))]
   if command[0] == "predict":
     out = ["--json", str(tmp_path / "out.json")]
+  if not needle:  # a plan that gets as far as the model: only the 16-bit indicator's warning before
+    with pytest.raises(AssertionError, match="model loaded"):
+      cli.main([*command, "--model", "tests.planners.tiny:mlp", *out])
+    err = capsys.readouterr().err
+    assert err.startswith(
+      "qsync plan: warning: the indicator scores no op at int8 or fp8 (it scores bf16, fp16)"
+    )
+    assert (
+      "group(s) ['infer']" in err
+      and "Fix: to plan 8-bit ops, score them: `qsync indicator --precisions " in err
+    )
+    assert "int8 fp8 fp16 bf16 ...`" in err and err.count("\n") == 1, err
+    return
   assert cli.main([*command, "--model", "tests.planners.tiny:mlp", *out]) == 2
   err = capsys.readouterr().err
   assert needle in err and "Fix:" in err and err.count("\n") == 1, err
+
+
+def _bad_input_files(d) -> None:
+  """Input files of the bad-input cases: a two-group cluster (C2, A100 training, a T4-like cpu
+  group inferring) and its plan (PLAN2), a profile (PROF) and one with a negative op time (PNEG),
+  indicators scored at 16 bits only (I16), every Ω below 0 (INEG) and a key given twice (IDUP),
+  and a cluster with a key given twice (DUP)."""
+  import json
+
+  from tests.planners.fakes import fake_indicator, fake_profile
+
+  groups = [
+    {"name": "train", "device_type": "A100", "count": 4, "memory_gb": 40, "batch_per_device": 2},
+    {"name": "infer", "device_type": "cpu", "count": 4, "memory_gb": 40, "batch_per_device": 2},
+  ]
+  (d / "c2.json").write_text(json.dumps({"groups": groups}))
+  (d / "dup.json").write_text(
+    '{"groups": [{"name": "a", "device_type": "cpu", "count": 4, "count": 8, '
+    '"memory_gb": 16, "batch_per_device": 2}]}'
+  )
+  (d / "plan2.json").write_text('{"policies": {"infer": "int8_fwd"}}')
+  prof = fake_profile([(1.0, 1.0, 1.0)] * 3, batch=2, model="mlp")
+  prof.save(str(d / "prof.json"))
+  broken = prof.to_json()
+  broken["op_ms"]["Dense_1:dense"]["dlhs"]["fp32"] = -1.03
+  (d / "pneg.json").write_text(json.dumps(broken))
+  omega = fake_indicator(prof.op_names, [3.0, 1.0, 2.0])["omega"]
+  sixteen = {op: {p: w for p, w in row.items() if p in ("fp32", "fp16", "bf16")} for op, row in omega.items()}
+  (d / "i16.json").write_text(json.dumps({"omega": sixteen}))
+  negative = {op: {p: -w - 1.0 if p != "fp32" else 0.0 for p, w in row.items()} for op, row in omega.items()}
+  (d / "ineg.json").write_text(json.dumps({"omega": negative}))
+  (d / "idup.json").write_text('{"omega": {"Dense_0:dense": {"int8": 1.0, "fp16": 0.1, "int8": 2.0}}}')
 
 
 @pytest.mark.parametrize("status, teardown", [(143, False), (130, False), (0, True), (2, True)])

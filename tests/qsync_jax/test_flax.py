@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, Rule, quantize
+from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, QsyncWarning, Rule, quantize
 from qsync_jax.ops.qattention import fused_attention
 from tests.jaxpr_dtypes import gemm_dtypes
 from tests.qsync_jax.models import SmallCNN, SmallTransformer, cnn_data, lm_data
@@ -152,14 +152,16 @@ def test_policy_matching_nothing_is_bit_identical():
   def plain_loss(v):
     return cross_entropy(model.apply(v, seq[:, :-1]), seq[:, 1:])
 
-  # jitted, both: the same program compiles to the same code (op-by-op dispatch is slow here)
-  got_loss = jax.jit(lambda v: lm_loss(qmodel, v, seq, jax.random.key(0)))(variables)
-  np.testing.assert_array_equal(got_loss, jax.jit(plain_loss)(variables))
-  got = jax.jit(jax.grad(lambda v: lm_loss(qmodel, v, seq, jax.random.key(0))))(variables)
-  want = jax.jit(jax.grad(plain_loss))(variables)
-  jax.tree.map(np.testing.assert_array_equal, got, want)
-  # init through the wrapper creates the same parameters
-  jax.tree.map(np.testing.assert_array_equal, qmodel.init(jax.random.key(1), seq[:, :-1]), variables)
+  # jitted, both: the same program compiles to the same code (op-by-op dispatch is slow here); each
+  # trace says the rule matched nothing
+  with pytest.warns(QsyncWarning, match=r"rule path\(s\) \['no_such_module'\] match none.*Fix"):
+    got_loss = jax.jit(lambda v: lm_loss(qmodel, v, seq, jax.random.key(0)))(variables)
+    np.testing.assert_array_equal(got_loss, jax.jit(plain_loss)(variables))
+    got = jax.jit(jax.grad(lambda v: lm_loss(qmodel, v, seq, jax.random.key(0))))(variables)
+    want = jax.jit(jax.grad(plain_loss))(variables)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    # init through the wrapper creates the same parameters
+    jax.tree.map(np.testing.assert_array_equal, qmodel.init(jax.random.key(1), seq[:, :-1]), variables)
 
 
 def train(loss_fn, variables, batches, steps, lr):

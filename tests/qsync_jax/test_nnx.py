@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, QsyncError, Rule, quantize
+from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, QsyncError, QsyncWarning, Rule, quantize
 from qsync_jax.models.nnx_model import NnxModel
 from qsync_jax.models.nnx_quant import QuantizedNnxModel
 from tests.jaxpr_dtypes import gemm_dtypes
@@ -59,7 +59,8 @@ def test_same_policy_json_as_linen_first_match_wins():
       "__default__": None,
     }
   )
-  qmodel = quantize(module, policy)
+  with pytest.warns(QsyncWarning, match=r"\['no_such_module'\] match none"):
+    qmodel = quantize(module, policy)
   ops = qmodel.ops(model.init(None), ids)
   assert ops["blocks/0/attn:attention_qk"] == OpPolicy.preset("bf16")
   assert ops["blocks/0/attn:attention_pv"] == OpPolicy.preset("fp16")
@@ -85,7 +86,8 @@ def test_fp32_policy_and_unmatched_ops_are_bit_identical_to_the_float_model(trai
   if not train:
     np.testing.assert_array_equal(module(ids[:, :-1]), model.apply({"params": params}, ids[:, :-1]))
   # A policy that matches no op leaves every module's own function: value and gradient bit-identical.
-  nothing = quantize(module, PrecisionPolicy(rules=(Rule("no_such_module", OpPolicy.preset("fp32")),)))
+  with pytest.warns(QsyncWarning, match=r"\['no_such_module'\] match none"):
+    nothing = quantize(module, PrecisionPolicy(rules=(Rule("no_such_module", OpPolicy.preset("fp32")),)))
   got, grads = jax.value_and_grad(lambda p: lm_loss(nothing, p, ids, key, train))(params)
   np.testing.assert_array_equal(got, want)
   jax.tree.map(np.testing.assert_array_equal, grads, want_grads)

@@ -102,8 +102,13 @@ def test_plain_orbax_restore_in_a_fresh_process_without_qsync(run, tmp_path):
 
 def test_export_msgpack_and_orbax_directory(run, tmp_path):
   trainer, out = run
-  summary = export_params(out, str(tmp_path / "params.msgpack"))
+  umask = os.umask(0o022)
+  try:
+    summary = export_params(out, str(tmp_path / "params.msgpack"))
+  finally:
+    os.umask(umask)
   assert summary["step"] == 2 and summary["format"] == "msgpack" and summary["arrays"] == 4
+  assert os.stat(tmp_path / "params.msgpack").st_mode & 0o777 == 0o644  # as open(path, "w") under umask 022
   restored = serialization.msgpack_restore((tmp_path / "params.msgpack").read_bytes())
   assert _digests(restored) == _digests(trainer.params)
   x = np.ones((2, 6), np.float32)  # the exported params drive the plain linen model
@@ -114,6 +119,15 @@ def test_export_msgpack_and_orbax_directory(run, tmp_path):
   assert _digests(ocp.StandardCheckpointer().restore(str(tmp_path / "params_dir"))) == _digests(
     trainer.params
   )
+
+
+def test_export_of_a_step_not_saved_names_the_steps_there_are(run, tmp_path, capsys):
+  _, out = run
+  assert cli_main(["export", "--run", out, "--step", "99", "--out", str(tmp_path / "p.msgpack")]) == 2
+  err = capsys.readouterr().err
+  assert "there is no checkpoint of step 99 in" in err and "its checkpoints are of steps [2]" in err, err
+  assert "Fix: pass one of those steps, or none for the latest (2)" in err and "corrupted" not in err
+  assert not (tmp_path / "p.msgpack").exists()
 
 
 def test_export_refuses_unusable_outputs_and_overwrites_nothing(run, tmp_path, capsys):
