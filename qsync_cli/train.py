@@ -294,6 +294,11 @@ def auto_plan(args: argparse.Namespace, task, cluster):
     if jax.process_index() == 0
     else None
   )
+  if say and jax.devices()[0].platform == "cpu":
+    say(
+      "measuring on this CPU: these timings say which ops pay on this CPU and nothing about a GPU. "
+      "For a GPU's plan run --plan auto on that GPU, or plan it with `qsync plan`."
+    )
   result = auto_policy(task, cluster.max_batch_per_device, base=base, progress=say, seed=args.seed)
   if say:
     for line in result.summary():

@@ -288,10 +288,11 @@ def auto_policy(
     traces[p] = op_leg_ms(
       task, policy_of(ops, base, {op.name: p for op in candidates}), batch, ops, trace_repeats
     )
-  if any(not t for t in traces.values()):
+  if candidates and not any(op.name in traces[base] for op in candidates):
     raise PlanError(
-      "auto policy: the step could not be traced (another jax.profiler trace is running). "
-      "Fix: stop that trace and run again."
+      f"auto policy: none of the {len(candidates)} candidate ops was found in the instruction names of "
+      f"{task.name!r}'s compiled step (their JAX name stacks), so their times cannot be told apart. "
+      "Fix: run the model's ops inside Flax modules (linen or nnx), or pass a plan from `qsync plan`."
     )
   payoffs = tuple(
     OpPayoff(

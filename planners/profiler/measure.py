@@ -82,12 +82,9 @@ def step_memory(task, batch, ops, seed: int = 0, preset: str = "fp32") -> tuple[
 
 def op_leg_ms(task, policy, batch, ops: Sequence[OpShape], repeats: int) -> dict[str, dict[str, float]]:
   """``{op name: {"fwd": ms, "bwd": ms}}``: the ops' time inside the training step under
-  ``policy`` (``timing.instruction_times``, charged by ``step_hlo.per_op_ms``); empty when a JAX
-  profiler trace is already active (one runs at a time)."""
-  try:
-    hlo, instruction_ms = timing.instruction_times(task, policy, batch, repeats)
-  except RuntimeError:
-    return {}
+  ``policy`` (``timing.instruction_times``, charged by ``step_hlo.per_op_ms``);
+  ``timing.ProfilerBusyError`` when a JAX profiler trace is already active (one runs at a time)."""
+  hlo, instruction_ms = timing.instruction_times(task, policy, batch, repeats)
   by_op = per_op_ms(hlo, instruction_ms, ops)
   return {op.name: by_op[op.name] for op in ops if op.name in by_op}
 
