@@ -174,15 +174,18 @@ def check_memory(task, cluster, plan, optimizer) -> None:
   """Raises ``PlanError`` when a group's devices cannot hold ``plan``'s training step: the need of
   ``qsync plan``'s memory model (``planners.predictor.memory_model``) for the model's traced ops, parameters,
   ``optimizer`` state and batch, without the XLA buffers ``qsync profile`` fits — a lower bound
-  of the planner's estimate, so a plan the planner accepted passes. Traces the model; runs nothing."""
+  of the planner's estimate, so a plan the planner accepted passes. Traces the model's shapes
+  (``planners.profiler.task_shapes``): runs nothing and allocates no batch."""
+  import jax
+
   from planners.predictor import memory_bytes
   from planners.profile import GroupCost, Profile
-  from planners.profiler import memory_sizes, task_ops
+  from planners.profiler import memory_sizes, task_shapes
 
   cluster = plan.apply_to(cluster)
   batch_per_device = cluster.max_batch_per_device
-  batch, variables, ops = task_ops(task, batch_per_device)
-  memory = memory_sizes(variables["params"], optimizer.init(variables["params"]), batch)
+  batch, variables, ops = task_shapes(task, batch_per_device)
+  memory = memory_sizes(variables["params"], jax.eval_shape(optimizer.init, variables["params"]), batch)
   for g in cluster.groups:
     prof = Profile(task.name, g.device_type, "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory)
     need = memory_bytes(
@@ -193,9 +196,24 @@ def check_memory(task, cluster, plan, optimizer) -> None:
       raise PlanError(
         f"device group {g.name!r} ({g.device_type}, {g.batch_per_device} per device) needs at least {gb:.2f} GB "
         f"per device for this plan's step (parameters, optimizer state, batch and saved activations), but "
-        f"the cluster spec gives it memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ {gb:.2f} if the device "
-        "has it, lower its batch_per_device, or plan it (`qsync plan`) to a precision that stores less."
+        f"the cluster spec gives it memory_gb={g.memory_gb:g}. Fix: lower its batch_per_device (--batch-per-device, "
+        f"or the --cluster spec's), set memory_gb ≥ {gb:.2f} in a --cluster spec if the device has it, or plan it "
+        "(`qsync plan`) to a precision that stores less."
       )
+
+
+def say_start(task_name: str, cluster, plan_arg: str | None) -> None:
+  """The run's first line on stderr, printed before the training state is built: the model, the
+  groups and the plan."""
+  groups = ", ".join(
+    f"group {g.name!r} {g.count} × {g.device_type} at {g.batch_per_device} per device" for g in cluster.groups
+  )
+  plan = "measured on this device" if plan_arg == AUTO else (plan_arg or "none")
+  print(
+    f"training {task_name} on {groups}; plan: {plan}; building the training state…",
+    file=sys.stderr,
+    flush=True,
+  )
 
 
 def check_device_count(cluster, devices, num_processes: int) -> None:
@@ -374,6 +392,8 @@ def _run(args: argparse.Namespace) -> int:
     plan, measured = auto_plan(args, task, cluster)
   optimizer = _optimizer(args.optimizer, args.lr)
   check_memory(task, cluster, plan, optimizer)
+  if jax.process_index() == 0:
+    say_start(task.name, cluster, args.plan)
   trainer = Trainer(
     task,
     cluster,

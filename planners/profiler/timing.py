@@ -126,10 +126,14 @@ def build_train_step(
   variables=None,
 ) -> BuiltStep:
   """The training step on ``batch`` compiled with XLA ``compiler_options`` (None: the defaults),
-  from ``variables`` (default ``init_variables(task, batch, seed)``)."""
+  from ``variables`` (default ``init_variables(task, batch, seed)``). ``batch`` and ``variables``
+  may be ``jax.ShapeDtypeStruct`` trees: then only ``compiled`` (not ``run``) is of use."""
   optimizer = optimizer or default_optimizer()
   variables = init_variables(task, batch, seed) if variables is None else variables
-  opt_state = optimizer.init(variables["params"])
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(variables)):
+    opt_state = jax.eval_shape(optimizer.init, variables["params"])
+  else:
+    opt_state = optimizer.init(variables["params"])
   key = jax.random.key(seed)
   step = single_device_step(task, policy, optimizer)
   traced, lowered, compiled, seconds = staged_compile(

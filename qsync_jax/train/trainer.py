@@ -54,7 +54,7 @@ from qsync_jax.sync import get_strategy, make_grad_sync
 from qsync_jax.sync.two_level import check_two_level_sync
 from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
-from qsync_jax.train.checkpoint import CheckpointStore, signature
+from qsync_jax.train.checkpoint import CheckpointStore, check_meta, signature
 from qsync_jax.train.distributed import Watchdog
 from qsync_jax.train.outputs import TensorBoardWriter, check_run_dir
 from qsync_jax.train.replan import Replanner, describe, describe_measured, describe_undone
@@ -176,6 +176,8 @@ class Trainer:
     self.checkpoints = (
       CheckpointStore(os.path.join(out_dir, "checkpoints"), keep_checkpoints) if out_dir else None
     )
+    if resume and self.checkpoints is not None and self.checkpoints.latest_step() is not None:
+      self._check_resumable()  # before the state is built: a mismatch is named in seconds
     self.state = self.program.init(self.seed, sample)
     check_plan_matches_model(task, self.program.plan, self.program.variables_of(self.state), sample)
     self.data_position = 0
@@ -214,10 +216,11 @@ class Trainer:
     return self.program.shard(batch)
 
   # -- checkpoints --------------------------------------------------------------------------
-  def _meta(self) -> dict[str, Any]:
+  def _meta(self, with_params: bool = True) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed (``with_params=False``: before the state exists)."""
     return {
       "task": self.task.name,
-      "params": signature(jax.eval_shape(self.program.params_of, self.state)),
+      **({"params": signature(jax.eval_shape(self.program.params_of, self.state))} if with_params else {}),
       "plan_fingerprint": self.program.plan.fingerprint(),  # optimizer_update left out: checkpoints
       # hold the optimizer state whole, so a run resumes another's whatever their optimizer_update
       **self.sync,
@@ -238,6 +241,15 @@ class Trainer:
       replans=self.replanner.history,
     )
     self.checkpoints.save(self.step, self.program.full_state(self.state), self.params, meta)
+
+  def _check_resumable(self) -> None:
+    """``CheckpointError`` where the latest checkpoint has another task, plan, cluster, seed or
+    sync than this trainer (``resume`` checks the rest, once the state exists)."""
+    step, saved = self.checkpoints.read_meta()
+    expected = self._meta(with_params=False)
+    if saved.get("replans") and hasattr(self, "_build"):
+      del expected["plan_fingerprint"]  # resume rebuilds the step of the plan the run re-planned to
+    check_meta(f"checkpoint {step} in {self.checkpoints.directory}", saved, expected)
 
   def resume(self, step: int | None = None) -> bool:
     """Restores checkpoint ``step`` (default: latest); False if there is none. The trainer
