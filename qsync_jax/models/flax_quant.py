@@ -83,8 +83,10 @@ class _Interceptor:
       return module.make_rng(RNG_COLLECTION)
     if module.is_initializing():
       return jax.random.key(0)  # values at init do not depend on rounding noise
-    raise ValueError(
-      f"op {name!r} rounds stochastically ({op_policy}) but no PRNG key was given. "
+    if not op_policy.forward_needs_rng:
+      return None  # the forward rounds to nearest; its gradient asks for a key (qsync_jax.ops.keys)
+    raise QsyncError(
+      f"op {name!r} rounds its operands stochastically ({op_policy}) but no PRNG key was given. "
       f"Fix: pass rngs={{'{RNG_COLLECTION}': key}} to apply (a fresh key each step)."
     )
 

@@ -127,9 +127,12 @@ class _Ops:
   def _key(self, name: str, op_policy: OpPolicy):
     if not op_policy.needs_rng:
       return None
+    if self.key is None and not op_policy.forward_needs_rng:
+      return None  # the forward rounds to nearest; its gradient asks for a key (qsync_jax.ops.keys)
     if self.key is None:
       raise QsyncError(
-        f"op {name!r} rounds stochastically ({op_policy}) but no PRNG key was given. Fix: {self.key_fix}."
+        f"op {name!r} rounds its operands stochastically ({op_policy}) but no PRNG key was given. "
+        f"Fix: {self.key_fix}."
       )
     self.calls += 1
     return jax.random.fold_in(self.key, self.calls)
