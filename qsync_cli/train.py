@@ -191,7 +191,12 @@ def check_memory(task, cluster, plan, optimizer) -> tuple:
   for g in cluster.groups:
     prof = Profile(task.name, g.device_type, "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory)
     need = memory_bytes(
-      GroupCost(g.name, prof, plan.policy_for(g.name).resolve(prof.op_names), g.batch_per_device)
+      GroupCost(
+        g.name,
+        prof,
+        plan.policy_for(g.name).for_device(g.device_type).resolve(prof.op_names),
+        g.batch_per_device,
+      )
     )
     if need > g.memory_gb * 1e9:
       gb = math.ceil(need / 1e7) / 100

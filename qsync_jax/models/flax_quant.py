@@ -72,7 +72,8 @@ class _Interceptor:
   def _op(self, module, kind) -> tuple[str, str, OpPolicy | None]:
     path = module_path(module)
     name = op_name(path, kind)
-    op_policy = self.policy.lookup(path, kind)
+    runs_8bit = getattr(module, "feature_group_count", 1) == 1  # a grouped conv has no 8-bit kernel
+    op_policy = self.policy.lookup(path, kind, runs_8bit)
     self.seen[name] = op_policy
     return path, name, op_policy
 

@@ -111,10 +111,11 @@ class _Ops:
     self.seen: dict[str, OpPolicy | None] = {}
     self.calls = 0
 
-  def op(self, cls, path: str, kind: str):
-    """The flax_quant op for one call of ``path:kind`` (None: the module's own op)."""
+  def op(self, cls, path: str, kind: str, runs_8bit: bool = True):
+    """The flax_quant op for one call of ``path:kind`` (None: the module's own op);
+    ``runs_8bit``: whether an 8-bit kernel runs it (``PrecisionPolicy.match``)."""
     name = op_name(path, kind)
-    op_policy = self.policy.lookup(path, kind)
+    op_policy = self.policy.lookup(path, kind, runs_8bit)
     self.seen[name] = op_policy
     if op_policy is None or self.listing:
       return None
@@ -173,10 +174,11 @@ class _ConvHook:
   ops: _Ops
   path: str
   own: Callable
+  runs_8bit: bool  # ungrouped (a grouped convolution has no 8-bit kernel)
 
   def __call__(self, *args, out_sharding=None, **kwargs):
     with jax.named_scope(self.path):
-      op = self.ops.op(QuantizedConv, self.path, "conv")
+      op = self.ops.op(QuantizedConv, self.path, "conv", self.runs_8bit)
       if op is None:
         return self.own(*args, out_sharding=out_sharding, **kwargs)
       _no_out_sharding(self.path, out_sharding)
@@ -322,7 +324,7 @@ def install(module: nnx.Module, ops: _Ops) -> None:
     elif isinstance(m, nnx.Linear):
       m.dot_general = _DotHook(ops, path, "dense", lambda fn=m.dot_general: fn)
     elif isinstance(m, nnx.Conv):
-      m.conv_general_dilated = _ConvHook(ops, path, m.conv_general_dilated)
+      m.conv_general_dilated = _ConvHook(ops, path, m.conv_general_dilated, m.feature_group_count == 1)
     elif isinstance(m, nnx.Einsum):
       m.einsum_op = _EinsumHook(ops, path, m.einsum_op)
     elif isinstance(m, nnx.MultiHeadAttention):
