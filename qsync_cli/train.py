@@ -422,6 +422,8 @@ def _run(args: argparse.Namespace) -> int:
     plan.validate_for(cluster)
   check_device_count(cluster, jax.devices(), args.num_processes)
   check_device_types(cluster, jax.devices(), args.simulate_device_types)
+  if jax.process_index() == 0:  # building a user's model (an nnx one is built eagerly) may take a while
+    print(f"loading --model {args.model}…", file=sys.stderr, flush=True)
   task = load_task(args.model, **overrides)
   measured = None
   if args.plan == AUTO:

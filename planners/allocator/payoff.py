@@ -281,7 +281,11 @@ def auto_policy(
   candidates = [op for op in ops if op.kind in CANDIDATE_KINDS and op.runs_8bit]
   clock = timing.default_step_clock()
   base_policy = policy_of(ops, base, {})
-  say(f"{len(candidates)} of {len(ops)} ops can run 8-bit; tracing the all-{base} step")
+  calls = sum(op.calls for op in ops)
+  shared = f" ({calls} calls: a module called more than once is one op)" if calls != len(ops) else ""
+  say(
+    f"{len(candidates)} of the model's {len(ops)} quantizable ops{shared} can run 8-bit; tracing the all-{base} step"
+  )
   traces = {base: op_leg_ms(task, base_policy, batch, ops, trace_repeats)}
   for p in presets:
     say(f"tracing the step with every candidate at {p}")

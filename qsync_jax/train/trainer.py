@@ -296,7 +296,8 @@ class Trainer:
     clock = _Clock(start_step)
     if step < steps:
       self._say(
-        f"compiling the step ({self.program.cluster.num_devices} devices, global batch {self.global_batch})…"
+        f"compiling the step ({_count(self.program.cluster.num_devices, 'device')}, global batch "
+        f"{self.global_batch})…"
       )
     stop = _StopOnSigint()
     try:
@@ -481,6 +482,11 @@ def check_plan_matches_model(task: Task, plan: Plan, variables, batch) -> None:
       policy.check_rules_match(ops, f"plan: group {group!r}")
     except PolicyError as e:
       raise PlanError(str(e)) from None
+
+
+def _count(n: int, noun: str) -> str:
+  """``"1 device"``, ``"4 devices"``."""
+  return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _drop_metrics_after(path: str, step: int) -> None:
