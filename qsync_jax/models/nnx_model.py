@@ -212,13 +212,5 @@ def _check_unseeded(unseeded, rngs: Mapping[str, Any]) -> None:
 
 
 def as_functional(model):
-  """``model`` itself, or an nnx module as an ``NnxModel``; ``QsyncError`` for a quantized nnx
-  model (the trainer quantizes the float model with each group's policy)."""
-  from qsync_jax.models.nnx_quant import QuantizedNnxModel
-
-  if isinstance(model, QuantizedNnxModel):
-    raise QsyncError(
-      "the model is a quantized nnx model; a Task takes the float model, which the trainer runs under each "
-      "group's policy from the plan. Fix: pass qmodel.module, and put the policy in the plan."
-    )
+  """``model`` itself, or an nnx module as an ``NnxModel``."""
   return NnxModel.of(model) if isinstance(model, nnx.Module) else model

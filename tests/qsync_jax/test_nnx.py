@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, QsyncError, Rule, quantize
-from qsync_jax.models.nnx_model import NnxModel, as_functional
+from qsync_jax.models.nnx_model import NnxModel
 from qsync_jax.models.nnx_quant import QuantizedNnxModel
+from qsync_jax.train.task import Task
 from tests.jaxpr_dtypes import gemm_dtypes
 from tests.qsync_jax.models import cnn_data
 from tests.qsync_jax.nnx_models import CNN, CNN_OPS, LM, LM_OPS, lm_ids
@@ -338,8 +339,8 @@ def test_a_quantized_nnx_model_is_an_nnx_module_over_the_models_own_variables():
   np.testing.assert_allclose(call(qnet, x, False), want, rtol=1e-6)  # two programs: XLA may fuse apart
   with pytest.raises(QsyncError, match=r"already quantized.*Fix: quantize its float module"):
     quantize(qnet, "int8")
-  with pytest.raises(QsyncError, match=r"Task takes the float model.*Fix: pass qmodel.module"):
-    as_functional(qnet)  # what Task(model=qnet) calls
+  with pytest.raises(QsyncError, match=r"a Task takes the float model.*Fix: pass qmodel.module"):
+    Task("quantized", qnet, lambda b: (b,), lambda out, b: (out.sum(), {}), lambda n, seed: iter(()))
   with pytest.raises(QsyncError, match=r"rngs is for flax.nnx modules.*Fix"):
     quantize(nn.Dense(3), "int8", rngs=nnx.Rngs(0))
   with pytest.raises(QsyncError, match=r"not an nnx.Rngs with a 'qsync' or default stream.*Fix"):
