@@ -244,11 +244,13 @@ class Trainer:
 
   def _check_resumable(self) -> None:
     """``CheckpointError`` where the latest checkpoint has another task, plan, cluster, seed or
-    sync than this trainer (``resume`` checks the rest, once the state exists)."""
+    sync than this trainer (``resume`` checks the rest, once the state exists; the plan and the
+    cluster's batches of a re-planned run once it has rebuilt that plan's step)."""
     step, saved = self.checkpoints.read_meta()
     expected = self._meta(with_params=False)
     if saved.get("replans") and hasattr(self, "_build"):
-      del expected["plan_fingerprint"]  # resume rebuilds the step of the plan the run re-planned to
+      # resume first rebuilds the step of the plan the run re-planned to (its batches), then checks these
+      del expected["plan_fingerprint"], expected["cluster"]
     check_meta(f"checkpoint {step} in {self.checkpoints.directory}", saved, expected)
 
   def resume(self, step: int | None = None) -> bool:
