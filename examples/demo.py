@@ -326,7 +326,9 @@ def stage_train(
     program = make_train_step(task, cluster, plan, optimizer, devices=devices)
     results[name] = []
     for seed in seeds:
-      say(f"train [{name}] seed {seed}: {steps} steps on {len(devices)} devices")
+      say(
+        f"train [{name}] seed {seed}: {steps} steps on {len(devices)} device{'' if len(devices) == 1 else 's'}"
+      )
       t0 = time.perf_counter()
       batches = task.train_batches(program.global_batch, seed)
       state = program.init(seed, next(task.train_batches(program.global_batch, seed)))

@@ -48,13 +48,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def format_table(table: dict) -> str:
   """The Ω table as text: one row per op, one column per precision; "-" where the op has no Ω at
-  that precision (a grouped convolution runs no 8-bit leg, so it has no 8-bit entries)."""
+  that precision, and a line under the table saying why (``metadata["no_8bit"]``: a grouped
+  convolution runs no 8-bit leg, so it has no 8-bit entries)."""
   precisions = table["precisions"]
   lines = [f"{'op':50s} " + " ".join(f"{p:>10s}" for p in precisions)]
   for op in table["ops"]:
     row = table["omega"][op]
     lines.append(
       f"{op:50s} " + " ".join(f"{row[p]:10.3g}" if p in row else f"{'-':>10s}" for p in precisions)
+    )
+  why = table.get("metadata", {}).get("no_8bit", {})
+  for reason in sorted(set(why.values())):
+    ops = [op for op in table["ops"] if why.get(op) == reason]
+    lines.append(
+      f"- no 8-bit score for {len(ops)} op(s) ({', '.join(ops[:3])}{', …' if len(ops) > 3 else ''}): each is "
+      f'{reason}. They train at 16 bits or fp32; a policy rule with "where_supported": true runs its 8-bit '
+      "precision on the other ops and leaves these to the next rule."
     )
   return "\n".join(lines)
 

@@ -26,15 +26,10 @@ from qsync_cli.common import (
   load_profiles,
   progress,
 )
-from qsync_jax.devices import DEVICES
+from qsync_jax.devices import DEVICES, training_precision
 from qsync_jax.errors import PlanError, QsyncError, QsyncWarning, UnsupportedPrecisionError
 from qsync_jax.jsonio import read_json_lines, undecodable_warning
 from qsync_jax.precision import PRESETS
-
-# The default --train-precision of a training group's device type: the first of these it runs
-# (bf16 mixed precision on Ampere and newer; fp16 mixed precision, with loss scaling, on a V100
-# or a T4, whose tensor cores have no bf16; else fp32).
-TRAIN_PRECISION_ORDER = ("bf16", "fp16", "fp32")
 
 HELP = "Plan every group's batch and per-op precisions: fastest within --slack, then least accuracy cost."
 
@@ -96,11 +91,11 @@ def mix(counts: dict[str, int]) -> str:
 
 def train_precision(cluster, training: tuple[str, ...], preset: str | None) -> str:
   """The policy preset the ``training`` groups of ``cluster`` run: ``preset`` (``--train-precision``)
-  when given, after checking that it is a preset every training group's device type runs; else the
-  first of ``TRAIN_PRECISION_ORDER`` that all of their device types run (``DEVICES[type].precisions``)."""
+  when given, after checking that it is a preset every training group's device type runs; else
+  ``qsync_jax.devices.training_precision`` of their device types (bf16, else fp16, else fp32)."""
   types = sorted({cluster.group(name).device_type for name in training})
   if preset is None:
-    return next(p for p in TRAIN_PRECISION_ORDER if all(p in DEVICES[t].precisions for t in types))
+    return training_precision(types)
   if preset not in PRESETS:
     raise QsyncError(
       f"--train-precision {preset!r} is not a policy preset. Fix: use one of {list(PRESETS)}, or leave it "

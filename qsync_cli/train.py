@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     help="plan JSON (one precision policy per group), or 'auto': measure on this host's GPU which ops "
     "are faster in 8-bit inside the step and run those 8-bit, the rest bf16 (fp16 where the GPU has no "
     "bf16), on every group (one device type; written to OUT/plan.json and OUT/auto_policy.json); "
-    "default: fp32 everywhere",
+    "default: every group at its 16-bit training precision (bf16; fp16 with loss scaling on a V100 or T4), "
+    "as `qsync plan` defaults training groups",
   )
   parser.add_argument(
     "--accuracy-budget",
@@ -187,32 +188,86 @@ def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
   return name, options
 
 
-def check_memory(task, cluster, plan, optimizer) -> None:
-  """Raises ``PlanError`` when a group's devices cannot hold ``plan``'s training step: the need of
+def check_memory(task, cluster, plan, optimizer) -> tuple:
+  """The model's quantizable ops (``planners.ops.OpShape``s); raises ``PlanError`` when a group's
+  devices cannot hold ``plan``'s training step: the need of
   ``qsync plan``'s memory model (``planners.predictor.memory_model``) for the model's traced ops, parameters,
   ``optimizer`` state and batch, without the XLA buffers ``qsync profile`` fits — a lower bound
-  of the planner's estimate, so a plan the planner accepted passes. Traces the model; runs nothing."""
+  of the planner's estimate, so a plan the planner accepted passes. Traces the model's shapes
+  (``planners.profiler.task_shapes``): runs nothing and allocates no batch."""
+  import jax
+
   from planners.predictor import memory_bytes
   from planners.profile import GroupCost, Profile
-  from planners.profiler import memory_sizes, task_ops
+  from planners.profiler import memory_sizes, task_shapes
 
   cluster = plan.apply_to(cluster)
   batch_per_device = cluster.max_batch_per_device
-  batch, variables, ops = task_ops(task, batch_per_device)
-  memory = memory_sizes(variables["params"], optimizer.init(variables["params"]), batch)
+  batch, variables, ops = task_shapes(task, batch_per_device)
+  memory = memory_sizes(variables["params"], jax.eval_shape(optimizer.init, variables["params"]), batch)
   for g in cluster.groups:
     prof = Profile(task.name, g.device_type, "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory)
     need = memory_bytes(
-      GroupCost(g.name, prof, plan.policy_for(g.name).resolve(prof.op_names), g.batch_per_device)
+      GroupCost(
+        g.name,
+        prof,
+        plan.policy_for(g.name).for_device(g.device_type).resolve(prof.op_names),
+        g.batch_per_device,
+      )
     )
     if need > g.memory_gb * 1e9:
       gb = math.ceil(need / 1e7) / 100
       raise PlanError(
         f"device group {g.name!r} ({g.device_type}, {g.batch_per_device} per device) needs at least {gb:.2f} GB "
         f"per device for this plan's step (parameters, optimizer state, batch and saved activations), but "
-        f"the cluster spec gives it memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ {gb:.2f} if the device "
-        "has it, lower its batch_per_device, or plan it (`qsync plan`) to a precision that stores less."
+        f"the cluster spec gives it memory_gb={g.memory_gb:g}. Fix: lower its batch_per_device (--batch-per-device, "
+        f"or the --cluster spec's), set memory_gb ≥ {gb:.2f} in a --cluster spec if the device has it, or plan it "
+        "(`qsync plan`) to a precision that stores less."
       )
+  return ops
+
+
+def default_plan(cluster, sync: str | None):
+  """The plan of a run without ``--plan``: every group at its device type's training precision
+  (``qsync_jax.devices.training_precision``, as ``qsync plan`` defaults training groups: bf16,
+  else fp16 with dynamic loss scaling, else fp32); unmodified (fp32) where that is fp16 and the
+  ``--sync`` strategy builds its own step, which has no loss scaling."""
+  from qsync_jax.devices import training_precision
+  from qsync_jax.plan import Plan
+  from qsync_jax.policy import PrecisionPolicy
+  from qsync_jax.sync import get_strategy
+
+  no_loss_scaling = sync is not None and get_strategy(sync).kind == "train_step"
+  presets = {g.name: training_precision([g.device_type]) for g in cluster.groups}
+  skip = ("fp32", "fp16") if no_loss_scaling else ("fp32",)
+  return Plan(policies={g: PrecisionPolicy.uniform(p) for g, p in presets.items() if p not in skip})
+
+
+def _policy_name(policy) -> str:
+  """A group's policy in a word: its preset, ``float`` (unmodified) or ``per op``."""
+  from qsync_jax.precision import PRESETS
+
+  if policy.rules:
+    return "per op"
+  if policy.default is None:
+    return "float"
+  return next((name for name, p in PRESETS.items() if p == policy.default), "per op")
+
+
+def say_start(task_name: str, cluster, plan, plan_arg: str | None) -> None:
+  """The run's first line on stderr, printed before the training state is built: the model, each
+  group and its policy, and where the plan comes from."""
+  groups = ", ".join(
+    f"group {g.name!r} {g.count} × {g.device_type} at {g.batch_per_device} per device, "
+    f"{_policy_name(plan.policy_for(g.name))}"
+    for g in plan.apply_to(cluster).groups
+  )
+  source = {AUTO: "measured on this device (--plan auto)", None: "each group's 16-bit default (no --plan)"}
+  print(
+    f"training {task_name}: {groups}; plan: {source.get(plan_arg, plan_arg)}; building the training state…",
+    file=sys.stderr,
+    flush=True,
+  )
 
 
 def check_device_count(cluster, devices, num_processes: int) -> None:
@@ -319,7 +374,7 @@ def auto_plan(args: argparse.Namespace, task, cluster):
 
   from planners.allocator import auto_cache, auto_policy
   from planners.allocator.frontier import parse_budget
-  from qsync_jax.devices import device_type_of, supported_precisions
+  from qsync_jax.devices import device_type_of, training_precision
   from qsync_jax.plan import Plan
 
   path = os.path.join(args.out, "plan.json")
@@ -337,13 +392,17 @@ def auto_plan(args: argparse.Namespace, task, cluster):
       f"--plan auto measures this host's device ({local}), but cluster {cluster.name!r} has device types "
       f"{types}. Fix: plan a pool of several types with `qsync plan`, or give a cluster of {local} groups."
     )
-  runs = supported_precisions(local)
-  base = next((p for p in ("bf16", "fp16") if p in runs), "fp32")
+  base = training_precision([local])
   say = (
     (lambda msg: print(f"auto policy: {msg}", file=sys.stderr, flush=True))
     if jax.process_index() == 0
     else None
   )
+  if say and jax.devices()[0].platform == "cpu":
+    say(
+      "measuring on this CPU: these timings say which ops pay on this CPU and nothing about a GPU. "
+      "For a GPU's plan run --plan auto on that GPU, or plan it with `qsync plan`."
+    )
   budget = DEFAULT_BUDGET if args.accuracy_budget is None else parse_budget(args.accuracy_budget)
   result = auto_policy(
     task,
@@ -466,6 +525,8 @@ def _run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     plan.validate_for(cluster)
   check_device_count(cluster, jax.devices(), args.num_processes)
   check_device_types(cluster, jax.devices(), args.simulate_device_types)
+  if jax.process_index() == 0:  # building a user's model (an nnx one is built eagerly) may take a while
+    print(f"loading --model {args.model}…", file=sys.stderr, flush=True)
   task = load_task(args.model, **overrides)
   if (args.eval or args.eval_every) and task.eval_batches is None:
     flag = "--eval-every" if args.eval_every else "--eval"
@@ -477,7 +538,12 @@ def _run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
   if args.plan == AUTO:
     plan, measured = auto_plan(args, task, cluster)
   optimizer = _optimizer(args.optimizer, args.lr)
-  check_memory(task, cluster, plan, optimizer)
+  if args.plan is None:
+    plan = default_plan(cluster, sync)
+  if not check_memory(task, cluster, plan, optimizer) and args.plan is None:
+    plan = Plan()  # a model without quantizable ops runs as written
+  if jax.process_index() == 0:
+    say_start(task.name, cluster, plan, args.plan)
   trainer = Trainer(
     task,
     cluster,

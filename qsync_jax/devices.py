@@ -60,7 +60,21 @@ _AMPERE = ("fp32", "tf32", "bf16", "fp16")  # float formats of Ampere and newer 
 
 
 def _device(
-  name, kinds, arch, floats, fp32, tf32, half, eight, bw, mem, link, sms, derate=1.0, launch_us=5.0, checked=()
+  name,
+  kinds,
+  arch,
+  floats,
+  fp32,
+  tf32,
+  half,
+  eight,
+  bw,
+  mem,
+  link,
+  sms,
+  derate=1.0,
+  launch_us=5.0,
+  checked=(),
 ):
   runs = set(floats) | set(eight_bit_kinds(arch) if arch else ("int8", "fp8"))
   precisions = tuple(p for p in PRECISIONS if p in runs)
@@ -139,6 +153,22 @@ def supported_precisions(device_type: str) -> tuple[str, ...]:
       f"device type {device_type!r} is unknown. Fix: use one of {sorted(DEVICES)}."
     )
   return DEVICES[device_type].precisions
+
+
+SIXTEEN_BIT_ORDER = ("bf16", "fp16", "fp32")
+"""The default training precision of a device type: the first of these it runs (bf16 mixed
+precision on Ampere and newer and on the CPU; fp16 mixed precision, with dynamic loss scaling,
+on a V100 or a T4, whose tensor cores have no bf16; else fp32)."""
+
+
+def training_precision(device_types) -> str:
+  """The preset a group of each of ``device_types`` trains at by default: the first of
+  ``SIXTEEN_BIT_ORDER`` that every one of them runs.
+
+  >>> training_precision(["A100"]), training_precision(["A100", "T4"]), training_precision(["cpu"])
+  ('bf16', 'fp16', 'bf16')
+  """
+  return next(p for p in SIXTEEN_BIT_ORDER if all(p in supported_precisions(t) for t in device_types))
 
 
 def check_op_policy_on_device(op_policy: OpPolicy, device_type: str, context: str) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from qsync_jax.devices import check_op_policy_on_device, supported_precisions
 from qsync_jax.errors import PolicyError, QsyncWarning
 from qsync_jax.jsonio import JsonFile, reject_unknown_keys
-from qsync_jax.precision import OpPolicy
+from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 
 OP_KINDS = (
   "dense",
@@ -58,11 +58,19 @@ def split_op_name(name: str) -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  """Ops whose module path fully matches ``path`` (and kind equals ``kind``) get ``policy``."""
+  """Ops whose module path fully matches ``path`` (and kind equals ``kind``) get ``policy``.
+
+  ``where_supported`` (JSON ``"where_supported": true``): the rule applies only where its policy
+  has a kernel — on a device type that runs its precisions (``for_device``), and, for a policy
+  with an 8-bit leg, on an op an 8-bit kernel runs (not a grouped or depthwise convolution);
+  elsewhere the op goes on to the next rules and ``__default__``. ``{"path": ".*", "policy":
+  "int8", "where_supported": true}`` before a ``"bf16"`` default: int8 where it runs, else bf16.
+  """
 
   path: str
   policy: OpPolicy
   kind: str | None = None
+  where_supported: bool = False
 
   def __post_init__(self):
     if not isinstance(self.path, str):
@@ -87,13 +95,26 @@ class Rule:
         "Fix: use OpPolicy(...) or OpPolicy.preset(name)."
       )
 
-  def matches(self, path: str, kind: str) -> bool:
+  def matches(self, path: str, kind: str, runs_8bit: bool = True) -> bool:
+    """Whether the rule applies to op ``path:kind`` (``runs_8bit``: whether an 8-bit kernel runs it)."""
+    if (
+      self.where_supported
+      and not runs_8bit
+      and any(p in QUANTIZED_PRECISIONS for p in self.policy.precisions)
+    ):
+      return False
     return (self.kind is None or self.kind == kind) and re.fullmatch(self.path, path) is not None
+
+  def runs_on(self, device_type: str) -> bool:
+    """Whether ``device_type`` runs every precision of the rule's policy."""
+    return set(self.policy.precisions) <= set(supported_precisions(device_type))
 
   def to_json(self) -> dict[str, Any]:
     out: dict[str, Any] = {"path": self.path, "policy": self.policy.to_json()}
     if self.kind is not None:
       out["kind"] = self.kind
+    if self.where_supported:
+      out["where_supported"] = True
     return out
 
 
@@ -116,16 +137,17 @@ class PrecisionPolicy(JsonFile):
         )
 
   # -- lookup ---------------------------------------------------------------------------
-  def match(self, path: str, kind: str) -> tuple[int | None, OpPolicy | None]:
-    """(index of the matching rule or None, the op policy or None)."""
+  def match(self, path: str, kind: str, runs_8bit: bool = True) -> tuple[int | None, OpPolicy | None]:
+    """(index of the matching rule or None, the op policy or None); ``runs_8bit``: whether an
+    8-bit kernel runs the op (a ``where_supported`` 8-bit rule skips it otherwise)."""
     for i, rule in enumerate(self.rules):
-      if rule.matches(path, kind):
+      if rule.matches(path, kind, runs_8bit):
         return i, rule.policy
     return None, self.default
 
-  def lookup(self, path: str, kind: str) -> OpPolicy | None:
+  def lookup(self, path: str, kind: str, runs_8bit: bool = True) -> OpPolicy | None:
     """The op policy for an op, or None when it must run the unmodified float op."""
-    return self.match(path, kind)[1]
+    return self.match(path, kind, runs_8bit)[1]
 
   def lookup_name(self, name: str) -> OpPolicy | None:
     return self.lookup(*split_op_name(name))
@@ -200,11 +222,19 @@ class PrecisionPolicy(JsonFile):
     return any(p.needs_rng for p in policies)
 
   # -- validation -----------------------------------------------------------------------
+  def for_device(self, device_type: str) -> PrecisionPolicy:
+    """The policy a device of ``device_type`` runs: without the ``where_supported`` rules whose
+    precisions it does not run."""
+    kept = tuple(r for r in self.rules if not r.where_supported or r.runs_on(device_type))
+    return self if kept == self.rules else dataclasses.replace(self, rules=kept)
+
   def validate_for_device(self, device_type: str) -> None:
-    """Raises ``UnsupportedPrecisionError`` naming the first rule ``device_type`` can't run."""
+    """Raises ``UnsupportedPrecisionError`` naming the first rule ``device_type`` can't run (a
+    ``where_supported`` rule it can't run does not apply there)."""
     supported_precisions(device_type)
     for i, rule in enumerate(self.rules):
-      check_op_policy_on_device(rule.policy, device_type, f"rules[{i}] (path {rule.path!r})")
+      if not rule.where_supported:
+        check_op_policy_on_device(rule.policy, device_type, f"rules[{i}] (path {rule.path!r})")
     if self.default is not None:
       check_op_policy_on_device(self.default, device_type, "__default__")
 
@@ -263,7 +293,19 @@ def _rule_from_json(i: int, obj: Any) -> Rule:
       f"{where} must be an object, got {type(obj).__name__} {obj!r}. "
       'Fix: write {"path": "Dense_.*", "policy": "int8"}.'
     )
-  reject_unknown_keys(obj, ("path", "kind", "policy"), where, PolicyError, "path, kind, policy")
+  reject_unknown_keys(
+    obj,
+    ("path", "kind", "policy", "where_supported"),
+    where,
+    PolicyError,
+    "path, kind, policy, where_supported",
+  )
+  where_supported = obj.get("where_supported", False)
+  if not isinstance(where_supported, bool):
+    raise PolicyError(
+      f"{where}: where_supported must be true or false, got {where_supported!r}. Fix: write "
+      '"where_supported": true (the rule applies only where its policy has a kernel), or leave it out.'
+    )
   for key in ("path", "policy"):
     if key not in obj:
       raise PolicyError(
@@ -277,6 +319,6 @@ def _rule_from_json(i: int, obj: Any) -> Rule:
     )
   policy = OpPolicy.from_json(obj["policy"], f"{where} (path {obj['path']!r})")
   try:
-    return Rule(path=obj["path"], policy=policy, kind=kind)
+    return Rule(path=obj["path"], policy=policy, kind=kind, where_supported=where_supported)
   except PolicyError as e:
     raise PolicyError(f"{where}: {e}") from None

@@ -92,6 +92,12 @@ class OpPolicy:
     )
 
   @property
+  def forward_needs_rng(self) -> bool:
+    """True when the forward product rounds its operands stochastically (its gradient legs alone
+    may need a key otherwise: ``needs_rng``)."""
+    return self.rounding == "stochastic" and self.fwd in QUANTIZED_PRECISIONS
+
+  @property
   def is_fp32(self) -> bool:
     return self.precisions == ("fp32", "fp32", "fp32")
 

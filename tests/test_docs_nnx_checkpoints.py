@@ -8,9 +8,11 @@ import shlex
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from qsync_cli.main import main as cli_main
 from tests.docs.blocks import doc_blocks
+from tests.jaxpr_dtypes import gemm_dtypes
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx_and_checkpoints.md"
 
@@ -21,7 +23,7 @@ def test_doc_examples_run(tmp_path, monkeypatch, capsys):
   blocks = [
     (b.lang, b.text) for b in doc_blocks("docs/nnx_and_checkpoints.md") if b.kind in ("python", "shell")
   ]
-  assert [kind for kind, _ in blocks] == ["python", "python", "python", "bash", "python"]
+  assert [kind for kind, _ in blocks] == ["python", "python", "python", "python", "bash", "python"]
   assert not [b.where for b in doc_blocks("docs/nnx_and_checkpoints.md") if b.skip is not None]
   namespace: dict = {}
   for i, (kind, code) in enumerate(blocks):
@@ -35,6 +37,11 @@ def test_doc_examples_run(tmp_path, monkeypatch, capsys):
   out = capsys.readouterr().out
   assert "'hidden:dense': OpPolicy(fwd='int8'" in out and "'out:dense': None" in out
   ns = namespace
+  # The quantized nnx module trains in a plain nnx loop, its int8 ops in the step, into `net` itself.
+  assert isinstance(ns["qnet"], nnx.Module) and ns["qnet"].module is ns["net"]
+  assert ns["losses"][-1] < 0.5 * ns["losses"][0]
+  step = jax.make_jaxpr(ns["train_step"])(ns["qnet"], ns["optimizer"], ns["x"], ns["y"])
+  assert gemm_dtypes(step)[("dot_general", "int8", "int8")] == 6  # 2 ops × 3 legs
   # The plain restores, the nnx module updated from them and the export are the trained params.
   trained = ns["trainer"].params
   for tree in (ns["params"], ns["checkpoint"]["params"], ns["exported"]):

@@ -433,7 +433,12 @@ def _search(task, batch, ops, candidates, omega, s: _Settings, say) -> AutoPolic
   clock = timing.default_step_clock()
   variables = timing.init_variables(task, batch, s.seed)
   programs = Programs(task, ops, lambda chosen: policy_of(ops, base, chosen), batch, variables, say)
-  say(f"{len(candidates)} of {len(ops)} ops can run 8-bit; accuracy budget {budget_label(budget)}")
+  calls = sum(op.calls for op in ops)
+  shared = f" ({calls} calls: a module called more than once is one op)" if calls != len(ops) else ""
+  say(
+    f"{len(candidates)} of the model's {len(ops)} quantizable ops{shared} can run 8-bit; "
+    f"accuracy budget {budget_label(budget)}"
+  )
   payoffs, indicator = (), "given" if omega is not None else ""
   sets: dict[str, dict[str, str]] = {"base": {}}
   frontier = None
@@ -445,10 +450,11 @@ def _search(task, batch, ops, candidates, omega, s: _Settings, say) -> AutoPolic
     for p in presets:
       say(f"tracing the step with every candidate at {p}")
       traces[p] = programs.op_legs({op.name: p for op in candidates}, s.trace_repeats)
-    if any(not t for t in traces.values()):
+    if not any(op.name in traces[base] for op in candidates):
       raise PlanError(
-        "auto policy: the step could not be traced (another jax.profiler trace is running). "
-        "Fix: stop that trace and run again."
+        f"auto policy: none of the {len(candidates)} candidate ops was found in the instruction names of "
+        f"{task.name!r}'s compiled step (their JAX name stacks), so their times cannot be told apart. "
+        "Fix: run the model's ops inside Flax modules (linen or nnx), or pass a plan from `qsync plan`."
       )
     payoffs = tuple(
       OpPayoff(

@@ -118,6 +118,10 @@ def compute(
   return tables
 
 
+NO_8BIT_REASON = "a grouped (depthwise) convolution, which no 8-bit kernel runs"
+"""Why a table's op has no 8-bit entries (8-bit convolutions are GEMMs over ungrouped patches)."""
+
+
 def make_table(
   method: str, omega, order: Sequence[str], precisions, task_name: str, n_batches: int, float_only=()
 ) -> dict:
@@ -140,6 +144,7 @@ def make_table(
     "metadata": {
       "task": task_name,
       "batches": n_batches,
+      "no_8bit": {op: NO_8BIT_REASON for op in order if op in float_only},
       "depth": {op: i for i, op in enumerate(order)},
       "jax_version": jax.__version__,
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -3,6 +3,6 @@ local device (``measure_profile``) or its ops' shapes alone (``traced_profile``)
 that turn measured steps into a profile's remainder and cast costs."""
 
 from planners.profiler.fit import fit_profile, fit_remainder
-from planners.profiler.measure import measure_profile, memory_sizes, task_ops, traced_profile
+from planners.profiler.measure import measure_profile, memory_sizes, task_ops, task_shapes, traced_profile
 
-__all__ = ["fit_profile", "fit_remainder", "measure_profile", "memory_sizes", "task_ops", "traced_profile"]
+__all__ = ["fit_profile", "fit_remainder", "measure_profile", "memory_sizes", "task_ops", "task_shapes", "traced_profile"]

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from planners.ops import OpShape, collect_ops
 from planners.predictor.graph import QUANTIZED_TRACE_PRESET
@@ -48,15 +49,39 @@ def versions() -> dict[str, str]:
   }
 
 
+def _train_ops(task, variables, batch, seed: int) -> tuple[OpShape, ...]:
+  """The quantizable ops ``task``'s training-mode ``apply`` calls (``collect_ops``; traced)."""
+  kwargs = {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
+  keys = jax.random.split(jax.random.key(seed), len(task.rng_streams))
+  kwargs["rngs"] = dict(zip(task.rng_streams, keys))  # dropout… (their masks do not change shapes)
+  return tuple(collect_ops(task.model, variables, *task.inputs(batch), **kwargs))
+
+
 def task_ops(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, tuple[OpShape, ...]]:
   """``(batch, variables, ops)``: a training batch of ``task``, its initial variables and the
   quantizable ops its training-mode ``apply`` calls (``collect_ops``; traced, not run)."""
   batch = timing.device_batch(task, batch_per_device, seed)
   variables = timing.init_variables(task, batch, seed)
-  kwargs = {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
-  keys = jax.random.split(jax.random.key(seed), len(task.rng_streams))
-  kwargs["rngs"] = dict(zip(task.rng_streams, keys))  # dropout… (their masks do not change shapes)
-  return batch, variables, tuple(collect_ops(task.model, variables, *task.inputs(batch), **kwargs))
+  return batch, variables, _train_ops(task, variables, batch, seed)
+
+
+def task_shapes(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, tuple[OpShape, ...]]:
+  """``task_ops`` as ``jax.ShapeDtypeStruct`` trees: nothing is computed and nothing of the
+  batch's size allocated (the batch's shapes are a one-example batch's, with every leaf's leading,
+  example axis at ``batch_per_device``)."""
+  one = next(task.train_batches(1, seed))
+  batch = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((batch_per_device, *np.shape(x)[1:]), np.asarray(x).dtype), one
+  )
+  ops = []
+
+  def variables_and_ops(batch):
+    variables = timing.init_variables(task, batch, seed)
+    ops.extend(_train_ops(task, variables, batch, seed))
+    return variables
+
+  variables = jax.eval_shape(variables_and_ops, batch)
+  return batch, variables, tuple(ops)
 
 
 def memory_sizes(params, opt_state, batch) -> dict[str, int]:
@@ -74,20 +99,21 @@ def policy_key(preset: str, op: OpShape) -> tuple:
 
 
 def step_memory(task, batch, ops, seed: int = 0, preset: str = "fp32") -> tuple[int | None, dict[str, int]]:
-  """``(XLA peak bytes, forward headroom)`` of the training step of ``task`` on ``batch`` under
-  the uniform ``preset``, compiled (not run) on the local device."""
-  compiled, _ = timing.compile_train_step(task, PrecisionPolicy.uniform(preset), batch, seed=seed)
-  return timing.xla_peak_bytes(compiled), forward_headroom(compiled.as_text(), ops)
+  """``(XLA peak bytes, forward headroom)`` of the training step of ``task`` on ``batch`` (arrays
+  or their shapes) under the uniform ``preset``, compiled (not run) on the local device."""
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+  variables = jax.eval_shape(lambda b: timing.init_variables(task, b, seed), batch)
+  built = timing.build_train_step(
+    task, PrecisionPolicy.uniform(preset), batch, seed=seed, variables=variables
+  )
+  return timing.xla_peak_bytes(built.compiled), forward_headroom(built.compiled.as_text(), ops)
 
 
 def op_leg_ms(task, policy, batch, ops: Sequence[OpShape], repeats: int) -> dict[str, dict[str, float]]:
   """``{op name: {"fwd": ms, "bwd": ms}}``: the ops' time inside the training step under
-  ``policy`` (``timing.instruction_times``, charged by ``step_hlo.per_op_ms``); empty when a JAX
-  profiler trace is already active (one runs at a time)."""
-  try:
-    hlo, instruction_ms = timing.instruction_times(task, policy, batch, repeats)
-  except RuntimeError:
-    return {}
+  ``policy`` (``timing.instruction_times``, charged by ``step_hlo.per_op_ms``);
+  ``timing.ProfilerBusyError`` when a JAX profiler trace is already active (one runs at a time)."""
+  hlo, instruction_ms = timing.instruction_times(task, policy, batch, repeats)
   by_op = per_op_ms(hlo, instruction_ms, ops)
   return {op.name: by_op[op.name] for op in ops if op.name in by_op}
 
@@ -285,9 +311,10 @@ def noisy_host_warning(prof: Profile) -> str | None:
 
 def traced_profile(task, batch_per_device: int, seed: int = 0) -> Profile:
   """A profile with the ops and memory of ``task`` but no timings (``source="traced"``): the
-  base ``planners.predictor.modeled.modeled_profile`` costs. Compiles the fp32 step once."""
-  batch, variables, ops = task_ops(task, batch_per_device, seed)
-  opt_state = timing.default_optimizer().init(variables["params"])
+  base ``planners.predictor.modeled.modeled_profile`` costs. Compiles the fp32 step once; runs
+  nothing (``task_shapes``)."""
+  batch, variables, ops = task_shapes(task, batch_per_device, seed)
+  opt_state = jax.eval_shape(timing.default_optimizer().init, variables["params"])
   memory = memory_sizes(variables["params"], opt_state, batch)
   peak, headroom = step_memory(task, batch, ops, seed)
   meta = {**versions(), "fp32_xla_peak_bytes": peak}

@@ -45,11 +45,20 @@ def _is_subsequence(parts: Sequence[str], of: Sequence[str]) -> bool:
   return all(p in it for p in parts)
 
 
+def scope_names(op_name: str) -> list[str]:
+  """The names in a JAX name stack, transformations unwrapped: JAX prints a transformation around
+  the first scope under it, so ``jit(step)/transpose(jvp(blocks/0/attn))/dot_general`` is
+  ``jit, step, transpose, jvp, blocks, 0, attn, dot_general``. (A linen model's first scope is its
+  top-level module, ``jvp(LM)/block0/…``; an nnx model's is the op's own path, which
+  ``qsync_jax.models.nnx_quant`` opens.)"""
+  return [p for p in re.split(r"[/()]", op_name) if p]
+
+
 def op_of(op_name: str, ops: Sequence[OpShape]) -> OpShape | None:
   """The op whose product an instruction's JAX name stack ``op_name`` belongs to: its module
-  path's components appear in it in order (Flax repeats a module's name for its method) and
-  attention products name their einsum; the longest path wins."""
-  parts = op_name.split("/")
+  path's components appear in its ``scope_names`` in order (Flax repeats a module's name for its
+  method) and attention products name their einsum; the longest path wins."""
+  parts = scope_names(op_name)
   attention = any(e in op_name for e in ATTENTION_EINSUMS.values())
   best = None
   for op in ops:

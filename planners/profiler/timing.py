@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from planners.profiler.hlo import entry_instructions
+from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.train.task import Task
 from qsync_jax.train.task_step import task_loss
@@ -125,10 +126,14 @@ def build_train_step(
   variables=None,
 ) -> BuiltStep:
   """The training step on ``batch`` compiled with XLA ``compiler_options`` (None: the defaults),
-  from ``variables`` (default ``init_variables(task, batch, seed)``)."""
+  from ``variables`` (default ``init_variables(task, batch, seed)``). ``batch`` and ``variables``
+  may be ``jax.ShapeDtypeStruct`` trees: then only ``compiled`` (not ``run``) is of use."""
   optimizer = optimizer or default_optimizer()
   variables = init_variables(task, batch, seed) if variables is None else variables
-  opt_state = optimizer.init(variables["params"])
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(variables)):
+    opt_state = jax.eval_shape(optimizer.init, variables["params"])
+  else:
+    opt_state = optimizer.init(variables["params"])
   key = jax.random.key(seed)
   step = single_device_step(task, policy, optimizer)
   traced, lowered, compiled, seconds = staged_compile(
@@ -296,15 +301,30 @@ def time_train_steps_interleaved(
 # -- profiler events ----------------------------------------------------------------------------
 
 
+class ProfilerBusyError(PlanError):
+  """Another ``jax.profiler`` trace is running in this process (one runs at a time)."""
+
+
 def profiler_events(run, repeats: int) -> list[dict]:
   """The complete ("X") events of a ``jax.profiler`` trace of ``repeats`` calls of ``run``, each
-  with ``process``, its trace process's name (``/device:GPU:0 …``: GPU kernels). ``RuntimeError``
-  while another profiler session runs."""
+  with ``process``, its trace process's name (``/device:GPU:0 …``: GPU kernels). The trace is
+  stopped however ``run`` ends; ``ProfilerBusyError`` while another trace runs."""
   out = []
   with tempfile.TemporaryDirectory() as log_dir:
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+    try:
+      jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+    except RuntimeError as e:
+      if "already" not in str(e):
+        raise
+      raise ProfilerBusyError(
+        "the step cannot be traced: another jax.profiler trace is running in this process (one runs at a "
+        "time). Fix: stop it (jax.profiler.stop_trace()) and run again."
+      ) from e
+    try:
       for _ in range(repeats):
         run()
+    finally:
+      jax.profiler.stop_trace()
     for path in glob.glob(f"{log_dir}/**/*.trace.json.gz", recursive=True):
       with gzip.open(path) as f:
         events = json.load(f).get("traceEvents", [])

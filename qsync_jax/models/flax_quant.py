@@ -40,6 +40,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from qsync_jax.errors import QsyncError
 from qsync_jax.ops import qattention
 from qsync_jax.ops.quant_ops import (
   RNG_COLLECTION,
@@ -71,7 +72,8 @@ class _Interceptor:
   def _op(self, module, kind) -> tuple[str, str, OpPolicy | None]:
     path = module_path(module)
     name = op_name(path, kind)
-    op_policy = self.policy.lookup(path, kind)
+    runs_8bit = getattr(module, "feature_group_count", 1) == 1  # a grouped conv has no 8-bit kernel
+    op_policy = self.policy.lookup(path, kind, runs_8bit)
     self.seen[name] = op_policy
     return path, name, op_policy
 
@@ -82,8 +84,10 @@ class _Interceptor:
       return module.make_rng(RNG_COLLECTION)
     if module.is_initializing():
       return jax.random.key(0)  # values at init do not depend on rounding noise
-    raise ValueError(
-      f"op {name!r} rounds stochastically ({op_policy}) but no PRNG key was given. "
+    if not op_policy.forward_needs_rng:
+      return None  # the forward rounds to nearest; its gradient asks for a key (qsync_jax.ops.keys)
+    raise QsyncError(
+      f"op {name!r} rounds its operands stochastically ({op_policy}) but no PRNG key was given. "
       f"Fix: pass rngs={{'{RNG_COLLECTION}': key}} to apply (a fresh key each step)."
     )
 
@@ -260,11 +264,16 @@ def _bridge_hint(bridged: list[str]) -> str:
   )
 
 
-def quantize(model: nn.Module, policy: PrecisionPolicy | Any, tap: Tap | None = None) -> QuantizedModel:
+def quantize(
+  model: nn.Module, policy: PrecisionPolicy | Any, tap: Tap | None = None, rngs=None
+) -> QuantizedModel:
   """Runs ``model`` under ``policy`` (a PrecisionPolicy, its JSON object, or a preset name).
 
-  ``model`` is a ``flax.linen`` module, or a ``flax.nnx`` module (or ``NnxModel``), which gets
-  the nnx twin ``qsync_jax.models.nnx_quant.QuantizedNnxModel`` with the same interface.
+  ``model`` is a ``flax.linen`` module, or a ``flax.nnx`` module, which gets an ``nnx.Module``
+  back (``qsync_jax.models.nnx_quant.QuantizedNnxModel``: called, trained with ``nnx.Optimizer``
+  and ``nnx.jit`` as the module itself, with this functional interface too); ``rngs``
+  (``nnx.Rngs``, nnx only) draws its stochastic rounding keys. A linen model takes them per call:
+  ``apply(..., rngs={"qsync": key})``.
 
   Examples:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -278,16 +287,22 @@ def quantize(model: nn.Module, policy: PrecisionPolicy | Any, tap: Tap | None = 
     policy = PrecisionPolicy.uniform(policy)
   elif not isinstance(policy, PrecisionPolicy):
     policy = PrecisionPolicy.from_json(policy)
-  from qsync_jax.models.nnx_model import NnxModel, as_functional  # flax.nnx loads on first use
+  from flax import nnx  # flax.nnx loads on first use
 
-  model = as_functional(model)
-  if isinstance(model, NnxModel):
+  from qsync_jax.models.nnx_model import NnxModel
+
+  if isinstance(model, (nnx.Module, NnxModel)):
     from qsync_jax.models.nnx_quant import quantize_nnx
 
-    return quantize_nnx(model, policy, tap)
+    return quantize_nnx(model, policy, tap, rngs)
   if not isinstance(model, nn.Module):
     raise TypeError(
       f"quantize() takes a flax.linen or flax.nnx Module, got {type(model).__name__}. "
       "Fix: pass the model object (e.g. MyModel(...)), not its variables or a function."
+    )
+  if rngs is not None:
+    raise QsyncError(
+      "quantize's rngs is for flax.nnx modules; a linen model takes its stochastic rounding key per call. "
+      "Fix: drop rngs and pass apply(..., rngs={'qsync': key})."
     )
   return QuantizedModel(model, policy, tap)

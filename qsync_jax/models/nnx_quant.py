@@ -1,9 +1,11 @@
 """Apply a precision policy to an unmodified ``flax.nnx`` model.
 
 ``quantize(nnx_module, policy)`` (``qsync_jax.quantize`` dispatches here) returns a
-``QuantizedNnxModel``: the module behind ``NnxModel``'s functional ``init`` / ``apply``, whose
-``apply`` hands every quantizable module of the fresh copy it calls its quantized op, through
-the module's own attribute where nnx has one:
+``QuantizedNnxModel``, an ``nnx.Module`` wrapping ``nnx_module`` (trained as the module itself,
+with ``nnx.Optimizer`` and ``nnx.jit``); ``quantize(NnxModel, policy)``, what the trainer calls,
+a ``QuantizedNnxFunctional`` with ``NnxModel``'s functional ``init`` / ``apply``. Each call hands
+every quantizable module of a fresh copy of the module its quantized op, through the module's
+own attribute where nnx has one:
 
 ===========================  ================================  ====================================
 module                       op kind(s)                        hook
@@ -22,7 +24,8 @@ its ``LinearGeneral`` children ``query``, ``key``, ``value``, ``out``); the poli
 regex rules, first match wins, then ``__default__``. An op no rule matches keeps the module's
 own function and runs bit-identical to the plain model. Each op runs under ``jax.named_scope``
 of its path (as linen's module scopes name a step's instructions). Stochastic rounding draws a
-fresh key per op call from ``apply(..., rngs={"qsync": key})``.
+fresh key per op call from ``apply(..., rngs={"qsync": key})`` (functional) or from the
+``rngs`` given to ``quantize`` (the module).
 
 An ``embed`` op is a lookup at every precision (``qsync_jax.ops.qembed``, as for linen), an
 ``embed_attend`` op a GEMM. ``nnx.Embed`` has no hook for them, so its copy in ``apply`` is
@@ -98,16 +101,21 @@ def quantizable_modules(module: nnx.Module) -> list[tuple[str, nnx.Module]]:
 class _Ops:
   """One ``apply``'s ops: what each quantizable module called (``seen``) and its keys."""
 
-  def __init__(self, policy: PrecisionPolicy, tap: Tap | None, key, listing: bool = False):
-    """``listing``: record every op and its policy but run the module's own (float) ops."""
+  def __init__(
+    self, policy: PrecisionPolicy, tap: Tap | None, key, listing: bool = False, key_fix: str | None = None
+  ):
+    """``listing``: record every op and its policy but run the module's own (float) ops;
+    ``key_fix``: how to give a key, where an op needs one and ``key`` is None."""
     self.policy, self.tap, self.key, self.listing = policy, tap, key, listing
+    self.key_fix = key_fix or f"pass rngs={{'{RNG_COLLECTION}': key}} to apply (a fresh key each step)"
     self.seen: dict[str, OpPolicy | None] = {}
     self.calls = 0
 
-  def op(self, cls, path: str, kind: str):
-    """The flax_quant op for one call of ``path:kind`` (None: the module's own op)."""
+  def op(self, cls, path: str, kind: str, runs_8bit: bool = True):
+    """The flax_quant op for one call of ``path:kind`` (None: the module's own op);
+    ``runs_8bit``: whether an 8-bit kernel runs it (``PrecisionPolicy.match``)."""
     name = op_name(path, kind)
-    op_policy = self.policy.lookup(path, kind)
+    op_policy = self.policy.lookup(path, kind, runs_8bit)
     self.seen[name] = op_policy
     if op_policy is None or self.listing:
       return None
@@ -120,10 +128,12 @@ class _Ops:
   def _key(self, name: str, op_policy: OpPolicy):
     if not op_policy.needs_rng:
       return None
+    if self.key is None and not op_policy.forward_needs_rng:
+      return None  # the forward rounds to nearest; its gradient asks for a key (qsync_jax.ops.keys)
     if self.key is None:
-      raise ValueError(
-        f"op {name!r} rounds stochastically ({op_policy}) but no PRNG key was given. "
-        f"Fix: pass rngs={{'{RNG_COLLECTION}': key}} to apply (a fresh key each step)."
+      raise QsyncError(
+        f"op {name!r} rounds its operands stochastically ({op_policy}) but no PRNG key was given. "
+        f"Fix: {self.key_fix}."
       )
     self.calls += 1
     return jax.random.fold_in(self.key, self.calls)
@@ -164,10 +174,11 @@ class _ConvHook:
   ops: _Ops
   path: str
   own: Callable
+  runs_8bit: bool  # ungrouped (a grouped convolution has no 8-bit kernel)
 
   def __call__(self, *args, out_sharding=None, **kwargs):
     with jax.named_scope(self.path):
-      op = self.ops.op(QuantizedConv, self.path, "conv")
+      op = self.ops.op(QuantizedConv, self.path, "conv", self.runs_8bit)
       if op is None:
         return self.own(*args, out_sharding=out_sharding, **kwargs)
       _no_out_sharding(self.path, out_sharding)
@@ -313,7 +324,7 @@ def install(module: nnx.Module, ops: _Ops) -> None:
     elif isinstance(m, nnx.Linear):
       m.dot_general = _DotHook(ops, path, "dense", lambda fn=m.dot_general: fn)
     elif isinstance(m, nnx.Conv):
-      m.conv_general_dilated = _ConvHook(ops, path, m.conv_general_dilated)
+      m.conv_general_dilated = _ConvHook(ops, path, m.conv_general_dilated, m.feature_group_count == 1)
     elif isinstance(m, nnx.Einsum):
       m.einsum_op = _EinsumHook(ops, path, m.einsum_op)
     elif isinstance(m, nnx.MultiHeadAttention):
@@ -324,8 +335,9 @@ def install(module: nnx.Module, ops: _Ops) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantizedNnxModel:
-  """An nnx model run under a precision policy; the interface of ``QuantizedModel``."""
+class QuantizedNnxFunctional:
+  """An nnx model run under a precision policy, as a pure function of its variables: the
+  interface of ``QuantizedModel`` (what the trainer, the profiler and the indicator call)."""
 
   model: NnxModel
   policy: PrecisionPolicy
@@ -366,13 +378,95 @@ class QuantizedNnxModel:
     return self.policy.unused_rules(self.ops(variables, *args, **kwargs))
 
 
-def quantize_nnx(model: NnxModel, policy: PrecisionPolicy, tap: Tap | None = None) -> QuantizedNnxModel:
-  """``model`` under ``policy``; refuses a policy that would quantize none of its ops, and warns
-  (``QsyncWarning``) of a rule that matches none of the ops its modules can call."""
-  candidates = [op_name(path, k) for path, m in quantizable_modules(model.module()) for k in kinds_of(m)]
-  policy.check_quantizes_some(candidates, _bridge_hint(model))
+MODULE_KEY_FIX = f"build it with rngs: qsync_jax.quantize(model, policy, rngs=nnx.Rngs({RNG_COLLECTION}=0))"
+
+
+class QuantizedNnxModel(nnx.Module):
+  """An ``nnx.Module`` that calls ``module`` with its quantizable ops at ``policy``: what
+  ``qsync_jax.quantize`` returns for an nnx module. Train it as any nnx module::
+
+      qmodel = qsync_jax.quantize(model, "int8", rngs=nnx.Rngs(qsync=0))
+      optimizer = nnx.Optimizer(qmodel, optax.adam(1e-3), wrt=nnx.Param)
+
+      @nnx.jit
+      def step(qmodel, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m(x, train=True), y))(qmodel)
+        optimizer.update(qmodel, grads)
+        return loss
+
+  ``qmodel(*inputs, **kwargs)`` is ``module(*inputs, **kwargs)`` with the hooks of the module
+  docstring installed on a copy of ``module`` (same variables); the variables the call changes
+  (batch statistics, RNG counts) are written back into ``module``. ``module`` is the model given,
+  not a copy: its variables are the quantized model's (training ``qmodel`` trains it, and it
+  runs as the float model whenever it is called itself). Stochastic rounding draws one key per
+  call from the ``qsync`` stream of ``rngs`` (or its default stream), then one per op; a policy
+  that rounds to nearest needs no ``rngs``.
+
+  The functional view of ``QuantizedNnxFunctional`` is kept, over ``module``'s variables as they
+  are when it is called: ``init(None)`` returns them and ``apply(variables, *inputs, rngs=...)``,
+  ``ops`` and ``unused_rules`` run as for a linen ``QuantizedModel``.
+  """
+
+  def __init__(self, module: nnx.Module, policy: PrecisionPolicy, tap: Tap | None = None, rngs=None):
+    if rngs is not None and not (
+      isinstance(rngs, nnx.Rngs) and (RNG_COLLECTION in rngs or "default" in rngs)
+    ):
+      raise QsyncError(
+        f"quantize's rngs={rngs!r} is not an nnx.Rngs with a {RNG_COLLECTION!r} or default stream. "
+        f"Fix: {MODULE_KEY_FIX}."
+      )
+    self.module = module
+    self.policy = policy
+    self.tap = tap
+    self.rngs = rngs
+
+  def __call__(self, *args, **kwargs):
+    key = None if self.rngs is None else self.rngs[RNG_COLLECTION]()
+    copy = nnx.merge(*nnx.split(self.module))
+    install(copy, _Ops(self.policy, self.tap, key, key_fix=MODULE_KEY_FIX))
+    out = copy(*args, **kwargs)
+    nnx.update(self.module, nnx.state(copy))
+    return out
+
+  def functional(self) -> QuantizedNnxFunctional:
+    """The functional view, over ``module`` as it is now."""
+    return QuantizedNnxFunctional(NnxModel.of(self.module), self.policy, self.tap)
+
+  def init(self, rngs=None, *args, **kwargs):
+    return self.functional().init(rngs, *args, **kwargs)
+
+  def apply(self, variables, *args, **kwargs):
+    return self.functional().apply(variables, *args, **kwargs)
+
+  def ops(self, variables, *args, **kwargs) -> dict[str, OpPolicy | None]:
+    return self.functional().ops(variables, *args, **kwargs)
+
+  def unused_rules(self, variables, *args, **kwargs):
+    return self.functional().unused_rules(variables, *args, **kwargs)
+
+
+def quantize_nnx(model, policy: PrecisionPolicy, tap: Tap | None = None, rngs=None):
+  """``model`` under ``policy``: a ``QuantizedNnxModel`` for an ``nnx.Module``, a
+  ``QuantizedNnxFunctional`` for an ``NnxModel``. Refuses a policy that would quantize none of
+  its ops, and a model already quantized; warns (``QsyncWarning``) of a rule that matches none of
+  the ops its modules can call."""
+  if isinstance(model, QuantizedNnxModel):
+    raise QsyncError(
+      "the model is already quantized (a QuantizedNnxModel). Fix: quantize its float module, "
+      "qmodel.module, with the policy wanted (or pass that module to a Task: the trainer applies the plan's)."
+    )
+  functional = NnxModel.of(model) if isinstance(model, nnx.Module) else model
+  candidates = [op_name(path, k) for path, m in quantizable_modules(functional.module()) for k in kinds_of(m)]
+  policy.check_quantizes_some(candidates, _bridge_hint(functional))
   policy.warn_unused_rules(candidates)
-  return QuantizedNnxModel(model, policy, tap)
+  if isinstance(model, nnx.Module):
+    return QuantizedNnxModel(model, policy, tap, rngs)
+  if rngs is not None:
+    raise QsyncError(
+      "quantize's rngs is for an nnx.Module; a functional model takes its key per call. "
+      f"Fix: drop rngs and pass apply(..., rngs={{{RNG_COLLECTION!r}: key}})."
+    )
+  return QuantizedNnxFunctional(model, policy, tap)
 
 
 def _bridge_hint(model: NnxModel) -> str:

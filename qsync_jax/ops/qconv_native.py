@@ -37,6 +37,7 @@ from jax import lax
 from pallas_kernels.gemm.reference import accumulator_dtype
 from pallas_kernels.quantize import dequantize, quantize
 from pallas_kernels.quantize.noise import stream_keys
+from qsync_jax.ops.keys import check_backward_key, check_forward_key
 from qsync_jax.ops.qdot import FLOAT_DTYPES, LAX_PRECISION, qformat
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 
@@ -182,6 +183,7 @@ def _call_fwd(lhs, rhs, acc, precision, *, strides, pads):
 
 def _native_bwd(strides, pads, op_policy, out_dtype, residuals, g):
   (x_res, w_res), k, (x_proto, w_proto, x_shape, w_shape) = residuals
+  check_backward_key(op_policy, k[0])
   gran, r, gr = op_policy.granularity, op_policy.rounding, op_policy.grad_rounding
   n = g.ndim
 
@@ -216,10 +218,7 @@ def native_quantized_conv(
 ) -> jax.Array:
   """``lax.conv_general_dilated(x, w, window_strides, padding)`` (``x`` NHWC, ``w`` HWIO) with
   each leg at ``op_policy``'s precision through XLA's convolution; see the module docstring."""
-  if op_policy.needs_rng and key is None:
-    raise ValueError(
-      f"op policy {op_policy} rounds stochastically and needs a PRNG key. Fix: pass key=jax.random.key(...)."
-    )
+  check_forward_key(op_policy, key)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(x.dtype, w.dtype))
   n = x.ndim - 2
   strides = tuple(window_strides)

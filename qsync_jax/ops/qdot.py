@@ -69,6 +69,7 @@ from pallas_kernels.gemm.reference import free_axes
 from pallas_kernels.quantize import dequantize, quantize, quantize_pair
 from pallas_kernels.quantize.noise import stream_keys
 from pallas_kernels.quantize.reference import QFORMATS
+from qsync_jax.ops.keys import check_backward_key, check_forward_key
 from qsync_jax.ops.vma import match_vma
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 
@@ -360,6 +361,7 @@ def _qdot_fwd(lhs, rhs, dims, op_policy, key, out_dtype):
 
 def _qdot_bwd(dims, op_policy, out_dtype, residuals, g):
   lres, rres, k, lhs_proto, rhs_proto = residuals
+  check_backward_key(op_policy, k[0])
   (lc, rc), _ = dims
   nl = (lres[0] if _is_quantized(lres) else lres).ndim
   nr = (rres[0] if _is_quantized(rres) else rres).ndim
@@ -439,14 +441,11 @@ def quantized_dot_general(
   Args:
     lhs, rhs, dimension_numbers: as for ``lax.dot_general``.
     op_policy: precision of each leg, rounding and scale granularity.
-    key: PRNG key, required when ``op_policy`` rounds stochastically.
+    key: PRNG key, required when ``op_policy`` rounds stochastically: by the forward where it
+      rounds its operands so, else by the gradient (``qsync_jax.ops.keys``).
     out_dtype: output dtype; defaults to ``jnp.result_type(lhs, rhs)``.
   """
-  if op_policy.needs_rng and key is None:
-    raise ValueError(
-      f"op policy {op_policy} rounds stochastically and needs a PRNG key. Fix: pass "
-      "key=jax.random.key(...) (through Flax: rngs={'qsync': key})."
-    )
+  check_forward_key(op_policy, key)
   if out_dtype is None:
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   if not op_policy.needs_rng:

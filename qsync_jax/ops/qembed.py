@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.quantize.noise import stream_keys
 from pallas_kernels.quantize.reference import absmax_scale, round_to_format
+from qsync_jax.ops.keys import check_backward_key, check_forward_key
 from qsync_jax.ops.qdot import FLOAT_DTYPES, qformat
 from qsync_jax.precision import QUANTIZED_PRECISIONS, OpPolicy
 
@@ -89,6 +90,7 @@ def _rounded_rows_fwd(rows, table_scale, op_policy, keys):
 
 def _rounded_rows_bwd(op_policy, keys, g):
   _, grad_key = keys
+  check_backward_key(op_policy, grad_key)
   if _rounds(op_policy.drhs, g.dtype):
     axes = _scale_axes(g.ndim, op_policy.granularity)
     g = fake_quantize(g, op_policy.drhs, axes, op_policy.grad_rounding, grad_key, is_grad=True)
@@ -111,11 +113,7 @@ def quantized_embed_lookup(
   """
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"embedding lookup: ids dtype {ids.dtype} must be integer.")
-  if op_policy.needs_rng and key is None:
-    raise ValueError(
-      f"op policy {op_policy} rounds stochastically and needs a PRNG key. Fix: pass "
-      "key=jax.random.key(...) (through Flax: rngs={'qsync': key})."
-    )
+  check_forward_key(op_policy, key)
   rows = jnp.take(table, ids, axis=0)
   if not (_rounds(op_policy.fwd, table.dtype) or _rounds(op_policy.drhs, table.dtype)):
     return rows  # plain nn.Embed's program

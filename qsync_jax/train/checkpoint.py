@@ -295,7 +295,7 @@ class CheckpointStore:
     """
     step, meta = self.read_meta(step)
     where = f"checkpoint {step} in {self.directory}"
-    _check(where, meta, expected)
+    check_meta(where, meta, expected)
     target = serialization.to_state_dict(like)
     if meta.get("state") != signature(target):
       raise CheckpointError(
@@ -326,7 +326,9 @@ _WHAT = {
 }
 
 
-def _check(where: str, meta: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+def check_meta(where: str, meta: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+  """``CheckpointError`` naming the first key of ``expected`` whose value ``meta`` (of the
+  checkpoint ``where``) does not have, and the flag that fixes it."""
   for key, want in expected.items():
     got = meta.get(key)
     if got == want:

@@ -79,7 +79,13 @@ class Task:
 
   def __post_init__(self):
     from qsync_jax.models.nnx_model import as_functional  # flax.nnx loads on first use
+    from qsync_jax.models.nnx_quant import QuantizedNnxModel
 
+    if isinstance(self.model, QuantizedNnxModel):
+      raise QsyncError(
+        "Task.model is a quantized nnx model; a Task takes the float model, which the trainer runs under "
+        "each group's policy from the plan. Fix: pass qmodel.module, and put the policy in the plan."
+      )
     object.__setattr__(self, "model", as_functional(self.model))
     t = self.tokens_per_example
     if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):

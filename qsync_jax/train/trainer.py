@@ -71,7 +71,7 @@ from qsync_jax.sync import get_strategy, make_grad_sync
 from qsync_jax.sync.two_level import check_two_level_sync
 from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
-from qsync_jax.train.checkpoint import CheckpointStore, signature
+from qsync_jax.train.checkpoint import CheckpointStore, check_meta, signature
 from qsync_jax.train.outputs import check_run_dir, lock_run_dir
 from qsync_jax.train.progress import peak_tflops, step_flops
 from qsync_jax.train.replan import ReplanEvent, Replanner, trainer_replanner
@@ -194,6 +194,8 @@ class Trainer:
     self.checkpoints = (
       CheckpointStore(os.path.join(out_dir, "checkpoints"), keep_checkpoints) if out_dir else None
     )
+    if resume and self.checkpoints is not None and self.checkpoints.latest_step() is not None:
+      self._check_resumable()  # before the state is built: a mismatch is named in seconds
     self.state = self.program.init(self.seed, sample)
     check_plan_matches_model(task, self.program.plan, self.program.variables_of(self.state), sample)
     self.data_position = 0
@@ -250,10 +252,11 @@ class Trainer:
     return self.program.shard(batch)
 
   # -- checkpoints --------------------------------------------------------------------------
-  def _meta(self) -> dict[str, Any]:
+  def _meta(self, with_params: bool = True) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed (``with_params=False``: before the state exists)."""
     return {
       "task": self.task.name,
-      "params": signature(jax.eval_shape(self.program.params_of, self.state)),
+      **({"params": signature(jax.eval_shape(self.program.params_of, self.state))} if with_params else {}),
       "plan_fingerprint": self.program.plan.fingerprint(),  # optimizer_update left out: checkpoints
       # hold the optimizer state whole, so a run resumes another's whatever their optimizer_update
       **self.sync,
@@ -276,6 +279,17 @@ class Trainer:
       run_settings=self.run_settings,
     )
     self.checkpoints.save(self.step, self.program.full_state(self.state), self.params, meta)
+
+  def _check_resumable(self) -> None:
+    """``CheckpointError`` where the latest checkpoint has another task, plan, cluster, seed or
+    sync than this trainer (``resume`` checks the rest, once the state exists; the plan and the
+    cluster's batches of a re-planned run once it has rebuilt that plan's step)."""
+    step, saved = self.checkpoints.read_meta()
+    expected = self._meta(with_params=False)
+    if saved.get("replans") and hasattr(self, "_build"):
+      # resume first rebuilds the step of the plan the run re-planned to (its batches), then checks these
+      del expected["plan_fingerprint"], expected["cluster"]
+    check_meta(f"checkpoint {step} in {self.checkpoints.directory}", saved, expected)
 
   def resume(self, step: int | None = None) -> bool:
     """Restores checkpoint ``step`` (default: latest); False if there is none. The trainer
@@ -345,7 +359,8 @@ class Trainer:
       self.say(f"replan={self.replanner.mode}: one device group, nothing to balance: nothing is measured")
     if run.step < steps:
       self.say(
-        f"compiling the step ({self.program.cluster.num_devices} devices, global batch {self.global_batch})…"
+        f"compiling the step ({_count(self.program.cluster.num_devices, 'device')}, global batch "
+        f"{self.global_batch})…"
       )
     try:
       with stop:
@@ -525,6 +540,11 @@ def _check_run_settings(checkpoint_every, step_timeout_s) -> None:
       f"step_timeout_s={step_timeout_s!r} must be a number of seconds (0: no watchdog). Fix: pass e.g. "
       "step_timeout_s=600 (--step-timeout 600), or leave it unset."
     )
+
+
+def _count(n: int, noun: str) -> str:
+  """``"1 device"``, ``"4 devices"``."""
+  return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 @jax.jit

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from planners.allocator.greedy import make_problem
 from planners.allocator.joint import joint_plan, plan_of
@@ -72,3 +73,40 @@ def test_grouped_conv_is_planned_in_float():
   assert policy.resolve(problem.op_names)["grouped:conv"].fwd in ("fp16", "fp32")
   out = quantize(TASK.model, policy).apply(variables, batch["x"])  # runs: no grouped-conv error
   assert out.shape == (4, 3) and bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_a_where_supported_rule_runs_8bit_where_a_kernel_exists_and_falls_through_elsewhere():
+  from flax import nnx
+
+  from qsync_jax import Plan, PolicyError, PrecisionPolicy, UnsupportedPrecisionError
+  from qsync_jax.train.train_step import plan_branches
+
+  obj = {
+    "rules": [{"path": ".*", "kind": "conv", "policy": "int8", "where_supported": True}],
+    "__default__": "fp16",
+  }
+  policy = PrecisionPolicy.from_json(obj)
+  assert PrecisionPolicy.from_json(policy.to_json()) == policy
+  x = jnp.zeros((2, 6, 6, 2))
+  linen = quantize(Net(), policy)
+  variables = linen.init(jax.random.key(0), x)
+  ops = linen.ops(variables, x)  # the grouped conv has no 8-bit kernel: the default (fp16)
+  assert (ops["Conv_0:conv"].fwd, ops["grouped:conv"].fwd, ops["Dense_0:dense"].fwd) == (
+    "int8",
+    "fp16",
+    "fp16",
+  )
+  jax.eval_shape(lambda v: linen.apply(v, x), variables)  # traces: no grouped-conv PolicyError
+  depthwise = nnx.Conv(2, 2, (3, 3), feature_group_count=2, rngs=nnx.Rngs(0))
+  assert quantize(depthwise, policy).ops(quantize(depthwise, policy).init(None), x)[":conv"].fwd == "fp16"
+  # a device type without int8 (a V100) runs the rest of the policy, and the trainer's branch does too
+  policy.validate_for_device("V100")
+  with pytest.raises(UnsupportedPrecisionError, match="V100"):
+    PrecisionPolicy.from_json(
+      {**obj, "rules": [{**obj["rules"][0], "where_supported": False}]}
+    ).validate_for_device("V100")
+  cluster = ClusterSpec((DeviceGroup("v", "V100", 1, 32, 2), DeviceGroup("t", "T4", 1, 16, 2)))
+  branches, _ = plan_branches(cluster, Plan(policies={"v": policy, "t": policy}))
+  assert [(b.groups, len(b.policy.rules)) for b in branches] == [(("v",), 0), (("t",), 1)]
+  with pytest.raises(PolicyError, match="where_supported must be true or false.*Fix"):
+    PrecisionPolicy.from_json({"rules": [{**obj["rules"][0], "where_supported": "yes"}]})

@@ -97,4 +97,7 @@ def test_a_grouped_convolution_prints_no_8bit_entry(tmp_path, capsys):
   printed = capsys.readouterr().out
   (row,) = [line.split() for line in printed.splitlines() if line.startswith("grouped:conv")]
   assert row[0] == "grouped:conv" and row[1] == "0" and row[2] == "-" and float(row[3]) > 0
+  # and the table says why
+  assert "- no 8-bit score for 1 op(s) (grouped:conv): each is a grouped (depthwise) convolution" in printed
+  assert '"where_supported": true' in printed
   assert f"wrote {out} (3 ops)" in printed

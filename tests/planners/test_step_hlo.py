@@ -10,9 +10,10 @@ import pytest
 from planners.ops import OpShape, collect_ops
 from planners.profiler import step_hlo, timing
 from planners.profiler.hlo import entry_instructions
-from planners.profiler.measure import op_leg_ms
+from planners.profiler.measure import op_leg_ms, task_ops
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners import tiny
+from tests.trainer import tiny as trainer_tiny
 
 HLO = """HloModule jit_step
 
@@ -72,6 +73,60 @@ def test_op_of_follows_flax_name_stacks():
   assert name("pos_embed/dot_general") == "pos_embed:embed"
   assert name("embed/dot_general") == "embed:embed"
   assert name("block1/attn/attn/query/query/dot_general") is None
+
+
+def test_op_of_finds_nnx_paths_that_jax_prints_inside_a_transformation():
+  # nnx ops run under jax.named_scope(path) as the first scope under jvp/transpose, which JAX
+  # prints around it: jvp(blocks/0/attn/key), not jvp(LM)/blocks/0/attn/key as for linen
+  ops = [
+    _op("conv1:conv", "conv"),
+    _op("blocks/0/attn/key:dense_general", "dense_general"),
+    _op("blocks/0/attn:attention_qk", "attention_qk"),
+    _op("blocks/0/attn:attention_pv", "attention_pv"),
+    _op("blocks/10/up:dense"),
+  ]
+
+  def name(s):
+    op = step_hlo.op_of(s, ops)
+    return op and op.name
+
+  assert name("jit(step)/jvp(conv1)/conv_general_dilated") == "conv1:conv"
+  assert name("jit(step)/transpose(jvp(conv1))/conv_general_dilated") == "conv1:conv"
+  assert name("jit(step)/jvp(blocks/0/attn/key)/dot_general") == "blocks/0/attn/key:dense_general"
+  assert name("jit(step)/transpose(jvp(blocks/0/attn))/...qhd,...khd->...hqk/dot_general") == (
+    "blocks/0/attn:attention_qk"
+  )
+  assert (
+    name("jit(step)/jvp(blocks/0/attn)/...hqk,...khd->...qhd/dot_general") == "blocks/0/attn:attention_pv"
+  )
+  assert name("jit(step)/jvp(blocks/1/up)/dot_general") is None  # "1" is not "10"
+  assert name("jit(step)/jvp()/jit(_threefry_split)/slice") is None
+
+
+@pytest.mark.standard_promotion  # optax's Adam in the traced step
+def test_op_leg_ms_charges_an_nnx_models_step_to_its_ops():
+  task = trainer_tiny.make_nnx_task(batchnorm=False)
+  batch, _, ops = task_ops(task, 8)
+  got = op_leg_ms(task, PrecisionPolicy.uniform("bf16"), batch, ops, repeats=2)
+  assert set(got) == {"hidden:dense", "out:dense"}
+  assert all(legs["fwd"] > 0 for legs in got.values())
+  assert got["out:dense"]["bwd"] > 0
+
+
+def test_a_trace_is_stopped_when_the_traced_program_raises_and_a_busy_profiler_is_named(tmp_path):
+  def fails():
+    raise ZeroDivisionError
+
+  with pytest.raises(ZeroDivisionError):
+    timing.profiler_events(fails, repeats=1)
+  f = jax.jit(lambda x: x + 1)
+  assert timing.profiler_events(lambda: jax.block_until_ready(f(jnp.ones(4))), repeats=1)  # not busy
+  jax.profiler.start_trace(str(tmp_path))
+  try:
+    with pytest.raises(timing.ProfilerBusyError, match="another jax.profiler trace is running.*Fix"):
+      timing.profiler_events(lambda: None, repeats=1)
+  finally:
+    jax.profiler.stop_trace()
 
 
 def test_instructions_are_charged_to_the_op_and_leg_their_name_stack_names():

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from examples.models.transformer import TransformerLM
-from qsync_jax import OpPolicy, PrecisionPolicy, Rule, quantize, quantized_dot_general
+from qsync_jax import OpPolicy, PrecisionPolicy, QsyncError, Rule, quantize, quantized_dot_general
 from qsync_jax.ops.qattention import fused_attention
 from qsync_jax.ops.qembed import fake_quantize, quantized_embed_lookup
 
@@ -53,8 +53,9 @@ def test_lookup_equals_the_one_hot_product(name):
 def test_stochastic_gradient_rounding_is_unbiased_and_needs_a_key():
   table, ids, g = lookup_data()
   policy = OpPolicy.preset("int8")  # stochastic rounding of the table's gradient
-  with pytest.raises(ValueError, match="needs a PRNG key"):
-    quantized_embed_lookup(table, ids, policy)
+  quantized_embed_lookup(table, ids, policy)  # the lookup alone (evaluation) needs no key
+  with pytest.raises(QsyncError, match="rounds its gradients stochastically.*Fix"):
+    jax.vjp(lambda t: quantized_embed_lookup(t, ids, policy), table)[1](g)
 
   def grad(key):
     return jax.vjp(lambda t: quantized_embed_lookup(t, ids, policy, key), table)[1](g)[0]

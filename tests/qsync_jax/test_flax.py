@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, QsyncWarning, Rule, quantize
+from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, QsyncError, QsyncWarning, Rule, quantize
 from qsync_jax.ops.qattention import fused_attention
 from tests.jaxpr_dtypes import gemm_dtypes
 from tests.qsync_jax.models import SmallCNN, SmallTransformer, cnn_data, lm_data
@@ -213,10 +213,20 @@ def test_small_transformer_trains_under_all_int8():
   assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5]), losses
 
 
-def test_stochastic_rounding_without_key_is_a_clear_error():
-  model, variables, seq = transformer_setup()
-  with pytest.raises(ValueError, match=r"rngs=\{'qsync': key\}"):
-    quantize(model, "int8").apply(variables, seq[:, :-1])
+def test_a_key_is_needed_only_where_rounding_is_stochastic_and_its_absence_is_named():
+  model, x = nn.Dense(4), jax.random.normal(jax.random.key(0), (3, 5))
+  variables = model.init(jax.random.key(1), x)
+  qmodel = quantize(model, "int8")  # forward to nearest, gradients stochastic
+  apply = jax.jit(lambda v, rngs: qmodel.apply(v, x, rngs=rngs))
+  evaluated = apply(variables, {})  # evaluation: no key
+  np.testing.assert_array_equal(evaluated, apply(variables, {"qsync": jax.random.key(0)}))
+  with pytest.raises(QsyncError, match=r"rounds its gradients stochastically.*rngs=\{'qsync': key\}"):
+    jax.eval_shape(jax.grad(lambda v: qmodel.apply(v, x).sum()), variables)
+  stochastic = PrecisionPolicy.uniform(OpPolicy.preset("int8").replace(rounding="stochastic"))
+  with pytest.raises(
+    QsyncError, match=r"op ':dense' rounds its operands stochastically.*rngs=\{'qsync': key\}"
+  ):
+    jax.eval_shape(lambda v: quantize(model, stochastic).apply(v, x), variables)
 
 
 def test_quantize_rejects_non_modules():

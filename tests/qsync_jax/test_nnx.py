@@ -12,6 +12,7 @@ from flax import nnx
 from qsync_jax import OpPolicy, PolicyError, PrecisionPolicy, QsyncError, QsyncWarning, Rule, quantize
 from qsync_jax.models.nnx_model import NnxModel
 from qsync_jax.models.nnx_quant import QuantizedNnxModel
+from qsync_jax.train.task import Task
 from tests.jaxpr_dtypes import gemm_dtypes
 from tests.qsync_jax.models import cnn_data
 from tests.qsync_jax.nnx_models import CNN, CNN_OPS, LM, LM_OPS, lm_ids
@@ -319,3 +320,30 @@ def test_bf16_attention_is_fused_inside_the_block_as_for_linen():
       y = qmodel.apply(variables, x)
     assert float32_logits(text) == want, (dropout, fused)
     assert y.dtype == jnp.bfloat16 and rel_err(y, module(x)) < 0.03
+
+
+def test_a_quantized_nnx_model_is_an_nnx_module_over_the_models_own_variables():
+  from tests.trainer.tiny import NnxNet
+
+  net = NnxNet(nnx.Rngs(params=0, dropout=1))
+  qnet = quantize(net, "int8_fwd")  # rounds to nearest: no rngs needed
+  assert isinstance(qnet, nnx.Module) and qnet.module is net
+  x = jax.random.normal(jax.random.key(0), (8, 6))
+  call = nnx.jit(lambda m, x, train: m(x, train=train), static_argnums=2)
+  mean, count = net.norm.mean[...], net.dropout.rngs.count[...]
+  assert call(qnet, x, True).shape == (8, 3)
+  assert not np.array_equal(net.norm.mean[...], mean)  # batch statistics written back into net
+  assert net.dropout.rngs.count[...] == count + 1  # and its dropout stream's count
+  # its call is the functional view's apply on net's variables
+  variables = qnet.init(None)
+  assert set(variables) == {"params", "batch_stats"}
+  want = jax.jit(lambda v: qnet.apply(v, x, train=False))(variables)
+  np.testing.assert_allclose(call(qnet, x, False), want, rtol=1e-6)  # two programs: XLA may fuse apart
+  with pytest.raises(QsyncError, match=r"already quantized.*Fix: quantize its float module"):
+    quantize(qnet, "int8")
+  with pytest.raises(QsyncError, match=r"a Task takes the float model.*Fix: pass qmodel.module"):
+    Task("quantized", qnet, lambda b: (b,), lambda out, b: (out.sum(), {}), lambda n, seed: iter(()))
+  with pytest.raises(QsyncError, match=r"rngs is for flax.nnx modules.*Fix"):
+    quantize(nn.Dense(3), "int8", rngs=nnx.Rngs(0))
+  with pytest.raises(QsyncError, match=r"not an nnx.Rngs with a 'qsync' or default stream.*Fix"):
+    quantize(net, "int8", rngs=nnx.Rngs(params=0))

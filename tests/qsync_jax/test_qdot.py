@@ -16,7 +16,13 @@ from jax import lax
 
 from pallas_kernels.quantize import api as quantize_api
 from pallas_kernels.quantize.reference import dequantize_reference, quantize_reference
-from qsync_jax import OpPolicy, quantized_conv_general_dilated, quantized_dot_general, residual_bytes
+from qsync_jax import (
+  OpPolicy,
+  QsyncError,
+  quantized_conv_general_dilated,
+  quantized_dot_general,
+  residual_bytes,
+)
 from qsync_jax.ops import qconv, qdot
 from tests.tolerances import LOOSE, TIGHT, rel_err, rel_tol
 
@@ -322,10 +328,16 @@ def test_conv_gradients_close_to_float(policy, layout):
     assert rel_err(got, want) < 2 * worst
 
 
-def test_stochastic_rounding_needs_a_key():
+def test_stochastic_rounding_needs_a_key_in_the_legs_that_round_so():
   x, w = draw((4, 4), 0), draw((4, 4), 1)
-  with pytest.raises(ValueError, match="needs a PRNG key"):
-    quantized_dot_general(x, w, (((1,), (0,)), ((), ())), OpPolicy.preset("int8"))
+  dims = (((1,), (0,)), ((), ()))
+  int8 = OpPolicy.preset("int8")  # forward to nearest, gradients stochastic
+  y = quantized_dot_general(x, w, dims, int8)  # the forward alone (evaluation) needs no key
+  np.testing.assert_array_equal(y, quantized_dot_general(x, w, dims, int8, jax.random.key(0)))
+  with pytest.raises(QsyncError, match="rounds its gradients stochastically.*forward alone.*Fix: pass key"):
+    jax.grad(lambda x: quantized_dot_general(x, w, dims, int8).sum())(x)
+  with pytest.raises(QsyncError, match="rounds its operands stochastically and needs a PRNG key.*Fix"):
+    quantized_dot_general(x, w, dims, int8.replace(rounding="stochastic"))
 
 
 def test_int8_forward_saves_int8_residuals():

@@ -83,7 +83,7 @@ def test_memory_is_checked_against_the_cluster_spec(tmp_path, capsys):
   small.save(str(tmp_path / "c.json"))
   code, err = _train(capsys, *MODEL, "--cluster", str(tmp_path / "c.json"), "--out", str(tmp_path / "r"))
   assert code == 2 and "group 't' (T4, 1 per device) needs at least 0.01 GB" in err
-  assert "Fix: set memory_gb ≥ 0.01" in err and not (tmp_path / "r").exists()
+  assert "set memory_gb ≥ 0.01 in a --cluster spec" in err and not (tmp_path / "r").exists()
 
 
 def test_batches_that_do_not_fit_the_devices(tmp_path, capsys, cluster8):
