@@ -457,7 +457,7 @@ def bench_quantize_pair(name, shape, reps):
     for suffix, cfg in PAIR_CONFIGS.items() if rounding == "stochastic" else [("", None)]:
       fn = jax.jit(
         lambda x, fmt=fmt, cfg=cfg, rounding=rounding: quant_api.quantize_pair(
-          x, fmt, 1, rounding, legs, in_scales=(col_in, row_in), impl="pallas", config=cfg
+          x, fmt, 1, rounding, legs[0], in_scales=(col_in, row_in), impl="pallas", config=cfg
         )
       )
       got = fn(*xs[0])
