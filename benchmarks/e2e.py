@@ -42,8 +42,8 @@ shapes, Threefry computations, custom calls in the lowered module, and the lower
 SHA-256: two cells with the same hash hand XLA the same program), and memory (XLA's
 ``memory_analysis`` peak and the device's ``peak_bytes_in_use``). With ``--categories`` a step cell also traces 5 steps and sums its kernel time by category
 (``benchmarks.common.e2e_inspect.step_category``: GEMM, quantize, cast/transpose/copy,
-attention, norm/elementwise, optimizer); its row carries them and the ceiling: the step minus
-its quantize and cast/transpose/copy kernels. A restarted run's compile
+attention, norm/elementwise, optimizer); its row carries them, its 40 largest kernels and the
+ceiling: the step minus its quantize and cast/transpose/copy kernels. A restarted run's compile
 is the same command run again with the same ``--compilation-cache``: its cells compile out of
 JAX's persistent compilation cache (a second build in one process is no measure of it: a
 Mosaic GPU kernel lowered again in one process gets another module, and misses the cache).
@@ -326,7 +326,7 @@ def step_cell(
     if categories:
       run = built.run
       per_kernel = kernels_by(profiler_events(lambda: jax.block_until_ready(run()), 5), 5)
-      out["categories"] = step_categories(per_kernel, built.compiled.as_text())
+      out["categories"], out["top_kernels"] = step_categories(per_kernel, built.compiled.as_text(), top=40)
       out["kernel_ms"] = sum(ms for ms, _ in per_kernel.values())
   out["device_peak_bytes"] = device_peak_bytes()
   del built
@@ -435,6 +435,7 @@ def run_unit(unit: Unit, args) -> list[dict]:
       extra["auto"] = res["auto"]
     if "categories" in res:
       extra["categories"], extra["kernel_ms"] = res["categories"], res["kernel_ms"]
+      extra["top_kernels"] = res["top_kernels"]
       overhead = sum(res["categories"][c]["ms"] for c in ("quantize", "cast_transpose"))
       extra["ceiling_ms"] = res["step_ms"] - overhead
     if "step_ms" in res:

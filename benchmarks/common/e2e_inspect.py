@@ -138,16 +138,23 @@ def step_category(name: str, stack: str) -> str:
   return "norm_elementwise"
 
 
-def step_categories(per_kernel: dict[str, tuple[float, float]], hlo: str) -> dict[str, dict]:
+def step_categories(per_kernel: dict[str, tuple[float, float]], hlo: str, top: int = 0):
   """``{category: {"ms", "launches"}}`` (``step_category``) of ``{kernel: (ms, launches)}``
-  per step (``planners.profiler.timing.kernels_by``) of the compiled module ``hlo``."""
+  per step (``planners.profiler.timing.kernels_by``) of the compiled module ``hlo``; with
+  ``top``, also ``(categories, [[kernel, ms, launches, category, name stack], ...])`` of the
+  ``top`` largest kernels."""
   stacks = instruction_stacks(hlo)
   out = {c: {"ms": 0.0, "launches": 0.0} for c in STEP_CATEGORIES}
+  kernels = []
   for name, (ms, n) in per_kernel.items():
-    cat = step_category(name, stacks.get(name.replace(".", "_"), ""))
+    stack = stacks.get(name.replace(".", "_"), "")
+    cat = step_category(name, stack)
     out[cat]["ms"] += ms
     out[cat]["launches"] += n
-  return out
+    kernels.append([name, ms, n, cat, stack[-120:]])
+  if not top:
+    return out
+  return out, sorted(kernels, key=lambda k: -k[1])[:top]
 
 
 def instruction_stacks(hlo: str) -> dict[str, str]:
