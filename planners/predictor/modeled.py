@@ -59,10 +59,10 @@ def quantize_leg_ms(spec: DeviceType, op: OpShape, leg: str) -> float:
   runs it under a per-channel policy whose legs share one 8-bit format (the ``int8`` and ``fp8``
   presets):
 
-  * ``fwd``: the left operand (an activation; a convolution's im2col patches, written first)
-    per row: one kernel reads it once and writes its 8-bit copy; the right operand per column,
-    laid out contraction-major: an XLA absmax reduction, then a kernel that reads it again and
-    writes the copy;
+  * ``fwd``: each operand (the left one an activation — a convolution's im2col patches, written
+    first — per row, the right one per column): an XLA absmax reduction, then one kernel that
+    reads it again and writes its 8-bit copy in two layouts, the forward GEMM's and the gradient
+    leg's (``quantize_both``);
   * ``dlhs``, ``drhs``: the forward's saved 8-bit operands are reused as they are; ``dY`` is
     quantized for both legs by one ``quantize_pair`` (two kernels, each reading ``dY``; two 8-bit
     copies written), half of it charged to each leg.
@@ -75,8 +75,8 @@ def quantize_leg_ms(spec: DeviceType, op: OpShape, leg: str) -> float:
   if op.kind == "conv":
     lhs = op.batch * op.m * op.k
     im2col_ms = catalog.memory_ms(spec, a * (op.lhs_elems + lhs))  # reads the input, writes the patches
-  nbytes = (a + 1) * lhs + (2 * a + 1) * op.rhs_elems
-  return im2col_ms + catalog.quantize_ms(spec, nbytes) + 3 * launch
+  nbytes = (2 * a + 2) * (lhs + op.rhs_elems)
+  return im2col_ms + catalog.quantize_ms(spec, nbytes) + 4 * launch
 
 
 def leg_ms(spec: DeviceType, op: OpShape, leg: str, precision: str) -> float:
