@@ -118,11 +118,14 @@ def test_an_8_bit_leg_of_a_bf16_model_reads_its_operands_at_two_bytes():
   op = OpShape("mlp:dense", "dense", 1, t, k, n, 1, t * k, k * n, t * n, activation_dtype="bfloat16")
   launch = h100.launch_us * 1e-3
   per_byte = 1e3 / (3350e9 * catalog.QUANTIZE_EFFICIENCY)
-  # X and W (bf16: the module converted W) each read twice (absmax, then the kernel), two int8
-  # copies written (the forward GEMM's layout and the gradient leg's)
-  assert quantize_leg_ms(h100, op, "fwd") == pytest.approx((6 * t * k + 6 * k * n) * per_byte + 4 * launch)
-  # dY (bf16) read twice, two int8 copies written, half each
-  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(((4 + 2) * t * n * per_byte + 2 * launch) / 2)
+  # X (bf16) read once, int8 written; W (bf16: the module converted it) read twice, int8 written
+  assert quantize_leg_ms(h100, op, "fwd") == pytest.approx((3 * t * k + 5 * k * n) * per_byte + 3 * launch)
+  # dY (bf16) read twice, two int8 copies written, half each; the weight gradient pays X's absmax
+  # and its second int8 copy (the forward's kernel writes it in this leg's layout), the input
+  # gradient W's second copy
+  pair = ((4 + 2) * t * n * per_byte + 2 * launch) / 2
+  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(pair + 3 * t * k * per_byte + launch)
+  assert quantize_leg_ms(h100, op, "dlhs") == pytest.approx(pair + k * n * per_byte)
 
 
 def test_an_op_records_the_dtype_its_model_computes_in():
@@ -147,17 +150,19 @@ def test_an_8_bit_leg_pays_the_quantize_kernels_the_trainer_runs_at_their_measur
   op = OpShape("mlp:dense", "dense", 1, t, k, n, 1, t * k, k * n, t * n)
   launch = h100.launch_us * 1e-3
   per_byte = 1e3 / (3350e9 * catalog.QUANTIZE_EFFICIENCY)
-  # forward: X (fp32) per row and W (fp32) per column, each read twice (absmax, then the kernel)
-  # and written as two int8 copies (both GEMM layouts); four kernels
-  fwd = (10 * t * k + 10 * k * n) * per_byte + 4 * launch
+  # forward: X (fp32) per row, read once, int8 written; W (fp32) per column, read twice (absmax, then
+  # the kernel), int8 written; three kernels
+  fwd = (5 * t * k + 9 * k * n) * per_byte + 3 * launch
   assert quantize_leg_ms(h100, op, "fwd") == pytest.approx(fwd)
-  # backward: dY (fp32) quantized once for both legs, two passes, two int8 copies: half each
-  assert quantize_leg_ms(h100, op, "dlhs") == quantize_leg_ms(h100, op, "drhs")
-  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(((8 + 2) * t * n * per_byte + 2 * launch) / 2)
+  # backward: dY (fp32) quantized once for both legs, two passes, two int8 copies: half each; plus
+  # the forward operand's second copy each leg reads (X: with its absmax, 4 + 1 bytes; W: 1 byte)
+  pair = ((8 + 2) * t * n * per_byte + 2 * launch) / 2
+  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(pair + 5 * t * k * per_byte + launch)
+  assert quantize_leg_ms(h100, op, "dlhs") == pytest.approx(pair + k * n * per_byte)
   gemm = gemm_roofline_ms(h100, "int8", t, k, n, 1, (t * k, k * n, t * n))
   assert leg_ms(h100, op, "fwd", "int8") == pytest.approx(gemm + fwd)
   # the same bytes cost in proportion to the bandwidth on another device (600 GB/s on an A10)
-  assert quantize_leg_ms(a10, op, "fwd") - 4 * launch == pytest.approx((fwd - 4 * launch) * 3350 / 600)
+  assert quantize_leg_ms(a10, op, "fwd") - 3 * launch == pytest.approx((fwd - 3 * launch) * 3350 / 600)
   int8, dequantize = modeled_cast(h100, "fp32->int8"), modeled_cast(h100, "int8->fp32")
   assert int8.b == launch and int8.a == pytest.approx(5 * per_byte)  # the per-row kernel
   assert dequantize.b == launch and dequantize.a == pytest.approx(catalog.memory_ms(h100, 1 + 4))
