@@ -16,6 +16,9 @@ the ResNet cells):
   pre-LN blocks of ``nn.MultiHeadDotProductAttention`` and a 4d GELU MLP of ``nn.Dense``, an
   untied ``nn.Dense`` head; vocabulary 32768, sequence 1024 × batch 8 = 8192 tokens per step, 4
   blocks, heads of 64 (d ≤ 1024) or 128 dims; AdamW.
+* ``llama[:WIDTH[:POLICY+POLICY...]]`` — the same cells for a Llama-style model
+  (``benchmarks.common.zoo.e2e_llama``: RMSNorm, attention and a SwiGLU MLP without biases,
+  learned positions; the GPT's widths, blocks, heads, vocabulary and tokens per step).
 * ``cnn[:POLICY+...]`` — ResNet-50 (bottleneck blocks, ``benchmarks.common.zoo.e2e_resnet50``) on
   random 224×224 images, batch 32, bf16 modules; policies ``CNN_POLICIES``.
 * ``profile[:WIDTH[:POLICY+...]]`` — the GPU kernels of one GPT step (default: the first
@@ -37,7 +40,10 @@ stages (``planners.profiler.timing.staged_compile``: trace, lower, XLA compile) 
 what the program holds (jaxpr equations, dot_generals, Pallas kernels and their distinct
 shapes, Threefry computations, custom calls in the lowered module, and the lowered module's
 SHA-256: two cells with the same hash hand XLA the same program), and memory (XLA's
-``memory_analysis`` peak and the device's ``peak_bytes_in_use``). A restarted run's compile
+``memory_analysis`` peak and the device's ``peak_bytes_in_use``). With ``--categories`` a step cell also traces 5 steps and sums its kernel time by category
+(``benchmarks.common.e2e_inspect.step_category``: GEMM, quantize, cast/transpose/copy,
+attention, norm/elementwise, optimizer); its row carries them, its 40 largest kernels and the
+ceiling: the step minus its quantize and cast/transpose/copy kernels. A restarted run's compile
 is the same command run again with the same ``--compilation-cache``: its cells compile out of
 JAX's persistent compilation cache (a second build in one process is no measure of it: a
 Mosaic GPU kernel lowered again in one process gets another module, and misses the cache).
@@ -87,6 +93,7 @@ from benchmarks.common.e2e_inspect import (
   kernel_kind,
   lower_for_cuda,
   lowered_table,
+  step_categories,
 )
 from benchmarks.common.e2e_micro import (
   CONV_CASES,
@@ -99,7 +106,7 @@ from benchmarks.common.e2e_micro import (
 )
 from benchmarks.common.e2e_table import table
 from benchmarks.common.result_rows import append_rows, result_row, results_path
-from benchmarks.common.zoo import e2e_gpt, e2e_resnet50
+from benchmarks.common.zoo import e2e_gpt, e2e_llama, e2e_resnet50
 from pallas_kernels import arch
 from pallas_kernels.gemm import api as gemm_api
 from pallas_kernels.quantize import api as quantize_api
@@ -142,12 +149,27 @@ POLICIES = {
 }
 """Every Dense is the examples' ``nn.Dense`` (MLP, head) and the attention's ``DenseGeneral``
 projections (query, key, value, out)."""
-FUSED_ATTENTION = ("plain_cudnn_attn", "bf16_fused_attn", "int8_dense_fused_attn", "fp8_dense_fused_attn", "auto")
+FUSED_ATTENTION = (
+  "plain_cudnn_attn",
+  "bf16_fused_attn",
+  "int8_dense_fused_attn",
+  "fp8_dense_fused_attn",
+  "auto",
+)
 """Policies traced with fused attention on (``qattention.fused_attention``, the library's default);
 the others are traced with it off, Flax's own attention einsums."""
 AUTO = "auto"
 """Not a fixed policy: ``planners.allocator.auto_policy`` measured on the cell's model first."""
-GPT_POLICIES = ("plain", "plain_cudnn_attn", "bf16", "int8_dense", "fp8_dense", "int8_fwd_dense", "int8_dense_attn", "auto")
+GPT_POLICIES = (
+  "plain",
+  "plain_cudnn_attn",
+  "bf16",
+  "int8_dense",
+  "fp8_dense",
+  "int8_fwd_dense",
+  "int8_dense_attn",
+  "auto",
+)
 CNN_POLICIES = ("plain", "bf16", "int8_conv", "int8_fwd_conv")
 PROFILE_POLICIES = ("plain", "int8_dense")
 
@@ -264,8 +286,11 @@ def init(task, batch):
   return init_fn.lower(jax.random.key(0), inputs).compile(options)(jax.random.key(0), inputs)
 
 
-def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only: bool):
-  """``{metric: value, ...}`` of one training step cell (see the module docstring)."""
+def step_cell(
+  task, batch_size: int, policy_name: str, steps: int, compile_only: bool, categories: bool = False
+):
+  """``{metric: value, ...}`` of one training step cell (see the module docstring); with
+  ``categories``, also its kernel time per ``e2e_inspect.step_category`` (a trace of 5 steps)."""
   batch = timing.device_batch(task, batch_size)
   out, policy = {}, None
   if parse_variant(policy_name).policy == AUTO:
@@ -298,6 +323,11 @@ def step_cell(task, batch_size: int, policy_name: str, steps: int, compile_only:
     out.update(
       step_ms=ms, step_ms_min=min(samples), step_ms_max=max(samples), clock=clock, samples=len(samples)
     )
+    if categories:
+      run = built.run
+      per_kernel = kernels_by(profiler_events(lambda: jax.block_until_ready(run()), 5), 5)
+      out["categories"], out["top_kernels"] = step_categories(per_kernel, built.compiled.as_text(), top=40)
+      out["kernel_ms"] = sum(ms for ms, _ in per_kernel.values())
   out["device_peak_bytes"] = device_peak_bytes()
   del built
   gc.collect()
@@ -352,10 +382,10 @@ def parse_plan(text: str, args) -> list[Unit]:
     section, *rest = item.split(":")
     arg = rest[0] if rest else ""
     policies = tuple(rest[1].split("+")) if len(rest) > 1 else ()
-    if section == "gpt":
+    if section in ("gpt", "llama"):
       for width in [arg] if arg else [str(w) for w in args.widths]:
         for p in policies or args.policies:
-          units.append(Unit("gpt", width, (p,)))
+          units.append(Unit(section, width, (p,)))
     elif section == "cnn":
       units += [Unit("cnn", "", (p,)) for p in (tuple(arg.split("+")) if arg else CNN_POLICIES)]
     elif section == "profile":
@@ -368,7 +398,9 @@ def parse_plan(text: str, args) -> list[Unit]:
       shapes = TINY_CONV_SHAPES if args.tiny else CONV_SHAPES
       units += [Unit("conv", s) for s in ([arg] if arg else list(shapes))]
     else:
-      raise SystemExit(f"--plan: unknown unit {item!r}. Fix: use gpt, cnn, profile, attention or conv.")
+      raise SystemExit(
+        f"--plan: unknown unit {item!r}. Fix: use gpt, llama, cnn, profile, attention or conv."
+      )
     for u in units:
       for p in u.policies:
         parse_variant(p)
@@ -384,17 +416,28 @@ def run_unit(unit: Unit, args) -> list[dict]:
   def row(case, metric, value, baseline=None, **extra):
     rows.append(result_row("e2e", case, metric, value, baseline, device, **tags, **extra))
 
-  if unit.section in ("gpt", "cnn"):
-    task, batch = e2e_gpt(int(unit.arg), args.tiny) if unit.section == "gpt" else e2e_resnet50(args.tiny)
+  if unit.section in ("gpt", "llama", "cnn"):
+    if unit.section == "cnn":
+      (task, batch), case = e2e_resnet50(args.tiny), f"resnet50/{unit.policies[0]}"
+    else:
+      builder = e2e_gpt if unit.section == "gpt" else e2e_llama
+      (task, batch), case = (
+        builder(int(unit.arg), args.tiny),
+        f"{unit.section}/d{unit.arg}/{unit.policies[0]}",
+      )
     policy = unit.policies[0]
-    case = f"gpt/d{unit.arg}/{policy}" if unit.section == "gpt" else f"resnet50/{policy}"
-    res = step_cell(task, batch, policy, args.steps, args.compile_only)
+    res = step_cell(task, batch, policy, args.steps, args.compile_only, args.categories)
     earlier = run_rows(args.out_jsonl, args.run_id)
     base_case = baseline_case(case, {r["case"] for r in earlier})
     plain = {r["metric"]: r["value"] for r in earlier if r["case"] == base_case}
     extra = {"batch": batch, "policy": policy, "model": unit.section, "baseline_case": base_case}
     if "auto" in res:
       extra["auto"] = res["auto"]
+    if "categories" in res:
+      extra["categories"], extra["kernel_ms"] = res["categories"], res["kernel_ms"]
+      extra["top_kernels"] = res["top_kernels"]
+      overhead = sum(res["categories"][c]["ms"] for c in ("quantize", "cast_transpose"))
+      extra["ceiling_ms"] = res["step_ms"] - overhead
     if "step_ms" in res:
       base = plain.get("step_ms")
       timing = {k: res[k] for k in ("step_ms_min", "step_ms_max", "clock")}
@@ -501,7 +544,7 @@ def unit_groups(units: list[Unit], isolate: bool) -> list[list[Unit]]:
   section other than the step cells (profile, attention, conv) share a process."""
   groups: list[list[Unit]] = []
   for unit in units:
-    shared = isolate and unit.section not in ("gpt", "cnn")
+    shared = isolate and unit.section not in ("gpt", "llama", "cnn")
     if shared and groups and groups[-1][0].section == unit.section:
       groups[-1].append(unit)
     else:
@@ -515,7 +558,7 @@ def child_command(group: list[Unit], args, remaining_s: float) -> list[str]:
   cmd = [sys.executable, "-m", "benchmarks.e2e", "--plan", plan, "--run-id", args.run_id, "--child"]
   cmd += ["--steps", str(args.steps), "--out-jsonl", args.out_jsonl, "--budget-s", f"{remaining_s:.0f}"]
   cmd += ["--widths", *map(str, args.widths), "--policies", *args.policies]
-  for flag in ("compile_only", "tiny"):
+  for flag in ("compile_only", "tiny", "categories"):
     if getattr(args, flag):
       cmd.append("--" + flag.replace("_", "-"))
   if args.compilation_cache:
@@ -555,6 +598,9 @@ def main(argv=None) -> int:
   )
   ap.add_argument("--steps", type=int, default=30, help="timed steps per cell (windows of 10 on a GPU)")
   ap.add_argument("--compile-only", action="store_true", help="compile (and run once); no step timing")
+  ap.add_argument(
+    "--categories", action="store_true", help="step cells also trace their kernels by category (5 steps)"
+  )
   ap.add_argument(
     "--compilation-cache", help="JAX's persistent compilation cache folder (run twice: a restart's compile)"
   )
@@ -638,13 +684,15 @@ def main(argv=None) -> int:
 
 def lower_units_for_cuda(units: list[Unit], tiny: bool, builds: int = 3) -> int:
   """``--lower-for-cuda``: the GPT units' steps lowered for CUDA, ``builds`` times each."""
-  if any(u.section != "gpt" for u in units):
-    raise SystemExit("--lower-for-cuda: only gpt units are lowered. Fix: e.g. --plan gpt:768:int8_dense.")
+  if any(u.section not in ("gpt", "llama") for u in units):
+    raise SystemExit(
+      "--lower-for-cuda: only gpt and llama units are lowered. Fix: e.g. --plan gpt:768:int8_dense."
+    )
   results = {}
   for unit in units:
-    task, batch = e2e_gpt(int(unit.arg), tiny)
+    task, batch = (e2e_gpt if unit.section == "gpt" else e2e_llama)(int(unit.arg), tiny)
     policy = parse_variant(unit.policies[0]).policy
-    results[f"gpt/d{unit.arg}/{policy}"] = runs = []
+    results[f"{unit.section}/d{unit.arg}/{policy}"] = runs = []
     for _ in range(builds):
       jax.clear_caches()
       runs.append(lower_for_cuda(task, batch, POLICIES[policy], optimizer(), policy in FUSED_ATTENTION))
@@ -654,7 +702,11 @@ def lower_units_for_cuda(units: list[Unit], tiny: bool, builds: int = 3) -> int:
 
 def skip_row(unit: Unit, args, metric: str, reason: str) -> dict:
   """A row saying a unit was skipped or failed (``metric``), with why."""
-  case = {"gpt": f"gpt/d{unit.arg}/{'+'.join(unit.policies)}", "cnn": f"resnet50/{'+'.join(unit.policies)}"}
+  case = {
+    "gpt": f"gpt/d{unit.arg}/{'+'.join(unit.policies)}",
+    "llama": f"llama/d{unit.arg}/{'+'.join(unit.policies)}",
+    "cnn": f"resnet50/{'+'.join(unit.policies)}",
+  }
   name = case.get(unit.section, unit.name)
   return result_row(
     "e2e", name, metric, None, None, args.device, run=args.run_id, unit=unit.name, reason=reason

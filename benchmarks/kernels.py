@@ -13,6 +13,8 @@ Cases, per GEMM shape M×K×N, all against XLA bf16 measured in the same run:
   * quantize passes (bandwidth): the Pallas kernels against the jnp reference under XLA.
   * ``--sections pair``: a gradient dY quantized for both gradient legs, ``quantize_pair``'s
     two passes (tile configs) against two ``quantize`` calls, at a GPT's dY shapes.
+  * ``--sections both``: an activation quantized in its two GEMM layouts, ``quantize_both``
+    (tile configs) against the row kernel plus an XLA transpose of its codes.
   * one Dense training step (forward + dlhs + drhs, every quantization included) through
     ``qsync_jax.quantized_dot_general`` with ``OpPolicy``s — all-int8 with stochastic
     rounding on gradients, int8 forward + bf16 backward (QSync style), fp8 — against the
@@ -52,7 +54,7 @@ from pallas_kernels.gemm import kernel as gemm_kernel
 from pallas_kernels.gemm.config import GemmConfig, HopperConfig
 from pallas_kernels.quantize import api as quant_api
 from pallas_kernels.quantize.config import QuantizeConfig
-from pallas_kernels.quantize.reference import quantize_reference
+from pallas_kernels.quantize.reference import absmax_scale, quantize_reference
 from planners.profiler.timing import profiler_events
 from qsync_jax import OpPolicy, quantized_dot_general
 
@@ -457,7 +459,7 @@ def bench_quantize_pair(name, shape, reps):
     for suffix, cfg in PAIR_CONFIGS.items() if rounding == "stochastic" else [("", None)]:
       fn = jax.jit(
         lambda x, fmt=fmt, cfg=cfg, rounding=rounding: quant_api.quantize_pair(
-          x, fmt, 1, rounding, legs, in_scales=(col_in, row_in), impl="pallas", config=cfg
+          x, fmt, 1, rounding, legs[0], in_scales=(col_in, row_in), impl="pallas", config=cfg
         )
       )
       got = fn(*xs[0])
@@ -476,6 +478,57 @@ def bench_quantize_pair(name, shape, reps):
         nbytes,
         (f"{fmt_tag}_two_quantize_calls", base),
         frac_codes_differ=diff,
+      )
+
+
+BOTH_SHAPES = {  # name: X [M, K] of a GPT d2048 step at 8192 tokens: the GELU output, a LayerNorm output
+  "gelu_out": (8192, 8192),
+  "ln_out": (8192, 2048),
+}
+BOTH_CONFIGS = {
+  "": None,
+  "_128x64": QuantizeConfig(128, 64, 8),
+  "_64x128": QuantizeConfig(64, 128, 4),
+  "_128x128": QuantizeConfig(128, 128, 8),
+  "_32x128": QuantizeConfig(32, 128, 4),
+}
+
+
+@guarded
+def bench_quantize_both(name, shape, reps):
+  """An activation X quantized per row for the forward and transposed for the weight gradient:
+  ``quantize_both`` (an XLA absmax, one kernel pass writing both copies; tile configs) against
+  the fused-absmax row kernel with an XLA transpose of its codes, and the absmax alone."""
+  m, k = shape
+  keys = jax.random.split(jax.random.key(3), 2)
+  xs = [(rand(jax.random.fold_in(keys[0], i), (m, k), jnp.bfloat16),) for i in range(n_sets(2 * m * k))]
+  log(f"[quantize_both] {name} {shape}")
+  for fmt in ("int8", "e4m3"):
+    rows_t = jax.jit(lambda x, fmt=fmt: quant_api.quantize(x, fmt, (1,), impl="pallas")[0].T)
+    base = record(
+      "both", f"{fmt}_rows_then_xla_transpose", shape, "GB/s", 1, timeit(rows_t, xs, reps), 5 * m * k
+    )
+    absmax = jax.jit(lambda x, fmt=fmt: absmax_scale(x, fmt, (1,)))
+    record("both", f"{fmt}_xla_absmax", shape, "GB/s", 1, timeit(absmax, xs, reps), 2 * m * k)
+    for suffix, cfg in BOTH_CONFIGS.items() if fmt == "int8" else [("", None)]:
+      fn = jax.jit(
+        lambda x, fmt=fmt, cfg=cfg: quant_api.quantize_both(
+          x, fmt, (1,), contract_axes=(1,), impl="pallas", config=cfg
+        )
+      )
+      (q, _), (qt, _) = fn(*xs[0])
+      ok = bool(jnp.all(q.T == qt))
+      t = timeit(fn, xs, reps)
+      record(
+        "both",
+        f"{fmt}_both{suffix}",
+        shape,
+        "GB/s",
+        1,
+        t,
+        6 * m * k,
+        (f"{fmt}_rows_then_xla_transpose", base),
+        both_layouts_agree=ok,
       )
 
 
@@ -576,7 +629,7 @@ def main(argv=None):
   )
   p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   p.add_argument("--shapes", default=",".join(SHAPES))
-  p.add_argument("--sections", default="gemm,quantize,step", help="of gemm, quantize, step, pair")
+  p.add_argument("--sections", default="gemm,quantize,step", help="of gemm, quantize, step, pair, both")
   p.add_argument("--reps", type=int, default=15)
   p.add_argument("--sweep", action="store_true", help="time int8 kernel tile configs on the first shape")
   p.add_argument("--variants", action="store_true", help="steps of the big shape under other impls too")
@@ -589,13 +642,18 @@ def main(argv=None):
   DEVICE = device_name()
   os.makedirs(args.out, exist_ok=True)
   OUT_JSONL = os.path.join(args.out, "kernels.jsonl")
-  log(f"device {DEVICE}, jax {jax.__version__}, gemm auto: pallas_kernels.arch.KERNELS[{_platform.gpu_arch()!r}]")
+  log(
+    f"device {DEVICE}, jax {jax.__version__}, gemm auto: pallas_kernels.arch.KERNELS[{_platform.gpu_arch()!r}]"
+  )
   DEADLINE[0] = args.deadline
   SKIP.update(args.skip.split(","))
   sections = args.sections.split(",")
   if "pair" in sections:
     for name, shape in PAIR_SHAPES.items():
       bench_quantize_pair(name, shape, args.reps)
+  if "both" in sections:
+    for name, shape in BOTH_SHAPES.items():
+      bench_quantize_both(name, shape, args.reps)
   for i, name in enumerate(args.shapes.split(",")):
     shape = SHAPES[name]
     if "step" in sections:

@@ -102,6 +102,61 @@ def kernel_kind(name: str) -> str:
   return next((kind for kind, marks in KERNEL_KINDS if any(m in lower for m in marks)), "other_fusion")
 
 
+STEP_CATEGORIES = ("gemm", "quantize", "cast_transpose", "attention", "norm_elementwise", "optimizer")
+"""The categories of a training step's kernel time (``step_category``)."""
+_GEMM_MARKS = ("mosaic", "scaled_matmul", "nvjet", "gemm", "cublas", "cutlass", "xmma", "triton_dot")
+_QUANTIZE_MARKS = ("quantize", "pair_scales")
+_ATTENTION_MARKS = ("flash", "fmha", "cudnn", "sdpa", "dot_product_attention")
+
+
+def step_category(name: str, stack: str) -> str:
+  """The category of one GPU kernel of a training step, from its name and the JAX name stack of
+  the HLO instruction it runs (``instruction_stacks``); first match wins:
+
+  * ``cast_transpose``: a transpose or copy kernel, or a convert (cast) fusion;
+  * ``quantize``: a quantize kernel or an instruction under a quantize function (absmax and
+    scale reductions, ``quantize_absmax`` scopes);
+  * ``gemm``: matrix-product kernels (the 8-bit Mosaic / Triton GEMMs, cuBLAS, XLA's Triton GEMMs);
+  * ``attention``: cuDNN's fused attention (and anything under ``dot_product_attention``);
+  * ``optimizer``: instructions outside the model's forward and backward (no ``jvp(`` in the
+    stack): the optimizer update and the step's bookkeeping;
+  * ``norm_elementwise``: the rest (norms, activations, residual adds, the loss, bias gradients).
+  """
+  lower, stack_lower = name.lower(), stack.lower()
+  if "transpose" in lower or "copy" in lower:
+    return "cast_transpose"
+  if any(m in lower or m in stack_lower for m in _QUANTIZE_MARKS):
+    return "quantize"
+  if any(m in lower for m in _GEMM_MARKS):
+    return "gemm"
+  if any(m in lower or m in stack_lower for m in _ATTENTION_MARKS):
+    return "attention"
+  if "convert" in lower:
+    return "cast_transpose"
+  if stack and "jvp(" not in stack:
+    return "optimizer"
+  return "norm_elementwise"
+
+
+def step_categories(per_kernel: dict[str, tuple[float, float]], hlo: str, top: int = 0):
+  """``{category: {"ms", "launches"}}`` (``step_category``) of ``{kernel: (ms, launches)}``
+  per step (``planners.profiler.timing.kernels_by``) of the compiled module ``hlo``; with
+  ``top``, also ``(categories, [[kernel, ms, launches, category, name stack], ...])`` of the
+  ``top`` largest kernels."""
+  stacks = instruction_stacks(hlo)
+  out = {c: {"ms": 0.0, "launches": 0.0} for c in STEP_CATEGORIES}
+  kernels = []
+  for name, (ms, n) in per_kernel.items():
+    stack = stacks.get(name.replace(".", "_"), "")
+    cat = step_category(name, stack)
+    out[cat]["ms"] += ms
+    out[cat]["launches"] += n
+    kernels.append([name, ms, n, cat, stack[-120:]])
+  if not top:
+    return out
+  return out, sorted(kernels, key=lambda k: -k[1])[:top]
+
+
 def instruction_stacks(hlo: str) -> dict[str, str]:
   """``{instruction name: JAX name stack}`` of every instruction of a compiled module, in any
   computation (fusions sit inside command-buffer computations on a GPU, not only in ENTRY),

@@ -34,6 +34,7 @@ def table(rows: list[dict]) -> str:
       comp = f"{'-':>9s} {'-':>7s} " + " ".join(f"{'-':>6s}" for _ in range(4))
     peak = f"{pk['value'] / 2**30:7.2f}" if pk and pk["value"] else f"{'-':>7s}"
     lines.append(f"{case:32s} {ms} {speed} {comp} {peak}  {note[:60]}")
+  lines += category_table(rows)
   micro = [r for r in rows if r["metric"] == "fwd_bwd_ms"]
   if micro:
     lines.append(
@@ -54,3 +55,31 @@ def table(rows: list[dict]) -> str:
       for name, ms, n, stack in r["top"][:12]:
         lines.append(f"  {ms:7.3f} ms x{n:<4.0f} {name[:60]:60s} {stack[-60:]}")
   return "\n".join(lines)
+
+
+CATEGORY_COLUMNS = (
+  ("gemm", "GEMM"),
+  ("quantize", "quant"),
+  ("cast_transpose", "cast/T"),
+  ("attention", "attn"),
+  ("norm_elementwise", "norm/ew"),
+  ("optimizer", "optim"),
+)
+
+
+def category_table(rows: list[dict]) -> list[str]:
+  """Lines of the step cells traced by category (``--categories``): the step, its kernel ms per
+  category, and the ceiling (the step without its quantize and cast/transpose/copy kernels) with
+  its ratio to the baseline step."""
+  traced = [r for r in rows if r["metric"] == "step_ms" and r.get("categories")]
+  if not traced:
+    return []
+  head = " ".join(f"{label:>7s}" for _, label in CATEGORY_COLUMNS)
+  lines = [f"\n{'kernel ms by category':32s} {'step':>7s} {'speed':>6s} {head} {'ceiling':>7s} {'speed':>6s}"]
+  for r in traced:
+    cats = " ".join(f"{r['categories'][c]['ms']:7.2f}" for c, _ in CATEGORY_COLUMNS)
+    base = r.get("baseline")
+    speed = f"{base / r['value']:6.2f}" if base else f"{'-':>6s}"
+    ceiling = f"{base / r['ceiling_ms']:6.2f}" if base else f"{'-':>6s}"
+    lines.append(f"{r['case']:32s} {r['value']:7.2f} {speed} {cats} {r['ceiling_ms']:7.2f} {ceiling}")
+  return lines

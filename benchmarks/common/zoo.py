@@ -9,15 +9,17 @@ Builders (each returns a ``qsync_jax.Task``):
   sequence length: byte-level on the Python standard library's source (``vocab=None``,
   ``examples.tasks.language.stdlib_lm``) or on uniform random tokens of ``vocab``
   (``synthetic_lm``);
+* ``llama`` — a Llama-style LM (``LlamaLM``: RMSNorm, attention and SwiGLU without biases) on
+  uniform random tokens;
 * ``resnet`` — the examples' ResNet on scikit-learn digits (``image_size=None``) or on random
   images of ``image_size`` (``resnet_synthetic``); ``vgg`` — the examples' VGG on digits;
 * ``digits_cnn`` — two convolutions and two Dense layers on digits (``benchmarks.comm``);
 * ``with_dtype`` — a task with its modules computing in another dtype (``benchmarks.e2e``'s bf16).
 
 ``MODELS`` names the sizes shared across benchmarks: ``get(name)`` is ``(task, per-device batch)``
-and ``get(name, tiny=True)`` the same family at a CPU size (batch ``TINY_BATCH``). Two families
-are functions of a width rather than entries: ``e2e_gpt`` and ``e2e_resnet50`` (``benchmarks.e2e``'s
-bf16 cells, their own tiny sizes kept as its committed CPU rows ran them). ``bert_ops`` is the one
+and ``get(name, tiny=True)`` the same family at a CPU size (batch ``TINY_BATCH``). Three families
+are functions of a width rather than entries: ``e2e_gpt``, ``e2e_llama`` and ``e2e_resnet50``
+(``benchmarks.e2e``'s bf16 cells, their own tiny sizes kept as its committed CPU rows ran them). ``bert_ops`` is the one
 model that is an op graph, not a Flax model (``benchmarks.allocator``: nothing runs).
 
 Every builder draws its data from ``seed`` as before this zoo existed, so committed results stay
@@ -27,6 +29,8 @@ comparable: the same shapes, initial parameters, batches and op names.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -35,7 +39,14 @@ import numpy as np
 import optax
 
 from examples.data import digits
-from examples.tasks.language import stdlib_lm, synthetic_lm
+from examples.tasks.language import (
+  SyntheticLMConfig,
+  lm_inputs,
+  lm_loss,
+  stdlib_lm,
+  synthetic_lm,
+  uniform_token_batches,
+)
 from examples.tasks.vision import classification_task, resnet_digits, resnet_synthetic, vgg_digits
 from planners.ops import OpShape
 from planners.profile import Profile
@@ -113,6 +124,71 @@ def gpt(
   else:
     task = synthetic_lm(vocab_size=vocab, **shape)
   return task if dtype is None else with_dtype(task, dtype)
+
+
+class LlamaBlock(nn.Module):
+  """A Llama-style block: RMSNorm, attention without biases, RMSNorm, a SwiGLU MLP of ``ffn``
+  (``down(silu(gate(h)) * up(h))``, no biases)."""
+
+  d_model: int
+  num_heads: int
+  ffn: int
+  dtype: jnp.dtype | None = None
+
+  @nn.compact
+  def __call__(self, x, mask):
+    h = nn.RMSNorm(dtype=self.dtype, name="norm1")(x)
+    h = nn.MultiHeadDotProductAttention(
+      num_heads=self.num_heads,
+      qkv_features=self.d_model,
+      use_bias=False,
+      dtype=self.dtype,
+      deterministic=True,
+      name="attn",
+    )(h, mask=mask)
+    x = x + h
+    h = nn.RMSNorm(dtype=self.dtype, name="norm2")(x)
+    gate = nn.Dense(self.ffn, use_bias=False, dtype=self.dtype, name="gate")(h)
+    up = nn.Dense(self.ffn, use_bias=False, dtype=self.dtype, name="up")(h)
+    return x + nn.Dense(self.d_model, use_bias=False, dtype=self.dtype, name="down")(nn.silu(gate) * up)
+
+
+class LlamaLM(nn.Module):
+  """Token ids int[B, T] → logits float32[B, T, vocab]: token embedding plus learned positions
+  (in place of rotary embeddings), ``num_layers`` ``LlamaBlock``s, a final RMSNorm and a head
+  without bias."""
+
+  vocab_size: int
+  d_model: int
+  num_heads: int
+  num_layers: int
+  ffn: int
+  max_len: int
+  dtype: jnp.dtype | None = None
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens)
+    positions = jnp.cumsum(jnp.ones_like(tokens), axis=-1) - 1
+    x = x + nn.Embed(self.max_len, self.d_model, name="pos_embed")(positions)
+    mask = nn.make_causal_mask(tokens)
+    for i in range(self.num_layers):
+      x = LlamaBlock(self.d_model, self.num_heads, self.ffn, self.dtype, name=f"block{i}")(x, mask)
+    x = nn.RMSNorm(dtype=self.dtype, name="norm_f")(x)
+    return nn.Dense(self.vocab_size, use_bias=False, dtype=self.dtype, name="head")(x).astype(jnp.float32)
+
+
+def llama_ffn(width: int) -> int:
+  """Llama's SwiGLU width: 8/3 of ``width`` rounded up to a multiple of 256 (11008 at 4096)."""
+  return 256 * math.ceil(8 * width / 3 / 256)
+
+
+def llama(width: int, depth: int, heads: int, seq: int, vocab: int, dtype=None) -> Task:
+  """``LlamaLM`` of ``depth`` blocks of ``width`` (``heads`` heads, SwiGLU of ``llama_ffn``) on
+  uniform random tokens of a ``vocab``-sized vocabulary, sequences of ``seq``."""
+  cfg = SyntheticLMConfig(vocab_size=vocab, d_model=width, num_heads=heads, num_layers=depth, seq_len=seq)
+  model = LlamaLM(vocab, width, heads, depth, llama_ffn(width), seq, dtype)
+  return Task("llama_synthetic", model, lm_inputs, lm_loss, functools.partial(uniform_token_batches, cfg))
 
 
 def resnet(image_size: int | None = None, **config) -> Task:
@@ -247,6 +323,15 @@ def e2e_gpt(width: int, tiny: bool = False) -> tuple[Task, int]:
   if tiny:
     return gpt(width, 2, max(1, width // 16), 32, vocab=256, dtype=jnp.bfloat16), 4
   return gpt(width, 4, width // (64 if width <= 1024 else 128), 1024, vocab=32768, dtype=jnp.bfloat16), 8
+
+
+def e2e_llama(width: int, tiny: bool = False) -> tuple[Task, int]:
+  """``(task with bf16 modules, batch size)`` of ``benchmarks.e2e``'s Llama-style model at
+  ``width`` (``llama``): as ``e2e_gpt`` (4 blocks, heads of 64 or 128 dims, 32768 tokens of
+  vocabulary, sequence 1024 × batch 8); ``tiny``: as ``e2e_gpt``'s tiny size."""
+  if tiny:
+    return llama(width, 2, max(1, width // 16), 32, 256, jnp.bfloat16), 4
+  return llama(width, 4, width // (64 if width <= 1024 else 128), 1024, 32768, jnp.bfloat16), 8
 
 
 def e2e_resnet50(tiny: bool = False) -> tuple[Task, int]:

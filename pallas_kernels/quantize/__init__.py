@@ -1,3 +1,3 @@
-from pallas_kernels.quantize.api import dequantize, quantize, quantize_pair
+from pallas_kernels.quantize.api import dequantize, quantize, quantize_both, quantize_pair
 
-__all__ = ["quantize", "quantize_pair", "dequantize"]
+__all__ = ["quantize", "quantize_both", "quantize_pair", "dequantize"]

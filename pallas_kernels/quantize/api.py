@@ -18,7 +18,6 @@ the kernels compute it in-kernel).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -30,7 +29,7 @@ from pallas_kernels.arch import arch_kernels
 from pallas_kernels.quantize import kernel as _kernel
 from pallas_kernels.quantize import pair_kernel as _pair_kernel
 from pallas_kernels.quantize.config import QuantizeConfig
-from pallas_kernels.quantize.noise import seed_words
+from pallas_kernels.quantize.noise import pair_noise, seed_words
 from pallas_kernels.quantize.reference import (
   QFORMATS,
   absmax_scale,
@@ -61,7 +60,9 @@ def kernels_run_here() -> bool:
 def _probe():
   """Lowers and compiles the quantize kernel on a tiny bf16 case."""
   x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
-  return jax.jit(lambda v: _pallas(v, "int8", (1,), "nearest", None, None, None, None, False)).lower(x).compile()
+  return (
+    jax.jit(lambda v: _pallas(v, "int8", (1,), "nearest", None, None, None, None, False)).lower(x).compile()
+  )
 
 
 def _normalize_axes(axes, ndim: int, name: str) -> tuple[int, ...]:
@@ -179,8 +180,9 @@ def _pallas(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, config,
     return q2.reshape(shape), s.reshape(scale_shape)
 
   # Known scale: an XLA reduction for the absmax, then one kernel pass.
-  value = x if in_scale is None else dequantize_reference(x, in_scale)
-  scale = absmax_scale(value, fmt, red)
+  with jax.named_scope("quantize_absmax"):
+    value = x if in_scale is None else dequantize_reference(x, in_scale)
+    scale = absmax_scale(value, fmt, red)
   scale_cols = jnp.broadcast_to(scale.reshape(-1) if mode == "cols" else scale.reshape(1), (cols,))
   q2 = _kernel.quantize_tiled(
     x2,
@@ -189,7 +191,7 @@ def _pallas(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, config,
     in_scale=in_vec,
     in_scale_axis=in_axis,
     seed=seed,
-    transpose=transpose,
+    layout="transposed" if transpose else "same",
     config=config,
     interpret=interpret,
   )
@@ -236,7 +238,102 @@ def quantize(
   return _reference(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes)
 
 
-def _pallas_pair(x, fmt, split, rounding, keys, in_scales, config, interpret):
+def _other_perm(ndim: int, contract: tuple[int, ...]) -> tuple[int, ...]:
+  """The layout of ``quantize_both``'s second copy: ``contract`` first (in increasing order),
+  the other axes last — contraction-major for a GEMM that contracts those other axes."""
+  rest = tuple(a for a in range(ndim) if a not in contract)
+  return _moved_perm(ndim, rest)
+
+
+def _pallas_both(x, fmt, reduce_axes, rounding, key, contract, config, interpret):
+  """The kernel path of ``quantize_both``: an XLA absmax, then one pass writing both copies;
+  ``NotImplementedError`` for what it does not take."""
+  ndim, shape = x.ndim, x.shape
+  n = len(contract)
+  if not jnp.issubdtype(x.dtype, jnp.floating) or not 0 < n < ndim:
+    raise NotImplementedError("quantize_both kernel takes a float tensor with free and contracted axes")
+  if contract == tuple(range(ndim - n, ndim)):
+    k, contract_side = ndim - n, "cols"
+  elif contract == tuple(range(n)):
+    k, contract_side = n, "rows"
+  else:
+    raise NotImplementedError(f"contract_axes={contract} is neither a prefix nor a suffix")
+  red = tuple(sorted(reduce_axes))
+  if red == tuple(sorted(contract)):
+    scale_axis = "rows" if contract_side == "cols" else "cols"  # per channel: along the free side
+  elif len(red) == ndim:
+    scale_axis = "cols"  # per tensor, broadcast
+  else:
+    raise NotImplementedError(f"reduce_axes={reduce_axes}: neither per channel nor per tensor")
+  rows, cols = math.prod(shape[:k]), math.prod(shape[k:])
+  with jax.named_scope("quantize_absmax"):
+    scale = absmax_scale(x, fmt, red)
+  vector = jnp.broadcast_to(scale.reshape(-1), (rows if scale_axis == "rows" else cols,))
+  seed = seed_words(key) if rounding == "stochastic" else None
+  same, transposed = _kernel.quantize_tiled(
+    x.reshape(rows, cols),
+    fmt,
+    vector,
+    scale_axis=scale_axis,
+    seed=seed,
+    layout="both",
+    config=config,
+    interpret=interpret,
+  )
+  last, first = _moved_perm(ndim, contract), _other_perm(ndim, contract)
+  # the 2-D view's own layout is x's: contraction last when the contraction is its column side
+  q_last, q_first = (same, transposed) if contract_side == "cols" else (transposed, same)
+  return (
+    (q_last.reshape(tuple(shape[a] for a in last)), jnp.transpose(scale, last)),
+    (q_first.reshape(tuple(shape[a] for a in first)), jnp.transpose(scale, first)),
+  )
+
+
+def quantize_both(
+  x,
+  fmt,
+  reduce_axes,
+  rounding="nearest",
+  key=None,
+  *,
+  contract_axes: Sequence[int],
+  impl: str = "auto",
+  config: QuantizeConfig | None = None,
+  interpret: bool = False,
+):
+  """One quantization of ``x`` in the two layouts its two GEMMs read: ``((q, scale), (q_other,
+  scale_other))``. Equivalent to::
+
+    q, scale = quantize_reference(x, fmt, reduce_axes, rounding, key)
+    last = (axes not in contract_axes) + contract_axes      # contraction last
+    first = contract_axes (increasing) + (the other axes)   # the other axes last
+    ((transpose(q, last), transpose(scale, last)), (transpose(q, first), transpose(scale, first)))
+
+  An 8-bit forward product ``Y = X·W`` reads ``q``; the weight gradient ``Xᵀ·dY`` contracts X's
+  other axes and reads ``q_other``, which the forward keeps as its residual. On a GPU (``impl``,
+  ``config``, ``interpret`` as for ``quantize``) the scale is an XLA reduction and one kernel
+  pass reads ``x`` once and writes both copies (``kernel.quantize_tiled(layout='both')``); where
+  the kernel does not apply (the contraction neither a prefix nor a suffix of the axes, scales
+  neither per channel over the contraction nor per tensor) XLA transposes the reference.
+  """
+  contract = tuple(contract_axes)
+  reduce_axes, contract = _validate(x, fmt, reduce_axes, rounding, key, None, contract, impl)
+  if impl == "auto" and _override.current:
+    impl = _override.current
+  if impl == "pallas" or (impl == "auto" and kernels_run_here()):
+    try:
+      return _pallas_both(x, fmt, reduce_axes, rounding, key, contract, config, interpret)
+    except NotImplementedError:
+      pass
+  q, scale = quantize_reference(x, fmt, reduce_axes, rounding, key)
+  last, first = _moved_perm(x.ndim, contract), _other_perm(x.ndim, contract)
+  return (
+    (jnp.transpose(q, last), jnp.transpose(scale, last)),
+    (jnp.transpose(q, first), jnp.transpose(scale, first)),
+  )
+
+
+def _pallas_pair(x, fmt, split, rounding, key, in_scales, config, interpret):
   """The two-pass kernel path of ``quantize_pair``; raises ``NotImplementedError`` for what
   it does not take."""
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -256,9 +353,7 @@ def _pallas_pair(x, fmt, split, rounding, keys, in_scales, config, interpret):
   )
   x2 = x.reshape(rows, cols)
   row_scale, col_scale = _pair_kernel.pair_scales(x2, fmt, col_in, row_in, config=config, interpret=interpret)
-  seeds = None
-  if rounding == "stochastic":
-    seeds = jnp.concatenate([seed_words(keys[0]), seed_words(keys[1])])
+  seeds = seed_words(key) if rounding == "stochastic" else None
   q_rows, q_cols = _pair_kernel.pair_quantize(
     x2, fmt, col_in, row_in, row_scale, col_scale, seeds=seeds, config=config, interpret=interpret
   )
@@ -269,12 +364,25 @@ def _pallas_pair(x, fmt, split, rounding, keys, in_scales, config, interpret):
   )
 
 
+def _reference_pair(x, fmt, split, rounding, key, in_scales):
+  noise_rows = noise_cols = None
+  if rounding == "stochastic":
+    noise_rows, noise_cols = pair_noise(key, x.shape)
+  head, tail = tuple(range(split)), tuple(range(split, x.ndim))
+  out = []
+  for axes, noise, in_scale in ((tail, noise_rows, in_scales[0]), (head, noise_cols, in_scales[1])):
+    q, s = quantize_reference(x, fmt, axes, rounding, key, in_scale, noise)
+    perm = _moved_perm(x.ndim, axes)
+    out.append((jnp.transpose(q, perm), jnp.transpose(s, perm)))
+  return tuple(out)
+
+
 def quantize_pair(
   x,
   fmt,
   split: int,
   rounding="nearest",
-  keys=(None, None),
+  key=None,
   *,
   in_scales=(None, None),
   impl: str = "auto",
@@ -285,31 +393,30 @@ def quantize_pair(
   out contraction-major. Equivalent to::
 
     head, tail = tuple(range(split)), tuple(range(split, x.ndim))
-    (quantize(x, fmt, tail, rounding, keys[0], in_scale=in_scales[0], contract_axes=tail),
-     quantize(x, fmt, head, rounding, keys[1], in_scale=in_scales[1], contract_axes=head))
+    a, b = noise.pair_noise(key, x.shape) if rounding == "stochastic" else (None, None)
+    q, s = quantize_reference(x, fmt, tail, rounding, in_scale=in_scales[0], noise=a)  # per row
+    q2, s2 = quantize_reference(x, fmt, head, rounding, in_scale=in_scales[1], noise=b)  # per column
+    ((q, s), (moved(q2), moved(s2)))   # moved: the head axes last
 
-  That is how the two gradient GEMMs of a product read its output gradient. Where
-  ``in_scales[0]`` varies only along the tail axes and ``in_scales[1]`` only along the head
-  axes, the kernels (``impl`` and ``interpret`` as for ``quantize``) make both copies in two
-  passes over ``x`` (``pair_kernel``) instead of four.
+  That is how the two gradient GEMMs of a product read its output gradient. Stochastic
+  rounding draws both copies' numbers from one hash per element (``noise.pair_noise``).
+  Where ``in_scales[0]`` varies only along the tail axes and ``in_scales[1]`` only along the
+  head axes, the kernels (``impl`` and ``interpret`` as for ``quantize``) make both copies in
+  two passes over ``x`` (``pair_kernel``) instead of four.
   """
   if not hasattr(x, "ndim") or not 0 < split < x.ndim:
     raise ValueError(f"split={split!r} must be an axis 1..ndim-1 of x (rank {getattr(x, 'ndim', None)}).")
   head, tail = tuple(range(split)), tuple(range(split, x.ndim))
-  for key, in_scale, axes in ((keys[0], in_scales[0], tail), (keys[1], in_scales[1], head)):
+  for in_scale, axes in ((in_scales[0], tail), (in_scales[1], head)):
     _validate(x, fmt, axes, rounding, key, in_scale, axes, impl)
   if impl == "auto" and _override.current:
     impl = _override.current
   if impl == "pallas" or (impl == "auto" and kernels_run_here()):
     try:
-      return _pallas_pair(x, fmt, split, rounding, keys, in_scales, config, interpret)
+      return _pallas_pair(x, fmt, split, rounding, key, in_scales, config, interpret)
     except NotImplementedError:
       pass
-  one = functools.partial(quantize, x, fmt, rounding=rounding, impl=impl, config=config, interpret=interpret)
-  return (
-    one(tail, key=keys[0], in_scale=in_scales[0], contract_axes=tail),
-    one(head, key=keys[1], in_scale=in_scales[1], contract_axes=head),
-  )
+  return _reference_pair(x, fmt, split, rounding, key, in_scales)
 
 
 def dequantize(qvalue, scale, dtype=None):
@@ -317,4 +424,4 @@ def dequantize(qvalue, scale, dtype=None):
   return dequantize_reference(qvalue, scale, jnp.float32 if dtype is None else dtype)
 
 
-__all__ = ["quantize", "quantize_pair", "dequantize", "IMPLS"]
+__all__ = ["quantize", "quantize_both", "quantize_pair", "dequantize", "IMPLS"]

@@ -13,9 +13,10 @@ launches take two, for both copies:
   and, transposed in registers, of the column copy ``[C, R]``.
 
 Equivalent to ``reference.quantize_reference(x * col_in[None, :], fmt, (1,), rounding,
-key_a)`` and ``quantize_reference(x * row_in[:, None], fmt, (0,), rounding, key_b)`` with
-the second transposed; stochastic rounding hashes each element's row-major index of ``x``
-with each copy's own seed words (``noise.hash_uniform``), as the reference does.
+noise=a)`` and ``quantize_reference(x * row_in[:, None], fmt, (0,), rounding, noise=b)`` with
+the second transposed, where ``a, b = noise.pair_noise(key, x.shape)``: stochastic rounding
+hashes each element's row-major index of ``x`` once and rounds the row copy with the hash's
+high 16 bits, the column copy with its low 16 bits (``noise.pair_uniforms``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._platform import out_struct
 from pallas_kernels.quantize.config import QuantizeConfig, default_config
 from pallas_kernels.quantize.kernel import check_tile, round_in_kernel
-from pallas_kernels.quantize.noise import element_index, hash_uniform
+from pallas_kernels.quantize.noise import element_index, pair_uniforms
 from pallas_kernels.quantize.reference import QFORMATS, scale_from_absmax
 
 
@@ -104,9 +105,7 @@ def _quantize_kernel(*refs, fmt, stochastic, n_cols, br, bc):
   if stochastic:
     rows = pl.program_id(0) * br + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 0)
     cols = pl.program_id(1) * bc + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 1)
-    index = element_index(rows, cols, n_cols)
-    noise_rows = hash_uniform(seed_ref[0], seed_ref[1], index)
-    noise_cols = hash_uniform(seed_ref[2], seed_ref[3], index)
+    noise_rows, noise_cols = pair_uniforms(seed_ref[0], seed_ref[1], element_index(rows, cols, n_cols))
   q_rows_ref[...] = round_in_kernel(y_rows, fmt, noise_rows)
   q_cols_ref[...] = round_in_kernel(y_cols, fmt, noise_cols).T
 
@@ -127,8 +126,7 @@ def pair_quantize(
   """``(q_rows [R, C], q_cols [C, R])``: ``round(x * col_in[None, :] / row_scale[:, None])``
   and the transpose of ``round(x * row_in[:, None] / col_scale[None, :])``, ``x`` read once.
 
-  ``seeds`` (4 uint32 words: the row copy's two, then the column copy's) turns on
-  stochastic rounding.
+  ``seeds`` (2 uint32 words, ``noise.seed_words``) turns on stochastic rounding.
   """
   rows, cols = x.shape
   cfg = config or default_config(rows, cols, "tiled")
@@ -140,7 +138,7 @@ def pair_quantize(
     pl.BlockSpec((bc,), lambda i, j: (j,)),
   ]
   if seeds is not None:
-    in_specs.append(pl.BlockSpec((4,), lambda i, j: (0,)))
+    in_specs.append(pl.BlockSpec((2,), lambda i, j: (0,)))
     args.append(seeds)
   dtype = QFORMATS[fmt][0]
   kernel = functools.partial(

@@ -56,8 +56,8 @@ def modeled_cast(spec: DeviceType, cast_type: str) -> CastModel:
 
 def quantize_leg_ms(spec: DeviceType, op: OpShape, leg: str) -> float:
   """ms of the quantization one call of ``op``'s 8-bit ``leg`` runs, as ``qsync_jax.ops.qdot``
-  runs it under a per-channel policy whose legs share one 8-bit format (the ``int8`` and ``fp8``
-  presets):
+  runs it under a per-channel policy (an 8-bit forward and gradient legs of its format: the
+  ``int8`` and ``fp8`` presets; an 8-bit forward alone: ``int8_fwd``):
 
   * ``fwd``: the left operand (an activation; a convolution's im2col patches, written first)
     per row: one kernel reads it once and writes its 8-bit copy; the right operand per column,
@@ -65,16 +65,23 @@ def quantize_leg_ms(spec: DeviceType, op: OpShape, leg: str) -> float:
     writes the copy;
   * ``dlhs``, ``drhs``: the forward's saved 8-bit operands are reused as they are; ``dY`` is
     quantized for both legs by one ``quantize_pair`` (two kernels, each reading ``dY``; two 8-bit
-    copies written), half of it charged to each leg.
+    copies written), half of it charged to each leg. Where a gradient leg runs at the forward's
+    format the forward writes the operand it reads in that leg's layout too (``quantize_both``:
+    no transpose in the backward), which that leg is charged: ``drhs`` X's second copy and, as
+    its kernel then takes a known scale, X's absmax reduction (``a`` + 1 bytes per element, one
+    launch more); ``dlhs`` W's second copy (1 byte per element).
   """
   launch = spec.launch_us * 1e-3
   a = catalog.BYTES[op.activation_precision]  # both operands reach the op at the model's dtype
-  if leg != "fwd":
-    return (catalog.quantize_ms(spec, (2 * a + 2) * op.out_elems) + 2 * launch) / 2
   lhs, im2col_ms = op.lhs_elems, 0.0
   if op.kind == "conv":
     lhs = op.batch * op.m * op.k
     im2col_ms = catalog.memory_ms(spec, a * (op.lhs_elems + lhs))  # reads the input, writes the patches
+  if leg != "fwd":
+    pair_ms = (catalog.quantize_ms(spec, (2 * a + 2) * op.out_elems) + 2 * launch) / 2
+    if leg == "drhs":
+      return pair_ms + catalog.quantize_ms(spec, (a + 1) * lhs) + launch
+    return pair_ms + catalog.quantize_ms(spec, op.rhs_elems)
   nbytes = (a + 1) * lhs + (2 * a + 1) * op.rhs_elems
   return im2col_ms + catalog.quantize_ms(spec, nbytes) + 3 * launch
 

@@ -19,7 +19,11 @@ fp8        e4m3 values, e5m2 gradients, per-tensor/per-channel scales, fp32 accu
 
 When the forward leg is int8 / fp8 the op saves its *quantized* operands (plus scales) as
 residuals for the backward pass, not float copies; a float forward leg saves the operands
-in its own dtype (bf16/fp16 copies for a 16-bit forward).
+in its own dtype (bf16/fp16 copies for a 16-bit forward). Where an operand's gradient leg
+runs at the forward's own 8-bit format and the product has no batch axes, one quantization
+writes the operand in both layouts (``quantize_both``): the forward GEMM reads the
+contraction-last copy and the residual is the one the gradient leg contracts, so the
+backward transposes no 8-bit operand.
 
 Gradient legs of an 8-bit forward (Y = X·W, X: M×K with scale s_x, W: K×N with scale s_w)
 -------------------------------------------------------------------------------------------
@@ -47,7 +51,9 @@ contraction and batch axes and all axes of dY, so it always folds into dY (the f
 fused into dY's quantization, ``quantize(..., in_scale=)``); this covers DenseGeneral,
 einsums and the attention products, where both operands are activations, and the im2col
 convolution. Where both legs fold and the product has no batch axes (Dense layers, the
-im2col convolution), dY is quantized for both in one ``quantize_pair`` (the same values). Where the two formats differ (an int8 forward with an fp8 gradient leg, or
+im2col convolution), dY is quantized for both in one ``quantize_pair`` (the same values with
+nearest rounding; stochastic rounding draws both legs' numbers from one hash per element,
+``noise.pair_noise``). Where the two formats differ (an int8 forward with an fp8 gradient leg, or
 fp8 with int8) the saved operand is dequantized and quantized again in the leg's format
 along the new contraction, the one case that rounds it twice. A 16-bit leg (QSync's
 ``int8_fwd``: int8 forward, fp16/bf16 backward) dequantizes the saved operand straight
@@ -66,7 +72,7 @@ from jax import lax
 
 from pallas_kernels.gemm import scaled_dot_general
 from pallas_kernels.gemm.reference import free_axes
-from pallas_kernels.quantize import dequantize, quantize, quantize_pair
+from pallas_kernels.quantize import dequantize, quantize, quantize_both, quantize_pair
 from pallas_kernels.quantize.noise import stream_keys
 from pallas_kernels.quantize.reference import QFORMATS
 from qsync_jax.ops.keys import check_backward_key, check_forward_key
@@ -327,11 +333,50 @@ def drhs_dims(lhs_ndim: int, rhs_ndim: int, dims):
 
 # -- residuals ----------------------------------------------------------------------------
 #
-# An int8 / fp8 forward saves its quantized operands as residuals, contraction axes moved
-# last (the layout its GEMM read): ``(qvalue, scale)``, whose physical axes hold the logical
-# axes ``_contract_last(ndim, contract)``. The backward legs reuse them with their scales
-# folded into dY (8-bit legs of the same format; ``leg_dot``), quantize them again (8-bit
-# legs of the other format) or dequantize them (float legs).
+# An int8 / fp8 forward saves its quantized operands as residuals ``(qvalue, scale)``. Where
+# the operand's gradient leg reads it at the forward's own precision and the product has no
+# batch axes (``_keeps_other_layout``), the forward's quantization writes the codes in both
+# layouts in one pass (``quantize_both``): the GEMM reads the contraction-last copy and the
+# residual is the other, its free axes last, the layout the gradient leg contracts — no
+# transpose in the backward. Otherwise the residual is the forward GEMM's own copy, contraction
+# axes last. ``_residual_axes`` gives the logical axis each physical axis holds. The backward
+# legs reuse the residuals with their scales folded into dY (8-bit legs of the same format;
+# ``leg_dot``), quantize them again (8-bit legs of the other format) or dequantize them (float
+# legs).
+
+
+def _keeps_other_layout(op_policy: OpPolicy, side: int, dims) -> bool:
+  """Whether operand ``side`` (0: lhs, 1: rhs) of an 8-bit forward is kept laid out for its
+  gradient leg (lhs: ``drhs``, rhs: ``dlhs``): that leg at the forward's precision, no batch axes."""
+  (_, _), (lb, rb) = dims
+  leg = op_policy.drhs if side == 0 else op_policy.dlhs
+  return op_policy.fwd in QUANTIZED_PRECISIONS and leg == op_policy.fwd and not lb and not rb
+
+
+def _residual_axes(op_policy: OpPolicy, side: int, dims, ndim: int) -> tuple[int, ...]:
+  """The logical axes of an 8-bit forward's residual of operand ``side``, physical order."""
+  contract = dims[0][side]
+  if _keeps_other_layout(op_policy, side, dims):
+    return _contract_last(ndim, tuple(a for a in range(ndim) if a not in contract))
+  return _contract_last(ndim, contract)
+
+
+def _quantize_forward(x, op_policy: OpPolicy, side: int, dims, key):
+  """``(GEMM operand (qvalue, scale, axes), residual (qvalue, scale))`` of an 8-bit forward."""
+  p, contract = op_policy.fwd, dims[0][side]
+  value = Operand(op_policy.rounding, False)
+  if not _keeps_other_layout(op_policy, side, dims):
+    q = quantize_operand(x, None, p, op_policy.granularity, value, contract, key)
+    return q, q[:2]
+  (q, scale), residual = quantize_both(
+    x,
+    qformat(p, False),
+    _reduce_axes(x.ndim, contract, op_policy.granularity),
+    op_policy.rounding,
+    key,
+    contract_axes=contract,
+  )
+  return (q, scale, _contract_last(x.ndim, contract)), residual
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 5))
@@ -340,16 +385,13 @@ def _qdot(lhs, rhs, dims, op_policy, key, out_dtype):
 
 
 def _qdot_fwd(lhs, rhs, dims, op_policy, key, out_dtype):
-  (lc, rc), _ = dims
   k = stream_keys(key, 6)
   value = Operand(op_policy.rounding, False)
   p = op_policy.fwd
   if p in QUANTIZED_PRECISIONS:
-    gran = op_policy.granularity
-    lhs_q = quantize_operand(lhs, None, p, gran, value, lc, k[0])
-    rhs_q = quantize_operand(rhs, None, p, gran, value, rc, k[1])
+    lhs_q, lres = _quantize_forward(lhs, op_policy, 0, dims, k[0])
+    rhs_q, rres = _quantize_forward(rhs, op_policy, 1, dims, k[1])
     out = gemm_8bit(lhs_q, rhs_q, dims, out_dtype)
-    lres, rres = lhs_q[:2], rhs_q[:2]
   else:
     out = leg_dot(p, op_policy.granularity, lhs, rhs, dims, value, value, out_dtype=out_dtype)
     fwd_dtype = FLOAT_DTYPES.get(p)
@@ -362,17 +404,16 @@ def _qdot_fwd(lhs, rhs, dims, op_policy, key, out_dtype):
 def _qdot_bwd(dims, op_policy, out_dtype, residuals, g):
   lres, rres, k, lhs_proto, rhs_proto = residuals
   check_backward_key(op_policy, k[0])
-  (lc, rc), _ = dims
   nl = (lres[0] if _is_quantized(lres) else lres).ndim
   nr = (rres[0] if _is_quantized(rres) else rres).ndim
-  la = _contract_last(nl, lc) if _is_quantized(lres) else None
-  ra = _contract_last(nr, rc) if _is_quantized(rres) else None
+  la = _residual_axes(op_policy, 0, dims, nl) if _is_quantized(lres) else None
+  ra = _residual_axes(op_policy, 1, dims, nr) if _is_quantized(rres) else None
   value = Operand(op_policy.rounding, False)
   grad = Operand(op_policy.grad_rounding, True)
   gran = op_policy.granularity
   dl_dims, dl_perm = dlhs_dims(nl, nr, dims)
   dr_dims, dr_perm = drhs_dims(nl, nr, dims)
-  pair = _grad_pair(op_policy, g, (lres, la, dr_dims), (rres, ra, dl_dims), (k[0], k[3]))
+  pair = _grad_pair(op_policy, g, (lres, la, dr_dims), (rres, ra, dl_dims), k[0])
   if pair is not None:
     (g_dl, rhs_q), (lhs_q, g_dr) = pair
     dlhs = gemm_8bit(g_dl, rhs_q, dl_dims, lhs_proto.dtype)
@@ -387,7 +428,7 @@ def _qdot_bwd(dims, op_policy, out_dtype, residuals, g):
   return jnp.transpose(dlhs, dl_perm), jnp.transpose(drhs, dr_perm), None
 
 
-def _grad_pair(op_policy: OpPolicy, g, lhs_side, rhs_side, keys):
+def _grad_pair(op_policy: OpPolicy, g, lhs_side, rhs_side, key):
   """Both gradient legs' operands, with dY quantized for both in one ``quantize_pair``, or None.
 
   Applies where both legs are 8-bit in the forward's format with per-channel scales and the
@@ -396,7 +437,8 @@ def _grad_pair(op_policy: OpPolicy, g, lhs_side, rhs_side, keys):
   axes, with X's saved scale folded in along those (``reuse_saved``). ``lhs_side`` /
   ``rhs_side`` are ``(residual, its axes, the leg's dims)`` of X's leg (dW) and W's leg (dX).
   Returns ``((dY for dX, W), (X, dY for dW))`` as ``gemm_8bit`` operands: the values
-  ``leg_dot`` would quantize, in two passes over dY instead of four on a GPU.
+  ``leg_dot`` would quantize (with nearest rounding; stochastic rounding draws from
+  ``quantize_pair``'s own stream), in two passes over dY instead of four on a GPU.
   """
   p = op_policy.dlhs
   if p not in QUANTIZED_PRECISIONS or op_policy.drhs != p or op_policy.granularity != "per_channel":
@@ -414,7 +456,7 @@ def _grad_pair(op_policy: OpPolicy, g, lhs_side, rhs_side, keys):
   (w_q, (_, onto_w)), (x_q, (_, onto_x)) = w, x
   split = len(g_dr_contract)
   (q_dl, s_dl), (q_dr, s_dr) = quantize_pair(
-    g, qformat(p, True), split, op_policy.grad_rounding, keys, in_scales=(onto_w, onto_x)
+    g, qformat(p, True), split, op_policy.grad_rounding, key, in_scales=(onto_w, onto_x)
   )
   head, tail = tuple(range(split)), tuple(range(split, g.ndim))
   return ((q_dl, s_dl, head + tail), w_q), (x_q, (q_dr, s_dr, tail + head))

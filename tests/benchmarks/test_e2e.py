@@ -5,7 +5,7 @@ import json
 import pytest
 
 from benchmarks import e2e
-from benchmarks.common import zoo
+from benchmarks.common import e2e_inspect, zoo
 from qsync_jax import OpPolicy, PrecisionPolicy, Rule
 
 pytestmark = pytest.mark.standard_promotion  # optax's AdamW and Flax's bf16 LayerNorm
@@ -18,7 +18,9 @@ def rows_of(path):
 
 def test_tiny_gpt_cells_write_their_rows(tmp_path, capsys):
   out = tmp_path / "e2e.jsonl"
-  e2e.main(["--tiny", "--plan", "gpt:32:plain+int8_dense", "--steps", "4", "--out-jsonl", str(out)])
+  e2e.main(
+    ["--tiny", "--plan", "gpt:32:plain+int8_dense", "--steps", "4", "--categories", "--out-jsonl", str(out)]
+  )
   rows = rows_of(out)
   assert {r["benchmark"] for r in rows} == {"e2e"}
   assert len({r["run"] for r in rows}) == 1
@@ -39,8 +41,10 @@ def test_tiny_gpt_cells_write_their_rows(tmp_path, capsys):
   # the quantized Dense products run on 8-bit operands; the plain model has none
   assert by[("gpt/d32/int8_dense", "program")]["dot_generals_8bit"] > 0
   assert by[("gpt/d32/plain", "program")]["dot_generals_8bit"] == 0
-  table = capsys.readouterr().out.rsplit("\n\n", 1)[-1]
-  assert "gpt/d32/plain" in table and "gpt/d32/int8_dense" in table
+  assert set(int8["categories"]) == set(e2e_inspect.STEP_CATEGORIES) and int8["ceiling_ms"] <= int8["value"]
+  out = capsys.readouterr().out
+  table = out.split("cell", 1)[-1]
+  assert "gpt/d32/plain" in table and "gpt/d32/int8_dense" in table and "kernel ms by category" in out
 
 
 def test_auto_cell_measures_its_policy_and_compares_with_the_cudnn_attention_baseline(tmp_path, monkeypatch):
@@ -128,4 +132,40 @@ def test_steps_lower_for_cuda_without_a_gpu(capsys):
   assert int8["threefry_calls"] == plain["threefry_calls"] + dense_ops
   assert e2e.main(["--tiny", "--plan", "gpt:32:int8_dense", "--lower-for-cuda"]) == 0
   out = capsys.readouterr().out
-  assert "gpt/d32/int8_dense" in out and "quantize_rows_int8" in out
+  assert "gpt/d32/int8_dense" in out and "quantize_tiled_int8_both" in out
+
+
+def test_tiny_llama_cell_carries_kernel_categories_and_the_ceiling(tmp_path, capsys):
+  """The Llama-style family runs the same cells; ``--categories`` adds each step's kernel time
+  by category (none on a CPU: its trace holds no GPU kernel, so the ceiling is the step)."""
+  out = tmp_path / "e2e.jsonl"
+  e2e.main(
+    ["--tiny", "--plan", "llama:32:int8_dense", "--steps", "2", "--categories", "--out-jsonl", str(out)]
+  )
+  by = {(r["case"], r["metric"]): r for r in rows_of(out)}
+  step = by[("llama/d32/int8_dense", "step_ms")]
+  assert step["baseline_case"] == "llama/d32/plain" and step["model"] == "llama"
+  assert set(step["categories"]) == set(e2e_inspect.STEP_CATEGORIES)
+  overhead = sum(step["categories"][c]["ms"] for c in ("quantize", "cast_transpose"))
+  assert step["ceiling_ms"] == step["value"] - overhead
+  assert by[("llama/d32/int8_dense", "program")]["dot_generals_8bit"] > 0
+  assert "llama/d32/int8_dense" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+  "name, stack, want",
+  [
+    ("anonymous_mosaic_gpu_kernel", "", "gemm"),
+    ("nvjet_sm90_hss_192x96_64x5_1x2_h_bz_NTT", "jit(step)/transpose(jvp(M))/head/dot_general", "gemm"),
+    ("quantize_pair_int8__1", "", "quantize"),
+    ("input_reduce_fusion_3", "jit(step)/jvp(M)/block0/mlp_in/quantize_absmax/reduce_max", "quantize"),
+    ("input_reduce_fusion_4", "jit(step)/transpose(jvp(M))/mlp_in/jit(pair_scales)/reduce_max", "quantize"),
+    ("wrapped_transpose_2", "jit(step)/jvp(M)/mlp_in/jit(quantize_tiled)/pallas_call", "cast_transpose"),
+    ("loop_convert_fusion_7", "jit(step)/jvp(M)/block0/ln2/convert_element_type", "cast_transpose"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "", "attention"),
+    ("loop_add_fusion_13", "jit(step)/add", "optimizer"),
+    ("input_add_reduce_fusion_10", "jit(step)/jvp(M)/block0/ln2/reduce_sum", "norm_elementwise"),
+  ],
+)
+def test_step_kernels_fall_in_the_first_matching_category(name, stack, want):
+  assert e2e_inspect.step_category(name, stack) == want

@@ -160,6 +160,23 @@ def test_stochastic_kernel_draws_the_references_noise(fmt, layout):
   assert not np.array_equal(np.asarray(other.astype(jnp.float32)), np.asarray(q_ref.astype(jnp.float32)))
 
 
+def test_int8_codes_round_as_the_reference_on_ties_edges_and_overflow():
+  """The kernels' int8 rounding (float adds and integer arithmetic, no floor or conversion
+  instruction) equals ``round_to_format``'s: half to even at every tie, floor(y + noise) at exact
+  integers, clipped at ±127 from far outside the range."""
+  grid = jnp.linspace(-140.0, 140.0, 56001, dtype=jnp.float32)
+  ties = jnp.arange(-130, 131, dtype=jnp.float32)
+  y = jnp.concatenate([grid, ties, ties + 0.5, jnp.array([3e6, -3e6, 1e30, -1e30, -0.0], jnp.float32)])
+  u = jax.random.uniform(jax.random.key(0), y.shape)
+  u = jnp.where(jnp.arange(y.size) % 5 == 0, 0.5, jnp.where(jnp.arange(y.size) % 5 == 1, 0.0, u))
+  from pallas_kernels.quantize.reference import round_to_format
+
+  for noise_ in (None, u):
+    rounding = "nearest" if noise_ is None else "stochastic"
+    want = round_to_format(y, "int8", rounding, noise=noise_)
+    np.testing.assert_array_equal(np.asarray(kernel.int8_codes(y, noise_)), np.asarray(want))
+
+
 def test_uniform_noise_hashes_each_elements_row_major_index():
   key = jax.random.key(3)
   got = noise.uniform_noise(key, (4, 6))

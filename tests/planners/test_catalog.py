@@ -120,8 +120,12 @@ def test_an_8_bit_leg_of_a_bf16_model_reads_its_operands_at_two_bytes():
   per_byte = 1e3 / (3350e9 * catalog.QUANTIZE_EFFICIENCY)
   # X (bf16) read once, int8 written; W (bf16: the module converted it) read twice, int8 written
   assert quantize_leg_ms(h100, op, "fwd") == pytest.approx((3 * t * k + 5 * k * n) * per_byte + 3 * launch)
-  # dY (bf16) read twice, two int8 copies written, half each
-  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(((4 + 2) * t * n * per_byte + 2 * launch) / 2)
+  # dY (bf16) read twice, two int8 copies written, half each; the weight gradient pays X's absmax
+  # and its second int8 copy (the forward's kernel writes it in this leg's layout), the input
+  # gradient W's second copy
+  pair = ((4 + 2) * t * n * per_byte + 2 * launch) / 2
+  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(pair + 3 * t * k * per_byte + launch)
+  assert quantize_leg_ms(h100, op, "dlhs") == pytest.approx(pair + k * n * per_byte)
 
 
 def test_an_op_records_the_dtype_its_model_computes_in():
@@ -150,9 +154,11 @@ def test_an_8_bit_leg_pays_the_quantize_kernels_the_trainer_runs_at_their_measur
   # the kernel), int8 written; three kernels
   fwd = (5 * t * k + 9 * k * n) * per_byte + 3 * launch
   assert quantize_leg_ms(h100, op, "fwd") == pytest.approx(fwd)
-  # backward: dY (fp32) quantized once for both legs, two passes, two int8 copies: half each
-  assert quantize_leg_ms(h100, op, "dlhs") == quantize_leg_ms(h100, op, "drhs")
-  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(((8 + 2) * t * n * per_byte + 2 * launch) / 2)
+  # backward: dY (fp32) quantized once for both legs, two passes, two int8 copies: half each; plus
+  # the forward operand's second copy each leg reads (X: with its absmax, 4 + 1 bytes; W: 1 byte)
+  pair = ((8 + 2) * t * n * per_byte + 2 * launch) / 2
+  assert quantize_leg_ms(h100, op, "drhs") == pytest.approx(pair + 5 * t * k * per_byte + launch)
+  assert quantize_leg_ms(h100, op, "dlhs") == pytest.approx(pair + k * n * per_byte)
   gemm = gemm_roofline_ms(h100, "int8", t, k, n, 1, (t * k, k * n, t * n))
   assert leg_ms(h100, op, "fwd", "int8") == pytest.approx(gemm + fwd)
   # the same bytes cost in proportion to the bandwidth on another device (600 GB/s on an A10)

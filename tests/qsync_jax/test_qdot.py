@@ -357,6 +357,27 @@ def test_int8_forward_saves_int8_residuals():
   assert bf16_bytes <= operand_bytes / 2 + 64
 
 
+def test_8bit_residuals_are_laid_out_for_the_gradient_leg_that_reads_them():
+  """An 8-bit forward whose gradient legs run at its own precision keeps X [M, K] as [K, M] and
+  W [K, N] as [K, N]: the layouts the weight and input gradients contract (their contraction
+  last), written by the forward's quantization, so the backward transposes no 8-bit operand.
+  With a 16-bit backward (``int8_fwd``) the residuals are the forward GEMM's own copies. The
+  bytes kept are the same either way."""
+  x, w = draw((64, 128), 0), draw((128, 96), 1)
+  dims = (((1,), (0,)), ((), ()))
+
+  def residuals(name):
+    policy = OpPolicy.preset(name)
+    _, vjp = jax.vjp(lambda x, w: quantized_dot_general(x, w, dims, policy, jax.random.key(0)), x, w)
+    leaves = jax.tree_util.tree_leaves(vjp)
+    return sorted(
+      leaf.shape for leaf in leaves if getattr(leaf, "dtype", None) in (jnp.int8, jnp.float8_e4m3fn)
+    )
+
+  assert residuals("int8") == residuals("fp8") == [(128, 64), (128, 96)]
+  assert residuals("int8_fwd") == [(64, 128), (96, 128)]
+
+
 def test_every_leg_precision_combination_runs():
   x, w = draw((6, 8), 0), draw((8, 5), 1)
   key = jax.random.key(1)
@@ -401,27 +422,35 @@ def test_all_float32_policy_runs_as_plain_dot_general(preset):
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_gradient_quantized_once_for_both_legs_gives_the_per_leg_values(precision, monkeypatch):
   """dY quantized for both gradient legs in one ``quantize_pair`` (its kernels, in interpret
-  mode) gives, bit for bit, the gradients of quantizing it in each leg, stochastic rounding
-  included: the same keys, scales and layouts reach the GEMMs."""
+  mode) gives, bit for bit, the gradients of quantizing it in each leg with nearest rounding:
+  the same scales and layouts reach the GEMMs. With stochastic rounding the kernels give the
+  reference pair's gradients (one hash per element serves both legs, ``noise.pair_noise``)."""
   x, w, g = draw((2, 16, 32), 31) * jnp.exp(draw((2, 16, 1), 34)), draw((32, 64), 32), draw((2, 16, 64), 33)
-  policy = OpPolicy.uniform(precision).replace(grad_rounding="stochastic")
   dims = (((2,), (0,)), ((), ()))
 
-  def grads():
+  def grads(rounding):
+    policy = OpPolicy.uniform(precision).replace(grad_rounding=rounding)
     _, vjp = jax.vjp(lambda a, b: quantized_dot_general(a, b, dims, policy, jax.random.key(7)), x, w)
     return vjp(g)
 
   with monkeypatch.context() as m:
     m.setattr(qdot, "_grad_pair", lambda *args: None)
-    per_leg = grads()
+    per_leg = grads("nearest")
   calls = []
 
-  def pair_kernels(*args, **kwargs):
-    calls.append(args[1:3])
-    return quantize_api.quantize_pair(*args, **kwargs, impl="pallas", interpret=True)
+  def pair_with(impl):
+    def pair(*args, **kwargs):
+      calls.append(args[1:3])
+      return quantize_api.quantize_pair(*args, **kwargs, impl=impl, interpret=impl == "pallas")
 
-  monkeypatch.setattr(qdot, "quantize_pair", pair_kernels)
-  once = grads()
-  assert calls == [("int8" if precision == "int8" else "e5m2", 2)]
+    return pair
+
+  monkeypatch.setattr(qdot, "quantize_pair", pair_with("pallas"))
+  once, once_stochastic = grads("nearest"), grads("stochastic")
+  assert calls == [("int8" if precision == "int8" else "e5m2", 2)] * 2
   for got, want in zip(once, per_leg):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  monkeypatch.setattr(qdot, "quantize_pair", pair_with("reference"))
+  for got, want in zip(once_stochastic, grads("stochastic")):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert not np.array_equal(np.asarray(once_stochastic[1]), np.asarray(once[1]))
