@@ -322,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
+  from qsync_jax.train.step_plan import check_step_plan
 
   # Arguments and input files first: a bad one is named before JAX starts and the model is built.
   _check_arguments(args)
@@ -331,6 +332,7 @@ def _run(args: argparse.Namespace) -> int:
   plan = Plan.load(args.plan) if args.plan and args.plan != AUTO else Plan()
   if cluster is not None:
     plan.validate_for(cluster)
+  check_step_plan(plan, sync, cluster=cluster)  # before the model is built: a refusal in a second
 
   if args.coordinator:
     from qsync_jax.train.distributed import initialize

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -63,6 +63,7 @@ from qsync_jax.ops.quant_ops import RNG_COLLECTION
 from qsync_jax.ops.vma import shard_map
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.sync import make_grad_sync
 from qsync_jax.sync.common import (
   AXIS,
   STEP_COMPILER_OPTIONS,
@@ -71,11 +72,13 @@ from qsync_jax.sync.common import (
   optimizer_init,
   to_varying,
 )
+from qsync_jax.sync.elementwise import check_elementwise_optimizer
 from qsync_jax.sync.order import backward_order, from_order, in_order
 from qsync_jax.sync.qsdp import even_layout
-from qsync_jax.sync.two_level import check_two_level_sync, two_level_sync
+from qsync_jax.sync.two_level import two_level_sync
 from qsync_jax.train.batching import pad_shards, put_replicated, put_sharded
 from qsync_jax.train.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
+from qsync_jax.train.step_plan import check_step_plan
 from qsync_jax.train.task import Task
 from qsync_jax.train.task_step import task_loss
 
@@ -211,6 +214,7 @@ class TrainStep(StepProgram):
       one = self.sync_init(params)
       opt_state = optimizer_init(optimizer, params)
       if self.plan.optimizer_update == "sharded":
+        check_sharded_optimizer(optimizer, params, n)
         opt_state = shard_optimizer_state(optimizer, opt_state, params, n)
       return TrainState(
         step=jnp.int32(0),
@@ -315,30 +319,34 @@ def gather_optimizer_state(optimizer: optax.GradientTransformation, sharded, par
   )
 
 
-def check_optimizer_update(plan: Plan, grad_sync=None) -> None:
-  """``QsyncError`` when ``plan.optimizer_update == "sharded"`` cannot run: with ``reduction``
-  ``"two_level"``, or with a gradient sync other than the hybrid step's default fp32 reduction
-  (``grad_sync``: a ``SyncFn``, a ``GradSync`` or a strategy name; None or ``psum_sync``: the
-  default), which the sharded update replaces by a reduce-scatter."""
-  if plan.optimizer_update != "sharded":
-    return
-  if plan.reduction != "flat":
-    raise QsyncError(
-      f"plan: optimizer_update='sharded' with reduction={plan.reduction!r}: the sharded update "
-      "reduce-scatters the gradients over every device at once, not in two levels. Fix: set the "
-      "plan's reduction to 'flat', or its optimizer_update to 'replicated'."
-    )
-  if grad_sync is not None and grad_sync is not psum_sync:
-    name = (
-      grad_sync if isinstance(grad_sync, str) else getattr(grad_sync, "__name__", type(grad_sync).__name__)
-    )
-    raise QsyncError(
-      f"plan: optimizer_update='sharded' with sync {name!r}: the sharded update runs in the hybrid "
-      "step in place of its default fp32 gradient reduction (a reduce-scatter, then an all-gather of "
-      "the updated params); a gradient hook would replace that reduction and a step-builder strategy "
-      "(selsync, qsdp) keeps its own parameter and optimizer layout. Fix: leave the sync unset "
-      "(no grad_sync, no --sync), or set the plan's optimizer_update to 'replicated'."
-    )
+def check_sharded_optimizer(optimizer: optax.GradientTransformation, params, n: int) -> None:
+  """``QsyncError`` unless ``optimizer``'s update on each device's flat shard of every leaf of
+  ``params`` (``even_layout`` over ``n`` devices) equals its update on the whole tree
+  (``qsync_jax.sync.elementwise``). Traces the update abstractly; runs nothing."""
+  shards = [
+    lay.shard for lay in jax.tree.leaves(even_layout(params, n), is_leaf=lambda x: hasattr(x, "shard"))
+  ]
+  check_elementwise_optimizer(
+    optimizer,
+    params,
+    shards,
+    where="optimizer_update='sharded'",
+    fix="set the plan's optimizer_update to 'replicated'",
+    step_clips=True,
+  )
+
+
+def clip_by_global_norm(grads, clip_norm: float, sharded: bool):
+  """``(clipped grads, global norm)``: the global L2 norm of ``grads`` (with ``sharded``: of the
+  whole gradient whose shards the devices hold, the ``psum`` of their sums of squares; padding is
+  zero) and ``grads`` scaled by ``clip_norm / norm`` when the norm is not below ``clip_norm`` —
+  ``optax.clip_by_global_norm(clip_norm)``'s arithmetic, on the whole gradient in both forms."""
+  sum_of_squares = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+  if sharded:
+    sum_of_squares = lax.psum(sum_of_squares, AXIS)
+  norm = jnp.sqrt(sum_of_squares)
+  below = norm < clip_norm
+  return jax.tree.map(lambda g: jnp.where(below, g, (g / norm.astype(g.dtype)) * clip_norm), grads), norm
 
 
 def shard_batch(host_batch, cluster: ClusterSpec, mesh: Mesh):
@@ -401,13 +409,15 @@ def make_train_step(
   cluster: ClusterSpec,
   plan: Plan | None,
   optimizer: optax.GradientTransformation,
-  grad_sync: SyncFn | None = None,
+  grad_sync: SyncFn | str | None = None,
   *,
+  sync_options: Mapping[str, Any] | None = None,
   devices: Sequence[Any] | None = None,
   loss_scale: DynamicLossScale | NoLossScale | None = None,
   return_grads: bool = False,
   donate: bool | None = None,
   sync_leaf_order: str = "auto",
+  clip_norm: float | None = None,
 ) -> TrainStep:
   """Builds the hybrid synchronous data-parallel step of ``task`` on ``cluster`` under ``plan``.
 
@@ -421,8 +431,10 @@ def make_train_step(
       sgd, momentum, adam, adamw… — when the plan shards the update: each device's update sees
       its flat shard of every leaf, not the whole tree, so a global-norm clip or a mask chosen by
       leaf rank would be wrong).
-    grad_sync: a ``SyncFn`` callable (default ``psum_sync``), or an object with ``init`` and
-      ``sync`` such as ``qsync_jax.sync.make_grad_sync(name)``.
+    grad_sync: a ``SyncFn`` callable (default ``psum_sync``), an object with ``init`` and
+      ``sync`` such as ``qsync_jax.sync.make_grad_sync(name)``, or the name of a gradient-hook
+      strategy (``make_grad_sync(grad_sync, **sync_options)``).
+    sync_options: the named strategy's options.
     devices: the devices of the job, in order (default ``jax.devices()``: all processes').
     loss_scale: default ``DynamicLossScale()`` when the plan has an fp16 leg, else ``NoLossScale()``.
     return_grads: the step also returns the combined (unscaled) gradient.
@@ -433,10 +445,19 @@ def make_train_step(
       backward; see ``qsync_jax.sync.order`` for what it does and does not change on GPUs);
       ``"tree"``: the gradient tree as is, whatever the sync says (the order before this
       option existed).
+    clip_norm: the largest global L2 norm of the combined fp32 gradient (None: no clipping): the
+      gradient is scaled by ``clip_norm / norm`` when its norm is larger, before the optimizer —
+      ``optax.clip_by_global_norm``'s arithmetic, with the norm over the whole gradient in both
+      update modes; the pre-clip norm is logged as the metric ``grad_norm``.
   """
   plan = plan if plan is not None else Plan()
-  check_optimizer_update(plan, grad_sync)
-  check_two_level_sync(plan.reduction, None if grad_sync is psum_sync else grad_sync)
+  check_step_plan(plan, None if grad_sync is psum_sync else grad_sync, clip_norm=clip_norm)
+  if isinstance(grad_sync, str):
+    grad_sync = make_grad_sync(grad_sync, **(sync_options or {}))
+  elif sync_options:
+    raise QsyncError(
+      "sync_options apply to a strategy given by name. Fix: pass grad_sync='<name>', or drop sync_options."
+    )
   cluster, devices = plan.place(cluster, list(jax.devices() if devices is None else devices))
   mesh = Mesh(np.asarray(devices), (AXIS,))
   if plan.reduction == "two_level":  # the two-level fp32 sum in place of the default psum
@@ -588,11 +609,14 @@ def make_train_step(
       update_grads = grad_shards
     else:
       old_params, old_opt, update_grads = state.params, state.opt_state, combined
-    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
-      updates, opt_state = optimizer.update(update_grads, old_opt, old_params)
-      params = optax.apply_updates(old_params, updates)
     names = metric_names[-1]
     metrics = {"loss": scalars[0], **{k: scalars[1 + i] for i, k in enumerate(names)}}
+    clipped = update_grads
+    if clip_norm is not None:
+      clipped, metrics["grad_norm"] = clip_by_global_norm(update_grads, clip_norm, sharded)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
+      updates, opt_state = optimizer.update(clipped, old_opt, old_params)
+      params = optax.apply_updates(old_params, updates)
     ls_state = state.loss_scale
     if loss_scale.enabled:  # a sharded update: each device checks its shard, pmin checks them all
       finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(update_grads)]))
@@ -625,9 +649,15 @@ def make_train_step(
   mapped = shard_map(
     local_step, mesh=mesh, in_specs=(state_specs, P(AXIS)), out_specs=out_specs, check_vma=check_vma
   )
+
+  def checked(state: TrainState, batch):
+    if sharded:  # on the params' shapes, when the step is traced (before it compiles)
+      check_sharded_optimizer(optimizer, state.params, n)
+    return mapped(state, batch)
+
   if donate is None:
     donate = devices[0].platform != "cpu"
-  step = jax.jit(mapped, donate_argnums=(0,) if donate else (), compiler_options=STEP_COMPILER_OPTIONS)
+  step = jax.jit(checked, donate_argnums=(0,) if donate else (), compiler_options=STEP_COMPILER_OPTIONS)
   state_sharding = TrainState(*(NamedSharding(mesh, s) for s in state_specs))
   return TrainStep(
     task=task,
