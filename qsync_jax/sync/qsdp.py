@@ -122,6 +122,14 @@ def _is_layout(x) -> bool:
   return isinstance(x, LeafLayout)
 
 
+def _check_optimizer(optimizer, params, layouts) -> None:
+  """``QsyncError`` unless the optimizer's update on the shards means its update on ``params``."""
+  fix = (
+    "use a gradient-hook strategy (fp32, bf16, fp16, global_qsgd), whose optimizer sees the whole gradient"
+  )
+  check_elementwise_optimizer(optimizer, params, [lay.shard for lay in layouts], where="QSDP", fix=fix)
+
+
 def make_qsdp_step(
   loss_fn: Callable[[Any, Any, jax.Array], jax.Array],
   optimizer: optax.GradientTransformation,
@@ -153,13 +161,7 @@ def make_qsdp_step(
   share_table = jnp.asarray(batch_shares(n, shares))
   layout = make_layout(params, n, bucket_size, full_precision)
   layouts, treedef = jax.tree.flatten(layout, is_leaf=_is_layout)
-  check_elementwise_optimizer(
-    optimizer,
-    params,
-    [lay.shard for lay in layouts],
-    where="QSDP",
-    fix="use a gradient-hook strategy (fp32, bf16, fp16, global_qsgd), whose optimizer sees the whole gradient",
-  )
+  _check_optimizer(optimizer, params, layouts)
   sharded = NamedSharding(mesh, P(axis_name))
   abstract_shards = jax.tree.unflatten(
     treedef, [jax.ShapeDtypeStruct((n * lay.shard,), lay.dtype) for lay in layouts]

@@ -39,17 +39,11 @@ from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
 from qsync_jax.sync import get_strategy, make_step_strategy
 from qsync_jax.sync.common import AXIS
+from qsync_jax.train.branch import Branch, device_switch, plan_branches
 from qsync_jax.train.step_plan import check_step_plan
 from qsync_jax.train.task import Task
 from qsync_jax.train.task_step import task_loss_fn
-from qsync_jax.train.train_step import (
-  Branch,
-  StepProgram,
-  device_switch,
-  init_sample,
-  init_variables,
-  plan_branches,
-)
+from qsync_jax.train.train_step import StepProgram, init_sample, init_variables
 
 
 class StrategyState(NamedTuple):

@@ -16,7 +16,8 @@ from qsync_cli import main as cli
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import PlanError, QsyncError
 from qsync_jax.plan import Plan
-from qsync_jax.train.train_step import check_sharded_optimizer, make_train_step
+from qsync_jax.train.sharded_update import check_sharded_optimizer
+from qsync_jax.train.train_step import make_train_step
 from qsync_jax.train.trainer import Trainer
 from tests.trainer.tiny import make_task
 
