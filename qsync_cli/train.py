@@ -25,10 +25,9 @@ import sys
 
 from qsync_cli.common import add_model_argument
 from qsync_jax.errors import Interrupted, PlanError, QsyncError
+from qsync_jax.train.optimizers import OPTIMIZERS, SCHEDULES
 
 HELP = "train a model on a hybrid cluster under a plan (synchronous data parallel)"
-
-OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +72,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-  parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+  parser.add_argument(
+    "--lr", type=float, default=1e-3, help="learning rate (default 1e-3; the peak of --schedule)"
+  )
+  parser.add_argument(
+    "--schedule",
+    choices=SCHEDULES,
+    default="constant",
+    help="learning rate over the run: constant (default), cosine or linear decay to 0 at --steps, each after "
+    "--warmup-steps of linear warmup from 0; logged as the metric lr",
+  )
+  parser.add_argument(
+    "--warmup-steps", type=int, default=0, help="steps of linear warmup from 0 to --lr (default 0)"
+  )
+  parser.add_argument(
+    "--clip-norm",
+    type=float,
+    help="clip the gradient to this global L2 norm before the optimizer (default: no clipping); its norm "
+    "before clipping is logged as grad_norm",
+  )
+  parser.add_argument(
+    "--weight-decay", type=float, help="adamw's decoupled weight decay (default: optax's 1e-4)"
+  )
   parser.add_argument(
     "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
   )
@@ -135,15 +155,17 @@ def _overrides(items: list[str], flag: str = "--set", example: str = "hidden=64"
   return out
 
 
-def _optimizer(name: str, lr: float):
-  import optax
+def _optimizer(args: argparse.Namespace):
+  from qsync_jax.train.optimizers import make_optimizer
 
-  return {
-    "adam": lambda: optax.adam(lr),
-    "adamw": lambda: optax.adamw(lr),
-    "sgd": lambda: optax.sgd(lr),
-    "momentum": lambda: optax.sgd(lr, momentum=0.9),
-  }[name]()
+  return make_optimizer(
+    args.optimizer,
+    args.lr,
+    args.schedule,
+    warmup_steps=args.warmup_steps,
+    total_steps=args.steps,
+    weight_decay=args.weight_decay,
+  )
 
 
 def _default_replan(sync: str | None, plan=None) -> str:
@@ -233,6 +255,7 @@ def check_device_count(cluster, devices, num_processes: int) -> None:
 def _check_arguments(args: argparse.Namespace) -> None:
   """The options' own constraints, checked before JAX starts and the model is built."""
   from qsync_jax.sync import STRATEGIES
+  from qsync_jax.train.optimizers import check_optimizer_options
 
   if args.steps <= 0:
     raise QsyncError(f"--steps {args.steps} must be positive. Fix: pass --steps 1 or more.")
@@ -242,6 +265,14 @@ def _check_arguments(args: argparse.Namespace) -> None:
     )
   if args.sync is not None and args.sync != "psum" and args.sync not in STRATEGIES:
     raise QsyncError(f"--sync {args.sync!r} is not a sync strategy. Fix: use one of {sorted(STRATEGIES)}.")
+  check_optimizer_options(
+    args.optimizer,
+    args.lr,
+    args.schedule,
+    warmup_steps=args.warmup_steps,
+    total_steps=args.steps,
+    weight_decay=args.weight_decay,
+  )
   if args.plan == AUTO and args.num_processes > 1:
     raise QsyncError(
       "--plan auto measures one host's device and cannot run in a multi-process job (each process would "
@@ -332,7 +363,7 @@ def _run(args: argparse.Namespace) -> int:
   plan = Plan.load(args.plan) if args.plan and args.plan != AUTO else Plan()
   if cluster is not None:
     plan.validate_for(cluster)
-  check_step_plan(plan, sync, cluster=cluster)  # before the model is built: a refusal in a second
+  check_step_plan(plan, sync, clip_norm=args.clip_norm, cluster=cluster)  # before the model is built
 
   if args.coordinator:
     from qsync_jax.train.distributed import initialize
@@ -369,7 +400,7 @@ def _run(args: argparse.Namespace) -> int:
   measured = None
   if args.plan == AUTO:
     plan, measured = auto_plan(args, task, cluster)
-  optimizer = _optimizer(args.optimizer, args.lr)
+  optimizer = _optimizer(args)
   check_memory(task, cluster, plan, optimizer)
   trainer = Trainer(
     task,
@@ -386,6 +417,7 @@ def _run(args: argparse.Namespace) -> int:
     progress=sys.stderr,
     step_timeout_s=args.step_timeout,
     replan=args.replan or _default_replan(sync, plan),
+    clip_norm=args.clip_norm,
   )
   if measured is not None:  # the run directory exists (and is checked) now
     write_auto_plan(args.out, plan, measured)

@@ -21,7 +21,8 @@ Semantics, per step, with ``b_i`` the per-device batch of device ``i`` and ``B =
   state are the ``b_i / B``-weighted average of the devices' updated ones, so replicas agree;
 * with ``clip_norm``, the combined gradient is scaled to at most that global L2 norm before the
   optimizer (``optax.clip_by_global_norm``'s arithmetic, the norm over the whole gradient; metric
-  ``grad_norm``: the norm before clipping);
+  ``grad_norm``: the norm before clipping); an optimizer made with ``optax.inject_hyperparams``
+  (``qsync_jax.train.optimizers.make_optimizer``) has its learning rate logged as ``lr``;
 * master params, optimizer state and model state are fp32 and replicated; the optimizer
   (optax) runs on every device on the same combined gradient — unless the plan's
   ``optimizer_update`` is ``"sharded"`` (ZeRO-1, ``qsync_jax.train.sharded_update``): the
@@ -77,6 +78,7 @@ from qsync_jax.train.batching import pad_shards, put_replicated, put_sharded
 from qsync_jax.train.branch import Branch, branch_run, branch_signature, device_switch, plan_branches
 from qsync_jax.train.canonical_convs import canonical_convs
 from qsync_jax.train.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
+from qsync_jax.train.optimizers import learning_rate_of
 from qsync_jax.train.sharded_update import (
   ShardedUpdate,
   check_sharded_optimizer,
@@ -516,6 +518,9 @@ class _StepFunction:
     metrics = {"loss": scalars[0], **{m: scalars[1 + i] for i, m in enumerate(metric_names)}}
     params, opt_state = update.local(state.params, state.opt_state)
     new_params, new_opt = self.optimizer_update(grads, opt_state, params, metrics)
+    lr = learning_rate_of(new_opt)  # an optax.inject_hyperparams state: the rate this update used
+    if lr is not None:  # (sharded: every device's row holds it; the pmax types it invariant)
+      metrics["lr"] = lax.pmax(lr, AXIS) if self.sharded else lr
     ls_state = state.loss_scale
     if self.loss_scale.enabled:
       finite = self.all_finite(grads)

@@ -71,7 +71,8 @@ class Trainer:
 
   Args:
     task, cluster, plan, optimizer, devices, loss_scale: as ``make_train_step``
-      (optimizer default ``optax.adam(1e-3)``).
+      (optimizer default ``optax.adam(1e-3)``; warmup and decay schedules, weight decay:
+      ``qsync_jax.train.optimizers.make_optimizer``, whose scheduled rate is logged as ``lr``).
     grad_sync: a ``SyncFn`` as ``make_train_step``, or the name of a ``qsync_jax.sync``
       strategy (gradient hook or step builder, see the module doc).
     sync_options: options of the named strategy (its ``Strategy.options``).
