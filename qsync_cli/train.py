@@ -28,11 +28,11 @@ import sys
 from planners.allocator.frontier import DEFAULT_BUDGET
 from qsync_cli.common import add_model_argument
 from qsync_jax.errors import Interrupted, PlanError, QsyncError
+from qsync_jax.train.optimizers import OPTIMIZERS, SCHEDULES
 
 HELP = "train a model on a hybrid cluster under a plan (synchronous data parallel)"
 
-OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
-OPTIMIZER_SETTINGS = ("optimizer", "lr")
+OPTIMIZER_SETTINGS = ("optimizer", "lr", "schedule", "warmup_steps", "weight_decay", "clip_norm")
 """The options a checkpoint records of the optimizer: a ``--resume`` with other values says which."""
 
 
@@ -87,7 +87,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-  parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+  parser.add_argument(
+    "--lr", type=float, default=1e-3, help="learning rate (default 1e-3; the peak of --schedule)"
+  )
+  parser.add_argument(
+    "--schedule",
+    choices=SCHEDULES,
+    default="constant",
+    help="learning rate over the run: constant (default), cosine or linear decay to 0 at --steps, each after "
+    "--warmup-steps of linear warmup from 0; logged as the metric lr",
+  )
+  parser.add_argument(
+    "--warmup-steps", type=int, default=0, help="steps of linear warmup from 0 to --lr (default 0)"
+  )
+  parser.add_argument(
+    "--clip-norm",
+    type=float,
+    help="clip the gradient to this global L2 norm before the optimizer (default: no clipping); its norm "
+    "before clipping is logged as grad_norm",
+  )
+  parser.add_argument(
+    "--weight-decay", type=float, help="adamw's decoupled weight decay (default: optax's 1e-4)"
+  )
   parser.add_argument(
     "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
   )
@@ -162,15 +183,17 @@ def _overrides(items: list[str], flag: str = "--set", example: str = "hidden=64"
   return out
 
 
-def _optimizer(name: str, lr: float):
-  import optax
+def _optimizer(args: argparse.Namespace):
+  from qsync_jax.train.optimizers import make_optimizer
 
-  return {
-    "adam": lambda: optax.adam(lr),
-    "adamw": lambda: optax.adamw(lr),
-    "sgd": lambda: optax.sgd(lr),
-    "momentum": lambda: optax.sgd(lr, momentum=0.9),
-  }[name]()
+  return make_optimizer(
+    args.optimizer,
+    args.lr,
+    args.schedule,
+    warmup_steps=args.warmup_steps,
+    total_steps=args.steps,
+    weight_decay=args.weight_decay,
+  )
 
 
 def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
@@ -306,6 +329,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
   """The options' own constraints, checked before JAX starts and the model is built."""
   from planners.allocator.frontier import parse_budget
   from qsync_jax.sync import STRATEGIES
+  from qsync_jax.train.optimizers import check_optimizer_options
 
   if args.steps <= 0:
     raise QsyncError(f"--steps {args.steps} must be positive. Fix: pass --steps 1 or more.")
@@ -323,10 +347,6 @@ def _check_arguments(args: argparse.Namespace) -> None:
       f"--step-timeout {args.step_timeout:g} must be a number of seconds (0: no watchdog). Fix: pass e.g. "
       "--step-timeout 600, or leave it out."
     )
-  if not (math.isfinite(args.lr) and args.lr > 0):
-    raise QsyncError(
-      f"--lr {args.lr} is not a learning rate: it must be a finite number above 0. Fix: pass e.g. --lr 1e-3."
-    )
   if args.local_devices is not None and args.local_devices < 1:
     raise QsyncError(
       f"--local-devices {args.local_devices} must be at least 1. Fix: pass e.g. --local-devices 8."
@@ -339,6 +359,14 @@ def _check_arguments(args: argparse.Namespace) -> None:
         "--accuracy-budget applies to --plan auto alone. Fix: pass --plan auto, or leave --accuracy-budget out."
       )
     parse_budget(args.accuracy_budget, "--accuracy-budget")
+  check_optimizer_options(
+    args.optimizer,
+    args.lr,
+    args.schedule,
+    warmup_steps=args.warmup_steps,
+    total_steps=args.steps,
+    weight_decay=args.weight_decay,
+  )
   if args.plan == AUTO and args.num_processes > 1:
     raise QsyncError(
       "--plan auto measures one host's device and cannot run in a multi-process job (each process would "
@@ -483,6 +511,7 @@ def _hold_out_dir(args: argparse.Namespace, held: contextlib.ExitStack) -> None:
 def _run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
+  from qsync_jax.train.step_plan import check_step_plan
 
   # Arguments and input files first: a bad one is named before JAX starts and the model is built.
   _check_arguments(args)
@@ -492,6 +521,7 @@ def _run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
   plan = Plan.load(args.plan) if args.plan and args.plan != AUTO else Plan()
   if cluster is not None:
     plan.validate_for(cluster)
+  check_step_plan(plan, sync, clip_norm=args.clip_norm, cluster=cluster)  # before the model is built
   _hold_out_dir(args, held)
 
   if args.coordinator:
@@ -537,7 +567,7 @@ def _run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
   measured = None
   if args.plan == AUTO:
     plan, measured = auto_plan(args, task, cluster)
-  optimizer = _optimizer(args.optimizer, args.lr)
+  optimizer = _optimizer(args)
   if args.plan is None:
     plan = default_plan(cluster, sync)
   if not check_memory(task, cluster, plan, optimizer) and args.plan is None:
@@ -559,6 +589,7 @@ def _run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     progress=sys.stderr,
     step_timeout_s=args.step_timeout,
     replan=args.replan,
+    clip_norm=args.clip_norm,
   )
   if measured is not None:  # the run directory exists (and is checked) now
     write_auto_plan(args.out, plan, measured)

@@ -140,6 +140,10 @@ class Plan(JsonFile):
     """True when any group's policy runs some leg in fp16 (the trainer then scales the loss)."""
     return any(_has_fp16(p) for p in self.policies.values())
 
+  def runs_fp16(self, group: str) -> bool:
+    """True when the group's policy runs some leg in fp16."""
+    return _has_fp16(self.policy_for(group))
+
   def fingerprint(self) -> str:
     """Hash of what changes training (policies, batches, micro-steps other than 1, reduction);
     predictions and ``optimizer_update`` excluded (the sharded update equals the replicated one)."""

@@ -1,8 +1,9 @@
 """QSDP: fully-sharded data parallel with quantized communication (Markov et al., arXiv 2302.02390).
 
 Each parameter leaf is flattened, zero padded and split evenly over the mesh axis: device i
-holds elements ``[i*m, (i+1)*m)``; the optimizer state is sharded the same way (so the
-optimizer must be elementwise: sgd, momentum, adam, ... -- not a global-norm clip). A step:
+holds elements ``[i*m, (i+1)*m)``; the optimizer state is sharded the same way, so the
+optimizer must be elementwise (sgd, momentum, adam, ...; ``make_qsdp_step`` refuses one that
+is not, e.g. a global-norm clip: ``qsync_jax.sync.elementwise``). A step:
 
 1. **weights**: each device quantizes its shard to int8 in buckets of ``bucket_size`` values
    (one absmax scale per bucket, stochastic rounding, via ``pallas_kernels.quantize``), the
@@ -47,6 +48,7 @@ from qsync_jax.sync.common import (
   optimizer_init,
   to_varying,
 )
+from qsync_jax.sync.elementwise import check_elementwise_optimizer
 from qsync_jax.sync.global_qsgd import INT_PAYLOADS, dither, payload_for
 
 
@@ -120,6 +122,14 @@ def _is_layout(x) -> bool:
   return isinstance(x, LeafLayout)
 
 
+def _check_optimizer(optimizer, params, layouts) -> None:
+  """``QsyncError`` unless the optimizer's update on the shards means its update on ``params``."""
+  fix = (
+    "use a gradient-hook strategy (fp32, bf16, fp16, global_qsgd), whose optimizer sees the whole gradient"
+  )
+  check_elementwise_optimizer(optimizer, params, [lay.shard for lay in layouts], where="QSDP", fix=fix)
+
+
 def make_qsdp_step(
   loss_fn: Callable[[Any, Any, jax.Array], jax.Array],
   optimizer: optax.GradientTransformation,
@@ -151,6 +161,7 @@ def make_qsdp_step(
   share_table = jnp.asarray(batch_shares(n, shares))
   layout = make_layout(params, n, bucket_size, full_precision)
   layouts, treedef = jax.tree.flatten(layout, is_leaf=_is_layout)
+  _check_optimizer(optimizer, params, layouts)
   sharded = NamedSharding(mesh, P(axis_name))
   abstract_shards = jax.tree.unflatten(
     treedef, [jax.ShapeDtypeStruct((n * lay.shard,), lay.dtype) for lay in layouts]

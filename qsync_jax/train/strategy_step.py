@@ -35,22 +35,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qsync_jax.cluster import ClusterSpec
-from qsync_jax.errors import PlanError, QsyncError
+from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
 from qsync_jax.sync import get_strategy, make_step_strategy
 from qsync_jax.sync.common import AXIS
-from qsync_jax.sync.two_level import check_two_level_sync
+from qsync_jax.train.branch import Branch, device_switch, plan_branches
+from qsync_jax.train.step_plan import check_step_plan
 from qsync_jax.train.task import Task
 from qsync_jax.train.task_step import task_loss
-from qsync_jax.train.train_step import (
-  Branch,
-  StepProgram,
-  check_optimizer_update,
-  device_switch,
-  init_sample,
-  init_variables,
-  plan_branches,
-)
+from qsync_jax.train.train_step import StepProgram, init_sample, init_variables
 
 
 class StrategyState(NamedTuple):
@@ -110,27 +103,16 @@ def make_strategy_step(
   host_batch=None,
   *,
   devices: Sequence[Any] | None = None,
+  clip_norm: float | None = None,
 ) -> StrategyStep:
   """Builds the ``train_step`` strategy ``name`` (``options``: its ``Strategy.options``) for
   ``task`` on ``cluster`` under ``plan``. ``host_batch``: one global batch (the parameter
-  shapes are traced from it; default: the task's first)."""
+  shapes are traced from it; default: the task's first). ``clip_norm``: refused (these steps do
+  not clip; ``check_step_plan``), taken so that the trainer can pass its own."""
   plan = plan if plan is not None else Plan()
-  check_optimizer_update(plan, name)
-  check_two_level_sync(plan.reduction, name)
-  if any(k != 1 for k in plan.micro_steps.values()):
-    raise PlanError(
-      f"plan: micro_steps {dict(plan.micro_steps)} with sync strategy {name!r}: it builds its own step, "
-      "which does not accumulate gradients. Fix: remove micro_steps from the plan, or use a gradient-hook "
-      "strategy (fp32, bf16, fp16, global_qsgd)."
-    )
   if get_strategy(name).kind != "train_step":
     raise QsyncError(f"sync strategy {name!r} is a gradient hook. Fix: pass it to make_train_step.")
-  if plan.needs_fp16_loss_scaling:
-    raise PlanError(
-      f"the plan runs fp16 legs, which need dynamic loss scaling, and sync strategy {name!r} builds a "
-      "step without it. Fix: use bf16 instead of fp16 in the plan, or a gradient-hook strategy "
-      "(fp32, bf16, fp16, global_qsgd)."
-    )
+  check_step_plan(plan, name, clip_norm=clip_norm, cluster=cluster)
   cluster, devices = plan.place(cluster, list(jax.devices() if devices is None else devices))
   mesh = Mesh(np.asarray(devices), (AXIS,))
   branches, device_branch = plan_branches(cluster, plan)

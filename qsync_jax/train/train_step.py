@@ -2,9 +2,11 @@
 
 The step is one SPMD program: ``shard_map`` over the ``data`` mesh axis, one device per
 position. Every device runs its group's precision policy: the model is quantized once per
-distinct (policy, per-device batch) pair — a *branch* — and ``lax.switch`` on the device's
-branch index (a constant table indexed by ``lax.axis_index``) picks the branch; a cluster with
-one branch calls it directly.
+distinct (policy, per-device batch, micro-steps) — a *branch* (``qsync_jax.train.branch``) — and
+``lax.switch`` on the device's branch index (a constant table indexed by ``lax.axis_index``)
+picks the branch; a cluster with one branch calls it directly. Each device's step
+(``_StepFunction.local_step``) reads: gradients → sync (or reduce-scatter) → clip → optimizer
+update → finite check.
 
 Semantics, per step, with ``b_i`` the per-device batch of device ``i`` and ``B = Σ b_i``:
 
@@ -17,17 +19,17 @@ Semantics, per step, with ``b_i`` the per-device batch of device ``i`` and ``B =
 * mutable collections (BatchNorm statistics) are *synchronized*: every device normalizes with
   its own batch's statistics (as in DDP without SyncBN), and the running statistics kept in the
   state are the ``b_i / B``-weighted average of the devices' updated ones, so replicas agree;
+* with ``clip_norm``, the combined gradient is scaled to at most that global L2 norm before the
+  optimizer (``optax.clip_by_global_norm``'s arithmetic, the norm over the whole gradient; metric
+  ``grad_norm``: the norm before clipping); an optimizer made with ``optax.inject_hyperparams``
+  (``qsync_jax.train.optimizers.make_optimizer``) has its learning rate logged as ``lr``;
 * master params, optimizer state and model state are fp32 and replicated; the optimizer
   (optax) runs on every device on the same combined gradient — unless the plan's
-  ``optimizer_update`` is ``"sharded"`` (ZeRO-1, ``shard_optimizer_state``): then every param
-  leaf is flattened and zero padded to ``N · m`` elements (N running devices, ``m = ⌈size /
-  N⌉``: QSDP's ``even_layout``), the weighted fp32 gradients are reduce-scattered
-  (``lax.psum_scatter``, one per leaf) instead of all-reduced, device ``i`` runs the optimizer
-  on elements ``[i·m, (i+1)·m)`` of every leaf with its shard of the optimizer state, and the
-  updated shards are all-gathered into the replicated params. The result equals the
-  replicated update up to the fp32 summation order of the reduction; the optimizer must be
-  elementwise (sgd, momentum, adam, adamw…; not a global-norm clip, which would see only a
-  shard);
+  ``optimizer_update`` is ``"sharded"`` (ZeRO-1, ``qsync_jax.train.sharded_update``): the
+  gradients are reduce-scattered, each device updates its 1/N shard of every leaf with its
+  shard of the optimizer state, and the shards are all-gathered; the result equals the
+  replicated update up to the fp32 summation order, and an optimizer whose update would not
+  (a global-norm clip, LAMB, a mask chosen by leaf rank) is refused when the step is traced;
 * randomness: the step key is ``fold_in(train key, step)``; it is split into one key for the
   gradient sync (the same on every device) and a device base folded with the device index,
   from which the ``"qsync"`` stream (stochastic rounding) and the task's ``rng_streams``
@@ -45,8 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -62,22 +63,31 @@ from qsync_jax.errors import QsyncError
 from qsync_jax.ops.quant_ops import RNG_COLLECTION
 from qsync_jax.ops.vma import shard_map
 from qsync_jax.plan import Plan
-from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.sync import make_grad_sync
 from qsync_jax.sync.common import (
   AXIS,
   STEP_COMPILER_OPTIONS,
-  all_gather_invariant,
   is_float,
   optimizer_init,
   to_varying,
 )
-from qsync_jax.sync.order import backward_order, from_order, in_order
+from qsync_jax.sync.order import from_order, in_order
 from qsync_jax.sync.qsdp import even_layout
-from qsync_jax.sync.two_level import check_two_level_sync, two_level_sync
+from qsync_jax.sync.two_level import two_level_sync
 from qsync_jax.train.batching import pad_shards, put_replicated, put_sharded
+from qsync_jax.train.branch import Branch, branch_run, branch_signature, device_switch, plan_branches
+from qsync_jax.train.canonical_convs import canonical_convs
 from qsync_jax.train.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
+from qsync_jax.train.optimizers import learning_rate_of
+from qsync_jax.train.sharded_update import (
+  ShardedUpdate,
+  check_sharded_optimizer,
+  clip_by_global_norm,
+  gather_optimizer_state,
+  shard_optimizer_state,
+)
+from qsync_jax.train.step_plan import check_step_plan
 from qsync_jax.train.task import Task
-from qsync_jax.train.task_step import task_loss
 
 SyncFn = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
 """``(weighted_local_grads, sync_state, key) -> (combined_grads, sync_state)``.
@@ -113,35 +123,6 @@ class TrainState(NamedTuple):
   rng: jax.Array  # uint32 key data of the training key; step keys fold in ``step``
   loss_scale: LossScaleState
   sync_state: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Branch:
-  """A distinct (policy, per-device batch, micro-steps) and the device groups that run it."""
-
-  groups: tuple[str, ...]
-  policy: PrecisionPolicy
-  batch_per_device: int
-  micro_steps: int = 1  # the per-device batch runs as this many micro-batches (``Plan.micro_steps``)
-
-
-def plan_branches(cluster: ClusterSpec, plan: Plan) -> tuple[tuple[Branch, ...], tuple[int, ...]]:
-  """The branches of ``plan`` on ``cluster`` (batches already applied) and each device's branch."""
-  keys: dict[tuple[str, int, int], int] = {}
-  groups: list[list[str]] = []
-  specs: list[tuple[PrecisionPolicy, int, int]] = []
-  group_branch = []
-  for g in cluster.groups:
-    policy, k = plan.policy_for(g.name).for_device(g.device_type), plan.micro_steps_of(g.name)
-    key = (json.dumps(policy.to_json(), sort_keys=True), g.batch_per_device, k)
-    if key not in keys:
-      keys[key] = len(specs)
-      specs.append((policy, g.batch_per_device, k))
-      groups.append([])
-    groups[keys[key]].append(g.name)
-    group_branch.append(keys[key])
-  branches = tuple(Branch(tuple(n), p, b, k) for n, (p, b, k) in zip(groups, specs))
-  return branches, tuple(group_branch[i] for i in cluster.device_group_indices())
 
 
 def _float32(tree):
@@ -211,6 +192,7 @@ class TrainStep(StepProgram):
       one = self.sync_init(params)
       opt_state = optimizer_init(optimizer, params)
       if self.plan.optimizer_update == "sharded":
+        check_sharded_optimizer(optimizer, params, n)
         opt_state = shard_optimizer_state(optimizer, opt_state, params, n)
       return TrainState(
         step=jnp.int32(0),
@@ -277,70 +259,6 @@ class TrainStep(StepProgram):
     return jax.jit(converted, out_shardings=out_shardings)
 
 
-# -- the sharded optimizer update (plan.optimizer_update == "sharded") ----------------------------
-def _map_param_leaves(optimizer, f, opt_state, params, n: int, other):
-  """``opt_state`` with ``f(leaf, layout)`` on every leaf that mirrors a param leaf (``mu``,
-  ``nu``, momentum traces…: ``optax.tree_utils.tree_map_params``; ``layout``: that param's
-  ``even_layout`` over ``n`` devices) and ``other(leaf)`` on the rest (step counts, injected
-  hyperparameters)."""
-  return optax.tree_utils.tree_map_params(
-    functools.partial(optimizer_init, optimizer),
-    f,
-    opt_state,
-    even_layout(params, n),
-    transform_non_params=other,
-  )
-
-
-def shard_optimizer_state(optimizer: optax.GradientTransformation, opt_state, params, n: int):
-  """The sharded form of ``optimizer``'s replicated state ``opt_state`` (of ``params``) over ``n``
-  devices: every leaf stacked on a leading axis of ``n`` (row ``i``: device ``i``'s), equivalent to
-  ``layout.padded(x, n).reshape(n, layout.shard)`` for a leaf that mirrors a param and
-  ``jnp.broadcast_to(x, (n, *x.shape))`` for any other. ``gather_optimizer_state`` inverts it."""
-  return _map_param_leaves(
-    optimizer,
-    lambda x, lay: lay.padded(x, n).reshape(n, lay.shard),
-    opt_state,
-    params,
-    n,
-    lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))),
-  )
-
-
-def gather_optimizer_state(optimizer: optax.GradientTransformation, sharded, params, n: int):
-  """The replicated state from ``shard_optimizer_state``'s form: ``layout.unpadded(x.reshape(-1))``
-  for a leaf that mirrors a param, row 0 for any other (every row holds the same)."""
-  return _map_param_leaves(
-    optimizer, lambda x, lay: lay.unpadded(x.reshape(-1)), sharded, params, n, lambda x: x[0]
-  )
-
-
-def check_optimizer_update(plan: Plan, grad_sync=None) -> None:
-  """``QsyncError`` when ``plan.optimizer_update == "sharded"`` cannot run: with ``reduction``
-  ``"two_level"``, or with a gradient sync other than the hybrid step's default fp32 reduction
-  (``grad_sync``: a ``SyncFn``, a ``GradSync`` or a strategy name; None or ``psum_sync``: the
-  default), which the sharded update replaces by a reduce-scatter."""
-  if plan.optimizer_update != "sharded":
-    return
-  if plan.reduction != "flat":
-    raise QsyncError(
-      f"plan: optimizer_update='sharded' with reduction={plan.reduction!r}: the sharded update "
-      "reduce-scatters the gradients over every device at once, not in two levels. Fix: set the "
-      "plan's reduction to 'flat', or its optimizer_update to 'replicated'."
-    )
-  if grad_sync is not None and grad_sync is not psum_sync:
-    name = (
-      grad_sync if isinstance(grad_sync, str) else getattr(grad_sync, "__name__", type(grad_sync).__name__)
-    )
-    raise QsyncError(
-      f"plan: optimizer_update='sharded' with sync {name!r}: the sharded update runs in the hybrid "
-      "step in place of its default fp32 gradient reduction (a reduce-scatter, then an all-gather of "
-      "the updated params); a gradient hook would replace that reduction and a step-builder strategy "
-      "(selsync, qsdp) keeps its own parameter and optimizer layout. Fix: leave the sync unset "
-      "(no grad_sync, no --sync), or set the plan's optimizer_update to 'replicated'."
-    )
-
-
 def shard_batch(host_batch, cluster: ClusterSpec, mesh: Mesh):
   """Host global batch (``cluster.global_batch`` rows) → padded per-device shards on ``mesh``."""
   return put_sharded(pad_shards(host_batch, cluster.device_batch_sizes()), mesh, AXIS)
@@ -365,20 +283,6 @@ def init_variables(task: Task, seed: int, sample) -> tuple[dict, jax.Array]:
   return _float32(dict(variables)), jax.random.key_data(train_key)
 
 
-def device_switch(fns: Sequence[Callable], device_branch: Sequence[int], axis_name: str = AXIS) -> Callable:
-  """``f(*args)`` that runs ``fns[device_branch[i]](*args)`` on device ``i`` of ``axis_name``
-  inside ``shard_map``: ``lax.switch`` on a constant table indexed by ``lax.axis_index``;
-  ``fns[0]`` itself when there is one function."""
-  if len(fns) == 1:
-    return fns[0]
-  table = np.asarray(device_branch, np.int32)
-
-  def switched(*args):
-    return lax.switch(jnp.asarray(table)[lax.axis_index(axis_name)], list(fns), *args)
-
-  return switched
-
-
 def _split_sync(grad_sync) -> tuple[Callable, Callable[[Any], Any], str]:
   """(sync function, per-device state init, leaf order) of a ``SyncFn`` callable or an
   ``(init, sync)`` object; the leaf order is its ``leaf_order`` attribute (default ``"tree"``;
@@ -401,13 +305,15 @@ def make_train_step(
   cluster: ClusterSpec,
   plan: Plan | None,
   optimizer: optax.GradientTransformation,
-  grad_sync: SyncFn | None = None,
+  grad_sync: SyncFn | str | None = None,
   *,
+  sync_options: Mapping[str, Any] | None = None,
   devices: Sequence[Any] | None = None,
   loss_scale: DynamicLossScale | NoLossScale | None = None,
   return_grads: bool = False,
   donate: bool | None = None,
   sync_leaf_order: str = "auto",
+  clip_norm: float | None = None,
 ) -> TrainStep:
   """Builds the hybrid synchronous data-parallel step of ``task`` on ``cluster`` under ``plan``.
 
@@ -419,10 +325,12 @@ def make_train_step(
       ``"replicated"`` on every device, ``"sharded"`` each device its 1/N share; module doc).
     optimizer: an optax transformation, applied to the combined fp32 gradient (elementwise —
       sgd, momentum, adam, adamw… — when the plan shards the update: each device's update sees
-      its flat shard of every leaf, not the whole tree, so a global-norm clip or a mask chosen by
-      leaf rank would be wrong).
-    grad_sync: a ``SyncFn`` callable (default ``psum_sync``), or an object with ``init`` and
-      ``sync`` such as ``qsync_jax.sync.make_grad_sync(name)``.
+      its flat shard of every leaf, so an optimizer reading across elements or choosing by a
+      leaf's shape is refused, ``check_sharded_optimizer``; clip with ``clip_norm``).
+    grad_sync: a ``SyncFn`` callable (default ``psum_sync``), an object with ``init`` and
+      ``sync`` such as ``qsync_jax.sync.make_grad_sync(name)``, or the name of a gradient-hook
+      strategy (``make_grad_sync(grad_sync, **sync_options)``).
+    sync_options: the named strategy's options.
     devices: the devices of the job, in order (default ``jax.devices()``: all processes').
     loss_scale: default ``DynamicLossScale()`` when the plan has an fp16 leg, else ``NoLossScale()``.
     return_grads: the step also returns the combined (unscaled) gradient.
@@ -433,202 +341,57 @@ def make_train_step(
       backward; see ``qsync_jax.sync.order`` for what it does and does not change on GPUs);
       ``"tree"``: the gradient tree as is, whatever the sync says (the order before this
       option existed).
+    clip_norm: the largest global L2 norm of the combined fp32 gradient (None: no clipping): the
+      gradient is scaled by ``clip_norm / norm`` when its norm is larger, before the optimizer —
+      ``optax.clip_by_global_norm``'s arithmetic, with the norm over the whole gradient in both
+      update modes; the pre-clip norm is logged as the metric ``grad_norm``.
   """
   plan = plan if plan is not None else Plan()
-  check_optimizer_update(plan, grad_sync)
-  check_two_level_sync(plan.reduction, None if grad_sync is psum_sync else grad_sync)
-  cluster, devices = plan.place(cluster, list(jax.devices() if devices is None else devices))
-  mesh = Mesh(np.asarray(devices), (AXIS,))
-  if plan.reduction == "two_level":  # the two-level fp32 sum in place of the default psum
-    grad_sync = two_level_sync(tuple(g.count for g in cluster.groups))
-  grad_sync, sync_init, leaf_order = _split_sync(grad_sync if grad_sync is not None else psum_sync)
+  check_step_plan(plan, None if grad_sync is psum_sync else grad_sync, clip_norm=clip_norm)
   if sync_leaf_order not in ("auto", "tree"):
     raise QsyncError(
       f"sync_leaf_order={sync_leaf_order!r} is not an option. Fix: pass 'auto' (the sync's own "
       "leaf_order) or 'tree' (the gradient tree as is)."
     )
-  leaf_order = "tree" if sync_leaf_order == "tree" else leaf_order
+  if isinstance(grad_sync, str):
+    grad_sync = make_grad_sync(grad_sync, **(sync_options or {}))
+  elif sync_options:
+    raise QsyncError(
+      "sync_options apply to a strategy given by name. Fix: pass grad_sync='<name>', or drop sync_options."
+    )
+  cluster, devices = plan.place(cluster, list(jax.devices() if devices is None else devices))
+  mesh = Mesh(np.asarray(devices), (AXIS,))
+  if plan.reduction == "two_level":  # the two-level fp32 sum in place of the default psum
+    grad_sync = two_level_sync(tuple(g.count for g in cluster.groups))
+  sync, sync_init, leaf_order = _split_sync(grad_sync if grad_sync is not None else psum_sync)
   if loss_scale is None:
     loss_scale = DynamicLossScale() if plan.needs_fp16_loss_scaling else NoLossScale()
   branches, device_branch = plan_branches(cluster, plan)
-  global_batch = cluster.global_batch
-
-  def branch_fn(branch: Branch):
-    """The branch's run: its ``k = micro_steps`` micro-batches of ``b/k`` (its rows of the batch
-    in order), each weighted by its share ``(b/k)/B`` of the global batch, summed in fp32 —
-    ``sum(micro(params, model_state, local[i*b/k:(i+1)*b/k], fold_in(key, i), scale) for i)``,
-    with the key unfolded when ``k == 1``; every micro-batch starts from the same model state,
-    so the state kept is the weighted average of the micro-batches' (non-float leaves: the last)."""
-    task_loss_fn = task_loss(task, branch.policy)
-    b, k = branch.batch_per_device, branch.micro_steps
-    micro_batch = b // k
-    weight = micro_batch / global_batch
-
-    def run(params, model_state, batch, key, scale):
-      local = jax.tree.map(lambda x: x[:b], batch)
-      if k == 1:
-        return micro(params, model_state, local, key, scale)
-      names: list[tuple[str, ...]] = []
-
-      def step(acc, i_and_slice):
-        i, mb = i_and_slice
-        grads, scalars, new_state, metric_names = micro(
-          params, model_state, mb, jax.random.fold_in(key, i), scale
-        )
-        names.append(metric_names)
-        return jax.tree.map(lambda a, x: a + x if is_float(x) else x, acc, (grads, scalars, new_state)), None
-
-      slices = jax.tree.map(lambda x: x.reshape(k, micro_batch, *x.shape[1:]), local)
-      first = jax.tree.map(lambda x: x[0], slices)
-      shapes = jax.eval_shape(lambda mb: micro(params, model_state, mb, key, scale)[:3], first)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-      # The carry is typed varying like the micro-steps' results (a constant zero is invariant).
-      zeros = zeros if alone else to_varying(zeros)
-      (grads, scalars, new_state), _ = lax.scan(step, zeros, (jnp.arange(k, dtype=jnp.int32), slices))
-      return grads, scalars, new_state, names[-1]
-
-    def micro(params, model_state, local, key, scale):
-      """One micro-batch's fp32 gradient, loss and metrics, and updated state, each times ``weight``."""
-
-      def loss_fn(p):
-        loss, metrics, updated = task_loss_fn({"params": p, **model_state}, local, key)
-        loss = loss.astype(jnp.float32)
-        scaled = loss * scale if loss_scale.enabled else loss
-        return scaled, (loss, metrics, updated)
-
-      scaled, vjp_fn, (loss, metrics, updated) = jax.vjp(loss_fn, params, has_aux=True)
-      cotangent = jnp.ones_like(scaled)
-      if want_order and not orders:  # the first traced branch decides the sync's leaf order
-        orders.append(backward_order(jax.make_jaxpr(vjp_fn)(cotangent), len(jax.tree.leaves(params))))
-      (grads,) = vjp_fn(cotangent)
-      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-      scalars = jnp.stack([loss, *(jnp.asarray(v, jnp.float32) for v in metrics.values())])
-      new_state = {c: updated.get(c, model_state[c]) for c in model_state}
-      if loss_scale.enabled or weight != 1.0:  # one device with the whole batch: nothing to weight
-        factor = weight / scale if loss_scale.enabled else jnp.float32(weight)
-        grads = jax.tree.map(lambda g: g * factor, grads)
-        scalars = scalars * jnp.float32(weight)
-        new_state = jax.tree.map(lambda x: x * jnp.float32(weight) if is_float(x) else x, new_state)
-      return grads, scalars, new_state, tuple(metrics)
-
-    return run
-
-  runs = [branch_fn(b) for b in branches]
   sharded = plan.optimizer_update == "sharded"
-  # One device with the default sync: every collective is the identity, so emit none (a
-  # 1-device all-reduce still copies every gradient) and skip the varying/invariant typing.
-  # (A sharded update keeps its collectives: its state has the sharded form on any mesh.)
-  alone = mesh.size == 1 and grad_sync is psum_sync and not sharded
-  want_order = leaf_order == "backward" and not alone
-  metric_names: list[tuple[str, ...]] = []
-  orders: list[tuple[int, ...]] = []  # the gradient leaves' backward order (``sync.order``)
-  n = mesh.size
-
-  def reduce_scatter(grads, layout):
-    """This device's shard of the sum over ``data`` of every leaf of ``grads`` (padded as
-    ``layout`` says): one ``psum_scatter`` per leaf, issued in the backward pass's leaf order
-    when the sync has one (as the all-reduce's buckets are)."""
-
-    def one(g, lay):
-      return lax.psum_scatter(lay.padded(g, n), AXIS, tiled=True)
-
-    if not want_order:
-      return jax.tree.map(one, grads, layout)
-    shards = [one(g, lay) for g, lay in zip(in_order(grads, orders[0]), in_order(layout, orders[0]))]
-    return from_order(shards, grads, orders[0])
-
-  def local_step(state: TrainState, batch):
-    index = lax.axis_index(AXIS)
-    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    sync_key, device_base = jax.random.split(step_key)
-    scale = state.loss_scale.scale
-    varying = (lambda t: t) if alone else to_varying
-    operands = (
-      varying(state.params),
-      varying(state.model_state),
-      batch,
-      jax.random.fold_in(device_base, index),
-      scale,
-    )
-
-    def strip(run):
-      def f(*args):
-        grads, scalars, new_state, names = run(*args)
-        metric_names.append(names)
-        return grads, scalars, new_state
-
-      return f
-
-    grads, scalars, new_state = device_switch([strip(r) for r in runs], device_branch)(*operands)
-
-    sync_state = jax.tree.map(lambda x: x[0], state.sync_state)
-    if sharded:  # reduce-scattered below, with the optimizer update
-      combined = None
-    elif alone:
-      combined = grads
-    elif want_order:  # the leaves as a list, in the order the backward pass produces them
-      combined, sync_state = grad_sync(in_order(grads, orders[0]), sync_state, sync_key)
-      combined = from_order(combined, grads, orders[0])
-    else:
-      combined, sync_state = grad_sync(grads, sync_state, sync_key)
-    sync_state = jax.tree.map(lambda x: x[None], sync_state)
-    if not alone:
-      scalars = lax.psum(scalars, AXIS)
-      new_state = jax.tree.map(lambda x: lax.psum(x, AXIS) if is_float(x) else lax.pmax(x, AXIS), new_state)
-
-    if sharded:
-      layout = even_layout(state.params, n)
-      grad_shards = reduce_scatter(grads, layout)
-      param_shards = jax.tree.map(
-        lambda p, lay: lax.dynamic_slice_in_dim(lay.padded(p, n), index * lay.shard, lay.shard),
-        state.params,
-        layout,
-      )
-      old_params, old_opt = param_shards, jax.tree.map(lambda x: x[0], state.opt_state)
-      update_grads = grad_shards
-    else:
-      old_params, old_opt, update_grads = state.params, state.opt_state, combined
-    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
-      updates, opt_state = optimizer.update(update_grads, old_opt, old_params)
-      params = optax.apply_updates(old_params, updates)
-    names = metric_names[-1]
-    metrics = {"loss": scalars[0], **{k: scalars[1 + i] for i, k in enumerate(names)}}
-    ls_state = state.loss_scale
-    if loss_scale.enabled:  # a sharded update: each device checks its shard, pmin checks them all
-      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(update_grads)]))
-      if not alone:
-        finite = lax.pmin(to_varying(finite.astype(jnp.int32)), AXIS) > 0
-
-      def keep(new, old):
-        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-      params, opt_state = keep(params, old_params), keep(opt_state, old_opt)
-      new_state = keep(new_state, state.model_state)
-      ls_state = loss_scale.update(state.loss_scale, finite)
-      metrics["loss_scale"] = scale
-      metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-    if sharded:  # every device's updated shard → the replicated params
-      params = jax.tree.map(lambda x, lay: lay.unpadded(all_gather_invariant(x, AXIS)), params, layout)
-      opt_state = jax.tree.map(lambda x: x[None], opt_state)
-      if return_grads:
-        combined = jax.tree.map(
-          lambda x, lay: lay.unpadded(all_gather_invariant(x, AXIS)), grad_shards, layout
-        )
-    new = TrainState(state.step + 1, params, opt_state, new_state, state.rng, ls_state, sync_state)
-    return (new, metrics, combined) if return_grads else (new, metrics)
-
-  state_specs = TrainState(P(), P(), P(AXIS) if sharded else P(), P(), P(), P(), P(AXIS))
-  out_specs = (state_specs, P(), P()) if return_grads else (state_specs, P())
-  # The two-level sum is point-to-point sends, typed varying, and the same on every device: typing it
-  # invariant would cost a collective over every device, so that step is not type-checked.
-  check_vma = not alone and plan.reduction != "two_level"
-  mapped = shard_map(
-    local_step, mesh=mesh, in_specs=(state_specs, P(AXIS)), out_specs=out_specs, check_vma=check_vma
+  step_fn = _StepFunction(
+    task=task,
+    global_batch=cluster.global_batch,
+    branches=branches,
+    device_branch=device_branch,
+    optimizer=optimizer,
+    sync=sync,
+    # One device with the default sync: every collective is the identity, so emit none (a
+    # 1-device all-reduce still copies every gradient) and skip the varying/invariant typing.
+    # (A sharded update keeps its collectives: its state has the sharded form on any mesh.)
+    alone=mesh.size == 1 and sync is psum_sync and not sharded,
+    backward=leaf_order == "backward" and sync_leaf_order == "auto",
+    sharded=sharded,
+    loss_scale=loss_scale,
+    clip_norm=clip_norm,
+    return_grads=return_grads,
+    mesh=mesh,
+    # The two-level sum is point-to-point sends, typed varying, and the same on every device: typing it
+    # invariant would cost a collective over every device, so that step is not type-checked.
+    check_vma=plan.reduction != "two_level",
   )
   if donate is None:
     donate = devices[0].platform != "cpu"
-  step = jax.jit(mapped, donate_argnums=(0,) if donate else (), compiler_options=STEP_COMPILER_OPTIONS)
-  state_sharding = TrainState(*(NamedSharding(mesh, s) for s in state_specs))
+  step = jax.jit(step_fn, donate_argnums=(0,) if donate else (), compiler_options=STEP_COMPILER_OPTIONS)
   return TrainStep(
     task=task,
     cluster=cluster,
@@ -640,5 +403,151 @@ def make_train_step(
     loss_scale=loss_scale,
     sync_init=sync_init,
     step=step,
-    state_sharding=state_sharding,
+    state_sharding=TrainState(*(NamedSharding(mesh, s) for s in step_fn.state_specs)),
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedUpdate:
+  """The replicated update's per-step pieces (the interface of ``ShardedUpdate``): the gradient
+  sync's combined gradient; every device updates the whole tree."""
+
+  sync: Callable
+  alone: bool
+  order: Sequence[int] | None = None
+
+  def gradients(self, grads, sync_state, key):
+    if self.alone:
+      return grads, sync_state
+    if self.order is None:
+      return self.sync(grads, sync_state, key)
+    # the leaves as a list, in the order the backward pass produces them
+    combined, sync_state = self.sync(in_order(grads, self.order), sync_state, key)
+    return from_order(combined, grads, self.order), sync_state
+
+  def local(self, params, opt_state):
+    return params, opt_state
+
+  def whole(self, params, opt_state):
+    return params, opt_state
+
+  def whole_grads(self, grads):
+    return grads
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: jax.jit caches on it
+class _StepFunction:
+  """``step(state, batch)`` of ``make_train_step``, before ``jax.jit``: traces the branches'
+  signature (``branch_signature``) and the optimizer check on the state's shapes, then runs
+  ``local_step`` under ``shard_map``."""
+
+  task: Task
+  global_batch: int
+  branches: tuple[Branch, ...]
+  device_branch: tuple[int, ...]
+  optimizer: optax.GradientTransformation
+  sync: Callable
+  alone: bool
+  backward: bool  # the sync takes the gradient leaves in backward order
+  sharded: bool
+  loss_scale: Any
+  clip_norm: float | None
+  return_grads: bool
+  mesh: Mesh
+  check_vma: bool
+
+  @property
+  def state_specs(self) -> TrainState:
+    return TrainState(P(), P(), P(AXIS) if self.sharded else P(), P(), P(), P(), P(AXIS))
+
+  def __call__(self, state: TrainState, batch):
+    n = self.mesh.size
+    if self.sharded:  # on the params' shapes, when the step is traced (before it compiles)
+      check_sharded_optimizer(self.optimizer, state.params, n)
+    device_batch = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch
+    )
+    signature = branch_signature(
+      self.task, self.branches[0], state.params, state.model_state, device_batch, self.loss_scale.enabled
+    )
+    order = signature.backward_order if self.backward and not self.alone else None
+    if self.sharded:
+      update = ShardedUpdate(even_layout(state.params, n), n, order)
+    else:
+      update = ReplicatedUpdate(self.sync, self.alone, order)
+    specs = self.state_specs
+    out_specs = (specs, P(), P()) if self.return_grads else (specs, P())
+    local = functools.partial(self.local_step, update, signature.metric_names)
+    mapped = shard_map(
+      local,
+      mesh=self.mesh,
+      in_specs=(specs, P(AXIS)),
+      out_specs=out_specs,
+      check_vma=self.check_vma and not self.alone,
+    )
+    return mapped(state, batch)
+
+  def branch_runs(self, metric_names) -> Callable:
+    """``run(params, model_state, batch, key, scale)`` of this device's branch (``device_switch``);
+    on the CPU, a branch in a ``lax.switch`` or with micro-steps (a ``lax.scan``) has its
+    convolutions in XLA:CPU's canonical order (``canonical_convs``)."""
+    varying = (lambda t: t) if self.alone else to_varying
+    scaled = self.loss_scale.enabled
+    runs = [
+      branch_run(self.task, b, self.global_batch, metric_names, scaled=scaled, varying=varying)
+      for b in self.branches
+    ]
+    nested = len(runs) > 1 or any(b.micro_steps > 1 for b in self.branches)  # in a switch or a scan
+    if nested and self.mesh.devices.flat[0].platform == "cpu":  # XLA:CPU's fast convolutions there
+      runs = [canonical_convs(run) for run in runs]
+    return device_switch(runs, self.device_branch)
+
+  def local_step(self, update, metric_names, state: TrainState, batch):
+    """One device's step: gradients → sync or reduce-scatter → (clip) → update → finite check."""
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    sync_key, device_base = jax.random.split(step_key)
+    varying = (lambda t: t) if self.alone else to_varying
+    operands = (varying(state.params), varying(state.model_state), batch)
+    key = jax.random.fold_in(device_base, lax.axis_index(AXIS))
+    grads, scalars, new_state = self.branch_runs(metric_names)(*operands, key, state.loss_scale.scale)
+    sync_state = jax.tree.map(lambda x: x[0], state.sync_state)
+    grads, sync_state = update.gradients(grads, sync_state, sync_key)
+    if not self.alone:
+      scalars = lax.psum(scalars, AXIS)
+      new_state = jax.tree.map(lambda x: lax.psum(x, AXIS) if is_float(x) else lax.pmax(x, AXIS), new_state)
+    metrics = {"loss": scalars[0], **{m: scalars[1 + i] for i, m in enumerate(metric_names)}}
+    params, opt_state = update.local(state.params, state.opt_state)
+    new_params, new_opt = self.optimizer_update(grads, opt_state, params, metrics)
+    lr = learning_rate_of(new_opt)  # an optax.inject_hyperparams state: the rate this update used
+    if lr is not None:  # (sharded: every device's row holds it; the pmax types it invariant)
+      metrics["lr"] = lax.pmax(lr, AXIS) if self.sharded else lr
+    ls_state = state.loss_scale
+    if self.loss_scale.enabled:
+      finite = self.all_finite(grads)
+      new_params, new_opt, new_state = jax.tree.map(
+        lambda n, o: jnp.where(finite, n, o),
+        (new_params, new_opt, new_state),
+        (params, opt_state, state.model_state),
+      )
+      ls_state = self.loss_scale.update(state.loss_scale, finite)
+      metrics.update(loss_scale=state.loss_scale.scale, skipped=1.0 - finite.astype(jnp.float32))
+    new_params, new_opt = update.whole(new_params, new_opt)
+    sync_state = jax.tree.map(lambda x: x[None], sync_state)
+    new = TrainState(state.step + 1, new_params, new_opt, new_state, state.rng, ls_state, sync_state)
+    return (new, metrics, update.whole_grads(grads)) if self.return_grads else (new, metrics)
+
+  def optimizer_update(self, grads, opt_state, params, metrics):
+    """``(params, opt_state)`` after the optimizer's update on ``grads`` (clipped to
+    ``clip_norm`` first, the norm logged in ``metrics["grad_norm"]``)."""
+    if self.clip_norm is not None:
+      grads, metrics["grad_norm"] = clip_by_global_norm(grads, self.clip_norm, self.sharded)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int counts
+      updates, opt_state = self.optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+  def all_finite(self, grads) -> jax.Array:
+    """True when every device's ``grads`` (a sharded update: each device's shard) are finite."""
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    if self.alone:
+      return finite
+    return lax.pmin(to_varying(finite.astype(jnp.int32)), AXIS) > 0

@@ -67,8 +67,7 @@ from qsync_jax.errors import (
 from qsync_jax.models.flax_quant import quantize
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
-from qsync_jax.sync import get_strategy, make_grad_sync
-from qsync_jax.sync.two_level import check_two_level_sync
+from qsync_jax.sync import get_strategy
 from qsync_jax.train.batching import batch_size as batch_size_of
 from qsync_jax.train.batching import check_batch, put_replicated
 from qsync_jax.train.checkpoint import CheckpointStore, check_meta, signature
@@ -88,7 +87,7 @@ from qsync_jax.train.run_hooks import (
 from qsync_jax.train.run_log import RunLog
 from qsync_jax.train.strategy_step import make_strategy_step
 from qsync_jax.train.task import Task
-from qsync_jax.train.train_step import SyncFn, check_optimizer_update, make_train_step
+from qsync_jax.train.train_step import SyncFn, make_train_step
 
 # The default of ``Trainer(progress=...)``: ``sys.stderr`` as it is when the trainer is made (a default
 # bound at import would miss a later redirection, e.g. pytest's capture).
@@ -100,7 +99,8 @@ class Trainer:
 
   Args:
     task, cluster, plan, optimizer, devices, loss_scale: as ``make_train_step``
-      (optimizer default ``optax.adam(1e-3)``).
+      (optimizer default ``optax.adam(1e-3)``; warmup and decay schedules, weight decay:
+      ``qsync_jax.train.optimizers.make_optimizer``, whose scheduled rate is logged as ``lr``).
     grad_sync: a ``SyncFn`` as ``make_train_step``, or the name of a ``qsync_jax.sync``
       strategy (gradient hook or step builder, see the module doc).
     sync_options: options of the named strategy (its ``Strategy.options``).
@@ -120,6 +120,8 @@ class Trainer:
       batches from measured group speeds (hybrid step only; module doc). Default (None):
       ``default_replan``, ``"once"`` where re-planning can change something, else ``"off"``. A pool
       of one device group has nothing to balance: it never measures, whatever the mode.
+    clip_norm: clip the combined gradient to this global L2 norm before the optimizer (None: off;
+      ``make_train_step``; the metric ``grad_norm`` is its norm before clipping). Hybrid step only.
   """
 
   def __init__(
@@ -143,6 +145,7 @@ class Trainer:
     step_timeout_s: float | None = None,
     donate: bool | None = None,
     replan: str | Replanner | None = None,
+    clip_norm: float | None = None,
   ):
     _check_run_settings(checkpoint_every, step_timeout_s)
     if out_dir and jax.process_index() == 0:
@@ -150,8 +153,6 @@ class Trainer:
     self.task, self.seed = task, int(seed)
     optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
     self.sync = _sync_meta(grad_sync, sync_options)
-    check_optimizer_update(plan or Plan(), grad_sync)
-    check_two_level_sync((plan or Plan()).reduction, grad_sync)
     sizes = (plan or Plan()).apply_to(cluster).device_batch_sizes()
     sample = next(iter(task.train_batches(sum(sizes), self.seed)))
     check_batch(sample, sizes, f"task {task.name!r}")
@@ -162,20 +163,20 @@ class Trainer:
           "Fix: drop loss_scale, or use a gradient-hook strategy."
         )
       self.program = make_strategy_step(
-        task, cluster, plan, optimizer, grad_sync, sync_options, sample, devices=devices
+        task, cluster, plan, optimizer, grad_sync, sync_options, sample, devices=devices, clip_norm=clip_norm
       )
     else:
-      if isinstance(grad_sync, str):
-        grad_sync = make_grad_sync(grad_sync, **(sync_options or {}))
       self._build = functools.partial(
         make_train_step,
         task,
         cluster,
         optimizer=optimizer,
         grad_sync=grad_sync,
+        sync_options=sync_options,
         devices=devices,
         loss_scale=loss_scale,
         donate=donate,
+        clip_norm=clip_norm,
       )
       self.program = self._build(plan)
       self._given_cluster = cluster
