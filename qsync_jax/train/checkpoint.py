@@ -231,7 +231,7 @@ class CheckpointStore:
           f"no checkpoint in {self.directory}. Fix: start without --resume, or point --out at the run's directory."
         )
       return step
-    saved = sorted(self.manager.all_steps()) if os.path.isdir(self.directory) else []
+    saved = sorted(self.manager.all_steps(read=True)) if os.path.isdir(self.directory) else []  # another run may have saved
     if step not in saved:
       there = f"its checkpoints are of steps {saved}" if saved else "it holds no checkpoint"
       fix = (

@@ -53,7 +53,7 @@ def check_optimizer_options(
     raise QsyncError(f"schedule {schedule!r} is not one of {list(SCHEDULES)}. Fix: use one of them.")
   if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
     raise QsyncError(
-      f"--lr {lr} is not a learning rate (lr={lr!r}): it must be a finite number above 0. Fix: pass e.g. --lr 1e-3."
+      f"--lr {lr} is not a learning rate: it must be a finite number above 0. Fix: pass e.g. --lr 1e-3."
     )
   if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
     raise QsyncError(

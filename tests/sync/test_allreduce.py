@@ -242,7 +242,7 @@ def test_pack_keeps_order_and_limit():
 @pytest.mark.parametrize(
   "name, options, match",
   [
-    ("fp32", {"bucket_bytes": "abc"}, "not a positive number of bytes.*Fix"),
+    ("fp32", {"bucket_bytes": "abc"}, "is of type str, but bucket_bytes takes an integer.*Fix"),
     ("fp32", {"bucket_bytes": 0}, "not a positive number of bytes.*Fix"),
     ("bf16", {"bucket_bytes": 1024}, "apply to the psum paths.*Fix"),
   ],

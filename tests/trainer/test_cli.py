@@ -31,7 +31,10 @@ def _train(tmp_path, *extra):
 def test_bad_model_argument(tmp_path, capsys, cluster8, args, needle):
   assert _train(tmp_path, *args, "--cluster", cluster8) == 2
   err = capsys.readouterr().err
-  assert err.startswith("qsync train: error:") and needle in err and "Fix" in err
+  # The error is the last line; before it only the line saying which model is loading.
+  *before, last = err.splitlines()
+  assert last.startswith("qsync train: error:") and needle in last and "Fix" in last
+  assert all(line.startswith("loading --model") for line in before), err
 
 
 def test_cluster_with_other_device_count(tmp_path, capsys):

@@ -80,7 +80,7 @@ def _loss(task, params, batch):
 @pytest.mark.parametrize(
   "kwargs, needle",
   [
-    ({"lr": float("nan")}, "--lr nan is not a learning rate \\(lr=nan\\): it must be a finite number above 0"),
+    ({"lr": float("nan")}, "--lr nan is not a learning rate: it must be a finite number above 0"),
     ({"lr": -1e-3}, "must be a finite number above 0"),
     ({"warmup_steps": -1}, "--warmup-steps / warmup_steps=-1 must be an integer ≥ 0"),
     ({"warmup_steps": 20, "total_steps": 10}, "is longer than the run"),
