@@ -5,7 +5,7 @@ anything (``traced_profile``).
 precision and every preset op policy whose precisions are profiled (``planners.profiler.op_programs``;
 on a GPU on the device clock with the activations precast, elsewhere on the step clock less the
 dispatch overhead), keeping the op tables in a checkpoint file after every op so that an
-interrupted profile resumes (``planners.profiler.checkpoint``); times the optimizer, the casts
+interrupted profile resumes (``planners.profiler.partial_profile``); times the optimizer, the casts
 and, over ``fit_rounds`` rounds, the fit step (``planners.profiler.fit.fit_preset``) at the
 profiled batch and at half of it; compiles the fp32
 step (XLA's peak, each op's forward headroom) and takes the all-bf16 step's peak; on the device
@@ -27,9 +27,9 @@ from planners.ops import OpShape, collect_ops
 from planners.predictor.graph import QUANTIZED_TRACE_PRESET
 from planners.profile import Profile
 from planners.profiler import timing
-from planners.profiler.checkpoint import load_partial, remove_partial, save_partial
 from planners.profiler.fit import SIXTEEN_BIT_PRESET, fit_memory, fit_preset, fit_profile
 from planners.profiler.op_programs import dispatch_overhead_ms, measure_casts, measure_leg, measure_policy
+from planners.profiler.partial_profile import load_partial, remove_partial, save_partial
 from planners.profiler.step_hlo import forward_headroom, per_op_ms
 from qsync_jax.devices import device_type_of, supported_precisions
 from qsync_jax.policy import PrecisionPolicy
