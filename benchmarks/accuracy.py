@@ -33,7 +33,7 @@ import time
 
 import optax
 
-from benchmarks.common.result_rows import RESULTS_DIR, ROOT, mean_std, results_path, write_section
+from benchmarks.common.result_rows import ROOT, mean_std, results_path, script_dir, write_section
 from examples import demo
 from qsync_jax.train.task import get_task
 
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
   if args.testbed == "gpt":
     from benchmarks import accuracy_gpu
 
-    plans = os.path.join(RESULTS_DIR, "accuracy_gpu", "plans_int8")
+    plans = os.path.join(script_dir("accuracy_gpu"), "plans_int8")
     seeds = [str(s) for s in args.seeds]
     for step in (["plan", "--plans", plans], ["compare", "--plans", plans, "--seeds", *seeds], ["report"]):
       if accuracy_gpu.main(step) != 0:

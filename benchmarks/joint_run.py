@@ -21,7 +21,7 @@ The LM: a GPT on random tokens (``benchmarks.common.zoo.gpt``) of ``--d-model``,
 Rows go to ``benchmarks/results/joint_run.jsonl``.
 
   python -m benchmarks.joint_run --out $OUT/joint [--processes 2] [--d-model 1024 --layers 8]
-      [--profile-file benchmarks/results/profiles/joint_run_h100.json]
+      [--profile-file benchmarks/results/joint_run/profile_h100.json]
   python -m benchmarks.joint_run --out /tmp/jr --tiny      # CPU smoke run (2 processes, gloo)
 """
 

@@ -122,7 +122,7 @@ class TerminateAsInterrupt:
 
 class WarningLines(warnings.catch_warnings):
   """Within ``with``: each distinct ``QsyncWarning`` is printed as one line ``qsync COMMAND:
-  warning: MESSAGE`` on stderr, whatever the warnings filters say (other warnings as before)."""
+  warning: MESSAGE`` on stderr, whatever the warnings filters say (other warnings go through the filters)."""
 
   def __init__(self, command: str):
     super().__init__()

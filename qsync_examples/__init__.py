@@ -4,7 +4,7 @@ The examples (``examples/`` in the checkout) are not installed: a top-level ``ex
 in site-packages would collide with other projects'. ``pyproject.toml``'s entry points name
 this package instead, and it imports the checkout's ``examples`` on first use: the checkout
 beside this file, where an editable install (``pip install -e .``, what ``python3 dev.py``
-runs) keeps it. ``python -m examples.…`` from the checkout's root works as before.
+runs) keeps it. ``python -m examples.…`` from the checkout's root works too.
 
 An install without the checkout (``pip install .``, a wheel) has no examples: a task name then
 ends in a ``QsyncError`` saying so (``qsync_jax.train.task``), and ``qsync demo`` says it too.

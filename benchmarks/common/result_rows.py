@@ -2,7 +2,9 @@
 and the helpers benchmarks share to summarize seeds and rewrite their section of a doc.
 
 Shared by the benchmark scripts (``from benchmarks.common.result_rows import ...``), wherever
-they sit: every script's results are in the one flat folder ``RESULTS_DIR``.
+they sit. One layout for every script's results, under ``RESULTS_DIR``: its rows in
+``<name>.jsonl`` (``results_path``), everything else it writes or reads (logs, profiles, traces,
+plans) in the folder named after the script's module, ``<script>/`` (``script_dir``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ import jax
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The repository root (child processes of a benchmark run from here)."""
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
-"""Every benchmark's results: ``<name>.jsonl`` and folders of raw timings, profiles and logs."""
+"""Every benchmark's results: ``<name>.jsonl`` rows and one ``<script>/`` folder per script."""
 
 
 def results_path(name: str) -> str:
   """``benchmarks/results/<name>.jsonl``: the rows of the benchmark ``name`` (absolute)."""
   return os.path.join(RESULTS_DIR, f"{name}.jsonl")
+
+
+def script_dir(script: str) -> str:
+  """``benchmarks/results/<script>/``: the logs, profiles and tables of the benchmark module
+  ``script`` (``benchmarks/<script>.py`` or ``benchmarks/diagnosis/<script>.py``), absolute."""
+  return os.path.join(RESULTS_DIR, script)
 
 
 def result_row(

@@ -22,8 +22,8 @@ are functions of a width rather than entries: ``e2e_gpt``, ``e2e_llama`` and ``e
 (``benchmarks.e2e``'s bf16 cells, their own tiny sizes kept as its committed CPU rows ran them). ``bert_ops`` is the one
 model that is an op graph, not a Flax model (``benchmarks.allocator``: nothing runs).
 
-Every builder draws its data from ``seed`` as before this zoo existed, so committed results stay
-comparable: the same shapes, initial parameters, batches and op names.
+Every builder draws its data from ``seed`` alone, so committed results stay comparable: the
+same shapes, initial parameters, batches and op names for the same name and seed.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ MODELS: dict[str, Entry] = {
   "vgg_wide": Entry(vgg, dict(stages=((128, 128), (256, 256), (512, 512)), hidden=1024), 1024, _TINY_VGG),
   "lm_base": Entry(gpt, dict(width=768, depth=4, heads=12, seq=256, max_bytes=2_000_000), 16, _TINY_LM),
   "resnet18": Entry(resnet, RESNET18, 256, _TINY_RESNET),
-  # issue 7's GPU model: ResNet-18 on synthetic 224×224 images
+  # ResNet-18 at ImageNet size (synthetic 224×224 images, 1000 classes): a GPU-sized CNN
   "resnet18_224": Entry(
     resnet,
     dict(image_size=224, **RESNET18, num_classes=1000, imagenet_stem=True),

@@ -1,4 +1,4 @@
-"""Delayed (amax-history) scaling of every Dense against today's dynamic scaling: the e2e GPT step.
+"""Delayed (amax-history) scaling of every Dense against the library's dynamic scaling: the e2e GPT step.
 
   python -m benchmarks.diagnosis.delayed_scaling [--widths 768,1024,2048,4096]
       [--variants bf16,int8_dynamic,int8_delayed,fp8_dynamic,fp8_delayed]

@@ -10,7 +10,7 @@ one-process-per-GPU steps — and appends those rows tagged ``replay-<run>``. No
 timed: it runs on any machine.
 
   python -m benchmarks.diagnosis.multigpu_replay --run run5-h100x4-order \
-      --profile benchmarks/results/profiles/lm_d768_l4_b8_h100_device_clock.json \
+      --profile benchmarks/results/multigpu/lm_d768_l4_b8_h100_device_clock.json \
       --link 2:197:152 --link 4:269:269
 """
 

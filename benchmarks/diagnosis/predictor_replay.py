@@ -12,7 +12,7 @@ compiled: it runs on any machine, so a change of the replay can be scored on GPU
 GPU is gone. Prints the table and appends the rows tagged ``replay-<run>``.
 
   python -m benchmarks.diagnosis.predictor_replay --run gpu-run-8-h100 \
-      --profile-dir benchmarks/results/profiles/predictor_h100_run8
+      --profile-dir benchmarks/results/predictor/h100_run8
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def in_step_tables(specs: list[str], models: set[str]) -> dict[str, str]:
     if model not in models or not os.path.isfile(path):
       raise SystemExit(
         f"--in-step {spec!r}: needs MODEL=TABLE with MODEL one of {sorted(models)} and TABLE an existing "
-        "benchmarks/diagnosis/step_ops.py table. Fix: e.g. --in-step vgg_wide=benchmarks/results/step_kernels/per_op_….json"
+        "benchmarks/diagnosis/step_ops.py table. Fix: e.g. --in-step vgg_wide=benchmarks/results/step_ops/per_op_….json"
       )
     out[model] = path
   return out

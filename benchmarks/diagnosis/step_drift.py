@@ -2,8 +2,8 @@
 steps, timed round-robin, round by round.
 
 ``benchmarks/predictor.py`` times its profile's fit steps (fp32, all-int8, all-bf16) and later
-its plans in one process; on an H100 ``vgg_wide``'s all-bf16 step came out at 1.45 ms in the
-first and 1.60-1.67 ms in the second (``docs/results.md``, thirteenth session). This benchmark
+its plans in one process; on an H100 ``vgg_wide``'s all-bf16 step has come out at 1.45 ms in the
+first and 1.60-1.67 ms in the second. This benchmark
 compiles each of ``--presets`` ``--compiles`` times (each compile is its own executable, with
 its own state) plus ``--others`` once each, then times all of them round-robin
 (``planners.profiler.timing.time_train_steps_interleaved``, the predictor's timing) and prints every

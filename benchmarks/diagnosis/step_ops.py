@@ -16,7 +16,7 @@ its in-step time.
       [--repeats 20]
 
 Writes ``{plan: {"<op>|fwd": ms, "<op>|bwd": ms, "rest|fwd": …, "total": kernel ms per step}}`` to
-``--out`` (default ``benchmarks/results/step_kernels/per_op_<device>_<model>.json``). A
+``--out`` (default ``benchmarks/results/step_ops/per_op_<device>_<model>.json``). A
 diagnostic: attribution follows XLA's fusion names, so work fused across an op boundary lands on
 one side of it.
 """
@@ -31,14 +31,14 @@ import sys
 import jax
 
 from benchmarks.common import zoo
-from benchmarks.common.result_rows import RESULTS_DIR
+from benchmarks.common.result_rows import script_dir
 from benchmarks.predictor import plans
 from planners.profile import Profile
 from planners.profiler import step_hlo, timing
 from planners.profiler.measure import task_ops
 from qsync_jax.policy import PrecisionPolicy
 
-TABLES_DIR = os.path.join(RESULTS_DIR, "step_kernels")
+TABLES_DIR = script_dir("step_ops")
 
 
 def table_names(ops) -> dict[str, str]:

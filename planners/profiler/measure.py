@@ -5,7 +5,7 @@ anything (``traced_profile``).
 precision and every preset op policy whose precisions are profiled (``planners.profiler.op_programs``;
 on a GPU on the device clock with the activations precast, elsewhere on the step clock less the
 dispatch overhead), keeping the op tables in a checkpoint file after every op so that an
-interrupted profile resumes (``planners.profiler.checkpoint``); times the optimizer, the casts
+interrupted profile resumes (``planners.profiler.partial_profile``); times the optimizer, the casts
 and, over ``fit_rounds`` rounds, the fit step (``planners.profiler.fit.fit_preset``) at the
 profiled batch and at half of it; compiles the fp32
 step (XLA's peak, each op's forward headroom) and takes the all-bf16 step's peak; on the device
@@ -15,6 +15,7 @@ remainder, the memory corrections and the fixed share (``planners.profiler.fit.f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import platform
 from collections.abc import Callable, Sequence
@@ -27,9 +28,9 @@ from planners.ops import OpShape, collect_ops
 from planners.predictor.graph import QUANTIZED_TRACE_PRESET
 from planners.profile import Profile
 from planners.profiler import timing
-from planners.profiler.checkpoint import load_partial, remove_partial, save_partial
 from planners.profiler.fit import SIXTEEN_BIT_PRESET, fit_memory, fit_preset, fit_profile
 from planners.profiler.op_programs import dispatch_overhead_ms, measure_casts, measure_leg, measure_policy
+from planners.profiler.partial_profile import load_partial, remove_partial, save_partial
 from planners.profiler.step_hlo import forward_headroom, per_op_ms
 from qsync_jax.devices import device_type_of, supported_precisions
 from qsync_jax.policy import PrecisionPolicy
@@ -133,7 +134,11 @@ def measure_profile(
 ) -> Profile:
   """The profile of ``task`` at ``batch_per_device`` on the local device (module docstring):
   ``repeats`` per standalone timing, ``step_repeats`` per round of the fit step on ``clock``
-  (default ``timing.default_step_clock()``), the op timings kept in ``checkpoint`` meanwhile."""
+  (default ``timing.default_step_clock()``), the op timings kept in ``checkpoint`` meanwhile.
+
+  In steps: the ops' standalone programs (``_time_ops``), the optimizer update and the casts,
+  the fit step at the batch and at half of it (``_time_fit_steps``), the fp32 step's memory, the
+  all-int8 step's per-op times (``_in_step_op_ms``); then the fits (``fit_profile``)."""
   say = progress or (lambda msg: None)
   device_type = device_type_of(jax.devices()[0])
   gpu = jax.devices()[0].platform == "gpu"
@@ -146,7 +151,6 @@ def measure_profile(
   say(
     f"{len(ops)} quantizable ops; standalone programs on the {op_clock} clock, dispatch overhead {overhead:.3f} ms"
   )
-
   settings = {
     "model": task.name,
     "batch_per_device": batch_per_device,
@@ -159,92 +163,22 @@ def measure_profile(
     "precast": gpu,
     "ops": [op.name for op in ops],
   }
-  op_ms, unrunnable = load_partial(checkpoint, settings)
-  if op_ms:
-    say(f"resuming from {checkpoint}: {len(op_ms)} of {len(ops)} ops already timed")
-  cache: dict[tuple, Any] = {}
-  op_spread: dict[str, float] = {}  # per op timed now: its timings' largest slowest/fastest repeat
-  for i, op in enumerate(ops):
-    if op.name in op_ms:
-      continue
-    say(f"[{i + 1}/{len(ops)}] {op.name}  ({op.batch}x{op.m}x{op.k}x{op.n})")
-    with timing.record_spreads() as spreads:
-      table: dict[str, dict[str, float]] = {}
-      runs = [p for p in precisions if op.runs_8bit or p not in QUANTIZED_PRECISIONS]
-      for leg in LEGS:
-        for p in runs:
-          key = (p, leg, op.batch, op.m, op.k, op.n)
-          if key not in cache:
-            cache[key] = measure_leg(p, leg, op.batch, op.m, op.k, op.n, repeats, overhead, seed, op_clock)
-          table.setdefault(leg, {})[p] = cache[key]
-      for name, pol in PRESETS.items():
-        if not all(q in runs for q in pol.precisions):
-          continue
-        key = policy_key(name, op)
-        if key not in cache:
-          try:
-            cache[key] = measure_policy(
-              pol, op.batch, op.m, op.k, op.n, repeats, overhead, seed, op_clock, op, gpu
-            )
-          except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 dot
-            cache[key] = None
-            unrunnable.append(f"{op.name} under {name}: {str(e).splitlines()[0][:120]}")
-            say(f"  cannot time {op.name} under {name} here; its legs will be used")
-        if cache[key] is not None:
-          table[f"policy:{name}"] = cache[key]
-    if spreads:  # none where every leg and policy was cached from an op of the same shape
-      op_spread[op.name] = max(spreads)
-    op_ms[op.name] = table
-    save_partial(checkpoint, settings, op_ms, unrunnable)
-  op_ms = {op.name: op_ms[op.name] for op in ops}  # forward order, resumed or not
+  op_programs = _OpPrograms(precisions, repeats, overhead, seed, op_clock, gpu)
+  op_ms, unrunnable, op_spread = _time_ops(ops, op_programs, checkpoint, settings, say)
 
   say("optimizer update")
-  optimizer = timing.default_optimizer()
-  params = variables["params"]
-  opt_state = optimizer.init(params)
-  update = jax.jit(functools.partial(timing.apply_optimizer, optimizer))
-  optimizer_ms = max(
-    timing.timed_ms(lambda: update(params, params, opt_state), repeats, clock=op_clock)[0] - overhead, 0.0
-  )
+  params, opt_state, optimizer_ms = _time_optimizer(variables["params"], repeats, op_clock, overhead)
   say("cast models")
   cast = measure_casts(cast_sizes, repeats=repeats, overhead=overhead, clock=op_clock, precisions=precisions)
 
   preset = fit_preset(precisions)
-  say(f"fit step: all-{preset}, {fit_rounds} rounds of {step_repeats} steps on the {step_clock} clock")
-  fit_ms, round_ms, fit_peak = timing.time_train_steps_interleaved(
-    task,
-    {preset: PrecisionPolicy.uniform(preset)},
-    batch,
-    step_repeats,
-    fit_rounds,
-    clocks=(step_clock,),
-    progress=lambda msg: say(f"fit step: {msg}"),
-  )[step_clock][preset]
-  small = batch_per_device // 2
-  small_ms = None
-  if small >= 1:  # the same step at half the batch: what of its compute does not scale (fixed_share)
-    say(f"fit step at {small} per device (the fixed share)")
-    small_ms = timing.time_train_steps_interleaved(
-      task,
-      {preset: PrecisionPolicy.uniform(preset)},
-      timing.device_batch(task, small, seed),
-      step_repeats,
-      fit_rounds,
-      clocks=(step_clock,),
-      progress=lambda msg: say(f"fit step at {small}: {msg}"),
-    )[step_clock][preset][0]
+  fit = _time_fit_steps(
+    task, batch, batch_per_device, preset, step_repeats, fit_rounds, step_clock, seed, say
+  )
   say("memory: the fp32 step compiled")
   fp32_peak, headroom = step_memory(task, batch, ops, seed)
-  sixteen_bit_peak = fit_peak if preset == SIXTEEN_BIT_PRESET else None
-  in_step = {}
-  if op_clock == timing.DEVICE_CLOCK and all(
-    q in precisions for q in PRESETS[QUANTIZED_TRACE_PRESET].precisions
-  ):
-    trace_policy = PrecisionPolicy.from_ops(
-      {op.name: OpPolicy.preset(QUANTIZED_TRACE_PRESET if op.runs_8bit else "fp32") for op in ops}
-    )
-    in_step = op_leg_ms(task, trace_policy, batch, ops, max(step_repeats // 2, 3))
-    say(f"all-int8 step trace: {sum(sum(t.values()) for t in in_step.values()):.3f} ms charged to ops")
+  sixteen_bit_peak = fit["peak"] if preset == SIXTEEN_BIT_PRESET else None
+  in_step = _in_step_op_ms(task, batch, ops, precisions, op_clock, step_repeats, say)
   meta = {
     **versions(),
     "precisions": list(precisions),
@@ -256,9 +190,13 @@ def measure_profile(
     "op_round_spread": op_spread,
     **({"policy_operands": "precast"} if gpu else {}),
     "fit_preset": preset,
-    "fit_step_ms": fit_ms,
-    "fit_step_round_ms": round_ms,
-    **({"fit_small_batch": small, "fit_step_small_ms": small_ms} if small_ms is not None else {}),
+    "fit_step_ms": fit["ms"],
+    "fit_step_round_ms": fit["round_ms"],
+    **(
+      {"fit_small_batch": fit["small"], "fit_step_small_ms": fit["small_ms"]}
+      if fit["small_ms"] is not None
+      else {}
+    ),
     "fp32_xla_peak_bytes": fp32_peak,
     **({"bf16_xla_peak_bytes": sixteen_bit_peak} if sixteen_bit_peak is not None else {}),
   }
@@ -280,6 +218,128 @@ def measure_profile(
   prof = fit_profile(draft)
   remove_partial(checkpoint)  # only now: a run killed after the ops resumes after them
   return prof
+
+
+def _time_optimizer(params, repeats: int, clock: str, overhead: float):
+  """``(params, opt_state, ms)``: the default optimizer's update of ``params`` timed standalone."""
+  optimizer = timing.default_optimizer()
+  opt_state = optimizer.init(params)
+  update = jax.jit(functools.partial(timing.apply_optimizer, optimizer))
+  ms = timing.timed_ms(lambda: update(params, params, opt_state), repeats, clock=clock)[0] - overhead
+  return params, opt_state, max(ms, 0.0)
+
+
+@dataclasses.dataclass
+class _OpPrograms:
+  """How the ops' standalone programs are timed (``measure_leg``, ``measure_policy``), and the
+  timings of the shapes timed so far (``cache``: ops of one shape are timed once)."""
+
+  precisions: tuple[str, ...]
+  repeats: int
+  overhead: float
+  seed: int
+  clock: str
+  precast: bool
+  cache: dict[tuple, Any] = dataclasses.field(default_factory=dict)
+
+
+def _time_ops(ops, programs: _OpPrograms, checkpoint, settings, say):
+  """``(op_ms, unrunnable, op_spread)``: every op's table (resumed from ``checkpoint`` where it
+  holds the op under ``settings``, and saved there after each op), in forward order; the op
+  policies that cannot run here; per op timed in this call, its timings' largest
+  slowest/fastest repeat."""
+  op_ms, unrunnable = load_partial(checkpoint, settings)
+  if op_ms:
+    say(f"resuming from {checkpoint}: {len(op_ms)} of {len(ops)} ops already timed")
+  op_spread: dict[str, float] = {}
+  for i, op in enumerate(ops):
+    if op.name in op_ms:
+      continue
+    say(f"[{i + 1}/{len(ops)}] {op.name}  ({op.batch}x{op.m}x{op.k}x{op.n})")
+    with timing.record_spreads() as spreads:
+      op_ms[op.name] = _time_op(op, programs, unrunnable, say)
+    if spreads:  # none where every leg and policy was cached from an op of the same shape
+      op_spread[op.name] = max(spreads)
+    save_partial(checkpoint, settings, op_ms, unrunnable)
+  return {op.name: op_ms[op.name] for op in ops}, unrunnable, op_spread
+
+
+def _time_op(op: OpShape, programs: _OpPrograms, unrunnable: list[str], say) -> dict[str, dict[str, float]]:
+  """One op's table: ``{leg: {precision: ms}}`` for every leg at every precision it runs, and
+  ``{"policy:<preset>": ms}`` for every preset whose precisions it runs (a preset that cannot run
+  here is appended to ``unrunnable``)."""
+  pr, cache = programs, programs.cache
+  table: dict[str, dict[str, float]] = {}
+  runs = [p for p in pr.precisions if op.runs_8bit or p not in QUANTIZED_PRECISIONS]
+  for leg in LEGS:
+    for p in runs:
+      key = (p, leg, op.batch, op.m, op.k, op.n)
+      if key not in cache:
+        cache[key] = measure_leg(
+          p, leg, op.batch, op.m, op.k, op.n, pr.repeats, pr.overhead, pr.seed, pr.clock
+        )
+      table.setdefault(leg, {})[p] = cache[key]
+  for name, pol in PRESETS.items():
+    if not all(q in runs for q in pol.precisions):
+      continue
+    key = policy_key(name, op)
+    if key not in cache:
+      try:
+        cache[key] = measure_policy(
+          pol, op.batch, op.m, op.k, op.n, pr.repeats, pr.overhead, pr.seed, pr.clock, op, pr.precast
+        )
+      except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no batched bf16 dot
+        cache[key] = None
+        unrunnable.append(f"{op.name} under {name}: {str(e).splitlines()[0][:120]}")
+        say(f"  cannot time {op.name} under {name} here; its legs will be used")
+    if cache[key] is not None:
+      table[f"policy:{name}"] = cache[key]
+  return table
+
+
+def _time_fit_steps(task, batch, batch_per_device, preset, step_repeats, fit_rounds, step_clock, seed, say):
+  """The all-``preset`` training step over ``fit_rounds`` rounds on ``step_clock``:
+  ``{"ms", "round_ms", "peak"}`` at the batch, and ``{"small", "small_ms"}`` at half of it (what
+  of its compute does not scale: ``fixed_share``; ``small_ms`` None below a batch of 2)."""
+  say(f"fit step: all-{preset}, {fit_rounds} rounds of {step_repeats} steps on the {step_clock} clock")
+  fit_ms, round_ms, fit_peak = timing.time_train_steps_interleaved(
+    task,
+    {preset: PrecisionPolicy.uniform(preset)},
+    batch,
+    step_repeats,
+    fit_rounds,
+    clocks=(step_clock,),
+    progress=lambda msg: say(f"fit step: {msg}"),
+  )[step_clock][preset]
+  small = batch_per_device // 2
+  small_ms = None
+  if small >= 1:
+    say(f"fit step at {small} per device (the fixed share)")
+    small_ms = timing.time_train_steps_interleaved(
+      task,
+      {preset: PrecisionPolicy.uniform(preset)},
+      timing.device_batch(task, small, seed),
+      step_repeats,
+      fit_rounds,
+      clocks=(step_clock,),
+      progress=lambda msg: say(f"fit step at {small}: {msg}"),
+    )[step_clock][preset][0]
+  return {"ms": fit_ms, "round_ms": round_ms, "peak": fit_peak, "small": small, "small_ms": small_ms}
+
+
+def _in_step_op_ms(task, batch, ops, precisions, op_clock, step_repeats, say) -> dict[str, dict[str, float]]:
+  """On the device clock, where the all-int8 preset's precisions are profiled: each op's legs'
+  times inside that step (``op_leg_ms``, ``Profile.quantized_in_step_ms``); else ``{}``."""
+  if op_clock != timing.DEVICE_CLOCK or not all(
+    q in precisions for q in PRESETS[QUANTIZED_TRACE_PRESET].precisions
+  ):
+    return {}
+  trace_policy = PrecisionPolicy.from_ops(
+    {op.name: OpPolicy.preset(QUANTIZED_TRACE_PRESET if op.runs_8bit else "fp32") for op in ops}
+  )
+  in_step = op_leg_ms(task, trace_policy, batch, ops, max(step_repeats // 2, 3))
+  say(f"all-int8 step trace: {sum(sum(t.values()) for t in in_step.values()):.3f} ms charged to ops")
+  return in_step
 
 
 # A profile is noisy when, for more than NOISY_OPS_FRACTION of the ops timed, the slowest repeat of

@@ -3,7 +3,8 @@
 ``quantize(model, policy)`` returns a ``QuantizedModel`` whose ``init`` / ``apply`` run the
 model under a Flax method interceptor (``nn.intercept_methods``). For each quantizable
 module call the interceptor looks the op up in the policy by its module path and kind, and
-hands the module its quantized op through Flax's own hooks:
+hands the module its quantized op through Flax's own hooks, one handler per module method
+(the dispatch table ``LINEN_OP_HOOKS``):
 
 ===============================  ============================  ===========================
 module                           op kind(s)                    hook
@@ -34,6 +35,7 @@ bit-identical. Stochastic rounding draws keys from the ``"qsync"`` RNG stream
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -43,9 +45,9 @@ import jax.numpy as jnp
 from qsync_jax.errors import QsyncError
 from qsync_jax.ops import qattention
 from qsync_jax.ops.quant_ops import (
+  QUANTIZED_OP_OF_KIND,
   RNG_COLLECTION,
   OpInfo,
-  QuantizedConv,
   QuantizedDotGeneral,
   QuantizedEinsum,
   QuantizedLookup,
@@ -61,21 +63,30 @@ def module_path(module: nn.Module) -> str:
 
 
 class _Interceptor:
-  """``listing``: record every op and its policy but run the float ops (for ``ops()``)."""
+  """The method interceptor: an intercepted call whose module and method ``LINEN_OP_HOOKS`` lists
+  goes to that entry's handler, every other call runs as written. ``listing``: record every op
+  and its policy but run the float ops (for ``ops()``)."""
 
   def __init__(self, policy: PrecisionPolicy, tap: Tap | None, listing: bool = False):
     self.policy, self.tap, self.listing = policy, tap, listing
     self.seen: dict[str, OpPolicy | None] = {}
     self.bridged: list[str] = []  # paths of nnx modules wrapped as linen ones (nnx.bridge.to_linen)
 
-  # -- helpers --------------------------------------------------------------------------
-  def _op(self, module, kind) -> tuple[str, str, OpPolicy | None]:
+  def op(self, module: nn.Module, kind: str) -> QuantizedOp | None:
+    """The quantized op of ``module``'s ``kind`` op under the policy (recorded in ``seen``); None:
+    no rule matches it, or ``listing``."""
     path = module_path(module)
     name = op_name(path, kind)
     runs_8bit = getattr(module, "feature_group_count", 1) == 1  # a grouped conv has no 8-bit kernel
     op_policy = self.policy.lookup(path, kind, runs_8bit)
     self.seen[name] = op_policy
-    return path, name, op_policy
+    if op_policy is None or self.listing:
+      return None
+
+    def info_fn(lhs, rhs, rerun):
+      return OpInfo(name, path, kind, tuple(lhs.shape), tuple(rhs.shape), op_policy, lhs, rhs, rerun)
+
+    return QUANTIZED_OP_OF_KIND[kind](info_fn, op_policy, self._key(module, name, op_policy), self.tap)
 
   def _key(self, module, name, op_policy):
     if not op_policy.needs_rng:
@@ -91,79 +102,111 @@ class _Interceptor:
       f"Fix: pass rngs={{'{RNG_COLLECTION}': key}} to apply (a fresh key each step)."
     )
 
-  def _make(self, cls, module, kind):
-    path, name, op_policy = self._op(module, kind)
-    if op_policy is None or self.listing:
-      return None
-
-    def info_fn(lhs, rhs, rerun):
-      return OpInfo(name, path, kind, tuple(lhs.shape), tuple(rhs.shape), op_policy, lhs, rhs, rerun)
-
-    return cls(info_fn, op_policy, self._key(module, name, op_policy), self.tap)
-
-  def _rebind(self, module, method_name, args, kwargs, **hooks):
-    clone = module.clone(parent=module.scope, **hooks)
-    return getattr(clone, method_name)(*args, **kwargs)
-
-  # -- the interceptor ------------------------------------------------------------------
   def __call__(self, next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
     if type(module).__module__.startswith("flax.nnx.bridge"):
       self.bridged.append(module_path(module))
-    if isinstance(module, (nn.Dense, nn.DenseGeneral)) and method == "__call__":
-      if isinstance(module.dot_general, QuantizedOp):
-        return next_fun(*args, **kwargs)
-      kind = "dense" if isinstance(module, nn.Dense) else "dense_general"
-      op = self._make(QuantizedDotGeneral, module, kind)
-      if op is None:
-        return next_fun(*args, **kwargs)
-      return self._rebind(module, method, args, kwargs, dot_general=op, dot_general_cls=None)
-    if isinstance(module, nn.Conv) and method == "__call__" and module.shared_weights:
-      if isinstance(module.conv_general_dilated, QuantizedOp):
-        return next_fun(*args, **kwargs)
-      op = self._make(QuantizedConv, module, "conv")
-      if op is None:
-        return next_fun(*args, **kwargs)
-      return self._rebind(
-        module, method, args, kwargs, conv_general_dilated=op, conv_general_dilated_cls=None
-      )
-    if isinstance(module, nn.MultiHeadDotProductAttention) and method == "__call__":
-      if getattr(module.qk_attn_weights_einsum_cls, "_qsync", False) or getattr(
-        module.attention_fn, "_qsync", False
-      ):
-        return next_fun(*args, **kwargs)
-      qk = self._make(QuantizedEinsum, module, "attention_qk")
-      pv = self._make(QuantizedEinsum, module, "attention_pv")
-      if qk is None and pv is None:
-        return next_fun(*args, **kwargs)
-      fused = qattention.fused_dtype(qk and qk.op_policy, pv and pv.op_policy)
-      if fused is not None and module.attention_fn is nn.dot_product_attention and module.dropout_rate == 0:
-        return self._rebind(module, method, args, kwargs, attention_fn=qattention.attention_fn(fused))
-      # Flax needs both einsums or neither: an unquantized one keeps jnp.einsum's numerics.
-      return self._rebind(
-        module,
-        method,
-        args,
-        kwargs,
-        qk_attn_weights_einsum_cls=_factory(qk),
-        attn_weights_value_einsum_cls=_factory(pv),
-      )
-    if isinstance(module, nn.Einsum) and method == "__call__":
-      op = self._make(QuantizedEinsum, module, "einsum")
-      if op is None:
-        return next_fun(*args, **kwargs)
-      return _einsum_body(module, op, *args, **kwargs)
-    if isinstance(module, nn.Embed) and method == "__call__":
-      op = self._make(QuantizedLookup, module, "embed")
-      if op is None:
-        return next_fun(*args, **kwargs)
-      return _embed_lookup(module, op, *args, **kwargs)
-    if isinstance(module, nn.Embed) and method == "attend":
-      op = self._make(QuantizedDotGeneral, module, "embed_attend")
-      if op is None:
-        return next_fun(*args, **kwargs)
-      return _embed_attend(module, op, *args, **kwargs)
-    return next_fun(*args, **kwargs)
+    call = _Call(module, method, next_fun, args, kwargs)
+    for hook in LINEN_OP_HOOKS:
+      if isinstance(module, hook.module_type) and method == hook.method:
+        return hook.handler(self, call, *hook.kinds)
+    return call.plain()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One intercepted call: ``module.method(*args, **kwargs)``, run on by ``next_fun``."""
+
+  module: nn.Module
+  method: str
+  next_fun: Callable
+  args: tuple
+  kwargs: dict
+
+  def plain(self):
+    """The call as the model wrote it."""
+    return self.next_fun(*self.args, **self.kwargs)
+
+  def rebound(self, **hooks):
+    """The call on a clone of the module, bound to its own scope (same parameters, names and RNG
+    streams), with ``hooks`` (Flax's own attributes) set."""
+    clone = self.module.clone(parent=self.module.scope, **hooks)
+    return getattr(clone, self.method)(*self.args, **self.kwargs)
+
+
+def _dot_general_hook(ops: _Interceptor, call: _Call, kind: str):
+  """``nn.Dense`` / ``nn.DenseGeneral``: the op as ``dot_general=``."""
+  if isinstance(call.module.dot_general, QuantizedOp):
+    return call.plain()
+  op = ops.op(call.module, kind)
+  return call.plain() if op is None else call.rebound(dot_general=op, dot_general_cls=None)
+
+
+def _conv_hook(ops: _Interceptor, call: _Call, kind: str):
+  """``nn.Conv`` with shared weights: the op as ``conv_general_dilated=``."""
+  if not call.module.shared_weights or isinstance(call.module.conv_general_dilated, QuantizedOp):
+    return call.plain()
+  op = ops.op(call.module, kind)
+  return call.plain() if op is None else call.rebound(conv_general_dilated=op, conv_general_dilated_cls=None)
+
+
+def _attention_hook(ops: _Interceptor, call: _Call, qk_kind: str, pv_kind: str):
+  """``nn.MultiHeadDotProductAttention``: its two products as ``*_einsum_cls=``, or, inside
+  ``qattention.fused_attention()`` with both at one 16-bit float type, ``attention_fn=``."""
+  module = call.module
+  if getattr(module.qk_attn_weights_einsum_cls, "_qsync", False) or getattr(
+    module.attention_fn, "_qsync", False
+  ):
+    return call.plain()
+  qk, pv = ops.op(module, qk_kind), ops.op(module, pv_kind)
+  if qk is None and pv is None:
+    return call.plain()
+  fused = qattention.fused_dtype(qk and qk.op_policy, pv and pv.op_policy)
+  if fused is not None and module.attention_fn is nn.dot_product_attention and module.dropout_rate == 0:
+    return call.rebound(attention_fn=qattention.attention_fn(fused))
+  # Flax needs both einsums or neither: an unquantized one keeps jnp.einsum's numerics.
+  return call.rebound(qk_attn_weights_einsum_cls=_factory(qk), attn_weights_value_einsum_cls=_factory(pv))
+
+
+def _einsum_hook(ops: _Interceptor, call: _Call, kind: str):
+  """``nn.Einsum``: no hook, so its body runs with the op (``_einsum_body``)."""
+  op = ops.op(call.module, kind)
+  return call.plain() if op is None else _einsum_body(call.module, op, *call.args, **call.kwargs)
+
+
+def _embed_lookup_hook(ops: _Interceptor, call: _Call, kind: str):
+  """``nn.Embed.__call__``: no hook, so its lookup runs as the op (``_embed_lookup``)."""
+  op = ops.op(call.module, kind)
+  return call.plain() if op is None else _embed_lookup(call.module, op, *call.args, **call.kwargs)
+
+
+def _embed_attend_hook(ops: _Interceptor, call: _Call, kind: str):
+  """``nn.Embed.attend``: no hook, so ``query · tableᵀ`` runs as the op (``_embed_attend``)."""
+  op = ops.op(call.module, kind)
+  return call.plain() if op is None else _embed_attend(call.module, op, *call.args, **call.kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpHook:
+  """Calls of ``module_type.method`` run ``handler(interceptor, call, *kinds)``: the module's op
+  kinds, each at its op policy."""
+
+  module_type: type
+  method: str
+  kinds: tuple[str, ...]
+  handler: Callable[..., Any]
+
+
+LINEN_OP_HOOKS: tuple[OpHook, ...] = (
+  OpHook(nn.Dense, "__call__", ("dense",), _dot_general_hook),
+  OpHook(nn.DenseGeneral, "__call__", ("dense_general",), _dot_general_hook),
+  OpHook(nn.Conv, "__call__", ("conv",), _conv_hook),
+  OpHook(nn.MultiHeadDotProductAttention, "__call__", ("attention_qk", "attention_pv"), _attention_hook),
+  OpHook(nn.Einsum, "__call__", ("einsum",), _einsum_hook),
+  OpHook(nn.Embed, "__call__", ("embed",), _embed_lookup_hook),
+  OpHook(nn.Embed, "attend", ("embed_attend",), _embed_attend_hook),
+)
+"""The interceptor's dispatch table, one entry per quantizable module method (first match wins)."""
 
 
 def _factory(op):

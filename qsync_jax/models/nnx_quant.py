@@ -5,7 +5,7 @@
 with ``nnx.Optimizer`` and ``nnx.jit``); ``quantize(NnxModel, policy)``, what the trainer calls,
 a ``QuantizedNnxFunctional`` with ``NnxModel``'s functional ``init`` / ``apply``. Each call hands
 every quantizable module of a fresh copy of the module its quantized op, through the module's
-own attribute where nnx has one:
+own attribute where nnx has one (the dispatch table ``NNX_OP_HOOKS``):
 
 ===========================  ================================  ====================================
 module                       op kind(s)                        hook
@@ -57,45 +57,9 @@ from jax import lax
 from qsync_jax.errors import QsyncError
 from qsync_jax.models.nnx_model import NnxModel, path_name
 from qsync_jax.ops import qattention
-from qsync_jax.ops.quant_ops import (
-  RNG_COLLECTION,
-  OpInfo,
-  QuantizedConv,
-  QuantizedDotGeneral,
-  QuantizedEinsum,
-  QuantizedLookup,
-  Tap,
-)
+from qsync_jax.ops.quant_ops import QUANTIZED_OP_OF_KIND, RNG_COLLECTION, OpInfo, Tap
 from qsync_jax.policy import PrecisionPolicy, op_name
 from qsync_jax.precision import OpPolicy
-
-OP_KINDS_OF: tuple[tuple[type, tuple[str, ...]], ...] = (
-  (nnx.Linear, ("dense",)),
-  (nnx.LinearGeneral, ("dense_general",)),
-  (nnx.Conv, ("conv",)),
-  (nnx.Einsum, ("einsum",)),
-  (nnx.Embed, ("embed", "embed_attend")),
-  (nnx.MultiHeadAttention, ("attention_qk", "attention_pv")),
-)
-"""Quantizable nnx module types and the kinds of op each may call."""
-
-
-def kinds_of(module) -> tuple[str, ...]:
-  """The op kinds ``module`` may call (none for an ``nnx.Embed`` subclass with its own lookup
-  or attend: qsync would replace them, so it leaves such a module alone)."""
-  if isinstance(module, nnx.Embed) and (
-    type(module).__call__ is not nnx.Embed.__call__ or type(module).attend is not nnx.Embed.attend
-  ):
-    return ()
-  for cls, kinds in OP_KINDS_OF:
-    if isinstance(module, cls):
-      return kinds
-  return ()
-
-
-def quantizable_modules(module: nnx.Module) -> list[tuple[str, nnx.Module]]:
-  """``(path, module)`` of every quantizable module of the graph (a shared module once)."""
-  return [(path_name(p), m) for p, m in nnx.iter_graph(module) if kinds_of(m)]
 
 
 class _Ops:
@@ -111,8 +75,8 @@ class _Ops:
     self.seen: dict[str, OpPolicy | None] = {}
     self.calls = 0
 
-  def op(self, cls, path: str, kind: str, runs_8bit: bool = True):
-    """The flax_quant op for one call of ``path:kind`` (None: the module's own op);
+  def op(self, path: str, kind: str, runs_8bit: bool = True):
+    """The quantized op for one call of ``path:kind`` (None: the module's own op);
     ``runs_8bit``: whether an 8-bit kernel runs it (``PrecisionPolicy.match``)."""
     name = op_name(path, kind)
     op_policy = self.policy.lookup(path, kind, runs_8bit)
@@ -123,7 +87,7 @@ class _Ops:
     def info_fn(lhs, rhs, rerun):
       return OpInfo(name, path, kind, tuple(lhs.shape), tuple(rhs.shape), op_policy, lhs, rhs, rerun)
 
-    return cls(info_fn, op_policy, self._key(name, op_policy), self.tap)
+    return QUANTIZED_OP_OF_KIND[kind](info_fn, op_policy, self._key(name, op_policy), self.tap)
 
   def _key(self, name: str, op_policy: OpPolicy):
     if not op_policy.needs_rng:
@@ -158,7 +122,7 @@ class _DotHook:
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, out_sharding=None, **kwargs):
     with jax.named_scope(self.path):
-      op = self.ops.op(QuantizedDotGeneral, self.path, self.kind)
+      op = self.ops.op(self.path, self.kind)
       if op is None:
         return self.own()(
           lhs, rhs, dimension_numbers, precision=precision, out_sharding=out_sharding, **kwargs
@@ -178,7 +142,7 @@ class _ConvHook:
 
   def __call__(self, *args, out_sharding=None, **kwargs):
     with jax.named_scope(self.path):
-      op = self.ops.op(QuantizedConv, self.path, "conv", self.runs_8bit)
+      op = self.ops.op(self.path, "conv", self.runs_8bit)
       if op is None:
         return self.own(*args, out_sharding=out_sharding, **kwargs)
       _no_out_sharding(self.path, out_sharding)
@@ -195,7 +159,7 @@ class _EinsumHook:
 
   def __call__(self, subscripts, lhs, rhs, out_sharding=None, **kwargs):
     with jax.named_scope(self.path):
-      op = self.ops.op(QuantizedEinsum, self.path, "einsum")
+      op = self.ops.op(self.path, "einsum")
       if op is None:
         return self.own(subscripts, lhs, rhs, out_sharding=out_sharding, **kwargs)
       _no_out_sharding(self.path, out_sharding)
@@ -212,8 +176,8 @@ class _AttentionHook:
 
   def __call__(self, query, key, value, **kwargs):
     with jax.named_scope(self.path):
-      qk = self.ops.op(QuantizedEinsum, self.path, "attention_qk")
-      pv = self.ops.op(QuantizedEinsum, self.path, "attention_pv")
+      qk = self.ops.op(self.path, "attention_qk")
+      pv = self.ops.op(self.path, "attention_pv")
       if qk is None and pv is None:
         return self.own(query, key, value, **kwargs)
       fused = qattention.fused_dtype(qk and qk.op_policy, pv and pv.op_policy)
@@ -285,7 +249,7 @@ def _embed_lookup(self, inputs, out_sharding=None):
   the linen version's); the module's own lookup when no rule matches."""
   ops, path = self._qsync_ops, self._qsync_path
   with jax.named_scope(path):
-    op = ops.op(QuantizedLookup, path, "embed")
+    op = ops.op(path, "embed")
     if op is None:
       return nnx.Embed.__call__(self, inputs, out_sharding=out_sharding)
     _no_out_sharding(path, out_sharding)
@@ -300,7 +264,7 @@ def _embed_attend(self, query, out_sharding=None):
   matches."""
   ops, path = self._qsync_ops, self._qsync_path
   with jax.named_scope(path):
-    op = ops.op(QuantizedDotGeneral, path, "embed_attend")
+    op = ops.op(path, "embed_attend")
     if op is None:
       return nnx.Embed.attend(self, query, out_sharding=out_sharding)
     _no_out_sharding(path, out_sharding)
@@ -314,24 +278,80 @@ def _hooked_embed_class(cls: type) -> type:
   return type(f"Hooked{cls.__name__}", (cls,), {"__call__": _embed_lookup, "attend": _embed_attend})
 
 
+def _hook_linear(m: nnx.Linear, ops: _Ops, path: str) -> None:
+  m.dot_general = _DotHook(ops, path, "dense", lambda fn=m.dot_general: fn)
+
+
+def _hook_linear_general(m: nnx.LinearGeneral, ops: _Ops, path: str) -> None:
+  cls, fn = m.dot_general_cls, m.dot_general
+  own = cls if cls is not None else (lambda fn=fn: fn if fn is not None else lax.dot_general)
+  m.dot_general, m.dot_general_cls = _DotHook(ops, path, "dense_general", own), None
+
+
+def _hook_conv(m: nnx.Conv, ops: _Ops, path: str) -> None:
+  m.conv_general_dilated = _ConvHook(ops, path, m.conv_general_dilated, m.feature_group_count == 1)
+
+
+def _hook_einsum(m: nnx.Einsum, ops: _Ops, path: str) -> None:
+  m.einsum_op = _EinsumHook(ops, path, m.einsum_op)
+
+
+def _hook_embed(m: nnx.Embed, ops: _Ops, path: str) -> None:
+  m.__class__ = _hooked_embed_class(type(m))
+  m._qsync_ops, m._qsync_path = ops, path
+
+
+def _hook_attention(m: nnx.MultiHeadAttention, ops: _Ops, path: str) -> None:
+  m.attention_fn = _AttentionHook(ops, path, m.attention_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxOpHook:
+  """A module of ``module_type`` may call ops of ``kinds``; ``install(module, ops, path)`` hands
+  it their quantized versions through its own attribute."""
+
+  module_type: type
+  kinds: tuple[str, ...]
+  install: Callable[[Any, _Ops, str], None]
+
+
+NNX_OP_HOOKS: tuple[NnxOpHook, ...] = (
+  NnxOpHook(nnx.Linear, ("dense",), _hook_linear),
+  NnxOpHook(nnx.LinearGeneral, ("dense_general",), _hook_linear_general),
+  NnxOpHook(nnx.Conv, ("conv",), _hook_conv),
+  NnxOpHook(nnx.Einsum, ("einsum",), _hook_einsum),
+  NnxOpHook(nnx.Embed, ("embed", "embed_attend"), _hook_embed),
+  NnxOpHook(nnx.MultiHeadAttention, ("attention_qk", "attention_pv"), _hook_attention),
+)
+"""The quantizable nnx module types, the op kinds each may call and how each gets its hook (first
+match wins)."""
+
+
+def hook_of(module) -> NnxOpHook | None:
+  """``module``'s entry of ``NNX_OP_HOOKS`` (None for an ``nnx.Embed`` subclass with its own
+  lookup or attend: qsync would replace them, so it leaves such a module alone)."""
+  if isinstance(module, nnx.Embed) and (
+    type(module).__call__ is not nnx.Embed.__call__ or type(module).attend is not nnx.Embed.attend
+  ):
+    return None
+  return next((hook for hook in NNX_OP_HOOKS if isinstance(module, hook.module_type)), None)
+
+
+def kinds_of(module) -> tuple[str, ...]:
+  """The op kinds ``module`` may call (none where ``hook_of`` has no entry)."""
+  hook = hook_of(module)
+  return () if hook is None else hook.kinds
+
+
+def quantizable_modules(module: nnx.Module) -> list[tuple[str, nnx.Module]]:
+  """``(path, module)`` of every quantizable module of the graph (a shared module once)."""
+  return [(path_name(p), m) for p, m in nnx.iter_graph(module) if kinds_of(m)]
+
+
 def install(module: nnx.Module, ops: _Ops) -> None:
   """Hands every quantizable module of ``module`` (a throwaway copy) its hook."""
   for path, m in quantizable_modules(module):
-    if isinstance(m, nnx.LinearGeneral):
-      cls, fn = m.dot_general_cls, m.dot_general
-      own = cls if cls is not None else (lambda fn=fn: fn if fn is not None else lax.dot_general)
-      m.dot_general, m.dot_general_cls = _DotHook(ops, path, "dense_general", own), None
-    elif isinstance(m, nnx.Linear):
-      m.dot_general = _DotHook(ops, path, "dense", lambda fn=m.dot_general: fn)
-    elif isinstance(m, nnx.Conv):
-      m.conv_general_dilated = _ConvHook(ops, path, m.conv_general_dilated, m.feature_group_count == 1)
-    elif isinstance(m, nnx.Einsum):
-      m.einsum_op = _EinsumHook(ops, path, m.einsum_op)
-    elif isinstance(m, nnx.MultiHeadAttention):
-      m.attention_fn = _AttentionHook(ops, path, m.attention_fn)
-    elif isinstance(m, nnx.Embed):
-      m.__class__ = _hooked_embed_class(type(m))
-      m._qsync_ops, m._qsync_path = ops, path
+    hook_of(m).install(m, ops, path)
 
 
 @dataclasses.dataclass(frozen=True)

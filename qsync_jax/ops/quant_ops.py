@@ -149,3 +149,16 @@ class QuantizedLookup(QuantizedOp):
       return quantized_dot_general(lhs, rhs, dims, op_policy, key)
 
     return self._tapped(one_hot, table, out, rerun)
+
+
+QUANTIZED_OP_OF_KIND: dict[str, type[QuantizedOp]] = {
+  "dense": QuantizedDotGeneral,
+  "dense_general": QuantizedDotGeneral,
+  "conv": QuantizedConv,
+  "einsum": QuantizedEinsum,
+  "embed": QuantizedLookup,
+  "embed_attend": QuantizedDotGeneral,
+  "attention_qk": QuantizedEinsum,
+  "attention_pv": QuantizedEinsum,
+}
+"""The quantized op that runs each op kind (``qsync_jax.policy.OP_KINDS``), for linen and nnx."""

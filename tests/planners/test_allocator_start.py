@@ -97,16 +97,15 @@ def test_start_is_uniform_when_per_op_fastest_is_slower_as_a_whole(n_infer):
   )
   train_only = first_bucket + 2 * allreduce_ms(4000, 1 + n_infer, 0.0064)
   assert ev.training_step_ms() == pytest.approx(train_only)
-  # the old start straggled. By how much depends on the ±3 % jitter: 0.77 % at the least over
-  # 600 seeded draws, so the 1 % margin this once asserted failed about 1 run in 25 (a CI
-  # rehearsal hit it); 0.2 % still lies well above float noise.
+  # the fastest levels straggle. By how much depends on the ±3 % jitter: 0.77 % at the least over
+  # 600 seeded draws, so a 1 % margin would fail about 1 run in 25; 0.2 % lies well above float noise.
   assert ev.step_ms(fastest_levels(problem)) > train_only * 1.002
   assert start_assignment(problem, ev) == ((0, 0),) * n_infer  # uniform int8
   assert ev.step_ms(((0, 0),) * n_infer) <= train_only * (1 + 1e-9)
 
   alloc = greedy(problem)
   assert not alloc.straggles
-  assert alloc.target_ms == pytest.approx(train_only)  # T* not inflated to the old start's step
+  assert alloc.target_ms == pytest.approx(train_only)  # T* not inflated to the fastest levels' step
   pred = predict(cluster, profiles, alloc.plan, bucket_bytes=4000)
   assert pred.fits
   assert pred.step_ms == pytest.approx(alloc.step_ms)

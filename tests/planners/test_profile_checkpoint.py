@@ -5,7 +5,7 @@ import json
 import pytest
 
 from planners.profiler import measure
-from planners.profiler.checkpoint import load_partial
+from planners.profiler.partial_profile import load_partial
 from qsync_jax.errors import CheckpointError
 from tests.planners import tiny
 

@@ -33,7 +33,7 @@ from tests.planners.fakes import fake_profile
 
 @pytest.mark.parametrize("seed", range(5))
 def test_cast_model_fit_recovers_synthetic_line(seed):
-  # Fixed seeds: an unseeded draw failed 1 CI run in ~5 (the 3 % bounds sit near 3σ of 1 % noise).
+  # Fixed seeds: the 3 % bounds sit near 3σ of 1 % noise, so an unseeded draw would fail ~1 run in 5.
   rng = np.random.default_rng(seed)
   a, b = rng.uniform(1e-8, 1e-6), rng.uniform(1e-3, 1e-1)
   n = np.array([2**12, 2**14, 2**16, 2**18, 2**20], np.float64)
@@ -119,7 +119,7 @@ def test_profile_json_round_trip_and_errors(tmp_path):
   traced = dataclasses.replace(prof, quantized_in_step_ms={"Dense_0:dense": {"fwd": 0.5, "bwd": 1.25}})
   traced.save(str(path))
   assert Profile.load(str(path)) == traced
-  # fields a profile no longer has (older files) are ignored
+  # fields that are not a profile's (files written by other versions) are ignored
   older = {**prof.to_json(), "quantized_leg_scale": 0.7, "relayout_ms": {"Dense_0:dense": 1.0}}
   assert Profile.from_json(older) == prof
   with pytest.raises(PlanError, match="no .* time .* Fix"):

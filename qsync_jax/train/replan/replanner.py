@@ -76,9 +76,15 @@ from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import QsyncError
 from qsync_jax.train.replan.decide import Running, Undone, decide
 from qsync_jax.train.replan.events import ReplanEvent, decision_event, measured_event
+from qsync_jax.train.replan.group_probes import (
+  Measure,
+  Measurements,
+  compile_seconds,
+  measure_groups,
+  probe_sizes,
+)
 from qsync_jax.train.replan.group_speed import GroupSpeed, balance, predicted_ms
 from qsync_jax.train.replan.lift import Lift, lifted_policy
-from qsync_jax.train.replan.measure import Measure, Measurements, compile_seconds, measure_groups, probe_sizes
 from qsync_jax.train.replan.window import StepWindows, any_process
 
 MODES = ("off", "once", "auto")
