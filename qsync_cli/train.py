@@ -22,10 +22,10 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 
 from planners.allocator.frontier import DEFAULT_BUDGET
+from qsync_cli.auto_plan import AUTO, auto_plan, write_auto_plan
 from qsync_cli.common import add_model_argument
 from qsync_jax.errors import Interrupted, PlanError, QsyncError
 from qsync_jax.train.optimizers import OPTIMIZERS, SCHEDULES
@@ -37,6 +37,14 @@ OPTIMIZER_SETTINGS = ("optimizer", "lr", "schedule", "warmup_steps", "weight_dec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+  _add_model_arguments(parser)
+  _add_optimizer_arguments(parser)
+  _add_run_arguments(parser)
+  _add_multi_process_arguments(parser)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+  """What is trained, on what, under which plan."""
   add_model_argument(parser)
   parser.add_argument(
     "--cluster", help="cluster spec (JSON, or YAML); default: all local devices, one 'cpu' group"
@@ -66,6 +74,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     help="run attention with Flax's own einsums even where its products are one 16-bit type "
     "(default on a GPU: jax.nn.dot_product_attention, cuDNN's fused kernel; a CPU runs Flax's einsums)",
   )
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="task config override (JSON value), repeatable",
+  )
+
+
+def _add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
+  """The optimizer and its learning rate over the run."""
+  optimizer = parser.add_argument_group("optimizer")
+  optimizer.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+  optimizer.add_argument(
+    "--lr", type=float, default=1e-3, help="learning rate (default 1e-3; the peak of --schedule)"
+  )
+  optimizer.add_argument(
+    "--schedule",
+    choices=SCHEDULES,
+    default="constant",
+    help="learning rate over the run: constant (default), cosine or linear decay to 0 at --steps, each after "
+    "--warmup-steps of linear warmup from 0; logged as the metric lr",
+  )
+  optimizer.add_argument(
+    "--warmup-steps", type=int, default=0, help="steps of linear warmup from 0 to --lr (default 0)"
+  )
+  optimizer.add_argument(
+    "--clip-norm",
+    type=float,
+    help="clip the gradient to this global L2 norm before the optimizer (default: no clipping); its norm "
+    "before clipping is logged as grad_norm",
+  )
+  optimizer.add_argument(
+    "--weight-decay", type=float, help="adamw's decoupled weight decay (default: optax's 1e-4)"
+  )
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+  """The run: its length, outputs, gradient sync, checkpoints, logs and evaluation."""
   parser.add_argument("--steps", type=int, required=True, help="train until this many steps in total")
   parser.add_argument(
     "--out",
@@ -86,29 +133,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   )
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-  parser.add_argument(
-    "--lr", type=float, default=1e-3, help="learning rate (default 1e-3; the peak of --schedule)"
-  )
-  parser.add_argument(
-    "--schedule",
-    choices=SCHEDULES,
-    default="constant",
-    help="learning rate over the run: constant (default), cosine or linear decay to 0 at --steps, each after "
-    "--warmup-steps of linear warmup from 0; logged as the metric lr",
-  )
-  parser.add_argument(
-    "--warmup-steps", type=int, default=0, help="steps of linear warmup from 0 to --lr (default 0)"
-  )
-  parser.add_argument(
-    "--clip-norm",
-    type=float,
-    help="clip the gradient to this global L2 norm before the optimizer (default: no clipping); its norm "
-    "before clipping is logged as grad_norm",
-  )
-  parser.add_argument(
-    "--weight-decay", type=float, help="adamw's decoupled weight decay (default: optax's 1e-4)"
-  )
   parser.add_argument(
     "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
   )
@@ -138,13 +162,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     help="JAX's persistent compilation cache in DIR (as JAX_COMPILATION_CACHE_DIR=DIR): a run that "
     "compiles a step already compiled there loads it instead",
   )
-  parser.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="KEY=VALUE",
-    help="task config override (JSON value), repeatable",
-  )
+
+
+def _add_multi_process_arguments(parser: argparse.ArgumentParser) -> None:
+  """Several processes (hosts), and simulated devices."""
   dist = parser.add_argument_group("multi-process")
   dist.add_argument("--coordinator", help="HOST:PORT of process 0 (enables jax.distributed)")
   dist.add_argument("--num-processes", type=int, default=1)
@@ -387,66 +408,6 @@ def _take_back_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
-AUTO = "auto"
-"""``--plan auto``: ``auto_plan``."""
-
-
-def auto_plan(args: argparse.Namespace, task, cluster):
-  """``(plan, measurements or None)`` of ``--plan auto``: ``OUT/plan.json`` when resuming a run
-  that wrote it; else every group runs the policy ``planners.allocator.auto_policy`` measures on
-  the local device (8-bit only on the ops it measures faster inside the step, within
-  ``--accuracy-budget``; the rest at bf16, or fp16 on a device without bf16), loaded from the
-  cache (``planners.allocator.auto_cache.default_dir``) where the same search ran before.
-  ``write_auto_plan`` writes both into the run directory."""
-  import jax
-
-  from planners.allocator import auto_cache, auto_policy
-  from planners.allocator.frontier import parse_budget
-  from qsync_jax.devices import device_type_of, training_precision
-  from qsync_jax.plan import Plan
-
-  path = os.path.join(args.out, "plan.json")
-  if args.resume and os.path.exists(path):
-    if jax.process_index() == 0:
-      print(
-        f"auto policy: resuming with {path} (chosen when the run started; not measured again)",
-        file=sys.stderr,
-      )
-    return Plan.load(path), None
-  local = device_type_of(jax.devices()[0])
-  types = sorted({g.device_type for g in cluster.groups})
-  if types != [local]:
-    raise PlanError(
-      f"--plan auto measures this host's device ({local}), but cluster {cluster.name!r} has device types "
-      f"{types}. Fix: plan a pool of several types with `qsync plan`, or give a cluster of {local} groups."
-    )
-  base = training_precision([local])
-  say = (
-    (lambda msg: print(f"auto policy: {msg}", file=sys.stderr, flush=True))
-    if jax.process_index() == 0
-    else None
-  )
-  if say and jax.devices()[0].platform == "cpu":
-    say(
-      "measuring on this CPU: these timings say which ops pay on this CPU and nothing about a GPU. "
-      "For a GPU's plan run --plan auto on that GPU, or plan it with `qsync plan`."
-    )
-  budget = DEFAULT_BUDGET if args.accuracy_budget is None else parse_budget(args.accuracy_budget)
-  result = auto_policy(
-    task,
-    cluster.max_batch_per_device,
-    base=base,
-    budget=budget,
-    progress=say,
-    seed=args.seed,
-    cache_dir=auto_cache.default_dir(),
-  )
-  if say:
-    for line in result.summary():
-      print(line, file=sys.stderr, flush=True)
-  return Plan.uniform(cluster, result.policy), result
-
-
 def _say_changed_settings(trainer, settings: dict) -> None:
   """Records the optimizer ``settings`` in the run's checkpoints; a resumed run whose settings
   differ from its checkpoint's says so (a line on stderr and one in ``metrics.jsonl``) and runs with
@@ -467,17 +428,6 @@ def _say_changed_settings(trainer, settings: dict) -> None:
     {"step": trainer.step, "resumed_with": {k: {"checkpoint": a, "now": b} for k, (a, b) in changed.items()}},
     {},
   )
-
-
-def write_auto_plan(out: str, plan, result) -> None:
-  """``OUT/plan.json`` (the plan a ``--resume`` reuses) and ``OUT/auto_policy.json`` (what was
-  measured), each written atomically."""
-  from qsync_jax.jsonio import write_text_atomic
-
-  text = json.dumps(result.to_json(), indent=1) + "\n"
-  os.makedirs(out, exist_ok=True)
-  write_text_atomic(os.path.join(out, "auto_policy.json"), text, "auto policy", PlanError)
-  plan.save(os.path.join(out, "plan.json"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,9 +18,6 @@ MAX_FUNCTION_LINES = 120
 MAX_FILE_LINES = 600
 
 ALLOWED = {  # "path" (a file) or "path::qualified.name" (a function) -> why it may be longer
-  "qsync_jax/train/train_step.py": "being split on branch step",
-  "qsync_jax/train/train_step.py::make_train_step": "being split on branch step",
-  "qsync_cli/train.py::add_arguments": "being split on branch step (it adds flags there)",
   "qsync_cli/plan.py::run": "being split on branch planner",
   "planners/allocator/greedy.py": "being split on branch planner",
   "planners/allocator/joint.py": "being split on branch planner",
