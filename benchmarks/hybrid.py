@@ -36,10 +36,10 @@ from planners.allocator.greedy import make_problem
 from planners.allocator.joint import joint_plan, plan_of
 from planners.allocator.search import precision_counts
 from planners.allocator.summary import summarize
+from planners.planning import train_precision
 from planners.predictor.modeled import modeled_profile
 from planners.predictor.replay import predict
 from planners.report import table
-from qsync_cli.plan import train_precision
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.devices import device
 

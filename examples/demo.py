@@ -150,9 +150,9 @@ def modern_cluster(batch_per_device: int):
 
 
 def training_precision(cluster) -> str:
-  """The training group's precision, as ``qsync plan`` defaults it (``qsync_cli.plan.train_precision``):
+  """The training group's precision, as ``qsync plan`` defaults it (``planners.planning.train_precision``):
   fp16 mixed precision (with loss scaling) on a V100, bf16 on an A100."""
-  from qsync_cli.plan import train_precision
+  from planners.planning import train_precision
 
   return train_precision(cluster, ("training",), None)
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import json
 
-from qsync_cli.common import (
-  add_model_argument,
-  check_model,
-  check_profiles_fit,
-  cost_source_lines,
-  load_profiles,
-)
+from qsync_cli.common import add_model_argument
 from qsync_jax.errors import PlanError
 from qsync_jax.jsonio import write_atomic, write_text_atomic
 
@@ -28,6 +22,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+  from planners.inputs import check_model, check_profiles_fit, load_profiles
+  from planners.plan_report import cost_source_lines
   from planners.predictor import predict, save_chrome_trace, save_png
   from planners.report import table
   from qsync_jax.cluster import ClusterSpec
@@ -37,7 +33,7 @@ def run(args) -> int:
   # Input files first: a bad one is named before the model is built.
   cluster = ClusterSpec.load(args.cluster)
   plan = Plan.load(args.plan)
-  profiles, files = load_profiles(args.profile, with_paths=True)
+  profiles, files = load_profiles(args.profile)
   check_profiles_fit(profiles, cluster, plan)
   task = load_task(args.model)
   check_model(profiles, task.name)

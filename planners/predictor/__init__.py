@@ -4,7 +4,7 @@ peak memory (``predict``), with its timeline (``save_chrome_trace``, ``save_png`
 
 from planners.predictor.memory_model import memory_bytes
 from planners.predictor.modeled import modeled_profile
-from planners.predictor.replay import Prediction, base_profile, predict, sync_step_ms
+from planners.predictor.replay import Prediction, base_profile, predict, resolve_profiles, sync_step_ms
 from planners.predictor.timeline import chrome_trace, save_chrome_trace, save_png
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
   "memory_bytes",
   "modeled_profile",
   "predict",
+  "resolve_profiles",
   "save_chrome_trace",
   "save_png",
   "sync_step_ms",

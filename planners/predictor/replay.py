@@ -95,6 +95,17 @@ def profile_for(profiles: Mapping[str, Profile], device_type: str, group: str | 
   return modeled_profile(base_profile(profiles), device_type)
 
 
+def resolve_profiles(cluster: ClusterSpec, profiles: Mapping[str, Profile]) -> dict[str, Profile]:
+  """``profiles`` with, for every device type of ``cluster`` that has none, the profile
+  ``profile_for`` would model from the catalog, each modeled once: a planner that replays many
+  plans of one cluster costs every group from one profile object (so its memos, keyed on the
+  profile's identity, hold), instead of modeling it again for every replay."""
+  out = dict(profiles)
+  for device_type in sorted({g.device_type for g in cluster.groups} - set(profiles)):
+    out[device_type] = profile_for(profiles, device_type)
+  return out
+
+
 def base_profile(profiles: Mapping[str, Profile]) -> Profile:
   """The profile a device type without one of its own is modeled from: the first measured
   profile of a device type (in the order given), else the first of a device type, else the
@@ -113,6 +124,7 @@ def one_device_compute_ms(group: GroupCost) -> float:
 def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Plan) -> list[GroupCost]:
   """One ``GroupCost`` per group of ``cluster``, with the plan's policies, batches and micro-steps."""
   plan.validate_for(cluster)
+  profiles = resolve_profiles(cluster, profiles)
   cluster = plan.apply_to(cluster)
   out = []
   for g in cluster.groups:

@@ -218,7 +218,7 @@ def test_bad_inputs_exit_2_with_fix(files, capsys):
 def test_train_precision_defaults_to_what_the_training_devices_run(files, capsys):
   """bf16 where the training groups' device type runs bf16, fp16 mixed precision on a V100 (no
   bf16), the first both run for a V100 and an A100; --train-precision overrides, if they run it."""
-  from qsync_cli.plan import train_precision
+  from planners.planning import train_precision
   from qsync_jax.cluster import ClusterSpec, DeviceGroup
 
   def cluster(*types):
@@ -628,3 +628,65 @@ def test_plan_auto_refuses_a_training_group_without_measured_times_and_a_stray_b
   assert "--train-budget applies to --train-precision auto alone. Fix:" in capsys.readouterr().err
   assert _plan_auto(d, "--train-precision", "auto", "--train-budget", "2") == 2
   assert "--train-budget 2.0 is outside [0, 1]. Fix:" in capsys.readouterr().err
+
+
+# -- the walk through the code of one `qsync plan` -----------------------------------------------
+
+LAYERS = ("qsync_jax", "planners", "qsync_cli")
+"""The brief's layers a command's walk crosses, lowest first."""
+
+
+def plan_walk(argv, entry="qsync_cli.plan:run", depth=2):
+  """``(status, walk)`` of ``main(argv)``: the library functions (``LAYERS``, comprehensions
+  folded into their function) that ``entry`` calls and that those call (down to ``depth``), each
+  once, in the order first entered: what a reader follows from the command into the library."""
+  import pathlib
+  import sys
+
+  root = pathlib.Path(__file__).resolve().parents[2]
+  stack, walk = [], {}
+
+  def module_of(code):
+    path = pathlib.Path(code.co_filename).resolve()
+    if not path.is_relative_to(root) or path.relative_to(root).parts[0] not in LAYERS:
+      return None
+    return ".".join(path.relative_to(root).with_suffix("").parts)
+
+  def on_event(frame, event, arg):
+    if event == "call":
+      module, parent = module_of(frame.f_code), stack[-1] if stack else None
+      name = f"{module}:{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}"  # 3.11+
+      level = 0 if name == entry else (parent + 1 if parent is not None else None)
+      stack.append(level)
+      if module and level is not None and 1 <= level <= depth and not frame.f_code.co_name.startswith("<"):
+        walk.setdefault(name, None)
+    elif event == "return" and stack:
+      stack.pop()
+
+  sys.setprofile(on_event)
+  try:
+    status = main(argv)
+  finally:
+    sys.setprofile(None)
+  return status, list(walk)
+
+
+def climbs(walk):
+  """The steps of ``walk`` back up a layer (``LAYERS``): control handed up again after it went down."""
+  layer = [LAYERS.index(name.split(".")[0]) for name in walk]
+  return [(a, b) for a, b, la, lb in zip(walk, walk[1:], layer, layer[1:]) if lb > la]
+
+
+def test_the_plan_command_is_a_short_walk_that_rarely_climbs(files, capsys):
+  """`qsync plan` parses, calls one planner function, prints: at most 30 stays (functions entered
+  within two calls of the command's `run`) and 3 climbs back up a layer."""
+  d, cpu, t4, cluster, indicator = files
+  argv = ["plan", "--model", MODEL, "--cluster", cluster, "--indicator", indicator, "--profile", cpu, t4]
+  status, walk = plan_walk([*argv, "--out", str(d / "walk.json")])
+  capsys.readouterr()
+  assert status == 0 and "planners.planning:plan_cluster" in walk
+  assert len(walk) <= 30 and len(climbs(walk)) <= 3, (walk, climbs(walk))
+  # ...and the count sees a climb: a walk that goes into the planner and back into the CLI
+  assert climbs(["qsync_cli.plan:x", "planners.planning:y", "qsync_jax.plan:z", "qsync_cli.common:w"]) == [
+    ("qsync_jax.plan:z", "qsync_cli.common:w")
+  ]

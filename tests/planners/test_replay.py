@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from planners.catalog import allreduce_ms
+from planners.predictor.collectives import allreduce_ms
 from planners.predictor.graph import Comm, buckets, build_graph, in_step_factors, longest_path
 from planners.predictor.replay import comm_for, predict, sync_step_ms
 from planners.predictor.timeline import chrome_trace, save_png
