@@ -3,14 +3,18 @@ it is (``modeled``; ``modeled, calibrated to measured``; where each group's cost
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from planners.allocator import precision_counts
+from planners.allocator.search import Candidate
 from planners.planning import CALIBRATED, PlanResult
 from planners.predictor import base_profile
+from planners.predictor.graph import op_costs
 from planners.profile import Profile, profile_key
 from planners.report import estimated_costs, table
+from qsync_jax.precision import QUANTIZED_PRECISIONS
 
 
 def mix(counts: Mapping[str, int]) -> str:
@@ -96,10 +100,15 @@ def plan_report(result: PlanResult) -> list[str]:
       continue
     step, memory = pred.group_step_ms[g.name], pred.memory_bytes[g.name] / 1e9
     rows.append([g.name, g.device_type, g.count, b, mix(counts[g.name]), step, memory, g.memory_gb])
-  lines = [table(["group", "device", "count", "batch", "precisions", "step ms", "mem GB", "limit GB"], rows)]
+  why = no_eight_bit_line(result)
+  lines = [why] if why else []
+  lines.append(
+    table(["group", "device", "count", "batch", "precisions", "step ms", "mem GB", "limit GB"], rows)
+  )
+  lines.append(update_and_sync_line(result))
   for name, ops in result.eight_bit.items():
     n_ops, source = len(problem.op_names), pred.sources[name]
-    lines.append(training_precision_line(name, ops, inputs.preset, result.budget, n_ops, source))
+    lines.append(training_precision_line(name, ops, inputs.preset, result.request.budget, n_ops, source))
   modeled = sorted({g for g, src in pred.sources.items() if src.startswith("modeled")})
   label = f" (modeled costs for {', '.join(modeled)})" if modeled else ""
   if figures != "modeled":
@@ -122,13 +131,123 @@ def plan_report(result: PlanResult) -> list[str]:
   source = "" if figures == "modeled" else f", {figures}"
   lines.append(f"\nalternatives (predicted{source}; batch per device in group order):")
   alt_rows = []
-  for c in result.candidates:
+  for c in best_per_name(result.candidates, chosen):
     batches = "/".join(str(b) for b in c.batches)
     ratio = c.samples_per_s / chosen.samples_per_s
     fits = "" if c.fits else " (does not fit)"
-    alt_rows.append([c.name + fits, batches, c.step_ms, c.samples_per_s, f"{ratio:.2f}×", f"{c.cost:.4g}"])
-  lines.append(table(["plan", "batches", "step ms", "samples/s", "vs chosen", "accuracy cost"], alt_rows))
+    cells = [c.step_ms, c.samples_per_s, f"{ratio:.2f}×", f"{c.cost:.4g}"]
+    alt_rows.append([c.name + fits, mode_label(c), batches, *cells])
+  headers = ["plan", "mode (sync reduction, update)", "batches", "step ms", "samples/s", "vs chosen"]
+  lines.append(table([*headers, "accuracy cost"], alt_rows))
   return lines
+
+
+def mode_label(cand: Candidate) -> str:
+  """``"fp32 flat, sharded"``: the candidate's sync, reduction and optimizer update."""
+  reduction, update = cand.mode
+  return f"{cand.sync} {reduction.replace('_', '-')}, {update}"
+
+
+def best_per_name(candidates: Sequence[Candidate], chosen: Candidate) -> list[Candidate]:
+  """One candidate per name, in order of first appearance: ``chosen`` for its own name, else the
+  fastest fitting one (the search plans each name once per mode and sync; the table shows each
+  at its best)."""
+  best: dict[str, Candidate] = {}
+  for c in candidates:
+    kept = best.get(c.name)
+    if kept is None or (c.fits, c.samples_per_s, -c.cost) > (kept.fits, kept.samples_per_s, -kept.cost):
+      best[c.name] = c
+  best[chosen.name] = chosen
+  return list(best.values())
+
+
+UPDATES = {
+  "replicated": "replicated (every device updates every parameter and holds the whole optimizer state)",
+  "sharded": "sharded (ZeRO-1: each of the {n} devices updates 1/{n} of the parameters and holds 1/{n} of the "
+  "optimizer state; the updated parameters are all-gathered)",
+}
+SYNCS = {
+  "fp32": "fp32 all-reduce (4 bytes a gradient element)",
+  "bf16": "bf16 all-reduce (2 bytes a gradient element, summed in fp32)",
+  "fp16": "fp16 all-reduce (2 bytes a gradient element, summed in fp32)",
+  "global_qsgd": "Global-QSGD integer all-reduce (stochastic rounding to one shared scale)",
+}
+
+
+def update_and_sync_line(result: PlanResult) -> str:
+  """The optimizer update, reduction and gradient sync the plan assumes (``qsync train --plan``
+  runs them), and how they were chosen (``--optimizer-update``, ``--sync``)."""
+  plan, request = result.plan, result.request
+  running = sum(g.count for g, b in zip(result.inputs.cluster.groups, result.chosen.batches) if b > 0)
+  update = UPDATES[plan.optimizer_update].format(n=running)
+  how = f"{'searched, ' if request.optimizer_update == 'auto' else ''}--optimizer-update {request.optimizer_update}"
+  sync = f"{'searched, ' if request.sync == 'auto' else ''}--sync {request.sync}"
+  reduction = "two-level (inside each group, then across groups)" if plan.reduction == "two_level" else "flat"
+  return (
+    f"optimizer update: {update} ({how}); gradient sync: {SYNCS[plan.sync]}, {reduction} ({sync}); "
+    "`qsync train --plan` runs both"
+  )
+
+
+def no_eight_bit_line(result: PlanResult) -> str | None:
+  """Where no op of the chosen plan runs at 8 bits: one line saying why, per group that runs:
+  a training group keeps its preset; an inference group has no 8-bit level (no kernel on its
+  device type, or no 8-bit Ω in the indicator), or its ops cost more at 8 bits than at the
+  precisions the plan runs them (the times, labelled by the source of its costs), or they would
+  save time the plan does not need (within the slack; their Ω). None where some op runs 8-bit."""
+  problem, chosen = result.problem, result.chosen
+  counts = precision_counts(problem, chosen)
+  if any(p in QUANTIZED_PRECISIONS for mixes in counts.values() for p in mixes):
+    return None
+  reasons = []
+  for gi, (g, b) in enumerate(zip(problem.groups, chosen.batches)):
+    if b == 0:
+      continue
+    device = problem.cluster.groups[gi].device_type
+    if gi not in problem.inference:
+      hint = "" if result.request.auto else " (--train-precision auto runs 8 bits where measured to pay)"
+      reasons.append(f"{g.name} ({device}) is a training group at {result.inputs.preset}{hint}")
+      continue
+    reasons.append(_inference_reason(problem, gi, b, chosen.rows[gi], device))
+  return "no op runs 8-bit: " + "; ".join(reasons) + "."
+
+
+def _inference_reason(problem, gi: int, batch: int, row, device: str) -> str:
+  """Why inference group ``gi`` at ``batch`` under ``row`` (ladder levels) runs no op at 8 bits."""
+  j = problem.inference.index(gi)
+  group = dataclasses.replace(problem.groups[gi], batch_per_device=batch)
+  source = "measured" if group.profile.source == "measured" else group.profile.source
+  now = eight = saving = omega = 0.0
+  paying = with_level = 0
+  for i in range(len(problem.op_names)):
+    ladder = problem.ladders[j][i]
+    levels = [lv for lv, (p, _) in enumerate(ladder) if p in QUANTIZED_PRECISIONS]
+    if not levels:
+      continue
+    with_level += 1
+    t_now = _op_ms(group, i, ladder[row[i]][1])
+    t8, lv8 = min((_op_ms(group, i, ladder[lv][1]), lv) for lv in levels)
+    now, eight = now + t_now, eight + t8
+    if t8 < t_now:
+      paying, saving, omega = paying + 1, saving + t_now - t8, omega + problem.omega[j][i][lv8]
+  if not with_level:
+    return f"{group.name} ({device}) has no 8-bit level (no 8-bit kernel on {device}, or no 8-bit Ω in the indicator)"
+  if not paying:
+    return (
+      f"{group.name} ({device}, {source} costs): its {with_level} ops take {eight:.3f} ms a step at 8 bits against "
+      f"{now:.3f} ms as planned — the quantization costs more than the faster products save"
+    )
+  return (
+    f"{group.name} ({device}, {source} costs): 8 bits would save {saving:.3f} ms on {paying} of its ops, which the "
+    f"plan does not need to keep pace (within --slack), at an accuracy cost of Ω {omega:.4g}"
+  )
+
+
+def _op_ms(group, op_index: int, policy) -> float:
+  """ms of op ``op_index`` of ``group`` inside the step under ``policy`` (all its nodes)."""
+  name = group.profile.ops[op_index].name
+  costs = op_costs(dataclasses.replace(group, op_policies={name: policy}), op_index)
+  return sum(ms for ms, _ in costs.values())
 
 
 def _own(inputs) -> dict[str, Profile]:

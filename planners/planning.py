@@ -22,6 +22,7 @@ from typing import Any
 
 from planners.allocator import joint_plan, make_problem, omega_table, plan_of
 from planners.allocator.greedy import Problem, default_training_groups
+from planners.allocator.joint import check_mode
 from planners.allocator.payoff import profile_paying_ops
 from planners.allocator.search import Candidate, Search
 from planners.allocator.summary import Summary, summarize
@@ -29,11 +30,13 @@ from planners.calibrate import calibrated_profile_paths, calibrated_profiles, ch
 from planners.inputs import (
   check_indicator_model,
   check_model,
+  check_outputs_are_not_inputs,
   check_profiles_fit,
   load_indicator,
   load_profiles,
 )
 from planners.predictor import Prediction, predict, resolve_profiles
+from planners.predictor.payload import PRICED_SYNCS, check_sync
 from planners.predictor.replay import profile_for
 from planners.profile import Profile
 from qsync_jax.cluster import ClusterSpec
@@ -111,6 +114,14 @@ class PlanRequest:
   slack: float = 0.02
   granularity: int = 1
   measured: str | None = None
+  optimizer_update: str = "auto"
+  sync: str = "fp32"
+
+  @property
+  def syncs(self) -> tuple[str, ...]:
+    """The gradient syncs to search: ``sync``, or with ``"auto"`` every priced one, widest first
+    (within the slack the widest payload wins: ``joint_plan``'s tie order)."""
+    return PRICED_SYNCS if self.sync == "auto" else (self.sync,)
 
   @property
   def auto(self) -> bool:
@@ -136,6 +147,9 @@ class PlanRequest:
       )
     if not 0.0 <= self.budget <= 1.0:
       raise QsyncError(f"--train-budget {self.budget} is outside [0, 1]. Fix: pass a fraction, e.g. 0.5.")
+    for sync in self.syncs:
+      check_sync(sync)
+      check_mode(self.optimizer_update, sync)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +176,8 @@ def read_inputs(request: PlanRequest) -> PlanInputs:
   from qsync_jax.train.task import load_task
 
   request.check()
+  inputs = {"--cluster": [request.cluster], "--indicator": [request.indicator], "--profile": request.profiles}
+  check_outputs_are_not_inputs({"--out": request.out}, inputs)
   cluster = ClusterSpec.load(request.cluster)
   training = request.training_groups or default_training_groups(cluster)
   unknown = [name for name in training if name not in cluster.group_names]
@@ -175,6 +191,8 @@ def read_inputs(request: PlanRequest) -> PlanInputs:
     measured, ran, run_meta = read_run(request.measured)
     check_run_groups(cluster, measured, run_meta.get("cluster", []), request.measured, request.cluster)
     profile_paths = calibrated_profile_paths(cluster, request.out)
+    outputs = {f"--out's calibrated profile of group {g!r}": path for g, path in profile_paths.items()}
+    check_outputs_are_not_inputs(outputs, {**inputs, "--out": [request.out]})
     for path in profile_paths.values():
       check_file("--out (its calibrated profiles)", path)
       check_write_target("--out (its calibrated profiles)", path, "file")
@@ -203,11 +221,12 @@ def read_inputs(request: PlanRequest) -> PlanInputs:
 @dataclasses.dataclass(frozen=True)
 class PlanResult:
   """What ``plan_cluster`` planned: the ``plan`` (its ``predictions`` hold the figures), the
-  inputs, the search (``problem``, every ``candidates``, the chosen mode's ``search``), the chosen
+  request and its inputs, the search (``problem``, every ``candidates``, the chosen mode's ``search``), the chosen
   candidate's ``prediction`` and ``summary``, the training groups' 8-bit ops (``eight_bit``), and
   how long the search took (``seconds``)."""
 
   plan: Plan
+  request: PlanRequest
   inputs: PlanInputs
   problem: Problem
   chosen: Candidate
@@ -216,7 +235,6 @@ class PlanResult:
   prediction: Prediction
   summary: Summary
   eight_bit: dict[str, dict[str, str]]
-  budget: float
   seconds: float
 
   def save(self, out: str) -> None:
@@ -251,7 +269,9 @@ def plan_cluster(request: PlanRequest, progress: Callable[[str], None] | None = 
       + (" with 8 bits where measured to pay" if request.auto else "")
     )
   t0 = time.perf_counter()
-  chosen, cands, search = joint_plan(problem, request.granularity, request.slack, request.batch)
+  chosen, cands, search = joint_plan(
+    problem, request.granularity, request.slack, request.batch, request.optimizer_update, request.syncs
+  )
   seconds = time.perf_counter() - t0
   pred = predict(cluster, inputs.profiles, plan_of(problem, chosen))
   summary = summarize(chosen, cands, search, pred)
@@ -268,9 +288,7 @@ def plan_cluster(request: PlanRequest, progress: Callable[[str], None] | None = 
     "figures": figures_label(pred.sources, running),
   }
   plan = plan_of(problem, chosen, predictions)
-  return PlanResult(
-    plan, inputs, problem, chosen, cands, search, pred, summary, eight_bit, request.budget, seconds
-  )
+  return PlanResult(plan, request, inputs, problem, chosen, cands, search, pred, summary, eight_bit, seconds)
 
 
 CALIBRATED = "modeled, calibrated to measured"

@@ -60,6 +60,23 @@ def add_arguments(parser) -> None:
     "--profile scaled to the group's compute measured there (its latest measurement, at the policy the run "
     "ran), and write that profile next to --out as profile-GROUP.json",
   )
+  parser.add_argument(
+    "--optimizer-update",
+    choices=("auto", "replicated", "sharded"),
+    default="auto",
+    help="where the optimizer runs: replicated (every device updates every parameter), sharded (ZeRO-1: each "
+    "device updates and holds 1/N of the parameters' optimizer state; the fp32 sync only), auto: the "
+    "planner searches both (default)",
+  )
+  parser.add_argument(
+    "--sync",
+    choices=("fp32", "bf16", "fp16", "global_qsgd", "auto"),
+    default="fp32",
+    help="the gradient sync the plan is made for and `qsync train` runs (qsync_jax.sync; its payload and "
+    "(de)quantize passes priced): fp32 (default), bf16 or fp16 all-reduce, global_qsgd (integer); auto: "
+    "the planner searches all, the widest payload within --slack of the fastest. (selsync and qsdp build "
+    "their own step, which the planner does not model.)",
+  )
   parser.add_argument("--out", required=True, help="output plan JSON")
 
 
@@ -81,6 +98,8 @@ def request_of(args):
     slack=args.slack,
     granularity=args.granularity,
     measured=args.measured,
+    optimizer_update=args.optimizer_update,
+    sync=args.sync,
   )
 
 

@@ -24,7 +24,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
   from planners.inputs import check_model, check_profiles_fit, load_profiles
   from planners.plan_report import cost_source_lines
-  from planners.predictor import predict, save_chrome_trace, save_png
+  from planners.predictor import limits, predict, save_chrome_trace, save_png
   from planners.report import table
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
@@ -44,8 +44,8 @@ def run(args) -> int:
     for g in cluster.groups
   ]
   print(table(["group", "device", "n", "compute ms", "step ms", "mem GB", "limit GB", "costs"], rows))
-  slowest = max(pred.group_step_ms, key=pred.group_step_ms.get)
-  print(f"synchronous step {pred.step_ms:.3f} ms (slowest group {slowest}); all-reduce {pred.comm_ms:.3f} ms")
+  print(f"modeled: synchronous step {pred.step_ms:.3f} ms; collectives {pred.comm_ms:.3f} ms")
+  print(f"modeled: {limits(pred).line()}")
   print("\n".join(cost_source_lines(cluster, profiles, files)))
   if args.trace:
     save_chrome_trace(pred, args.trace)

@@ -147,8 +147,9 @@ class Problem:
   train_cost: Mapping[str, float] = dataclasses.field(
     default_factory=dict
   )  # training group → accuracy cost per unit of batch share (``training_cost_per_share``)
-  reduction: str = "flat"  # the plan's gradient reduction and optimizer update (``qsync_jax.plan``)
+  reduction: str = "flat"  # the plan's gradient reduction, optimizer update and sync (``qsync_jax.plan``)
   optimizer_update: str = "replicated"
+  sync: str = "fp32"
 
 
 Assignment = tuple[tuple[int, ...], ...]
@@ -279,6 +280,7 @@ class Evaluator:
       problem.bucket_bytes,
       reduction=problem.reduction,
       optimizer_update=problem.optimizer_update,
+      sync=problem.sync,
     )
     self.replays = 0
     self._costs: dict = {}
@@ -487,6 +489,7 @@ def to_plan(problem: Problem, assignment: Assignment, predictions: Mapping[str, 
     predictions=dict(predictions or {}),
     reduction=problem.reduction,
     optimizer_update=problem.optimizer_update,
+    sync=problem.sync,
   )
 
 

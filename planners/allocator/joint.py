@@ -64,13 +64,17 @@ Search:
    The plan is the least-cost candidate within ``slack`` of the fastest of all, so it is
    never predicted slower than an alternative by more than ``slack``.
 
-**Modes.** Steps 1-4 run once per way the trainer can combine gradients and update the
-optimizer (``modes_for``): the flat all-reduce with every device updating every parameter, the
-optimizer sharded over the devices, and the two-level reduction where the cluster has fast links
-inside groups. Every candidate carries its mode (``Candidate.mode``, written into the plan's
-``reduction`` / ``optimizer_update``), alternatives included, so dynamic batching and the
-training groups alone are compared at their own best mode too (QSync's precision-only
-alternative is computed in the default mode only).
+**Modes and syncs.** Steps 1-4 run once per gradient sync asked for (``syncs``: fp32, and the
+syncs whose payload is priced, ``planners.predictor.payload``) and per way the trainer can
+combine gradients and update the optimizer with it (``modes_for``): the flat all-reduce with
+every device updating every parameter, the optimizer sharded over the devices (the fp32 sync
+only), and the two-level reduction where the cluster has fast links inside groups (likewise).
+Every candidate carries its mode and sync (``Candidate.mode``, ``Candidate.sync``, written into
+the plan's ``reduction`` / ``optimizer_update`` / ``sync``), alternatives included, so dynamic
+batching and the training groups alone are compared at their own best mode and sync too
+(QSync's precision-only alternative is computed in the default mode only). Memory counts the
+optimizer state where each mode keeps it (sharded: ``1/N`` on each of the ``N`` devices that
+run, ``Search.optimizer_shards``).
 
 ``batch="equal"`` keeps the spec's batches (for models whose semantics need them, e.g.
 BatchNorm statistics): the plan is QSync's, the alternatives those of the same batches, and
@@ -126,13 +130,40 @@ def check_granularity(problem: Problem, granularity: int) -> None:
 
 MODES = (("flat", "replicated"), ("flat", "sharded"), ("two_level", "replicated"))
 """The (reduction, optimizer_update) pairs the trainer runs (``qsync_jax.plan``)."""
+OPTIMIZER_UPDATES = ("auto", "replicated", "sharded")
+"""``modes_for``'s choices of where the optimizer runs: ``auto`` searches both."""
 
 
-def modes_for(cluster: ClusterSpec) -> list[tuple[str, str]]:
-  """The modes worth searching on ``cluster``: the flat all-reduce with the optimizer replicated;
-  sharded, where the job has more than one device; two-level, where more than one group runs and
-  some group of several devices has a link inside it faster than its link out."""
-  modes = [MODES[0]] + [MODES[1]] * (cluster.num_devices > 1)
+def check_mode(optimizer_update: str, sync: str) -> None:
+  """``PlanError`` unless ``optimizer_update`` is one of ``OPTIMIZER_UPDATES`` that the trainer runs
+  with ``sync`` (the sharded update with the fp32 sync only)."""
+  if optimizer_update not in OPTIMIZER_UPDATES:
+    raise PlanError(
+      f"optimizer_update={optimizer_update!r} is not one of {list(OPTIMIZER_UPDATES)}. Fix: use one of them."
+    )
+  if sync != "fp32" and optimizer_update == "sharded":
+    raise PlanError(
+      f"--optimizer-update sharded with --sync {sync}: the trainer's sharded update replaces the default "
+      "fp32 reduction by a reduce-scatter, so it runs with the fp32 sync only. Fix: pass --optimizer-update "
+      f"replicated (or auto) for --sync {sync}, or --sync fp32 for the sharded update."
+    )
+
+
+def modes_for(
+  cluster: ClusterSpec, optimizer_update: str = "auto", sync: str = "fp32"
+) -> list[tuple[str, str]]:
+  """The modes worth searching on ``cluster`` for ``optimizer_update`` (``OPTIMIZER_UPDATES``) and
+  the gradient ``sync``: the flat all-reduce with the optimizer replicated; sharded, where the job
+  has more than one device (or where asked for); two-level, where more than one group runs and
+  some group of several devices has a link inside it faster than its link out. A sync other than
+  fp32 runs flat with the replicated update only (the trainer's sharded update and two-level sum
+  replace the default fp32 reduction); ``PlanError`` for it with ``optimizer_update="sharded"``."""
+  check_mode(optimizer_update, sync)
+  if sync != "fp32":
+    return [MODES[0]]
+  if optimizer_update == "sharded":
+    return [MODES[1]]
+  modes = [MODES[0]] + [MODES[1]] * (cluster.num_devices > 1 and optimizer_update == "auto")
   if len(cluster.groups) > 1 and any(
     g.count > 1 and g.intra_group_gbps > g.link_gbps for g in cluster.groups
   ):
@@ -140,23 +171,31 @@ def modes_for(cluster: ClusterSpec) -> list[tuple[str, str]]:
   return modes
 
 
-def joint_plan(problem: Problem, granularity: int = 1, slack: float = 0.02, batch: str = "joint"):
+def joint_plan(
+  problem: Problem,
+  granularity: int = 1,
+  slack: float = 0.02,
+  batch: str = "joint",
+  optimizer_update: str = "auto",
+  syncs: Sequence[str] = ("fp32",),
+):
   """``(chosen Candidate, every Candidate, the chosen mode's Search)``; see the module docstring.
 
-  The search runs once per mode of ``modes_for`` (the problem's ``reduction`` and
-  ``optimizer_update`` replaced); every candidate carries its mode, and the choice is made over
-  all of them: the least accuracy cost within ``slack`` of the fastest (ties: the faster, then
-  the earlier mode)."""
+  The search runs once per sync of ``syncs`` and mode of ``modes_for`` (the problem's
+  ``reduction``, ``optimizer_update`` and ``sync`` replaced); every candidate carries its mode and
+  sync, and the choice is made over all of them: the least accuracy cost within ``slack`` of the
+  fastest (ties: the earlier sync of ``syncs``, the faster, then the earlier mode)."""
   if batch not in ("joint", "equal"):
     raise PlanError(f"batch={batch!r} is not a batch mode. Fix: use 'joint' or 'equal'.")
   if not (isinstance(slack, (int, float)) and 0 <= slack < 1):
     raise PlanError(f"slack={slack!r} must be a fraction in [0, 1). Fix: pass e.g. 0.02.")
   check_granularity(problem, granularity)
   cands, searches = [], {}
-  for mode in modes_for(problem.cluster):
-    moded = dataclasses.replace(problem, reduction=mode[0], optimizer_update=mode[1])
-    found, searches[mode] = _search_mode(moded, granularity, slack, batch)
-    cands += [dataclasses.replace(c, mode=mode) for c in found]
+  for sync in syncs:
+    for mode in modes_for(problem.cluster, optimizer_update, sync):
+      moded = dataclasses.replace(problem, reduction=mode[0], optimizer_update=mode[1], sync=sync)
+      found, searches[mode, sync] = _search_mode(moded, granularity, slack, batch)
+      cands += found
   fitting = [c for c in cands if c.fits]
   if not fitting:
     hint = ", or use --batch joint" if batch == "equal" else ""
@@ -166,8 +205,8 @@ def joint_plan(problem: Problem, granularity: int = 1, slack: float = 0.02, batc
     )
   best_ms = min(c.step_ms for c in fitting)
   within = [c for c in fitting if c.step_ms <= best_ms * (1 + slack) + 1e-12]
-  chosen = min(within, key=lambda c: (c.cost, c.step_ms, MODES.index(c.mode)))
-  return chosen, cands, searches[chosen.mode]
+  chosen = min(within, key=lambda c: (c.cost, list(syncs).index(c.sync), c.step_ms, MODES.index(c.mode)))
+  return chosen, cands, searches[chosen.mode, chosen.sync]
 
 
 def _search_mode(
@@ -524,8 +563,11 @@ def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
   batches = [k * groups[gi].batch_per_device if gi in train_idx else 0 for gi in range(n)]
   micro_steps = tuple(k if gi in train_idx else 1 for gi in range(n))
   rows: list[Row] = [None] * n
+  shards = s.optimizer_shards(batches)
   fits = all(
-    memory_bytes(dataclasses.replace(s.group_at(gi, batches[gi], None), micro_steps=k), s.ev.op_memory)
+    memory_bytes(
+      dataclasses.replace(s.group_at(gi, batches[gi], None), micro_steps=k), s.ev.op_memory, shards
+    )
     <= groups[gi].memory_gb * 1e9
     for gi in train_idx
   )
@@ -538,7 +580,9 @@ def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
     s.cost(batches, rows),
     s.B,
     fits,
+    (problem.reduction, problem.optimizer_update),
     micro_steps=micro_steps,
+    sync=problem.sync,
   )
 
 
@@ -590,7 +634,7 @@ def plan_of(problem: Problem, cand: Candidate, predictions=None):
     cand.rows[gi] if cand.rows[gi] is not None else uniform_levels(problem, j, "fp32")
     for j, gi in enumerate(problem.inference)
   )
-  moded = dataclasses.replace(problem, reduction=cand.mode[0], optimizer_update=cand.mode[1])
+  moded = dataclasses.replace(problem, reduction=cand.mode[0], optimizer_update=cand.mode[1], sync=cand.sync)
   plan = to_plan(moded, rows, predictions)
   return dataclasses.replace(
     plan,

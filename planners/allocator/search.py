@@ -39,6 +39,7 @@ class Candidate:
   fits: bool = True
   mode: tuple[str, str] = ("flat", "replicated")  # (reduction, optimizer_update) it is predicted under
   micro_steps: tuple[int, ...] = ()  # per group (``Plan.micro_steps``); empty: 1 everywhere
+  sync: str = "fp32"  # the gradient sync it is predicted under (``planners.predictor.payload``)
 
   @property
   def samples_per_s(self) -> float:
@@ -55,6 +56,7 @@ class Candidate:
       "fits_memory": self.fits,
       "reduction": self.mode[0],
       "optimizer_update": self.mode[1],
+      "sync": self.sync,
       **(
         {"micro_steps": dict(zip((g.name for g in problem.groups), self.micro_steps))}
         if self.micro_steps
@@ -115,6 +117,7 @@ class Search:
         self.p.bucket_bytes,
         reduction=self.p.reduction,
         optimizer_update=self.p.optimizer_update,
+        sync=self.p.sync,
       )
     return self._comm[key]
 
@@ -203,16 +206,28 @@ class Search:
     train = [0 if gi in self.p.inference else b for gi, b in enumerate(batches)]
     return self.cost(train, [None] * len(train))
 
-  def fits(self, gi: int, b: int, row: Row) -> bool:
+  def optimizer_shards(self, batches: Sequence[int] | None = None) -> int:
+    """The devices the optimizer state is sharded over: under the sharded update every device of
+    the groups that run (``batches`` > 0 there; default every group), else 1."""
+    if self.p.optimizer_update != "sharded":
+      return 1
+    groups = self.p.cluster.groups
+    return sum(g.count for g, b in zip(groups, batches or [1] * len(groups)) if b > 0)
+
+  def fits(self, gi: int, b: int, row: Row, shards: int | None = None) -> bool:
+    """Group ``gi`` at batch ``b`` under ``row`` fits its memory, the optimizer state sharded over
+    ``shards`` devices (default ``optimizer_shards()``: every device of the cluster)."""
     limit = self.p.cluster.groups[gi].memory_gb * 1e9
-    return memory_bytes(self.group_at(gi, b, row), self.ev.op_memory) <= limit
+    shards = self.optimizer_shards() if shards is None else shards
+    return memory_bytes(self.group_at(gi, b, row), self.ev.op_memory, shards) <= limit
 
   def candidate(self, name: str, batches: Sequence[int], rows: Sequence[Row]) -> Candidate:
     rows = tuple(r if b else None for b, r in zip(batches, rows))
-    fits = all(self.fits(gi, b, r) for gi, (b, r) in enumerate(zip(batches, rows)) if b)
-    return Candidate(
-      name, tuple(batches), rows, self.step(batches, rows), self.cost(batches, rows), self.B, fits
-    )
+    shards = self.optimizer_shards(batches)
+    fits = all(self.fits(gi, b, r, shards) for gi, (b, r) in enumerate(zip(batches, rows)) if b)
+    step, cost = self.step(batches, rows), self.cost(batches, rows)
+    mode = (self.p.reduction, self.p.optimizer_update)
+    return Candidate(name, tuple(batches), rows, step, cost, self.B, fits, mode, sync=self.p.sync)
 
   def fastest_split(
     self, members: Sequence[int], rows: Sequence[Row], keep: int = 3

@@ -6,9 +6,10 @@ and returns a ``Prediction``: ``step_ms`` (the synchronous step, the longest pat
 ``group_step_ms`` (each group's step were every device like it: the straggler),
 ``group_compute_ms`` (forward + backward + optimizer, no communication), ``memory_bytes``
 (peak per device of each group), and where the step's time goes: ``comm_ms_by_phase``,
-``exposed_comm_ms`` and ``optimizer_tail_ms`` (``Prediction``). The plan's ``reduction`` and
-``optimizer_update`` choose the collectives (``comm_for``; ``planners.predictor.graph``). A group
-whose device type has no profile gets one modeled from the catalog
+``exposed_comm_ms`` and ``optimizer_tail_ms`` (``Prediction``). The plan's ``reduction``,
+``optimizer_update`` and ``sync`` (fp32 where it states none) choose the collectives
+(``comm_for``; ``planners.predictor.graph``). A group whose device type has no profile gets one
+modeled from the catalog
 (``planners.predictor.modeled``), labelled so in ``sources``; a group with a profile of its own
 (``Profile.group``, calibrated to its measurements) is costed from that one (``profile_for``).
 """
@@ -151,12 +152,14 @@ def comm_for(
   *,
   reduction: str = "flat",
   optimizer_update: str = "replicated",
+  sync: str = "fp32",
 ) -> Comm:
   """The collectives of ``cluster`` (its running groups: a plan's ``apply_to``), each paying
   ``latency_us``: ``flat``, one ring over all its devices on ``flat_ring_gbps``, in buckets
   packed in ``bucket_order`` (``planners.predictor.graph.buckets``); ``two_level``, a tree inside
   each group on its ``intra_group_gbps`` and a ring of the group leaders on the slowest
-  ``link_gbps``. ``PlanError`` for ``two_level`` with a ``sharded`` update."""
+  ``link_gbps``; ``sync`` the gradient sync (``planners.predictor.payload``). ``PlanError`` for
+  ``two_level`` with a ``sharded`` update, and for a sync other than fp32 with either."""
   return Comm(
     cluster.num_devices,
     flat_ring_gbps(cluster),
@@ -167,6 +170,7 @@ def comm_for(
     optimizer_update,
     tuple(GroupLink(g.count, g.intra_group_gbps) for g in cluster.groups),
     min(g.link_gbps for g in cluster.groups),
+    sync,
   )
 
 
@@ -196,6 +200,7 @@ def predict(
     bucket_order,
     reduction=plan.reduction,
     optimizer_update=plan.optimizer_update,
+    sync=plan.sync or "fp32",
   )
   groups = group_costs(cluster, profiles, plan)
   nodes = build_graph(groups, comm)

@@ -135,5 +135,8 @@ def test_no_fitting_plan_names_the_fixes_of_the_joint_mode():
   )
   problem = make_problem(cluster, {"A100": train, "T4": infer}, fake_indicator(train.op_names, [1.0]))
   with pytest.raises(PlanError, match="no plan of cluster .* fits its groups' memory") as err:
-    joint_plan(problem)
+    joint_plan(problem, optimizer_update="replicated")
   assert "--batch joint" not in str(err.value)  # it was the joint mode
+  # each device holding a quarter of the optimizer state (the sharded update), a plan fits
+  chosen, _, _ = joint_plan(problem)
+  assert chosen.fits and chosen.mode == ("flat", "sharded")
