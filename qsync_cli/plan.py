@@ -22,7 +22,8 @@ def add_arguments(parser) -> None:
   parser.add_argument("--profile", required=True, nargs="+", help="profile JSON(s) from `qsync profile`")
   parser.add_argument(
     "--training-groups",
-    help="comma-separated groups that keep --train-precision (default: fastest device type)",
+    help="comma-separated groups that keep --train-precision (default: the groups of the device type "
+    "with the highest fp16 peak, ties broken by memory bandwidth, then memory)",
   )
   parser.add_argument(
     "--train-precision",

@@ -41,6 +41,8 @@ def run(args) -> int:
   rows = [
     [g.name, g.device_type, g.count, pred.group_compute_ms[g.name], pred.group_step_ms[g.name]]
     + [pred.memory_bytes[g.name] / 1e9, g.memory_gb, pred.sources[g.name]]
+    if g.name in pred.group_step_ms
+    else [g.name, g.device_type, g.count, "(sits out)", "-", "-", g.memory_gb, "-"]
     for g in cluster.groups
   ]
   print(table(["group", "device", "n", "compute ms", "step ms", "mem GB", "limit GB", "costs"], rows))

@@ -32,8 +32,14 @@ from planners.allocator.greedy import fastest_levels
 from planners.predictor.graph import Comm, build_graph
 from qsync_jax.errors import PlanError
 
-BASELINES = ("dynamic batching", "training groups only")
-"""The candidates of ``joint_plan`` a plan's gain is measured against (the faster one)."""
+BASELINES = (
+  "dynamic batching",
+  "training groups only",
+  "dynamic batching, accumulating",
+  "training groups only, accumulating",
+)
+"""The candidates of ``joint_plan`` a plan's gain is measured against (the fastest of them, in
+every mode and sync searched): what the pool does without precision planning."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,6 +95,7 @@ from planners.allocator.greedy import Problem, fastest_levels, greedy, to_plan, 
 from planners.allocator.search import Candidate, Row, Search
 from planners.allocator.splits import (
   cheapest_split,
+  fastest_splits,
   hull_cost,
   largest_true,
   water_level,
@@ -190,12 +191,18 @@ def joint_plan(
   if not (isinstance(slack, (int, float)) and 0 <= slack < 1):
     raise PlanError(f"slack={slack!r} must be a fraction in [0, 1). Fix: pass e.g. 0.02.")
   check_granularity(problem, granularity)
-  cands, searches = [], {}
+  cands, searches, refused = [], {}, []
   for sync in syncs:
     for mode in modes_for(problem.cluster, optimizer_update, sync):
       moded = dataclasses.replace(problem, reduction=mode[0], optimizer_update=mode[1], sync=sync)
-      found, searches[mode, sync] = _search_mode(moded, granularity, slack, batch)
+      try:  # a group that fits no example in one mode (its optimizer state whole) may in another
+        found, searches[mode, sync] = _search_mode(moded, granularity, slack, batch)
+      except PlanError as e:
+        refused.append(e)
+        continue
       cands += found
+  if not searches:
+    raise refused[-1]
   fitting = [c for c in cands if c.fits]
   if not fitting:
     hint = ", or use --batch joint" if batch == "equal" else ""
@@ -235,7 +242,7 @@ def _search_mode(
     rows = [train_rows[gi]] if gi in train_idx else configs[gi]
     if all(not s.fits(gi, granularity, r) for r in rows):
       g = problem.cluster.groups[gi]
-      need = min(memory_bytes(s.group_at(gi, granularity, r)) for r in rows)
+      need = min(memory_bytes(s.group_at(gi, granularity, r), **s.layout()) for r in rows)
       raise PlanError(
         f"device group {g.name!r} ({g.device_type}) cannot fit even {granularity} example(s) per device: it "
         f"needs {math.ceil(need / 1e7) / 100:.2f} GB, and has memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ "
@@ -264,7 +271,9 @@ def _search_mode(
     split = s.fastest_split(range(n), train_rows)
     if split is not None:
       cands.append(s.candidate("dynamic batching", split, train_rows))
+    cands += _accumulating_baselines(s, train_idx, train_rows, cands)
     cands += _joint(problem, s, train_idx, configs, slack, cands)
+    cands += _accumulating_plans(problem, s, train_rows, configs, slack, cands)
   return cands, s
 
 
@@ -563,14 +572,8 @@ def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
   batches = [k * groups[gi].batch_per_device if gi in train_idx else 0 for gi in range(n)]
   micro_steps = tuple(k if gi in train_idx else 1 for gi in range(n))
   rows: list[Row] = [None] * n
-  shards = s.optimizer_shards(batches)
-  fits = all(
-    memory_bytes(
-      dataclasses.replace(s.group_at(gi, batches[gi], None), micro_steps=k), s.ev.op_memory, shards
-    )
-    <= groups[gi].memory_gb * 1e9
-    for gi in train_idx
-  )
+  layout = s.layout(batches)
+  fits = all(s.fits(gi, batches[gi], None, layout, micro_steps=k) for gi in train_idx)
   name = "training groups only, accumulating"
   return Candidate(
     name,
@@ -584,6 +587,76 @@ def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
     micro_steps=micro_steps,
     sync=problem.sync,
   )
+
+
+ACCUMULATING = {
+  "training groups only": "training groups only, accumulating",
+  "dynamic batching": "dynamic batching, accumulating",
+}
+"""The baselines that accumulate gradients where a group's batch does not fit at once."""
+
+
+def _accumulating_split(
+  s: Search, name: str, members: Sequence[int], rows: Sequence[Row]
+) -> Candidate | None:
+  """The global batch over ``members`` (group indices) under ``rows``, each group in the fewest
+  micro-steps it fits in (``Search.accumulating``): of the ``ACCUMULATING_SPLITS`` splits of least
+  affine step (``Search.unbounded_affine``: whatever the memory), the fastest replayed; None if
+  none fits even one example a micro-step."""
+  counts = [s.p.cluster.groups[gi].count for gi in members]
+  models = [s.unbounded_affine(gi, rows[gi]) for gi in members]
+  best = None
+  for split in fastest_splits(s.B, counts, models, s.q, ACCUMULATING_SPLITS):
+    batches = [0] * len(s.p.groups)
+    for gi, b in zip(members, split):
+      batches[gi] = b
+    cand = s.accumulating(name, batches, rows)
+    if cand is not None and (best is None or cand.step_ms < best.step_ms):
+      best = cand
+  return best
+
+
+ACCUMULATING_SPLITS = 8
+"""Splits replayed with micro-steps per accumulating candidate (a batch with few divisors takes
+many micro-steps, so the split of least affine step is not always the fastest)."""
+
+
+def _accumulating_baselines(s: Search, train_idx, train_rows, found: Sequence[Candidate]) -> list[Candidate]:
+  """The baselines of ``ACCUMULATING`` where the plain one is missing or does not fit: the
+  training groups alone, and every group, at the training precision, each group in the fewest
+  micro-steps it fits in (``_accumulating_split``)."""
+  fitting = {c.name for c in found if c.fits}
+  out = []
+  for plain, members in (
+    ("training groups only", list(train_idx)),
+    ("dynamic batching", range(len(s.p.groups))),
+  ):
+    if plain not in fitting and members:
+      cand = _accumulating_split(s, ACCUMULATING[plain], list(members), train_rows)
+      out += [cand] if cand is not None else []
+  return out
+
+
+def _accumulating_plans(problem: Problem, s: Search, train_rows, configs, slack, found) -> list[Candidate]:
+  """Where no plan of the joint search fits (step 3's ``joint``, step 2's ``fastest``): every
+  group running, the inference groups at each combination of their configurations (step 1), each
+  group in the fewest micro-steps it fits in (``_accumulating_split``); the fastest (``"fastest,
+  accumulating"``) and the least-cost one within ``slack`` of it (``"joint, accumulating"``)."""
+  if any(c.fits and c.name in ("joint", "fastest") for c in found) or not problem.inference:
+    return []
+  n, plans = len(problem.groups), []
+  for combo in itertools.product(*(configs[gi] for gi in problem.inference)):
+    rows = list(train_rows)
+    for gi, row in zip(problem.inference, combo):
+      rows[gi] = row
+    cand = _accumulating_split(s, "fastest, accumulating", range(n), rows)
+    plans += [cand] if cand is not None else []
+  if not plans:
+    return []
+  fastest = min(plans, key=lambda c: c.step_ms)
+  within = [c for c in plans if c.step_ms <= fastest.step_ms * (1 + slack) + 1e-12]
+  cheapest = min(within, key=lambda c: (c.cost, c.step_ms))
+  return [fastest, dataclasses.replace(cheapest, name="joint, accumulating")]
 
 
 def _cost_table(s: Search, gi: int, rows: Sequence[Row], running, high: int, limit: float) -> list[float]:

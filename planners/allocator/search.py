@@ -15,7 +15,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from planners.allocator.greedy import Evaluator, Problem, floor_precision, uniform_levels
+from planners.allocator.greedy import Evaluator, Problem, floor_precision, memory_layout, uniform_levels
 from planners.allocator.splits import Affine, fastest_splits, largest_true
 from planners.predictor.memory_model import memory_bytes
 from planners.predictor.replay import comm_for, sync_step_ms
@@ -206,28 +206,81 @@ class Search:
     train = [0 if gi in self.p.inference else b for gi, b in enumerate(batches)]
     return self.cost(train, [None] * len(train))
 
-  def optimizer_shards(self, batches: Sequence[int] | None = None) -> int:
-    """The devices the optimizer state is sharded over: under the sharded update every device of
-    the groups that run (``batches`` > 0 there; default every group), else 1."""
-    if self.p.optimizer_update != "sharded":
-      return 1
+  def layout(self, batches: Sequence[int] | None = None) -> dict[str, int]:
+    """``memory_bytes``' ``optimizer_shards`` and ``devices`` for the groups that run
+    (``batches`` > 0 there; default every group): ``memory_layout``."""
     groups = self.p.cluster.groups
-    return sum(g.count for g, b in zip(groups, batches or [1] * len(groups)) if b > 0)
+    running = sum(g.count for g, b in zip(groups, batches or [1] * len(groups)) if b > 0)
+    return memory_layout(self.p.optimizer_update, running)
 
-  def fits(self, gi: int, b: int, row: Row, shards: int | None = None) -> bool:
-    """Group ``gi`` at batch ``b`` under ``row`` fits its memory, the optimizer state sharded over
-    ``shards`` devices (default ``optimizer_shards()``: every device of the cluster)."""
+  def fits(self, gi: int, b: int, row: Row, layout: dict | None = None, micro_steps: int = 1) -> bool:
+    """Group ``gi`` at batch ``b`` (in ``micro_steps``) under ``row`` fits its memory, its
+    optimizer state and gradients held as ``layout`` says (default ``layout()``: every device of
+    the cluster runs)."""
     limit = self.p.cluster.groups[gi].memory_gb * 1e9
-    shards = self.optimizer_shards() if shards is None else shards
-    return memory_bytes(self.group_at(gi, b, row), self.ev.op_memory, shards) <= limit
+    group = dataclasses.replace(self.group_at(gi, b, row), micro_steps=micro_steps)
+    return memory_bytes(group, self.ev.op_memory, **(layout or self.layout())) <= limit
 
   def candidate(self, name: str, batches: Sequence[int], rows: Sequence[Row]) -> Candidate:
     rows = tuple(r if b else None for b, r in zip(batches, rows))
-    shards = self.optimizer_shards(batches)
-    fits = all(self.fits(gi, b, r, shards) for gi, (b, r) in enumerate(zip(batches, rows)) if b)
+    layout = self.layout(batches)
+    fits = all(self.fits(gi, b, r, layout) for gi, (b, r) in enumerate(zip(batches, rows)) if b)
     step, cost = self.step(batches, rows), self.cost(batches, rows)
     mode = (self.p.reduction, self.p.optimizer_update)
     return Candidate(name, tuple(batches), rows, step, cost, self.B, fits, mode, sync=self.p.sync)
+
+  def micro_steps_to_fit(self, gi: int, b: int, row: Row, layout: dict) -> int | None:
+    """The fewest micro-steps ``k`` (a divisor of ``b``) in which group ``gi`` at per-device batch
+    ``b`` under ``row`` fits its memory (1: without accumulating), or None where even one
+    example a micro-step does not."""
+    for k in range(1, b + 1):
+      if b % k == 0 and self.fits(gi, b, row, layout, micro_steps=k):
+        return k
+    return None
+
+  def accumulating(self, name: str, batches: Sequence[int], rows: Sequence[Row]) -> Candidate | None:
+    """The candidate of ``batches`` under ``rows`` where every group that runs takes the fewest
+    micro-steps it fits in (``micro_steps_to_fit``; the trainer's ``Plan.micro_steps``), priced
+    with them (each micro-step pays the profile's batch-independent share again:
+    ``GroupCost.compute_scale``); None where a group does not fit even one example a
+    micro-step."""
+    rows = tuple(r if b else None for b, r in zip(batches, rows))
+    layout, micro = self.layout(batches), []
+    for gi, (b, r) in enumerate(zip(batches, rows)):
+      k = self.micro_steps_to_fit(gi, b, r, layout) if b else 1
+      if k is None:
+        return None
+      micro.append(k)
+    step = self.step(batches, rows, micro_steps=micro)
+    mode = (self.p.reduction, self.p.optimizer_update)
+    return Candidate(
+      name,
+      tuple(batches),
+      rows,
+      step,
+      self.cost(batches, rows),
+      self.B,
+      True,
+      mode,
+      tuple(micro),
+      self.p.sync,
+    )
+
+  def unbounded_affine(self, gi: int, row: Row) -> Affine:
+    """Group ``gi``'s affine step under ``row`` as ``affine`` fits it, but through its replays at
+    half and all of the largest batch it could take (``B / count``), whatever its memory: the
+    split of a plan that accumulates where a batch does not fit at once."""
+    key = ("unbounded", gi, row)
+    if key not in self._affine:
+      cap = self.B // self.p.cluster.groups[gi].count // self.q * self.q
+      lo = max(self.q, cap // 2 // self.q * self.q)
+      hi = max(cap, lo + self.q)
+      t_lo, t_hi = self._alone(gi, lo, row), self._alone(gi, hi, row)
+      slope = (t_hi - t_lo) / (hi - lo)
+      self._affine[key] = (
+        Affine(t_lo - slope * lo, slope, cap) if slope > 0 else Affine(max(t_lo, t_hi), 0.0, cap)
+      )
+    return self._affine[key]
 
   def fastest_split(
     self, members: Sequence[int], rows: Sequence[Row], keep: int = 3

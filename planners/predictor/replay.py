@@ -213,7 +213,7 @@ def predict(
     group_compute_ms={
       g.name: sum(n.ms for n in nodes if n.group == g.name and n.stream == "compute") for g in groups
     },
-    memory_bytes={g.name: memory_bytes(g, optimizer_shards=shards) for g in groups},
+    memory_bytes={g.name: memory_bytes(g, optimizer_shards=shards, devices=comm.n_devices) for g in groups},
     memory_limit_bytes={g.name: int(g.memory_gb * 1e9) for g in cluster.groups},
     comm_ms=sum(by_phase.values()),
     sources={g.name: f"{g.profile.source} ({g.profile.device_type})" for g in groups},

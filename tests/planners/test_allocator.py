@@ -160,3 +160,15 @@ def test_greedy_spends_no_slack_on_moves_that_recover_no_accuracy(train_policy):
     assert levels == {"fp32"}
   else:
     assert levels <= {"fp16", "bf16"} and levels  # every op recovered from int8, none moved to fp32
+
+
+def test_training_groups_are_the_type_that_trains_best_ties_broken_by_memory_bandwidth():
+  from planners.allocator.greedy import default_training_groups
+
+  def cluster(*types):
+    return ClusterSpec(tuple(DeviceGroup(f"g{i}", t, 2, 16, 8) for i, t in enumerate(types)))
+
+  # a V100 and an A10 have one fp16 peak (125 TFLOP/s): the V100's 900 GB/s HBM trains, not the A10's 600
+  assert default_training_groups(cluster("V100", "A10", "T4")) == ("g0",)
+  assert default_training_groups(cluster("A10", "V100")) == ("g1",)
+  assert default_training_groups(cluster("A100", "V100", "A100")) == ("g0", "g2")  # one type: every group of it

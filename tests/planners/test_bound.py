@@ -97,14 +97,24 @@ def test_summary_gain_against_the_faster_baseline_and_limits_add_up():
 
 
 def test_summary_without_a_baseline_says_so():
-  """``batch="equal"`` plans no baseline: no gain is claimed, the bound is still given."""
+  """``batch="equal"`` plans no baseline where the training groups cannot accumulate the global
+  batch in whole micro-steps (3 training devices of 8 against 40 examples): no gain is claimed,
+  the bound is still given. Where they can, that is the baseline."""
   problem = _problem(2.0)
+  _, cands, _ = joint_plan(problem, 1, 0.0, batch="equal")
+  assert best_baseline(cands).name == "training groups only, accumulating"  # 2 × 8 × 2 micro-steps = 32
+  groups = (problem.cluster.groups[0].replace(count=3), problem.cluster.groups[1])
+  problem = make_problem(
+    dataclasses.replace(problem.cluster, groups=groups),
+    {g.profile.device_type: g.profile for g in problem.groups},
+    fake_indicator(problem.op_names, [1.0]),
+  )
   chosen, cands, search = joint_plan(problem, 1, 0.0, batch="equal")
   profiles = {g.profile.device_type: g.profile for g in problem.groups}
   summary = summarize(chosen, cands, search, predict(problem.cluster, profiles, plan_of(problem, chosen)))
   assert summary.baseline is None and summary.gain is None and summary.headroom_captured is None
   assert "no baseline" in summary.lines()[0] and summary.to_json()["best_baseline"] is None
-  assert summary.bound_samples_per_s == pytest.approx(32 / (13 / 6) * 1e3)
+  assert summary.bound_samples_per_s == pytest.approx(pool_bound(search).samples_per_s)
 
 
 def test_a_profile_whose_step_shrinks_with_the_batch_is_refused_by_name():
