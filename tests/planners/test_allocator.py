@@ -171,4 +171,5 @@ def test_training_groups_are_the_type_that_trains_best_ties_broken_by_memory_ban
   # a V100 and an A10 have one fp16 peak (125 TFLOP/s): the V100's 900 GB/s HBM trains, not the A10's 600
   assert default_training_groups(cluster("V100", "A10", "T4")) == ("g0",)
   assert default_training_groups(cluster("A10", "V100")) == ("g1",)
-  assert default_training_groups(cluster("A100", "V100", "A100")) == ("g0", "g2")  # one type: every group of it
+  # one type: every group of it
+  assert default_training_groups(cluster("A100", "V100", "A100")) == ("g0", "g2")
