@@ -134,7 +134,7 @@ def plan_report(result: PlanResult) -> list[str]:
   for c in best_per_name(result.candidates, chosen):
     batches = "/".join(str(b) for b in c.batches)
     ratio = c.samples_per_s / chosen.samples_per_s
-    fits = "" if c.fits else " (does not fit)"
+    fits = ("" if c.fits else " (does not fit)") + (" (reference)" if c.reference else "")
     cells = [c.step_ms, c.samples_per_s, f"{ratio:.2f}×", f"{c.cost:.4g}"]
     alt_rows.append([c.name + fits, mode_label(c), batches, *cells])
   headers = ["plan", "mode (sync reduction, update)", "batches", "step ms", "samples/s", "vs chosen"]
@@ -151,13 +151,14 @@ def mode_label(cand: Candidate) -> str:
 def best_per_name(candidates: Sequence[Candidate], chosen: Candidate) -> list[Candidate]:
   """One candidate per name, in order of first appearance: ``chosen`` for its own name, else the
   fastest fitting one (the search plans each name once per mode and sync; the table shows each
-  at its best)."""
-  best: dict[str, Candidate] = {}
+  at its best), and apart from them the references of each name (``Candidate.reference``: the
+  baselines outside the plan's own space)."""
+  best: dict[tuple[str, bool], Candidate] = {}
   for c in candidates:
-    kept = best.get(c.name)
+    kept = best.get((c.name, c.reference))
     if kept is None or (c.fits, c.samples_per_s, -c.cost) > (kept.fits, kept.samples_per_s, -kept.cost):
-      best[c.name] = c
-  best[chosen.name] = chosen
+      best[c.name, c.reference] = c
+  best[chosen.name, False] = chosen
   return list(best.values())
 
 

@@ -150,6 +150,7 @@ class Problem:
   reduction: str = "flat"  # the plan's gradient reduction, optimizer update and sync (``qsync_jax.plan``)
   optimizer_update: str = "replicated"
   sync: str = "fp32"
+  omega_by_op: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)  # the indicator's
 
 
 Assignment = tuple[tuple[int, ...], ...]
@@ -247,6 +248,7 @@ def make_problem(
     train_policy,
     eight_bit,
     {name: training_cost_per_share(omega, train_policy, ops) for name, ops in eight_bit.items()},
+    omega_by_op=omega,
   )
 
 

@@ -78,7 +78,7 @@ run, ``Search.optimizer_shards``).
 
 ``batch="equal"`` keeps the spec's batches (for models whose semantics need them, e.g.
 BatchNorm statistics): the plan is QSync's, the alternatives those of the same batches, and
-the training groups alone, accumulating (``_accumulating``): each keeps its spec batch as its
+the training groups alone, accumulating (``planners.allocator.baselines.equal_accumulating``): each keeps its spec batch as its
 micro-batch and runs ``k = B / (the training devices' spec batches)`` micro-steps (where that
 divides exactly), the inference groups sit out.
 """
@@ -91,11 +91,17 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from planners.allocator.baselines import (
+  accumulating_baselines,
+  accumulating_plans,
+  eight_bit_baselines,
+  equal_accumulating,
+  payload_baselines,
+)
 from planners.allocator.greedy import Problem, fastest_levels, greedy, to_plan, uniform_levels
 from planners.allocator.search import Candidate, Row, Search
 from planners.allocator.splits import (
   cheapest_split,
-  fastest_splits,
   hull_cost,
   largest_true,
   water_level,
@@ -203,7 +209,10 @@ def joint_plan(
       cands += found
   if not searches:
     raise refused[-1]
-  fitting = [c for c in cands if c.fits]
+  if batch == "joint":
+    cands += payload_baselines(problem, granularity, syncs)
+  # references (``Candidate.reference``): baselines outside the plan's own space, not plans to choose
+  fitting = [c for c in cands if c.fits and not c.reference]
   if not fitting:
     hint = ", or use --batch joint" if batch == "equal" else ""
     raise PlanError(
@@ -260,7 +269,7 @@ def _search_mode(
       if batch == "equal":
         raise
   if batch == "equal" and problem.inference and train_idx:
-    accumulating = _accumulating(problem, s, train_idx)
+    accumulating = equal_accumulating(problem, s, train_idx)
     if accumulating is not None:
       cands.append(accumulating)
   if batch == "joint":
@@ -271,9 +280,10 @@ def _search_mode(
     split = s.fastest_split(range(n), train_rows)
     if split is not None:
       cands.append(s.candidate("dynamic batching", split, train_rows))
-    cands += _accumulating_baselines(s, train_idx, train_rows, cands)
+    cands += accumulating_baselines(s, train_idx, train_rows, cands)
+    cands += eight_bit_baselines(problem, granularity, train_idx, train_rows)
     cands += _joint(problem, s, train_idx, configs, slack, cands)
-    cands += _accumulating_plans(problem, s, train_rows, configs, slack, cands)
+    cands += accumulating_plans(problem, s, train_rows, configs, slack, cands)
   return cands, s
 
 
@@ -290,7 +300,7 @@ def _joint(problem: Problem, s: Search, train_idx, configs, slack, alternatives)
   fastest = _fastest(problem, s, train_idx, configs)
   if fastest is None:
     return []
-  t_best = min(c.step_ms for c in [fastest] + [a for a in alternatives if a.fits])
+  t_best = min(c.step_ms for c in [fastest] + [a for a in alternatives if a.fits and not a.reference])
   target = t_best * (1 + slack)
   out = [fastest]
   if train_idx:
@@ -558,107 +568,6 @@ def _training_only(problem: Problem, s: Search, train_idx, target) -> Candidate 
   return cand if cand.step_ms <= target * (1 + 1e-9) else None
 
 
-def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
-  """The training groups alone, each device at its spec batch ``m`` per micro-step, ``k = B /
-  sum(count·m)`` micro-steps (per-device batch ``k·m``), the inference groups out; None unless
-  ``k`` is a whole number. Its step is the replay at batches ``k·m`` in ``k`` micro-steps (each
-  paying the profile's batch-independent share, ``GroupCost.compute_scale``), its memory that
-  of one micro-batch (``memory_bytes``)."""
-  groups = problem.cluster.groups
-  k, rem = divmod(s.B, sum(groups[gi].count * groups[gi].batch_per_device for gi in train_idx))
-  if rem or k < 2:
-    return None
-  n = len(problem.groups)
-  batches = [k * groups[gi].batch_per_device if gi in train_idx else 0 for gi in range(n)]
-  micro_steps = tuple(k if gi in train_idx else 1 for gi in range(n))
-  rows: list[Row] = [None] * n
-  layout = s.layout(batches)
-  fits = all(s.fits(gi, batches[gi], None, layout, micro_steps=k) for gi in train_idx)
-  name = "training groups only, accumulating"
-  return Candidate(
-    name,
-    tuple(batches),
-    tuple(rows),
-    s.step(batches, rows, micro_steps=micro_steps),
-    s.cost(batches, rows),
-    s.B,
-    fits,
-    (problem.reduction, problem.optimizer_update),
-    micro_steps=micro_steps,
-    sync=problem.sync,
-  )
-
-
-ACCUMULATING = {
-  "training groups only": "training groups only, accumulating",
-  "dynamic batching": "dynamic batching, accumulating",
-}
-"""The baselines that accumulate gradients where a group's batch does not fit at once."""
-
-
-def _accumulating_split(
-  s: Search, name: str, members: Sequence[int], rows: Sequence[Row]
-) -> Candidate | None:
-  """The global batch over ``members`` (group indices) under ``rows``, each group in the fewest
-  micro-steps it fits in (``Search.accumulating``): of the ``ACCUMULATING_SPLITS`` splits of least
-  affine step (``Search.unbounded_affine``: whatever the memory), the fastest replayed; None if
-  none fits even one example a micro-step."""
-  counts = [s.p.cluster.groups[gi].count for gi in members]
-  models = [s.unbounded_affine(gi, rows[gi]) for gi in members]
-  best = None
-  for split in fastest_splits(s.B, counts, models, s.q, ACCUMULATING_SPLITS):
-    batches = [0] * len(s.p.groups)
-    for gi, b in zip(members, split):
-      batches[gi] = b
-    cand = s.accumulating(name, batches, rows)
-    if cand is not None and (best is None or cand.step_ms < best.step_ms):
-      best = cand
-  return best
-
-
-ACCUMULATING_SPLITS = 8
-"""Splits replayed with micro-steps per accumulating candidate (a batch with few divisors takes
-many micro-steps, so the split of least affine step is not always the fastest)."""
-
-
-def _accumulating_baselines(s: Search, train_idx, train_rows, found: Sequence[Candidate]) -> list[Candidate]:
-  """The baselines of ``ACCUMULATING`` where the plain one is missing or does not fit: the
-  training groups alone, and every group, at the training precision, each group in the fewest
-  micro-steps it fits in (``_accumulating_split``)."""
-  fitting = {c.name for c in found if c.fits}
-  out = []
-  for plain, members in (
-    ("training groups only", list(train_idx)),
-    ("dynamic batching", range(len(s.p.groups))),
-  ):
-    if plain not in fitting and members:
-      cand = _accumulating_split(s, ACCUMULATING[plain], list(members), train_rows)
-      out += [cand] if cand is not None else []
-  return out
-
-
-def _accumulating_plans(problem: Problem, s: Search, train_rows, configs, slack, found) -> list[Candidate]:
-  """Where no plan of the joint search fits (step 3's ``joint``, step 2's ``fastest``): every
-  group running, the inference groups at each combination of their configurations (step 1), each
-  group in the fewest micro-steps it fits in (``_accumulating_split``); the fastest (``"fastest,
-  accumulating"``) and the least-cost one within ``slack`` of it (``"joint, accumulating"``)."""
-  if any(c.fits and c.name in ("joint", "fastest") for c in found) or not problem.inference:
-    return []
-  n, plans = len(problem.groups), []
-  for combo in itertools.product(*(configs[gi] for gi in problem.inference)):
-    rows = list(train_rows)
-    for gi, row in zip(problem.inference, combo):
-      rows[gi] = row
-    cand = _accumulating_split(s, "fastest, accumulating", range(n), rows)
-    plans += [cand] if cand is not None else []
-  if not plans:
-    return []
-  fastest = min(plans, key=lambda c: c.step_ms)
-  within = [c for c in plans if c.step_ms <= fastest.step_ms * (1 + slack) + 1e-12]
-  cheapest = min(within, key=lambda c: (c.cost, c.step_ms))
-  return [fastest, dataclasses.replace(cheapest, name="joint, accumulating")]
-
-
 def _cost_table(s: Search, gi: int, rows: Sequence[Row], running, high: int, limit: float) -> list[float]:
   """``[estimated cost of group gi at batch k·q for k = 0 … high/q]`` at step ``limit``: its
   share times the lower convex hull of its configurations' (affine step with the all-reduce of
@@ -708,6 +617,8 @@ def plan_of(problem: Problem, cand: Candidate, predictions=None):
     for j, gi in enumerate(problem.inference)
   )
   moded = dataclasses.replace(problem, reduction=cand.mode[0], optimizer_update=cand.mode[1], sync=cand.sync)
+  if cand.train_ops is not None:  # a baseline at the training groups' 8-bit auto policy
+    moded = dataclasses.replace(moded, train_ops=cand.train_ops)
   plan = to_plan(moded, rows, predictions)
   return dataclasses.replace(
     plan,

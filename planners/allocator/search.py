@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from planners.allocator.greedy import Evaluator, Problem, floor_precision, memory_layout, uniform_levels
 from planners.allocator.splits import Affine, fastest_splits, largest_true
@@ -40,6 +40,10 @@ class Candidate:
   mode: tuple[str, str] = ("flat", "replicated")  # (reduction, optimizer_update) it is predicted under
   micro_steps: tuple[int, ...] = ()  # per group (``Plan.micro_steps``); empty: 1 everywhere
   sync: str = "fp32"  # the gradient sync it is predicted under (``planners.predictor.payload``)
+  # the training groups' 8-bit ops where not the problem's; a baseline outside the plan's own space
+  # (at another sync, or the training groups at 8 bits: ``planners.allocator.baselines``)
+  train_ops: Mapping[str, Mapping[str, str]] | None = None
+  reference: bool = False
 
   @property
   def samples_per_s(self) -> float:
@@ -57,6 +61,7 @@ class Candidate:
       "reduction": self.mode[0],
       "optimizer_update": self.mode[1],
       "sync": self.sync,
+      **({"reference": True} if self.reference else {}),
       **(
         {"micro_steps": dict(zip((g.name for g in problem.groups), self.micro_steps))}
         if self.micro_steps
@@ -72,7 +77,7 @@ def precision_counts(problem: Problem, cand: Candidate) -> dict[str, dict[str, i
     if b == 0:
       continue
     if row is None:
-      ops = problem.train_ops.get(g.name, {})
+      ops = (problem.train_ops if cand.train_ops is None else cand.train_ops).get(g.name, {})
       out[g.name] = dict(Counter(ops.get(op, problem.train_policy) for op in problem.op_names))
       continue
     j = problem.inference.index(gi)
