@@ -22,7 +22,7 @@ from typing import Any
 
 from planners.allocator import joint_plan, make_problem, omega_table, plan_of
 from planners.allocator.greedy import Problem, default_training_groups
-from planners.allocator.joint import check_mode
+from planners.allocator.modes import check_mode
 from planners.allocator.payoff import profile_paying_ops
 from planners.allocator.search import Candidate, Search
 from planners.allocator.summary import Summary, summarize

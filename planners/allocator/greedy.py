@@ -38,7 +38,7 @@ training group that runs ops at 8 bits (``make_problem(train_ops=…)``), those 
 training precision's (``Problem.train_cost``): the same for every assignment, so it moves no
 choice.
 
-``exhaustive`` searches every combination of ladder levels for the plan of least total Ω
+``planners.allocator.exhaustive`` searches every combination of ladder levels for the plan of least total Ω
 under the same constraints (small graphs only). ``planners.allocator.joint`` chooses the groups'
 batches too, with ``greedy`` for the precisions at each batch.
 """
@@ -516,7 +516,8 @@ def to_plan(problem: Problem, assignment: Assignment, predictions: Mapping[str, 
   )
 
 
-def _finish(problem, ev, assignment, target, straggles) -> Allocation:
+def finish(problem, ev, assignment, target, straggles) -> Allocation:
+  """The ``Allocation`` of ``assignment`` (its plan with the predictions that justified it)."""
   step = ev.step_ms(assignment)
   preds = {
     "step_ms": step,
@@ -572,31 +573,4 @@ def greedy(problem: Problem, rel_tol: float = 1e-9, target_ms: float | None = No
       continue  # rejected: ``plan`` is untouched
     plan = cand
     push(j, i, lvl + 1)
-  return _finish(problem, ev, plan, target, straggles)
-
-
-def exhaustive(problem: Problem, max_combinations: int = 200_000, rel_tol: float = 1e-9) -> Allocation:
-  """The least-Ω assignment over every ladder combination that fits and keeps pace with T*."""
-  ev = Evaluator(problem)
-  start = start_assignment(problem, ev)
-  target = ev.training_step_ms()
-  start_step = ev.step_ms(start)
-  straggles = start_step > target * (1 + rel_tol)
-  if straggles or not problem.inference:
-    target = max(target, start_step)
-  limit = target * (1 + rel_tol)
-  choices = [range(len(lad)) for ladders in problem.ladders for lad in ladders]
-  if math.prod(len(c) for c in choices) > max_combinations:
-    raise PlanError(
-      f"exhaustive search over {math.prod(len(c) for c in choices)} plans exceeds "
-      f"max_combinations={max_combinations}. Fix: use the greedy allocator for graphs this size."
-    )
-  n = len(problem.op_names)
-  best, best_omega = start, ev.omega(start)
-  for flat in itertools.product(*choices):
-    cand = tuple(tuple(flat[j * n : (j + 1) * n]) for j in range(len(problem.inference)))
-    w = ev.omega(cand)
-    if w >= best_omega or not ev.fits(cand) or ev.step_ms(cand) > limit:
-      continue
-    best, best_omega = cand, w
-  return _finish(problem, ev, best, target, straggles)
+  return finish(problem, ev, plan, target, straggles)

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planners.allocator.greedy import exhaustive, greedy, make_problem
+from planners.allocator.exhaustive import exhaustive
+from planners.allocator.greedy import greedy, make_problem
 from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import PlanError
