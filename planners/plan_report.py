@@ -127,7 +127,7 @@ def plan_report(result: PlanResult) -> list[str]:
   estimates = estimated_costs({g.name: g.device_type for g in cluster.groups}, pred.sources, counts)
   if estimates:
     lines.append("modeled costs this plan relies on:\n  " + "\n  ".join(estimates))
-  lines += cost_source_lines(cluster, inputs.given | _own(inputs), inputs.files)
+  lines += cost_source_lines(cluster, inputs.reported, inputs.files)
   source = "" if figures == "modeled" else f", {figures}"
   lines.append(f"\nalternatives (predicted{source}; batch per device in group order):")
   alt_rows = []
@@ -249,8 +249,3 @@ def _op_ms(group, op_index: int, policy) -> float:
   name = group.profile.ops[op_index].name
   costs = op_costs(dataclasses.replace(group, op_policies={name: policy}), op_index)
   return sum(ms for ms, _ in costs.values())
-
-
-def _own(inputs) -> dict[str, Profile]:
-  """The calibrated profiles of single groups among ``inputs.profiles`` (``--measured``)."""
-  return {k: p for k, p in inputs.profiles.items() if p.group is not None}

@@ -155,9 +155,10 @@ class PlanRequest:
 @dataclasses.dataclass(frozen=True)
 class PlanInputs:
   """A request's files, read and checked: the cluster, its training groups and their preset,
-  the profiles as given (``given``, ``files``: key → path) and completed for the cluster
-  (``profiles``: calibrated ones included, modeled device types resolved once), the indicator,
-  and, with ``--measured``, the calibrated profiles to write (``calibrated``: path → Profile)."""
+  the profiles as given (``given``, ``files``: key → path; ``reported``: those and the calibrated
+  ones, each with its file in ``files``) and completed for the cluster (``profiles``: calibrated
+  ones included, modeled device types resolved once), the indicator, and, with ``--measured``,
+  the calibrated profiles to write (``calibrated``: path → Profile)."""
 
   cluster: ClusterSpec
   training: tuple[str, ...]
@@ -167,6 +168,7 @@ class PlanInputs:
   profiles: dict[str, Profile]
   indicator: dict[str, Any]
   calibrated: dict[str, Profile]
+  reported: dict[str, Profile]
 
 
 def read_inputs(request: PlanRequest) -> PlanInputs:
@@ -215,7 +217,8 @@ def read_inputs(request: PlanRequest) -> PlanInputs:
     profiles = {**profiles, **own}
     calibrated = {profile_paths[p.group]: p for p in own.values()}
     files = {**files, **{p.key: profile_paths[p.group] for p in own.values()}}
-  return PlanInputs(cluster, tuple(training), preset, given, files, profiles, indicator, calibrated)
+  reported = {**given, **{p.key: p for p in calibrated.values()}}
+  return PlanInputs(cluster, tuple(training), preset, given, files, profiles, indicator, calibrated, reported)
 
 
 @dataclasses.dataclass(frozen=True)
