@@ -40,9 +40,7 @@ def estimated_costs(device_types: Mapping[str, str], sources: Mapping[str, str],
       used |= set(PRESETS[policy].precisions) if policy in PRESETS else {policy}
     estimated = sorted(used - set(dev.checked))
     if estimated:
-      checked = (
-        f"checked against measurements at {', '.join(dev.checked)}" if dev.checked else "never measured"
-      )
+      checked = f"checked against measurements at {', '.join(dev.checked)}" if dev.checked else "never measured"
       lines.append(
         f"{group} ({dev.name}): {', '.join(estimated)} costs are datasheet estimates "
         f"(the catalog's {dev.name} is {checked})"

@@ -349,9 +349,7 @@ NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 """XLA:GPU compile option: no CUDA graphs, so that each traced kernel names its instruction."""
 
 
-def instruction_times(
-  task: Task, policy: PrecisionPolicy, batch, repeats: int
-) -> tuple[str, dict[str, float]]:
+def instruction_times(task: Task, policy: PrecisionPolicy, batch, repeats: int) -> tuple[str, dict[str, float]]:
   """``(module text, {instruction: ms per step})`` of the training step of ``task`` under
   ``policy``: on a GPU its kernels (compiled with ``NO_COMMAND_BUFFERS``, each kernel charged
   to its ``hlo_op``), on XLA:CPU its per-instruction events (wall time: the median event of an
