@@ -33,7 +33,8 @@ import numpy as np
 from benchmarks.common.result_rows import result_row, results_path, save_rows
 from benchmarks.common.zoo import bert_profile
 from planners.allocator.bound import best_baseline
-from planners.allocator.greedy import exhaustive, greedy, make_problem
+from planners.allocator.exhaustive import exhaustive
+from planners.allocator.greedy import greedy, make_problem
 from planners.allocator.joint import joint_plan
 from planners.allocator.search import precision_counts
 from planners.allocator.splits import splits_within

@@ -4,15 +4,19 @@ For each pool of the catalog (``POOLS``: a training group and one or two inferen
 their datasheet memory), each topology (``TOPOLOGIES``: the training group on NVLink, 100 or
 25 Gbit/s between hosts, and the what-if of free links) and each model at real size
 (``benchmarks.common.zoo.HYBRID_MODELS``: ResNet-50 at 224², BERT-base at sequence 128 and 512,
-a GPT-2-medium-sized LM at sequence 1024), the model's ops are traced (abstractly: nothing
-runs), every device is costed from the catalog (``planners.predictor.modeled``), and
-``planners.allocator.joint`` plans it. The training
-group runs ``qsync plan``'s default precision (fp16 mixed precision on a V100, bf16 elsewhere).
-Printed and written as rows: every candidate's predicted samples/s and accuracy cost, its ratio
-to the best baseline (the faster of dynamic batching and the training group alone,
-``planners.allocator.bound``), the pool's bound, and what limits the chosen plan
-(``planners.allocator.summary``). Every figure is **modeled** (catalog roofline + replay), not
-measured. The sensitivities Ω are synthetic (a seeded exponential draw per op, int8 : fp8 :
+GPT-2-medium- and GPT-2-large-sized LMs at sequence 1024), the model's ops are traced
+(abstractly: nothing runs) and its memory counted by its shapes (parameters, Adam state,
+gradients, batch, the ops' saved activations; not the rest of the step,
+``benchmarks.common.op_profile.traced_memory``), every device is costed from the catalog
+(``planners.predictor.modeled``), and ``planners.allocator.joint`` plans it at each gradient sync
+of ``SYNCS``, in every mode (replicated or sharded optimizer update, micro-steps where a batch
+does not fit at once). The training group runs ``qsync plan``'s default precision (fp16 mixed
+precision on a V100, bf16 elsewhere). Printed and written as rows: every candidate's predicted
+samples/s, accuracy cost, mode, sync and micro-steps, its ratio to the best baseline (the fastest
+of ``planners.allocator.bound.BASELINES``: dynamic batching and the training group alone, at the
+training precision, accumulating and at 8-bit auto policies, at every sync), the pool's bound,
+and what limits the chosen plan (``planners.allocator.summary``). Every figure is **modeled**
+(catalog roofline + replay), not measured. The sensitivities Ω are synthetic (a seeded exponential draw per op, int8 : fp8 :
 16-bit = 1 : 1/2 : 1/50): the accuracy costs compare plans of one model, not models.
 
   python -m benchmarks.hybrid                    # every 2-group pool × topology × model, minutes on a CPU
@@ -28,7 +32,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common.op_profile import base_profile, build, model_ops
+from benchmarks.common.op_profile import base_profile, build, model_ops, traced_memory
 from benchmarks.common.result_rows import append_rows, result_row, results_path
 from benchmarks.common.zoo import HYBRID_MODELS
 from planners.allocator.bound import best_baseline, pool_bound
@@ -36,10 +40,10 @@ from planners.allocator.greedy import make_problem
 from planners.allocator.joint import joint_plan, plan_of
 from planners.allocator.search import precision_counts
 from planners.allocator.summary import summarize
+from planners.planning import train_precision
 from planners.predictor.modeled import modeled_profile
 from planners.predictor.replay import predict
 from planners.report import table
-from qsync_cli.plan import train_precision
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.devices import device
 
@@ -59,6 +63,9 @@ POOLS = {
 }
 """pool → ((device type, count), …): the training group first, then the inference groups."""
 TWO_GROUP_POOLS = tuple(name for name, groups in POOLS.items() if len(groups) == 2)
+SYNCS = ("fp32", "bf16", "global_qsgd")
+"""The gradient syncs every pool is planned at (``qsync plan --sync auto`` without fp16, whose
+payload is bf16's size): the widest within the slack of the fastest is chosen."""
 
 NVLINK_GBPS = 2400.0
 """Between two devices of the training group: NVLink, 300 GB/s."""
@@ -72,16 +79,18 @@ from what the plan's precisions and batches leave of the headroom to the bound."
 
 
 def traced(name: str) -> dict:
-  """The model's ops at its per-device batch, as ``benchmarks.diagnosis.roofline`` records them
-  (``benchmarks.common.op_profile``)."""
+  """The model's ops at its per-device batch, as ``benchmarks.diagnosis.roofline`` records them,
+  and its memory by its shapes (``benchmarks.common.op_profile.traced_memory``)."""
   task, data, batch = build(name, tiny=False)
   ops, param_bytes = model_ops(task, data)
+  memory = traced_memory(task, data)
   return {
     "model": name,
     "device_type": "cpu",
     "batch_per_device": batch,
     "ops": [o.to_json() for o in ops],
     "param_bytes": param_bytes,
+    "memory": memory,
   }
 
 
@@ -117,7 +126,7 @@ def plan_pool(model: dict, pool: str, topology: str, granularity: int, slack: fl
   preset = train_precision(cluster, ("train",), None)
   problem = make_problem(cluster, profiles, synthetic_omega(base.op_names), ["train"], preset)
   t0 = time.perf_counter()
-  chosen, cands, search = joint_plan(problem, granularity, slack)
+  chosen, cands, search = joint_plan(problem, granularity, slack, syncs=SYNCS)
   return problem, profiles, chosen, cands, time.perf_counter() - t0, search
 
 
@@ -129,25 +138,31 @@ def speeds(bound) -> list[float]:
 
 
 def chosen_label(chosen) -> str:
-  """``"name (batches[, mode])"``: the candidate, its per-device batches (training group first)
-  and its mode where it is not the flat all-reduce with the replicated update."""
-  name = "training only" if chosen.name == "training groups only" else chosen.name
-  mode = {("flat", "sharded"): ", sharded update", ("two_level", "replicated"): ", two-level"}.get(
-    chosen.mode, ""
-  )
-  return f"{name} ({'/'.join(map(str, chosen.batches))}{mode})"
+  """``"name (batches[, micro-steps][, mode][, sync])"``: the candidate, its per-device batches
+  (training group first), its micro-steps where it accumulates, its mode where it is not the flat
+  all-reduce with the replicated update, and its gradient sync where it is not fp32."""
+  name = chosen.name.replace("training groups only", "training only")
+  parts = ["/".join(map(str, chosen.batches))]
+  if chosen.micro_steps and max(chosen.micro_steps) > 1:
+    parts.append("micro-steps " + "/".join(map(str, chosen.micro_steps)))
+  mode = {("flat", "sharded"): "sharded update", ("two_level", "replicated"): "two-level"}.get(chosen.mode)
+  parts += [mode] if mode else []
+  parts += [f"{chosen.sync} sync"] if chosen.sync != "fp32" else []
+  return f"{name} ({', '.join(parts)})"
 
 
 def markdown_table(cases: dict) -> str:
   """One markdown row per pool × model from ``cases[(pool, model)][topology] = (chosen,
-  best baseline samples/s, bound samples/s, Limits)``: the chosen plan at 100G and 25G, its
-  gain over the best baseline, the bound over the best baseline at 100G, 25G and with free
+  best baseline samples/s, bound samples/s, Limits, best baseline)``: the chosen plan at 100G
+  and 25G (its batches, micro-steps, mode and sync: ``chosen_label``), the best baseline at 25G,
+  its gain over the best baseline, the bound over the best baseline at 100G, 25G and with free
   links, the plan over the best baseline with free links, and what limits the plan at 100G."""
   headers = [
     "pool",
     "model",
-    "chosen at 100G (batches)",
-    "chosen at 25G (batches)",
+    "chosen at 100G",
+    "chosen at 25G",
+    "best baseline at 25G",
     "gain vs best baseline, 100G / 25G",
     "bound samples/s",
     "bound / best baseline, 100G / 25G / free links",
@@ -160,15 +175,16 @@ def markdown_table(cases: dict) -> str:
     def at(topology, fmt, by=by_topology):
       return fmt(*by[topology]) if topology in by else "–"
 
-    lim = by_topology.get("100G", (None, None, None, None))[3]
+    lim = by_topology.get("100G", (None, None, None, None, None))[3]
     cells = [
       pool,
       model,
       at("100G", lambda c, *_: chosen_label(c)),
       at("25G", lambda c, *_: chosen_label(c)),
+      at("25G", lambda c, best, bound, lim, base: chosen_label(base)),
       " / ".join(at(t, lambda c, best, *_: f"{c.samples_per_s / best:.2f}×") for t in ("100G", "25G")),
-      at("100G", lambda c, best, bound, _: f"{bound:.1f}"),
-      " / ".join(at(t, lambda c, best, bound, _: f"{bound / best:.2f}") for t in ("100G", "25G", "free")),
+      at("100G", lambda c, best, bound, *_: f"{bound:.1f}"),
+      " / ".join(at(t, lambda c, best, bound, *_: f"{bound / best:.2f}") for t in ("100G", "25G", "free")),
       at("free", lambda c, best, *_: f"{c.samples_per_s / best:.3f}"),
       f"{lim.straggler}; {lim.exposed_comm_ms:.0f} / {lim.optimizer_ms:.1f}" if lim else "–",
     ]
@@ -214,16 +230,17 @@ def main(argv=None) -> int:
             base.samples_per_s,
             bound.samples_per_s,
             lim,
+            base,
           )
         summary.append(
           [
             pool,
             topology,
             name,
-            "/".join(map(str, chosen.batches)),
+            chosen_label(chosen),
             " | ".join(mixes),
             f"{chosen.samples_per_s:.1f}",
-            f"{base.name} {base.samples_per_s:.1f}" if base else "-",
+            f"{chosen_label(base)} {base.samples_per_s:.1f}" if base else "-",
             f"{result.gain:.2f}×" if base else "-",
             f"{bound.samples_per_s:.1f}",
             f"{100 * result.headroom_captured:.0f} %" if result.headroom_captured is not None else "-",
@@ -246,6 +263,9 @@ def main(argv=None) -> int:
               batch_per_device=list(c.batches),
               reduction=c.mode[0],
               optimizer_update=c.mode[1],
+              sync=c.sync,
+              micro_steps=list(c.micro_steps) or None,
+              reference=c.reference,
               fits=c.fits,
               chosen=c is chosen,
               **common,
@@ -261,6 +281,9 @@ def main(argv=None) -> int:
               None,
               host,
               name=base.name,
+              reduction=base.mode[0],
+              optimizer_update=base.mode[1],
+              sync=base.sync,
               **common,
             )
           )
@@ -298,8 +321,9 @@ def main(argv=None) -> int:
           flush=True,
         )
   print(
-    "\nthe chosen plan (modeled). batches: per device, training group first; best baseline: the faster of "
-    "dynamic batching and the training group alone; gain: the plan over it; bound: every device at its "
+    "\nthe chosen plan (modeled). batches: per device, training group first; best baseline: the fastest of "
+    "dynamic batching and the training group alone, each at the training precision, accumulating and at "
+    "8-bit auto policies, at every sync; gain: the plan over it; bound: every device at its "
     "fastest precision, the batch split by speed, no communication; headroom: (plan − best) / "
     "(bound − best); "
     "limited by: the straggling group; its all-reduce time not overlapped with its compute / its optimizer "
@@ -310,7 +334,7 @@ def main(argv=None) -> int:
     "pool",
     "links",
     "model",
-    "batches",
+    "chosen (batches, micro-steps, mode, sync)",
     "infer precisions",
     "samples/s",
     "best baseline",

@@ -21,7 +21,8 @@ modeled as V100, 32 GB) and ``inference`` (2 devices modeled as T4, 16 GB). The 
 then prints one table (each column the replay predicts for the V100/T4 pool says *modeled*;
 the accuracy cost relative to uniform low precision), a line for each alternative the joint
 plan does not beat outright saying why, a table of both pools' chosen plans against their best
-baseline (the faster of dynamic batching and the training group alone) and their bound
+baseline (the fastest of dynamic batching and the training group alone, each also at every group's
+8-bit auto policy and every gradient payload) and their bound
 (``planners.allocator.summary``; modeled), and writes to ``--out``: ``plan.json`` (the joint plan, its
 alternatives under ``predictions.alternatives``), ``plans/<config>.json``, ``cluster.json``,
 ``indicator.json``, ``profile_*.json``, ``trace.json`` (Chrome trace of the joint plan's
@@ -150,9 +151,9 @@ def modern_cluster(batch_per_device: int):
 
 
 def training_precision(cluster) -> str:
-  """The training group's precision, as ``qsync plan`` defaults it (``qsync_cli.plan.train_precision``):
+  """The training group's precision, as ``qsync plan`` defaults it (``planners.planning.train_precision``):
   fp16 mixed precision (with loss scaling) on a V100, bf16 on an A100."""
-  from qsync_cli.plan import train_precision
+  from planners.planning import train_precision
 
   return train_precision(cluster, ("training",), None)
 
@@ -408,8 +409,9 @@ def precision_mix(plan, group: str, op_names) -> str:
 
 MODELED_NOTE = (
   "modeled: the replay's predictions for the V100 / T4 pool from the device catalog, not CPU times; "
-  "CPU batch: the per-device batches the plan's shares give the CPU run; vs best baseline: over the faster "
-  "of dynamic batching and the training group alone; acc. cost: the planner's Σ share·Ω, relative to "
+  "CPU batch: the per-device batches the plan's shares give the CPU run; vs best baseline: over the fastest "
+  "of dynamic batching and the training group alone (each also at 8-bit auto policies and every gradient "
+  "payload); acc. cost: the planner's Σ share·Ω, relative to "
   "uniform low precision on the T4s (1; 0: every op at the training precision)"
 )
 ACCURACY_NOTE = (
@@ -420,8 +422,8 @@ ACCURACY_NOTE = (
 
 
 POOLS_NOTE = (
-  "modeled: the replay's predictions from the device catalog; best baseline: the faster of dynamic batching "
-  "and the training group alone; bound: every device at its fastest precision, the batch split by speed "
+  "modeled: the replay's predictions from the device catalog; best baseline: the fastest of dynamic batching "
+  "and the training group alone (each also at 8-bit auto policies and every gradient payload); bound: every device at its fastest precision, the batch split by speed "
   "(fractional), no communication; headroom: (plan − best baseline) / (bound − best baseline); limited by: "
   "the group whose backward ends last, the all-reduce time its compute does not overlap, its optimizer update"
 )

@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -40,7 +43,8 @@ from planners.predictor.replay import base_profile, one_device_compute_ms, profi
 from planners.profile import GroupCost, Profile, profile_key
 from planners.profiler.fit import fit_fixed_share
 from qsync_jax.cluster import ClusterSpec
-from qsync_jax.errors import PlanError
+from qsync_jax.errors import PlanError, QsyncWarning
+from qsync_jax.jsonio import read_json_lines, undecodable_warning
 from qsync_jax.plan import Plan
 from qsync_jax.precision import OpPolicy
 
@@ -204,3 +208,61 @@ def calibrated_profiles(
 
 def _base_file(profiles: Mapping[str, Profile], files: Mapping[str, str]) -> str:
   return files.get(base_profile(profiles).key, "?")
+
+
+def read_run(run: str):
+  """``(each group's latest measurement, the plan the run ran, its checkpoint's meta)`` of the
+  ``qsync train`` directory ``run``: the measurements from its ``metrics.jsonl``
+  (``latest_measurements``; lines that are not JSON, such as one a kill cut short, are skipped as
+  the trainer skips them, and lines that are not UTF-8 with a ``QsyncWarning`` naming them), the plan and the groups from its latest checkpoint (re-planning
+  changes only batches, so that plan's policies are the ones measured). ``PlanError`` naming
+  what is missing, before any model is built."""
+  from qsync_jax.train.checkpoint import CheckpointStore
+
+  fix = "Fix: pass the --out directory of a `qsync train --replan once` (or auto) run."
+  if not os.path.isdir(run):
+    raise PlanError(f"--measured {run!r} is not a directory. {fix}")
+  metrics = os.path.join(run, "metrics.jsonl")
+  if not os.path.isfile(metrics):
+    raise PlanError(f"--measured {run!r} has no metrics.jsonl, so no measurements. {fix}")
+  lines, undecodable = read_json_lines(metrics)
+  if undecodable:
+    warnings.warn(undecodable_warning(metrics, undecodable, "skipped"), QsyncWarning, stacklevel=2)
+  measured = latest_measurements([line.value for line in lines if line.value is not None], metrics)
+  if not measured:
+    raise PlanError(
+      f"--measured {run!r}: {metrics} has no measurement of the groups' speeds (no `replan` line with "
+      "`measured_ms`). Fix: train with `qsync train --replan once` (the default on GPUs) or `--replan auto`, "
+      "and pass that run."
+    )
+  store = CheckpointStore(os.path.join(run, "checkpoints"))
+  try:
+    if store.latest_step() is None:
+      raise PlanError(
+        f"--measured {run!r} holds no checkpoint, so the plan it ran (each group's policy, at which the "
+        "groups were measured) is unknown. Fix: let the run checkpoint (it does at its end and every "
+        "--checkpoint-every steps; `qsync train ... --resume` with more --steps continues it), then pass it."
+      )
+    _, meta = store.read_meta()
+  finally:
+    store.close()
+  return measured, Plan.from_json(meta["plan"]), meta
+
+
+GROUP_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""Group names a ``profile-GROUP.json`` file can carry."""
+
+
+def calibrated_profile_paths(cluster: ClusterSpec, out: str) -> dict[str, str]:
+  """``{group: DIR/profile-GROUP.json}``, ``DIR`` the directory of the plan ``out``;
+  ``PlanError`` for a group name that cannot be part of a file name."""
+  paths = {}
+  for name in cluster.group_names:
+    if not GROUP_FILE_NAME.fullmatch(name):
+      raise PlanError(
+        f"--measured: group {name!r}'s calibrated profile would be written to profile-{name}.json, which is no "
+        "plain file name. Fix: name the group with letters, digits, '.', '_' and '-' only (in the cluster spec "
+        "and the run)."
+      )
+    paths[name] = os.path.join(os.path.dirname(out), f"profile-{name}.json")
+  return paths

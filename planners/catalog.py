@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 
-from planners.predictor.collectives import allreduce_ms as allreduce_ms  # re-exported: the ring all-reduce
 from qsync_jax.devices import DeviceType
 from qsync_jax.precision import QUANTIZED_PRECISIONS
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import json
 
-from qsync_cli.common import (
-  add_model_argument,
-  check_model,
-  check_profiles_fit,
-  cost_source_lines,
-  load_profiles,
-)
+from qsync_cli.common import add_model_argument
 from qsync_jax.errors import PlanError
 from qsync_jax.jsonio import write_atomic, write_text_atomic
 
@@ -28,7 +22,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-  from planners.predictor import predict, save_chrome_trace, save_png
+  from planners.inputs import check_model, check_profiles_fit, load_profiles
+  from planners.plan_report import cost_source_lines
+  from planners.predictor import limits, predict, save_chrome_trace, save_png
   from planners.report import table
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
@@ -37,7 +33,7 @@ def run(args) -> int:
   # Input files first: a bad one is named before the model is built.
   cluster = ClusterSpec.load(args.cluster)
   plan = Plan.load(args.plan)
-  profiles, files = load_profiles(args.profile, with_paths=True)
+  profiles, files = load_profiles(args.profile)
   check_profiles_fit(profiles, cluster, plan)
   task = load_task(args.model)
   check_model(profiles, task.name)
@@ -45,11 +41,13 @@ def run(args) -> int:
   rows = [
     [g.name, g.device_type, g.count, pred.group_compute_ms[g.name], pred.group_step_ms[g.name]]
     + [pred.memory_bytes[g.name] / 1e9, g.memory_gb, pred.sources[g.name]]
+    if g.name in pred.group_step_ms
+    else [g.name, g.device_type, g.count, "(sits out)", "-", "-", g.memory_gb, "-"]
     for g in cluster.groups
   ]
   print(table(["group", "device", "n", "compute ms", "step ms", "mem GB", "limit GB", "costs"], rows))
-  slowest = max(pred.group_step_ms, key=pred.group_step_ms.get)
-  print(f"synchronous step {pred.step_ms:.3f} ms (slowest group {slowest}); all-reduce {pred.comm_ms:.3f} ms")
+  print(f"modeled: synchronous step {pred.step_ms:.3f} ms; collectives {pred.comm_ms:.3f} ms")
+  print(f"modeled: {limits(pred).line()}")
   print("\n".join(cost_source_lines(cluster, profiles, files)))
   if args.trace:
     save_chrome_trace(pred, args.trace)

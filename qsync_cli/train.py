@@ -122,7 +122,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--sync",
     default=None,
-    help="sync strategy (qsync_jax.sync: fp32, bf16, fp16, global_qsgd, selsync, qsdp), default fp32 psum",
+    help="sync strategy (qsync_jax.sync: fp32, bf16, fp16, global_qsgd, selsync, qsdp); default: the plan's "
+    "sync (`qsync plan --sync`), else fp32 psum; one the plan contradicts is refused",
   )
   parser.add_argument(
     "--sync-option",
@@ -466,9 +467,9 @@ def _run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
   # Arguments and input files first: a bad one is named before JAX starts and the model is built.
   _check_arguments(args)
   overrides = _overrides(args.set)
-  sync, sync_options = _sync(args.sync, args.sync_option)
   cluster = ClusterSpec.load(args.cluster) if args.cluster else None
   plan = Plan.load(args.plan) if args.plan and args.plan != AUTO else Plan()
+  sync, sync_options = _sync(plan.sync_for(args.sync), args.sync_option)  # a plan's sync, unless told
   if cluster is not None:
     plan.validate_for(cluster)
   check_step_plan(plan, sync, clip_norm=args.clip_norm, cluster=cluster)  # before the model is built

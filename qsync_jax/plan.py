@@ -10,14 +10,21 @@ micro-batch; default 1, none); ``reduction`` says how gradients are combined (``
 all-reduce over every device; ``"two_level"``: within each group, then across groups);
 ``optimizer_update`` where the optimizer runs (``"replicated"``: every device updates every
 parameter; ``"sharded"``: each device updates an equal share and the updated parameters are
-gathered, ZeRO-1); ``predictions`` is free-form JSON (predicted step time, memory, the
-alternatives the planner compared…) that the trainer stores but never reads.
+gathered, ZeRO-1); ``sync`` the gradient sync the plan was made for (a strategy of
+``qsync_jax.sync``, e.g. ``"bf16"``; absent: not stated, the trainer runs the sync it is given,
+fp32 by default), which the trainer runs unless told another one (``sync_for``: a contradiction
+is refused); ``predictions`` is free-form JSON (predicted step time, memory, the alternatives
+the planner compared…) that the trainer stores but never reads.
+
+The per-device batches (the cluster spec's, with the plan's overrides) must add up to the
+spec's global batch (``validate_for``): a plan moves examples between groups, it does not change
+how many a step trains on.
 
 JSON form::
 
   {"policies": {"infer": {"rules": [...], "__default__": "int8_fwd"}, "train": "fp32"},
    "batch_per_device": {"infer": 16}, "micro_steps": {"train": 2},
-   "reduction": "flat", "optimizer_update": "replicated",
+   "reduction": "flat", "optimizer_update": "replicated", "sync": "fp32",
    "predictions": {"step_time_s": 0.21}}
 
 (a policy may also be given as a preset name, meaning that preset for every op).
@@ -62,6 +69,7 @@ class Plan(JsonFile):
   predictions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   reduction: str = "flat"
   optimizer_update: str = "replicated"
+  sync: str | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "policies", dict(self.policies))
@@ -79,6 +87,14 @@ class Plan(JsonFile):
         raise PlanError(
           f"plan: {field}={getattr(self, field)!r} is not one of {list(allowed)}. Fix: use one of them."
         )
+    if self.sync is not None:
+      from qsync_jax.sync import STRATEGIES
+
+      if self.sync not in STRATEGIES:
+        raise PlanError(
+          f"plan: sync={self.sync!r} is not a gradient sync strategy. Fix: use one of {sorted(STRATEGIES)}, "
+          "or leave it out."
+        )
     for group, b in self.batch_per_device.items():
       if isinstance(b, bool) or not isinstance(b, int) or b < 0:
         raise PlanError(
@@ -95,6 +111,22 @@ class Plan(JsonFile):
   def micro_steps_of(self, group: str) -> int:
     """How many micro-batches the group splits its per-device batch into (1 when the plan has none)."""
     return self.micro_steps.get(group, 1)
+
+  def sync_for(self, requested: str | None) -> str | None:
+    """The gradient sync to run when ``requested`` (a strategy name, ``"psum"`` meaning
+    ``"fp32"``; None: none asked for) meets this plan's ``sync``: ``requested`` where the plan
+    states none or the same; the plan's where none is requested (None for ``"fp32"``, the
+    trainer's default reduction); ``PlanError`` naming both where they differ."""
+    requested = "fp32" if requested == "psum" else requested
+    if self.sync is None or requested == self.sync:
+      return requested
+    if requested is None:
+      return None if self.sync == "fp32" else self.sync
+    raise PlanError(
+      f"the sync {requested!r} contradicts the plan's sync {self.sync!r}: the plan was made for "
+      f"{self.sync!r} (its step time, memory and optimizer update are priced with it). Fix: run the plan's "
+      f"sync (leave --sync out), or plan again for {requested!r} (`qsync plan --sync {requested}`)."
+    )
 
   def policy_for(self, group: str) -> PrecisionPolicy:
     """The group's policy; an empty policy (unmodified float model) when the plan has none."""
@@ -122,6 +154,14 @@ class Plan(JsonFile):
           f"micro-batches, but {k} does not divide {b}. Fix: make micro_steps[{group.name!r}] a "
           f"divisor of {b}, or the batch a multiple of {k}."
         )
+    total = sum(g.count * self.batch_per_device.get(g.name, g.batch_per_device) for g in cluster.groups)
+    if total != cluster.global_batch:
+      raise PlanError(
+        f"plan: its per-device batches add up to a global batch of {total} (count × batch_per_device over "
+        f"the groups), but cluster {cluster.name!r} trains on {cluster.global_batch} examples a step. Fix: "
+        f"make the plan's batch_per_device add up to {cluster.global_batch} (plan again with `qsync plan`), or "
+        "change the cluster spec's batch_per_device to the global batch you mean."
+      )
 
   def apply_to(self, cluster: ClusterSpec) -> ClusterSpec:
     """The cluster with this plan's per-device batch overrides applied (after validation)."""
@@ -145,7 +185,8 @@ class Plan(JsonFile):
     return _has_fp16(self.policy_for(group))
 
   def fingerprint(self) -> str:
-    """Hash of what changes training (policies, batches, micro-steps other than 1, reduction);
+    """Hash of what changes training (policies, batches, micro-steps other than 1, reduction, a
+    sync other than fp32);
     predictions and ``optimizer_update`` excluded (the sharded update equals the replicated one)."""
     obj = {
       "policies": self.to_json()["policies"],
@@ -156,6 +197,8 @@ class Plan(JsonFile):
       obj["micro_steps"] = accumulating
     if self.reduction != REDUCTIONS[0]:  # (where the optimizer runs does not change the training)
       obj["reduction"] = self.reduction
+    if self.sync not in (None, "fp32"):  # (absent or fp32: the default reduction keeps the hash)
+      obj["sync"] = self.sync
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
   # -- construction ---------------------------------------------------------------------
@@ -174,6 +217,7 @@ class Plan(JsonFile):
       "micro_steps": dict(self.micro_steps),
       "reduction": self.reduction,
       "optimizer_update": self.optimizer_update,
+      **({} if self.sync is None else {"sync": self.sync}),
       "predictions": dict(self.predictions),
     }
 
@@ -184,7 +228,15 @@ class Plan(JsonFile):
         f"a plan must be a JSON object, got {type(obj).__name__}. "
         'Fix: write {"policies": {"<group>": {...}}, "batch_per_device": {}, "predictions": {}}.'
       )
-    keys = ("policies", "batch_per_device", "micro_steps", "reduction", "optimizer_update", "predictions")
+    keys = (
+      "policies",
+      "batch_per_device",
+      "micro_steps",
+      "reduction",
+      "optimizer_update",
+      "sync",
+      "predictions",
+    )
     reject_unknown_keys(obj, keys, "plan", PlanError, ", ".join(repr(k) for k in keys))
     for key in ("policies", "batch_per_device", "micro_steps", "predictions"):
       if not isinstance(obj.get(key, {}), Mapping):
@@ -205,6 +257,7 @@ class Plan(JsonFile):
       predictions=dict(obj.get("predictions", {})),
       reduction=obj.get("reduction", REDUCTIONS[0]),
       optimizer_update=obj.get("optimizer_update", OPTIMIZER_UPDATES[0]),
+      sync=obj.get("sync"),
     )
 
 

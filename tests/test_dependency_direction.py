@@ -96,6 +96,18 @@ def _violations(packages: tuple[str, ...], banned) -> list[str]:
   ]
 
 
+# Inside the planner (``planners/__init__.py``): shared modules of plain data and formulas, the
+# stages, and the pipeline that chains the stages for the commands.
+SHARED_PLANNER = ("planners.catalog", "planners.ops", "planners.profile", "planners.report")
+PLANNER_STAGES = (
+  "planners.indicator",
+  "planners.predictor",
+  "planners.profiler",
+  "planners.allocator",
+  "planners.calibrate",
+)
+PLANNER_TOP = ("planners.inputs", "planners.planning", "planners.plan_report")
+
 # (importer packages, packages they must not import, why): the layers, lowest first.
 RULES = [
   (("pallas_kernels",), ("qsync_jax", "planners", "qsync_cli"), "kernels sit below everything"),
@@ -107,6 +119,10 @@ RULES = [
   (("planners.predictor",), ("planners.profiler", "planners.allocator"), "the predictor replays profiles"),
   (("planners.profiler",), ("planners.allocator",), "the profiler does not plan"),
   (("planners.indicator",), ("planners.profiler", "planners.predictor", "planners.allocator"), "stage 1"),
+  (SHARED_PLANNER, PLANNER_STAGES + PLANNER_TOP, "the planner's shared modules know no stage"),
+  (PLANNER_STAGES, PLANNER_TOP, "the stages know nothing of the pipeline that chains them"),
+  (("planners.allocator",), ("planners.calibrate",), "the allocator plans from any profile"),
+  (("planners.planning",), ("planners.plan_report",), "planning does not print"),
 ]
 
 
@@ -177,6 +193,10 @@ PLANTED = {  # a source that breaks each rule, as a file of the importing packag
   "the predictor replays profiles": "from planners.profiler.timing import single_device_step",
   "the profiler does not plan": "from planners.allocator import joint",
   "stage 1": "import planners.predictor.replay",
+  "the planner's shared modules know no stage": "from planners.predictor.collectives import allreduce_ms",
+  "the stages know nothing of the pipeline that chains them": "from planners.planning import train_precision",
+  "the allocator plans from any profile": "from planners.calibrate import calibrated_profiles",
+  "planning does not print": "from planners.plan_report import plan_report",
 }
 
 

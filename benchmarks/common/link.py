@@ -1,6 +1,6 @@
 """Link microbenchmark: the all-reduce cost model of the local devices, measured.
 
-The replay costs each gradient bucket as a ring all-reduce (``catalog.allreduce_ms``):
+The replay costs each gradient bucket as a ring all-reduce (``planners.predictor.collectives.allreduce_ms``):
 ``ms = latency + 2(n−1)/n · bytes / bandwidth``. ``measure_link(devices)`` times a jitted fp32
 ``psum`` over ``devices`` at several sizes — on a GPU queued back to back, as a step queues its
 collectives (``planners.profiler.timing.default_step_clock``), so the host's round trip per call

@@ -14,6 +14,7 @@ from benchmarks.common import zoo
 from planners.ops import OpShape, collect_ops
 from planners.profile import Profile
 from planners.profiler import timing
+from planners.profiler.measure import memory_sizes
 
 
 def build(name: str, tiny: bool):
@@ -33,12 +34,28 @@ def model_ops(task, data) -> tuple[list[OpShape], int]:
   return ops, timing.tree_bytes(variables["params"])
 
 
+def traced_memory(task, data) -> dict[str, int]:
+  """The model's memory at the batch ``data`` by its shapes (nothing allocated): parameters, Adam
+  state and the batch. ``other_bytes`` (the rest of the step: logits, the loss's buffers, XLA's
+  temporaries) is 0: ``qsync profile`` fits it to a compiled step, and the only compiler at hand
+  here is the CPU's, whose unfused fp32 attention keeps tens of GB a GPU never holds."""
+  optimizer = timing.default_optimizer()
+  variables = jax.eval_shape(lambda: timing.init_variables(task, data))
+  return memory_sizes(variables["params"], jax.eval_shape(optimizer.init, variables["params"]), data)
+
+
 def base_profile(measured: dict) -> Profile:
-  """The model's ops and parameter bytes as a profile with no costs (what ``modeled_profile``
-  needs); memory other than parameters and optimizer state is not modeled here."""
+  """The model's ops and memory as a profile with no costs (what ``modeled_profile`` needs): its
+  ``memory`` where the record has it (``traced_memory``), else the parameters and Adam state
+  alone (a ``benchmarks.diagnosis.roofline`` record)."""
   ops = tuple(OpShape.from_json(o) for o in measured["ops"])
   pb = measured["param_bytes"]
-  memory = {"param_bytes": pb, "opt_state_bytes": 2 * pb, "batch_bytes": 0, "other_bytes": 0}
+  memory = measured.get("memory") or {
+    "param_bytes": pb,
+    "opt_state_bytes": 2 * pb,
+    "batch_bytes": 0,
+    "other_bytes": 0,
+  }
   return Profile(
     measured["model"],
     measured["device_type"],
@@ -49,5 +66,5 @@ def base_profile(measured: dict) -> Profile:
     {},
     0.0,
     {},
-    memory,
+    dict(memory),
   )

@@ -235,6 +235,9 @@ RESNET18 = dict(stage_sizes=(2, 2, 2, 2), widths=(64, 128, 256, 512))
 BERT_BASE = dict(width=768, depth=12, heads=12, vocab=30522)
 """A BERT-base-sized causal LM on random tokens (its sequence length apart)."""
 GPT2_MEDIUM = dict(width=1024, depth=24, heads=16, seq=1024, vocab=50257)
+GPT2_LARGE = dict(width=1280, depth=36, heads=20, seq=1024, vocab=50257)
+"""GPT-2 large's shape: 774 M parameters (3.1 GB in fp32, its Adam state twice that: no T4 holds it
+with its gradient and state at 16 bits unless the state is sharded)."""
 GPT_25M = dict(width=512, depth=8, heads=8, seq=256, max_bytes=24_000_000)
 """``benchmarks.accuracy_gpu``'s testbed: 25.3 M parameters on the first 24 MB of the standard
 library's source."""
@@ -288,6 +291,7 @@ MODELS: dict[str, Entry] = {
   "bert_s128": Entry(gpt, dict(BERT_BASE, seq=128), 32, dict(vocab=64, width=32, heads=2, depth=1, seq=16)),
   "bert_s512": Entry(gpt, dict(BERT_BASE, seq=512), 8, dict(vocab=64, width=32, heads=2, depth=1, seq=16)),
   "gpt_350m": Entry(gpt, GPT2_MEDIUM, 8, dict(vocab=96, width=32, heads=2, depth=2, seq=32)),
+  "gpt_774m": Entry(gpt, GPT2_LARGE, 8, dict(vocab=96, width=32, heads=2, depth=2, seq=32)),
   # benchmarks.accuracy_gpu's testbed (batch: the global 64 sequences of a step)
   "gpt_25m": Entry(gpt, GPT_25M, 64, _TINY_LM),
   # benchmarks.comm's (batch: the global batch over its 8 simulated devices)
@@ -295,9 +299,9 @@ MODELS: dict[str, Entry] = {
 }
 """Every named model: name → ``Entry``."""
 
-HYBRID_MODELS = ("resnet50", "bert_s128", "bert_s512", "gpt_350m")
+HYBRID_MODELS = ("resnet50", "bert_s128", "bert_s512", "gpt_350m", "gpt_774m")
 """The models the hybrid-pool study plans (ResNet-50 at 224², a BERT-base-sized transformer at
-sequence 128 and 512, a GPT-2-medium-sized LM at sequence 1024)."""
+sequence 128 and 512, GPT-2-medium- and GPT-2-large-sized LMs at sequence 1024)."""
 
 
 def get(name: str, tiny: bool = False) -> tuple[Task, int]:

@@ -2,7 +2,8 @@
 
 **Bound.** Every device of the pool computes at its fastest implemented precision — an
 inference group every op at its fastest ladder level (``greedy.fastest_levels``, memory not
-checked), a training group the training precision (every plan keeps it there) — with the
+checked), a training group the training precision with 8 bits on the ops its profile prices
+faster there (its 8-bit auto policy, ``planners.allocator.baselines.auto_training_problem``) — with the
 global batch ``B`` split in proportion to speed (fractional batches allowed), no memory limit
 and no communication. A device's step without communication is affine in its batch,
 ``t_g(b) = a_g + s_g·b``: the ops and the remainder scale with the batch (``s_g``); ``a_g`` is
@@ -19,8 +20,10 @@ candidate of ``joint_plan`` is predicted faster than ``B / T*`` as long as each 
 level is the same at every batch (op costs scale with the batch; a cast's fixed cost per
 call does not, so at batches far from the spec's another level can be marginally faster).
 
-**Best baseline.** The faster (fitting) of dynamic batching (the fastest split at the training
-precision) and the training groups alone: what the pool does without precision planning.
+**Best baseline.** The fastest (fitting) of ``BASELINES``: dynamic batching (the fastest split)
+and the training groups alone, each at the training precision, accumulating where a batch does
+not fit at once, and at each group's 8-bit auto policy, in every mode and at every priced sync
+(``planners.allocator.baselines``): what the pool does without precision planning.
 """
 
 from __future__ import annotations
@@ -32,8 +35,16 @@ from planners.allocator.greedy import fastest_levels
 from planners.predictor.graph import Comm, build_graph
 from qsync_jax.errors import PlanError
 
-BASELINES = ("dynamic batching", "training groups only")
-"""The candidates of ``joint_plan`` a plan's gain is measured against (the faster one)."""
+BASELINES = (
+  "dynamic batching",
+  "training groups only",
+  "dynamic batching, accumulating",
+  "training groups only, accumulating",
+  "dynamic batching, 8-bit auto",
+  "training groups only, 8-bit auto",
+)
+"""The candidates of ``joint_plan`` a plan's gain is measured against (the fastest of them, in
+every mode and sync searched): what the pool does without precision planning."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +116,12 @@ def fastest_rows(problem) -> list:
 def pool_bound(search) -> Bound:
   """The pool's bound of ``search``'s problem (module docstring); ``t_g`` is fitted from the
   compute-only step at batches 1 and ``B`` (exact: it is affine)."""
+  from planners.allocator.baselines import auto_training_problem
+  from planners.allocator.search import Search
+
   problem = search.p
+  auto = auto_training_problem(problem)  # the training groups at their fastest: 8 bits where it pays
+  search = search if auto is problem else Search(auto, search.q)
   B = problem.cluster.global_batch
   hi = max(B, 2)
   affine = []

@@ -38,7 +38,7 @@ training group that runs ops at 8 bits (``make_problem(train_ops=…)``), those 
 training precision's (``Problem.train_cost``): the same for every assignment, so it moves no
 choice.
 
-``exhaustive`` searches every combination of ladder levels for the plan of least total Ω
+``planners.allocator.exhaustive`` searches every combination of ladder levels for the plan of least total Ω
 under the same constraints (small graphs only). ``planners.allocator.joint`` chooses the groups'
 batches too, with ``greedy`` for the precisions at each batch.
 """
@@ -148,8 +148,10 @@ class Problem:
   train_cost: Mapping[str, float] = dataclasses.field(
     default_factory=dict
   )  # training group → accuracy cost per unit of batch share (``training_cost_per_share``)
-  reduction: str = "flat"  # the plan's gradient reduction and optimizer update (``qsync_jax.plan``)
+  reduction: str = "flat"  # the plan's gradient reduction, optimizer update and sync (``qsync_jax.plan``)
   optimizer_update: str = "replicated"
+  sync: str = "fp32"
+  omega_by_op: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)  # the indicator's
 
 
 Assignment = tuple[tuple[int, ...], ...]
@@ -212,12 +214,15 @@ def make_problem(
     if g.name in training:
       policy = training_group_policy(train_policy, train_ops.get(g.name, {}))
       cost = GroupCost(g.name, prof, policy.resolve(prof.op_names), g.batch_per_device)
-      need = memory_bytes(cost)
+      # the least any plan needs: one example per device, the optimizer state sharded over the cluster
+      least = dataclasses.replace(cost, batch_per_device=1)
+      need = memory_bytes(least, **memory_layout("sharded", cluster.num_devices))
       if need > g.memory_gb * 1e9:
         raise PlanError(
-          f"training group {g.name!r} ({g.device_type}, {g.batch_per_device} per device, {train_policy}) "
-          f"needs {math.ceil(need / 1e7) / 100:.2f} GB per device but has memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ "
-          f"{math.ceil(need / 1e7) / 100:.2f}, lower its batch_per_device, or plan it as an inference group."
+          f"training group {g.name!r} ({g.device_type}, {train_policy}) needs {math.ceil(need / 1e7) / 100:.2f} "
+          f"GB per device even at 1 example per device with the optimizer state sharded, but has "
+          f"memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ {math.ceil(need / 1e7) / 100:.2f} if the device has "
+          "it, or plan it as an inference group (--training-groups)."
         )
       groups.append(cost)
       continue
@@ -247,7 +252,19 @@ def make_problem(
     train_policy,
     eight_bit,
     {name: training_cost_per_share(omega, train_policy, ops) for name, ops in eight_bit.items()},
+    omega_by_op=omega,
   )
+
+
+def memory_layout(optimizer_update: str, devices: int) -> dict[str, int]:
+  """``memory_bytes``' keywords for a step over ``devices`` devices: the optimizer state sharded
+  over all of them under the ``"sharded"`` update."""
+  return {"optimizer_shards": devices if optimizer_update == "sharded" else 1, "devices": devices}
+
+
+def problem_layout(problem: Problem) -> dict[str, int]:
+  """``memory_layout`` of ``problem``'s mode, every device of its cluster running."""
+  return memory_layout(problem.optimizer_update, problem.cluster.num_devices)
 
 
 def training_group_policy(preset: str, eight_bit: Mapping[str, str]) -> PrecisionPolicy:
@@ -260,17 +277,22 @@ def training_group_policy(preset: str, eight_bit: Mapping[str, str]) -> Precisio
 
 
 def default_training_groups(cluster: ClusterSpec) -> tuple[str, ...]:
-  """Groups whose device type has the highest catalog fp16 peak (all groups if they tie).
+  """The groups of the device type that trains best by the catalog: the highest fp16 peak, ties
+  broken by the higher memory bandwidth, then the larger memory (all groups of types equal on
+  all three).
 
-  (fp16 is the one tensor-core precision every catalogued GPU runs; int8 peaks would rank a
-  T4 above a V100.)"""
+  fp16 is the one tensor-core precision every catalogued GPU runs (int8 peaks would rank a T4
+  above a V100). Training reads and writes the weights, gradients and optimizer state every step
+  and keeps the activations for the backward, so of two equal peaks the faster and larger memory
+  trains faster: a V100 (125 TFLOP/s, 900 GB/s, 32 GB) is the training group next to an A10 (125
+  TFLOP/s, 600 GB/s, 24 GB), as a user of both would choose."""
 
-  def peak(g):
+  def rank(g):
     spec = devices.device(g.device_type)
-    return spec.peak_tflops.get("fp16", spec.peak_tflops["fp32"])
+    return spec.peak_tflops.get("fp16", spec.peak_tflops["fp32"]), spec.mem_bw_gbps, spec.memory_gb
 
-  best = max(peak(g) for g in cluster.groups)
-  return tuple(g.name for g in cluster.groups if peak(g) == best)
+  best = max(rank(g) for g in cluster.groups)
+  return tuple(g.name for g in cluster.groups if rank(g) == best)
 
 
 class Evaluator:
@@ -283,6 +305,7 @@ class Evaluator:
       problem.bucket_bytes,
       reduction=problem.reduction,
       optimizer_update=problem.optimizer_update,
+      sync=problem.sync,
     )
     self.replays = 0
     self._costs: dict = {}
@@ -339,7 +362,9 @@ class Evaluator:
     """Bytes per device of every inference group, memoized on (group, its levels)."""
     for j, row in enumerate(assignment):
       if (j, row) not in self._memory:
-        self._memory[j, row] = memory_bytes(self.group(j, row), self.op_memory)
+        self._memory[j, row] = memory_bytes(
+          self.group(j, row), self.op_memory, **problem_layout(self.problem)
+        )
     return [self._memory[j, row] for j, row in enumerate(assignment)]
 
   def fits(self, assignment: Assignment) -> bool:
@@ -385,7 +410,7 @@ def fastest_levels(problem: Problem, fit_memory: bool = True) -> Assignment:
 
     def mem(lv, j=j, g=g):
       pols = {n: problem.ladders[j][i][lv[i]][1] for i, n in enumerate(problem.op_names)}
-      return memory_bytes(dataclasses.replace(g, op_policies=pols))
+      return memory_bytes(dataclasses.replace(g, op_policies=pols), **problem_layout(problem))
 
     limit = problem.limits[j] if fit_memory else math.inf
     for i in sorted(range(len(levels)), key=lambda i: -savings[i]):
@@ -491,10 +516,12 @@ def to_plan(problem: Problem, assignment: Assignment, predictions: Mapping[str, 
     predictions=dict(predictions or {}),
     reduction=problem.reduction,
     optimizer_update=problem.optimizer_update,
+    sync=problem.sync,
   )
 
 
-def _finish(problem, ev, assignment, target, straggles) -> Allocation:
+def finish(problem, ev, assignment, target, straggles) -> Allocation:
+  """The ``Allocation`` of ``assignment`` (its plan with the predictions that justified it)."""
   step = ev.step_ms(assignment)
   preds = {
     "step_ms": step,
@@ -550,31 +577,4 @@ def greedy(problem: Problem, rel_tol: float = 1e-9, target_ms: float | None = No
       continue  # rejected: ``plan`` is untouched
     plan = cand
     push(j, i, lvl + 1)
-  return _finish(problem, ev, plan, target, straggles)
-
-
-def exhaustive(problem: Problem, max_combinations: int = 200_000, rel_tol: float = 1e-9) -> Allocation:
-  """The least-Ω assignment over every ladder combination that fits and keeps pace with T*."""
-  ev = Evaluator(problem)
-  start = start_assignment(problem, ev)
-  target = ev.training_step_ms()
-  start_step = ev.step_ms(start)
-  straggles = start_step > target * (1 + rel_tol)
-  if straggles or not problem.inference:
-    target = max(target, start_step)
-  limit = target * (1 + rel_tol)
-  choices = [range(len(lad)) for ladders in problem.ladders for lad in ladders]
-  if math.prod(len(c) for c in choices) > max_combinations:
-    raise PlanError(
-      f"exhaustive search over {math.prod(len(c) for c in choices)} plans exceeds "
-      f"max_combinations={max_combinations}. Fix: use the greedy allocator for graphs this size."
-    )
-  n = len(problem.op_names)
-  best, best_omega = start, ev.omega(start)
-  for flat in itertools.product(*choices):
-    cand = tuple(tuple(flat[j * n : (j + 1) * n]) for j in range(len(problem.inference)))
-    w = ev.omega(cand)
-    if w >= best_omega or not ev.fits(cand) or ev.step_ms(cand) > limit:
-      continue
-    best, best_omega = cand, w
-  return _finish(problem, ev, best, target, straggles)
+  return finish(problem, ev, plan, target, straggles)

@@ -64,17 +64,21 @@ Search:
    The plan is the least-cost candidate within ``slack`` of the fastest of all, so it is
    never predicted slower than an alternative by more than ``slack``.
 
-**Modes.** Steps 1-4 run once per way the trainer can combine gradients and update the
-optimizer (``modes_for``): the flat all-reduce with every device updating every parameter, the
-optimizer sharded over the devices, and the two-level reduction where the cluster has fast links
-inside groups. Every candidate carries its mode (``Candidate.mode``, written into the plan's
-``reduction`` / ``optimizer_update``), alternatives included, so dynamic batching and the
-training groups alone are compared at their own best mode too (QSync's precision-only
-alternative is computed in the default mode only).
+**Modes and syncs.** Steps 1-4 run once per gradient sync asked for (``syncs``: fp32, and the
+syncs whose payload is priced, ``planners.predictor.payload``) and per way the trainer can
+combine gradients and update the optimizer with it (``modes_for``): the flat all-reduce with
+every device updating every parameter, the optimizer sharded over the devices (the fp32 sync
+only), and the two-level reduction where the cluster has fast links inside groups (likewise).
+Every candidate carries its mode and sync (``Candidate.mode``, ``Candidate.sync``, written into
+the plan's ``reduction`` / ``optimizer_update`` / ``sync``), alternatives included, so dynamic
+batching and the training groups alone are compared at their own best mode and sync too
+(QSync's precision-only alternative is computed in the default mode only). Memory counts the
+optimizer state where each mode keeps it (sharded: ``1/N`` on each of the ``N`` devices that
+run, ``Search.optimizer_shards``).
 
 ``batch="equal"`` keeps the spec's batches (for models whose semantics need them, e.g.
 BatchNorm statistics): the plan is QSync's, the alternatives those of the same batches, and
-the training groups alone, accumulating (``_accumulating``): each keeps its spec batch as its
+the training groups alone, accumulating (``planners.allocator.baselines.equal_accumulating``): each keeps its spec batch as its
 micro-batch and runs ``k = B / (the training devices' spec batches)`` micro-steps (where that
 divides exactly), the inference groups sit out.
 """
@@ -87,7 +91,15 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from planners.allocator.baselines import (
+  accumulating_baselines,
+  accumulating_plans,
+  eight_bit_baselines,
+  equal_accumulating,
+  payload_baselines,
+)
 from planners.allocator.greedy import Problem, fastest_levels, greedy, to_plan, uniform_levels
+from planners.allocator.modes import MODES, modes_for
 from planners.allocator.search import Candidate, Row, Search
 from planners.allocator.splits import (
   cheapest_split,
@@ -96,7 +108,6 @@ from planners.allocator.splits import (
   water_level,
 )
 from planners.predictor.memory_model import memory_bytes
-from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.precision import PRECISION_BITS
 
@@ -124,40 +135,41 @@ def check_granularity(problem: Problem, granularity: int) -> None:
     )
 
 
-MODES = (("flat", "replicated"), ("flat", "sharded"), ("two_level", "replicated"))
-"""The (reduction, optimizer_update) pairs the trainer runs (``qsync_jax.plan``)."""
-
-
-def modes_for(cluster: ClusterSpec) -> list[tuple[str, str]]:
-  """The modes worth searching on ``cluster``: the flat all-reduce with the optimizer replicated;
-  sharded, where the job has more than one device; two-level, where more than one group runs and
-  some group of several devices has a link inside it faster than its link out."""
-  modes = [MODES[0]] + [MODES[1]] * (cluster.num_devices > 1)
-  if len(cluster.groups) > 1 and any(
-    g.count > 1 and g.intra_group_gbps > g.link_gbps for g in cluster.groups
-  ):
-    modes.append(MODES[2])
-  return modes
-
-
-def joint_plan(problem: Problem, granularity: int = 1, slack: float = 0.02, batch: str = "joint"):
+def joint_plan(
+  problem: Problem,
+  granularity: int = 1,
+  slack: float = 0.02,
+  batch: str = "joint",
+  optimizer_update: str = "auto",
+  syncs: Sequence[str] = ("fp32",),
+):
   """``(chosen Candidate, every Candidate, the chosen mode's Search)``; see the module docstring.
 
-  The search runs once per mode of ``modes_for`` (the problem's ``reduction`` and
-  ``optimizer_update`` replaced); every candidate carries its mode, and the choice is made over
-  all of them: the least accuracy cost within ``slack`` of the fastest (ties: the faster, then
-  the earlier mode)."""
+  The search runs once per sync of ``syncs`` and mode of ``modes_for`` (the problem's
+  ``reduction``, ``optimizer_update`` and ``sync`` replaced); every candidate carries its mode and
+  sync, and the choice is made over all of them: the least accuracy cost within ``slack`` of the
+  fastest (ties: the earlier sync of ``syncs``, the faster, then the earlier mode)."""
   if batch not in ("joint", "equal"):
     raise PlanError(f"batch={batch!r} is not a batch mode. Fix: use 'joint' or 'equal'.")
   if not (isinstance(slack, (int, float)) and 0 <= slack < 1):
     raise PlanError(f"slack={slack!r} must be a fraction in [0, 1). Fix: pass e.g. 0.02.")
   check_granularity(problem, granularity)
-  cands, searches = [], {}
-  for mode in modes_for(problem.cluster):
-    moded = dataclasses.replace(problem, reduction=mode[0], optimizer_update=mode[1])
-    found, searches[mode] = _search_mode(moded, granularity, slack, batch)
-    cands += [dataclasses.replace(c, mode=mode) for c in found]
-  fitting = [c for c in cands if c.fits]
+  cands, searches, refused = [], {}, []
+  for sync in syncs:
+    for mode in modes_for(problem.cluster, optimizer_update, sync):
+      moded = dataclasses.replace(problem, reduction=mode[0], optimizer_update=mode[1], sync=sync)
+      try:  # a group that fits no example in one mode (its optimizer state whole) may in another
+        found, searches[mode, sync] = _search_mode(moded, granularity, slack, batch)
+      except PlanError as e:
+        refused.append(e)
+        continue
+      cands += found
+  if not searches:
+    raise refused[-1]
+  if batch == "joint":
+    cands += payload_baselines(problem, granularity, syncs)
+  # references (``Candidate.reference``): baselines outside the plan's own space, not plans to choose
+  fitting = [c for c in cands if c.fits and not c.reference]
   if not fitting:
     hint = ", or use --batch joint" if batch == "equal" else ""
     raise PlanError(
@@ -166,8 +178,8 @@ def joint_plan(problem: Problem, granularity: int = 1, slack: float = 0.02, batc
     )
   best_ms = min(c.step_ms for c in fitting)
   within = [c for c in fitting if c.step_ms <= best_ms * (1 + slack) + 1e-12]
-  chosen = min(within, key=lambda c: (c.cost, c.step_ms, MODES.index(c.mode)))
-  return chosen, cands, searches[chosen.mode]
+  chosen = min(within, key=lambda c: (c.cost, list(syncs).index(c.sync), c.step_ms, MODES.index(c.mode)))
+  return chosen, cands, searches[chosen.mode, chosen.sync]
 
 
 def _search_mode(
@@ -196,7 +208,7 @@ def _search_mode(
     rows = [train_rows[gi]] if gi in train_idx else configs[gi]
     if all(not s.fits(gi, granularity, r) for r in rows):
       g = problem.cluster.groups[gi]
-      need = min(memory_bytes(s.group_at(gi, granularity, r)) for r in rows)
+      need = min(memory_bytes(s.group_at(gi, granularity, r), **s.layout()) for r in rows)
       raise PlanError(
         f"device group {g.name!r} ({g.device_type}) cannot fit even {granularity} example(s) per device: it "
         f"needs {math.ceil(need / 1e7) / 100:.2f} GB, and has memory_gb={g.memory_gb:g}. Fix: set memory_gb ≥ "
@@ -214,7 +226,7 @@ def _search_mode(
       if batch == "equal":
         raise
   if batch == "equal" and problem.inference and train_idx:
-    accumulating = _accumulating(problem, s, train_idx)
+    accumulating = equal_accumulating(problem, s, train_idx)
     if accumulating is not None:
       cands.append(accumulating)
   if batch == "joint":
@@ -225,7 +237,10 @@ def _search_mode(
     split = s.fastest_split(range(n), train_rows)
     if split is not None:
       cands.append(s.candidate("dynamic batching", split, train_rows))
+    cands += accumulating_baselines(s, train_idx, train_rows, cands)
+    cands += eight_bit_baselines(problem, granularity, train_idx, train_rows)
     cands += _joint(problem, s, train_idx, configs, slack, cands)
+    cands += accumulating_plans(problem, s, train_rows, configs, slack, cands)
   return cands, s
 
 
@@ -242,7 +257,7 @@ def _joint(problem: Problem, s: Search, train_idx, configs, slack, alternatives)
   fastest = _fastest(problem, s, train_idx, configs)
   if fastest is None:
     return []
-  t_best = min(c.step_ms for c in [fastest] + [a for a in alternatives if a.fits])
+  t_best = min(c.step_ms for c in [fastest] + [a for a in alternatives if a.fits and not a.reference])
   target = t_best * (1 + slack)
   out = [fastest]
   if train_idx:
@@ -510,38 +525,6 @@ def _training_only(problem: Problem, s: Search, train_idx, target) -> Candidate 
   return cand if cand.step_ms <= target * (1 + 1e-9) else None
 
 
-def _accumulating(problem: Problem, s: Search, train_idx) -> Candidate | None:
-  """The training groups alone, each device at its spec batch ``m`` per micro-step, ``k = B /
-  sum(count·m)`` micro-steps (per-device batch ``k·m``), the inference groups out; None unless
-  ``k`` is a whole number. Its step is the replay at batches ``k·m`` in ``k`` micro-steps (each
-  paying the profile's batch-independent share, ``GroupCost.compute_scale``), its memory that
-  of one micro-batch (``memory_bytes``)."""
-  groups = problem.cluster.groups
-  k, rem = divmod(s.B, sum(groups[gi].count * groups[gi].batch_per_device for gi in train_idx))
-  if rem or k < 2:
-    return None
-  n = len(problem.groups)
-  batches = [k * groups[gi].batch_per_device if gi in train_idx else 0 for gi in range(n)]
-  micro_steps = tuple(k if gi in train_idx else 1 for gi in range(n))
-  rows: list[Row] = [None] * n
-  fits = all(
-    memory_bytes(dataclasses.replace(s.group_at(gi, batches[gi], None), micro_steps=k), s.ev.op_memory)
-    <= groups[gi].memory_gb * 1e9
-    for gi in train_idx
-  )
-  name = "training groups only, accumulating"
-  return Candidate(
-    name,
-    tuple(batches),
-    tuple(rows),
-    s.step(batches, rows, micro_steps=micro_steps),
-    s.cost(batches, rows),
-    s.B,
-    fits,
-    micro_steps=micro_steps,
-  )
-
-
 def _cost_table(s: Search, gi: int, rows: Sequence[Row], running, high: int, limit: float) -> list[float]:
   """``[estimated cost of group gi at batch k·q for k = 0 … high/q]`` at step ``limit``: its
   share times the lower convex hull of its configurations' (affine step with the all-reduce of
@@ -590,7 +573,9 @@ def plan_of(problem: Problem, cand: Candidate, predictions=None):
     cand.rows[gi] if cand.rows[gi] is not None else uniform_levels(problem, j, "fp32")
     for j, gi in enumerate(problem.inference)
   )
-  moded = dataclasses.replace(problem, reduction=cand.mode[0], optimizer_update=cand.mode[1])
+  moded = dataclasses.replace(problem, reduction=cand.mode[0], optimizer_update=cand.mode[1], sync=cand.sync)
+  if cand.train_ops is not None:  # a baseline at the training groups' 8-bit auto policy
+    moded = dataclasses.replace(moded, train_ops=cand.train_ops)
   plan = to_plan(moded, rows, predictions)
   return dataclasses.replace(
     plan,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from planners.allocator.greedy import Evaluator, Problem, floor_precision, uniform_levels
+from planners.allocator.greedy import Evaluator, Problem, floor_precision, memory_layout, uniform_levels
 from planners.allocator.splits import Affine, fastest_splits, largest_true
 from planners.predictor.memory_model import memory_bytes
 from planners.predictor.replay import comm_for, sync_step_ms
@@ -39,6 +39,11 @@ class Candidate:
   fits: bool = True
   mode: tuple[str, str] = ("flat", "replicated")  # (reduction, optimizer_update) it is predicted under
   micro_steps: tuple[int, ...] = ()  # per group (``Plan.micro_steps``); empty: 1 everywhere
+  sync: str = "fp32"  # the gradient sync it is predicted under (``planners.predictor.payload``)
+  # the training groups' 8-bit ops where not the problem's; a baseline outside the plan's own space
+  # (at another sync, or the training groups at 8 bits: ``planners.allocator.baselines``)
+  train_ops: Mapping[str, Mapping[str, str]] | None = None
+  reference: bool = False
 
   @property
   def samples_per_s(self) -> float:
@@ -55,6 +60,8 @@ class Candidate:
       "fits_memory": self.fits,
       "reduction": self.mode[0],
       "optimizer_update": self.mode[1],
+      "sync": self.sync,
+      **({"reference": True} if self.reference else {}),
       **(
         {"micro_steps": dict(zip((g.name for g in problem.groups), self.micro_steps))}
         if self.micro_steps
@@ -70,7 +77,7 @@ def precision_counts(problem: Problem, cand: Candidate) -> dict[str, dict[str, i
     if b == 0:
       continue
     if row is None:
-      ops = problem.train_ops.get(g.name, {})
+      ops = (problem.train_ops if cand.train_ops is None else cand.train_ops).get(g.name, {})
       out[g.name] = dict(Counter(ops.get(op, problem.train_policy) for op in problem.op_names))
       continue
     j = problem.inference.index(gi)
@@ -115,6 +122,7 @@ class Search:
         self.p.bucket_bytes,
         reduction=self.p.reduction,
         optimizer_update=self.p.optimizer_update,
+        sync=self.p.sync,
       )
     return self._comm[key]
 
@@ -203,16 +211,81 @@ class Search:
     train = [0 if gi in self.p.inference else b for gi, b in enumerate(batches)]
     return self.cost(train, [None] * len(train))
 
-  def fits(self, gi: int, b: int, row: Row) -> bool:
+  def layout(self, batches: Sequence[int] | None = None) -> dict[str, int]:
+    """``memory_bytes``' ``optimizer_shards`` and ``devices`` for the groups that run
+    (``batches`` > 0 there; default every group): ``memory_layout``."""
+    groups = self.p.cluster.groups
+    running = sum(g.count for g, b in zip(groups, batches or [1] * len(groups)) if b > 0)
+    return memory_layout(self.p.optimizer_update, running)
+
+  def fits(self, gi: int, b: int, row: Row, layout: dict | None = None, micro_steps: int = 1) -> bool:
+    """Group ``gi`` at batch ``b`` (in ``micro_steps``) under ``row`` fits its memory, its
+    optimizer state and gradients held as ``layout`` says (default ``layout()``: every device of
+    the cluster runs)."""
     limit = self.p.cluster.groups[gi].memory_gb * 1e9
-    return memory_bytes(self.group_at(gi, b, row), self.ev.op_memory) <= limit
+    group = dataclasses.replace(self.group_at(gi, b, row), micro_steps=micro_steps)
+    return memory_bytes(group, self.ev.op_memory, **(layout or self.layout())) <= limit
 
   def candidate(self, name: str, batches: Sequence[int], rows: Sequence[Row]) -> Candidate:
     rows = tuple(r if b else None for b, r in zip(batches, rows))
-    fits = all(self.fits(gi, b, r) for gi, (b, r) in enumerate(zip(batches, rows)) if b)
+    layout = self.layout(batches)
+    fits = all(self.fits(gi, b, r, layout) for gi, (b, r) in enumerate(zip(batches, rows)) if b)
+    step, cost = self.step(batches, rows), self.cost(batches, rows)
+    mode = (self.p.reduction, self.p.optimizer_update)
+    return Candidate(name, tuple(batches), rows, step, cost, self.B, fits, mode, sync=self.p.sync)
+
+  def micro_steps_to_fit(self, gi: int, b: int, row: Row, layout: dict) -> int | None:
+    """The fewest micro-steps ``k`` (a divisor of ``b``) in which group ``gi`` at per-device batch
+    ``b`` under ``row`` fits its memory (1: without accumulating), or None where even one
+    example a micro-step does not."""
+    for k in range(1, b + 1):
+      if b % k == 0 and self.fits(gi, b, row, layout, micro_steps=k):
+        return k
+    return None
+
+  def accumulating(self, name: str, batches: Sequence[int], rows: Sequence[Row]) -> Candidate | None:
+    """The candidate of ``batches`` under ``rows`` where every group that runs takes the fewest
+    micro-steps it fits in (``micro_steps_to_fit``; the trainer's ``Plan.micro_steps``), priced
+    with them (each micro-step pays the profile's batch-independent share again:
+    ``GroupCost.compute_scale``); None where a group does not fit even one example a
+    micro-step."""
+    rows = tuple(r if b else None for b, r in zip(batches, rows))
+    layout, micro = self.layout(batches), []
+    for gi, (b, r) in enumerate(zip(batches, rows)):
+      k = self.micro_steps_to_fit(gi, b, r, layout) if b else 1
+      if k is None:
+        return None
+      micro.append(k)
+    step = self.step(batches, rows, micro_steps=micro)
+    mode = (self.p.reduction, self.p.optimizer_update)
     return Candidate(
-      name, tuple(batches), rows, self.step(batches, rows), self.cost(batches, rows), self.B, fits
+      name,
+      tuple(batches),
+      rows,
+      step,
+      self.cost(batches, rows),
+      self.B,
+      True,
+      mode,
+      tuple(micro),
+      self.p.sync,
     )
+
+  def unbounded_affine(self, gi: int, row: Row) -> Affine:
+    """Group ``gi``'s affine step under ``row`` as ``affine`` fits it, but through its replays at
+    half and all of the largest batch it could take (``B / count``), whatever its memory: the
+    split of a plan that accumulates where a batch does not fit at once."""
+    key = ("unbounded", gi, row)
+    if key not in self._affine:
+      cap = self.B // self.p.cluster.groups[gi].count // self.q * self.q
+      lo = max(self.q, cap // 2 // self.q * self.q)
+      hi = max(cap, lo + self.q)
+      t_lo, t_hi = self._alone(gi, lo, row), self._alone(gi, hi, row)
+      slope = (t_hi - t_lo) / (hi - lo)
+      self._affine[key] = (
+        Affine(t_lo - slope * lo, slope, cap) if slope > 0 else Affine(max(t_lo, t_hi), 0.0, cap)
+      )
+    return self._affine[key]
 
   def fastest_split(
     self, members: Sequence[int], rows: Sequence[Row], keep: int = 3

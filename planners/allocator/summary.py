@@ -4,7 +4,8 @@
 samples/s; the best baseline (``bound.best_baseline``: the faster of dynamic batching and the
 training groups alone) and ``gain`` = plan / best baseline; the pool's bound (``bound.pool_bound``)
 and the share of the headroom the plan captures, ``(plan − best) / (bound − best)`` when the
-bound is above the best baseline; and ``Limits`` read from the plan's ``Prediction``. Every figure
+bound is above the best baseline; and what limits the step (``planners.predictor.limits``, read
+from the plan's ``Prediction``, as ``qsync predict`` reads it). Every figure
 is modeled (the replay's prediction); ``lines()`` says so on each line.
 """
 
@@ -13,49 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from planners.allocator.bound import best_baseline, pool_bound
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-  """What the predicted step waits on, from the plan's ``Prediction``:
-
-  * ``straggler``: the running group whose last forward/backward node ends last (at
-    ``backward_end_ms``, from the prediction's nodes and times); ``straggler_lead_ms``: how much
-    later than the first group's it ends (0 with one group);
-  * ``exposed_comm_ms``: the prediction's ``exposed_comm_ms`` of the straggler: the time
-    collectives run while its devices compute nothing (not overlapped);
-  * ``optimizer_ms``: the prediction's ``optimizer_tail_ms`` of the straggler: its optimizer
-    update's time per device, after the collectives of each bucket.
-  """
-
-  straggler: str
-  backward_end_ms: float
-  straggler_lead_ms: float
-  exposed_comm_ms: float
-  optimizer_ms: float
-  step_ms: float
-
-  def to_json(self) -> dict:
-    return dataclasses.asdict(self)
-
-
-def limits(prediction) -> Limits:
-  """``Limits`` of a ``planners.predictor.replay.Prediction``."""
-  if not prediction.nodes:
-    raise ValueError("the prediction has no nodes: pass the one `planners.predictor.replay.predict` returns.")
-  ends: dict[str, float] = {}
-  for node, (_, end) in zip(prediction.nodes, prediction.times):
-    if node.stream == "compute" and node.kind != "optimizer":
-      ends[node.group] = max(ends.get(node.group, end), end)
-  straggler = max(ends, key=lambda g: ends[g])
-  return Limits(
-    straggler=straggler,
-    backward_end_ms=ends[straggler],
-    straggler_lead_ms=ends[straggler] - min(ends.values()),
-    exposed_comm_ms=prediction.exposed_comm_ms[straggler],
-    optimizer_ms=prediction.optimizer_tail_ms[straggler],
-    step_ms=prediction.step_ms,
-  )
+from planners.predictor.limits import Limits, limits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,14 +65,7 @@ class Summary:
       )
     elif self.baseline is not None:
       second += "; the best baseline is at the bound"
-    lim = self.limits
-    third = (
-      f"modeled: limited by: straggler {lim.straggler} (backward ends at {lim.backward_end_ms:.3f} ms, "
-      f"{lim.straggler_lead_ms:.3f} ms after the first group's), exposed all-reduce "
-      f"{lim.exposed_comm_ms:.3f} ms (not overlapped with its compute), "
-      f"optimizer update {lim.optimizer_ms:.3f} ms (step {lim.step_ms:.3f} ms)"
-    )
-    return [first, second, third]
+    return [first, second, f"modeled: {self.limits.line()}"]
 
 
 def summarize(chosen, candidates, search, prediction) -> Summary:

@@ -23,6 +23,10 @@ remainder (forward, backward) → for each op in reverse: [cast] → dlhs → dr
     place of the all-reduce); each group's update of a bucket's shard (``optimizer_ms / N`` of
     its share) runs after its reduce-scatter; a bucket's updated shards are all-gathered
     (``all-gather`` nodes) once every group has updated them and after the last reduce-scatter.
+  - ``flat`` with a ``sync`` other than fp32 (``planners.predictor.payload``): once every
+    group's backward is done, each group runs the sync's passes before the collective (a
+    ``sync`` node on its compute stream), one shared node runs its collectives over the whole
+    gradient, each group runs the passes after it, then its whole optimizer update. No overlap.
   - ``two_level`` (+ ``replicated``): once every group's backward is done, the whole gradient is
     reduced inside every group by a tree (an ``intra reduce`` node), all-reduced among the
     group leaders (``inter all-reduce``), broadcast back inside every group (``intra
@@ -52,6 +56,7 @@ from planners.predictor.collectives import (
   round_ring_allreduce_ms,
   tree_ms,
 )
+from planners.predictor.payload import check_sync, pass_ms, whole_buffer_ms
 from planners.profile import GroupCost, Profile
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import OPTIMIZER_UPDATES, REDUCTIONS
@@ -72,7 +77,7 @@ class Node(NamedTuple):
   """One timed step of the graph. ``deps`` are indices of earlier nodes."""
 
   name: str
-  kind: str  # fwd | dlhs | drhs | cast | remainder | optimizer | comm
+  kind: str  # fwd | dlhs | drhs | cast | remainder | optimizer | comm | sync (a sync's passes)
   group: str  # device group, or "allreduce" for comm nodes
   stream: str  # compute | comm
   ms: float
@@ -99,7 +104,9 @@ class Comm:
   (``optimizer_update="replicated"``) or reduce-scattered and all-gathered (``"sharded"``).
   ``two_level``: a tree inside each of ``groups`` over its ``intra_link_gbps`` and a ring of the
   groups' leaders over ``leader_link_gbps``; replicated update only. Every collective (every
-  round of a two-level stage) pays ``latency_us``."""
+  round of a two-level stage) pays ``latency_us``. ``sync``: the gradient sync
+  (``planners.predictor.payload``); one other than fp32 runs flat with the replicated update,
+  as the trainer runs it."""
 
   n_devices: int
   link_gbps: float
@@ -110,8 +117,17 @@ class Comm:
   optimizer_update: str = "replicated"
   groups: tuple[GroupLink, ...] = ()
   leader_link_gbps: float | None = None
+  sync: str = "fp32"
 
   def __post_init__(self):
+    check_sync(self.sync)
+    if self.sync != "fp32" and (self.reduction, self.optimizer_update) != ("flat", "replicated"):
+      raise PlanError(
+        f"sync {self.sync!r} with reduction={self.reduction!r}, optimizer_update={self.optimizer_update!r} is "
+        "not a combination the trainer runs: a sync of its own replaces the default fp32 reduction, which the "
+        "sharded update and the two-level sum replace too. Fix: use reduction='flat' with "
+        "optimizer_update='replicated' for that sync, or sync='fp32'."
+      )
     for field, allowed in (("reduction", REDUCTIONS), ("optimizer_update", OPTIMIZER_UPDATES)):
       if getattr(self, field) not in allowed:
         raise PlanError(
@@ -289,6 +305,8 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
   plan = buckets(groups[0].profile, comm.bucket_bytes, comm.bucket_order)
   if comm.reduction == "two_level":
     _two_level(nodes, groups, comm, plan, last)
+  elif comm.sync != "fp32":
+    _whole_buffer(nodes, groups, comm, plan, last)
   else:
     _flat(nodes, groups, comm, plan, closing, last)
   return nodes
@@ -356,6 +374,35 @@ def _two_level(nodes, groups, comm: Comm, plan, last) -> None:
     prev = (_add(nodes, Node(f"{phase} ({size})", "comm", SHARED, "comm", ms, prev, phase=phase)),)
   for j, g in enumerate(groups):
     _add(nodes, Node("optimizer", "optimizer", g.name, "compute", g.profile.optimizer_ms, (last[j], *prev)))
+
+
+def _sync_costs(groups, comm: Comm, plan) -> tuple[float, list[tuple[float, float]]]:
+  """``(collective ms, [(passes before, after) ms per group])`` of ``comm.sync`` over the whole
+  gradient (``plan``'s bytes, fp32)."""
+  elements = sum(nbytes for _, nbytes in plan) / 4
+  n = comm.n_devices
+  passes = [pass_ms(comm.sync, g.profile.device_type, elements, n) for g in groups]
+  ms = whole_buffer_ms(comm.sync, elements, n, comm.link_gbps, comm.latency_us, comm.bucket_bytes)
+  return ms, passes
+
+
+def _whole_buffer(nodes, groups, comm: Comm, plan, last) -> None:
+  """A sync other than fp32 on the whole gradient, then each group's optimizer (module docstring)."""
+  ms, passes = _sync_costs(groups, comm, plan)
+  before = [
+    _add(nodes, Node(f"{comm.sync} passes before", "sync", g.name, "compute", pre, (last[j],)))
+    for j, (g, (pre, _)) in enumerate(zip(groups, passes))
+  ]
+  size = f"{sum(nbytes for _, nbytes in plan) / 2**20:.1f} MiB fp32"
+  reduced = _add(
+    nodes,
+    Node(f"{comm.sync} all-reduce ({size})", "comm", SHARED, "comm", ms, tuple(before), phase="all-reduce"),
+  )
+  for j, (g, (_, post)) in enumerate(zip(groups, passes)):
+    after = _add(
+      nodes, Node(f"{comm.sync} passes after", "sync", g.name, "compute", post, (before[j], reduced))
+    )
+    _add(nodes, Node("optimizer", "optimizer", g.name, "compute", g.profile.optimizer_ms, (after,)))
 
 
 def longest_path(nodes: Sequence[Node]) -> list[tuple[float, float]]:
@@ -436,8 +483,22 @@ def step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:
     raise ValueError("step_ms needs at least one group. Fix: pass the GroupCost of every group that runs.")
   chains = [memoized_chain_times(g, cost_fn or op_costs) for g in groups]
   plan = buckets(groups[0].profile, comm.bucket_bytes, comm.bucket_order)
-  tail = _two_level_ends if comm.reduction == "two_level" else _flat_ends
+  if comm.reduction == "two_level":
+    tail = _two_level_ends
+  else:
+    tail = _flat_ends if comm.sync == "fp32" else _whole_buffer_ends
   return max(max(c.peak for c in chains), *tail(groups, comm, plan, chains))
+
+
+def _whole_buffer_ends(groups, comm: Comm, plan, chains: Sequence[ChainTimes]) -> list[float]:
+  """The end of every node ``_whole_buffer`` adds, in the order it adds them."""
+  ms, passes = _sync_costs(groups, comm, plan)
+  before = [c.end + pre for c, (pre, _) in zip(chains, passes)]
+  reduced = max(before) + ms
+  ends = [*before, reduced]
+  for g, (_, post) in zip(groups, passes):
+    ends += [reduced + post, reduced + post + g.profile.optimizer_ms]
+  return ends
 
 
 def _flat_ends(groups, comm: Comm, plan, chains: Sequence[ChainTimes]) -> list[float]:

@@ -5,15 +5,27 @@ backward), ``kept_bytes`` (what the compiled step really keeps for it), ``transi
 (what its backward materializes on top), ``forward_extra_bytes`` (what its forward holds at its
 busiest beyond the fp32 op's). Activations are those of one micro-batch (``GroupCost.micro_batch``:
 the per-device batch over the group's micro-steps, the whole batch without accumulation); the
-input batch is the whole per-device batch. ``memory_bytes(group)`` is the larger of two moments:
+input batch is the whole per-device batch. ``memory_bytes(group)`` is the largest of three moments:
 
-* where the backward starts: parameters + optimizer state + gradients (+ their fp32
-  accumulator when the group runs several micro-steps) + batch + what every op
+* where the backward starts: parameters + optimizer state + gradients + batch + what every op
   keeps + the largest backward transient + the fitted ``other_bytes`` (mixed with
   ``other_bytes_16bit`` by the plan's share of 16-bit activations, ``sixteen_bit_share``);
 * during each op's forward: the fp32 step's peak less its headroom there
   (``Profile.forward_headroom``; where unmeasured, the fp32 residuals of the later ops), plus
   what the plan keeps beyond fp32 for the earlier ops, plus the op's own forward extra.
+
+and a third, after the backward (its activations freed), where the step combines the gradients
+over several devices or accumulates micro-steps: parameters + optimizer state + batch +
+``other_bytes`` + two gradients (the local one and the combined one; under the sharded update the
+gathered parameters; with micro-steps the sum beside the last micro-step's gradient) + the
+sharded update's shards.
+
+The optimizer state is whole under the replicated update, ``1/N`` of it on each of the ``N``
+devices of the sharded one (plus ``P/N`` of shards: the device's gradient, parameter and update
+shards, ``P`` the parameters' bytes); with micro-steps the backward holds the sum of the
+gradients beside the micro-step's. This is what the trainer's compiled step allocates, checked
+against XLA's buffer assignment on 2-, 3- and 4-group simulated pools
+(``tests/planners/test_memory_modes.py``; the state donated, as on GPUs).
 """
 
 from __future__ import annotations
@@ -242,22 +254,31 @@ def other_bytes(profile: Profile, op_policies: Mapping[str, OpPolicy | None]) ->
   return (1 - share) * mem["other_bytes"] + share * mem["other_bytes_16bit"]
 
 
-def memory_bytes(group: GroupCost, memory_fn=None, optimizer_shards: int = 1) -> int:
+def memory_bytes(group: GroupCost, memory_fn=None, optimizer_shards: int = 1, devices: int = 1) -> int:
   """Peak bytes on one device of ``group``; see the module docstring. ``memory_fn`` defaults
   to ``op_memory`` (a caller evaluating many plans may pass a memoized one);
   ``optimizer_shards``: the number of devices the optimizer state is sharded over (a plan's
-  ``optimizer_update: "sharded"``: each holds ``opt_state_bytes / N``)."""
+  ``optimizer_update: "sharded"``: each holds ``opt_state_bytes / N``); ``devices``: the devices
+  the step combines gradients over (those that run)."""
   memory_fn = memory_fn or op_memory
   prof = group.profile
   scale = group.micro_batch / prof.batch_per_device  # the activations': one micro-batch's
   mem = prof.memory
   terms = [memory_fn(group, i) for i in range(len(prof.ops))]
-  accumulator = mem["param_bytes"] if group.micro_steps > 1 else 0  # the summed fp32 gradient
-  base = (
-    (2 * mem["param_bytes"] + accumulator)
+  params = mem["param_bytes"]
+  accumulating = group.micro_steps > 1
+  common = (
+    params
     + mem["opt_state_bytes"] / optimizer_shards
     + group.batch_per_device / prof.batch_per_device * mem["batch_bytes"]
     + scale * other_bytes(prof, group.op_policies)
+  )
+  base = common + params * (2 if accumulating else 1)  # the gradient, and the micro-steps' sum beside it
+  # after the backward (its activations freed): the local gradient beside the combined one (or the
+  # sum beside the last micro-step's), and the sharded update's shards
+  combined = devices > 1 or optimizer_shards > 1 or accumulating
+  update = (
+    common + params * (2 if combined else 1) + (params / optimizer_shards if optimizer_shards > 1 else 0)
   )
   backward = base + sum(t.kept for t in terms) + max((t.transient for t in terms), default=0)
   fp32_peak = base + sum(t.fp32_kept for t in terms)
@@ -268,4 +289,4 @@ def memory_bytes(group: GroupCost, memory_fn=None, optimizer_shards: int = 1) ->
     headroom = scale * prof.forward_headroom[op.name] if op.name in prof.forward_headroom else later
     forward = max(forward, fp32_peak - headroom + before + t.forward_extra)
     before += t.forward_delta
-  return int(max(backward, forward))
+  return int(max(backward, forward, update))

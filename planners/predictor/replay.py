@@ -6,9 +6,10 @@ and returns a ``Prediction``: ``step_ms`` (the synchronous step, the longest pat
 ``group_step_ms`` (each group's step were every device like it: the straggler),
 ``group_compute_ms`` (forward + backward + optimizer, no communication), ``memory_bytes``
 (peak per device of each group), and where the step's time goes: ``comm_ms_by_phase``,
-``exposed_comm_ms`` and ``optimizer_tail_ms`` (``Prediction``). The plan's ``reduction`` and
-``optimizer_update`` choose the collectives (``comm_for``; ``planners.predictor.graph``). A group
-whose device type has no profile gets one modeled from the catalog
+``exposed_comm_ms`` and ``optimizer_tail_ms`` (``Prediction``). The plan's ``reduction``,
+``optimizer_update`` and ``sync`` (fp32 where it states none) choose the collectives
+(``comm_for``; ``planners.predictor.graph``). A group whose device type has no profile gets one
+modeled from the catalog
 (``planners.predictor.modeled``), labelled so in ``sources``; a group with a profile of its own
 (``Profile.group``, calibrated to its measurements) is costed from that one (``profile_for``).
 """
@@ -95,6 +96,17 @@ def profile_for(profiles: Mapping[str, Profile], device_type: str, group: str | 
   return modeled_profile(base_profile(profiles), device_type)
 
 
+def resolve_profiles(cluster: ClusterSpec, profiles: Mapping[str, Profile]) -> dict[str, Profile]:
+  """``profiles`` with, for every device type of ``cluster`` that has none, the profile
+  ``profile_for`` would model from the catalog, each modeled once: a planner that replays many
+  plans of one cluster costs every group from one profile object (so its memos, keyed on the
+  profile's identity, hold), instead of modeling it again for every replay."""
+  out = dict(profiles)
+  for device_type in sorted({g.device_type for g in cluster.groups} - set(profiles)):
+    out[device_type] = profile_for(profiles, device_type)
+  return out
+
+
 def base_profile(profiles: Mapping[str, Profile]) -> Profile:
   """The profile a device type without one of its own is modeled from: the first measured
   profile of a device type (in the order given), else the first of a device type, else the
@@ -113,6 +125,7 @@ def one_device_compute_ms(group: GroupCost) -> float:
 def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Plan) -> list[GroupCost]:
   """One ``GroupCost`` per group of ``cluster``, with the plan's policies, batches and micro-steps."""
   plan.validate_for(cluster)
+  profiles = resolve_profiles(cluster, profiles)
   cluster = plan.apply_to(cluster)
   out = []
   for g in cluster.groups:
@@ -139,12 +152,14 @@ def comm_for(
   *,
   reduction: str = "flat",
   optimizer_update: str = "replicated",
+  sync: str = "fp32",
 ) -> Comm:
   """The collectives of ``cluster`` (its running groups: a plan's ``apply_to``), each paying
   ``latency_us``: ``flat``, one ring over all its devices on ``flat_ring_gbps``, in buckets
   packed in ``bucket_order`` (``planners.predictor.graph.buckets``); ``two_level``, a tree inside
   each group on its ``intra_group_gbps`` and a ring of the group leaders on the slowest
-  ``link_gbps``. ``PlanError`` for ``two_level`` with a ``sharded`` update."""
+  ``link_gbps``; ``sync`` the gradient sync (``planners.predictor.payload``). ``PlanError`` for
+  ``two_level`` with a ``sharded`` update, and for a sync other than fp32 with either."""
   return Comm(
     cluster.num_devices,
     flat_ring_gbps(cluster),
@@ -155,6 +170,7 @@ def comm_for(
     optimizer_update,
     tuple(GroupLink(g.count, g.intra_group_gbps) for g in cluster.groups),
     min(g.link_gbps for g in cluster.groups),
+    sync,
   )
 
 
@@ -184,6 +200,7 @@ def predict(
     bucket_order,
     reduction=plan.reduction,
     optimizer_update=plan.optimizer_update,
+    sync=plan.sync or "fp32",
   )
   groups = group_costs(cluster, profiles, plan)
   nodes = build_graph(groups, comm)
@@ -196,7 +213,7 @@ def predict(
     group_compute_ms={
       g.name: sum(n.ms for n in nodes if n.group == g.name and n.stream == "compute") for g in groups
     },
-    memory_bytes={g.name: memory_bytes(g, optimizer_shards=shards) for g in groups},
+    memory_bytes={g.name: memory_bytes(g, optimizer_shards=shards, devices=comm.n_devices) for g in groups},
     memory_limit_bytes={g.name: int(g.memory_gb * 1e9) for g in cluster.groups},
     comm_ms=sum(by_phase.values()),
     sources={g.name: f"{g.profile.source} ({g.profile.device_type})" for g in groups},

@@ -169,6 +169,30 @@ def _holder(lock_path: str) -> str:
   return f"process {pid} on {host}" if pid.isdigit() else "another process"
 
 
+def check_write_target(flag: str, path: str, kind: str) -> None:
+  """What a write would fail on only after the work, refused before it (a complement of the
+  checks above): a symbolic link that leads nowhere (a loop, or a missing target: outputs are
+  replaced by a rename, never written through a link), and for a ``file`` output a path ending in
+  a separator (a directory's name) or an existing file that is not a regular one (a device such
+  as ``/dev/full``)."""
+  if os.path.islink(path) and not os.path.exists(path):
+    raise OutputPathError(
+      f"{flag} {path!r} is a symbolic link that leads nowhere (a loop, or a missing target). Fix: pass the "
+      "path it should lead to, or remove the link."
+    )
+  if kind != "file":
+    return
+  if path.endswith(("/", os.sep)):
+    raise OutputPathError(
+      f"{flag} {path!r} ends in {path[-1]!r}, so it names a directory, not a file. Fix: name a file, e.g. "
+      f"{os.path.join(path, 'out.json')}."
+    )
+  if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+    raise OutputPathError(
+      f"{flag} {path!r} exists and is not a regular file (a device?). Fix: choose a file path."
+    )
+
+
 def _check_not_held(flag: str, path: str) -> None:
   """Raises when a live process holds ``path``'s run lock (this process may hold it)."""
   lock_path = os.path.join(path, LOCK_NAME)

@@ -102,7 +102,8 @@ class Trainer:
       (optimizer default ``optax.adam(1e-3)``; warmup and decay schedules, weight decay:
       ``qsync_jax.train.optimizers.make_optimizer``, whose scheduled rate is logged as ``lr``).
     grad_sync: a ``SyncFn`` as ``make_train_step``, or the name of a ``qsync_jax.sync``
-      strategy (gradient hook or step builder, see the module doc).
+      strategy (gradient hook or step builder, see the module doc); None: the plan's ``sync``
+      (fp32 without one). A name the plan's ``sync`` contradicts is refused (``Plan.sync_for``).
     sync_options: options of the named strategy (its ``Strategy.options``).
     seed: seeds the parameters, the step RNG and the data order.
     out_dir: where ``metrics.jsonl``, ``checkpoints/`` and ``tensorboard/`` (the metrics as TensorBoard
@@ -152,6 +153,8 @@ class Trainer:
       check_run_dir("out_dir", out_dir, resume, api=True)
     self.task, self.seed = task, int(seed)
     optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
+    if grad_sync is None or isinstance(grad_sync, str):  # the plan's sync, unless told another
+      grad_sync = (plan or Plan()).sync_for(grad_sync)
     self.sync = _sync_meta(grad_sync, sync_options)
     sizes = (plan or Plan()).apply_to(cluster).device_batch_sizes()
     sample = next(iter(task.train_batches(sum(sizes), self.seed)))

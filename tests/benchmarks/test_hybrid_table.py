@@ -1,5 +1,7 @@
 """``benchmarks/hybrid.py``'s per pool × model table and its what-if of free links."""
 
+import dataclasses
+
 from benchmarks import hybrid
 from planners.allocator.search import Candidate
 from planners.allocator.summary import Limits
@@ -21,6 +23,12 @@ def test_chosen_label_names_the_candidate_its_batches_and_a_mode_other_than_the_
   assert hybrid.chosen_label(_candidate("dynamic batching", (48, 16), 10.0)) == "dynamic batching (48/16)"
   sharded = _candidate("training groups only", (64, 0), 10.0, ("flat", "sharded"))
   assert hybrid.chosen_label(sharded) == "training only (64/0, sharded update)"
+  accumulating = dataclasses.replace(
+    _candidate("dynamic batching, accumulating", (36, 4), 10.0), micro_steps=(2, 4), sync="bf16"
+  )
+  assert (
+    hybrid.chosen_label(accumulating) == "dynamic batching, accumulating (36/4, micro-steps 2/4, bf16 sync)"
+  )
 
 
 def test_markdown_table_gives_each_topology_its_ratios_and_marks_what_was_not_run():
@@ -28,15 +36,19 @@ def test_markdown_table_gives_each_topology_its_ratios_and_marks_what_was_not_ru
   chosen = _candidate("dynamic batching", (48, 16), 32.0)  # 256 samples in 32 ms: 8000 samples/s
   free = _candidate("dynamic batching", (47, 17), 25.6)  # 10000 samples/s
   cases = {
-    ("A100+A10", "resnet50"): {"100G": (chosen, 8000.0, 9600.0, lim), "free": (free, 10000.0, 9600.0, lim)}
+    ("A100+A10", "resnet50"): {
+      "100G": (chosen, 8000.0, 9600.0, lim, chosen),
+      "free": (free, 10000.0, 9600.0, lim, free),
+    }
   }
   lines = hybrid.markdown_table(cases).splitlines()
-  assert len(lines) == 3 and lines[1] == "|" + "---|" * 9
+  assert len(lines) == 3 and lines[1] == "|" + "---|" * 10
   cells = [c.strip() for c in lines[2].strip("|").split("|")]
   assert cells == [
     "A100+A10",
     "resnet50",
     "dynamic batching (48/16)",
+    "–",
     "–",
     "1.00× / –",
     "9600.0",

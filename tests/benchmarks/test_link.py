@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from benchmarks.common import link
-from planners.catalog import allreduce_ms
+from planners.predictor.collectives import allreduce_ms
 
 
 def test_fit_recovers_the_ring_model():

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planners.allocator.greedy import exhaustive, greedy, make_problem
+from planners.allocator.exhaustive import exhaustive
+from planners.allocator.greedy import greedy, make_problem
 from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import PlanError, QsyncWarning
@@ -173,3 +174,16 @@ def test_an_indicator_scored_at_16_bits_alone_is_said_to_leave_the_t4_without_8_
     problem = make_problem(cluster, profiles, {"omega": sixteen})
   assert {p for ladder in problem.ladders[0] for p, _ in ladder} == {"fp16", "fp32"}  # what it searches
   make_problem(cluster, profiles, indicator)  # int8 scored: nothing to say (a warning fails the test)
+
+
+def test_training_groups_are_the_type_that_trains_best_ties_broken_by_memory_bandwidth():
+  from planners.allocator.greedy import default_training_groups
+
+  def cluster(*types):
+    return ClusterSpec(tuple(DeviceGroup(f"g{i}", t, 2, 16, 8) for i, t in enumerate(types)))
+
+  # a V100 and an A10 have one fp16 peak (125 TFLOP/s): the V100's 900 GB/s HBM trains, not the A10's 600
+  assert default_training_groups(cluster("V100", "A10", "T4")) == ("g0",)
+  assert default_training_groups(cluster("A10", "V100")) == ("g1",)
+  # one type: every group of it
+  assert default_training_groups(cluster("A100", "V100", "A100")) == ("g0", "g2")

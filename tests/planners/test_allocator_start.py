@@ -13,7 +13,7 @@ from planners.allocator.greedy import (
   start_assignment,
   uniform_levels,
 )
-from planners.catalog import allreduce_ms
+from planners.predictor.collectives import allreduce_ms
 from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from tests.planners.fakes import fake_indicator, fake_profile

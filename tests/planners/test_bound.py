@@ -12,7 +12,9 @@ from planners.allocator.summary import limits, summarize
 from planners.predictor.replay import predict
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.errors import PlanError
-from tests.planners.fakes import fake_indicator, fake_profile
+from tests.planners.fakes import SPEED, fake_indicator, fake_profile
+
+NO_8BIT_GAIN = {**SPEED, "int8": 1.5, "fp8": 1.5}
 
 
 def _problem(infer_optimizer_ms: float):
@@ -20,7 +22,8 @@ def _problem(infer_optimizer_ms: float):
   optimizer 1 ms, so t(b) = 1 + 0.25·b replicated. Inference group: legs 2 + 2 ms at fp32; its
   fastest level is int8 (QSync's op: int8 forward 0.3×, fp16 gradient 0.5×, no cast cost),
   0.6 + 1.0 ms, so t(b) = infer_optimizer_ms + 0.2·b replicated."""
-  train = fake_profile([(1.0, 1.0, 1.0)], device_type="A100", optimizer_ms=1.0)
+  # (8 bits slower than fp32 on the training group: its 8-bit auto policy is the training precision)
+  train = fake_profile([(1.0, 1.0, 1.0)], device_type="A100", optimizer_ms=1.0, speed=NO_8BIT_GAIN)
   infer = fake_profile([(2.0, 2.0, 2.0)], device_type="T4", optimizer_ms=infer_optimizer_ms)
   cluster = ClusterSpec(
     (DeviceGroup("train", "A100", 2, 40.0, 8, 100.0), DeviceGroup("infer", "T4", 2, 16.0, 8, 100.0))
@@ -40,6 +43,20 @@ def test_bound_of_hand_computable_affine_steps():
   # T = 4.25 < 20/4): the inference group gets nothing.
   bound = pool_bound(Search(_problem(20.0), 1))
   assert bound.step_ms == pytest.approx(4.25) and bound.batches == pytest.approx((16.0, 0.0))
+
+
+def test_the_bound_has_the_training_groups_at_8_bits_where_their_profile_prices_it_faster():
+  problem = _problem(2.0)
+  fast = fake_profile([(1.0, 1.0, 1.0)], device_type="A100", optimizer_ms=1.0)  # int8 at 0.3× fp32
+  problem = dataclasses.replace(
+    problem, groups=(dataclasses.replace(problem.groups[0], profile=fast), problem.groups[1])
+  )
+  bound = pool_bound(Search(problem, 1))
+  assert bound.affine[0] == pytest.approx((0.25, 0.3 * 0.25))  # its two legs at int8: 0.6 ms at batch 8
+  # ...and so no baseline at the training groups' 8-bit auto policy beats it
+  _, cands, search = joint_plan(problem, 1, 0.0)
+  assert any(c.reference and c.name.endswith("8-bit auto") for c in cands)
+  assert all(c.samples_per_s <= pool_bound(search).samples_per_s * (1 + 1e-9) for c in cands)
 
 
 def test_bound_step_solves_the_water_filling_equation():
@@ -74,7 +91,9 @@ def test_summary_gain_against_the_faster_baseline_and_limits_add_up():
   # the training groups alone beat dynamic batching, so the gain is against them.
   problem = _problem(20.0)
   chosen, cands, search = joint_plan(problem, 1, 0.0)
-  by_name = {c.name: c for c in cands}
+  by_name = {}  # each name at its fastest fitting mode and sync, as the best baseline takes it
+  for c in sorted((c for c in cands if c.fits), key=lambda c: c.samples_per_s):
+    by_name[c.name] = c
   assert by_name["training groups only"].samples_per_s > by_name["dynamic batching"].samples_per_s
   pred = predict(
     problem.cluster, {g.profile.device_type: g.profile for g in problem.groups}, plan_of(problem, chosen)
@@ -97,14 +116,24 @@ def test_summary_gain_against_the_faster_baseline_and_limits_add_up():
 
 
 def test_summary_without_a_baseline_says_so():
-  """``batch="equal"`` plans no baseline: no gain is claimed, the bound is still given."""
+  """``batch="equal"`` plans no baseline where the training groups cannot accumulate the global
+  batch in whole micro-steps (3 training devices of 8 against 40 examples): no gain is claimed,
+  the bound is still given. Where they can, that is the baseline."""
   problem = _problem(2.0)
+  _, cands, _ = joint_plan(problem, 1, 0.0, batch="equal")
+  assert best_baseline(cands).name == "training groups only, accumulating"  # 2 × 8 × 2 micro-steps = 32
+  groups = (problem.cluster.groups[0].replace(count=3), problem.cluster.groups[1])
+  problem = make_problem(
+    dataclasses.replace(problem.cluster, groups=groups),
+    {g.profile.device_type: g.profile for g in problem.groups},
+    fake_indicator(problem.op_names, [1.0]),
+  )
   chosen, cands, search = joint_plan(problem, 1, 0.0, batch="equal")
   profiles = {g.profile.device_type: g.profile for g in problem.groups}
   summary = summarize(chosen, cands, search, predict(problem.cluster, profiles, plan_of(problem, chosen)))
   assert summary.baseline is None and summary.gain is None and summary.headroom_captured is None
   assert "no baseline" in summary.lines()[0] and summary.to_json()["best_baseline"] is None
-  assert summary.bound_samples_per_s == pytest.approx(32 / (13 / 6) * 1e3)
+  assert summary.bound_samples_per_s == pytest.approx(pool_bound(search).samples_per_s)
 
 
 def test_a_profile_whose_step_shrinks_with_the_batch_is_refused_by_name():

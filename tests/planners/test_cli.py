@@ -218,7 +218,7 @@ def test_bad_inputs_exit_2_with_fix(files, capsys):
 def test_train_precision_defaults_to_what_the_training_devices_run(files, capsys):
   """bf16 where the training groups' device type runs bf16, fp16 mixed precision on a V100 (no
   bf16), the first both run for a V100 and an A100; --train-precision overrides, if they run it."""
-  from qsync_cli.plan import train_precision
+  from planners.planning import train_precision
   from qsync_jax.cluster import ClusterSpec, DeviceGroup
 
   def cluster(*types):
@@ -639,3 +639,183 @@ def test_plan_auto_refuses_a_training_group_without_measured_times_and_a_stray_b
   assert "--train-budget applies to --train-precision auto alone. Fix:" in capsys.readouterr().err
   assert _plan_auto(d, "--train-precision", "auto", "--train-budget", "2") == 2
   assert "--train-budget 2.0 is outside [0, 1]. Fix:" in capsys.readouterr().err
+
+
+# -- the walk through the code of one `qsync plan` -----------------------------------------------
+
+LAYERS = ("qsync_jax", "planners", "qsync_cli")
+"""The brief's layers a command's walk crosses, lowest first."""
+
+
+def plan_walk(argv, entry="qsync_cli.plan:run", depth=2):
+  """``(status, walk)`` of ``main(argv)``: the library functions (``LAYERS``, comprehensions
+  folded into their function) that ``entry`` calls and that those call (down to ``depth``), each
+  once, in the order first entered: what a reader follows from the command into the library."""
+  import pathlib
+  import sys
+
+  root = pathlib.Path(__file__).resolve().parents[2]
+  stack, walk = [], {}
+
+  def module_of(code):
+    path = pathlib.Path(code.co_filename).resolve()
+    if not path.is_relative_to(root) or path.relative_to(root).parts[0] not in LAYERS:
+      return None
+    return ".".join(path.relative_to(root).with_suffix("").parts)
+
+  def on_event(frame, event, arg):
+    if event == "call":
+      module, parent = module_of(frame.f_code), stack[-1] if stack else None
+      name = f"{module}:{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}"  # 3.11+
+      level = 0 if name == entry else (parent + 1 if parent is not None else None)
+      stack.append(level)
+      if module and level is not None and 1 <= level <= depth and not frame.f_code.co_name.startswith("<"):
+        walk.setdefault(name, None)
+    elif event == "return" and stack:
+      stack.pop()
+
+  sys.setprofile(on_event)
+  try:
+    status = main(argv)
+  finally:
+    sys.setprofile(None)
+  return status, list(walk)
+
+
+def climbs(walk):
+  """The steps of ``walk`` back up a layer (``LAYERS``): control handed up again after it went down."""
+  layer = [LAYERS.index(name.split(".")[0]) for name in walk]
+  return [(a, b) for a, b, la, lb in zip(walk, walk[1:], layer, layer[1:]) if lb > la]
+
+
+def test_the_plan_command_is_a_short_walk_that_rarely_climbs(files, capsys):
+  """`qsync plan` parses, calls one planner function, prints: at most 30 stays (functions entered
+  within two calls of the command's `run`) and 3 climbs back up a layer."""
+  d, cpu, t4, cluster, indicator = files
+  argv = ["plan", "--model", MODEL, "--cluster", cluster, "--indicator", indicator, "--profile", cpu, t4]
+  status, walk = plan_walk([*argv, "--out", str(d / "walk.json")])
+  capsys.readouterr()
+  assert status == 0 and "planners.planning:plan_cluster" in walk
+  assert len(walk) <= 30 and len(climbs(walk)) <= 3, (walk, climbs(walk))
+  # ...and the count sees a climb: a walk that goes into the planner and back into the CLI
+  assert climbs(["qsync_cli.plan:x", "planners.planning:y", "qsync_jax.plan:z", "qsync_cli.common:w"]) == [
+    ("qsync_jax.plan:z", "qsync_cli.common:w")
+  ]
+
+
+# -- what a plan shows -----------------------------------------------------------------------------
+
+
+def test_plan_states_and_prints_its_optimizer_update_and_sync(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  args = ["plan", "--model", MODEL, "--cluster", cluster, "--indicator", indicator, "--profile", cpu, t4]
+  path = d / "bf16_plan.json"
+  assert main([*args, "--optimizer-update", "replicated", "--sync", "bf16", "--out", str(path)]) == 0
+  out = capsys.readouterr().out
+  plan = Plan.load(str(path))
+  assert (plan.optimizer_update, plan.sync, plan.reduction) == ("replicated", "bf16", "flat")
+  own = [a for a in plan.predictions["alternatives"] if not a.get("reference")]
+  assert own and all(a["sync"] == "bf16" and a["optimizer_update"] == "replicated" for a in own)
+  # the baselines at the other payloads are references: the gain is against the best of them all
+  assert {a["sync"] for a in plan.predictions["alternatives"] if a.get("reference")} >= {
+    "fp32",
+    "global_qsgd",
+  }
+  line = next(x for x in out.splitlines() if x.startswith("optimizer update: "))
+  assert (
+    "replicated (every device updates every parameter" in line and "(--optimizer-update replicated)" in line
+  )
+  assert (
+    "gradient sync: bf16 all-reduce (2 bytes a gradient element, summed in fp32), flat (--sync bf16)" in line
+  )
+  # the alternatives table: one row per alternative, its mode in a column of its own
+  header, _, *rows, wrote = _alternatives(out)
+  assert "mode (sync reduction, update)" in header and wrote.startswith("wrote ")
+  names = [row.split("  ")[0].strip() for row in rows]
+  assert len(names) == len(set(names)) and "dynamic batching" in names
+  assert all("bf16 flat, replicated" in row for row in rows if "(reference)" not in row)
+  # the search covers both updates by default, each candidate named once in the table
+  assert main([*args, "--out", str(d / "auto_plan.json")]) == 0
+  out = capsys.readouterr().out
+  _, _, *rows, _ = _alternatives(out)
+  names = [row.split("  ")[0].strip() for row in rows]
+  assert len(names) == len(set(names)), rows
+  alternatives = Plan.load(str(d / "auto_plan.json")).predictions["alternatives"]
+  json_modes = {(a["optimizer_update"], a["sync"]) for a in alternatives if not a.get("reference")}
+  assert json_modes == {("replicated", "fp32"), ("sharded", "fp32")}  # every mode stays in the plan's JSON
+
+
+def _alternatives(out: str) -> list[str]:
+  """The alternatives table's header, rule and rows, and the line after it."""
+  return out[out.index("\nalternatives") :].splitlines()[2:]
+
+
+def test_plan_refuses_a_sharded_update_with_a_sync_it_cannot_run_before_any_work(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  args = [
+    "plan",
+    "--model",
+    "no_such_model",
+    "--cluster",
+    cluster,
+    "--indicator",
+    indicator,
+    "--profile",
+    cpu,
+  ]
+  out = d / "sharded_qsgd.json"
+  assert main([*args, "--optimizer-update", "sharded", "--sync", "global_qsgd", "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert "--optimizer-update sharded with --sync global_qsgd" in err and "Fix: pass --optimizer-update" in err
+  assert not out.exists()
+
+
+def test_plan_and_predict_name_the_same_limiting_group(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  path = str(d / "limit_plan.json")
+  common = ["--model", MODEL, "--cluster", cluster, "--profile", cpu, t4]
+  assert main(["plan", *common, "--indicator", indicator, "--out", path]) == 0
+  planned = [x for x in capsys.readouterr().out.splitlines() if "limited by: straggler" in x]
+  assert main(["predict", *common, "--plan", path]) == 0
+  predicted = [x for x in capsys.readouterr().out.splitlines() if "limited by: straggler" in x]
+  assert len(planned) == len(predicted) == 1
+  assert planned[0].split("limited by: ")[1] == predicted[0].split("limited by: ")[1]
+  assert Plan.load(path).predictions["limited_by"]["straggler"] in predicted[0]
+
+
+def test_plan_says_why_no_op_went_8bit(files, auto_files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  args = ["plan", "--model", MODEL, "--cluster", cluster, "--indicator", indicator, "--profile", cpu, t4]
+  assert main([*args, "--out", str(d / "why.json")]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith("no op runs 8-bit: ") and lines[1].startswith("group ")  # before the table
+  assert "train (A100) is a training group at bf16 (--train-precision auto runs 8 bits" in lines[0]
+  # the T4's modeled int8 legs (quantization included) cost more than its fp16 ones
+  assert "infer (T4, modeled costs): its 3 ops take " in lines[0] and "costs more than" in lines[0]
+  # where an op runs 8-bit (the training group's, measured to pay) nothing is said
+  assert _plan_auto(auto_files, "--train-precision", "auto") == 0
+  assert "no op runs 8-bit" not in capsys.readouterr().out
+
+
+def test_plan_refuses_an_out_that_is_one_of_its_inputs_and_keeps_the_input(files, tmp_path, capsys):
+  d, cpu, t4, cluster, indicator = files
+  args = ["plan", "--model", MODEL, "--cluster", cluster, "--indicator", indicator, "--profile", cpu, t4]
+  for flag, path in (("--cluster", cluster), ("--indicator", indicator), ("--profile", t4)):
+    before = open(path).read()
+    assert main([*args, "--out", path]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {path!r} is the {flag} file" in err and "Fix: write the output to another path" in err
+    assert open(path).read() == before
+  link = tmp_path / "link.json"
+  link.symlink_to(cluster)  # another name of the same file is that file
+  assert main([*args, "--out", str(link)]) == 2
+  assert "is the --cluster file" in capsys.readouterr().err
+
+
+def test_predict_refuses_a_plan_that_changes_the_global_batch(files, capsys):
+  d, cpu, t4, cluster, indicator = files
+  plan = d / "short.json"
+  plan.write_text(json.dumps({"policies": {}, "batch_per_device": {"train": 16, "infer": 8}}))
+  assert main(["predict", "--model", MODEL, "--cluster", cluster, "--plan", str(plan), "--profile", cpu]) == 2
+  err = capsys.readouterr().err
+  assert "add up to a global batch of 48" in err and "trains on 64 examples a step" in err and "Fix:" in err

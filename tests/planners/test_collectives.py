@@ -5,7 +5,6 @@ Throughout: 1e6 bytes over 8 Gbit/s (1e9 bytes/s) take 1 ms; a latency of 10 µs
 
 import pytest
 
-from planners.catalog import allreduce_ms as catalog_allreduce_ms
 from planners.predictor.collectives import (
   all_gather_ms,
   allreduce_ms,
@@ -26,7 +25,6 @@ def test_transfer():
 
 
 def test_ring_all_reduce_is_reduce_scatter_then_all_gather():
-  assert catalog_allreduce_ms is allreduce_ms  # one formula, still importable from the catalog
   assert allreduce_ms(S, 4, GBPS, LAT) == pytest.approx(2 * 3 / 4 + 0.01)
   assert reduce_scatter_ms(S, 4, GBPS, LAT) == pytest.approx(3 / 4 + 0.01)
   assert all_gather_ms(S, 4, GBPS, LAT) == pytest.approx(3 / 4 + 0.01)

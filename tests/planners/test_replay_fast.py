@@ -1,6 +1,7 @@
 """``sync_step_ms`` (the replay without a graph) against the latest end of ``longest_path`` over
 ``build_graph``: bit-for-bit equal on random fake profiles and BERT-base, every mode."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -125,3 +126,47 @@ def test_memo_follows_policies_batch_and_cost_fn():
 def test_no_groups_is_an_error():
   with pytest.raises(ValueError, match="at least one group"):
     sync_step_ms([], Comm(n_devices=1, link_gbps=1.0))
+
+
+@pytest.mark.parametrize("sync", ["bf16", "fp16", "global_qsgd"])
+def test_fast_step_equals_graph_for_each_priced_sync(sync):
+  rng = np.random.default_rng([SEED, 7, len(sync)])
+  for trial in range(10):
+    groups = fake_groups(rng, n_groups=2 + trial % 3, n_ops=int(rng.integers(2, 7)))
+    types = ("A100", "T4", "cpu", "L4")  # the passes stream at the device type's catalog bandwidth
+    groups = [
+      dataclasses.replace(g, profile=dataclasses.replace(g.profile, device_type=types[j]))
+      for j, g in enumerate(groups)
+    ]
+    comm = dataclasses.replace(comm_of(groups, rng, "flat", "replicated", "tree"), sync=sync)
+    assert sync_step_ms(groups, comm) == graph_step_ms(groups, comm)
+
+
+def test_a_sync_of_its_own_runs_on_the_whole_gradient_after_the_backward():
+  """One group of 4 T4s, 1e6 gradient elements, bf16: the backward, the cast passes (6 bytes an
+  element before, 8 after, at the T4's 320 GB/s · 0.9), a reduce-scatter's and an all-gather's
+  2-byte payload, the optimizer; no overlap."""
+  from planners.predictor.collectives import reduce_scatter_ms
+  from planners.predictor.payload import pass_ms, wire_bytes
+
+  prof = fake_profile([(1.0, 1.0, 1.0)], rhs_elems=10**6, device_type="T4", optimizer_ms=2.0)
+  elements = prof.memory["param_bytes"] / 4
+  group = GroupCost("g", prof, {}, prof.batch_per_device)
+  comm = Comm(n_devices=4, link_gbps=8.0, latency_us=0.0, sync="bf16")
+  before, after = pass_ms("bf16", "T4", elements, 4)
+  assert before == pytest.approx(6 * elements / (320e9 * 0.9) * 1e3 + 2 * 5e-3)
+  assert wire_bytes("bf16", 4) == 2 and wire_bytes("global_qsgd", 4) == 1 and wire_bytes("fp32", 4) == 4
+  backward = graph_step_ms([group], Comm(n_devices=1, link_gbps=8.0)) - 2.0  # one device: no collective
+  collective = 2 * reduce_scatter_ms(2 * elements, 4, 8.0, 0.0)
+  assert sync_step_ms([group], comm) == pytest.approx(backward + before + collective + after + 2.0)
+  nodes = build_graph([group], comm)
+  assert [n.kind for n in nodes[-4:]] == ["sync", "comm", "sync", "optimizer"]
+
+
+def test_a_sync_of_its_own_is_refused_where_the_trainer_cannot_run_it():
+  from qsync_jax.errors import PlanError
+
+  with pytest.raises(PlanError, match="sync 'bf16' with reduction='flat', optimizer_update='sharded'"):
+    Comm(n_devices=4, link_gbps=8.0, optimizer_update="sharded", sync="bf16")
+  with pytest.raises(PlanError, match="selsync.*Fix:"):
+    Comm(n_devices=4, link_gbps=8.0, sync="selsync")

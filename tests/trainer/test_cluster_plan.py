@@ -90,20 +90,34 @@ def test_assign_devices_counts_must_match():
 
 
 def test_plan_round_trip_validation_and_fingerprint(tmp_path):
-  spec = ClusterSpec.from_json(_spec_json(np.random.default_rng(103)))
+  obj = _spec_json(np.random.default_rng(103))
+  for g in obj["groups"]:
+    g["count"] = 2  # 2 × 8 + 2 × 3: the plan moves one example a device from train to infer
+  spec = ClusterSpec.from_json(obj)
   plan = Plan.from_json(
-    {"policies": {"infer": "int8_fwd"}, "batch_per_device": {"infer": 2}, "predictions": {"step_s": 0.5}}
+    {
+      "policies": {"infer": "int8_fwd"},
+      "batch_per_device": {"train": 7, "infer": 4},
+      "sync": "bf16",
+      "predictions": {"step_s": 0.5},
+    }
   )
   plan.validate_for(spec)
   assert plan.policy_for("train") == PrecisionPolicy()
   assert plan.needs_fp16_loss_scaling
-  assert plan.apply_to(spec).group("infer").batch_per_device == 2
+  assert plan.apply_to(spec).group("infer").batch_per_device == 4
+  assert plan.apply_to(spec).global_batch == spec.global_batch
   path = str(tmp_path / "plan.json")
   plan.save(path)
   again = Plan.load(path)
   assert again == plan and again.fingerprint() == plan.fingerprint()
-  assert Plan(plan.policies, plan.batch_per_device, {"other": 1}).fingerprint() == plan.fingerprint()
-  assert Plan(plan.policies, {"infer": 3}).fingerprint() != plan.fingerprint()
+  assert (
+    Plan(plan.policies, plan.batch_per_device, {"other": 1}, sync="bf16").fingerprint() == plan.fingerprint()
+  )
+  assert Plan(plan.policies, {"infer": 3}, sync="bf16").fingerprint() != plan.fingerprint()
+  # the sync changes what trains: another payload, another hash; fp32 is the default's
+  assert Plan(plan.policies, plan.batch_per_device).fingerprint() != plan.fingerprint()
+  assert Plan(sync="fp32").fingerprint() == Plan().fingerprint()
   assert not Plan.uniform(spec, "bf16").needs_fp16_loss_scaling
 
 
@@ -115,6 +129,9 @@ def test_plan_round_trip_validation_and_fingerprint(tmp_path):
     ({"batch_per_device": {"infer": -1}}, "integer ≥ 0"),
     ({"policies": {"infer": "int9"}}, "'infer'"),
     ({"policy": {}}, "unknown key"),
+    ({"sync": "bf17"}, "sync='bf17' is not a gradient sync strategy"),
+    # the spec trains on 8·a + 3·t examples a step; a plan that trains on fewer is refused
+    ({"batch_per_device": {"infer": 2}}, "but cluster 'hybrid' trains on"),
   ],
 )
 def test_plan_errors(obj, needle):
@@ -123,3 +140,25 @@ def test_plan_errors(obj, needle):
     Plan.from_json(obj).validate_for(spec)
   assert needle in str(e.value)
   json.dumps(obj)
+
+
+def test_the_plans_sync_is_the_one_that_runs_unless_another_is_asked_for_and_a_contradiction_is_refused():
+  assert Plan(sync="bf16").sync_for(None) == "bf16"
+  assert Plan(sync="bf16").sync_for("bf16") == "bf16"
+  assert Plan(sync="fp32").sync_for(None) is None  # the trainer's default reduction
+  assert Plan(sync="fp32").sync_for("psum") == "fp32"
+  assert Plan().sync_for("global_qsgd") == "global_qsgd"  # a plan that states none runs what is asked
+  assert Plan().sync_for(None) is None
+  with pytest.raises(
+    PlanError, match=r"'fp16' contradicts the plan's sync 'bf16'.*Fix: .*qsync plan --sync fp16"
+  ):
+    Plan(sync="bf16").sync_for("fp16")
+
+
+def test_a_plan_that_changes_the_global_batch_names_both_numbers():
+  spec = ClusterSpec((DeviceGroup("a", "A100", 2, 40, 16), DeviceGroup("t", "T4", 2, 16, 16)))
+  with pytest.raises(PlanError) as e:
+    Plan(batch_per_device={"a": 16, "t": 8}).validate_for(spec)
+  assert "a global batch of 48" in str(e.value) and "trains on 64 examples" in str(e.value)
+  assert "Fix: make the plan's batch_per_device add up to 64" in str(e.value)
+  Plan(batch_per_device={"a": 24, "t": 8}).validate_for(spec)  # 48 + 16: the same 64

@@ -167,7 +167,7 @@ def test_state_moves_through_its_full_form_to_other_devices(runs):
   other = make_train_step(
     make_task(),
     CLUSTER,
-    _plan("sharded", batch_per_device={"a": 0}),
+    _plan("sharded", batch_per_device={"a": 0, "t": 7}),  # the global batch kept: 2 × 3 + 1 × 1
     optax.adamw(0.05),
     devices=jax.devices()[:3],
   )

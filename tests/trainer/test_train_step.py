@@ -41,7 +41,7 @@ def test_pad_shards_round_trip():
   "cluster, plan",
   [
     (_cluster(4, 3, 4, 3), None),  # equal batches: one branch
-    (_cluster(5, 3, 3, 3), Plan(batch_per_device={"a": 4, "t": 1})),  # dynamic batch sizing: two branches
+    (_cluster(3, 3, 3, 3), Plan(batch_per_device={"a": 4, "t": 2})),  # dynamic batch sizing: two branches
     (ClusterSpec.uniform("cpu", 1, 6), None),  # one device: no collectives at all
     (_cluster(2, 3, 3, 2), Plan(batch_per_device={"a": 6, "t": 0})),  # the t group sits out
   ],
