@@ -564,7 +564,7 @@ def test_plan_from_measurements_names_what_is_wrong_with_the_run(measured_run, t
 
 
 def test_plan_measured_skips_metrics_lines_that_are_not_utf8_with_one_warning(tmp_path):
-  from qsync_cli.plan import read_run
+  from planners.calibrate import read_run
 
   replan = {"step": 3, "replan": {"measured_ms": {"g0": {"8": 2.0}}}}
   (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\x00\n" + json.dumps(replan).encode() + b"\n\x80\n")

@@ -4,6 +4,8 @@ accumulating baselines count in the plan's gain."""
 
 import dataclasses
 
+import pytest
+
 from planners.allocator.bound import best_baseline
 from planners.allocator.greedy import make_problem, memory_layout
 from planners.allocator.joint import joint_plan, plan_of
@@ -11,6 +13,7 @@ from planners.predictor.memory_model import memory_bytes
 from planners.predictor.replay import predict
 from planners.profile import GroupCost
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.errors import QsyncWarning
 from qsync_jax.precision import OpPolicy
 from tests.planners.fakes import fake_indicator, fake_profile
 
@@ -50,7 +53,8 @@ def _pool():
   )
   # scored at 16 bits only: no 8-bit level frees the T4s' memory
   sixteen = {op: {p: w for p, w in row.items() if p in ("fp16", "bf16", "fp32")} for op, row in omega.items()}
-  return make_problem(cluster, {"A100": train, "T4": infer}, {"omega": sixteen})
+  with pytest.warns(QsyncWarning, match="scores no op at int8"):  # said once, as to a user
+    return make_problem(cluster, {"A100": train, "T4": infer}, {"omega": sixteen})
 
 
 def test_a_batch_no_group_takes_at_once_is_planned_in_micro_steps_with_the_state_sharded():

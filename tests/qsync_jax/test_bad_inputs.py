@@ -105,7 +105,7 @@ class NnxTwoDense(nnx.Module):
 def test_a_misspelled_rule_behind_a_default_is_named_by_quantize_train_plan_and_predict():
   """With a ``__default__`` every op gets a policy, so nothing else shows that a rule matched no op:
   ``quantize`` warns (one policy may serve several models), the commands refuse."""
-  from qsync_cli.common import check_profiles_fit
+  from planners.inputs import check_profiles_fit
   from qsync_jax.train.trainer import check_plan_matches_model
   from tests.planners.fakes import fake_profile
   from tests.trainer.tiny import make_task

@@ -8,8 +8,8 @@ import stat
 import pytest
 
 from planners import indicator
+from planners.inputs import load_indicator
 from planners.profile import Profile
-from qsync_cli.common import load_json
 from qsync_jax import jsonio
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import ClusterSpecError, PlanError, PolicyError, QsyncError
@@ -114,7 +114,7 @@ def test_a_key_given_twice_is_refused_naming_the_key_and_the_file(tmp_path):
       QsyncError,
       '{"format": "qsync-indicator/1", "omega": {"a": {"int8": 1, "int8": 2}}}',
     ),
-    "plan_input.json": (lambda p: load_json(p, "indicator"), PlanError, '{"omega": {}, "omega": {}}'),
+    "plan_input.json": (load_indicator, PlanError, '{"omega": {}, "omega": {}}'),
     "profile.json": (Profile.load, PlanError, json.dumps(profile)[:-1] + ', "optimizer_ms": 5.0}'),
   }
   for name, (load, error, text) in cases.items():
