@@ -53,6 +53,7 @@ COLORS = {
   "remainder": "tab:gray",
   "optimizer": "tab:green",
   "comm": "tab:brown",
+  "sync": "tab:olive",  # a gradient sync's own (de)quantize passes around its collective
 }
 
 

@@ -161,6 +161,9 @@ def test_a_sync_of_its_own_runs_on_the_whole_gradient_after_the_backward():
   assert sync_step_ms([group], comm) == pytest.approx(backward + before + collective + after + 2.0)
   nodes = build_graph([group], comm)
   assert [n.kind for n in nodes[-4:]] == ["sync", "comm", "sync", "optimizer"]
+  from planners.predictor.timeline import COLORS
+
+  assert {n.kind for n in nodes} <= set(COLORS)  # `qsync predict --png` draws every kind of node
 
 
 def test_a_sync_of_its_own_is_refused_where_the_trainer_cannot_run_it():
