@@ -1,7 +1,9 @@
-"""Checkpoints: resume after a kill is bit-identical; bad checkpoints raise and touch nothing."""
+"""Checkpoints: resume after a kill is bit-identical; bad checkpoints raise and touch nothing; the
+progress lines of a run, and a resume that logs no step twice."""
 
 import gc
 import hashlib
+import io
 import json
 import os
 import signal
@@ -132,3 +134,28 @@ def test_checkpoint_of_other_cluster_layout_is_refused_but_link_speed_may_change
   other = CLUSTER.with_batch_per_device({"t": 2}).with_batch_per_device({"a": 2})
   with pytest.raises(CheckpointError, match="different cluster"):
     Trainer(make_task(), other, PLAN, optax.sgd(0.1), seed=1, out_dir=saved_run, resume=True)
+
+
+def test_log_lines_and_no_repeated_metrics_after_a_resume(tmp_path, capsys):
+  cluster = ClusterSpec((DeviceGroup("a", "A100", 4, 40, 2), DeviceGroup("t", "T4", 4, 16, 1)))
+  out = str(tmp_path / "run")
+  log = io.StringIO()
+  first = Trainer(
+    make_task(), cluster, optimizer=optax.sgd(0.1), out_dir=out, checkpoint_every=2, progress=log
+  )
+  first.run(4)
+  first.close()
+  lines = log.getvalue().splitlines()
+  assert lines[0].startswith("compiling the step (8 devices, global batch 12)")
+  assert lines[1].startswith("compiled and ran the first step in ")
+  assert "step 4/4  loss" in lines[-1] and "samples/s" in lines[-1] and "ETA 0s" in lines[-1]
+  # A killed run logged steps 5 and 6 past its last checkpoint (4), the last line cut short.
+  with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n" + json.dumps({"step": 6, "loss": 1.0}) + '\n{"st')
+  resumed = Trainer(make_task(), cluster, optimizer=optax.sgd(0.1), out_dir=out, resume=True)
+  resumed.run(6)
+  resumed.close()
+  steps = [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))]
+  assert steps == [1, 2, 3, 4, 5, 6]
+  record = json.loads(open(os.path.join(out, "metrics.jsonl")).readlines()[-1])
+  assert record["samples_per_s"] == pytest.approx(12 * record["steps_per_s"])
