@@ -20,7 +20,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
@@ -46,3 +48,9 @@ def _auto_policy_cache(tmp_path_factory):
     os.environ.pop("QSYNC_CACHE_DIR", None)
   else:
     os.environ["QSYNC_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def mesh():
+  """The 8-device ``data`` mesh of the collective tests (``qsync_jax/sync``, ``planners/test_hlo.py``)."""
+  return Mesh(np.array(jax.devices()), ("data",))

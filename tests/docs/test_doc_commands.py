@@ -25,7 +25,7 @@ from tests.docs.blocks import DOCS, ROOT, all_blocks, doc_blocks
 
 DEDICATED = {  # doc -> (kinds a dedicated test runs, with its own assertions; that test)
   "README.md": ({"python"}, "tests/docs/test_readme.py"),
-  "docs/nnx_and_checkpoints.md": ({"python", "shell"}, "tests/test_docs_nnx_checkpoints.py"),
+  "docs/nnx_and_checkpoints.md": ({"python", "shell"}, "tests/docs/test_nnx_and_checkpoints.py"),
 }
 
 EXPECTED = {  # doc -> files its commands leave in its directory

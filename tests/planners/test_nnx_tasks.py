@@ -14,7 +14,8 @@ NNX_OPS = ["hidden:dense", "out:dense"]
 
 def test_indicator_scores_the_ops_of_an_nnx_task(tmp_path):
   out = tmp_path / "omega.json"
-  argv = ["indicator", "--model", "tests.trainer.tiny:make_nnx_task", "--out", str(out), "--batches", "2"]
+  argv = ["indicator", "--model", "tests.qsync_jax.train.tiny:make_nnx_task", "--out", str(out)]
+  argv += ["--batches", "2"]
   assert main([*argv, "--batch-size", "8", "--precisions", "int8", "fp16"]) == 0
   table = json.loads(out.read_text())
   assert table["ops"] == NNX_OPS
@@ -24,7 +25,7 @@ def test_indicator_scores_the_ops_of_an_nnx_task(tmp_path):
 @pytest.mark.slow
 def test_profile_times_the_ops_of_an_nnx_task(tmp_path):
   out = tmp_path / "profile.json"
-  argv = ["profile", "--model", "tests.trainer.tiny:make_nnx_task", "--out", str(out), "--batch", "8"]
+  argv = ["profile", "--model", "tests.qsync_jax.train.tiny:make_nnx_task", "--out", str(out), "--batch", "8"]
   assert main([*argv, "--precisions", "fp32,int8", "--repeats", "2"]) == 0
   profile = json.loads(out.read_text())
   assert [op["name"] for op in profile["ops"]] == NNX_OPS

@@ -13,7 +13,7 @@ from planners.profiler.hlo import entry_instructions
 from planners.profiler.measure import op_leg_ms, task_ops
 from qsync_jax.policy import PrecisionPolicy
 from tests.planners import tiny
-from tests.trainer import tiny as trainer_tiny
+from tests.qsync_jax.train import tiny as trainer_tiny
 
 HLO = """HloModule jit_step
 

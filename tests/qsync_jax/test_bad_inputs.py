@@ -108,7 +108,7 @@ def test_a_misspelled_rule_behind_a_default_is_named_by_quantize_train_plan_and_
   from planners.inputs import check_profiles_fit
   from qsync_jax.train.trainer import check_plan_matches_model
   from tests.planners.fakes import fake_profile
-  from tests.trainer.tiny import make_task
+  from tests.qsync_jax.train.tiny import make_task
 
   misspelled = {"rules": [{"path": "Dnse_1", "policy": "fp32"}], "__default__": "bf16"}
   x = jax.random.normal(jax.random.key(0), (2, 2))
