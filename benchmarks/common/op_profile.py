@@ -15,6 +15,7 @@ from planners.ops import OpShape, collect_ops
 from planners.profile import Profile
 from planners.profiler import timing
 from planners.profiler.measure import memory_sizes
+from qsync_jax.train.train_step import init_variables
 
 
 def build(name: str, tiny: bool):
@@ -27,7 +28,7 @@ def build(name: str, tiny: bool):
 
 def model_ops(task, data) -> tuple[list[OpShape], int]:
   """The model's quantizable ops at this batch and its parameter bytes (fp32)."""
-  variables = jax.eval_shape(lambda: timing.init_variables(task, data))
+  variables = jax.eval_shape(lambda: init_variables(task, 0, data)[0])
   ops = collect_ops(
     task.model, variables, *task.inputs(data), **task.train_kwargs, mutable=task.mutable or False
   )
@@ -40,7 +41,7 @@ def traced_memory(task, data) -> dict[str, int]:
   temporaries) is 0: ``qsync profile`` fits it to a compiled step, and the only compiler at hand
   here is the CPU's, whose unfused fp32 attention keeps tens of GB a GPU never holds."""
   optimizer = timing.default_optimizer()
-  variables = jax.eval_shape(lambda: timing.init_variables(task, data))
+  variables = jax.eval_shape(lambda: init_variables(task, 0, data)[0])
   return memory_sizes(variables["params"], jax.eval_shape(optimizer.init, variables["params"]), data)
 
 

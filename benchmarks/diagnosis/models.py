@@ -55,6 +55,7 @@ from planners.profiler.measure import measure_profile, task_ops
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.train.train_step import init_variables
 
 RESULTS = results_path("models")
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
@@ -76,7 +77,7 @@ def evaluation_policies(op_names, mixed: bool) -> dict[str, PrecisionPolicy]:
 def qsync_policy(task, prof, batch_size: int, say) -> PrecisionPolicy:
   """The allocator's plan for an inference group next to a bf16 training group (same GPU)."""
   batch = timing.device_batch(task, batch_size)
-  variables = timing.init_variables(task, batch, 0)
+  variables = init_variables(task, 0, batch)[0]
   stream = task.train_batches(batch_size, 2)
   t0 = time.perf_counter()
   omega = compute(task, variables, [next(stream) for _ in range(2)], ("gradient",), ("int8", "bf16"))

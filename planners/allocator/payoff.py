@@ -67,6 +67,7 @@ from qsync_jax.devices import device_type_of, supported_precisions
 from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import PRESETS, OpPolicy
+from qsync_jax.train.train_step import init_variables
 
 CANDIDATE_KINDS = ("dense", "dense_general", "conv", "einsum", "embed_attend")
 """Op kinds ``auto_policy`` may quantize."""
@@ -404,7 +405,7 @@ def auto_policy(
 def traced_ops(task, batch, seed: int) -> tuple[OpShape, ...]:
   """The quantizable ops of ``task``'s training-mode ``apply`` on ``batch`` (``collect_ops`` on
   abstract variables: traced, nothing computed)."""
-  variables = jax.eval_shape(lambda b: timing.init_variables(task, b, seed), batch)
+  variables = jax.eval_shape(lambda b: init_variables(task, seed, b)[0], batch)
   kwargs = {**task.train_kwargs, **({"mutable": list(task.mutable)} if task.mutable else {})}
   keys = jax.random.split(jax.random.key(seed), len(task.rng_streams))
   kwargs["rngs"] = dict(zip(task.rng_streams, keys))
@@ -431,7 +432,7 @@ def _search(task, batch, ops, candidates, omega, s: _Settings, say) -> AutoPolic
   candidate sets and their interleaved whole-step timing, and the choice."""
   base, presets, budget = s.base, s.presets, s.budget
   clock = timing.default_step_clock()
-  variables = timing.init_variables(task, batch, s.seed)
+  variables = init_variables(task, s.seed, batch)[0]
   programs = Programs(task, ops, lambda chosen: policy_of(ops, base, chosen), batch, variables, say)
   calls = sum(op.calls for op in ops)
   shared = f" ({calls} calls: a module called more than once is one op)" if calls != len(ops) else ""

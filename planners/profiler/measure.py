@@ -35,6 +35,7 @@ from planners.profiler.step_hlo import forward_headroom, per_op_ms
 from qsync_jax.devices import device_type_of, supported_precisions
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import LEGS, PRESETS, QUANTIZED_PRECISIONS, OpPolicy
+from qsync_jax.train.train_step import init_variables
 
 
 def versions() -> dict[str, str]:
@@ -62,7 +63,7 @@ def task_ops(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, tupl
   """``(batch, variables, ops)``: a training batch of ``task``, its initial variables and the
   quantizable ops its training-mode ``apply`` calls (``collect_ops``; traced, not run)."""
   batch = timing.device_batch(task, batch_per_device, seed)
-  variables = timing.init_variables(task, batch, seed)
+  variables = init_variables(task, seed, batch)[0]
   return batch, variables, _train_ops(task, variables, batch, seed)
 
 
@@ -77,7 +78,7 @@ def task_shapes(task, batch_per_device: int, seed: int = 0) -> tuple[Any, Any, t
   ops = []
 
   def variables_and_ops(batch):
-    variables = timing.init_variables(task, batch, seed)
+    variables = init_variables(task, seed, batch)[0]
     ops.extend(_train_ops(task, variables, batch, seed))
     return variables
 
@@ -103,7 +104,7 @@ def step_memory(task, batch, ops, seed: int = 0, preset: str = "fp32") -> tuple[
   """``(XLA peak bytes, forward headroom)`` of the training step of ``task`` on ``batch`` (arrays
   or their shapes) under the uniform ``preset``, compiled (not run) on the local device."""
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-  variables = jax.eval_shape(lambda b: timing.init_variables(task, b, seed), batch)
+  variables = jax.eval_shape(lambda b: init_variables(task, seed, b)[0], batch)
   built = timing.build_train_step(
     task, PrecisionPolicy.uniform(preset), batch, seed=seed, variables=variables
   )

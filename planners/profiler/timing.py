@@ -29,7 +29,7 @@ from qsync_jax.errors import PlanError
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.train.task import Task
 from qsync_jax.train.task_step import task_loss
-from qsync_jax.train.train_step import init_variables as trainer_init_variables
+from qsync_jax.train.train_step import init_variables
 
 
 def default_optimizer() -> optax.GradientTransformation:
@@ -44,11 +44,6 @@ def tree_bytes(tree) -> int:
 def device_batch(task: Task, batch_size: int, seed: int = 1):
   """The first training batch of ``task`` at ``batch_size`` (drawn with ``seed``), as device arrays."""
   return jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(batch_size, seed)))
-
-
-def init_variables(task: Task, batch, seed: int = 0):
-  """The task's fp32 model variables for ``seed``, as the trainer initialises them."""
-  return trainer_init_variables(task, seed, batch)[0]
 
 
 def apply_optimizer(optimizer: optax.GradientTransformation, params, grads, opt_state):
@@ -126,10 +121,10 @@ def build_train_step(
   variables=None,
 ) -> BuiltStep:
   """The training step on ``batch`` compiled with XLA ``compiler_options`` (None: the defaults),
-  from ``variables`` (default ``init_variables(task, batch, seed)``). ``batch`` and ``variables``
+  from ``variables`` (default ``qsync_jax.train.train_step.init_variables(task, seed, batch)[0]``). ``batch`` and ``variables``
   may be ``jax.ShapeDtypeStruct`` trees: then only ``compiled`` (not ``run``) is of use."""
   optimizer = optimizer or default_optimizer()
-  variables = init_variables(task, batch, seed) if variables is None else variables
+  variables = init_variables(task, seed, batch)[0] if variables is None else variables
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(variables)):
     opt_state = jax.eval_shape(optimizer.init, variables["params"])
   else:

@@ -12,6 +12,7 @@ from planners.profiler import step_hlo, timing
 from planners.profiler.hlo import entry_instructions
 from planners.profiler.measure import op_leg_ms, task_ops
 from qsync_jax.policy import PrecisionPolicy
+from qsync_jax.train.train_step import init_variables
 from tests.planners import tiny
 from tests.qsync_jax.train import tiny as trainer_tiny
 
@@ -168,7 +169,7 @@ def test_keys_that_only_the_gradient_legs_read_are_charged_to_the_backward():
 def test_op_leg_ms_charges_the_int8_steps_instructions_to_every_op_and_leg():
   task = tiny.mlp()
   batch = jax.tree_util.tree_map(jnp.asarray, next(task.train_batches(16, 0)))
-  ops = collect_ops(task.model, timing.init_variables(task, batch), *task.inputs(batch))
+  ops = collect_ops(task.model, init_variables(task, 0, batch)[0], *task.inputs(batch))
   got = op_leg_ms(task, PrecisionPolicy.uniform("int8"), batch, ops, repeats=3)
   assert set(got) == {op.name for op in ops}
   assert all(legs["fwd"] > 0 and legs["bwd"] > 0 for legs in got.values())
