@@ -9,7 +9,7 @@ Builders (each returns a ``qsync_jax.Task``):
   sequence length: byte-level on the Python standard library's source (``vocab=None``,
   ``examples.tasks.language.stdlib_lm``) or on uniform random tokens of ``vocab``
   (``synthetic_lm``);
-* ``llama`` — a Llama-style LM (``LlamaLM``: RMSNorm, attention and SwiGLU without biases) on
+* ``llama`` — the examples' ``TransformerLM`` with Llama-style blocks (RMSNorm, attention and SwiGLU without biases) on
   uniform random tokens;
 * ``resnet`` — the examples' ResNet on scikit-learn digits (``image_size=None``) or on random
   images of ``image_size`` (``resnet_synthetic``); ``vgg`` — the examples' VGG on digits;
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -39,6 +38,7 @@ import numpy as np
 import optax
 
 from examples.data import digits
+from examples.models.transformer import TransformerLM
 from examples.tasks.language import (
   SyntheticLMConfig,
   lm_inputs,
@@ -126,68 +126,12 @@ def gpt(
   return task if dtype is None else with_dtype(task, dtype)
 
 
-class LlamaBlock(nn.Module):
-  """A Llama-style block: RMSNorm, attention without biases, RMSNorm, a SwiGLU MLP of ``ffn``
-  (``down(silu(gate(h)) * up(h))``, no biases)."""
-
-  d_model: int
-  num_heads: int
-  ffn: int
-  dtype: jnp.dtype | None = None
-
-  @nn.compact
-  def __call__(self, x, mask):
-    h = nn.RMSNorm(dtype=self.dtype, name="norm1")(x)
-    h = nn.MultiHeadDotProductAttention(
-      num_heads=self.num_heads,
-      qkv_features=self.d_model,
-      use_bias=False,
-      dtype=self.dtype,
-      deterministic=True,
-      name="attn",
-    )(h, mask=mask)
-    x = x + h
-    h = nn.RMSNorm(dtype=self.dtype, name="norm2")(x)
-    gate = nn.Dense(self.ffn, use_bias=False, dtype=self.dtype, name="gate")(h)
-    up = nn.Dense(self.ffn, use_bias=False, dtype=self.dtype, name="up")(h)
-    return x + nn.Dense(self.d_model, use_bias=False, dtype=self.dtype, name="down")(nn.silu(gate) * up)
-
-
-class LlamaLM(nn.Module):
-  """Token ids int[B, T] → logits float32[B, T, vocab]: token embedding plus learned positions
-  (in place of rotary embeddings), ``num_layers`` ``LlamaBlock``s, a final RMSNorm and a head
-  without bias."""
-
-  vocab_size: int
-  d_model: int
-  num_heads: int
-  num_layers: int
-  ffn: int
-  max_len: int
-  dtype: jnp.dtype | None = None
-
-  @nn.compact
-  def __call__(self, tokens):
-    x = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens)
-    positions = jnp.cumsum(jnp.ones_like(tokens), axis=-1) - 1
-    x = x + nn.Embed(self.max_len, self.d_model, name="pos_embed")(positions)
-    mask = nn.make_causal_mask(tokens)
-    for i in range(self.num_layers):
-      x = LlamaBlock(self.d_model, self.num_heads, self.ffn, self.dtype, name=f"block{i}")(x, mask)
-    x = nn.RMSNorm(dtype=self.dtype, name="norm_f")(x)
-    return nn.Dense(self.vocab_size, use_bias=False, dtype=self.dtype, name="head")(x).astype(jnp.float32)
-
-
-def llama_ffn(width: int) -> int:
-  """Llama's SwiGLU width: 8/3 of ``width`` rounded up to a multiple of 256 (11008 at 4096)."""
-  return 256 * math.ceil(8 * width / 3 / 256)
-
-
 def llama(width: int, depth: int, heads: int, seq: int, vocab: int, dtype=None) -> Task:
-  """``LlamaLM`` of ``depth`` blocks of ``width`` (``heads`` heads, SwiGLU of ``llama_ffn``) on
+  """The examples' ``TransformerLM`` with Llama-style blocks (``block="llama"``: RMSNorm, a SwiGLU
+  MLP of ``swiglu_hidden(width)``, no biases) of ``depth`` blocks of ``width`` (``heads`` heads) on
   uniform random tokens of a ``vocab``-sized vocabulary, sequences of ``seq``."""
   cfg = SyntheticLMConfig(vocab_size=vocab, d_model=width, num_heads=heads, num_layers=depth, seq_len=seq)
-  model = LlamaLM(vocab, width, heads, depth, llama_ffn(width), seq, dtype)
+  model = TransformerLM(vocab, width, heads, depth, seq, dtype, block="llama")
   return Task("llama_synthetic", model, lm_inputs, lm_loss, functools.partial(uniform_token_batches, cfg))
 
 
