@@ -205,17 +205,22 @@ def _overrides(items: list[str], flag: str = "--set", example: str = "hidden=64"
   return out
 
 
-def _optimizer(args: argparse.Namespace):
-  from qsync_jax.train.optimizers import make_optimizer
-
-  return make_optimizer(
-    args.optimizer,
-    args.lr,
-    args.schedule,
+def _optimizer_options(args: argparse.Namespace) -> dict:
+  """The arguments of ``make_optimizer`` / ``check_optimizer_options`` the flags give."""
+  return dict(
+    name=args.optimizer,
+    lr=args.lr,
+    schedule=args.schedule,
     warmup_steps=args.warmup_steps,
     total_steps=args.steps,
     weight_decay=args.weight_decay,
   )
+
+
+def _optimizer(args: argparse.Namespace):
+  from qsync_jax.train.optimizers import make_optimizer
+
+  return make_optimizer(**_optimizer_options(args))
 
 
 def _sync(name: str | None, items: list[str]) -> tuple[str | None, dict]:
@@ -381,14 +386,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
         "--accuracy-budget applies to --plan auto alone. Fix: pass --plan auto, or leave --accuracy-budget out."
       )
     parse_budget(args.accuracy_budget, "--accuracy-budget")
-  check_optimizer_options(
-    args.optimizer,
-    args.lr,
-    args.schedule,
-    warmup_steps=args.warmup_steps,
-    total_steps=args.steps,
-    weight_decay=args.weight_decay,
-  )
+  check_optimizer_options(**_optimizer_options(args))
   if args.plan == AUTO and args.num_processes > 1:
     raise QsyncError(
       "--plan auto measures one host's device and cannot run in a multi-process job (each process would "
