@@ -14,7 +14,7 @@ def _files(tmp_path, sync):
   cluster, plan = tmp_path / "c.json", tmp_path / "plan.json"
   ClusterSpec((DeviceGroup("a", "A100", 4, 40, 2), DeviceGroup("t", "T4", 4, 16, 1))).save(str(cluster))
   plan.write_text(json.dumps({"policies": {}, "optimizer_update": "replicated", "sync": sync}))
-  return ["--model", "tests.trainer.tiny:make_task", "--cluster", str(cluster), "--plan", str(plan)]
+  return ["--model", "tests.qsync_jax.train.tiny:make_task", "--cluster", str(cluster), "--plan", str(plan)]
 
 
 class Stop(Exception):
@@ -49,7 +49,7 @@ def test_train_refuses_a_sync_the_plan_contradicts_before_any_work(tmp_path, cap
 def test_the_trainer_refuses_a_sync_its_plan_contradicts():
   from qsync_jax.errors import PlanError
   from qsync_jax.plan import Plan
-  from tests.trainer.tiny import make_task
+  from tests.qsync_jax.train.tiny import make_task
 
   cluster = ClusterSpec((DeviceGroup("a", "A100", 4, 40, 2), DeviceGroup("t", "T4", 4, 16, 1)))
   with pytest.raises(PlanError, match="'fp16' contradicts the plan's sync 'bf16'"):
