@@ -68,6 +68,14 @@ class Summary:
     return [first, second, f"modeled: {self.limits.line()}"]
 
 
+def baseline_label(base, chosen) -> str:
+  """The best baseline's name, with its gradient sync where it is not the plan's, and marked a
+  reference where the plan's own search did not contain it (``Candidate.reference``): what the
+  user would switch on to get it."""
+  label = base.name if base.sync == chosen.sync else f"{base.name}, {base.sync} gradient sync"
+  return f"{label} (reference: not in this plan's search)" if base.reference else label
+
+
 def summarize(chosen, candidates, search, prediction) -> Summary:
   """The ``Summary`` of ``chosen`` among ``candidates`` (``joint_plan``'s), ``prediction`` its
   ``planners.predictor.replay.predict``."""
@@ -79,7 +87,7 @@ def summarize(chosen, candidates, search, prediction) -> Summary:
     headroom = (plan - base.samples_per_s) / (bound - base.samples_per_s)
   return Summary(
     samples_per_s=plan,
-    baseline=None if base is None else base.name,
+    baseline=None if base is None else baseline_label(base, chosen),
     baseline_samples_per_s=None if base is None else base.samples_per_s,
     gain=None if base is None else plan / base.samples_per_s,
     bound_samples_per_s=bound,

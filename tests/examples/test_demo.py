@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from examples import demo
+from planners.allocator import summary
 from planners.allocator.bound import BASELINES
 from planners.predictor.replay import Prediction
 from qsync_jax.errors import QsyncError
@@ -77,7 +78,9 @@ def test_pools_table_gives_the_gain_against_the_faster_baseline_and_the_bound():
     baselines = [p[n][2] for n in BASELINES if n in p and p[n][2].fits]
     best = max(baselines, key=lambda c: c.samples_per_s)
     chosen = p[p["joint"][0].predictions["chosen"]][2]
-    assert rows[name]["best baseline (modeled)"] == f"{best.name} ({best.samples_per_s:.0f})"
+    label = summary.baseline_label(best, chosen)  # its sync where not the plan's; a reference marked
+    assert rows[name]["best baseline (modeled)"] == f"{label} ({best.samples_per_s:.0f})"
+    assert label.startswith(best.name) and ("reference" in label) == best.reference
     assert rows[name]["gain (modeled)"] == f"{chosen.samples_per_s / best.samples_per_s:.2f}×"
     assert float(rows[name]["bound (modeled)"]) >= chosen.samples_per_s * (1 - 1e-9)
 
