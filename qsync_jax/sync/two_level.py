@@ -94,7 +94,9 @@ def tree_reduce_pairs(group_sizes: Sequence[int], r: int) -> tuple[tuple[int, in
   )
 
 
-def two_level_allreduce(tree, group_sizes: Sequence[int], axis_name: str = AXIS, *, bucket_bytes=None):
+def two_level_allreduce(
+  tree, group_sizes: Sequence[int], axis_name: str = AXIS, *, bucket_bytes: int | None = None
+):
   """Sum over ``axis_name`` of every leaf of ``tree`` (as fp32) in two levels, bucket by bucket;
   see module doc.
 

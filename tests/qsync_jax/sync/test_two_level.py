@@ -114,6 +114,8 @@ def test_hlo_is_point_to_point():
 def test_bad_inputs_are_named():
   with pytest.raises(QsyncError, match="group_sizes"):
     two_level_sync((2, 0))
+  with pytest.raises(QsyncError, match="bucket_bytes=0 is not a positive number of bytes. Fix: pass an int"):
+    two_level_sync((2, 2), bucket_bytes=0)
   with pytest.raises(QsyncError, match="covers 4 devices but axis 'data' has 8"):
     mesh = Mesh(np.asarray(jax.devices()), ("data",))
     fn = shard_map(lambda x: two_level_allreduce(x, (2, 2)), mesh=mesh, in_specs=P("data"), out_specs=P())
