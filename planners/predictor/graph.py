@@ -27,11 +27,13 @@ remainder (forward, backward) → for each op in reverse: [cast] → dlhs → dr
     group's backward is done, each group runs the sync's passes before the collective (a
     ``sync`` node on its compute stream), one shared node runs its collectives over the whole
     gradient, each group runs the passes after it, then its whole optimizer update. No overlap.
-  - ``two_level`` (+ ``replicated``): once every group's backward is done, the whole gradient is
-    reduced inside every group by a tree (an ``intra reduce`` node), all-reduced among the
-    group leaders (``inter all-reduce``), broadcast back inside every group (``intra
-    broadcast``), each a shared node over all of the comm's groups; then each group runs the
-    whole optimizer update. No overlap.
+  - ``two_level`` (+ ``replicated``): the same buckets (the trainer's two-level sum packs its
+    own, ``replay.comm_for``), each reduced inside every group by a tree (an ``intra reduce``
+    node), all-reduced among the group leaders (``inter all-reduce``) and broadcast back inside
+    every group (``intra broadcast``), each stage a shared node over all of the comm's groups.
+    A bucket's first stage starts when every group's backward has produced the bucket and after
+    the previous bucket's last stage, overlapping the rest of the backward; each group's
+    optimizer update of a bucket runs after that bucket's broadcast.
 
 A group's compute times are the profiled ones times ``GroupCost.compute_scale``: linear in its
 batch over the profiled batch, plus the profile's batch-independent share again for every
@@ -102,8 +104,9 @@ class Comm:
   ``flat``: ``n_devices`` in one ring over ``link_gbps`` (the slowest link the ring crosses), in
   buckets of ``bucket_bytes`` packed in ``bucket_order`` (``buckets``), all-reduced
   (``optimizer_update="replicated"``) or reduce-scattered and all-gathered (``"sharded"``).
-  ``two_level``: a tree inside each of ``groups`` over its ``intra_link_gbps`` and a ring of the
-  groups' leaders over ``leader_link_gbps``; replicated update only. Every collective (every
+  ``two_level``: per bucket (the same packing), a tree inside each of ``groups`` over its
+  ``intra_link_gbps`` and a ring of the groups' leaders over ``leader_link_gbps``; replicated
+  update only. Every collective (every
   round of a two-level stage) pays ``latency_us``. ``sync``: the gradient sync
   (``planners.predictor.payload``); one other than fp32 runs flat with the replicated update,
   as the trainer runs it."""
@@ -304,7 +307,7 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
 
   plan = buckets(groups[0].profile, comm.bucket_bytes, comm.bucket_order)
   if comm.reduction == "two_level":
-    _two_level(nodes, groups, comm, plan, last)
+    _two_level(nodes, groups, comm, plan, closing, last)
   elif comm.sync != "fp32":
     _whole_buffer(nodes, groups, comm, plan, last)
   else:
@@ -342,17 +345,8 @@ def _flat(nodes, groups, comm: Comm, plan, closing, last) -> None:
     )
   else:
     first = _bucket_collectives(nodes, plan, produced, "all-reduce", lambda s: allreduce_ms(s, n, link, lat))
-  total = sum(nbytes for _, nbytes in plan)
   share, label = (1 / n, "optimizer shard") if sharded else (1.0, "optimizer")
-  updated = []  # per group: the node index of its update of each bucket
-  for j, g in enumerate(groups):
-    prev, mine = (last[j],), []
-    for b, (_, nbytes) in enumerate(plan):
-      name = label if len(plan) == 1 else f"{label} (bucket {b})"
-      ms = g.profile.optimizer_ms * share * nbytes / total
-      prev = (_add(nodes, Node(name, "optimizer", g.name, "compute", ms, (*prev, first[b]))),)
-      mine.append(prev[0])
-    updated.append(mine)
+  updated = _bucket_updates(nodes, groups, plan, first, last, share, label)
   if sharded:
 
     def all_updated(b: int) -> tuple[int, ...]:
@@ -363,17 +357,42 @@ def _flat(nodes, groups, comm: Comm, plan, closing, last) -> None:
     )
 
 
-def _two_level(nodes, groups, comm: Comm, plan, last) -> None:
-  """The ``two_level`` stages on the whole gradient and each group's optimizer after them."""
+def _bucket_updates(nodes, groups, plan, reduced, last, share: float, label: str) -> list[list[int]]:
+  """Per group, one ``optimizer`` node per bucket of ``plan`` (``share`` of the bucket's part of
+  its ``optimizer_ms``), after the group's backward (``last``), its previous bucket's update and
+  the bucket's collective (``reduced``); the node indices, per group."""
   total = sum(nbytes for _, nbytes in plan)
-  size = f"{total / 2**20:.1f} MiB"
-  tree = tree_ms(total, comm.groups, comm.latency_us)
-  ring = round_ring_allreduce_ms(total, len(comm.groups), comm.leader_link_gbps, comm.latency_us)
-  prev = tuple(last)
-  for phase, ms in (("intra reduce", tree), ("inter all-reduce", ring), ("intra broadcast", tree)):
-    prev = (_add(nodes, Node(f"{phase} ({size})", "comm", SHARED, "comm", ms, prev, phase=phase)),)
+  updated = []
   for j, g in enumerate(groups):
-    _add(nodes, Node("optimizer", "optimizer", g.name, "compute", g.profile.optimizer_ms, (last[j], *prev)))
+    prev, mine = (last[j],), []
+    for b, (_, nbytes) in enumerate(plan):
+      name = label if len(plan) == 1 else f"{label} (bucket {b})"
+      ms = g.profile.optimizer_ms * share * nbytes / total
+      prev = (_add(nodes, Node(name, "optimizer", g.name, "compute", ms, (*prev, reduced[b]))),)
+      mine.append(prev[0])
+    updated.append(mine)
+  return updated
+
+
+def _two_level_stages(comm: Comm, nbytes: int) -> tuple[tuple[str, float], ...]:
+  """``(phase, ms)`` of the three two-level stages of one bucket of ``nbytes``."""
+  tree = tree_ms(nbytes, comm.groups, comm.latency_us)
+  ring = round_ring_allreduce_ms(nbytes, len(comm.groups), comm.leader_link_gbps, comm.latency_us)
+  return ("intra reduce", tree), ("inter all-reduce", ring), ("intra broadcast", tree)
+
+
+def _two_level(nodes, groups, comm: Comm, plan, closing, last) -> None:
+  """Per bucket of ``plan``, the three ``two_level`` stages, the first once every group has
+  produced the bucket and after the previous bucket's last stage; each group's update of a bucket
+  after its broadcast (module docstring)."""
+  done, prev = [], ()
+  for b, (i, nbytes) in enumerate(plan):
+    prev = tuple(closing[j][i] for j in range(len(groups))) + prev
+    for phase, ms in _two_level_stages(comm, nbytes):
+      name = f"{phase} bucket {b} ({nbytes / 2**20:.1f} MiB)"
+      prev = (_add(nodes, Node(name, "comm", SHARED, "comm", ms, prev, phase=phase)),)
+    done.append(prev[0])
+  _bucket_updates(nodes, groups, plan, done, last, 1.0, "optimizer")
 
 
 def _sync_costs(groups, comm: Comm, plan) -> tuple[float, list[tuple[float, float]]]:
@@ -510,15 +529,7 @@ def _flat_ends(groups, comm: Comm, plan, chains: Sequence[ChainTimes]) -> list[f
   for i, nbytes in plan:
     prev = max(max(c.closed[i] for c in chains), prev) + collective_ms(nbytes, n, link, lat)
     first.append(prev)
-  total = sum(nbytes for _, nbytes in plan)
-  share = 1 / n if sharded else 1.0
-  updated = []  # per group: the end of its update of each bucket
-  for g, chain in zip(groups, chains):
-    t, mine = chain.end, []
-    for (_, nbytes), reduced in zip(plan, first):
-      t = max(t, reduced) + g.profile.optimizer_ms * share * nbytes / total
-      mine.append(t)
-    updated.append(mine)
+  updated = _bucket_update_ends(groups, plan, chains, first, 1 / n if sharded else 1.0)
   ends = first + [t for mine in updated for t in mine]
   if sharded:
     prev = first[-1]
@@ -528,13 +539,28 @@ def _flat_ends(groups, comm: Comm, plan, chains: Sequence[ChainTimes]) -> list[f
   return ends
 
 
+def _bucket_update_ends(
+  groups, plan, chains: Sequence[ChainTimes], reduced, share: float
+) -> list[list[float]]:
+  """The end of every node ``_bucket_updates`` adds, per group (``reduced``: the collectives' ends)."""
+  total = sum(nbytes for _, nbytes in plan)
+  updated = []
+  for g, chain in zip(groups, chains):
+    t, mine = chain.end, []
+    for (_, nbytes), end in zip(plan, reduced):
+      t = max(t, end) + g.profile.optimizer_ms * share * nbytes / total
+      mine.append(t)
+    updated.append(mine)
+  return updated
+
+
 def _two_level_ends(groups, comm: Comm, plan, chains: Sequence[ChainTimes]) -> list[float]:
   """The end of every node ``_two_level`` adds, in the order it adds them."""
-  total = sum(nbytes for _, nbytes in plan)
-  tree = tree_ms(total, comm.groups, comm.latency_us)
-  ring = round_ring_allreduce_ms(total, len(comm.groups), comm.leader_link_gbps, comm.latency_us)
-  t, ends = max(c.end for c in chains), []
-  for ms in (tree, ring, tree):
-    t += ms
-    ends.append(t)
-  return ends + [max(c.end, t) + g.profile.optimizer_ms for g, c in zip(groups, chains)]
+  ends, done, t = [], [], -math.inf  # -inf: the first bucket has no previous one
+  for i, nbytes in plan:
+    t = max(max(c.closed[i] for c in chains), t)
+    for _, ms in _two_level_stages(comm, nbytes):
+      t += ms
+      ends.append(t)
+    done.append(t)
+  return ends + [t for mine in _bucket_update_ends(groups, plan, chains, done, 1.0) for t in mine]

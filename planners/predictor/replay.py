@@ -37,6 +37,7 @@ from planners.profile import GroupCost, Profile, profile_key
 from qsync_jax.cluster import ClusterSpec
 from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
+from qsync_jax.sync.two_level import BUCKET_BYTES as TWO_LEVEL_BUCKET_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,17 +156,21 @@ def comm_for(
   sync: str = "fp32",
 ) -> Comm:
   """The collectives of ``cluster`` (its running groups: a plan's ``apply_to``), each paying
-  ``latency_us``: ``flat``, one ring over all its devices on ``flat_ring_gbps``, in buckets
-  packed in ``bucket_order`` (``planners.predictor.graph.buckets``); ``two_level``, a tree inside
-  each group on its ``intra_group_gbps`` and a ring of the group leaders on the slowest
-  ``link_gbps``; ``sync`` the gradient sync (``planners.predictor.payload``). ``PlanError`` for
-  ``two_level`` with a ``sharded`` update, and for a sync other than fp32 with either."""
+  ``latency_us``: ``flat``, one ring over all its devices on ``flat_ring_gbps``, in buckets of
+  ``bucket_bytes`` packed in ``bucket_order`` (``planners.predictor.graph.buckets``);
+  ``two_level``, per bucket a tree inside each group on its ``intra_group_gbps`` and a ring of the
+  group leaders on the slowest ``link_gbps``, in the trainer's two-level buckets
+  (``qsync_jax.sync.two_level.BUCKET_BYTES`` in backward order, whatever ``bucket_bytes`` and
+  ``bucket_order`` say: they describe the flat all-reduce's); ``sync`` the gradient sync
+  (``planners.predictor.payload``). ``PlanError`` for ``two_level`` with a ``sharded`` update,
+  and for a sync other than fp32 with either."""
+  two_level = reduction == "two_level"
   return Comm(
     cluster.num_devices,
     flat_ring_gbps(cluster),
-    bucket_bytes,
+    TWO_LEVEL_BUCKET_BYTES if two_level else bucket_bytes,
     latency_us,
-    bucket_order,
+    "backward" if two_level else bucket_order,
     reduction,
     optimizer_update,
     tuple(GroupLink(g.count, g.intra_group_gbps) for g in cluster.groups),
@@ -191,8 +196,9 @@ def predict(
 ) -> Prediction:
   """Predicted step time and memory of ``plan`` on ``cluster``; see the module docstring.
   ``latency_us`` is the fixed cost of each collective (each round of a two-level stage);
-  ``bucket_order`` how the gradients are packed into buckets: ``"tree"`` by XLA's combiner
-  (the trainer's default), ``"backward"`` by an all-reduce with ``bucket_bytes``."""
+  ``bucket_order`` how the flat all-reduce's gradients are packed into buckets: ``"tree"`` by
+  XLA's combiner (the trainer's default), ``"backward"`` by an all-reduce with ``bucket_bytes``
+  (a two-level plan runs the trainer's own buckets, ``comm_for``)."""
   comm = comm_for(
     plan.apply_to(cluster),
     bucket_bytes,

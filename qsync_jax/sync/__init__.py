@@ -18,8 +18,8 @@ Two kinds, one registry (``STRATEGIES``, ``get_strategy(name)``):
   (``Trainer(..., grad_sync="selsync")``, ``qsync train --sync selsync``).
 
 A plan whose ``reduction`` is ``"two_level"`` makes the trainer sum the gradients with
-``two_level_allreduce`` (inside each device group, then across groups) in place of the default
-fp32 all-reduce.
+``two_level_allreduce`` (inside each device group, then across groups, in buckets of leaves in
+backward order) in place of the default fp32 all-reduce.
 
 ``Strategy.options`` lists the options a strategy takes by name (``--sync-option KEY=VALUE``);
 their types are those its ``Strategy.declared`` function or dataclass annotates, and

@@ -5,10 +5,11 @@ last layers' gradients first. The trainer therefore hands order-free syncs (ever
 one) the gradient leaves as a list in backward order. What that buys depends on who forms
 the collectives:
 
-* an all-reduce with ``bucket_bytes`` (``qsync_jax.sync.allreduce``) concatenates consecutive
-  leaves into its own buckets, so in backward order the first bucket completes after the last
-  layers' backward and can run while the earlier layers' backward does (PyTorch DDP's
-  reverse-order buckets, obtained from the program rather than from hooks);
+* an all-reduce with ``bucket_bytes`` (``qsync_jax.sync.allreduce``) and the two-level sum
+  (``qsync_jax.sync.two_level``) concatenate consecutive leaves into their own buckets, so in
+  backward order the first bucket completes after the last layers' backward and can run while
+  the earlier layers' backward does (PyTorch DDP's reverse-order buckets, obtained from the
+  program rather than from hooks);
 * without buckets each leaf is its own ``psum`` and XLA's all-reduce combiner packs them — in
   parameter-tree order whatever order they come in, so the compiled step holds the same
   collectives with the leaves in tree or in backward order (``docs/results.md`` times both

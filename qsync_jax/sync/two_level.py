@@ -1,10 +1,13 @@
-"""Two-level fp32 gradient sum: within each device group, then across groups.
+"""Two-level fp32 gradient sum: within each device group, then across groups, bucket by bucket.
 
 Devices on the ``data`` axis belong to groups that take them in order (group ``g`` holds
 ``group_sizes[g]`` consecutive devices; its first device is its *leader*). With ``n_g`` the
 size of group ``g``, ``n_max = max n_g``, ``G = len(group_sizes)`` and ``R = ceil(log2 n_max)``,
-``two_level_allreduce(tree, group_sizes)`` concatenates every leaf (as fp32) into one buffer of
-``S`` bytes and runs, with ``lax.ppermute`` over partial permutations only:
+``two_level_allreduce(tree, group_sizes, bucket_bytes=...)`` packs the leaves (as fp32, in their
+flattening order) into buckets of consecutive leaves of at most ``bucket_bytes`` bytes
+(``qsync_jax.sync.allreduce.pack``, as the flat all-reduce packs its buckets; ``None``: one
+bucket of every leaf), concatenates each bucket into one buffer of ``S`` bytes and runs on it,
+with ``lax.ppermute`` over partial permutations only:
 
 1. **tree reduce inside each group**, ``R`` rounds: in round ``r`` the member at position ``i``
    of its group with ``i % 2**(r+1) == 2**r`` sends its partial sum to position ``i - 2**r``,
@@ -17,20 +20,25 @@ size of group ``g``, ``n_max = max n_g``, ``G = len(group_sizes)`` and ``R = cei
 3. **tree broadcast inside each group**, the rounds of 1 in reverse (``r = R - 1 … 0``):
    position ``i`` with ``i % 2**(r+1) == 0`` sends the sum to ``i + 2**r``, which keeps it.
 
-Rounds: ``2 R + 2 (G - 1)``. Bytes per link: each tree edge of a group carries ``S`` once
-each way (phases 1 and 3; a device sends at most ``S`` in phase 1 and receives ``S`` in
-phase 3, a leader receives up to ``R·S`` in phase 1); each ring link between leaders carries
-``2 (G - 1) · ceil(S / G)`` (≈ ``2 S (G - 1) / G``). A flat ring all-reduce over all ``n``
-devices carries ``2 S (n - 1) / n`` on every link, the links between groups included.
+A bucket's rounds read only that bucket's leaves, so its sends can start as soon as they exist:
+the trainer (``two_level_sync``, ``leaf_order = "backward"``) hands the gradient leaves in the
+order the backward pass produces them (``qsync_jax.sync.order``), so the first buckets are the
+last layers' and XLA may run their sends while the earlier layers' backward runs.
+
+Rounds per bucket: ``2 R + 2 (G - 1)``. Bytes per link and bucket: each tree edge of a group
+carries ``S`` once each way (phases 1 and 3; a device sends at most ``S`` in phase 1 and
+receives ``S`` in phase 3, a leader receives up to ``R·S`` in phase 1); each ring link between
+leaders carries ``2 (G - 1) · ceil(S / G)`` (≈ ``2 S (G - 1) / G``). A flat ring all-reduce over
+all ``n`` devices carries ``2 S (n - 1) / n`` on every link, the links between groups included.
 
 The result equals ``lax.psum(tree, axis_name)`` (leaves as fp32) up to fp32 summation order,
 and is bit-for-bit the same on every device (phase 3 copies one buffer everywhere).
 
 Typing: ``ppermute`` results are typed *varying* under ``shard_map(check_vma=True)``, and jax
-has no communication-free cast from varying to invariant. So when the buffer is typed varying
+has no communication-free cast from varying to invariant. So when a bucket is typed varying
 over ``axis_name``, the result is typed invariant by ``all_gather_invariant`` of each device's
-``1/n`` slice of the (already identical) buffer: one all-gather over every device, the slow
-links included. The trainer's step avoids it: a two-level step runs under
+``1/n`` slice of the (already identical) bucket: one all-gather over every device per bucket,
+the slow links included. The trainer's step avoids it: a two-level step runs under
 ``shard_map(check_vma=False)``, where nothing is typed and no collective is added.
 """
 
@@ -46,7 +54,12 @@ from jax import lax
 
 from qsync_jax.errors import QsyncError
 from qsync_jax.ops.vma import vma
+from qsync_jax.sync.allreduce import pack
 from qsync_jax.sync.common import AXIS, all_gather_invariant, axis_size
+
+BUCKET_BYTES = 30 * 2**20
+"""The trainer's two-level bucket size (fp32 bytes): XLA:GPU's all-reduce combine threshold, the
+size of the flat all-reduce's buckets (``planners.predictor.graph`` prices both)."""
 
 
 def check_group_sizes(group_sizes: Sequence[int]) -> tuple[int, ...]:
@@ -81,13 +94,19 @@ def tree_reduce_pairs(group_sizes: Sequence[int], r: int) -> tuple[tuple[int, in
   )
 
 
-def two_level_allreduce(tree, group_sizes: Sequence[int], axis_name: str = AXIS):
-  """Sum over ``axis_name`` of every leaf of ``tree`` (as fp32) in two levels; see module doc.
+def two_level_allreduce(
+  tree, group_sizes: Sequence[int], axis_name: str = AXIS, *, bucket_bytes: int | None = None
+):
+  """Sum over ``axis_name`` of every leaf of ``tree`` (as fp32) in two levels, bucket by bucket;
+  see module doc.
 
   Equivalent to ``jax.tree.map(lambda g: lax.psum(g.astype(jnp.float32), axis_name), tree)``
-  up to fp32 summation order. Must run inside ``shard_map`` over ``axis_name``, whose size
-  must be ``sum(group_sizes)``."""
+  up to fp32 summation order. ``bucket_bytes``: the most fp32 bytes of consecutive leaves (in
+  flattening order) summed as one buffer (a larger leaf is a bucket of its own); ``None``: one
+  buffer of every leaf. Must run inside ``shard_map`` over ``axis_name``, whose size must be
+  ``sum(group_sizes)``."""
   sizes = check_group_sizes(group_sizes)
+  check_bucket_bytes(bucket_bytes)
   n = axis_size(axis_name)
   if n != sum(sizes):
     raise QsyncError(
@@ -97,18 +116,34 @@ def two_level_allreduce(tree, group_sizes: Sequence[int], axis_name: str = AXIS)
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     return tree
-  flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in leaves])
   index = lax.axis_index(axis_name)
-  flat = _tree_reduce(flat, sizes, axis_name)
-  flat = _leader_ring(flat, sizes, index, axis_name)
-  flat = _tree_broadcast(flat, sizes, index, axis_name)
-  if axis_name in vma(flat):
-    flat = _typed_invariant(flat, n, index, axis_name)
-  out, offset = [], 0
-  for x in leaves:
-    out.append(flat[offset : offset + x.size].reshape(x.shape))
-    offset += x.size
+  runs = (
+    [list(range(len(leaves)))] if bucket_bytes is None else pack([4 * x.size for x in leaves], bucket_bytes)
+  )
+  out = [None] * len(leaves)
+  for run in runs:
+    flat = jnp.concatenate([leaves[i].astype(jnp.float32).reshape(-1) for i in run])
+    flat = _tree_reduce(flat, sizes, axis_name)
+    flat = _leader_ring(flat, sizes, index, axis_name)
+    flat = _tree_broadcast(flat, sizes, index, axis_name)
+    if axis_name in vma(flat):
+      flat = _typed_invariant(flat, n, index, axis_name)
+    offset = 0
+    for i in run:
+      out[i] = flat[offset : offset + leaves[i].size].reshape(leaves[i].shape)
+      offset += leaves[i].size
   return jax.tree.unflatten(treedef, out)
+
+
+def check_bucket_bytes(bucket_bytes) -> None:
+  """``QsyncError`` naming the fix unless ``bucket_bytes`` is None or a positive int."""
+  if bucket_bytes is None:
+    return
+  if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+    raise QsyncError(
+      f"two-level reduction bucket_bytes={bucket_bytes!r} is not a positive number of bytes. "
+      f"Fix: pass an int, e.g. bucket_bytes={BUCKET_BYTES} (30 MiB), or None for one buffer."
+    )
 
 
 def _tree_reduce(flat, sizes, axis_name):
@@ -175,13 +210,19 @@ def check_two_level_sync(reduction: str, grad_sync) -> None:
   )
 
 
-def two_level_sync(group_sizes: Sequence[int], axis_name: str = AXIS):
+def two_level_sync(group_sizes: Sequence[int], axis_name: str = AXIS, bucket_bytes: int | None = None):
   """The trainer's ``SyncFn`` (``(weighted_local_grads, state, key) -> (grads, state)``) of
-  ``two_level_allreduce`` over groups of ``group_sizes`` devices (in device order)."""
+  ``two_level_allreduce`` over groups of ``group_sizes`` devices (in device order), in buckets of
+  ``bucket_bytes`` (default ``BUCKET_BYTES``). Its ``leaf_order`` is ``"backward"``: the trainer
+  hands it the gradient leaves as a list in the order the backward pass produces them, so each
+  bucket holds leaves the backward completes together."""
   sizes = check_group_sizes(group_sizes)
+  bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+  check_bucket_bytes(bucket_bytes)
 
   def sync(weighted_local_grads, sync_state, key):
     del key
-    return two_level_allreduce(weighted_local_grads, sizes, axis_name), sync_state
+    return two_level_allreduce(weighted_local_grads, sizes, axis_name, bucket_bytes=bucket_bytes), sync_state
 
+  sync.leaf_order = "backward"
   return sync

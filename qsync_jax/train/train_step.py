@@ -361,7 +361,7 @@ def make_train_step(
     )
   cluster, devices = plan.place(cluster, list(jax.devices() if devices is None else devices))
   mesh = Mesh(np.asarray(devices), (AXIS,))
-  if plan.reduction == "two_level":  # the two-level fp32 sum in place of the default psum
+  if plan.reduction == "two_level":  # the two-level fp32 sum (buckets in backward order) in place of the psum
     grad_sync = two_level_sync(tuple(g.count for g in cluster.groups))
   sync, sync_init, leaf_order = _split_sync(grad_sync if grad_sync is not None else psum_sync)
   if loss_scale is None:

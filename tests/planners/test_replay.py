@@ -17,6 +17,7 @@ from qsync_jax.errors import PlanError
 from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
+from qsync_jax.sync.two_level import BUCKET_BYTES as TWO_LEVEL_BUCKET_BYTES
 from tests.planners.fakes import fake_profile
 
 # 156250 fp32 weights = 625000 bytes; 2 devices over 1 Gbit/s: 2·(1/2)·625000·8/1e9 s = 5 ms.
@@ -313,21 +314,64 @@ def test_two_level_beats_flat_with_fast_links_inside_groups_of_several_devices()
   # flat: each bucket over 8 devices at 1 Gbit/s, 2·(7/8)·5 ms = 8.75 ms; bucket 0 after B's drhs
   # (7 ms): [7, 15.75], [15.75, 24.5], the last optimizer half after it
   assert pred["flat"].step_ms == pytest.approx(24.5 + 0.5)
-  # two_level, after the backward (10 ms), on the whole 1.25e6 B: trees of 2 rounds at 24 Gbit/s
-  # (2 x 0.41667 ms) each side of the leaders' ring (2 rounds of 5 ms), then the optimizer
+  # two_level, in the trainer's 30 MiB buckets (whatever predict's bucket_bytes: they are the flat
+  # all-reduce's): one bucket of the whole 1.25e6 B after the backward (10 ms): trees of 2 rounds
+  # at 24 Gbit/s (2 x 0.41667 ms) each side of the leaders' ring (2 rounds of 5 ms), then the optimizer
   tree = 2 * 1.25e6 * 8 / 24e9 * 1e3
   assert pred["two_level"].comm_ms_by_phase == pytest.approx(
     {"intra reduce": tree, "inter all-reduce": 10.0, "intra broadcast": tree}
   )
   assert pred["two_level"].step_ms == pytest.approx(10.0 + 2 * tree + 10.0 + 1.0)
   assert pred["two_level"].step_ms < pred["flat"].step_ms
-  # nothing of two_level overlaps the backward; flat hides 3 ms under A's drhs, 0.5 ms under
+  # two_level's one bucket overlaps nothing of the backward; flat hides 3 ms under A's drhs, 0.5 ms under
   # the optimizer of bucket 0
   assert pred["two_level"].exposed_comm_ms == pytest.approx({"a": 2 * tree + 10.0, "b": 2 * tree + 10.0})
   assert pred["flat"].exposed_comm_ms["a"] == pytest.approx(17.5 - 3.0 - 0.5)
   # with the default latency too
   pred = _reductions(_nvlink_pair(4), latency_us=10.0)
   assert pred["two_level"].step_ms < pred["flat"].step_ms
+
+
+def test_two_level_runs_bucket_by_bucket_overlapping_the_backward():
+  """Two buckets (one per op): each bucket's three stages start once both groups have its
+  gradient and after the previous bucket's broadcast; each group's update of a bucket after its
+  broadcast. The fast replay (``sync_step_ms``) equals the graph's longest path."""
+  fast = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, optimizer_ms=1.0)
+  slow = fake_profile([(2, 4, 6), (2, 4, 6)], rhs_elems=ELEMS, optimizer_ms=2.0, device_type="slow")
+  groups = [GroupCost(n, p, _fp32(p), p.batch_per_device) for n, p in (("a", fast), ("b", slow))]
+  cluster = ClusterSpec(tuple(DeviceGroup(n, "cpu", 4, 1.0, 8, 1.0, 24.0) for n in ("a", "b")))
+  comm = dataclasses.replace(comm_for(cluster, reduction="two_level", latency_us=0.0), bucket_bytes=4 * ELEMS)
+  nodes = build_graph(groups, comm)
+  times = longest_path(nodes)
+  stages = [(n.name, t) for n, t in zip(nodes, times) if n.stream == "comm"]
+  assert [name for name, _ in stages] == [
+    f"{phase} bucket {b} (0.6 MiB)"
+    for b in (0, 1)
+    for phase in ("intra reduce", "inter all-reduce", "intra broadcast")
+  ]
+  tree = 2 * 625000 * 8 / 24e9 * 1e3  # 2 rounds of the bucket at 24 Gbit/s
+  # bucket 0 (op B) once the slow group's B drhs ends (2+2 fwd, 4+6 B bwd = 14 ms), while its A drhs
+  # runs [14, 20]: 5 ms of ring (2 rounds of 625000/2 B at 1 Gbit/s) between the trees
+  assert [x for _, t in stages[:3] for x in t] == pytest.approx(
+    [14.0, 14.0 + tree, 14.0 + tree, 19.0 + tree, 19.0 + tree, 19.0 + 2 * tree]
+  )
+  # bucket 1 (op A) after the slow group's backward (20 ms) and bucket 0's broadcast
+  start = max(20.0, 19.0 + 2 * tree)
+  assert stages[3][1][0] == pytest.approx(start)
+  assert stages[5][1][1] == pytest.approx(start + 5.0 + 2 * tree)
+  # each group updates a bucket (half its optimizer_ms) after that bucket's broadcast
+  updates = {(n.group, n.name): t for n, t in zip(nodes, times) if n.kind == "optimizer"}
+  assert list(updates[("a", "optimizer (bucket 0)")]) == pytest.approx([19.0 + 2 * tree, 19.5 + 2 * tree])
+  assert updates[("b", "optimizer (bucket 1)")][1] == pytest.approx(start + 5.0 + 2 * tree + 1.0)
+  assert sync_step_ms(groups, comm) == max(end for _, end in times)
+  assert comm.bucket_order == "backward"
+
+
+def test_two_level_takes_the_trainers_buckets():
+  cluster = _nvlink_pair(2)
+  comm = comm_for(cluster, 1000, bucket_order="tree", reduction="two_level")
+  assert (comm.bucket_bytes, comm.bucket_order) == (TWO_LEVEL_BUCKET_BYTES, "backward")
+  assert (comm_for(cluster, 1000, bucket_order="tree").bucket_bytes, comm.bucket_bytes) == (1000, 30 * 2**20)
 
 
 def test_flat_beats_two_level_with_one_device_per_group():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from benchmarks.common.zoo import bert_profile
-from planners.predictor.graph import Comm, GroupLink, build_graph, longest_path, op_costs
+from planners.predictor.graph import Comm, GroupLink, buckets, build_graph, longest_path, op_costs
 from planners.predictor.modeled import modeled_profile
 from planners.predictor.replay import sync_step_ms
 from planners.profile import GroupCost
@@ -72,10 +72,13 @@ def fake_groups(rng, n_groups: int, n_ops: int) -> list[GroupCost]:
 @pytest.mark.parametrize("order", ORDERS)
 def test_fast_step_equals_graph_on_random_fake_profiles(reduction, update, order):
   rng = np.random.default_rng([SEED, MODES.index((reduction, update)), ORDERS.index(order)])
+  several = 0  # trials whose gradient runs in more than one bucket (one set of collectives each)
   for trial in range(25):
     groups = fake_groups(rng, n_groups=2 + trial % 3, n_ops=int(rng.integers(2, 9)))
     comm = comm_of(groups, rng, reduction, update, order)
     assert sync_step_ms(groups, comm) == graph_step_ms(groups, comm)
+    several += len(buckets(groups[0].profile, comm.bucket_bytes, comm.bucket_order)) > 1
+  assert several >= 10
 
 
 def test_fast_step_equals_graph_on_bert_base():
