@@ -373,7 +373,9 @@ class Evaluator:
   def training_step_ms(self) -> float:
     p = self.problem
     training = [g for i, g in enumerate(p.groups) if i not in p.inference]
-    return sync_step_ms(training, self.comm, self.cost) if training else 0.0
+    # beside inference groups the step is a switch over branches: no bucket leaves it early
+    together = True if p.inference else None
+    return sync_step_ms(training, self.comm, self.cost, together) if training else 0.0
 
   def omega(self, assignment: Assignment) -> float:
     """QSync's Σ Ω of the inference groups' ops at their levels, plus each training group's

@@ -314,5 +314,6 @@ class Search:
     key = ("alone", gi, b, row, mask)
     if key not in self._steps:
       self.replays += 1
-      self._steps[key] = sync_step_ms([self.group_at(gi, b, row)], self.comm(mask), self.ev.cost)
+      together = True if sum(mask) > 1 else None  # a group beside others runs in a switch branch
+      self._steps[key] = sync_step_ms([self.group_at(gi, b, row)], self.comm(mask), self.ev.cost, together)
     return self._steps[key]

@@ -35,6 +35,10 @@ remainder (forward, backward) → for each op in reverse: [cast] → dlhs → dr
     the previous bucket's last stage, overlapping the rest of the backward; each group's
     optimizer update of a bucket runs after that bucket's broadcast.
 
+Where the groups run more than one branch of the trainer's step, or micro-steps
+(``gradients_together``), every bucket is ready only at its group's last backward node: the
+step's ``lax.switch`` / ``lax.scan`` returns all gradients at once, so nothing overlaps.
+
 A group's compute times are the profiled ones times ``GroupCost.compute_scale``: linear in its
 batch over the profiled batch, plus the profile's batch-independent share again for every
 micro-step after the first. ``longest_path`` gives
@@ -273,11 +277,15 @@ def _pack_buckets(profile: Profile, bucket_bytes: int, order: str) -> list[tuple
   return out
 
 
-def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[Node]:
+def build_graph(
+  groups: Sequence[GroupCost], comm: Comm, cost_fn=None, together: bool | None = None
+) -> list[Node]:
   """The step graph of all ``groups`` with their shared all-reduce; see the module docstring.
 
   ``cost_fn(group, op_index)`` defaults to ``op_costs`` (a caller replaying many plans may
-  pass a memoized one)."""
+  pass a memoized one). ``together``: whether every gradient bucket is ready only at the end of
+  its group's backward (default ``gradients_together(groups)``; a caller pricing part of a
+  larger step passes the whole step's)."""
   cost_fn = cost_fn or op_costs
   nodes: list[Node] = []
   closing = []  # per group: {op index: node index of its drhs}
@@ -305,6 +313,10 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
     closing.append(drhs_nodes)
     last.append(prev[0])
 
+  if (
+    gradients_together(groups) if together is None else together
+  ):  # buckets leave the switch / scan at its end
+    closing = [dict.fromkeys(drhs_nodes, end) for drhs_nodes, end in zip(closing, last)]
   plan = buckets(groups[0].profile, comm.bucket_bytes, comm.bucket_order)
   if comm.reduction == "two_level":
     _two_level(nodes, groups, comm, plan, closing, last)
@@ -313,6 +325,26 @@ def build_graph(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> list[N
   else:
     _flat(nodes, groups, comm, plan, closing, last)
   return nodes
+
+
+def gradients_together(groups: Sequence[GroupCost]) -> bool:
+  """Whether the trainer's step produces every gradient leaf at once, at the end of each device's
+  backward: where its groups run more than one branch (``qsync_jax.train.branch``: distinct op
+  policies, per-device batches or micro-steps), each device's forward and backward is one branch
+  of a ``lax.switch``, and micro-steps run in a ``lax.scan``; a collective can start only once
+  the switch or the scan has returned all of its outputs."""
+  first = groups[0]
+  return first.micro_steps > 1 or any(
+    (g.batch_per_device, g.micro_steps, _resolved_policies(g))
+    != (first.batch_per_device, first.micro_steps, _resolved_policies(first))
+    for g in groups[1:]
+  )
+
+
+def _resolved_policies(group: GroupCost) -> tuple:
+  """Each op's policy as ``op_costs`` runs it (an op without one at its profile's float precision)."""
+  prof = group.profile
+  return tuple(group.op_policies.get(n) or OpPolicy.uniform(float_precision(prof)) for n in prof.op_names)
 
 
 def _add(nodes: list[Node], node: Node) -> int:
@@ -493,7 +525,7 @@ def memoized_chain_times(group: GroupCost, cost_fn) -> ChainTimes:
   return hit[1]
 
 
-def step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:
+def step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None, together: bool | None = None) -> float:
   """The synchronous step (ms) of ``groups`` sharing ``comm``: bit-for-bit
   ``max(end for _, end in longest_path(build_graph(groups, comm, cost_fn)))``, computed from each
   group's ``ChainTimes`` (memoized, ``memoized_chain_times``) and the shared collectives and
@@ -501,6 +533,8 @@ def step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:
   if not groups:
     raise ValueError("step_ms needs at least one group. Fix: pass the GroupCost of every group that runs.")
   chains = [memoized_chain_times(g, cost_fn or op_costs) for g in groups]
+  if gradients_together(groups) if together is None else together:
+    chains = [c._replace(closed=(c.end,) * len(c.closed)) for c in chains]
   plan = buckets(groups[0].profile, comm.bucket_bytes, comm.bucket_order)
   if comm.reduction == "two_level":
     tail = _two_level_ends

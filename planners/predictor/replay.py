@@ -27,6 +27,7 @@ from planners.predictor.graph import (
   Node,
   build_graph,
   chain_times,
+  gradients_together,
   longest_path,
   op_costs,
   step_ms,
@@ -179,11 +180,13 @@ def comm_for(
   )
 
 
-def sync_step_ms(groups: Sequence[GroupCost], comm: Comm, cost_fn=None) -> float:
+def sync_step_ms(
+  groups: Sequence[GroupCost], comm: Comm, cost_fn=None, together: bool | None = None
+) -> float:
   """The synchronous step time (ms) of ``groups`` sharing ``comm``: the longest path's end,
-  ``max(end for _, end in longest_path(build_graph(groups, comm, cost_fn)))`` bit-for-bit,
-  without building the graph (``planners.predictor.graph.step_ms``)."""
-  return step_ms(groups, comm, cost_fn)
+  ``max(end for _, end in longest_path(build_graph(groups, comm, cost_fn, together)))``
+  bit-for-bit, without building the graph (``planners.predictor.graph.step_ms``)."""
+  return step_ms(groups, comm, cost_fn, together)
 
 
 def predict(
@@ -209,13 +212,14 @@ def predict(
     sync=plan.sync or "fp32",
   )
   groups = group_costs(cluster, profiles, plan)
+  together = gradients_together(groups)
   nodes = build_graph(groups, comm)
   times = longest_path(nodes)
   by_phase = comm_ms_by_phase(nodes)
   shards = comm.n_devices if plan.optimizer_update == "sharded" else 1
   return Prediction(
     step_ms=max(end for _, end in times),
-    group_step_ms={g.name: sync_step_ms([g], comm) for g in groups},
+    group_step_ms={g.name: sync_step_ms([g], comm, together=together) for g in groups},
     group_compute_ms={
       g.name: sum(n.ms for n in nodes if n.group == g.name and n.stream == "compute") for g in groups
     },
