@@ -49,7 +49,7 @@ def plan_branches(cluster: ClusterSpec, plan: Plan) -> tuple[tuple[Branch, ...],
   specs: list[tuple[PrecisionPolicy, int, int]] = []
   group_branch = []
   for g in cluster.groups:
-    policy, k = plan.policy_for(g.name).for_device(g.device_type), plan.micro_steps_of(g.name)
+    policy, k = plan.policy_on(g), plan.micro_steps_of(g.name)
     key = (json.dumps(policy.to_json(), sort_keys=True), g.batch_per_device, k)
     if key not in keys:
       keys[key] = len(specs)
