@@ -201,7 +201,7 @@ def calibrated_profiles(
     taken = measured[g.name]
     at_policy = GroupMeasurement(taken.step, taken.at(policy.to_json()))  # a lifted group: its lifted points
     out[profile_key(g.device_type, g.name)] = calibrated_profile(
-      base, g.name, policy.resolve(base.op_names), at_policy, run, based_on
+      base, g.name, base.policies(plan.policy_on(g)), at_policy, run, based_on
     )
   return out
 

@@ -22,6 +22,7 @@ from typing import Any
 from planners.ops import OpShape
 from qsync_jax.errors import PlanError
 from qsync_jax.jsonio import parse_json, read_text, write_text_atomic
+from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.precision import OpPolicy
 
 FORMAT = "qsync-profile/1"
@@ -84,6 +85,12 @@ class Profile:
   @property
   def op_names(self) -> tuple[str, ...]:
     return tuple(o.name for o in self.ops)
+
+  def policies(self, policy: PrecisionPolicy) -> dict[str, OpPolicy | None]:
+    """The op policy ``policy`` gives each op of this profile, as ``quantize`` applies it: an op
+    no 8-bit kernel runs (``OpShape.runs_8bit``) skips a ``where_supported`` 8-bit rule. For a
+    plan's group: ``profile.policies(plan.policy_on(group))``."""
+    return policy.resolve(self.op_names, [o.name for o in self.ops if not o.runs_8bit])
 
   @property
   def key(self) -> str:

@@ -261,7 +261,7 @@ def check_memory(task, cluster, plan, optimizer) -> tuple:
       GroupCost(
         g.name,
         prof,
-        plan.policy_for(g.name).for_device(g.device_type).resolve(prof.op_names),
+        prof.policies(plan.policy_on(g)),
         g.batch_per_device,
       )
     )

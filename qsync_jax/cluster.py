@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from qsync_jax.devices import DEVICES
@@ -239,7 +239,12 @@ class ClusterSpec(JsonFile):
       return super().parse(text, source)
     yaml = _yaml(source)
     try:
-      return yaml.safe_load(text)
+      return yaml.load(text, Loader=_unique_key_loader(yaml))
+    except _DuplicateYamlKey as e:
+      raise ClusterSpecError(
+        f"{source} gives key {e.key!r} twice in one mapping (line {e.line}); YAML readers keep one of "
+        "the two silently. Fix: keep the one you mean and delete the other."
+      ) from None
     except yaml.YAMLError as e:
       raise ClusterSpecError(f"{source} is not valid YAML ({e}). Fix: correct the YAML syntax.") from None
 
@@ -287,6 +292,34 @@ def _group_from_json(i: int, obj: Any) -> DeviceGroup:
     return DeviceGroup(**obj)
   except ClusterSpecError as e:
     raise ClusterSpecError(f"{where}: {e}") from None
+
+
+class _DuplicateYamlKey(Exception):
+  def __init__(self, key: Any, line: int):
+    super().__init__(key)
+    self.key, self.line = key, line
+
+
+def _unique_key_loader(yaml):
+  """``yaml.SafeLoader`` that raises ``_DuplicateYamlKey`` for a key given twice in one mapping
+  (``safe_load`` keeps the last silently). Keys a merge (``<<: *anchor``) brings in may be
+  overridden, as YAML defines."""
+
+  class UniqueKeyLoader(yaml.SafeLoader):
+    def construct_mapping(self, node, deep=False):
+      seen = set()
+      for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+          continue
+        key = self.construct_object(key_node, deep=deep)
+        if not isinstance(key, Hashable):
+          continue  # SafeLoader refuses it next, naming the line
+        if key in seen:
+          raise _DuplicateYamlKey(key, key_node.start_mark.line + 1)
+        seen.add(key)
+      return super().construct_mapping(node, deep=deep)
+
+  return UniqueKeyLoader
 
 
 def _yaml(source: str):

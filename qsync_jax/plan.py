@@ -43,7 +43,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qsync_jax.cluster import ClusterSpec, assign_devices
+from qsync_jax.cluster import ClusterSpec, DeviceGroup, assign_devices
 from qsync_jax.errors import PlanError, PolicyError, UnsupportedPrecisionError
 from qsync_jax.jsonio import JsonFile, reject_unknown_keys
 from qsync_jax.policy import PrecisionPolicy
@@ -131,6 +131,12 @@ class Plan(JsonFile):
   def policy_for(self, group: str) -> PrecisionPolicy:
     """The group's policy; an empty policy (unmodified float model) when the plan has none."""
     return self.policies.get(group, PrecisionPolicy())
+
+  def policy_on(self, group: DeviceGroup) -> PrecisionPolicy:
+    """The policy ``group``'s devices run: ``policy_for(group.name)`` without the
+    ``where_supported`` rules its device type cannot run (``PrecisionPolicy.for_device``) — what
+    the trainer compiles for the group and what the planners cost."""
+    return self.policy_for(group.name).for_device(group.device_type)
 
   def validate_for(self, cluster: ClusterSpec) -> None:
     """Raises ``PlanError`` if the plan names unknown groups or a group's device can't run its policy."""

@@ -157,9 +157,12 @@ class PrecisionPolicy(JsonFile):
     used = {self.match(*split_op_name(n))[0] for n in op_names}
     return [rule for i, rule in enumerate(self.rules) if i not in used]
 
-  def resolve(self, op_names: Iterable[str]) -> dict[str, OpPolicy | None]:
-    """The op policy of every op (None = unmodified float op)."""
-    return {n: self.lookup_name(n) for n in op_names}
+  def resolve(self, op_names: Iterable[str], without_8bit: Iterable[str] = ()) -> dict[str, OpPolicy | None]:
+    """The op policy of every op (None = unmodified float op), as ``quantize`` looks it up:
+    ``without_8bit`` names the ops no 8-bit kernel runs (grouped and depthwise convolutions),
+    which a ``where_supported`` 8-bit rule skips."""
+    skipped = set(without_8bit)
+    return {n: self.lookup(*split_op_name(n), n not in skipped) for n in op_names}
 
   @property
   def is_fp32(self) -> bool:

@@ -213,7 +213,7 @@ def make_problem(
     op_names = op_names or prof.op_names
     if g.name in training:
       policy = training_group_policy(train_policy, train_ops.get(g.name, {}))
-      cost = GroupCost(g.name, prof, policy.resolve(prof.op_names), g.batch_per_device)
+      cost = GroupCost(g.name, prof, prof.policies(policy), g.batch_per_device)
       # the least any plan needs: one example per device, the optimizer state sharded over the cluster
       least = dataclasses.replace(cost, batch_per_device=1)
       need = memory_bytes(least, **memory_layout("sharded", cluster.num_devices))

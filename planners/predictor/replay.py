@@ -132,7 +132,7 @@ def group_costs(cluster: ClusterSpec, profiles: Mapping[str, Profile], plan: Pla
   out = []
   for g in cluster.groups:
     prof = profile_for(profiles, g.device_type, g.name)
-    policies = plan.policy_for(g.name).resolve(prof.op_names)
+    policies = prof.policies(plan.policy_on(g))
     out.append(GroupCost(g.name, prof, policies, g.batch_per_device, plan.micro_steps_of(g.name)))
   return out
 

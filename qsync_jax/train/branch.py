@@ -4,6 +4,8 @@ micro-steps — run on a device's rows of the global batch.
 * ``plan_branches(cluster, plan)``: the distinct branches of a plan and each device's branch;
 * ``device_switch(fns, device_branch)``: inside ``shard_map``, device ``i`` runs
   ``fns[device_branch[i]]`` (``lax.switch`` on a constant table indexed by ``lax.axis_index``);
+  ``branch_switch``: the same for functions that compute gradients, with their convolutions in
+  XLA:CPU's canonical order on the CPU (``canonical_convs``);
 * ``branch_signature(...)``: what every branch's output looks like — the task's metric names and
   the order in which the backward pass produces the gradient leaves — from one jaxpr of a
   micro-step's gradient, traced abstractly before ``shard_map``;
@@ -28,6 +30,7 @@ from qsync_jax.plan import Plan
 from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.sync.common import AXIS, is_float
 from qsync_jax.sync.order import backward_order
+from qsync_jax.train.canonical_convs import canonical_convs
 from qsync_jax.train.task import Task
 from qsync_jax.train.task_step import task_loss
 
@@ -49,7 +52,7 @@ def plan_branches(cluster: ClusterSpec, plan: Plan) -> tuple[tuple[Branch, ...],
   specs: list[tuple[PrecisionPolicy, int, int]] = []
   group_branch = []
   for g in cluster.groups:
-    policy, k = plan.policy_for(g.name).for_device(g.device_type), plan.micro_steps_of(g.name)
+    policy, k = plan.policy_on(g), plan.micro_steps_of(g.name)
     key = (json.dumps(policy.to_json(), sort_keys=True), g.batch_per_device, k)
     if key not in keys:
       keys[key] = len(specs)
@@ -73,6 +76,24 @@ def device_switch(fns: Sequence[Callable], device_branch: Sequence[int], axis_na
     return lax.switch(jnp.asarray(table)[lax.axis_index(axis_name)], list(fns), *args)
 
   return switched
+
+
+def branch_switch(
+  fns: Sequence[Callable],
+  branches: Sequence[Branch],
+  device_branch: Sequence[int],
+  platform: str,
+  axis_name: str = AXIS,
+) -> Callable:
+  """``device_switch(fns, device_branch)`` of ``fns[i]``, the gradient computation of
+  ``branches[i]``: on the CPU (``platform``), where a function sits in a ``lax.switch`` (several
+  branches) or a ``lax.scan`` (micro-steps), its convolutions are put in XLA:CPU's canonical order
+  (``canonical_convs``; XLA:CPU does so in the entry computation only). ``fns`` are not
+  differentiated further (the rewrite inlines ``custom_jvp`` rules)."""
+  nested = len(fns) > 1 or any(b.micro_steps > 1 for b in branches)
+  if nested and platform == "cpu":
+    fns = [canonical_convs(fn) for fn in fns]
+  return device_switch(fns, device_branch, axis_name)
 
 
 class BranchSignature(NamedTuple):

@@ -39,7 +39,7 @@ from qsync_jax.errors import QsyncError
 from qsync_jax.plan import Plan
 from qsync_jax.sync import get_strategy, make_step_strategy
 from qsync_jax.sync.common import AXIS
-from qsync_jax.train.branch import Branch, device_switch, plan_branches
+from qsync_jax.train.branch import Branch, branch_switch, device_switch, plan_branches
 from qsync_jax.train.step_plan import check_step_plan
 from qsync_jax.train.task import Task
 from qsync_jax.train.task_step import task_loss
@@ -54,16 +54,45 @@ class StrategyState(NamedTuple):
 
 
 def branch_loss_fn(
-  task: Task, branches: Sequence[Branch], device_branch: Sequence[int], axis_name: str = AXIS
+  task: Task,
+  branches: Sequence[Branch],
+  device_branch: Sequence[int],
+  platform: str = "cpu",
+  axis_name: str = AXIS,
 ):
   """``loss_fn(params, batch, key)`` for a strategy's ``shard_map``: each device runs its branch's
-  policy on the first ``batch_per_device`` rows of its (padded) shard."""
+  policy on the first ``batch_per_device`` rows of its (padded) shard.
 
-  def one(branch: Branch):
-    loss_fn, b = task_loss(task, branch.policy, params_only=True), branch.batch_per_device
-    return lambda params, batch, key: loss_fn(params, jax.tree.map(lambda x: x[:b], batch), key)
+  With several branches its gradient is each branch's own ``jax.value_and_grad``, computed in
+  the forward pass inside the device's switch (a ``custom_vjp`` whose backward scales it by the
+  cotangent): a branch holds its forward and backward together, as the hybrid step's do, and
+  ``branch_switch`` gives it XLA:CPU's canonical convolutions on ``platform == "cpu"``.
+  Differentiable once (what SelSync and QSDP take); equal to differentiating the switch."""
 
-  return device_switch([one(b) for b in branches], device_branch, axis_name)
+  def rows(branch: Branch, batch):
+    return jax.tree.map(lambda x: x[: branch.batch_per_device], batch)
+
+  def one(branch: Branch, grad: bool):
+    loss_fn = task_loss(task, branch.policy, params_only=True)
+    loss_fn = jax.value_and_grad(loss_fn) if grad else loss_fn
+    return lambda params, batch, key: loss_fn(params, rows(branch, batch), key)
+
+  losses = device_switch([one(b, False) for b in branches], device_branch, axis_name)
+  if len(branches) == 1:
+    return losses
+  value_and_grad = branch_switch(
+    [one(b, True) for b in branches], branches, device_branch, platform, axis_name
+  )
+
+  @jax.custom_vjp
+  def loss_fn(params, batch, key):
+    return losses(params, batch, key)
+
+  def backward(grads, cotangent):
+    return jax.tree.map(lambda g: g * cotangent.astype(g.dtype), grads), None, None
+
+  loss_fn.defvjp(value_and_grad, backward)
+  return loss_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +151,7 @@ def make_strategy_step(
     lambda s: init_variables(task, 0, s)[0]["params"], init_sample(host_batch, cluster, mesh)
   )
   shares = np.asarray(cluster.device_batch_sizes(), np.float64) / cluster.global_batch
-  loss_fn = branch_loss_fn(task, branches, device_branch)
+  loss_fn = branch_loss_fn(task, branches, device_branch, mesh.devices.flat[0].platform)
   strategy = make_step_strategy(
     name, loss_fn, optimizer, params, mesh, shares=list(shares), **(options or {})
   )

@@ -75,8 +75,7 @@ from qsync_jax.sync.order import from_order, in_order
 from qsync_jax.sync.qsdp import even_layout
 from qsync_jax.sync.two_level import two_level_sync
 from qsync_jax.train.batching import pad_shards, put_replicated, put_sharded
-from qsync_jax.train.branch import Branch, branch_run, branch_signature, device_switch, plan_branches
-from qsync_jax.train.canonical_convs import canonical_convs
+from qsync_jax.train.branch import Branch, branch_run, branch_signature, branch_switch, plan_branches
 from qsync_jax.train.loss_scale import DynamicLossScale, LossScaleState, NoLossScale
 from qsync_jax.train.optimizers import learning_rate_of
 from qsync_jax.train.sharded_update import (
@@ -488,19 +487,16 @@ class _StepFunction:
     return mapped(state, batch)
 
   def branch_runs(self, metric_names) -> Callable:
-    """``run(params, model_state, batch, key, scale)`` of this device's branch (``device_switch``);
-    on the CPU, a branch in a ``lax.switch`` or with micro-steps (a ``lax.scan``) has its
-    convolutions in XLA:CPU's canonical order (``canonical_convs``)."""
+    """``run(params, model_state, batch, key, scale)`` of this device's branch (``branch_switch``:
+    on the CPU, a branch in a ``lax.switch`` or with micro-steps has its convolutions in XLA:CPU's
+    canonical order)."""
     varying = (lambda t: t) if self.alone else to_varying
     scaled = self.loss_scale.enabled
     runs = [
       branch_run(self.task, b, self.global_batch, metric_names, scaled=scaled, varying=varying)
       for b in self.branches
     ]
-    nested = len(runs) > 1 or any(b.micro_steps > 1 for b in self.branches)  # in a switch or a scan
-    if nested and self.mesh.devices.flat[0].platform == "cpu":  # XLA:CPU's fast convolutions there
-      runs = [canonical_convs(run) for run in runs]
-    return device_switch(runs, self.device_branch)
+    return branch_switch(runs, self.branches, self.device_branch, self.mesh.devices.flat[0].platform)
 
   def local_step(self, update, metric_names, state: TrainState, batch):
     """One device's step: gradients → sync or reduce-scatter → (clip) → update → finite check."""

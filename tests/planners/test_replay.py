@@ -8,7 +8,7 @@ import pytest
 
 from planners.predictor.collectives import allreduce_ms
 from planners.predictor.graph import Comm, buckets, build_graph, in_step_factors, longest_path
-from planners.predictor.replay import comm_for, predict, sync_step_ms
+from planners.predictor.replay import comm_for, group_costs, predict, sync_step_ms
 from planners.predictor.timeline import chrome_trace, save_png
 from planners.profile import GroupCost
 from planners.profiler.fit import fit_remainder, one_device
@@ -428,3 +428,43 @@ def test_two_level_with_a_sharded_update_is_refused_by_name():
     comm_for(cluster, reduction="two_level", optimizer_update="sharded")
   with pytest.raises(ValueError, match=r"needs groups and leader_link_gbps.*comm_for"):
     Comm(4, 1.0, reduction="two_level")
+
+
+def test_predict_applies_where_supported_rules_as_the_trainer_does():
+  """``"where_supported": true`` rules: the fp8 rule runs on the H100's dense op only (the A100
+  has no fp8, a depthwise conv no 8-bit kernel); those ops get the bf16 default, and predict
+  costs each group as the same plan written out op by op."""
+  dense = fake_profile([(1, 2, 3)], rhs_elems=ELEMS)
+  depthwise = dataclasses.replace(
+    dense.ops[0], name="Conv_0:conv", kind="conv", lhs_shape=(8, 4, 4, 16), rhs_shape=(3, 3, 1, 16)
+  )
+  assert not depthwise.runs_8bit
+  rule = {"path": ".*", "policy": "fp8", "where_supported": True}
+  policy = PrecisionPolicy.from_json({"rules": [rule], "__default__": "bf16"})
+  group = {"count": 1, "memory_gb": 80, "batch_per_device": 8}
+  cluster = ClusterSpec.from_json(
+    {"groups": [{"name": "h", "device_type": "H100", **group}, {"name": "a", "device_type": "A100", **group}]}
+  )
+  profiles = {}
+  for device_type in ("H100", "A100"):
+    prof = fake_profile([(1, 2, 3), (1, 2, 3)], rhs_elems=ELEMS, device_type=device_type)
+    ops = (prof.ops[0], dataclasses.replace(depthwise, rhs_elems=prof.ops[1].rhs_elems))
+    op_ms = {"Dense_0:dense": prof.op_ms["Dense_0:dense"], "Conv_0:conv": prof.op_ms["Dense_1:dense"]}
+    profiles[device_type] = dataclasses.replace(prof, ops=ops, op_ms=op_ms)
+  plan = Plan(policies={"h": policy, "a": policy})
+  expected = {
+    "h": {"Dense_0:dense": "fp8", "Conv_0:conv": "bf16"},
+    "a": {"Dense_0:dense": "bf16", "Conv_0:conv": "bf16"},
+  }
+  for cost in group_costs(cluster, profiles, plan):
+    assert {n: p.fwd for n, p in cost.op_policies.items()} == expected[cost.name], cost.name
+  written_out = Plan(
+    policies={
+      g: PrecisionPolicy.from_ops({n: OpPolicy.preset(p) for n, p in ops.items()})
+      for g, ops in expected.items()
+    }
+  )
+  assert (
+    predict(cluster, profiles, plan).group_compute_ms
+    == predict(cluster, profiles, written_out).group_compute_ms
+  )

@@ -35,3 +35,24 @@ def test_intra_link_round_trips_and_is_left_out_when_not_given(tmp_path, suffix)
   path = tmp_path / f"cluster.{suffix}"
   spec.save(str(path))
   assert ClusterSpec.load(str(path)) == spec
+
+
+def test_a_yaml_key_given_twice_is_refused_naming_the_file_the_key_and_the_line(tmp_path):
+  """As for JSON (test_jsonio): ``yaml.safe_load`` keeps the last of two equal keys silently."""
+  group = "- name: t\n  device_type: T4\n  count: 2\n  memory_gb: 16\n  batch_per_device: 8\n"
+  cases = {
+    "top.yaml": ("name: a\nname: b\ngroups: []\n", "name", 2),
+    "group.yml": ("groups:\n" + group + "  count: 4\n", "count", 7),
+  }
+  for name, (text, key, line) in cases.items():
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(
+      ClusterSpecError,
+      match=rf"{path} gives key '{key}' twice in one mapping \(line {line}\).*Fix: keep the one you mean",
+    ):
+      ClusterSpec.load(str(path))
+  # a key a merge brings in may be overridden, as YAML defines: not a duplicate
+  path = tmp_path / "merge.yaml"
+  path.write_text("groups:\n" + group.replace("- name: t", "- &g\n  name: t") + "- <<: *g\n  name: u\n")
+  assert ClusterSpec.load(str(path)).group_names == ("t", "u")

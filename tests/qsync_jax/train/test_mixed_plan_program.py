@@ -1,6 +1,6 @@
 """A plan mixing precisions across groups compiles to one conditional whose branches each hold one
-policy's work, with every convolution in XLA:CPU's canonical order (structure, not timing:
-``benchmarks/mixed_plan.py`` times it)."""
+policy's work, with every convolution in XLA:CPU's canonical order, in the hybrid step and in the
+SelSync and QSDP steps (structure, not timing: ``benchmarks/mixed_plan.py`` times it)."""
 
 import re
 
@@ -12,9 +12,13 @@ import optax
 import pytest
 
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
+from qsync_jax.ops.vma import shard_map
 from qsync_jax.plan import Plan
+from qsync_jax.train.branch import device_switch, plan_branches
 from qsync_jax.train.canonical_convs import canonical_convs
+from qsync_jax.train.strategy_step import branch_loss_fn, make_strategy_step
 from qsync_jax.train.task import Task
+from qsync_jax.train.task_step import task_loss
 from qsync_jax.train.train_step import make_train_step
 
 pytestmark = pytest.mark.standard_promotion  # optax's adam under strict promotion (tests/conftest.py)
@@ -22,6 +26,10 @@ pytestmark = pytest.mark.standard_promotion  # optax's adam under strict promoti
 POLICIES = {"g0": "fp32", "g1": "bf16", "g2": "int8_fwd"}
 CLUSTER = ClusterSpec(tuple(DeviceGroup(g, "cpu", 1, 16, 2) for g in POLICIES))
 CANONICAL_2D = "b01f_01io->b01f"  # NHWC / HWIO / NHWC: what XLA:CPU's fast convolution takes
+# SelSync and QSDP have no loss scaling: their int8 group's gradient legs run in bf16, not fp16
+STRATEGY_PLAN = Plan.from_json(
+  {"policies": {**POLICIES, "g2": {"__default__": {"fwd": "int8", "dlhs": "bf16", "drhs": "bf16"}}}}
+)
 
 
 class TinyConv(nn.Module):
@@ -123,3 +131,46 @@ def test_canonical_convs_computes_the_same_values():
 
 def _conv(x, w):
   return jax.lax.conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+@pytest.mark.parametrize("sync", ["selsync", "qsdp"])
+def test_a_strategy_steps_convolutions_are_in_the_canonical_order_too(sync):
+  task = _task()
+  program = make_strategy_step(task, CLUSTER, STRATEGY_PLAN, optax.sgd(1e-3), sync, devices=jax.devices()[:3])
+  batch = next(task.train_batches(program.global_batch, 0))
+  state = program.init(0, batch)
+  hlo = program.step.lower(state, program.shard(batch)).compile().as_text()
+  labels = re.findall(r"convolution\(.*dim_labels=([\w>\-]+)", hlo)
+  assert len(labels) == 4  # the fp32 and bf16 branches' forward and weight-gradient convolutions
+  assert set(labels) == {CANONICAL_2D}, labels
+
+
+def test_a_strategys_branch_gradient_equals_the_switchs():
+  """``branch_loss_fn``'s gradient (each branch's own, computed inside the switch and scaled by
+  the cotangent) is the gradient of the switch of the branches' losses."""
+  task, devices = _task(), jax.devices()[:3]
+  mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
+  branches, device_branch = plan_branches(CLUSTER, STRATEGY_PLAN)
+  losses = [task_loss(task, b.policy, params_only=True) for b in branches]
+  plain = device_switch(losses, device_branch)  # each branch takes its device's whole shard of 2 rows
+  batch = next(task.train_batches(6, 0))
+  params = task.model.init(jax.random.key(0), batch["x"][:1])["params"]
+  P = jax.sharding.PartitionSpec
+
+  def gradients(loss_fn, cotangent=1.0):
+    def local(params, batch):
+      grads = jax.grad(lambda p: cotangent * loss_fn(p, batch, jax.random.key(1)))(params)
+      return jax.tree.map(lambda g: jax.lax.all_gather(g, "data"), grads)
+
+    mapped = shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+    return jax.tree.leaves(jax.jit(mapped)(params, batch))
+
+  expected = gradients(plain)
+  for a, b in zip(expected, gradients(branch_loss_fn(task, branches, device_branch, "gpu"))):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  # Scaled by the cotangent after the branch's backward, not before: low-precision legs round the
+  # same values. With canonical convolutions the bf16 branch's weight gradient is rounded to bf16,
+  # as its policy says, where the switch's own order lets XLA:CPU keep it in fp32 (excess
+  # precision): they differ by one bf16 rounding.
+  for a, b in zip(expected, gradients(branch_loss_fn(task, branches, device_branch, "cpu"), 3.0)):
+    np.testing.assert_allclose(3.0 * a, b, rtol=2**-8, atol=1e-7)
