@@ -11,6 +11,13 @@ follows what the toolchains compile:
   XLA's fp8 dot through cuBLASLt from sm89 (Ada, Hopper), whose FP8 custom calls "require Ada,
   Hopper, or later"; e4m3 needs sm89 in Triton too. A V100 (sm70) has no 8-bit tensor cores.
 
+``quantize`` names the implementation of every quantize pass of the 8-bit products: per row or
+column (``quantize``), the output gradient's row and column copies (``quantize_pair``) and an
+operand written in both GEMM layouts in one pass (``quantize_both``, the forward's operands when
+the gradient leg reads them at the same format). ``"pallas"`` runs the Pallas-Triton kernels of
+all three (``benchmarks.diagnosis.cross_compile`` compiles each for every architecture here:
+int8 from sm80, e4m3 from sm89); ``"reference"`` the jnp reference, with XLA's transposes.
+
 A ``gemm`` entry lists, per operand kind, the implementations in the order they are tried:
 ``"pallas"`` (the Triton-backend kernel) only for contractions of at most ``SHORT_K`` (where its
 fused epilogue beats a separate accumulator pass), then the first of the others. ``tested``
@@ -30,8 +37,9 @@ SHORT_K = 256
 @dataclasses.dataclass(frozen=True)
 class ArchKernels:
   """The 8-bit kernels of one architecture: ``gemm`` (operand kind ``"int8"`` / ``"fp8"`` →
-  implementations in the order tried), ``quantize`` (``"pallas"`` or ``"reference"``) and
-  ``tested`` (implementations the ``gpu`` tests run there)."""
+  implementations in the order tried), ``quantize`` (``"pallas"`` or ``"reference"``, for
+  ``quantize``, ``quantize_pair`` and ``quantize_both`` alike) and ``tested`` (implementations the
+  ``gpu`` tests run there)."""
 
   gemm: Mapping[str, tuple[str, ...]]
   quantize: str
@@ -44,10 +52,12 @@ KERNELS: dict[str, ArchKernels] = {
   "sm70": ArchKernels(gemm={}, quantize="reference"),
   # T4: cuBLAS int8 through XLA; no Pallas, no fp8.
   "sm75": ArchKernels(gemm={"int8": ("xla",)}, quantize="reference"),
-  # A100, A10: int8 through Triton (short contractions) or XLA; no fp8.
+  # A100, A10: int8 through Triton (short contractions) or XLA; the Triton quantize kernels
+  # (both-layout writes included); no fp8.
   "sm80": ArchKernels(gemm={"int8": ("pallas", "xla")}, quantize="pallas"),
   "sm86": ArchKernels(gemm={"int8": ("pallas", "xla")}, quantize="pallas"),
-  # L4, L40S: as Ampere for int8; fp8 through cuBLASLt (XLA).
+  # L4, L40S: as Ampere for int8; fp8 through cuBLASLt (XLA), its operands by the Triton
+  # quantize kernels (e4m3 needs sm89).
   "sm89": ArchKernels(gemm={"int8": ("pallas", "xla"), "fp8": ("xla",)}, quantize="pallas"),
   # H100, H200: the Mosaic GPU kernel (wgmma), Triton for short contractions, XLA off the tile grid.
   "sm90": ArchKernels(

@@ -33,9 +33,11 @@ CONV_EFFICIENCY = 0.61
 # Share of the datasheet bandwidth a streaming kernel sustains (STREAM-like copies on HBM / GDDR6).
 MEMORY_EFFICIENCY = 0.9
 # Share of the datasheet bandwidth the quantize kernels sustain over the bytes each of their passes
-# reads and writes: median of the H100 quantize and quantize_pair kernel rows of
-# benchmarks/results/kernels.jsonl at their largest shapes (docs/catalog.md).
-QUANTIZE_EFFICIENCY = 0.46
+# reads and writes: the median over the 8-bit steps measured by kernel category on an H200 (int8 and
+# fp8 GPT d 768-4096, Llama d 2048) of the share at which this model's quantize passes take the
+# measured quantize kernel time (benchmarks.diagnosis.catalog_check --quantize-efficiency;
+# docs/catalog.md).
+QUANTIZE_EFFICIENCY = 0.55
 # Output tile (rows, columns) one SM computes: the usual CUTLASS / cuBLAS tensor-core tiles.
 TILE = {"8-bit": (128, 256), "other": (128, 128)}
 # Fewer output tiles than SMs: the contraction is split over idle SMs (split-K), each split this deep.

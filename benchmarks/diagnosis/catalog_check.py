@@ -14,7 +14,15 @@ operands are at the dtype the trace records (``OpShape.activation_dtype``: bf16 
 modules); ``--activation-dtype float32`` costs them as a float32 model's instead, to compare.
 Runs on a CPU (nothing is measured here); rows go to ``benchmarks/results/catalog_check.jsonl``.
 
+``--quantize-efficiency`` derives ``planners.catalog.QUANTIZE_EFFICIENCY`` instead: for each
+8-bit cell of ``QUANTIZE_CELLS`` whose kernel time by category was measured on ``--device``
+(``benchmarks.e2e --categories``: the latest row of each GPT or Llama-style model, width and
+policy), the share of the device's bandwidth at which the catalog's quantize passes of that step
+(``planners.predictor.modeled.quantize_leg_ms``: the bytes they read and write and one launch
+each) take the measured quantize kernel time; the constant is the median share, to two places.
+
   python -m benchmarks.diagnosis.catalog_check [--device H200] [--widths 2048,4096] [--activation-dtype float32]
+  python -m benchmarks.diagnosis.catalog_check --quantize-efficiency --device H200
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ from benchmarks import e2e
 from benchmarks.common import zoo
 from benchmarks.common.op_profile import base_profile, model_ops
 from benchmarks.common.result_rows import append_rows, result_row, results_path
+from planners import catalog
 from planners.ops import ACTIVATION_PRECISIONS
-from planners.predictor.modeled import modeled_profile
+from planners.predictor.modeled import modeled_profile, quantize_leg_ms
 from planners.predictor.replay import predict
 from planners.profiler import timing
 from planners.report import table
@@ -90,6 +99,113 @@ def measured_pairs(measured: dict[tuple[int, str], float]) -> dict[tuple[int, st
   return out
 
 
+QUANTIZE_CELLS = ("int8_dense_fused_attn", "fp8_dense_fused_attn")
+"""The e2e policies (every ``dense`` / ``dense_general`` op 8-bit on all legs, cuDNN attention)
+whose measured quantize kernel time derives ``catalog.QUANTIZE_EFFICIENCY``."""
+MODELS = {"gpt": zoo.e2e_gpt, "llama": zoo.e2e_llama}
+
+
+def measured_quantize_ms(device_type: str, path: str = e2e.RESULTS) -> dict[tuple[str, int, str], float]:
+  """``{(model, width, policy): quantize kernel ms per step}`` of ``device_type``: the ``quantize``
+  category (the quantize kernels and their absmax reductions) of the latest ``step_ms`` row of each
+  cell of ``QUANTIZE_CELLS`` that has one."""
+  kinds = device(device_type).kinds
+  latest: dict[tuple[str, int, str], tuple[str, float]] = {}
+  with open(path) as f:
+    for line in f:
+      row = json.loads(line)
+      parts = row["case"].split("/")
+      if (
+        row.get("device") in kinds
+        and row["metric"] == "step_ms"
+        and "quantize" in (row.get("categories") or {})
+        and len(parts) == 3
+        and parts[0] in MODELS
+        and parts[2] in QUANTIZE_CELLS
+      ):
+        key = (parts[0], int(parts[1].removeprefix("d")), parts[2])
+        if key not in latest or row["date"] >= latest[key][0]:
+          latest[key] = (row["date"], row["categories"]["quantize"]["ms"])
+  return {key: ms for key, (_, ms) in latest.items()}
+
+
+def modeled_quantize_ms(device_type: str, model: str, width: int) -> tuple[float, float]:
+  """``(bytes ms, launches ms)``: what the catalog charges for the quantize passes of one step of
+  the e2e ``model`` at ``width`` on ``device_type`` with every ``dense`` / ``dense_general`` op
+  8-bit on all legs (``quantize_leg_ms``; the int8 and fp8 presets run the same passes), the bytes
+  at ``catalog.QUANTIZE_EFFICIENCY``."""
+  spec = device(device_type)
+  task, batch = MODELS[model](width)
+  ops, _ = model_ops(task, timing.device_batch(task, batch))
+  dense = [o for o in ops if o.kind in e2e.DENSE_KINDS]
+
+  def total(s):
+    return sum(quantize_leg_ms(s, o, leg) * o.calls for o in dense for leg in ("fwd", "dlhs", "drhs"))
+
+  bytes_ms = total(dataclasses.replace(spec, launch_us=0.0))
+  return bytes_ms, total(spec) - bytes_ms
+
+
+def quantize_shares(device_type: str, path: str = e2e.RESULTS) -> dict[tuple[str, int, str], float]:
+  """``{cell: share}``: per measured cell (``measured_quantize_ms``), the share of the device's
+  bandwidth at which the catalog's quantize passes (their bytes, then their launches) take the
+  measured quantize kernel time."""
+  out, charged = {}, {}
+  for (model, width, policy), ms in sorted(measured_quantize_ms(device_type, path).items()):
+    if (model, width) not in charged:
+      charged[model, width] = modeled_quantize_ms(device_type, model, width)
+    bytes_ms, launch_ms = charged[model, width]
+    out[model, width, policy] = catalog.QUANTIZE_EFFICIENCY * bytes_ms / (ms - launch_ms)
+  return out
+
+
+def derived_quantize_efficiency(shares: dict) -> float:
+  """``catalog.QUANTIZE_EFFICIENCY`` from ``quantize_shares``: their median, to two places."""
+  return round(statistics.median(shares.values()), 2)
+
+
+def print_quantize_efficiency(device_type: str) -> int:
+  """Prints each measured cell's share and the derived constant; appends one row per cell."""
+  shares = quantize_shares(device_type)
+  if not shares:
+    raise SystemExit(
+      f"--device {device_type}: {e2e.RESULTS} has no quantize category of {QUANTIZE_CELLS} measured on it. "
+      "Fix: run `python -m benchmarks.e2e --categories` with those policies there first."
+    )
+  measured = measured_quantize_ms(device_type)
+  lines, rows, host = [], [], jax.devices()[0].device_kind
+  for (model, width, policy), share in shares.items():
+    bytes_ms, launch_ms = modeled_quantize_ms(device_type, model, width)
+    lines.append(
+      [model, width, policy.split("_")[0], measured[model, width, policy], bytes_ms + launch_ms, share]
+    )
+    extra = {"modeled_on": device_type, "modeled_quantize_ms": bytes_ms + launch_ms}
+    rows.append(
+      result_row(
+        "catalog_check",
+        f"{model}/d{width}/{policy}",
+        "quantize_share",
+        share,
+        measured[model, width, policy],
+        host,
+        **extra,
+      )
+    )
+  derived = derived_quantize_efficiency(shares)
+  headers = ["model", "width", "format", "quantize ms meas.", "quantize ms model", "bandwidth share"]
+  print(
+    f"quantize kernels per step on one {device_type} (measured: e2e.jsonl categories; modeled: the catalog"
+  )
+  print(f"at QUANTIZE_EFFICIENCY {catalog.QUANTIZE_EFFICIENCY}):")
+  print(table(headers, lines))
+  print(
+    f"median share: QUANTIZE_EFFICIENCY = {derived} (planners/catalog.py has {catalog.QUANTIZE_EFFICIENCY})"
+  )
+  append_rows(RESULTS, rows)
+  print(f"appended {len(rows)} rows to {RESULTS}")
+  return 0
+
+
 def modeled_steps(device_type: str, width: int, activation_dtype: str | None = None) -> dict[str, float]:
   """``{policy: modeled step ms}`` of the e2e GPT at ``width`` on one ``device_type``; every op's
   activations at ``activation_dtype`` where given, else at its traced dtype."""
@@ -121,7 +237,14 @@ def main(argv=None) -> int:
     "--widths", default=None, help="comma-separated (default: every width measured at both policies)"
   )
   ap.add_argument("--activation-dtype", choices=sorted(ACTIVATION_PRECISIONS), default=None)
+  ap.add_argument(
+    "--quantize-efficiency",
+    action="store_true",
+    help="derive the catalog's QUANTIZE_EFFICIENCY from the device's measured quantize kernel times",
+  )
   args = ap.parse_args(argv)
+  if args.quantize_efficiency:
+    return print_quantize_efficiency(args.device)
   measured = measured_steps(args.device)
   pairs = measured_pairs(measured)
   both = sorted({w for w, _ in pairs})

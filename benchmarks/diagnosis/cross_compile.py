@@ -121,7 +121,8 @@ device_description_str: "{d.kinds[0]}"
 @dataclasses.dataclass(frozen=True)
 class Case:
   """One kernel instance: ``op`` ``"gemm"`` (``lhs`` × ``rhs`` formats, contraction ``k``) or
-  ``"quantize"`` (format ``lhs``; ``scales`` ``"row"``, ``"col"`` or ``"pair"``), computed by
+  ``"quantize"`` (format ``lhs``; ``scales`` ``"row"``, ``"col"``, ``"pair"`` or ``"both_row"`` /
+  ``"both_col"``: ``quantize_both`` of an activation / a weight), computed by
   ``impl`` (``"pallas"``, ``"mosaic"``, ``"xla"``, ``"reference"``)."""
 
   op: str
@@ -141,6 +142,8 @@ class Case:
       return f"{self.lhs}x{self.rhs} GEMM K={self.k}, {self.impl}"
     if self.scales == "pair":
       return f"quantize_pair {self.lhs} (row and column copies), {self.impl}"
+    if self.scales.startswith("both_"):
+      return f"quantize_both {self.lhs} per {self.scales[5:]} (both GEMM layouts), {self.impl}"
     return f"quantize {self.lhs} per {self.scales}, {self.impl}"
 
 
@@ -155,6 +158,7 @@ CASES: tuple[Case, ...] = (
   ),
   *(Case("quantize", fmt, "pallas", scales=s) for fmt in ("int8", "e4m3", "e5m2") for s in ("row", "col")),
   *(Case("quantize", fmt, "pallas", scales="pair") for fmt in ("int8", "e5m2")),
+  *(Case("quantize", fmt, "pallas", scales=s) for fmt in ("int8", "e4m3") for s in ("both_row", "both_col")),
   Case("quantize", "int8", "reference", scales="row"),
 )
 
@@ -233,6 +237,12 @@ def _build(case: Case):
   shapes = ((256, 512, jnp.bfloat16),)
   if case.scales == "pair":
     return (lambda x: quantize_api.quantize_pair(x, case.lhs, 1, impl=case.impl)), shapes
+  if case.scales.startswith("both_"):
+    # an activation X (per row, contracting its last axis) or a weight W (per column, its first)
+    axes = (1,) if case.scales == "both_row" else (0,)
+    return (
+      lambda x: quantize_api.quantize_both(x, case.lhs, axes, contract_axes=axes, impl=case.impl)
+    ), shapes
   axes = (1,) if case.scales == "row" else (0,)
   return (lambda x: quantize_api.quantize(x, case.lhs, axes, impl=case.impl)), shapes
 

@@ -58,11 +58,12 @@ def kernels_run_here() -> bool:
 
 
 def _probe():
-  """Lowers and compiles the quantize kernel on a tiny bf16 case."""
+  """Lowers and compiles, on a tiny bf16 case, the per-row kernel and the kernel that writes an
+  operand in both GEMM layouts (``quantize_both``)."""
   x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
-  return (
-    jax.jit(lambda v: _pallas(v, "int8", (1,), "nearest", None, None, None, None, False)).lower(x).compile()
-  )
+  jax.jit(lambda v: _pallas(v, "int8", (1,), "nearest", None, None, None, None, False)).lower(x).compile()
+  both = lambda v: _pallas_both(v, "int8", (1,), "nearest", None, (1,), None, False)  # noqa: E731
+  return jax.jit(both).lower(x).compile()
 
 
 def _normalize_axes(axes, ndim: int, name: str) -> tuple[int, ...]:

@@ -38,6 +38,10 @@ def _case(name):
     ("sm89", "e4m3xe4m3 GEMM K=256, pallas", False),  # fp8 through XLA only on sm89
     ("sm89", "e4m3xe4m3 GEMM K=512, xla", True),
     ("sm90", "e4m3xe4m3 GEMM K=512, mosaic", True),
+    ("sm75", "quantize_both int8 per row (both GEMM layouts), pallas", False),  # jnp reference there
+    ("sm80", "quantize_both int8 per col (both GEMM layouts), pallas", True),
+    ("sm86", "quantize_both e4m3 per row (both GEMM layouts), pallas", False),  # e4m3 needs sm89
+    ("sm89", "quantize_both e4m3 per col (both GEMM layouts), pallas", True),
   ],
 )
 def test_in_table_follows_the_architecture_table(arch, name, want):
