@@ -37,7 +37,7 @@ MEMORY_EFFICIENCY = 0.9
 # fp8 GPT d 768-4096, Llama d 2048) of the share at which this model's quantize passes take the
 # measured quantize kernel time (benchmarks.diagnosis.catalog_check --quantize-efficiency;
 # docs/catalog.md).
-QUANTIZE_EFFICIENCY = 0.55
+QUANTIZE_EFFICIENCY = 0.56
 # Output tile (rows, columns) one SM computes: the usual CUTLASS / cuBLAS tensor-core tiles.
 TILE = {"8-bit": (128, 256), "other": (128, 128)}
 # Fewer output tiles than SMs: the contraction is split over idle SMs (split-K), each split this deep.
