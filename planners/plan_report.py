@@ -12,6 +12,7 @@ from planners.allocator.search import Candidate
 from planners.planning import CALIBRATED, PlanResult
 from planners.predictor import base_profile
 from planners.predictor.graph import op_costs
+from planners.predictor.step_error import StepError, step_error_for
 from planners.profile import Profile, profile_key
 from planners.report import estimated_costs, table
 from qsync_jax.precision import QUANTIZED_PRECISIONS
@@ -117,29 +118,68 @@ def plan_report(result: PlanResult) -> list[str]:
   of_training = ""
   if problem.train_ops:
     of_training = f" ({result.search.training_cost(chosen.batches):.4g} of it the training groups' 8-bit ops)"
-  lines.append(
-    f"chosen: {chosen.name}; predicted step {chosen.step_ms:.3f} ms, {chosen.samples_per_s:.1f} samples/s"
-    f"{label}, accuracy cost {chosen.cost:.4g}{of_training}; {result.search.replays} replays in "
-    f"{result.seconds:.2f} s"
-  )
+  error, chosen_lines = chosen_report(result, f"{label}, accuracy cost {chosen.cost:.4g}{of_training}")
+  lines += chosen_lines
   # the summary labels each line "modeled: "; a calibrated plan's figures say so instead
-  lines += [f"{figures}: {line.removeprefix('modeled: ')}" for line in result.summary.lines()]
+  lines += [f"{figures}: {line.removeprefix('modeled: ')}" for line in result.summary.lines(error)]
   estimates = estimated_costs({g.name: g.device_type for g in cluster.groups}, pred.sources, counts)
   if estimates:
     lines.append("modeled costs this plan relies on:\n  " + "\n  ".join(estimates))
   lines += cost_source_lines(cluster, inputs.reported, inputs.files)
   source = "" if figures == "modeled" else f", {figures}"
   lines.append(f"\nalternatives (predicted{source}; batch per device in group order):")
+  lines.append(alternatives_table(result))
+  return lines
+
+
+def alternatives_table(result: PlanResult) -> str:
+  """One row per alternative (``best_per_name``): its mode, batches, step, samples/s with their
+  range at the multi-device step error (``samples_range``), ratio to the chosen plan and accuracy
+  cost; marked where it does not fit or is a reference."""
+  chosen, cluster = result.chosen, result.inputs.cluster
   alt_rows = []
   for c in best_per_name(result.candidates, chosen):
     batches = "/".join(str(b) for b in c.batches)
     ratio = c.samples_per_s / chosen.samples_per_s
     fits = ("" if c.fits else " (does not fit)") + (" (reference)" if c.reference else "")
-    cells = [c.step_ms, c.samples_per_s, f"{ratio:.2f}×", f"{c.cost:.4g}"]
+    cells = [c.step_ms, c.samples_per_s, samples_range(c, cluster), f"{ratio:.2f}×", f"{c.cost:.4g}"]
     alt_rows.append([c.name + fits, mode_label(c), batches, *cells])
-  headers = ["plan", "mode (sync reduction, update)", "batches", "step ms", "samples/s", "vs chosen"]
-  lines.append(table([*headers, "accuracy cost"], alt_rows))
-  return lines
+  headers = ["plan", "mode (sync reduction, update)", "batches", "step ms", "samples/s", "at the error"]
+  return table([*headers, "vs chosen", "accuracy cost"], alt_rows)
+
+
+def chosen_report(result: PlanResult, tail: str) -> tuple[StepError | None, list[str]]:
+  """The multi-device step error of the chosen plan (``planners.predictor.step_error``: None where
+  one device runs it) and the lines naming the chosen plan: the error's line, where there is
+  one, then its step and samples/s (with their range at the error), ``tail`` and the search's
+  replays and seconds."""
+  chosen = result.chosen
+  error = step_error_for(running_devices(result.inputs.cluster, chosen))
+  lines = []
+  if error is not None:
+    lines.append(f"multi-device step error: {error.note()}; each step and samples/s below shows its range")
+  step = error.step_text(chosen.step_ms) if error else f"{chosen.step_ms:.3f} ms"
+  rate = error.samples_text(chosen.samples_per_s) if error else f"{chosen.samples_per_s:.1f} samples/s"
+  lines.append(
+    f"chosen: {chosen.name}; predicted step {step}, {rate}{tail}; {result.search.replays} replays in "
+    f"{result.seconds:.2f} s"
+  )
+  return error, lines
+
+
+def running_devices(cluster, cand: Candidate) -> int:
+  """The devices that run ``cand`` (its groups with a batch)."""
+  return sum(g.count for g, b in zip(cluster.groups, cand.batches) if b > 0)
+
+
+def samples_range(cand: Candidate, cluster) -> str:
+  """``"582.0–1414.1"``: the candidate's samples/s at the measured multi-device step error
+  (``planners.predictor.step_error``); ``"-"`` where one device runs it."""
+  error = step_error_for(running_devices(cluster, cand))
+  if error is None:
+    return "-"
+  lo, hi = error.samples_range(cand.samples_per_s)
+  return f"{lo:.1f}–{hi:.1f}"
 
 
 def mode_label(cand: Candidate) -> str:

@@ -25,6 +25,7 @@ def run(args) -> int:
   from planners.inputs import check_model, check_profiles_fit, load_profiles
   from planners.plan_report import cost_source_lines
   from planners.predictor import limits, predict, save_chrome_trace, save_png
+  from planners.predictor.step_error import step_error_for
   from planners.report import table
   from qsync_jax.cluster import ClusterSpec
   from qsync_jax.plan import Plan
@@ -46,7 +47,11 @@ def run(args) -> int:
     for g in cluster.groups
   ]
   print(table(["group", "device", "n", "compute ms", "step ms", "mem GB", "limit GB", "costs"], rows))
-  print(f"modeled: synchronous step {pred.step_ms:.3f} ms; collectives {pred.comm_ms:.3f} ms")
+  error = step_error_for(sum(g.count for g in plan.apply_to(cluster).groups))
+  step = error.step_text(pred.step_ms) if error else f"{pred.step_ms:.3f} ms"
+  print(f"modeled: synchronous step {step}; collectives {pred.comm_ms:.3f} ms")
+  if error is not None:
+    print(f"multi-device step error: {error.note()}")
   print(f"modeled: {limits(pred).line()}")
   print("\n".join(cost_source_lines(cluster, profiles, files)))
   if args.trace:

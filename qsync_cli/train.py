@@ -242,12 +242,13 @@ def check_memory(task, cluster, plan, optimizer) -> tuple:
   """The model's quantizable ops (``planners.ops.OpShape``s); raises ``PlanError`` when a group's
   devices cannot hold ``plan``'s training step: the need of
   ``qsync plan``'s memory model (``planners.predictor.memory_model``) for the model's traced ops, parameters,
-  ``optimizer`` state and batch, without the XLA buffers ``qsync profile`` fits — a lower bound
+  ``optimizer`` state and batch — every device holding every group's branch
+  (``program_memory_bytes``) — without the XLA buffers ``qsync profile`` fits: a lower bound
   of the planner's estimate, so a plan the planner accepted passes. Traces the model's shapes
   (``planners.profiler.task_shapes``): runs nothing and allocates no batch."""
   import jax
 
-  from planners.predictor import memory_bytes
+  from planners.predictor import program_memory_bytes
   from planners.profile import GroupCost, Profile
   from planners.profiler import memory_sizes, task_shapes
 
@@ -255,24 +256,22 @@ def check_memory(task, cluster, plan, optimizer) -> tuple:
   batch_per_device = cluster.max_batch_per_device
   batch, variables, ops = task_shapes(task, batch_per_device)
   memory = memory_sizes(variables["params"], jax.eval_shape(optimizer.init, variables["params"]), batch)
+  groups = []
   for g in cluster.groups:
     prof = Profile(task.name, g.device_type, "traced", batch_per_device, ops, {}, {}, 0.0, {}, memory)
-    need = memory_bytes(
-      GroupCost(
-        g.name,
-        prof,
-        prof.policies(plan.policy_on(g)),
-        g.batch_per_device,
-      )
-    )
-    if need > g.memory_gb * 1e9:
-      gb = math.ceil(need / 1e7) / 100
+    policies = prof.policies(plan.policy_on(g))
+    groups.append(GroupCost(g.name, prof, policies, g.batch_per_device))
+  needs = program_memory_bytes(groups)
+  for g in cluster.groups:
+    if needs[g.name] > g.memory_gb * 1e9:
+      gb = math.ceil(needs[g.name] / 1e7) / 100
       raise PlanError(
         f"device group {g.name!r} ({g.device_type}, {g.batch_per_device} per device) needs at least {gb:.2f} GB "
-        f"per device for this plan's step (parameters, optimizer state, batch and saved activations), but "
-        f"the cluster spec gives it memory_gb={g.memory_gb:g}. Fix: lower its batch_per_device (--batch-per-device, "
-        f"or the --cluster spec's), set memory_gb ≥ {gb:.2f} in a --cluster spec if the device has it, or plan it "
-        "(`qsync plan`) to a precision that stores less."
+        f"per device for this plan's step (parameters, optimizer state, the batch padded to the largest "
+        f"per-device batch, {batch_per_device}, and the saved activations of the costliest group's branch, which "
+        f"every device of the step holds), but the cluster spec gives it memory_gb={g.memory_gb:g}. Fix: lower "
+        f"the largest per-device batch (--batch-per-device, or the --cluster spec's), set memory_gb ≥ {gb:.2f} in "
+        "a --cluster spec if the device has it, or plan it (`qsync plan`) to a precision that stores less."
       )
   return ops
 

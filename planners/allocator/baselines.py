@@ -47,6 +47,7 @@ def equal_accumulating(problem: Problem, s: Search, train_idx) -> Candidate | No
   rows: list[Row] = [None] * n
   layout = s.layout(batches)
   fits = all(s.fits(gi, batches[gi], None, layout, micro_steps=k) for gi in train_idx)
+  fits = fits and s.plan_fits(batches, rows, micro_steps)
   name = "training groups only, accumulating"
   return Candidate(
     name,

@@ -310,7 +310,7 @@ class Evaluator:
     self.replays = 0
     self._costs: dict = {}
     self._steps: dict[Assignment, float] = {}
-    self._memory: dict[tuple[int, tuple[int, ...]], int] = {}
+    self._memory: dict[tuple[int, int, tuple[int, ...] | None], int] = {}
     self._groups: dict[tuple[int, tuple[int, ...]], GroupCost] = {}
     # the training groups' part of ``omega``, the same for every assignment
     self.training_cost = sum(
@@ -358,17 +358,30 @@ class Evaluator:
       self._steps[assignment] = sync_step_ms(self.groups(assignment), self.comm, self.cost)
     return self._steps[assignment]
 
-  def memory(self, assignment: Assignment) -> list[int]:
-    """Bytes per device of every inference group, memoized on (group, its levels)."""
-    for j, row in enumerate(assignment):
-      if (j, row) not in self._memory:
-        self._memory[j, row] = memory_bytes(
-          self.group(j, row), self.op_memory, **problem_layout(self.problem)
-        )
-    return [self._memory[j, row] for j, row in enumerate(assignment)]
+  def memory(self, assignment: Assignment) -> dict[str, int]:
+    """Bytes per device of every group: the plan's one program holds every group's branch
+    (``memory_model.program_memory_bytes``); a branch's bytes on a group's device memoized on
+    (device group, branch group, the branch's levels)."""
+    p = self.problem
+    groups = self.groups(assignment)
+    levels = dict(zip(p.inference, assignment))
+    layout = {**problem_layout(p), "input_batch": max(g.batch_per_device for g in groups)}
+    out = {}
+    for gi, g in enumerate(groups):
+      need = 0
+      for hi, h in enumerate(groups):
+        key = (gi, hi, levels.get(hi))
+        if key not in self._memory:
+          branch = dataclasses.replace(h, name=g.name, profile=g.profile)
+          self._memory[key] = memory_bytes(branch, self.op_memory, **layout)
+        need = max(need, self._memory[key])
+      out[g.name] = need
+    return out
 
   def fits(self, assignment: Assignment) -> bool:
-    return all(m <= lim for m, lim in zip(self.memory(assignment), self.problem.limits))
+    """Every device holds what the plan's program needs there (``memory``)."""
+    limits = {g.name: g.memory_gb * 1e9 for g in self.problem.cluster.groups}
+    return all(need <= limits[name] for name, need in self.memory(assignment).items())
 
   def training_step_ms(self) -> float:
     p = self.problem
@@ -529,7 +542,7 @@ def finish(problem, ev, assignment, target, straggles) -> Allocation:
     "step_ms": step,
     "target_ms": target,
     "omega": ev.omega(assignment),
-    "memory_bytes": dict(zip((problem.groups[i].name for i in problem.inference), ev.memory(assignment))),
+    "memory_bytes": ev.memory(assignment),
     "straggles": straggles,
     "levels": {
       problem.groups[gi].name: {

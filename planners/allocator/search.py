@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from planners.allocator.greedy import Evaluator, Problem, floor_precision, memory_layout, uniform_levels
 from planners.allocator.splits import Affine, fastest_splits, largest_true
-from planners.predictor.memory_model import memory_bytes
+from planners.predictor.memory_model import memory_bytes, program_memory_bytes
 from planners.predictor.replay import comm_for, sync_step_ms
 from planners.profile import GroupCost
 
@@ -226,10 +226,27 @@ class Search:
     group = dataclasses.replace(self.group_at(gi, b, row), micro_steps=micro_steps)
     return memory_bytes(group, self.ev.op_memory, **(layout or self.layout())) <= limit
 
+  def plan_fits(
+    self, batches: Sequence[int], rows: Sequence[Row], micro_steps: Sequence[int] | None = None
+  ) -> bool:
+    """Every device that runs holds what the plan's one program needs there: every running
+    group's branch, the input at the largest batch (``program_memory_bytes``). ``fits`` of each
+    group alone is necessary, not sufficient."""
+    micro_steps = micro_steps or [1] * len(batches)
+    groups = [
+      dataclasses.replace(self.group_at(gi, b, r), micro_steps=k)
+      for gi, (b, r, k) in enumerate(zip(batches, rows, micro_steps))
+      if b
+    ]
+    need = program_memory_bytes(groups, self.ev.op_memory, **self.layout(batches))
+    limits = {g.name: g.memory_gb * 1e9 for g in self.p.cluster.groups}
+    return all(need[name] <= limits[name] for name in need)
+
   def candidate(self, name: str, batches: Sequence[int], rows: Sequence[Row]) -> Candidate:
     rows = tuple(r if b else None for b, r in zip(batches, rows))
     layout = self.layout(batches)
     fits = all(self.fits(gi, b, r, layout) for gi, (b, r) in enumerate(zip(batches, rows)) if b)
+    fits = fits and self.plan_fits(batches, rows)
     step, cost = self.step(batches, rows), self.cost(batches, rows)
     mode = (self.p.reduction, self.p.optimizer_update)
     return Candidate(name, tuple(batches), rows, step, cost, self.B, fits, mode, sync=self.p.sync)
@@ -248,7 +265,7 @@ class Search:
     micro-steps it fits in (``micro_steps_to_fit``; the trainer's ``Plan.micro_steps``), priced
     with them (each micro-step pays the profile's batch-independent share again:
     ``GroupCost.compute_scale``); None where a group does not fit even one example a
-    micro-step."""
+    micro-step (its ``fits``: whether the plan's program fits every device, ``plan_fits``)."""
     rows = tuple(r if b else None for b, r in zip(batches, rows))
     layout, micro = self.layout(batches), []
     for gi, (b, r) in enumerate(zip(batches, rows)):
@@ -265,7 +282,7 @@ class Search:
       step,
       self.cost(batches, rows),
       self.B,
-      True,
+      self.plan_fits(batches, rows, micro),
       mode,
       tuple(micro),
       self.p.sync,

@@ -15,6 +15,7 @@ import dataclasses
 
 from planners.allocator.bound import best_baseline, pool_bound
 from planners.predictor.limits import Limits, limits
+from planners.predictor.step_error import StepError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +44,20 @@ class Summary:
       "limited_by": self.limits.to_json(),
     }
 
-  def lines(self) -> list[str]:
-    """Three lines, each figure labelled modeled."""
+  def lines(self, error: StepError | None = None) -> list[str]:
+    """Three lines, each figure labelled modeled; with ``error`` (a multi-device pool:
+    ``planners.predictor.step_error``), the plan's and the baseline's throughput with their range
+    at that error, and a fourth line where the plan's gain is inside it."""
+
+    def rate(x: float) -> str:
+      return error.samples_text(x) if error is not None else f"{x:.1f} samples/s"
+
     if self.baseline is None:
-      first = (
-        f"modeled: {self.samples_per_s:.1f} samples/s; no baseline (dynamic batching, training groups "
-        "only) was planned"
-      )
+      first = f"modeled: {rate(self.samples_per_s)}; no baseline (dynamic batching, training groups only) was planned"
     else:
       first = (
-        f"modeled: {self.samples_per_s:.1f} samples/s, {self.gain:.2f}× the best baseline ({self.baseline}, "
-        f"{self.baseline_samples_per_s:.1f} samples/s)"
+        f"modeled: {rate(self.samples_per_s)}, {self.gain:.2f}× the best baseline ({self.baseline}, "
+        f"{rate(self.baseline_samples_per_s)})"
       )
     second = (
       f"modeled: pool bound {self.bound_samples_per_s:.1f} samples/s (every device at its fastest precision, "
@@ -65,7 +69,13 @@ class Summary:
       )
     elif self.baseline is not None:
       second += "; the best baseline is at the bound"
-    return [first, second, f"modeled: {self.limits.line()}"]
+    lines = [first, second, f"modeled: {self.limits.line()}"]
+    if error is not None and self.gain is not None and self.gain > 1 and error.covers_gain(self.gain):
+      lines.append(
+        f"modeled: the gain {self.gain:.2f}× is inside the error of the modeled multi-device step ({error.note()}): "
+        "not a speed-up until measured"
+      )
+    return lines
 
 
 def baseline_label(base, chosen) -> str:

@@ -3,7 +3,7 @@ hand (``modeled_profile``), and the replay that predicts a plan's synchronous st
 peak memory (``predict``), with its timeline (``save_chrome_trace``, ``save_png``)."""
 
 from planners.predictor.limits import Limits, limits
-from planners.predictor.memory_model import memory_bytes
+from planners.predictor.memory_model import memory_bytes, program_memory_bytes
 from planners.predictor.modeled import modeled_profile
 from planners.predictor.replay import Prediction, base_profile, predict, resolve_profiles, sync_step_ms
 from planners.predictor.timeline import chrome_trace, save_chrome_trace, save_png
@@ -16,6 +16,7 @@ __all__ = [
   "limits",
   "memory_bytes",
   "modeled_profile",
+  "program_memory_bytes",
   "predict",
   "resolve_profiles",
   "save_chrome_trace",

@@ -26,11 +26,21 @@ shards, ``P`` the parameters' bytes); with micro-steps the backward holds the su
 gradients beside the micro-step's. This is what the trainer's compiled step allocates, checked
 against XLA's buffer assignment on 2-, 3- and 4-group simulated pools
 (``tests/planners/test_memory_modes.py``; the state donated, as on GPUs).
+
+A plan's step is one SPMD program for every device (``qsync_jax.train.branch``): a plan whose
+groups run different branches (policy, per-device batch or micro-steps) compiles them all into one
+``lax.switch``, and XLA gives the branches' buffers one temporary allocation, as large as the
+costliest branch needs. So every device holds the costliest branch's buffers whatever branch it
+runs, and receives the input padded to the plan's largest per-device batch:
+``program_memory_bytes(groups)`` is, for each group, the largest ``memory_bytes`` of any branch
+evaluated with that group's profile (its device type), the input at the largest batch (checked against XLA's
+buffer assignment of mixed 2- and 3-group simulated pools in ``tests/planners/test_memory_modes.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from planners.ops import OpShape
@@ -254,12 +264,20 @@ def other_bytes(profile: Profile, op_policies: Mapping[str, OpPolicy | None]) ->
   return (1 - share) * mem["other_bytes"] + share * mem["other_bytes_16bit"]
 
 
-def memory_bytes(group: GroupCost, memory_fn=None, optimizer_shards: int = 1, devices: int = 1) -> int:
-  """Peak bytes on one device of ``group``; see the module docstring. ``memory_fn`` defaults
-  to ``op_memory`` (a caller evaluating many plans may pass a memoized one);
-  ``optimizer_shards``: the number of devices the optimizer state is sharded over (a plan's
-  ``optimizer_update: "sharded"``: each holds ``opt_state_bytes / N``); ``devices``: the devices
-  the step combines gradients over (those that run)."""
+def memory_bytes(
+  group: GroupCost,
+  memory_fn=None,
+  optimizer_shards: int = 1,
+  devices: int = 1,
+  input_batch: int | None = None,
+) -> int:
+  """Peak bytes on one device of ``group`` running its own branch alone; see the module
+  docstring. ``memory_fn`` defaults to ``op_memory`` (a caller evaluating many plans may pass a
+  memoized one); ``optimizer_shards``: the number of devices the optimizer state is sharded over
+  (a plan's ``optimizer_update: "sharded"``: each holds ``opt_state_bytes / N``); ``devices``: the
+  devices the step combines gradients over (those that run); ``input_batch``: the rows of the
+  input batch the device receives (default the group's per-device batch; in a plan, the largest
+  per-device batch: ``program_memory_bytes``)."""
   memory_fn = memory_fn or op_memory
   prof = group.profile
   scale = group.micro_batch / prof.batch_per_device  # the activations': one micro-batch's
@@ -270,7 +288,7 @@ def memory_bytes(group: GroupCost, memory_fn=None, optimizer_shards: int = 1, de
   common = (
     params
     + mem["opt_state_bytes"] / optimizer_shards
-    + group.batch_per_device / prof.batch_per_device * mem["batch_bytes"]
+    + (input_batch or group.batch_per_device) / prof.batch_per_device * mem["batch_bytes"]
     + scale * other_bytes(prof, group.op_policies)
   )
   base = common + params * (2 if accumulating else 1)  # the gradient, and the micro-steps' sum beside it
@@ -290,3 +308,23 @@ def memory_bytes(group: GroupCost, memory_fn=None, optimizer_shards: int = 1, de
     forward = max(forward, fp32_peak - headroom + before + t.forward_extra)
     before += t.forward_delta
   return int(max(backward, forward, update))
+
+
+def program_memory_bytes(
+  groups: Sequence[GroupCost], memory_fn=None, optimizer_shards: int = 1, devices: int = 1
+) -> dict[str, int]:
+  """Peak bytes on one device of each group of a plan (those with a batch), the plan's step being
+  one program with every group's branch (module docstring): for group ``g``, the largest
+  ``memory_bytes`` of any group's branch (its policies, batch and micro-steps) evaluated with
+  ``g``'s profile, the input padded to the largest per-device batch. Equal to ``memory_bytes``
+  for a plan whose groups run one branch at one batch."""
+  running = [g for g in groups if g.batch_per_device > 0]
+  rows = max((g.batch_per_device for g in running), default=0)
+  layout = {"optimizer_shards": optimizer_shards, "devices": devices, "input_batch": rows}
+  return {
+    g.name: max(
+      memory_bytes(dataclasses.replace(h, name=g.name, profile=g.profile), memory_fn, **layout)
+      for h in running
+    )
+    for g in running
+  }

@@ -5,7 +5,8 @@ device group (its profile, policy and batch) and the memory model of ``planners.
 and returns a ``Prediction``: ``step_ms`` (the synchronous step, the longest path),
 ``group_step_ms`` (each group's step were every device like it: the straggler),
 ``group_compute_ms`` (forward + backward + optimizer, no communication), ``memory_bytes``
-(peak per device of each group), and where the step's time goes: ``comm_ms_by_phase``,
+(peak per device of each group: the plan's one program holds every group's branch,
+``program_memory_bytes``), and where the step's time goes: ``comm_ms_by_phase``,
 ``exposed_comm_ms`` and ``optimizer_tail_ms`` (``Prediction``). The plan's ``reduction``,
 ``optimizer_update`` and ``sync`` (fp32 where it states none) choose the collectives
 (``comm_for``; ``planners.predictor.graph``). A group whose device type has no profile gets one
@@ -32,7 +33,7 @@ from planners.predictor.graph import (
   op_costs,
   step_ms,
 )
-from planners.predictor.memory_model import memory_bytes
+from planners.predictor.memory_model import program_memory_bytes
 from planners.predictor.modeled import modeled_profile
 from planners.profile import GroupCost, Profile, profile_key
 from qsync_jax.cluster import ClusterSpec
@@ -223,7 +224,7 @@ def predict(
     group_compute_ms={
       g.name: sum(n.ms for n in nodes if n.group == g.name and n.stream == "compute") for g in groups
     },
-    memory_bytes={g.name: memory_bytes(g, optimizer_shards=shards, devices=comm.n_devices) for g in groups},
+    memory_bytes=program_memory_bytes(groups, optimizer_shards=shards, devices=comm.n_devices),
     memory_limit_bytes={g.name: int(g.memory_gb * 1e9) for g in cluster.groups},
     comm_ms=sum(by_phase.values()),
     sources={g.name: f"{g.profile.source} ({g.profile.device_type})" for g in groups},

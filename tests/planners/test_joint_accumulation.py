@@ -61,7 +61,11 @@ def test_a_batch_no_group_takes_at_once_is_planned_in_micro_steps_with_the_state
   problem = _pool()
   chosen, cands, _ = joint_plan(problem, 1, 0.02)
   names = {c.name for c in cands if c.fits}
-  assert {"training groups only, accumulating", "joint, accumulating", "fastest, accumulating"} <= names
+  assert "training groups only, accumulating" in names
+  # planned, but a T4 beside the A100 holds the A100's fp32 branch too (the step is one program:
+  # ``program_memory_bytes``), which it cannot at even one example a micro-step
+  planned = {c.name for c in cands}
+  assert {"joint, accumulating", "fastest, accumulating"} <= planned - names
   assert not names & {"dynamic batching", "training groups only", "joint"}  # no split fits at once
   assert chosen.fits and chosen.mode == ("flat", "sharded")
   assert chosen.micro_steps and max(chosen.micro_steps) > 1

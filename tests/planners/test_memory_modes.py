@@ -1,19 +1,21 @@
 """The memory model against what the trainer's compiled step allocates, per optimizer-update mode
-and with accumulation, on 2-, 3- and 4-group simulated pools: XLA's buffer assignment of
-``make_train_step``'s program (the state donated, as on GPUs) within 10 % of the model's peak."""
+and with accumulation, on 2-, 3- and 4-group simulated pools, and on a 3-group pool whose groups
+run different branches: XLA's buffer assignment of ``make_train_step``'s program (the state
+donated, as on GPUs) within 10 % of the model's peak."""
 
 import jax
 import optax
 import pytest
 
 from planners.predictor import predict
-from planners.predictor.memory_model import memory_bytes
+from planners.predictor.memory_model import memory_bytes, program_memory_bytes
 from planners.predictor.modeled import modeled_profile
 from planners.predictor.replay import group_costs
 from planners.profiler.measure import traced_profile
 from planners.profiler.timing import xla_peak_bytes
 from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.plan import Plan
+from qsync_jax.policy import PrecisionPolicy
 from qsync_jax.train.train_step import make_train_step
 from tests.planners import tiny
 
@@ -68,3 +70,24 @@ def test_the_memory_model_holds_what_the_compiled_step_allocates_in_every_mode(t
   sharded = models["sharded"]
   plain = memory_bytes(group_costs(cluster, {"cpu": profile}, Plan())[0], devices=n)
   assert plain - sharded == pytest.approx(adam - adam / n - params / n, abs=2)
+
+
+def test_every_device_of_a_mixed_plan_holds_its_costliest_branch():
+  """Groups at different policies and batches compile one program with a branch each: every
+  device holds the largest branch's buffers and the input padded to the largest batch, not its
+  own branch's (which the model of the small groups alone would give: about 0.6 of the peak)."""
+  task = tiny.mlp(features=64, hidden=128)  # activations outweigh parameters at 256 examples
+  big = 256
+  profile = traced_profile(task, big)
+  pool = (("fp32", 1, big), ("bf16", 1, 64), ("int8", 2, 32))
+  cluster = ClusterSpec(tuple(DeviceGroup(f"g{i}", "cpu", n, 16, b) for i, (_, n, b) in enumerate(pool)))
+  plan = Plan(policies={f"g{i}": PrecisionPolicy.uniform(p) for i, (p, _, _) in enumerate(pool)})
+  peak = compiled_peak(task, cluster, plan)
+  groups = group_costs(cluster, {"cpu": profile}, plan)
+  n = cluster.num_devices
+  modeled = program_memory_bytes(groups, devices=n)
+  for name, need in modeled.items():
+    assert abs(need / peak - 1) <= TOLERANCE, (name, need, peak)
+  alone = {g.name: memory_bytes(g, devices=n) for g in groups}
+  assert alone["g2"] < 0.7 * peak  # what the groups' own branches would have said
+  assert predict(cluster, {"cpu": modeled_profile(profile, "cpu")}, plan).memory_bytes == modeled

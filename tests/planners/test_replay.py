@@ -165,7 +165,12 @@ def test_predict_memory_keeps_no_stochastic_rounding_bits():
     prof = fake_profile([(1, 1, 1)] * 3, lhs_elems=lhs, device_type=device_type)
     cluster = _cluster(device_type=device_type)
     got = {
-      p.grad_rounding: predict(cluster, {device_type: prof}, Plan(policies={"a": PrecisionPolicy(default=p)}))
+      # both groups at the policy: every device holds every group's branch (``program_memory_bytes``)
+      p.grad_rounding: predict(
+        cluster,
+        {device_type: prof},
+        Plan(policies={"a": PrecisionPolicy(default=p), "b": PrecisionPolicy(default=p)}),
+      )
       for p in (sr, nearest)
     }
     assert got["stochastic"].memory_bytes["a"] == got["nearest"].memory_bytes["a"]

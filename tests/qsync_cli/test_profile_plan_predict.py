@@ -99,6 +99,8 @@ def test_plan_then_predict(files, capsys):
   # both groups are modeled (the A100 and the T4 have no profile of their own): the plan names the
   # datasheet estimates it relies on, per group
   assert "modeled costs this plan relies on:" in out
+  # 4 devices: every modeled step and samples/s with its range at the measured multi-device error
+  assert "multi-device step error: measured " in out and "ms (" in out and "at the measured error)" in out
   # the training group's default --train-precision: bf16, as an A100 runs it
   assert "train (A100): bf16 costs are datasheet estimates (the catalog's A100 is never measured)" in out
   assert "infer (T4): " in out and "datasheet estimates" in out
@@ -154,6 +156,7 @@ def test_plan_then_predict(files, capsys):
   )
   out = capsys.readouterr().out
   assert "synchronous step" in out and "modeled (A100)" in out
+  assert "at the measured error)" in out and "multi-device step error: measured " in out
   assert json.load(open(trace))["traceEvents"]
 
 

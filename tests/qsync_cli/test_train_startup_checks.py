@@ -30,7 +30,9 @@ def test_an_enormous_batch_is_refused_by_the_memory_check_without_drawing_it(tmp
   code = cli.main([*argv, "--batch-per-device", str(10**9), "--out", str(tmp_path / "r")])
   err = capsys.readouterr().err
   assert (
-    code == 2 and "needs at least" in err and "Fix: lower its batch_per_device (--batch-per-device" in err
+    code == 2
+    and "needs at least" in err
+    and "Fix: lower the largest per-device batch (--batch-per-device" in err
   )
   assert SIZES and max(SIZES) < 10**9  # only a small sample batch was drawn
   assert not (tmp_path / "r").exists()
