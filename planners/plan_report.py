@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from planners.allocator import precision_counts
+from planners.allocator.payloads import payload_lines
 from planners.allocator.search import Candidate
 from planners.planning import CALIBRATED, PlanResult
 from planners.predictor import base_profile
@@ -117,11 +118,18 @@ def plan_report(result: PlanResult) -> list[str]:
   of_training = ""
   if problem.train_ops:
     of_training = f" ({result.search.training_cost(chosen.batches):.4g} of it the training groups' 8-bit ops)"
+  if chosen.payload_cost:
+    of_training += f" ({chosen.payload_cost:.3g} of it its {chosen.sync} payload's, measured)"
+  elif chosen.payload_cost is None:
+    of_training += f" (its {chosen.sync} payload's not measured)"
   lines.append(
     f"chosen: {chosen.name}; predicted step {chosen.step_ms:.3f} ms, {chosen.samples_per_s:.1f} samples/s"
     f"{label}, accuracy cost {chosen.cost:.4g}{of_training}; {result.search.replays} replays in "
     f"{result.seconds:.2f} s"
   )
+  if result.request.sync != "fp32":
+    predictions = result.plan.predictions
+    lines += payload_lines(predictions["payloads"], predictions["payload_accuracy"], problem.payload)
   # the summary labels each line "modeled: "; a calibrated plan's figures say so instead
   lines += [f"{figures}: {line.removeprefix('modeled: ')}" for line in result.summary.lines()]
   estimates = estimated_costs({g.name: g.device_type for g in cluster.groups}, pred.sources, counts)
