@@ -68,7 +68,7 @@ SYNCS = ("fp32", "bf16", "global_qsgd")
 """The gradient syncs every pool is planned at (``qsync plan --sync auto`` without fp16, whose
 payload is bf16's size): the least accuracy cost within the slack of the fastest. The payloads'
 accuracy cost is not measured here (Ω is synthetic: there are no indicator batches to measure
-them on, ``planners.indicator.payload``), so among plans within the slack the widest payload wins."""
+them on, ``planners.indicator.payload_cost``), so among plans within the slack the widest payload wins."""
 SLOW_LINK_GBPS = 25.0
 """A topology at most this fast between hosts is a slow-link pool (``payload_check``)."""
 

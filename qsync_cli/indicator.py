@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     nargs="*",
     metavar="N",
     help="gradient method only: the device counts at which to measure each gradient sync's payload "
-    "accuracy cost (planners.indicator.payload; each N at most --batches; default 2 4 8, those up to "
+    "accuracy cost (planners.indicator.payload_cost; each N at most --batches; default 2 4 8, those up to "
     "--batches; none given: not measured)",
   )
 
@@ -79,7 +79,7 @@ def format_table(table: dict) -> str:
 
 
 def payload_table_lines(section) -> list[str]:
-  """The measured payloads (``planners.indicator.payload``), one line per sync; none without."""
+  """The measured payloads (``planners.indicator.payload_cost``), one line per sync; none without."""
   if not section:
     return []
   lines = [
@@ -96,7 +96,7 @@ def payload_devices(args: argparse.Namespace) -> list[int]:
   """The device counts at which ``qsync indicator`` measures the payloads: ``--payload-devices``, by
   default those of ``DEFAULT_DEVICES`` up to ``--batches``; none for a method other than
   ``gradient`` (the payload's Ω is on its scale)."""
-  from planners.indicator.payload import DEFAULT_DEVICES
+  from planners.indicator.payload_cost import DEFAULT_DEVICES
 
   if args.method != "gradient":
     return []
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
   table = tables[args.method]
   devices = payload_devices(args)
   if devices:
-    from planners.indicator.payload import measure_payload
+    from planners.indicator.payload_cost import measure_payload
 
     print(
       f"qsync indicator: measuring the gradient syncs' payloads at {', '.join(map(str, devices))} devices"

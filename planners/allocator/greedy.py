@@ -153,7 +153,7 @@ class Problem:
   sync: str = "fp32"
   omega_by_op: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)  # the indicator's
   payload: Mapping[str, Any] | None = (
-    None  # the indicator's measured payloads (``planners.indicator.payload``)
+    None  # the indicator's measured payloads (``planners.indicator.payload_cost``)
   )
 
 

@@ -1,5 +1,5 @@
 """Each gradient payload a plan searched: its fastest plan's step (modeled) beside its accuracy cost
-(measured by ``qsync indicator``: ``planners.indicator.payload``), as ``qsync plan`` prints and
+(measured by ``qsync indicator``: ``planners.indicator.payload_cost``), as ``qsync plan`` prints and
 writes them (``predictions["payloads"]``, ``predictions["payload_accuracy"]``)."""
 
 from __future__ import annotations

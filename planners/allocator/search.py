@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from planners.allocator.greedy import Evaluator, Problem, floor_precision, memory_layout, uniform_levels
 from planners.allocator.splits import Affine, fastest_splits, largest_true
-from planners.indicator.payload import payload_omega
+from planners.indicator.payload_cost import payload_omega
 from planners.predictor.memory_model import memory_bytes
 from planners.predictor.replay import comm_for, sync_step_ms
 from planners.profile import GroupCost
@@ -82,7 +82,7 @@ def running_devices(problem: Problem, batches: Sequence[int]) -> int:
 def with_payload_cost(problem: Problem, cand: Candidate) -> Candidate:
   """``cand`` with the accuracy cost of its gradient payload added to ``cost`` and kept in
   ``payload_cost``: the indicator's measured Ω of its sync among the devices that run
-  (``planners.indicator.payload.payload_omega``; 0 for fp32, the reference). Where the indicator did
+  (``planners.indicator.payload_cost.payload_omega``; 0 for fp32, the reference). Where the indicator did
   not measure it, ``payload_cost`` is None and nothing is added: among plans within the slack the
   earlier sync then wins (``joint_plan``'s tie order, the widest payload first)."""
   omega = payload_omega(problem.payload, cand.sync, running_devices(problem, cand.batches))

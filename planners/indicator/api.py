@@ -26,7 +26,7 @@ import jax
 from planners.indicator.gradient import gradient_omega
 from planners.indicator.gvar import GvarConfig, gvar_omega
 from planners.indicator.hessian import hessian_omega, hutchinson_traces
-from planners.indicator.payload import check_payload
+from planners.indicator.payload_cost import check_payload
 from planners.indicator.probes import (
   PROBED_PRECISIONS,
   collect,
@@ -177,7 +177,7 @@ def check_values(table: Mapping[str, Any], source: str) -> None:
   A NaN or infinite Ω (the probed loss was not finite: a diverged or broken model) would make
   every plan's accuracy cost NaN and the ranking of precisions meaningless; so would a table whose
   every Ω is negative (the planners count Ω above 0). A ``payload`` section (the gradient syncs'
-  measured accuracy costs) must be one ``planners.indicator.payload`` writes."""
+  measured accuracy costs) must be one ``planners.indicator.payload_cost`` writes."""
   omega = table.get("omega", table) if isinstance(table, Mapping) else None
   bad = []
   for op, row in omega.items() if isinstance(omega, Mapping) else ():

@@ -1,4 +1,4 @@
-"""The gradient payload's accuracy cost (``planners.indicator.payload``): measured with the trainer's
+"""The gradient payload's accuracy cost (``planners.indicator.payload_cost``): measured with the trainer's
 own sync functions, fp32 the reference at 0, the narrower payloads ordered as their rounding says."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from planners.indicator.payload import PAYLOAD_SYNCS, payload_omega, synced, window_errors
+from planners.indicator.payload_cost import PAYLOAD_SYNCS, payload_omega, synced, window_errors
 from qsync_jax.ops.vma import shard_map
 from qsync_jax.sync import make_grad_sync
 from qsync_jax.sync.common import AXIS

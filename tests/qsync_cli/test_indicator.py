@@ -33,7 +33,7 @@ def test_the_gradient_method_measures_the_payloads_at_the_devices_asked(tmp_path
   err = capsys.readouterr().err
   assert "--payload-devices 3" in err and "Fix: pass --batches 3 or more" in err and not out.exists()
   assert main([*argv, "--payload-devices", "2"]) == 0
-  payload = load(out)["payload"]  # checked when loaded (planners.indicator.payload.check_payload)
+  payload = load(out)["payload"]  # checked when loaded (planners.indicator.payload_cost.check_payload)
   assert payload["devices"] == [2] and payload["batches"] == 2 and payload["lr"] == 1e-3
   by_sync = {s: payload["syncs"][s]["2"] for s in ("bf16", "fp16", "global_qsgd")}
   assert 0 < by_sync["fp16"]["omega"] < by_sync["bf16"]["omega"] < by_sync["global_qsgd"]["omega"]

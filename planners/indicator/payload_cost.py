@@ -49,11 +49,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from planners.predictor.payload import PRICED_SYNCS
 from qsync_jax.errors import QsyncError
+from qsync_jax.sync import STRATEGIES
 
-PAYLOAD_SYNCS = tuple(s for s in PRICED_SYNCS if s != "fp32")
-"""The syncs whose payload is measured: the priced ones other than fp32 (the reference)."""
+PAYLOAD_SYNCS = tuple(name for name, s in STRATEGIES.items() if s.kind == "grad_sync" and name != "fp32")
+"""The syncs whose payload is measured: the trainer's gradient hooks other than fp32 (the reference)."""
 DEFAULT_DEVICES = (2, 4, 8)
 """The device counts ``qsync indicator`` measures at (those up to its number of batches)."""
 ADAM_LR, ADAM_EPS = 1e-3, 1e-8
