@@ -23,7 +23,7 @@ from typing import Any
 from planners.allocator import joint_plan, make_problem, omega_table, plan_of
 from planners.allocator.greedy import Problem, default_training_groups
 from planners.allocator.modes import check_mode
-from planners.allocator.payloads import payload_accuracy, payload_rows
+from planners.allocator.payloads import payload_predictions
 from planners.allocator.payoff import profile_paying_ops
 from planners.allocator.search import Candidate, Search
 from planners.allocator.summary import Summary, summarize
@@ -303,8 +303,7 @@ def plan_cluster(request: PlanRequest, progress: Callable[[str], None] | None = 
     "samples_per_s": chosen.samples_per_s,
     "accuracy_cost": chosen.cost,
     "payload_accuracy_cost": chosen.payload_cost,
-    "payload_accuracy": payload_accuracy(problem.payload),
-    "payloads": payload_rows(problem, cands),
+    **payload_predictions(problem, cands),
     "alternatives": [c.to_json(problem) for c in cands],
     **summary.to_json(),
     "replays": search.replays,

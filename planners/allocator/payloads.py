@@ -49,6 +49,15 @@ def payload_rows(problem: Problem, candidates: Sequence[Candidate]) -> dict[str,
   }
 
 
+def payload_predictions(problem: Problem, candidates: Sequence[Candidate]) -> dict[str, Any]:
+  """The keys ``qsync plan`` writes under the plan's ``predictions`` of the payloads searched:
+  ``payload_accuracy`` (``payload_accuracy``) and ``payloads`` (``payload_rows``)."""
+  return {
+    "payload_accuracy": payload_accuracy(problem.payload),
+    "payloads": payload_rows(problem, candidates),
+  }
+
+
 def payload_lines(rows: Mapping[str, Mapping[str, Any]], accuracy: str, section) -> list[str]:
   """The lines ``qsync plan`` prints for ``payload_rows``: a header saying how the figures were
   obtained (the step modeled; the accuracy cost ``accuracy``), then one line per sync."""
@@ -74,4 +83,4 @@ def payload_lines(rows: Mapping[str, Mapping[str, Any]], accuracy: str, section)
   return lines
 
 
-__all__ = ["NOT_MEASURED", "payload_accuracy", "payload_lines", "payload_rows"]
+__all__ = ["NOT_MEASURED", "payload_accuracy", "payload_lines", "payload_predictions", "payload_rows"]
