@@ -116,7 +116,8 @@ class PlanRequest:
   @property
   def syncs(self) -> tuple[str, ...]:
     """The gradient syncs to search: ``sync``, or with ``"auto"`` every priced one, widest first
-    (within the slack the widest payload wins: ``joint_plan``'s tie order)."""
+    (among plans of equal accuracy cost within the slack, the widest payload wins: ``joint_plan``'s
+    tie order; a payload's measured accuracy cost is part of a plan's)."""
     return PRICED_SYNCS if self.sync == "auto" else (self.sync,)
 
   @property
