@@ -131,7 +131,8 @@ def measure_payload(
 ) -> dict[str, Any]:
   """The indicator table's ``payload`` section: ``error2`` and ``omega`` (module docstring) of each
   of ``PAYLOAD_SYNCS`` at each of ``devices`` device counts (each at most ``len(batches)``), from
-  the gradients of ``batches`` at ``variables``::
+  the gradients of ``batches`` at ``variables`` (all held at once: ``len(batches)`` × the
+  parameters' fp32 bytes, and a window's ``n`` × them)::
 
     {"syncs": {"bf16": {"4": {"error2": …, "omega": …}, …}, …}, "devices": [2, 4],
      "gradient2": ‖ḡ‖², "batches": N, "optimizer": "adam", "lr": 1e-3, "eps": 1e-8}
