@@ -38,6 +38,7 @@ from benchmarks.common.zoo import HYBRID_MODELS
 from planners.allocator.bound import best_baseline, pool_bound
 from planners.allocator.greedy import make_problem
 from planners.allocator.joint import joint_plan, plan_of
+from planners.allocator.payloads import NOT_MEASURED, payload_accuracy
 from planners.allocator.search import precision_counts
 from planners.allocator.summary import summarize
 from planners.planning import train_precision
@@ -65,7 +66,11 @@ POOLS = {
 TWO_GROUP_POOLS = tuple(name for name, groups in POOLS.items() if len(groups) == 2)
 SYNCS = ("fp32", "bf16", "global_qsgd")
 """The gradient syncs every pool is planned at (``qsync plan --sync auto`` without fp16, whose
-payload is bf16's size): the widest within the slack of the fastest is chosen."""
+payload is bf16's size): the least accuracy cost within the slack of the fastest. The payloads'
+accuracy cost is not measured here (Ω is synthetic: there are no indicator batches to measure
+them on, ``planners.indicator.payload_cost``), so among plans within the slack the widest payload wins."""
+SLOW_LINK_GBPS = 25.0
+"""A topology at most this fast between hosts is a slow-link pool (``payload_check``)."""
 
 NVLINK_GBPS = 2400.0
 """Between two devices of the training group: NVLink, 300 GB/s."""
@@ -151,6 +156,28 @@ def chosen_label(chosen) -> str:
   return f"{name} ({', '.join(parts)})"
 
 
+def payload_check(plans, slack: float) -> str:
+  """One line on the slow-link cases (``plans``: ``(case, chosen, candidates)`` at ``SLOW_LINK_GBPS`` or
+  less): how many chose a payload other than fp32, and for those at fp32 whether a plan of the search
+  at another payload is predicted faster by more than ``slack`` (the rule says none is; the line
+  names any that is), with the fastest such plan over the fp32 one (modeled)."""
+  at_fp32 = []
+  for case, chosen, cands in plans:
+    if chosen.sync == "fp32":
+      others = [c.samples_per_s for c in cands if c.fits and not c.reference and c.sync != "fp32"]
+      at_fp32.append((case, max(others) / chosen.samples_per_s if others else None))
+  ratios = [r for _, r in at_fp32 if r is not None]
+  beyond = [case for case, r in at_fp32 if r is not None and r > 1 + slack + 1e-9]
+  span = f"{min(ratios):.2f}–{max(ratios):.2f}×" if ratios else "–"
+  return (
+    f"slow links (≤ {SLOW_LINK_GBPS:g} Gbit/s): the chosen payload is not fp32 in {len(plans) - len(at_fp32)} "
+    f"of {len(plans)} cases; at fp32 in {len(at_fp32)}, where the fastest plan at a narrower payload is "
+    f"{span} the fp32 plan (modeled; fp32 is chosen only where no plan at another payload is faster by "
+    f"more than the slack {slack:g})"
+    + (f"; beyond the slack in {', '.join(beyond)}" if beyond else "; beyond the slack in none")
+  )
+
+
 def markdown_table(cases: dict) -> str:
   """One markdown row per pool × model from ``cases[(pool, model)][topology] = (chosen,
   best baseline samples/s, bound samples/s, Limits, best baseline)``: the chosen plan at 100G
@@ -206,7 +233,7 @@ def main(argv=None) -> int:
     if unknown:
       raise SystemExit(f"{flag}: unknown {unknown}. Fix: use some of {list(known)}, comma-separated.")
   host = jax.devices()[0].device_kind
-  rows, summary, cases = [], [], {}
+  rows, summary, cases, slow = [], [], {}, []
   for name in args.models.split(","):
     model = traced(name)
     for pool in pools:
@@ -218,6 +245,8 @@ def main(argv=None) -> int:
         result = summarize(chosen, cands, search, pred)
         bound, base = pool_bound(search), best_baseline(cands)
         case = f"{pool}@{topology}/{name}"
+        if TOPOLOGIES[topology] <= SLOW_LINK_GBPS:
+          slow.append((case, chosen, cands))
         counts = precision_counts(problem, chosen)
         mixes = [
           ", ".join(f"{p}×{n}" for p, n in sorted(counts.get(g.name, {}).items())) or "(sits out)"
@@ -260,6 +289,7 @@ def main(argv=None) -> int:
               base.samples_per_s if base else None,
               host,
               accuracy_cost=c.cost,
+              payload_accuracy_cost=c.payload_cost,
               batch_per_device=list(c.batches),
               reduction=c.mode[0],
               optimizer_update=c.mode[1],
@@ -308,6 +338,8 @@ def main(argv=None) -> int:
             None,
             host,
             chosen=chosen.name,
+            sync=chosen.sync,
+            payload_accuracy=payload_accuracy(problem.payload),
             headroom_captured=result.headroom_captured,
             limited_by=lim.to_json(),
             **common,
@@ -347,6 +379,11 @@ def main(argv=None) -> int:
   ]
   print(table(headers, summary))
   print("\nper pool × model (modeled; docs/planning.md):\n" + markdown_table(cases))
+  print(
+    f"payload accuracy cost: {NOT_MEASURED.split(':')[0]} in any row (Ω is synthetic: no indicator batches)"
+  )
+  if slow:
+    print(payload_check(slow, args.slack))
   append_rows(RESULTS, rows)
   print(f"appended {len(rows)} rows to {RESULTS}")
   return 0

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from planners.allocator import precision_counts
+from planners.allocator.payloads import payload_lines
 from planners.allocator.search import Candidate
 from planners.planning import CALIBRATED, PlanResult
 from planners.predictor import base_profile
@@ -118,8 +119,15 @@ def plan_report(result: PlanResult) -> list[str]:
   of_training = ""
   if problem.train_ops:
     of_training = f" ({result.search.training_cost(chosen.batches):.4g} of it the training groups' 8-bit ops)"
+  if chosen.payload_cost:
+    of_training += f" ({chosen.payload_cost:.3g} of it its {chosen.sync} payload's, measured)"
+  elif chosen.payload_cost is None:
+    of_training += f" (its {chosen.sync} payload's not measured)"
   error, chosen_lines = chosen_report(result, f"{label}, accuracy cost {chosen.cost:.4g}{of_training}")
   lines += chosen_lines
+  if result.request.sync != "fp32":
+    predictions = result.plan.predictions
+    lines += payload_lines(predictions["payloads"], predictions["payload_accuracy"], problem.payload)
   # the summary labels each line "modeled: "; a calibrated plan's figures say so instead
   lines += [f"{figures}: {line.removeprefix('modeled: ')}" for line in result.summary.lines(error)]
   estimates = estimated_costs({g.name: g.device_type for g in cluster.groups}, pred.sources, counts)

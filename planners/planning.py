@@ -23,6 +23,7 @@ from typing import Any
 from planners.allocator import joint_plan, make_problem, omega_table, plan_of
 from planners.allocator.greedy import Problem, default_training_groups
 from planners.allocator.modes import check_mode
+from planners.allocator.payloads import payload_predictions
 from planners.allocator.payoff import profile_paying_ops
 from planners.allocator.search import Candidate, Search
 from planners.allocator.summary import Summary, summarize
@@ -115,7 +116,8 @@ class PlanRequest:
   @property
   def syncs(self) -> tuple[str, ...]:
     """The gradient syncs to search: ``sync``, or with ``"auto"`` every priced one, widest first
-    (within the slack the widest payload wins: ``joint_plan``'s tie order)."""
+    (among plans of equal accuracy cost within the slack, the widest payload wins: ``joint_plan``'s
+    tie order; a payload's measured accuracy cost is part of a plan's)."""
     return PRICED_SYNCS if self.sync == "auto" else (self.sync,)
 
   @property
@@ -301,6 +303,8 @@ def plan_cluster(request: PlanRequest, progress: Callable[[str], None] | None = 
     "chosen": chosen.name,
     "samples_per_s": chosen.samples_per_s,
     "accuracy_cost": chosen.cost,
+    "payload_accuracy_cost": chosen.payload_cost,
+    **payload_predictions(problem, cands),
     "alternatives": [c.to_json(problem) for c in cands],
     **summary.to_json(),
     "replays": search.replays,

@@ -44,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "--train-steps", type=int, default=0, help="fp32 training steps before probing (default 0)"
   )
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--payload-devices",
+    type=int,
+    nargs="*",
+    metavar="N",
+    help="gradient method only: the device counts at which to measure each gradient sync's payload "
+    "accuracy cost (planners.indicator.payload_cost; each N at most --batches; default 2 4 8, those up to "
+    "--batches; none given: not measured)",
+  )
 
 
 def format_table(table: dict) -> str:
@@ -57,6 +66,7 @@ def format_table(table: dict) -> str:
     lines.append(
       f"{op:50s} " + " ".join(f"{row[p]:10.3g}" if p in row else f"{'-':>10s}" for p in precisions)
     )
+  lines += payload_table_lines(table.get("payload"))
   why = table.get("metadata", {}).get("no_8bit", {})
   for reason in sorted(set(why.values())):
     ops = [op for op in table["ops"] if why.get(op) == reason]
@@ -66,6 +76,33 @@ def format_table(table: dict) -> str:
       "precision on the other ops and leaves these to the next rule."
     )
   return "\n".join(lines)
+
+
+def payload_table_lines(section) -> list[str]:
+  """The measured payloads (``planners.indicator.payload_cost``), one line per sync; none without."""
+  if not section:
+    return []
+  lines = [
+    f"payload accuracy cost against fp32 at n devices: Ω (one {section['optimizer']} update at lr "
+    f"{section['lr']:g}), E‖δ‖² (‖ḡ‖² = {section['gradient2']:.3g})"
+  ]
+  for sync, by_n in section["syncs"].items():
+    cells = [f"{n}: Ω {f['omega']:.3g}, E‖δ‖² {f['error2']:.3g}" for n, f in by_n.items()]
+    lines.append(f"  {sync:<12s} " + "; ".join(cells))
+  return lines
+
+
+def payload_devices(args: argparse.Namespace) -> list[int]:
+  """The device counts at which ``qsync indicator`` measures the payloads: ``--payload-devices``, by
+  default those of ``DEFAULT_DEVICES`` up to ``--batches``; none for a method other than
+  ``gradient`` (the payload's Ω is on its scale)."""
+  from planners.indicator.payload_cost import DEFAULT_DEVICES
+
+  if args.method != "gradient":
+    return []
+  if args.payload_devices is None:
+    return [n for n in DEFAULT_DEVICES if n <= args.batches]
+  return sorted(set(args.payload_devices))
 
 
 def _progress(done: int, total: int) -> None:
@@ -83,6 +120,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     raise QsyncError(f"--batch-size {args.batch_size} must be at least 1. Fix: pass e.g. --batch-size 32.")
   if args.train_steps < 0:
     raise QsyncError(f"--train-steps {args.train_steps} must be 0 or more. Fix: pass e.g. --train-steps 40.")
+  for n in args.payload_devices or ():
+    if not 1 <= n <= args.batches:
+      raise QsyncError(
+        f"--payload-devices {n}: each simulated device takes one of the --batches {args.batches} batches, so "
+        f"N must be from 1 to {args.batches}. Fix: pass --batches {max(n, 1)} or more, or a smaller N."
+      )
   bad = [p for p in args.precisions if p not in PROBED_PRECISIONS]
   if bad:
     raise QsyncError(
@@ -112,6 +155,14 @@ def run(args: argparse.Namespace) -> int:
     progress=_progress,
   )
   table = tables[args.method]
+  devices = payload_devices(args)
+  if devices:
+    from planners.indicator.payload_cost import measure_payload
+
+    print(
+      f"qsync indicator: measuring the gradient syncs' payloads at {', '.join(map(str, devices))} devices"
+    )
+    table["payload"] = measure_payload(task, variables, batches, devices, seed=args.seed)
   save(table, args.out)
   print(format_table(table))
   print(f"wrote {args.out} ({len(table['ops'])} ops)")

@@ -76,7 +76,9 @@ def add_arguments(parser) -> None:
     default="fp32",
     help="the gradient sync the plan is made for and `qsync train` runs (qsync_jax.sync; its payload and "
     "(de)quantize passes priced): fp32 (default), bf16 or fp16 all-reduce, global_qsgd (integer); auto: "
-    "the planner searches all, the widest payload within --slack of the fastest. (selsync and qsdp build "
+    "the planner searches all and takes the least accuracy cost within --slack of the fastest, each "
+    "payload charged its accuracy cost as `qsync indicator` measured it (not measured: nothing, and the widest "
+    "payload wins). (selsync and qsdp build "
     "their own step, which the planner does not model.)",
   )
   parser.add_argument("--out", required=True, help="output plan JSON")

@@ -152,6 +152,9 @@ class Problem:
   optimizer_update: str = "replicated"
   sync: str = "fp32"
   omega_by_op: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)  # the indicator's
+  payload: Mapping[str, Any] | None = (
+    None  # the indicator's measured payloads (``planners.indicator.payload_cost``)
+  )
 
 
 Assignment = tuple[tuple[int, ...], ...]
@@ -253,6 +256,7 @@ def make_problem(
     eight_bit,
     {name: training_cost_per_share(omega, train_policy, ops) for name, ops in eight_bit.items()},
     omega_by_op=omega,
+    payload=indicator.get("payload"),
   )
 
 

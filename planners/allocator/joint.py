@@ -72,9 +72,12 @@ only), and the two-level reduction where the cluster has fast links inside group
 Every candidate carries its mode and sync (``Candidate.mode``, ``Candidate.sync``, written into
 the plan's ``reduction`` / ``optimizer_update`` / ``sync``), alternatives included, so dynamic
 batching and the training groups alone are compared at their own best mode and sync too
-(QSync's precision-only alternative is computed in the default mode only). Memory counts the
-optimizer state where each mode keeps it (sharded: ``1/N`` on each of the ``N`` devices that
-run, ``Search.optimizer_shards``).
+(QSync's precision-only alternative is computed in the default mode only). Before the choice,
+each candidate's cost adds its payload's accuracy cost as the indicator measured it
+(``planners.allocator.search.with_payload_cost``), so a narrower payload competes with precisions
+on one scale; the search within one sync ranks by the ops' cost. Memory counts the optimizer
+state where each mode keeps it (sharded: ``1/N`` on each of the ``N`` devices that run,
+``Search.optimizer_shards``).
 
 ``batch="equal"`` keeps the spec's batches (for models whose semantics need them, e.g.
 BatchNorm statistics): the plan is QSync's, the alternatives those of the same batches, and
@@ -100,7 +103,7 @@ from planners.allocator.baselines import (
 )
 from planners.allocator.greedy import Problem, fastest_levels, greedy, to_plan, uniform_levels
 from planners.allocator.modes import MODES, modes_for
-from planners.allocator.search import Candidate, Row, Search
+from planners.allocator.search import Candidate, Row, Search, with_payload_cost
 from planners.allocator.splits import (
   cheapest_split,
   hull_cost,
@@ -168,6 +171,7 @@ def joint_plan(
     raise refused[-1]
   if batch == "joint":
     cands += payload_baselines(problem, granularity, syncs)
+  cands = [with_payload_cost(problem, c) for c in cands]
   # references (``Candidate.reference``): baselines outside the plan's own space, not plans to choose
   fitting = [c for c in cands if c.fits and not c.reference]
   if not fitting:

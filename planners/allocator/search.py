@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from planners.allocator.greedy import Evaluator, Problem, floor_precision, memory_layout, uniform_levels
 from planners.allocator.splits import Affine, fastest_splits, largest_true
+from planners.indicator.payload_cost import payload_omega
 from planners.predictor.memory_model import memory_bytes, program_memory_bytes
 from planners.predictor.replay import comm_for, sync_step_ms
 from planners.profile import GroupCost
@@ -44,6 +45,8 @@ class Candidate:
   # (at another sync, or the training groups at 8 bits: ``planners.allocator.baselines``)
   train_ops: Mapping[str, Mapping[str, str]] | None = None
   reference: bool = False
+  # the payload's accuracy cost, part of ``cost`` (``with_payload_cost``); None: not measured, 0 counted
+  payload_cost: float | None = None
 
   @property
   def samples_per_s(self) -> float:
@@ -57,6 +60,7 @@ class Candidate:
       "step_ms": self.step_ms,
       "samples_per_s": self.samples_per_s,
       "accuracy_cost": self.cost,
+      "payload_accuracy_cost": self.payload_cost,
       "fits_memory": self.fits,
       "reduction": self.mode[0],
       "optimizer_update": self.mode[1],
@@ -68,6 +72,21 @@ class Candidate:
         else {}
       ),
     }
+
+
+def running_devices(problem: Problem, batches: Sequence[int]) -> int:
+  """The devices of the groups that run (``batches`` > 0 there)."""
+  return sum(g.count for g, b in zip(problem.cluster.groups, batches) if b > 0)
+
+
+def with_payload_cost(problem: Problem, cand: Candidate) -> Candidate:
+  """``cand`` with the accuracy cost of its gradient payload added to ``cost`` and kept in
+  ``payload_cost``: the indicator's measured Ω of its sync among the devices that run
+  (``planners.indicator.payload_cost.payload_omega``; 0 for fp32, the reference). Where the indicator did
+  not measure it, ``payload_cost`` is None and nothing is added: among plans within the slack the
+  earlier sync then wins (``joint_plan``'s tie order, the widest payload first)."""
+  omega = payload_omega(problem.payload, cand.sync, running_devices(problem, cand.batches))
+  return dataclasses.replace(cand, cost=cand.cost + (omega or 0.0), payload_cost=omega)
 
 
 def precision_counts(problem: Problem, cand: Candidate) -> dict[str, dict[str, int]]:

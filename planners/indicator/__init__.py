@@ -2,7 +2,8 @@
 
 ``compute(task, variables, batches, methods)`` probes the training step once (``probes``)
 and returns one JSON table per method: ``gradient`` (ours), ``gvar`` (QSync), ``wvar``,
-``hessian`` (HAWQ-v2 style) and ``random``.
+``hessian`` (HAWQ-v2 style) and ``random``. ``payload_cost.measure_payload`` measures, on Ω's
+scale, what each gradient sync's payload costs against fp32 (the table's ``payload``).
 """
 
 from planners.indicator.api import (

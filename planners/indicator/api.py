@@ -26,6 +26,7 @@ import jax
 from planners.indicator.gradient import gradient_omega
 from planners.indicator.gvar import GvarConfig, gvar_omega
 from planners.indicator.hessian import hessian_omega, hutchinson_traces
+from planners.indicator.payload_cost import check_payload
 from planners.indicator.probes import (
   PROBED_PRECISIONS,
   collect,
@@ -175,7 +176,8 @@ def check_values(table: Mapping[str, Any], source: str) -> None:
   bare ``{op: {precision: Ω}}``) is a finite number, and some Ω other than fp32's is at least 0.
   A NaN or infinite Ω (the probed loss was not finite: a diverged or broken model) would make
   every plan's accuracy cost NaN and the ranking of precisions meaningless; so would a table whose
-  every Ω is negative (the planners count Ω above 0)."""
+  every Ω is negative (the planners count Ω above 0). A ``payload`` section (the gradient syncs'
+  measured accuracy costs) must be one ``planners.indicator.payload_cost`` writes."""
   omega = table.get("omega", table) if isinstance(table, Mapping) else None
   bad = []
   for op, row in omega.items() if isinstance(omega, Mapping) else ():
@@ -198,6 +200,8 @@ def check_values(table: Mapping[str, Any], source: str) -> None:
     for precision, value in row.items()
     if precision != "fp32"
   ]
+  if isinstance(table, Mapping) and "payload" in table:
+    check_payload(table["payload"], source)
   if scores and max(scores) < 0:
     raise QsyncError(
       f"indicator table {source!r}: every Ω is below 0 (from {min(scores):.3g} to {max(scores):.3g}), as if "

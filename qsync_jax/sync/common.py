@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from qsync_jax.errors import QsyncError
-from qsync_jax.ops.vma import pvary
+from qsync_jax.ops.vma import pvary, vma
 
 AXIS = "data"
 
@@ -36,8 +36,12 @@ def all_gather_invariant(x, axis_name: str = AXIS, *, tiled: bool = True):
 
   Where ``lax.all_gather`` has no ``to="invarying"`` (other jax versions), falls back to a
   ``psum`` of zero buffers each holding one device's block: the same values, typed invariant,
-  at twice an all-gather's traffic.
+  at twice an all-gather's traffic. Where ``x`` is not typed varying over ``axis_name`` (under
+  ``jax.vmap(..., axis_name=...)``, or ``shard_map`` with ``check_vma`` off) there is no typing
+  to keep: a plain ``all_gather``.
   """
+  if axis_name not in vma(x):
+    return lax.all_gather(x, axis_name, tiled=tiled)
   try:
     return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
   except (TypeError, ValueError):

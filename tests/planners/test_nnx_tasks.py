@@ -15,7 +15,11 @@ NNX_OPS = ["hidden:dense", "out:dense"]
 def test_indicator_scores_the_ops_of_an_nnx_task(tmp_path):
   out = tmp_path / "omega.json"
   argv = ["indicator", "--model", "tests.qsync_jax.train.tiny:make_nnx_task", "--out", str(out)]
-  argv += ["--batches", "2"]
+  argv += [
+    "--batches",
+    "2",
+    "--payload-devices",
+  ]  # the payloads' measurement: tests/qsync_cli/test_indicator.py
   assert main([*argv, "--batch-size", "8", "--precisions", "int8", "fp16"]) == 0
   table = json.loads(out.read_text())
   assert table["ops"] == NNX_OPS

@@ -22,6 +22,31 @@ def test_cli_round_trip_writes_valid_json(tmp_path, capsys):
   assert all(row["int8"] > row["fp16"] > row["fp32"] == 0.0 for row in table["omega"].values())
   assert load(out) == table and set(omega_table(table)) == set(table["ops"])
   assert "Dense_1:dense" in capsys.readouterr().out
+  assert "payload" not in table  # the payload's Ω is on the gradient method's scale alone
+
+
+def test_the_gradient_method_measures_the_payloads_at_the_devices_asked(tmp_path, capsys):
+  out = tmp_path / "omega.json"
+  argv = ["indicator", "--model", "tests.planners.tiny:mlp", "--out", str(out), "--batches", "2"]
+  argv += ["--batch-size", "4", "--precisions", "int8"]
+  assert main([*argv, "--payload-devices", "3"]) == 2  # more devices than batches: refused first
+  err = capsys.readouterr().err
+  assert "--payload-devices 3" in err and "Fix: pass --batches 3 or more" in err and not out.exists()
+  assert main([*argv, "--payload-devices", "2"]) == 0
+  payload = load(out)["payload"]  # checked when loaded (planners.indicator.payload_cost.check_payload)
+  assert payload["devices"] == [2] and payload["batches"] == 2 and payload["lr"] == 1e-3
+  by_sync = {s: payload["syncs"][s]["2"] for s in ("bf16", "fp16", "global_qsgd")}
+  assert 0 < by_sync["fp16"]["omega"] < by_sync["bf16"]["omega"] < by_sync["global_qsgd"]["omega"]
+  assert 0 < by_sync["fp16"]["error2"] < by_sync["bf16"]["error2"] < by_sync["global_qsgd"]["error2"]
+  printed = capsys.readouterr().out
+  assert "measuring the gradient syncs' payloads at 2 devices" in printed
+  assert "payload accuracy cost against fp32 at n devices: Ω (one adam update at lr 0.001)" in printed
+  assert any(line.startswith("  global_qsgd  2: Ω ") for line in printed.splitlines())
+  table = json.loads(out.read_text())
+  table["payload"]["syncs"]["bf16"]["2"]["omega"] = float("nan")
+  out.write_text(json.dumps(table))
+  with pytest.raises(Exception, match="its payload section is not one `qsync indicator` writes"):
+    load(out)
 
 
 def test_cli_errors_name_the_fix(tmp_path, capsys):
@@ -91,8 +116,10 @@ def test_a_grouped_convolution_prints_no_8bit_entry(tmp_path, capsys):
   "-" there (it crashed with KeyError: 'int8')."""
   out = tmp_path / "omega.json"
   argv = ["indicator", "--model", "tests.planners.test_grouped_conv:TASK", "--out", str(out)]
+  argv += ["--payload-devices"]  # none: what is printed of the Ω table is under test
   assert main([*argv, "--batches", "2", "--batch-size", "4", "--precisions", "int8", "fp16"]) == 0
   table = load(out)
+  assert "payload" not in table
   assert set(table["omega"]["grouped:conv"]) == {"fp32", "fp16"} and "int8" in table["omega"]["Conv_0:conv"]
   printed = capsys.readouterr().out
   (row,) = [line.split() for line in printed.splitlines() if line.startswith("grouped:conv")]
