@@ -354,7 +354,8 @@ def main(argv=None) -> int:
     "--skip-done",
     action="store_true",
     help="wide: train only the seeds --jsonl lacks for this setup and device (a policy with rows keeps "
-    "the 8-bit set they trained; the search runs only for an auto policy without rows)",
+    "the 8-bit set they trained; the search runs only for an auto policy without rows, or for the Ω of "
+    "a policy to train where no search row has an indicator table)",
   )
   ap.add_argument("--search-only", action="store_true", help="wide: the search alone (no training)")
   ap.add_argument("--eval-windows", type=int, default=2048, help="wide: held-out windows")

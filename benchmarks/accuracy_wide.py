@@ -36,8 +36,8 @@ held-out loss per seed (with the policy's 8-bit ops and their Ω from the search
 seconds per phase, the training steps it compiled, the sets it pruned, its indicator table and
 the cached load's seconds). ``--search-only``: the search row alone. ``--skip-done``: the seeds the
 jsonl already holds for this setup and device are not trained again, a policy with rows trains
-the 8-bit set they record, and the search runs only for an auto policy without rows (Ω then from
-the latest search row's table). The tables (``table``) read every row, whichever run wrote it: a
+the 8-bit set they record, and the search runs only for an auto policy without rows or where no
+search row has an indicator table for a policy to train (Ω from the latest such row). The tables (``table``) read every row, whichever run wrote it: a
 seed's last row, each step's speed-up against the bf16 step of its own run.
 """
 
@@ -199,7 +199,8 @@ def run_model(model: str, args, make_optimizer, write, say) -> list[dict]:
   times each step alone; writes each row as soon as it exists (``write``) and returns them.
   ``args.search_only``: the search alone. ``args.skip_done``: the seeds ``args.jsonl`` already holds
   (same setup and device) are not trained again, a policy with rows keeps the set they trained, and
-  the search runs only where an auto policy has no rows (Ω then from the latest search row)."""
+  the search runs only where an auto policy has no rows or a policy to train has no Ω (no row of
+  it, no search row with an indicator table; else Ω from the latest such search row)."""
   task = task_of(model, args.tiny, args.depth)
   device = jax.devices()[0].device_kind
   batch = timing.device_batch(task, args.batch, 0)
@@ -213,9 +214,11 @@ def run_model(model: str, args, make_optimizer, write, say) -> list[dict]:
     write(row)
 
   done = recorded_rows(args.jsonl, model, setup, device) if args.skip_done else Recorded({}, {}, {}, None)
+  todo = {p: [s for s in args.seeds if s not in done.seeds.get(p, set())] for p in args.policies}
   unsearched = [p for p in args.policies if p in ("auto", "auto_speed") and p not in done.sets]
+  no_omega = done.search is None and any(seeds and p not in done.omega for p, seeds in todo.items())
   found = None
-  if args.search_only or unsearched or not args.skip_done:
+  if args.search_only or unsearched or no_omega or not args.skip_done:
     found = search(model, task, ops, args, lambda row: emit({**row, **common}), say)
   if args.search_only:
     return rows
@@ -233,7 +236,6 @@ def run_model(model: str, args, make_optimizer, write, say) -> list[dict]:
     omega = omega_of_set(table, sets[policy])
     return omega, omega / reference if omega is not None and reference else None
 
-  todo = {p: [s for s in args.seeds if s not in done.seeds.get(p, set())] for p in args.policies}
   for p, seeds in todo.items():
     if len(seeds) < len(args.seeds):
       say(
