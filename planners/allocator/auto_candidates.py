@@ -18,7 +18,7 @@ timed set of a group it could win (every set; the sets within the accuracy budge
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 STRONG_GAIN = 0.10
 """The ``"strong"`` candidate keeps ops that save at least this fraction of their base time."""
@@ -31,16 +31,19 @@ GPT's, predicted 0.03 ms (0.25 %) apart, were measured 0.004 ms apart the other 
 
 
 def candidate_sets(
-  payoffs, presets: Sequence[str], frontier_set: Mapping[str, str] | None
+  paying: Callable[[float, str | None], dict[str, str]],
+  presets: Sequence[str],
+  frontier_set: Mapping[str, str] | None,
 ) -> dict[str, dict]:
-  """``{name: {op: preset}}`` of the module docstring's sets, equal sets once (the first name);
-  ``frontier_set``: the frontier's choice (None or empty: no frontier set)."""
-  from planners.allocator.payoff import paying_ops
-
+  """``{name: {op: preset}}`` of the module docstring's sets, equal sets once (the first name).
+  ``paying(min_gain, preset)``: the ops saving more than ``min_gain`` × their base time, at
+  ``preset`` alone or (None) at their fastest (``payoff.paying_ops`` of the per-op times);
+  ``frontier_set``: the frontier's choice (None or empty: no frontier set; ``set_name`` finds the
+  name it is kept under)."""
   sets: dict[str, dict[str, str]] = {"base": {}}
   tries = [(f"paying_{p}", 0.0, p) for p in presets] + [("paying", 0.0, None), ("strong", STRONG_GAIN, None)]
   for name, min_gain, only in tries:
-    chosen = paying_ops(payoffs, min_gain, preset=only)
+    chosen = paying(min_gain, only)
     if chosen and chosen not in sets.values():
       sets[name] = chosen
   if frontier_set and dict(frontier_set) not in sets.values():

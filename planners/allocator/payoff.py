@@ -480,7 +480,8 @@ def _search(task, batch, ops, candidates, omega, s: _Settings, clock: Stopwatch)
     payoffs, base_step = _trace(task, programs, candidates, s, clock)
     if budget != SPEED:
       frontier = choose(payoffs, omega_cost(omega, base), budget)
-    sets = candidate_sets(payoffs, presets, frontier.chosen if frontier is not None else None)
+    paying = lambda min_gain, preset: paying_ops(payoffs, min_gain, preset=preset)  # noqa: E731
+    sets = candidate_sets(paying, presets, frontier.chosen if frontier is not None else None)
     predicted = {name: predicted_ms(base_step, payoffs, chosen) for name, chosen in sets.items()}
   cost = omega_cost(omega, base) if omega is not None else None
   candidate_omega = {n: sum(cost(op, p) for op, p in c.items()) for n, c in sets.items()} if cost else {}

@@ -5,7 +5,7 @@ import pytest
 
 from planners.allocator import auto_policy, auto_steps
 from planners.allocator.auto_candidates import CLOSE, candidate_sets, predicted_ms, set_name, timed_sets
-from planners.allocator.payoff import OpPayoff
+from planners.allocator.payoff import OpPayoff, paying_ops
 from planners.profiler import timing
 from tests.planners import tiny
 
@@ -17,7 +17,8 @@ PAYOFFS = (
 
 
 def test_the_sets_are_each_considered_once_under_their_first_name_and_predicted_from_per_op_savings():
-  sets = candidate_sets(PAYOFFS, ("int8", "fp8"), {"a:dense": "int8"})
+  paying = lambda min_gain, preset: paying_ops(PAYOFFS, min_gain, preset=preset)  # noqa: E731
+  sets = candidate_sets(paying, ("int8", "fp8"), {"a:dense": "int8"})
   # "strong" (ops saving >= 10 %: a 50 %, b 25 %) equals "paying" here, so it is not considered twice
   assert sets == {
     "base": {},
@@ -29,7 +30,7 @@ def test_the_sets_are_each_considered_once_under_their_first_name_and_predicted_
   assert list(sets) == ["base", "paying_int8", "paying_fp8", "paying", "frontier"]
   assert set_name(sets, {"a:dense": "fp8", "b:dense": "int8"}) == "paying" and set_name(sets, {}) is None
   # a frontier equal to an earlier set is kept under that set's name
-  assert "frontier" not in candidate_sets(PAYOFFS, ("int8", "fp8"), sets["paying_int8"])
+  assert "frontier" not in candidate_sets(paying, ("int8", "fp8"), sets["paying_int8"])
   assert predicted_ms(10.0, PAYOFFS, {}) == 10.0
   assert predicted_ms(10.0, PAYOFFS, sets["paying"]) == pytest.approx(10.0 - 2.0 - 0.5)
   # an op at a preset slower than its base adds the difference
