@@ -24,6 +24,9 @@ held-out split.
   python -m benchmarks.accuracy_gpu sweep [--policies fp32 int8_fwd int8 fp8 auto] [--lr 1e-3]
   python -m benchmarks.accuracy_gpu plan; python -m benchmarks.accuracy_gpu compare
   python -m benchmarks.accuracy_gpu wide [--models gpt llama] [--seeds 0 1 2]   # lr 5e-4, batch 32
+  python -m benchmarks.accuracy_gpu wide --models llama --wide-policies bf16 auto auto_speed \
+      int8_dense fp8_dense --skip-done    # only the seeds the jsonl lacks; every policy timed again
+  python -m benchmarks.accuracy_gpu wide --search-only     # the search alone, its phases printed
   python -m benchmarks.accuracy_gpu report        # rewrites the testbeds' sections of docs/results.md
 """
 
@@ -347,6 +350,14 @@ def main(argv=None) -> int:
     default=list(accuracy_wide.POLICIES),
     help="wide: the policies to train, in this order",
   )
+  ap.add_argument(
+    "--skip-done",
+    action="store_true",
+    help="wide: train only the seeds --jsonl lacks for this setup and device (a policy with rows keeps "
+    "the 8-bit set they trained; the search runs only for an auto policy without rows, or for the Ω of "
+    "a policy to train where no search row has an indicator table)",
+  )
+  ap.add_argument("--search-only", action="store_true", help="wide: the search alone (no training)")
   ap.add_argument("--eval-windows", type=int, default=2048, help="wide: held-out windows")
   ap.add_argument("--eval-batch", type=int, default=64, help="wide: held-out windows per batch")
   ap.add_argument("--tiny", action="store_true", help="wide: a CPU size (width 32, one block), seconds")

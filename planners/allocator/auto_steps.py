@@ -10,11 +10,16 @@ for the trace, so they compare alike; the trainer's own program (command buffers
 from all of them by the same launch overhead.
 
 ``measured_omega``: the project's ``gradient`` indicator (``planners.indicator``: E[ΔL²] of a
-batch from the measured output error of each op alone) on a few batches.
+batch from the measured output error of each op alone) on a few batches: one compiled program
+scores every precision.
+
+``Stopwatch``: the seconds since the search began on every progress line, and each phase's seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -46,11 +51,18 @@ class Programs:
   def has(self, chosen: Mapping[str, str]) -> bool:
     return self.key(chosen) in self._built
 
+  @property
+  def compiled(self) -> int:
+    """How many programs were compiled."""
+    return len(self._built)
+
   def get(self, chosen: Mapping[str, str], name: str = "") -> timing.BuiltStep:
     """The program of ``chosen`` (compiled on first use)."""
     k = self.key(chosen)
     if k not in self._built:
-      self.say(f"compiling the step with {len(chosen)} ops 8-bit" + (f" ({name})" if name else ""))
+      what = f"the step with {len(chosen)} ops 8-bit" + (f" ({name})" if name else "")
+      self.say(f"compiling {what}")
+      t0 = time.perf_counter()
       self._built[k] = timing.build_train_step(
         self.task,
         self.policy_for(chosen),
@@ -58,19 +70,22 @@ class Programs:
         compiler_options=timing.trace_options(),
         variables=_copy(self.variables),
       )
+      seconds = time.perf_counter() - t0
+      stages = ", ".join(f"{stage.removesuffix('_s')} {s:.1f}" for stage, s in self._built[k].seconds.items())
+      self.say(f"compiled {what} in {seconds:.1f} s ({stages} s)")
     return self._built[k]
 
   def op_legs(self, chosen: Mapping[str, str], repeats: int) -> dict[str, dict[str, float]]:
-    """``{op: {"fwd": ms, "bwd": ms}}`` of ``chosen``'s program from a trace of ``repeats`` steps
-    (``timing.traced_instruction_times``, charged by ``step_hlo.per_op_ms``); empty when another
-    JAX profiler trace is running."""
+    """``{op or "rest": {"fwd": ms, "bwd": ms}}`` of ``chosen``'s program from a trace of
+    ``repeats`` steps (``timing.traced_instruction_times``, charged by ``step_hlo.per_op_ms``:
+    ``"rest"`` holds the instructions of no op, so the entries sum to the traced step); empty when
+    another JAX profiler trace is running."""
     built = self.get(chosen)
     try:
       hlo, instruction_ms = timing.traced_instruction_times(built.compiled, built.run, repeats)
     except RuntimeError:
       return {}
-    by_op = per_op_ms(hlo, instruction_ms, self.ops)
-    return {op.name: by_op[op.name] for op in self.ops if op.name in by_op}
+    return per_op_ms(hlo, instruction_ms, self.ops)
 
   def warmed_variables(self, batches) -> dict:
     """The variables after one step of the all-base program (``timing.default_optimizer``) per
@@ -93,3 +108,28 @@ def measured_omega(
 
   table = compute(task, variables, batches, ("gradient",), tuple(precisions), seed=seed)["gradient"]
   return {op: dict(row) for op, row in table["omega"].items()}
+
+
+class Stopwatch:
+  """Seconds since ``t0`` (a ``time.perf_counter()``) in front of every line ``say`` passes on to
+  ``progress`` (None: nothing printed), and the seconds spent in each named ``phase``."""
+
+  def __init__(self, progress: Callable[[str], None] | None, t0: float):
+    self.progress, self.t0 = progress, t0
+    self.phases: dict[str, float] = {}
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.t0
+
+  def say(self, msg: str) -> None:
+    if self.progress is not None:
+      self.progress(f"[{self.elapsed():6.1f} s] {msg}")
+
+  @contextlib.contextmanager
+  def phase(self, name: str):
+    """Adds the seconds of the ``with`` block to ``phases[name]``."""
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0

@@ -8,7 +8,8 @@ from planners.allocator.frontier import SPEED, budget_label, omega_cost
 def summary_lines(r) -> list[str]:
   """The measured candidate steps and the winner; the accuracy budget, the Ω it spent and the speed
   it kept against the speed-only choice; then each candidate op's in-step times, its Ω per preset
-  above the base's, its precision and, where it is not at its fastest preset, why."""
+  above the base's, its precision and, where it is not at its fastest preset, why; last, the
+  search's seconds per phase and the candidate sets it did not time (``search_line``)."""
   where = f"{r.device_kind} (measured, {r.clock} clock, batch {r.batch_per_device} per device)"
   lines = (
     [f"auto policy loaded from {r.cache_path} (same model, batch, device and versions)"] if r.loaded else []
@@ -33,7 +34,18 @@ def summary_lines(r) -> list[str]:
     elif best is None and p.op in why:
       reason = f" ({why[p.op]})"
     lines.append(f"  {p.op}: {r.base} {p.base_ms:.3f} ms, {timed} ms in step{omega} -> {mark}{reason}")
-  return lines
+  return lines + [search_line(r)]
+
+
+def search_line(r) -> str:
+  """The last line of ``summary_lines``: the search's seconds, per phase, the training steps it
+  compiled, and each candidate set it did not time with why."""
+  phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in r.search_phases.items())
+  line = f"search {r.search_s:.1f} s" + (f" ({phases} s)" if phases else "")
+  line += f"; {r.compiled_steps} training steps compiled" if r.compiled_steps else ""
+  if r.pruned:
+    line += "; not timed: " + "; ".join(f"{name} ({why})" for name, why in r.pruned.items())
+  return line
 
 
 def budget_line(r) -> str:

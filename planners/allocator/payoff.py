@@ -11,14 +11,18 @@ in-step time (forward and gradient legs) is below its base time; its preset is t
 
 Work outside an op's kernels — a quantize XLA fuses into the producing LayerNorm, a scale
 reduction, a transpose — is charged to a neighbour or to no op, so the per-op sums are a guide,
-not the answer: ``auto_policy`` then times whole training steps, interleaved — the base policy
-alone; per preset, every op that pays at that preset (``"paying_int8"``…); every paying op at its
-fastest preset (``"paying"``) and only those saving at least ``STRONG_GAIN`` of their base time
-(``"strong"``); and the frontier's choice within the accuracy budget (``"frontier"``). Each
-distinct set is compiled once (``planners.allocator.auto_steps.Programs``): the all-base and
-all-preset programs the per-op traces ran are timed as candidates too. Embedding lookups are left
-as the model wrote them (a gather saves nothing at a lower precision), every other op not run
-8-bit is at the base precision.
+not the answer: ``auto_policy`` then times whole training steps, interleaved. It considers the
+base policy alone; per preset, every op that pays at that preset (``"paying_int8"``…); every
+paying op at its fastest preset (``"paying"``) and only those saving at least
+``auto_candidates.STRONG_GAIN`` of their base time (``"strong"``); and the frontier's choice within the accuracy budget
+(``"frontier"``) — and compiles and times only the base, the set the per-op traces predict
+fastest, the frontier's, and at most one more whose prediction is close
+(``planners.allocator.auto_candidates``: the others are pruned, each with why). Each distinct set
+is compiled once (``planners.allocator.auto_steps.Programs``): a candidate equal to an all-base
+or all-preset program the per-op traces ran is timed with that program. Embedding lookups are
+left as the model wrote them (a gather saves nothing at a lower precision), every other op not
+run 8-bit is at the base precision. Every progress line carries the seconds since the search
+began, and the result the seconds of each phase (``AutoPolicy.search_phases``).
 
 Accuracy: the sensitivity indicator (``omega``: op → precision → Ω; by default the project's
 ``gradient`` indicator measured on a few batches after a short all-base training,
@@ -47,7 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from planners.allocator import auto_cache
-from planners.allocator.auto_steps import Programs, measured_omega
+from planners.allocator.auto_candidates import candidate_sets, predicted_ms, set_name, timed_sets
+from planners.allocator.auto_steps import Programs, Stopwatch, measured_omega
 from planners.allocator.frontier import (
   DEFAULT_BUDGET,
   SPEED,
@@ -73,8 +78,6 @@ CANDIDATE_KINDS = ("dense", "dense_general", "conv", "einsum", "embed_attend")
 """Op kinds ``auto_policy`` may quantize."""
 EIGHT_BIT_PRESETS = ("int8", "fp8")
 """8-bit op presets tried (every leg 8-bit; ``qsync_jax.precision.PRESETS``)."""
-STRONG_GAIN = 0.10
-"""The ``"strong"`` candidate keeps ops that save at least this fraction of their base time."""
 
 
 def eight_bit_presets(device_type: str) -> tuple[str, ...]:
@@ -218,7 +221,11 @@ class AutoPolicy:
   within the accuracy ``budget`` (every candidate's Ω in ``candidate_omega``, from the table
   ``omega``, measured as ``indicator`` says); ``speed_winner`` and ``speed_policy``: the fastest of
   all (the ``"speed"`` budget's choice); ``frontier``: the frontier's choice within the budget
-  (``planners.allocator.frontier``). ``loaded``: read from ``cache_path`` instead of measured."""
+  (``planners.allocator.frontier``). ``candidates``: every 8-bit set considered; ``step_ms``: those
+  timed; ``predicted_ms``: each set's step predicted from the per-op traces, ``pruned``: why a set
+  was not timed (``planners.allocator.auto_candidates``). ``search_phases``: the search's seconds per
+  phase (``setup``, ``indicator``, ``compile`` — ``compiled_steps`` programs —, ``trace``, ``time``).
+  ``loaded``: read from ``cache_path`` instead of measured."""
 
   policy: PrecisionPolicy
   chosen: dict[str, str]
@@ -239,6 +246,10 @@ class AutoPolicy:
   speed_winner: str = ""
   speed_policy: PrecisionPolicy | None = None
   search_s: float = 0.0
+  predicted_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+  pruned: dict[str, str] = dataclasses.field(default_factory=dict)
+  search_phases: dict[str, float] = dataclasses.field(default_factory=dict)
+  compiled_steps: int = 0
   cache_path: str = ""
   loaded: bool = False
 
@@ -273,6 +284,10 @@ class AutoPolicy:
       "speed_winner": self.speed_winner,
       "speed_policy": self.speed_policy.to_json() if self.speed_policy else None,
       "search_s": self.search_s,
+      "predicted_ms": self.predicted_ms,
+      "pruned": self.pruned,
+      "search_phases": self.search_phases,
+      "compiled_steps": self.compiled_steps,
       "measured": True,
     }
 
@@ -333,8 +348,7 @@ def auto_policy(
     cache_dir: where results are kept (``planners.allocator.auto_cache``): a search of the same
       case loads its result instead of measuring; None: nothing kept.
   """
-  t0 = time.perf_counter()
-  say = progress or (lambda msg: None)
+  clock = Stopwatch(progress, time.perf_counter())
   budget = parse_budget(budget)
   device = jax.devices()[0]
   device_type = device_type_of(device)
@@ -356,31 +370,6 @@ def auto_policy(
       f"indicator_steps={indicator_steps}, indicator_batches={indicator_batches}: the indicator needs at least "
       "one batch and no negative steps. Fix: pass indicator_batches >= 1, indicator_steps >= 0."
     )
-  batch = timing.device_batch(task, batch_per_device, seed)
-  ops = traced_ops(task, batch, seed)
-  candidates = [op for op in ops if op.kind in CANDIDATE_KINDS and op.runs_8bit]
-  if omega is not None:  # a table without a candidate's Ω is refused before measuring
-    cost = omega_cost(omega, base)
-    for op in candidates:
-      for p in presets:
-        cost(op.name, p)
-  fields = None
-  if cache_dir is not None:
-    if omega is not None:
-      source = {"table": auto_cache.digest(omega)}
-    elif budget not in (SPEED, 0.0):
-      source = {"method": "gradient", "steps": indicator_steps, "batches": indicator_batches, "seed": seed}
-    else:
-      source = {}
-    fingerprint = auto_cache.model_fingerprint(task, policy_of(ops, base, {}), batch, seed)
-    fields = auto_cache.key_fields(fingerprint, batch_per_device, base, presets, budget, source)
-    saved = auto_cache.load(cache_dir, fields)
-    if saved is not None:
-      result = AutoPolicy.from_json(saved, cache_path=auto_cache.path_of(cache_dir, fields), loaded=True)
-      say(
-        f"loaded the result of an earlier search from {result.cache_path} in {time.perf_counter() - t0:.2f} s"
-      )
-      return result
   settings = _Settings(
     batch_per_device,
     base,
@@ -393,13 +382,55 @@ def auto_policy(
     indicator_steps,
     indicator_batches,
   )
-  measured = _search(task, batch, ops, candidates, omega, settings, say)
-  result = dataclasses.replace(measured, search_s=time.perf_counter() - t0)
+  with clock.phase("setup"):
+    batch = timing.device_batch(task, batch_per_device, seed)
+    ops = traced_ops(task, batch, seed)
+    candidates = [op for op in ops if op.kind in CANDIDATE_KINDS and op.runs_8bit]
+    if omega is not None:  # a table without a candidate's Ω is refused before measuring
+      cost = omega_cost(omega, base)
+      for op in candidates:
+        for p in presets:
+          cost(op.name, p)
+    fields = None
+    if cache_dir is not None:
+      fields = _cache_fields(task, ops, batch, omega, settings)
+      saved = auto_cache.load(cache_dir, fields)
+      if saved is not None:
+        result = AutoPolicy.from_json(saved, cache_path=auto_cache.path_of(cache_dir, fields), loaded=True)
+        clock.say(
+          f"loaded the result of an earlier search from {result.cache_path} in {clock.elapsed():.2f} s"
+        )
+        return result
+  measured = _search(task, batch, ops, candidates, omega, settings, clock)
+  result = dataclasses.replace(measured, search_s=clock.elapsed(), search_phases=dict(clock.phases))
+  clock.say(
+    f"searched in {result.search_s:.1f} s: "
+    + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in result.search_phases.items())
+    + f" ({result.compiled_steps} training steps compiled)"
+  )
   if fields is not None:
     path = auto_cache.save(cache_dir, fields, result.to_json())
     result = dataclasses.replace(result, cache_path=path)
-    say(f"kept the result in {path}")
+    clock.say(f"kept the result in {path}")
   return result
+
+
+def _cache_fields(task, ops, batch, omega, s: _Settings) -> dict[str, Any]:
+  """``auto_cache.key_fields`` of a search (the indicator's source: a given table's digest, the
+  measured indicator's settings, or none where no indicator is needed)."""
+  if omega is not None:
+    source = {"table": auto_cache.digest(omega)}
+  elif s.budget not in (SPEED, 0.0):
+    source = {
+      "method": "gradient",
+      "steps": s.indicator_steps,
+      "batches": s.indicator_batches,
+      "seed": s.seed,
+    }
+  else:
+    source = {}
+  fingerprint = auto_cache.model_fingerprint(task, policy_of(ops, s.base, {}), batch, s.seed)
+  return auto_cache.key_fields(fingerprint, s.batch_per_device, s.base, s.presets, s.budget, source)
 
 
 def traced_ops(task, batch, seed: int) -> tuple[OpShape, ...]:
@@ -427,12 +458,13 @@ class _Settings(NamedTuple):
   indicator_batches: int
 
 
-def _search(task, batch, ops, candidates, omega, s: _Settings, say) -> AutoPolicy:
+def _search(task, batch, ops, candidates, omega, s: _Settings, clock: Stopwatch) -> AutoPolicy:
   """``auto_policy``'s measurements: the indicator (unless given or unneeded), the per-op traces, the
-  candidate sets and their interleaved whole-step timing, and the choice."""
-  base, presets, budget = s.base, s.presets, s.budget
-  clock = timing.default_step_clock()
-  variables = init_variables(task, s.seed, batch)[0]
+  candidate sets, the pruning of those the traces predict slower, the interleaved whole-step timing
+  of the others, and the choice."""
+  base, presets, budget, say = s.base, s.presets, s.budget, clock.say
+  with clock.phase("setup"):
+    variables = jax.block_until_ready(jax.jit(lambda b: init_variables(task, s.seed, b)[0])(batch))
   programs = Programs(task, ops, lambda chosen: policy_of(ops, base, chosen), batch, variables, say)
   calls = sum(op.calls for op in ops)
   shared = f" ({calls} calls: a module called more than once is one op)" if calls != len(ops) else ""
@@ -440,57 +472,51 @@ def _search(task, batch, ops, candidates, omega, s: _Settings, say) -> AutoPolic
     f"{len(candidates)} of the model's {len(ops)} quantizable ops{shared} can run 8-bit; "
     f"accuracy budget {budget_label(budget)}"
   )
-  payoffs, indicator = (), "given" if omega is not None else ""
+  payoffs, indicator, frontier, predicted = (), "given" if omega is not None else "", None, {}
   sets: dict[str, dict[str, str]] = {"base": {}}
-  frontier = None
   if budget != 0.0 and presets and candidates:
     if omega is None and budget != SPEED:
-      omega, indicator = _measure_omega(task, programs, s, say)
-    say(f"tracing the all-{base} step")
-    traces = {base: programs.op_legs({}, s.trace_repeats)}
-    for p in presets:
-      say(f"tracing the step with every candidate at {p}")
-      traces[p] = programs.op_legs({op.name: p for op in candidates}, s.trace_repeats)
-    if not any(op.name in traces[base] for op in candidates):
-      raise PlanError(
-        f"auto policy: none of the {len(candidates)} candidate ops was found in the instruction names of "
-        f"{task.name!r}'s compiled step (their JAX name stacks), so their times cannot be told apart. "
-        "Fix: run the model's ops inside Flax modules (linen or nnx), or pass a plan from `qsync plan`."
-      )
-    payoffs = tuple(
-      OpPayoff(
-        op.name,
-        sum(traces[base].get(op.name, {}).values()),
-        {p: sum(traces[p].get(op.name, {}).values()) for p in presets},
-      )
-      for op in candidates
-    )
-    tries = [(f"paying_{p}", 0.0, p) for p in presets] + [
-      ("paying", 0.0, None),
-      ("strong", STRONG_GAIN, None),
-    ]
-    for name, min_gain, only in tries:
-      chosen = paying_ops(payoffs, min_gain, preset=only)
-      if chosen and chosen not in sets.values():
-        sets[name] = chosen
+      omega, indicator = _measure_omega(task, programs, s, clock)
+    payoffs, base_step = _trace(task, programs, candidates, s, clock)
     if budget != SPEED:
       frontier = choose(payoffs, omega_cost(omega, base), budget)
-      if frontier.chosen and frontier.chosen not in sets.values():
-        sets["frontier"] = frontier.chosen
+    paying = lambda min_gain, preset: paying_ops(payoffs, min_gain, preset=preset)  # noqa: E731
+    sets = candidate_sets(paying, presets, frontier.chosen if frontier is not None else None)
+    predicted = {name: predicted_ms(base_step, payoffs, chosen) for name, chosen in sets.items()}
   cost = omega_cost(omega, base) if omega is not None else None
   candidate_omega = {n: sum(cost(op, p) for op, p in c.items()) for n, c in sets.items()} if cost else {}
-  say(
-    f"timing {len(sets)} candidate steps: " + ", ".join(f"{n} ({len(c)} ops 8-bit)" for n, c in sets.items())
-  )
-  runs = {name: programs.get(chosen, name).run for name, chosen in sets.items()}
-  timed = timing.time_round_robin(
-    runs, s.step_repeats or timing.default_step_repeats(clock), s.rounds, clocks=(clock,), progress=say
-  )[clock]
-  step_ms = {name: float(np.median(timed[name])) for name in sets}
   allowed = frontier.allowed * (1 + 1e-12) if frontier is not None else float("inf")
   eligible = [n for n in sets if n == "base" or budget == SPEED or candidate_omega[n] <= allowed]
-  winner = min(eligible, key=lambda n: (step_ms[n], n != "base"))
-  speed_winner = min(sets, key=lambda n: (step_ms[n], n != "base"))
+  frontier_name = set_name(sets, frontier.chosen if frontier is not None else None)
+  names, pruned = ["base"], {}
+  if predicted:
+    names, pruned = timed_sets(predicted, None if budget == SPEED else eligible, frontier_name)
+  for name, why in pruned.items():
+    say(f"not timing {name} ({len(sets[name])} ops 8-bit): {why}")
+  say(
+    f"timing {len(names)} candidate steps: "
+    + ", ".join(
+      f"{n} ({len(sets[n])} ops 8-bit"
+      + (f", predicted {predicted[n]:.3f} ms" if n in predicted else "")
+      + (", the program of its trace" if programs.has(sets[n]) else "")
+      + ")"
+      for n in names
+    )
+  )
+  with clock.phase("compile"):
+    runs = {name: programs.get(sets[name], name).run for name in names}
+  step_clock = timing.default_step_clock()
+  with clock.phase("time"):
+    timed = timing.time_round_robin(
+      runs,
+      s.step_repeats or timing.default_step_repeats(step_clock),
+      s.rounds,
+      clocks=(step_clock,),
+      progress=say,
+    )[step_clock]
+  step_ms = {name: float(np.median(timed[name])) for name in names}
+  winner = min((n for n in names if n in eligible), key=lambda n: (step_ms[n], n != "base"))
+  speed_winner = min(names, key=lambda n: (step_ms[n], n != "base"))
   return AutoPolicy(
     policy_of(ops, base, sets[winner]),
     dict(sets[winner]),
@@ -500,9 +526,9 @@ def _search(task, batch, ops, candidates, omega, s: _Settings, say) -> AutoPolic
     payoffs,
     sets,
     step_ms,
-    {name: list(timed[name]) for name in sets},
+    {name: list(timed[name]) for name in names},
     winner,
-    clock,
+    step_clock,
     budget=budget,
     omega={p.op: dict(omega[p.op]) for p in payoffs if p.op in omega} if omega is not None else None,
     indicator=indicator,
@@ -510,21 +536,56 @@ def _search(task, batch, ops, candidates, omega, s: _Settings, say) -> AutoPolic
     candidate_omega=candidate_omega,
     speed_winner=speed_winner,
     speed_policy=policy_of(ops, base, sets[speed_winner]),
+    predicted_ms=predicted,
+    pruned=pruned,
+    compiled_steps=programs.compiled,
   )
 
 
-def _measure_omega(task, programs: Programs, s: _Settings, say):
+def _trace(task, programs: Programs, candidates, s: _Settings, clock: Stopwatch):
+  """``(payoffs, traced all-base step ms)``: each candidate op's in-step times from a trace of the
+  all-base step and of the step with every candidate at each preset (``Programs.op_legs``)."""
+  traces = {}
+  for preset in (s.base, *s.presets):
+    chosen = {} if preset == s.base else {op.name: preset for op in candidates}
+    with clock.phase("compile"):
+      programs.get(chosen, f"all-{preset}")
+    with clock.phase("trace"):
+      clock.say(f"tracing the step with every candidate at {preset}")
+      traces[preset] = programs.op_legs(chosen, s.trace_repeats)
+  if not any(op.name in traces[s.base] for op in candidates):
+    raise PlanError(
+      f"auto policy: none of the {len(candidates)} candidate ops was found in the instruction names of "
+      f"{task.name!r}'s compiled step (their JAX name stacks), so their times cannot be told apart. "
+      "Fix: run the model's ops inside Flax modules (linen or nnx), or pass a plan from `qsync plan`."
+    )
+  payoffs = tuple(
+    OpPayoff(
+      op.name,
+      sum(traces[s.base].get(op.name, {}).values()),
+      {p: sum(traces[p].get(op.name, {}).values()) for p in s.presets},
+    )
+    for op in candidates
+  )
+  return payoffs, sum(ms for legs in traces[s.base].values() for ms in legs.values())
+
+
+def _measure_omega(task, programs: Programs, s: _Settings, clock: Stopwatch):
   """``(Ω table, how it was measured)``: the ``gradient`` indicator at the presets' forward
   precisions (and the base's, which the frontier counts Ω above) on ``indicator_batches`` training
   batches, after ``indicator_steps`` steps of the all-base program on others."""
   base, size, steps, n_batches = s.base, s.batch_per_device, s.indicator_steps, s.indicator_batches
   stream = task.train_batches(size, s.seed + 1)
-  say(f"training {steps} all-{base} steps, then probing the indicator on {n_batches} batches")
-  warm = programs.warmed_variables(jax.tree_util.tree_map(jnp.asarray, next(stream)) for _ in range(steps))
-  probe = [next(stream) for _ in range(n_batches)]
-  floor = PRESETS[base].fwd
-  precisions = sorted(
-    {PRESETS[p].fwd for p in s.presets} | ({floor} if floor in PROBED_PRECISIONS else set())
-  )
-  omega = measured_omega(task, warm, probe, precisions, s.seed)
+  with clock.phase("compile"):
+    programs.get({}, f"all-{base}")
+  with clock.phase("indicator"):
+    clock.say(f"training {steps} all-{base} steps")
+    warm = programs.warmed_variables(jax.tree_util.tree_map(jnp.asarray, next(stream)) for _ in range(steps))
+    probe = [next(stream) for _ in range(n_batches)]
+    floor = PRESETS[base].fwd
+    precisions = sorted(
+      {PRESETS[p].fwd for p in s.presets} | ({floor} if floor in PROBED_PRECISIONS else set())
+    )
+    clock.say(f"probing the indicator at {', '.join(precisions)} on {n_batches} batches (one program)")
+    omega = measured_omega(task, warm, probe, precisions, s.seed)
   return omega, f"gradient indicator on {n_batches} batches of {size} after {steps} {base} steps"

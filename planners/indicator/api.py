@@ -28,6 +28,7 @@ from planners.indicator.gvar import GvarConfig, gvar_omega
 from planners.indicator.hessian import hessian_omega, hutchinson_traces
 from planners.indicator.payload_cost import check_payload
 from planners.indicator.probes import (
+  GRADIENT_STATS,
   PROBED_PRECISIONS,
   collect,
   forward_op_policy,
@@ -96,7 +97,9 @@ def compute(
   precisions = tuple(precisions)
   _check(methods, precisions)
   batches = list(batches)
-  calls, per_batch = collect(task, variables, batches, precisions, op_policy_for, seed, progress)
+  # the gradient indicator alone reads three stats: the others (weight probes, quantized weights) are not traced
+  stats = GRADIENT_STATS if set(methods) <= {"gradient"} else None
+  calls, per_batch = collect(task, variables, batches, precisions, op_policy_for, seed, progress, stats)
   order = op_order(calls)
   float_only = {c.name for c in calls if grouped_conv(c.kind, c.lhs_shape, c.rhs_shape)}
   tables = {}

@@ -22,7 +22,7 @@ first call, ``name#k`` for the k-th repeat. Indicators sum over the calls of an 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -62,10 +62,12 @@ class OpCall:
 
 
 class _Tap:
-  """The probing tap: numbers repeated calls, adds probes, measures δY per precision."""
+  """The probing tap: numbers repeated calls, adds probes, measures δY per precision. The op's
+  output is recomputed as ``rerun(None, lhs, rhs)`` wherever there are ``rhs_probes`` or ``rerun``
+  is set (so that a pass without weight probes computes the same outputs as one with them)."""
 
-  def __init__(self, out_probes=None, rhs_probes=None, measure: Callable | None = None):
-    self.out_probes, self.rhs_probes, self.measure = out_probes, rhs_probes, measure
+  def __init__(self, out_probes=None, rhs_probes=None, measure: Callable | None = None, rerun: bool = False):
+    self.out_probes, self.rhs_probes, self.measure, self.rerun = out_probes, rhs_probes, measure, rerun
     self.counts: dict[str, int] = {}
     self.calls: list[tuple[str, OpInfo, jax.Array]] = []
     self.records: dict[str, dict[str, Any]] = {}
@@ -77,6 +79,7 @@ class _Tap:
     lhs, rhs = info.lhs, info.rhs
     if self.rhs_probes is not None:
       rhs = rhs + self.rhs_probes[key].astype(rhs.dtype)
+    if self.rhs_probes is not None or self.rerun:
       y = info.rerun(None, lhs, rhs)
     self.calls.append((key, info, y))
     if self.measure is not None:
@@ -137,11 +140,16 @@ def _row_dots(g, d):
   return jnp.sum(prod, axis=1)
 
 
+GRADIENT_STATS = ("first", "first2", "rows")
+"""The stats the ``gradient`` indicator reads (``gradient.py``), for ``batch_stats(stats=...)``."""
+
+
 def batch_stats(
   task: Task,
   calls: list[OpCall],
   precisions: tuple[str, ...] = PROBED_PRECISIONS,
   op_policy_for: Callable[[str], OpPolicy] = forward_op_policy,
+  stats: Collection[str] | None = None,
 ) -> Callable:
   """A jitted ``(variables, batch, key) -> {call key: {stat: scalar}}`` for one batch.
 
@@ -150,7 +158,11 @@ def batch_stats(
   (mean |·| of X, W, ∂L/∂Y); per precision p: ``dy2:p`` = ‖δY_p‖², ``first:p`` = ⟨∂L/∂Y, δY_p⟩ and ``first2:p`` its square,
   ``rows:p`` = R·Σ_i ⟨∂L/∂Y_i, δY_p,i⟩² over the R rows (leading axis) of Y,
   ``wq_abs:p`` = Σ|Q_p(W)|, ``w_abs`` = Σ|W|, ``wq_err:p`` = ‖Q_p(W) − W‖².
+  ``stats``: the names to compute (a per-precision stat by its name without ``:p``; e.g.
+  ``GRADIENT_STATS``); the others are not traced (no weight probes without ``gw2``, no quantized
+  copy of W without ``wq_abs`` or ``wq_err``). None: every stat.
   """
+  want = (lambda name: True) if stats is None else (lambda name: name in stats)
   policies = {p: op_policy_for(p) for p in precisions}
 
   reference = OpPolicy.uniform("fp32")  # Precision.HIGHEST: no tf32 in the reference on GPUs
@@ -171,45 +183,57 @@ def batch_stats(
 
   def fn(variables, batch, key):
     out_p = {c.key: jnp.zeros(c.out_shape, c.out_dtype) for c in calls}
-    rhs_p = {c.key: jnp.zeros(c.rhs_shape, c.rhs_dtype) for c in calls}
+    rhs_p = {c.key: jnp.zeros(c.rhs_shape, c.rhs_dtype) for c in calls} if want("gw2") else None
 
     def loss_fn(out_p, rhs_p):
-      tap = _Tap(out_p, rhs_p, measure)
+      tap = _Tap(out_p, rhs_p, measure, rerun=True)
       return training_loss(task, tap, variables, batch, key), tap.records
 
     (g_out, g_rhs), records = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)(out_p, rhs_p)
-    stats = {}
-    for c in calls:
-      rec, g, gw = records[c.key], g_out[c.key], g_rhs[c.key]
-      x, w = rec["lhs"], rec["rhs"]
-      s = {
-        "numel_x": jnp.float32(x.size),
-        "numel_w": jnp.float32(w.size),
-        "numel_y": jnp.float32(g.size),
-        "x2": _sum(jnp.square(x)),
-        "w2": _sum(jnp.square(w)),
-        "gw2": _sum(jnp.square(gw)),
-        "max_x": jnp.max(jnp.abs(x)).astype(jnp.float32),
-        "max_w": jnp.max(jnp.abs(w)).astype(jnp.float32),
-        "mean_x": jnp.mean(jnp.abs(x)).astype(jnp.float32),
-        "mean_w": jnp.mean(jnp.abs(w)).astype(jnp.float32),
-        "mean_g": jnp.mean(jnp.abs(g)).astype(jnp.float32),
-        "w_abs": _sum(jnp.abs(w)),
-      }
-      for p in precisions:
-        d = rec["deltas"][p]
-        rows = _row_dots(g, d)
-        wq = fake_quant(w, p)
-        s[f"dy2:{p}"] = _sum(jnp.square(d))
-        s[f"first:{p}"] = jnp.sum(rows)
-        s[f"first2:{p}"] = jnp.square(jnp.sum(rows))
-        s[f"rows:{p}"] = jnp.float32(rows.shape[0]) * jnp.sum(jnp.square(rows))
-        s[f"wq_abs:{p}"] = _sum(jnp.abs(wq))
-        s[f"wq_err:{p}"] = _sum(jnp.square(wq - w))
-      stats[c.key] = s
-    return stats
+    return {c.key: _call_stats(records[c.key], g_out[c.key], g_rhs, c.key, precisions, want) for c in calls}
 
   return jax.jit(fn)
+
+
+def _call_stats(rec, g, g_rhs, key: str, precisions, want) -> dict[str, jax.Array]:
+  """``batch_stats``'s stats of one call that ``want(name)`` asks for (module docstring)."""
+  x, w = rec["lhs"], rec["rhs"]
+  general = {
+    "numel_x": lambda: jnp.float32(x.size),
+    "numel_w": lambda: jnp.float32(w.size),
+    "numel_y": lambda: jnp.float32(g.size),
+    "x2": lambda: _sum(jnp.square(x)),
+    "w2": lambda: _sum(jnp.square(w)),
+    "gw2": lambda: _sum(jnp.square(g_rhs[key])),
+    "max_x": lambda: jnp.max(jnp.abs(x)).astype(jnp.float32),
+    "max_w": lambda: jnp.max(jnp.abs(w)).astype(jnp.float32),
+    "mean_x": lambda: jnp.mean(jnp.abs(x)).astype(jnp.float32),
+    "mean_w": lambda: jnp.mean(jnp.abs(w)).astype(jnp.float32),
+    "mean_g": lambda: jnp.mean(jnp.abs(g)).astype(jnp.float32),
+    "w_abs": lambda: _sum(jnp.abs(w)),
+  }
+  s = {name: make() for name, make in general.items() if want(name)}
+  for p in precisions:
+    s.update(
+      {f"{name}:{p}": value for name, value in _precision_stats(rec["deltas"][p], g, w, p, want).items()}
+    )
+  return s
+
+
+def _precision_stats(d, g, w, precision: str, want) -> dict[str, jax.Array]:
+  """The per-precision stats of one call (``batch_stats``) that ``want(name)`` asks for, named
+  without their ``:precision``; ``d``: δY at ``precision``, ``g``: ∂L/∂Y, ``w``: the rhs."""
+  rows = _row_dots(g, d)
+  wq = fake_quant(w, precision) if want("wq_abs") or want("wq_err") else None
+  per = {
+    "dy2": lambda: _sum(jnp.square(d)),
+    "first": lambda: jnp.sum(rows),
+    "first2": lambda: jnp.square(jnp.sum(rows)),
+    "rows": lambda: jnp.float32(rows.shape[0]) * jnp.sum(jnp.square(rows)),
+    "wq_abs": lambda: _sum(jnp.abs(wq)),
+    "wq_err": lambda: _sum(jnp.square(wq - w)),
+  }
+  return {name: make() for name, make in per.items() if want(name)}
 
 
 def collect(
@@ -220,8 +244,10 @@ def collect(
   op_policy_for: Callable[[str], OpPolicy] = forward_op_policy,
   seed: int = 0,
   progress: Callable[[int, int], None] | None = None,
+  stats: Collection[str] | None = None,
 ) -> tuple[list[OpCall], list[dict[str, dict[str, float]]]]:
-  """``(calls, per-batch stats)``: ``batch_stats`` of every batch, as plain floats.
+  """``(calls, per-batch stats)``: ``batch_stats`` of every batch (the ``stats`` it names; None:
+  all), as plain floats: one compiled program for every batch and precision.
 
   All batches must have the first batch's shapes (the probes are shaped from it).
   ``progress(done, total)`` is called after each batch (e.g. to draw a progress bar).
@@ -230,7 +256,7 @@ def collect(
   if not batches:
     raise ValueError("collect() needs at least one batch. Fix: pass a non-empty list of batches.")
   calls = trace_calls(task, variables, batches[0])
-  fn = batch_stats(task, calls, precisions, op_policy_for)
+  fn = batch_stats(task, calls, precisions, op_policy_for, stats)
   key = jax.random.key(seed)
   per_batch = []
   for i, batch in enumerate(batches):

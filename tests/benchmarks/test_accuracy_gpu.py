@@ -158,3 +158,24 @@ def test_wide_trains_each_distinct_policy_once_over_paired_seeds_and_prints_its_
   text = doc.read_text()
   assert "<!-- accuracy.py gpt-wide: begin -->" in text and "GPU testbed where auto keeps 8-bit" in text
   assert f"| auto | 1 of {len(dense)} | 0.14 |" in text and "### GPU testbed: a 25 M-parameter GPT" in text
+  # another run adds a policy's seeds: the recorded auto set is kept and not searched again; int8_dense's Ω
+  # comes from the search row's table; bf16 and auto are timed again in this run, not trained
+  more = ["--skip-done", "--wide-policies", "auto", "int8_dense", "--seeds", "1"]
+  assert testbed.main(["wide", *common, *sizes, *more]) == 0
+  assert len(calls) == 2  # no search
+  added = _rows(jsonl)[len(rows) :]
+  assert [(r["case"], r["seed"]) for r in added if r["metric"] == "held-out loss"] == [
+    ("wide/gpt/int8_dense", 1)
+  ]
+  int8 = next(r for r in added if r["case"] == "wide/gpt/int8_dense")
+  assert int8["omega"] == len(dense) and int8["omega_fraction"] == len(dense) / 7.0
+  steps = [r for r in added if r["metric"] == "step_ms"]
+  assert {r["case"] for r in steps} == {f"wide/gpt/{p}" for p in ("bf16", "auto", "int8_dense")}
+  assert len({r["run"] for r in steps}) == 1 and steps[0]["run"] != rows[-1]["run"]
+  out = capsys.readouterr().out  # the table of every row of the file: both runs
+  assert f"| int8_dense | {len(dense)} of {len(dense)} |" in out and "| auto_speed | 1 of" in out
+  # the search alone: its row, nothing trained
+  assert testbed.main(["wide", *common, *sizes, "--search-only"]) == 0
+  assert len(calls) == 4 and [r["case"] for r in _rows(jsonl)[len(rows) + len(added) :]] == [
+    "wide/gpt/search"
+  ]

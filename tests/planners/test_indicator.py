@@ -201,3 +201,21 @@ def test_unknown_method_or_precision_is_rejected():
     compute(task, variables, [batch], ["nope"])
   with pytest.raises(QsyncError, match="precision 'fp4'"):
     compute(task, variables, [batch], ["gradient"], ("fp4",))
+
+
+def test_the_gradient_stats_alone_are_the_same_numbers_without_weight_probes_or_quantized_weights():
+  """``compute`` of the gradient indicator alone traces ``GRADIENT_STATS`` only (one smaller
+  program: no ∂L/∂W probes, no quantized copies of W); its numbers are those of the full pass."""
+  from planners.indicator.probes import GRADIENT_STATS
+
+  task = tiny.mlp(features=8, hidden=16)
+  variables, _ = _variables(task, 5)
+  stream = task.train_batches(8, 6)
+  batches = [next(stream) for _ in range(2)]
+  _, every = collect(task, variables, batches, ("int8", "fp8"))
+  _, alone = collect(task, variables, batches, ("int8", "fp8"), stats=GRADIENT_STATS)
+  for full, part in zip(every, alone):
+    for op, stats in part.items():
+      assert set(stats) == {f"{s}:{p}" for s in GRADIENT_STATS for p in ("int8", "fp8")}
+      # the same operations; XLA may fuse the smaller program differently: float32 rounding apart
+      assert stats == pytest.approx({k: full[op][k] for k in stats}, rel=1e-6) and "gw2" in full[op]

@@ -2,6 +2,7 @@
 the accuracy budget, and the whole measured search on this machine's CPU."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -111,12 +112,20 @@ def test_auto_policy_returns_the_fastest_candidate_within_the_budget_and_a_secon
   assert "measured" in lines[0] and lines[1].startswith(
     f"accuracy budget {DEFAULT_BUDGET:g} of the speed-only Ω"
   )
-  assert "Ω spent" in lines[1] and len(lines) == 2 + len(names)
+  assert "Ω spent" in lines[1] and len(lines) == 3 + len(names)
+  # the last line: the search's seconds per phase, each also on the progress lines' stamps
+  assert (
+    lines[-1].startswith(f"search {result.search_s:.1f} s (setup ") and "training steps compiled" in lines[-1]
+  )
+  assert {"setup", "indicator", "compile", "trace", "time"} <= set(result.search_phases)
+  assert sum(result.search_phases.values()) <= result.search_s
+  assert all(re.match(r"\[ *\d+\.\d s\] ", m) for m in messages)
+  assert set(result.step_ms) | set(result.pruned) == set(result.candidates) == set(result.predicted_ms)
   for p, line in zip(result.payoffs, lines[2:]):  # why each op not at its fastest preset is left out
     if p.best() is not None and p.op not in result.chosen:
       assert "over the budget" in line or f"not in the {result.winner} candidate" in line
   # the same search again loads the result (nothing measured) and says so
-  assert result.cache_path and any(m.startswith("kept the result in") for m in messages)
+  assert result.cache_path and any("] kept the result in" in m for m in messages)
   again = auto_policy(task, 8, presets=("int8",), cache_dir=str(tmp_path), progress=messages.append, **small)
   assert again.loaded and "loaded the result of an earlier search" in messages[-1]
   assert again.summary()[0].startswith("auto policy loaded from") and again.summary()[1:] == lines
