@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -110,13 +111,20 @@ def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
 class ImplOverride:
   """A stack of forced implementations for an op's ``impl='auto'`` calls (benchmarks use it).
 
-  ``with override.use("xla"): ...`` makes calls traced inside the block pick ``"xla"``;
-  ``override.current`` is the innermost forced choice, or None — also inside
+  ``with override.use("xla"): ...`` makes calls traced inside the block, in the same thread, pick
+  ``"xla"`` (each thread has its own stack: a program traced in another thread meanwhile keeps its
+  own choice); ``override.current`` is the innermost forced choice, or None — also inside
   ``use("auto")``, which forces nothing (the op's own choice runs).
   """
 
   def __init__(self, impls: tuple[str, ...]):
-    self.impls, self._stack = impls, []
+    self.impls, self._local = impls, threading.local()
+
+  @property
+  def _stack(self) -> list[str]:
+    if not hasattr(self._local, "stack"):
+      self._local.stack = []
+    return self._local.stack
 
   @contextlib.contextmanager
   def use(self, impl: str):

@@ -314,3 +314,16 @@ def test_stream_keys_give_distinct_uncorrelated_streams_with_no_threefry():
   assert len(rbg) == 2 and not np.array_equal(
     np.asarray(jax.random.key_data(rbg[0])), np.asarray(jax.random.key_data(rbg[1]))
   )
+
+
+def test_a_forced_implementation_holds_in_its_own_thread_only():
+  import threading
+
+  seen = {}
+  with api.use_impl("reference"):
+    other = threading.Thread(target=lambda: seen.update(other=api._override.current))
+    other.start()
+    other.join()
+    seen["here"] = api._override.current
+  seen["after"] = api._override.current
+  assert seen == {"other": None, "here": "reference", "after": None}
