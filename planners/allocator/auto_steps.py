@@ -2,8 +2,7 @@
 of its 8-bit set, and the indicator it measures by default.
 
 ``Programs`` compiles the single-device training step (``planners.profiler.timing``) once per
-distinct set of 8-bit ops (``start``: several at once, in threads: XLA compiles without Python's
-lock, so their compilations overlap each other and the caller's work), under the options a per-op trace needs (``timing.trace_options``: on a
+distinct set of 8-bit ops, under the options a per-op trace needs (``timing.trace_options``: on a
 GPU, XLA's command buffers off, so that every kernel names its instruction). One program serves the
 set's per-op trace (``op_legs``), its whole-step timing, and, for the all-base set, the short
 training the indicator probes after (``warmed_variables``). Every candidate is timed as compiled
@@ -12,19 +11,14 @@ from all of them by the same launch overhead.
 
 ``measured_omega``: the project's ``gradient`` indicator (``planners.indicator``: E[ΔL²] of a
 batch from the measured output error of each op alone) on a few batches: one compiled program
-scores every precision. Its program is traced with the kernels' jnp references
-(``pallas_kernels``' ``use_impl("reference")``): the same quantization and products as the
-kernels compute them (bit for bit for rounding to nearest), and nothing of it is timed, so no
-kernel of it needs compiling.
+scores every precision.
 
 ``Stopwatch``: the seconds since the search began on every progress line, and each phase's seconds.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -49,57 +43,37 @@ class Programs:
     self.task, self.ops, self.policy_for, self.batch = task, ops, policy_for, batch
     self.variables, self.say = variables, say
     self._built: dict[tuple, timing.BuiltStep] = {}
-    self._pending: dict[tuple, concurrent.futures.Future] = {}
-    self._lock = threading.Lock()
 
   @staticmethod
   def key(chosen: Mapping[str, str]) -> tuple:
     return tuple(sorted(chosen.items()))
 
   def has(self, chosen: Mapping[str, str]) -> bool:
-    return self.key(chosen) in self._built or self.key(chosen) in self._pending
+    return self.key(chosen) in self._built
 
   @property
   def compiled(self) -> int:
-    """How many programs were compiled (or are compiling)."""
-    return len(self._built) + len(self._pending)
-
-  def start(self, named: Mapping[str, Mapping[str, str]]) -> None:
-    """Begins compiling the program of each ``{name: chosen}`` not built yet, each in its own
-    thread; ``get`` waits for it."""
-    for name, chosen in named.items():
-      k = self.key(chosen)
-      if k not in self._built and k not in self._pending:
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qsync-compile")
-        self._pending[k] = pool.submit(self._build, chosen, name)
-        pool.shutdown(wait=False)
+    """How many programs were compiled."""
+    return len(self._built)
 
   def get(self, chosen: Mapping[str, str], name: str = "") -> timing.BuiltStep:
-    """The program of ``chosen`` (compiled on first use, or the one ``start`` began)."""
+    """The program of ``chosen`` (compiled on first use)."""
     k = self.key(chosen)
-    if k in self._pending:
-      self._built[k] = self._pending.pop(k).result()
     if k not in self._built:
-      self._built[k] = self._build(chosen, name)
+      what = f"the step with {len(chosen)} ops 8-bit" + (f" ({name})" if name else "")
+      self.say(f"compiling {what}")
+      t0 = time.perf_counter()
+      self._built[k] = timing.build_train_step(
+        self.task,
+        self.policy_for(chosen),
+        self.batch,
+        compiler_options=timing.trace_options(),
+        variables=_copy(self.variables),
+      )
+      seconds = time.perf_counter() - t0
+      stages = ", ".join(f"{stage.removesuffix('_s')} {s:.1f}" for stage, s in self._built[k].seconds.items())
+      self.say(f"compiled {what} in {seconds:.1f} s ({stages} s)")
     return self._built[k]
-
-  def _build(self, chosen: Mapping[str, str], name: str) -> timing.BuiltStep:
-    what = f"the step with {len(chosen)} ops 8-bit" + (f" ({name})" if name else "")
-    self.say(f"compiling {what}")
-    t0 = time.perf_counter()
-    with self._lock:
-      variables = _copy(self.variables)
-    built = timing.build_train_step(
-      self.task,
-      self.policy_for(chosen),
-      self.batch,
-      compiler_options=timing.trace_options(),
-      variables=variables,
-    )
-    seconds = time.perf_counter() - t0
-    stages = ", ".join(f"{stage.removesuffix('_s')} {s:.1f}" for stage, s in built.seconds.items())
-    self.say(f"compiled {what} in {seconds:.1f} s ({stages} s)")
-    return built
 
   def op_legs(self, chosen: Mapping[str, str], repeats: int) -> dict[str, dict[str, float]]:
     """``{op or "rest": {"fwd": ms, "bwd": ms}}`` of ``chosen``'s program from a trace of
@@ -130,12 +104,9 @@ def measured_omega(
 ) -> dict[str, dict[str, float]]:
   """``{op: {precision: Ω}}`` of the ``gradient`` indicator (``planners.indicator.compute``, its
   default ``moments`` estimator) at ``precisions`` on ``batches``."""
-  from pallas_kernels.gemm import api as gemm_api
-  from pallas_kernels.quantize import api as quantize_api
   from planners.indicator import compute
 
-  with gemm_api.use_impl("reference"), quantize_api.use_impl("reference"):  # traced inside: module doc
-    table = compute(task, variables, batches, ("gradient",), tuple(precisions), seed=seed)["gradient"]
+  table = compute(task, variables, batches, ("gradient",), tuple(precisions), seed=seed)["gradient"]
   return {op: dict(row) for op, row in table["omega"].items()}
 
 

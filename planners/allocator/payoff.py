@@ -475,10 +475,6 @@ def _search(task, batch, ops, candidates, omega, s: _Settings, clock: Stopwatch)
   payoffs, indicator, frontier, predicted = (), "given" if omega is not None else "", None, {}
   sets: dict[str, dict[str, str]] = {"base": {}}
   if budget != 0.0 and presets and candidates:
-    # the all-base and all-preset programs compile while the indicator measures (_trace needs them)
-    programs.start(
-      {f"all-{p}": {} if p == base else {op.name: p for op in candidates} for p in (base, *presets)}
-    )
     if omega is None and budget != SPEED:
       omega, indicator = _measure_omega(task, programs, s, clock)
     payoffs, base_step = _trace(task, programs, candidates, s, clock)
@@ -508,7 +504,6 @@ def _search(task, batch, ops, candidates, omega, s: _Settings, clock: Stopwatch)
     )
   )
   with clock.phase("compile"):
-    programs.start({name: sets[name] for name in names})
     runs = {name: programs.get(sets[name], name).run for name in names}
   step_clock = timing.default_step_clock()
   with clock.phase("time"):
