@@ -13,7 +13,7 @@ of ``SYNCS``, in every mode (replicated or sharded optimizer update, micro-steps
 does not fit at once). The training group runs ``qsync plan``'s default precision (fp16 mixed
 precision on a V100, bf16 elsewhere). Printed and written as rows: every candidate's predicted
 samples/s, accuracy cost, mode, sync and micro-steps, its ratio to the best baseline (the fastest
-of ``planners.allocator.bound.BASELINES``: dynamic batching and the training group alone, at the
+of ``planners.allocator.bound.BASELINES``: equal batches, dynamic batching and the training group alone, at the
 training precision, accumulating and at 8-bit auto policies, at every sync), the pool's bound,
 and what limits the chosen plan (``planners.allocator.summary``). Every figure is **modeled**
 (catalog roofline + replay), not measured. The sensitivities Ω are synthetic (a seeded exponential draw per op, int8 : fp8 :
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
         )
   print(
     "\nthe chosen plan (modeled). batches: per device, training group first; best baseline: the fastest of "
-    "dynamic batching and the training group alone, each at the training precision, accumulating and at "
+    "equal batches, dynamic batching and the training group alone, each at the training precision, accumulating and at "
     "8-bit auto policies, at every sync; gain: the plan over it; bound: every device at its "
     "fastest precision, the batch split by speed, no communication; headroom: (plan − best) / "
     "(bound − best); "

@@ -3,8 +3,9 @@
 A plan's gain is against the fastest of the baselines (``planners.allocator.bound.BASELINES``): what
 a pool does without precision planning, in every mode and sync the search covers —
 
-* **dynamic batching** and **the training groups alone**, at the training precision (the joint
-  search's own, ``planners.allocator.joint``);
+* **equal batches** (plain data parallelism: the spec's batches), **dynamic batching** and **the
+  training groups alone**, at the training precision (the joint search's own,
+  ``planners.allocator.joint``);
 * the same **accumulating** (``ACCUMULATING``), where their batches do not fit at once: each group
   in the fewest micro-steps it fits in (``Search.accumulating``), each micro-step paying the
   profile's batch-independent share again;

@@ -20,8 +20,9 @@ candidate of ``joint_plan`` is predicted faster than ``B / T*`` as long as each 
 level is the same at every batch (op costs scale with the batch; a cast's fixed cost per
 call does not, so at batches far from the spec's another level can be marginally faster).
 
-**Best baseline.** The fastest (fitting) of ``BASELINES``: dynamic batching (the fastest split)
-and the training groups alone, each at the training precision, accumulating where a batch does
+**Best baseline.** The fastest (fitting) of ``BASELINES``: plain data parallelism (the spec's
+equal batches at the training precision), dynamic batching (the fastest split) and the training
+groups alone, each at the training precision, accumulating where a batch does
 not fit at once, and at each group's 8-bit auto policy, in every mode and at every priced sync
 (``planners.allocator.baselines``): what the pool does without precision planning.
 """
@@ -36,6 +37,7 @@ from planners.predictor.graph import Comm, build_graph
 from qsync_jax.errors import PlanError
 
 BASELINES = (
+  "equal batches, training precision",
   "dynamic batching",
   "training groups only",
   "dynamic batching, accumulating",
@@ -143,6 +145,6 @@ def pool_bound(search) -> Bound:
 
 
 def best_baseline(candidates):
-  """The fastest fitting candidate named in ``BASELINES``, or None (``--batch equal`` has none)."""
+  """The fastest fitting candidate named in ``BASELINES``, or None where none fits."""
   baselines = [c for c in candidates if c.name in BASELINES and c.fits]
   return max(baselines, key=lambda c: c.samples_per_s, default=None)

@@ -121,9 +121,11 @@ def test_plan_then_predict(files, capsys):
   best = max(a["samples_per_s"] for a in alternatives.values() if a["fits_memory"])
   assert plan.predictions["samples_per_s"] >= best / 1.02 * (1 - 1e-9)  # the default --slack
   assert sum(plan.batch_per_device.values()) * 2 == 64  # 2 devices a group, the spec's global batch
-  # the gain is against the faster of dynamic batching and the training groups alone, and below the bound
+  # the gain is against the fastest of equal batches, dynamic batching and the training groups alone,
+  # and below the bound
   preds = plan.predictions
-  baselines = [alternatives[n] for n in ("dynamic batching", "training groups only") if n in alternatives]
+  names = ("equal batches, training precision", "dynamic batching", "training groups only")
+  baselines = [alternatives[n] for n in names if n in alternatives]
   baseline = max((a for a in baselines if a["fits_memory"]), key=lambda a: a["samples_per_s"])
   assert preds["best_baseline"] == {"name": baseline["name"], "samples_per_s": baseline["samples_per_s"]}
   assert preds["gain_vs_best_baseline"] == pytest.approx(preds["samples_per_s"] / baseline["samples_per_s"])
