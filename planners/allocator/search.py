@@ -279,9 +279,26 @@ class Search:
         return k
     return None
 
+  def micro_steps_for_program(
+    self, batches: Sequence[int], rows: Sequence[Row], micro: Sequence[int]
+  ) -> list[int]:
+    """``micro`` (each group's fewest micro-steps alone), raised where the plan's one program does
+    not fit every device (``plan_fits``: each device holds the costliest branch): the group with the
+    largest micro-batch takes its next divisor of micro-steps first, until the program fits or no
+    group can take more (then ``micro`` as far as it got; the candidate does not fit)."""
+    micro = list(micro)
+    while not self.plan_fits(batches, rows, micro):
+      growable = [gi for gi, b in enumerate(batches) if b and micro[gi] < b]
+      if not growable:
+        break
+      gi = max(growable, key=lambda i: (batches[i] / micro[i], -i))
+      micro[gi] = next(k for k in range(micro[gi] + 1, batches[gi] + 1) if batches[gi] % k == 0)
+    return micro
+
   def accumulating(self, name: str, batches: Sequence[int], rows: Sequence[Row]) -> Candidate | None:
     """The candidate of ``batches`` under ``rows`` where every group that runs takes the fewest
-    micro-steps it fits in (``micro_steps_to_fit``; the trainer's ``Plan.micro_steps``), priced
+    micro-steps it fits in (``micro_steps_to_fit``; the trainer's ``Plan.micro_steps``), more where
+    the plan's program needs them (``micro_steps_for_program``), priced
     with them (each micro-step pays the profile's batch-independent share again:
     ``GroupCost.compute_scale``); None where a group does not fit even one example a
     micro-step (its ``fits``: whether the plan's program fits every device, ``plan_fits``)."""
@@ -292,6 +309,7 @@ class Search:
       if k is None:
         return None
       micro.append(k)
+    micro = self.micro_steps_for_program(batches, rows, micro)
     step = self.step(batches, rows, micro_steps=micro)
     mode = (self.p.reduction, self.p.optimizer_update)
     return Candidate(

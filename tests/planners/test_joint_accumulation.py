@@ -82,3 +82,24 @@ def test_a_batch_no_group_takes_at_once_is_planned_in_micro_steps_with_the_state
   groups = [dataclasses.replace(g, batch_per_device=b) for g, b in zip(problem.groups, chosen.batches)]
   for g, k in zip(groups, chosen.micro_steps):
     assert dataclasses.replace(g, micro_steps=k).compute_scale == 0.05 * k + 0.95 * g.batch_per_device / BATCH
+
+
+def test_micro_steps_grow_on_the_largest_micro_batch_until_the_program_fits():
+  from planners.allocator.search import Search
+
+  class Program:  # fits once no group's micro-batch exceeds 3 examples (each device holds the costliest)
+    def __init__(self):
+      self.asked = []
+
+    def plan_fits(self, batches, rows, micro):
+      self.asked.append(tuple(micro))
+      return max(b / k for b, k in zip(batches, micro) if b) <= 3
+
+  program = Program()
+  micro = Search.micro_steps_for_program(program, (12, 4, 0), (None,) * 3, [1, 2, 1])
+  # 12/1 → 12/2 → 12/3 → 12/4 = 3 (group 1 at 4/2 = 2 already fits); the empty group stays at 1
+  assert micro == [4, 2, 1]
+  assert program.asked == [(1, 2, 1), (2, 2, 1), (3, 2, 1), (4, 2, 1)]
+  never = Program()
+  never.plan_fits = lambda batches, rows, micro: False
+  assert Search.micro_steps_for_program(never, (6, 2), (None, None), [1, 1]) == [6, 2]  # as far as it got
