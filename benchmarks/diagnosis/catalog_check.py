@@ -68,21 +68,23 @@ MEASURED = {
 def measured_steps(device_type: str, path: str = e2e.RESULTS) -> dict[tuple[int, str], float]:
   """``{(width, cell): median step ms}`` of ``device_type``'s rows of the GPT cells ``MEASURED``
   names in ``path``."""
-  kinds = device(device_type).kinds
   steps: dict[tuple[int, str], list[float]] = {}
+  for row, (model, width, cell) in step_rows(device_type, path):
+    if model == "gpt" and any(cell in cells for pairs in MEASURED.values() for cells in pairs.values()):
+      steps.setdefault((width, cell), []).append(row["value"])
+  return {key: statistics.median(values) for key, values in steps.items()}
+
+
+def step_rows(device_type: str, path: str):
+  """``(row, (model, width, cell))`` of every ``step_ms`` row of ``device_type`` in ``path`` whose
+  case is ``model/dWIDTH/cell``."""
+  kinds = device(device_type).kinds
   with open(path) as f:
     for line in f:
       row = json.loads(line)
       parts = row["case"].split("/")
-      if (
-        row.get("device") in kinds
-        and row["metric"] == "step_ms"
-        and len(parts) == 3
-        and parts[0] == "gpt"
-        and any(parts[2] in cells for pairs in MEASURED.values() for cells in pairs.values())
-      ):
-        steps.setdefault((int(parts[1].removeprefix("d")), parts[2]), []).append(row["value"])
-  return {key: statistics.median(values) for key, values in steps.items()}
+      if row.get("device") in kinds and row["metric"] == "step_ms" and len(parts) == 3:
+        yield row, (parts[0], int(parts[1].removeprefix("d")), parts[2])
 
 
 def measured_pairs(measured: dict[tuple[int, str], float]) -> dict[tuple[int, str], dict[str, str]]:
@@ -109,23 +111,11 @@ def measured_quantize_ms(device_type: str, path: str = e2e.RESULTS) -> dict[tupl
   """``{(model, width, policy): quantize kernel ms per step}`` of ``device_type``: the ``quantize``
   category (the quantize kernels and their absmax reductions) of the latest ``step_ms`` row of each
   cell of ``QUANTIZE_CELLS`` that has one."""
-  kinds = device(device_type).kinds
   latest: dict[tuple[str, int, str], tuple[str, float]] = {}
-  with open(path) as f:
-    for line in f:
-      row = json.loads(line)
-      parts = row["case"].split("/")
-      if (
-        row.get("device") in kinds
-        and row["metric"] == "step_ms"
-        and "quantize" in (row.get("categories") or {})
-        and len(parts) == 3
-        and parts[0] in MODELS
-        and parts[2] in QUANTIZE_CELLS
-      ):
-        key = (parts[0], int(parts[1].removeprefix("d")), parts[2])
-        if key not in latest or row["date"] >= latest[key][0]:
-          latest[key] = (row["date"], row["categories"]["quantize"]["ms"])
+  for row, key in step_rows(device_type, path):
+    if "quantize" in (row.get("categories") or {}) and key[0] in MODELS and key[2] in QUANTIZE_CELLS:
+      if key not in latest or row["date"] >= latest[key][0]:
+        latest[key] = (row["date"], row["categories"]["quantize"]["ms"])
   return {key: ms for key, (_, ms) in latest.items()}
 
 
