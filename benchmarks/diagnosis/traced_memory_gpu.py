@@ -9,14 +9,14 @@ This script does the same for the traced models with XLA:GPU's device-less ahead
 compiler: each model's training step (``planners.profiler.timing.single_device_step``, Adam) at its
 hybrid per-device batch, uniform fp32 and uniform bf16, is traced as on a GPU (``jax.default_backend``
 reads ``"gpu"`` while it is traced, so attention takes the fused cuDNN kernel and 16-bit products
-run as a GPU runs them), compiled for one GPU of ``TARGET_ARCH`` (``benchmarks.diagnosis.cross_compile``'s
-description of an A100-40GB, sm80: buffer assignment hardly depends on the SM count, and every
-pool's training group but the H100 ones is an A100), and its peak read
-(``planners.profiler.timing.xla_peak_bytes``). ``fit_memory`` of the model's cost-free profile
-(``benchmarks.common.op_profile.base_profile``: no forward headroom, as the modeled profiles
-``benchmarks.hybrid`` plans) turns the two peaks into the corrections, written per model to
-``benchmarks/results/hybrid/traced_memory_gpu.json`` (``RESULTS``) with the target, the jax version
-and the date; ``benchmarks.hybrid`` reads them (``op_profile.fitted_memory``).
+run as a GPU runs them), compiled without rematerialization (``NO_REMATERIALIZATION``) for one GPU
+of ``TARGET_ARCH`` (``benchmarks.diagnosis.cross_compile``'s description of an A100-40GB, sm80:
+buffer assignment hardly depends on the SM count, and most pools' training group is an A100), and
+its peak read (``planners.profiler.timing.xla_peak_bytes``). ``fit_memory`` of the model's
+cost-free profile (``benchmarks.common.op_profile.base_profile``: no forward headroom, as the
+modeled profiles ``benchmarks.hybrid`` plans) turns the two peaks into the corrections, written per
+model to ``benchmarks/results/hybrid/traced_memory_gpu.json`` (``op_profile.GPU_MEMORY_FILE``) with
+the target, the jax version and the date; ``benchmarks.hybrid`` reads them (``op_profile.fitted_memory``).
 
 What it cannot see: the compile has no autotuning (XLA's default GEMM and fusion choices; a GPU may
 pick kernels with other workspaces), and the peak is XLA's buffer assignment, not the allocator's
@@ -52,6 +52,12 @@ from qsync_jax.jsonio import write_text_atomic
 TARGET_ARCH = "sm80"
 """The GPU the steps are compiled for (``cross_compile.TARGETS``: an A100-40GB description)."""
 PRESETS = ("fp32", SIXTEEN_BIT_PRESET)
+NO_REMATERIALIZATION = {"xla_disable_hlo_passes": "rematerialization"}
+"""XLA's options for the compiles: without its rematerialization, which recomputes activations until
+the program fits the target's memory (GPT-350M's fp32 step at batch 8: 73 GiB, cut to 34 GiB for an
+A100-40GB). The memory model counts the program as written, on any device: its corrections are fitted
+to that program's peak, independent of the target's memory (on a device the step does not fit, the
+planner takes micro-steps or the sharded update instead of XLA's recomputation, which it does not price)."""
 
 
 def gpu_sharding(arch: str):
@@ -86,7 +92,7 @@ def compiled_peak(task, data, preset: str, sharding) -> tuple[int | None, list[s
   step = timing.single_device_step(task, PrecisionPolicy.uniform(preset), optimizer)
   with unittest.mock.patch.object(jax, "default_backend", lambda: "gpu"):
     lowered = step.trace(on_device(variables), on_device(opt_state), batch, on_device(key)).lower()
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options=NO_REMATERIALIZATION)
   return timing.xla_peak_bytes(compiled), program_kernels(compiled.as_text())
 
 
