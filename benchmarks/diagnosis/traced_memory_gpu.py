@@ -12,9 +12,10 @@ reads ``"gpu"`` while it is traced, so attention takes the fused cuDNN kernel an
 run as a GPU runs them), compiled without rematerialization (``NO_REMATERIALIZATION``) for one GPU
 of ``TARGET_ARCH`` (``benchmarks.diagnosis.cross_compile``'s description of an A100-40GB, sm80:
 buffer assignment hardly depends on the SM count, and most pools' training group is an A100), and
-its peak read (``planners.profiler.timing.xla_peak_bytes``). ``fit_memory`` of the model's
-cost-free profile (``benchmarks.common.op_profile.base_profile``: no forward headroom, as the
-modeled profiles ``benchmarks.hybrid`` plans) turns the two peaks into the corrections, written per
+its peak read (``planners.profiler.timing.xla_peak_bytes``). ``fit_memory`` of the model's profile
+modeled for the target's device (``corrections``: as ``benchmarks.hybrid`` plans it, no forward
+headroom, its 16-bit activations counted at 2 bytes as a GPU keeps them, where the CPU's profile
+counts them at 4) turns the two peaks into the corrections, written per
 model to ``benchmarks/results/hybrid/traced_memory_gpu.json`` (``op_profile.GPU_MEMORY_FILE``) with
 the target, the jax version and the date; ``benchmarks.hybrid`` reads them (``op_profile.fitted_memory``).
 
@@ -46,6 +47,7 @@ import unittest.mock
 from benchmarks.common.op_profile import GPU_MEMORY_FILE, base_profile, build, traced_record
 from benchmarks.common.zoo import HYBRID_MODELS
 from benchmarks.diagnosis.cross_compile import TARGETS, first_error, program_kernels, target_config
+from planners.predictor.modeled import modeled_profile
 from planners.profiler.fit import SIXTEEN_BIT_PRESET, fit_memory
 from qsync_jax.jsonio import write_text_atomic
 
@@ -96,6 +98,15 @@ def compiled_peak(task, data, preset: str, sharding) -> tuple[int | None, list[s
   return timing.xla_peak_bytes(compiled), program_kernels(compiled.as_text())
 
 
+def corrections(record: dict, fp32_peak: int, sixteen_bit_peak: int) -> dict[str, int]:
+  """``other_bytes`` and ``other_bytes_16bit`` at which the memory model of ``record`` (a
+  ``traced_record``), modeled for the device of ``TARGET_ARCH``, predicts the two peaks of the
+  uniform fp32 and ``SIXTEEN_BIT_PRESET`` steps (``planners.profiler.fit.fit_memory``)."""
+  profile = modeled_profile(base_profile(record), TARGETS[TARGET_ARCH].device)
+  memory = fit_memory(profile, fp32_peak, sixteen_bit_peak).memory
+  return {"other_bytes": memory["other_bytes"], "other_bytes_16bit": memory["other_bytes_16bit"]}
+
+
 def fit_model(name: str, sharding, say) -> dict:
   """The model's entry of ``RESULTS``: its batch, the two compiled peaks, the fitted
   ``other_bytes`` / ``other_bytes_16bit``, the date, the compile seconds and the compiled programs' custom calls
@@ -118,13 +129,11 @@ def fit_model(name: str, sharding, say) -> dict:
     say(f"{name} {preset}: peak {peaks[preset] / 2**30:.2f} GiB ({entry[f'{preset}_compile_s']} s)")
   if None in peaks.values():
     return {**entry, "error": "memory_analysis() gave no peak"}
-  fitted = fit_memory(base_profile(record), peaks["fp32"], peaks[SIXTEEN_BIT_PRESET])
   return {
     **entry,
     "fp32_xla_peak_bytes": peaks["fp32"],
     f"{SIXTEEN_BIT_PRESET}_xla_peak_bytes": peaks[SIXTEEN_BIT_PRESET],
-    "other_bytes": fitted.memory["other_bytes"],
-    "other_bytes_16bit": fitted.memory["other_bytes_16bit"],
+    **corrections(record, peaks["fp32"], peaks[SIXTEEN_BIT_PRESET]),
   }
 
 

@@ -10,8 +10,8 @@ from benchmarks import hybrid
 from benchmarks.common import op_profile, zoo
 from benchmarks.diagnosis import traced_memory_gpu
 from planners.predictor.memory_model import memory_bytes
+from planners.predictor.modeled import modeled_profile
 from planners.profile import GroupCost
-from planners.profiler.fit import fit_memory
 from planners.profiler.measure import step_memory
 from qsync_jax.precision import PRESETS
 
@@ -82,15 +82,20 @@ def test_the_committed_file_fits_every_hybrid_model_at_the_zoos_batch_by_the_lib
     assert "error" not in entry, (name, entry.get("error"))
     assert entry["batch_per_device"] == zoo.MODELS[name].batch
     assert entry["fp32_xla_peak_bytes"] > sum(entry["memory_by_shapes"].values())
-  # one model refitted from its recorded peaks: the file holds fit_memory's corrections
+  # one model refitted from its recorded peaks: the file holds fit_memory's corrections of the
+  # profile modeled for the target's device, which predicts the peaks back at the profiled batch
   entry = data["models"]["bert_s128"]
   record = op_profile.traced_record("bert_s128")
   assert record["memory"] == entry["memory_by_shapes"]
-  fitted = fit_memory(
-    op_profile.base_profile(record), entry["fp32_xla_peak_bytes"], entry["bf16_xla_peak_bytes"]
+  peaks = entry["fp32_xla_peak_bytes"], entry["bf16_xla_peak_bytes"]
+  fitted = traced_memory_gpu.corrections(record, *peaks)
+  assert fitted == {k: entry[k] for k in ("other_bytes", "other_bytes_16bit")}
+  profile = modeled_profile(
+    op_profile.base_profile({**record, "memory": {**record["memory"], **fitted}}), "A100"
   )
-  assert fitted.memory["other_bytes"] == entry["other_bytes"]
-  assert fitted.memory["other_bytes_16bit"] == entry["other_bytes_16bit"]
+  for preset, peak in zip(("fp32", "bf16"), peaks):
+    policies = {o.name: PRESETS[preset] for o in profile.ops}
+    assert abs(memory_bytes(GroupCost("g", profile, policies, entry["batch_per_device"])) - peak) <= 1
   assert any("cudnn$fmha" in k for k in entry["bf16_kernels"])  # the fused attention a GPU runs
 
 
