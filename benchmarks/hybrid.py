@@ -6,11 +6,12 @@ their datasheet memory), each topology (``TOPOLOGIES``: the training group on NV
 (``benchmarks.common.zoo.HYBRID_MODELS``: ResNet-50 at 224², BERT-base at sequence 128 and 512,
 GPT-2-medium- and GPT-2-large-sized LMs at sequence 1024), the model's ops are traced
 (abstractly: nothing runs) and its memory counted by its shapes (parameters, Adam state,
-gradients, batch, the ops' saved activations; not the rest of the step,
-``benchmarks.common.op_profile.traced_memory``), every device is costed from the catalog
-(``planners.predictor.modeled``), and ``planners.allocator.joint`` plans it at each gradient sync
-of ``SYNCS``, in every mode (replicated or sharded optimizer update, micro-steps where a batch
-does not fit at once). The training group runs ``qsync plan``'s default precision (fp16 mixed
+gradients, batch, the ops' saved activations: ``benchmarks.common.op_profile.traced_memory``)
+plus the rest of the step (logits, the loss's buffers, XLA's temporaries) fitted to XLA:GPU's
+compiled peak of its step (``op_profile.fitted_memory``, ``benchmarks.diagnosis.traced_memory_gpu``),
+every device is costed from the catalog (``planners.predictor.modeled``), and
+``planners.allocator.joint`` plans it at each gradient sync of ``SYNCS``, in every mode
+(replicated or sharded optimizer update, micro-steps where a batch does not fit at once). The training group runs ``qsync plan``'s default precision (fp16 mixed
 precision on a V100, bf16 elsewhere). Printed and written as rows: every candidate's predicted
 samples/s, accuracy cost, mode, sync and micro-steps, its ratio to the best baseline (the fastest
 of ``planners.allocator.bound.BASELINES``: equal batches, dynamic batching and the training group alone, at the
@@ -32,7 +33,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common.op_profile import base_profile, build, model_ops, traced_memory
+from benchmarks.common.op_profile import base_profile, fitted_memory, traced_record
 from benchmarks.common.result_rows import append_rows, result_row, results_path
 from benchmarks.common.zoo import HYBRID_MODELS
 from planners.allocator.bound import best_baseline, pool_bound
@@ -85,18 +86,10 @@ from what the plan's precisions and batches leave of the headroom to the bound."
 
 def traced(name: str) -> dict:
   """The model's ops at its per-device batch, as ``benchmarks.diagnosis.roofline`` records them,
-  and its memory by its shapes (``benchmarks.common.op_profile.traced_memory``)."""
-  task, data, batch = build(name, tiny=False)
-  ops, param_bytes = model_ops(task, data)
-  memory = traced_memory(task, data)
-  return {
-    "model": name,
-    "device_type": "cpu",
-    "batch_per_device": batch,
-    "ops": [o.to_json() for o in ops],
-    "param_bytes": param_bytes,
-    "memory": memory,
-  }
+  and its memory by its shapes with the rest of the step fitted on XLA:GPU
+  (``benchmarks.common.op_profile.traced_record``, ``fitted_memory``)."""
+  record = traced_record(name)
+  return {**record, "memory": fitted_memory(name, record["memory"], record["batch_per_device"])}
 
 
 def synthetic_omega(op_names, seed: int = 0) -> dict:
