@@ -21,8 +21,8 @@ modeled as V100, 32 GB) and ``inference`` (2 devices modeled as T4, 16 GB). The 
 then prints one table (each column the replay predicts for the V100/T4 pool says *modeled*;
 the accuracy cost relative to uniform low precision), a line for each alternative the joint
 plan does not beat outright saying why, a table of both pools' chosen plans against their best
-baseline (the fastest of dynamic batching and the training group alone, each also at every group's
-8-bit auto policy and every gradient payload) and their bound
+baseline (the fastest of equal batches, dynamic batching and the training group alone, each also at
+every group's 8-bit auto policy and every gradient payload) and their bound
 (``planners.allocator.summary``; modeled), and writes to ``--out``: ``plan.json`` (the joint plan, its
 alternatives under ``predictions.alternatives``), ``plans/<config>.json``, ``cluster.json``,
 ``indicator.json``, ``profile_*.json``, ``trace.json`` (Chrome trace of the joint plan's
@@ -422,8 +422,8 @@ ACCURACY_NOTE = (
 
 
 POOLS_NOTE = (
-  "modeled: the replay's predictions from the device catalog; best baseline: the fastest of dynamic batching "
-  "and the training group alone (each also at 8-bit auto policies and every gradient payload); bound: every device at its fastest precision, the batch split by speed "
+  "modeled: the replay's predictions from the device catalog; best baseline: the fastest of equal batches, "
+  "dynamic batching and the training group alone (each also at 8-bit auto policies and every gradient payload); bound: every device at its fastest precision, the batch split by speed "
   "(fractional), no communication; headroom: (plan − best baseline) / (bound − best baseline); limited by: "
   "the group whose backward ends last, the all-reduce time its compute does not overlap, its optimizer update"
 )
