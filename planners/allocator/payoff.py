@@ -21,8 +21,8 @@ fastest, the frontier's, and at most one more whose prediction is close
 is compiled once (``planners.allocator.auto_steps.Programs``): a candidate equal to an all-base
 or all-preset program the per-op traces ran is timed with that program. Embedding lookups are
 left as the model wrote them (a gather saves nothing at a lower precision), every other op not
-run 8-bit is at the base precision. Every progress line carries the seconds since the search
-began, and the result the seconds of each phase (``AutoPolicy.search_phases``).
+run 8-bit is at the base precision. Every progress line carries the search's elapsed seconds,
+and the result the seconds of each phase (``AutoPolicy.search_phases``).
 
 Accuracy: the sensitivity indicator (``omega``: op → precision → Ω; by default the project's
 ``gradient`` indicator measured on a few batches after a short all-base training,
