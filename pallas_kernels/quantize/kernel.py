@@ -194,8 +194,9 @@ LAYOUTS = ("same", "transposed", "both")
 """What ``quantize_tiled`` writes: ``[R, C]``, ``[C, R]``, or both from one read."""
 
 
-def _tiled_kernel(*refs, fmt, stochastic, in_kind, scale_axis, layout, n_cols, br, bc):
+def _tiled_kernel(*refs, fmt, stochastic, in_kind, scale_axis, layout, with_absmax, n_cols, br, bc):
   x_ref, *refs = refs
+  amax_ref = refs.pop() if with_absmax else None
   in_ref = refs.pop(0) if in_kind else None
   scale_ref = refs.pop(0)
   seed_ref = refs.pop(0) if stochastic else None
@@ -204,6 +205,8 @@ def _tiled_kernel(*refs, fmt, stochastic, in_kind, scale_axis, layout, n_cols, b
     v = v * in_ref[...][:, None]
   elif in_kind == "cols":
     v = v * in_ref[...][None, :]
+  if with_absmax:
+    amax_ref[...] = block_absmax(v)
   y = v / (scale_ref[...][:, None] if scale_axis == "rows" else scale_ref[...][None, :])
   noise = None
   if stochastic:
@@ -218,7 +221,18 @@ def _tiled_kernel(*refs, fmt, stochastic, in_kind, scale_axis, layout, n_cols, b
     refs[0][...] = q.T if layout == "transposed" else q
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "scale_axis", "layout"))
+def block_absmax(v: jax.Array) -> jax.Array:
+  """``max|v|`` of a 2-D tile as a ``[1]`` float32 array: one program's entry of a kernel's
+  ``[n_programs]`` side output, which the launcher reduces with ``jnp.max``."""
+  return jnp.max(jnp.max(jnp.abs(v), axis=1), axis=0).reshape(1)
+
+
+def program_absmax_spec(n_j: int):
+  """The ``[1]`` block of program ``(i, j)`` in a ``[n_i * n_j]`` array of per-program absmaxes."""
+  return pl.BlockSpec((1,), lambda i, j: (i * n_j + j,))
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "scale_axis", "layout", "with_absmax"))
 def quantize_tiled(
   x: jax.Array,
   fmt: str,
@@ -229,15 +243,19 @@ def quantize_tiled(
   in_scale_axis: str | None = None,
   seed: jax.Array | None = None,
   layout: str = "same",
+  with_absmax: bool = False,
   config: QuantizeConfig | None = None,
   interpret: bool = False,
 ):
   """``round(x * in_scale / scale)`` of the 2-D ``x`` with a known scale per column
-  (``scale`` ``[C]``, ``scale_axis='cols'``) or per row (``[R]``, ``'rows'``).
+  (``scale`` ``[C]``, ``scale_axis='cols'``) or per row (``[R]``, ``'rows'``); values beyond
+  the scale's range saturate at the format's largest code.
 
   Returns ``[R, C]`` (``layout='same'``), ``[C, R]`` (``'transposed'``, each tile transposed
   in registers) or the pair ``([R, C], [C, R])`` (``'both'``: one read of ``x`` writes the
   operand and its transpose, as the two GEMMs that contract different axes of it read them).
+  ``with_absmax``: one more output, the float32 scalar ``max|x * in_scale|`` (each program
+  writes its tile's absmax, the launcher reduces those), e.g. the next delayed scale's amax.
   """
   rows, cols = x.shape
   cfg = config or default_config(rows, cols, "tiled")
@@ -270,6 +288,9 @@ def quantize_tiled(
   same = (out_struct((rows, cols), dtype, *args), pl.BlockSpec((br, bc), lambda i, j: (i, j)))
   transposed = (out_struct((cols, rows), dtype, *args), pl.BlockSpec((bc, br), lambda i, j: (j, i)))
   outs = {"same": [same], "transposed": [transposed], "both": [same, transposed]}[layout]
+  n_i, n_j = rows // br, cols // bc
+  if with_absmax:
+    outs.append((out_struct((n_i * n_j,), jnp.float32, *args), program_absmax_spec(n_j)))
   kernel = functools.partial(
     _tiled_kernel,
     fmt=fmt,
@@ -277,6 +298,7 @@ def quantize_tiled(
     in_kind=in_kind,
     scale_axis=scale_axis,
     layout=layout,
+    with_absmax=with_absmax,
     n_cols=cols,
     br=br,
     bc=bc,
@@ -285,11 +307,14 @@ def quantize_tiled(
   out = pl.pallas_call(
     kernel,
     out_shape=tuple(o[0] for o in outs),
-    grid=(rows // br, cols // bc),
+    grid=(n_i, n_j),
     in_specs=in_specs,
     out_specs=tuple(o[1] for o in outs),
     compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
     interpret=interpret,
-    name=f"quantize_tiled_{fmt}{suffix}",
+    name=f"quantize_tiled_{fmt}{suffix}{'_amax' if with_absmax else ''}",
   )(*args)
-  return tuple(out) if layout == "both" else out[0]
+  out = tuple(out)
+  if with_absmax:
+    out = (*out[:-1], jnp.max(out[-1]))
+  return out if len(out) > 1 else out[0]

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._platform import out_struct
 from pallas_kernels.quantize.config import QuantizeConfig, default_config
-from pallas_kernels.quantize.kernel import check_tile, round_in_kernel
+from pallas_kernels.quantize.kernel import block_absmax, check_tile, program_absmax_spec, round_in_kernel
 from pallas_kernels.quantize.noise import element_index, pair_uniforms
 from pallas_kernels.quantize.reference import QFORMATS, scale_from_absmax
 
@@ -94,13 +94,18 @@ def pair_scales(
   return scale_from_absmax(row_amax, qmax), scale_from_absmax(col_amax, qmax)
 
 
-def _quantize_kernel(*refs, fmt, stochastic, n_cols, br, bc):
+def _quantize_kernel(*refs, fmt, stochastic, with_absmax, n_cols, br, bc):
   x_ref, col_in_ref, row_in_ref, row_scale_ref, col_scale_ref, *refs = refs
   seed_ref = refs.pop(0) if stochastic else None
-  q_rows_ref, q_cols_ref = refs
+  q_rows_ref, q_cols_ref, *amax_refs = refs
   v = x_ref[...].astype(jnp.float32)
-  y_rows = v * col_in_ref[...][None, :] / row_scale_ref[...][:, None]
-  y_cols = v * row_in_ref[...][:, None] / col_scale_ref[...][None, :]
+  v_rows = v * col_in_ref[...][None, :]
+  v_cols = v * row_in_ref[...][:, None]
+  if with_absmax:
+    amax_refs[0][...] = block_absmax(v_rows)
+    amax_refs[1][...] = block_absmax(v_cols)
+  y_rows = v_rows / row_scale_ref[...][:, None]
+  y_cols = v_cols / col_scale_ref[...][None, :]
   noise_rows = noise_cols = None
   if stochastic:
     rows = pl.program_id(0) * br + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 0)
@@ -110,7 +115,7 @@ def _quantize_kernel(*refs, fmt, stochastic, n_cols, br, bc):
   q_cols_ref[...] = round_in_kernel(y_cols, fmt, noise_cols).T
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "with_absmax", "config", "interpret"))
 def pair_quantize(
   x: jax.Array,
   fmt: str,
@@ -120,13 +125,18 @@ def pair_quantize(
   col_scale: jax.Array,
   *,
   seeds: jax.Array | None = None,
+  with_absmax: bool = False,
   config: QuantizeConfig | None = None,
   interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
   """``(q_rows [R, C], q_cols [C, R])``: ``round(x * col_in[None, :] / row_scale[:, None])``
-  and the transpose of ``round(x * row_in[:, None] / col_scale[None, :])``, ``x`` read once.
+  and the transpose of ``round(x * row_in[:, None] / col_scale[None, :])``, ``x`` read once;
+  values beyond a scale's range saturate at the format's largest code.
 
   ``seeds`` (2 uint32 words, ``noise.seed_words``) turns on stochastic rounding.
+  ``with_absmax``: two more outputs, the float32 scalars ``max|x * col_in[None, :]|`` and
+  ``max|x * row_in[:, None]|`` (the two copies' inputs; each program writes its tile's, the
+  launcher reduces them), e.g. the amaxes behind the next delayed scales.
   """
   rows, cols = x.shape
   cfg = config or default_config(rows, cols, "tiled")
@@ -141,16 +151,31 @@ def pair_quantize(
     in_specs.append(pl.BlockSpec((2,), lambda i, j: (0,)))
     args.append(seeds)
   dtype = QFORMATS[fmt][0]
+  n_i, n_j = rows // br, cols // bc
+  out_shape = [out_struct((rows, cols), dtype, *args), out_struct((cols, rows), dtype, *args)]
+  out_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j)), pl.BlockSpec((bc, br), lambda i, j: (j, i))]
+  if with_absmax:
+    out_shape += [out_struct((n_i * n_j,), jnp.float32, *args)] * 2
+    out_specs += [program_absmax_spec(n_j)] * 2
   kernel = functools.partial(
-    _quantize_kernel, fmt=fmt, stochastic=seeds is not None, n_cols=cols, br=br, bc=bc
+    _quantize_kernel,
+    fmt=fmt,
+    stochastic=seeds is not None,
+    with_absmax=with_absmax,
+    n_cols=cols,
+    br=br,
+    bc=bc,
   )
-  return pl.pallas_call(
+  out = pl.pallas_call(
     kernel,
-    out_shape=(out_struct((rows, cols), dtype, *args), out_struct((cols, rows), dtype, *args)),
-    grid=(rows // br, cols // bc),
+    out_shape=tuple(out_shape),
+    grid=(n_i, n_j),
     in_specs=in_specs,
-    out_specs=(pl.BlockSpec((br, bc), lambda i, j: (i, j)), pl.BlockSpec((bc, br), lambda i, j: (j, i))),
+    out_specs=tuple(out_specs),
     compiler_params=_params(cfg),
     interpret=interpret,
-    name=f"quantize_pair_{fmt}",
+    name=f"quantize_pair_{fmt}{'_amax' if with_absmax else ''}",
   )(*args)
+  if with_absmax:
+    return (*out[:2], jnp.max(out[2]), jnp.max(out[3]))
+  return out

@@ -109,6 +109,28 @@ def quantize_reference(
   return qvalue, scale
 
 
+def quantize_at_scale(
+  x: jax.Array,
+  fmt: str,
+  scale: jax.Array,
+  rounding: str = "nearest",
+  key: jax.Array | None = None,
+  in_scale: jax.Array | None = None,
+  noise: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """``(qvalue, absmax)`` at a given ``scale`` (broadcasting against ``x``, e.g. a delayed scale
+  from earlier steps' amaxes): ``qvalue = round(x / scale)`` in ``fmt``, saturated at the format's
+  largest magnitude where ``|x| / scale`` exceeds it, and ``absmax = max|x|`` (a float32 scalar:
+  the amax a delayed scale is made from). ``in_scale``, ``rounding``, ``key`` and ``noise`` as for
+  ``quantize_reference``; with ``scale = absmax_scale(x, fmt, reduce_axes)`` the codes are its."""
+  _check(fmt, rounding, key if noise is None else noise)
+  if in_scale is not None:
+    x = dequantize_reference(x, in_scale)
+  x = x.astype(jnp.float32)
+  qvalue = round_to_format(x / scale.astype(jnp.float32), fmt, rounding, key, noise)
+  return qvalue, jnp.max(jnp.abs(x))
+
+
 def dequantize_reference(qvalue: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
   """``qvalue * scale`` in ``dtype``."""
   return (qvalue.astype(jnp.float32) * scale).astype(dtype)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.common.e2e_inspect import pallas_kernels
 from benchmarks.diagnosis import delayed_scaling as ds
 from pallas_kernels.quantize.reference import quantize_reference
 
@@ -93,3 +94,73 @@ def test_every_width_runs_its_int8_variants_before_any_fp8_one_and_a_skipped_gro
   row = ds.failed_row(768, "fp8_delayed", "budget: needs ~60 s, 10 s left", "r", "skipped")
   assert row["case"] == "gpt/d768/fp8_delayed" and row["metric"] == "skipped"
   assert "skipped: budget: needs ~60 s" in ds.table([row])
+
+
+def test_the_fused_delayed_dense_is_the_jnp_definition_and_carries_three_amaxes():
+  """``fused_delayed_matmul`` (fp8: rounds to nearest, no key): X at its history's scale, W per
+  column, dX with W's scale folded into dY at the ``dy_w`` history's scale, dW at ``dy``'s; the
+  cotangent holds this step's max|x|, max|dY|, max|dY ⊙ s_w| first."""
+  kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(kx, (32, 16), jnp.float32)
+  w = jax.random.normal(kw, (16, 8), jnp.float32)
+  g = jax.random.normal(kg, (32, 8), jnp.float32)
+  history = {k: v.at[2].set(h) for (k, v), h in zip(ds.empty_history(fused=True).items(), (2.0, 1.5, 0.5))}
+  spec = ds.delayed_spec("fp8", fused=True)
+  y, vjp = jax.vjp(lambda x, w, h: ds.fused_delayed_matmul(x, w, h, None, spec, jnp.float32), x, w, history)
+  dx, dw, new = vjp(g)
+
+  def q(v, scale, fmt):  # the format's rounding at a per-tensor scale, saturated
+    qmax = 448.0 if fmt == "e4m3" else 57344.0
+    return jnp.clip(v / scale, -qmax, qmax).astype(
+      getattr(jnp, f"float8_{fmt}fn" if fmt == "e4m3" else "float8_e5m2")
+    )
+
+  s_x, s_g, s_gw = 2.0 / 448.0, 1.5 / 57344.0, 0.5 / 57344.0
+  q_x = q(x, s_x, "e4m3").astype(jnp.float32) * s_x
+  q_w, s_w = quantize_reference(w, "e4m3", (0,))
+  w_hat = q_w.astype(jnp.float32)
+  np.testing.assert_allclose(y, q_x @ (w_hat * s_w), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    dx, (q(g * s_w, s_gw, "e5m2").astype(jnp.float32) * s_gw) @ w_hat.T, rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_allclose(dw, q_x.T @ (q(g, s_g, "e5m2").astype(jnp.float32) * s_g), rtol=1e-5, atol=1e-6)
+  want = {"x": jnp.max(jnp.abs(x)), "dy": jnp.max(jnp.abs(g)), "dy_w": jnp.max(jnp.abs(g * s_w))}
+  for name, amax in want.items():
+    assert float(new[name][0]) == float(amax) and float(new[name][3]) == float(history[name][2])
+
+
+def test_only_the_fused_step_reads_no_activation_or_gradient_for_its_amax():
+  """``absmax_passes`` of a two-Dense step traced with the GPU kernels forced: the jnp delayed
+  step reduces X and dY of each Dense (4 max-reductions over values from the batch), the fused
+  one none, and neither takes a separate absmax kernel; the weights' reductions never count."""
+  model = _TwoDense()
+  x = jax.random.normal(jax.random.key(2), (32, 8), jnp.float32)
+  variables = model.init(jax.random.key(0), x)
+  task = type("T", (), {"model": model, "inputs": staticmethod(lambda b: (b,)), "train_kwargs": {}})
+  got = {}
+  for fused in (False, True):
+    histories = ds.initial_histories(task, variables, x, fused)
+    spec = ds.delayed_spec("int8", fused)
+
+    def loss(params, histories, x, key, spec=spec):
+      with nn.intercept_methods(ds.DelayedDense(histories, spec)):
+        return jnp.sum(model.apply({"params": params}, x, rngs={ds.RNG_COLLECTION: key}) ** 2)
+
+    with ds.kernels_forced():
+      traced = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(
+        variables["params"], histories, x, jax.random.key(1)
+      )
+    got[fused] = ds.absmax_passes(
+      traced.jaxpr, ds.batch_flags(traced.jaxpr, x), 32 * 3
+    )  # the smallest: dY [32, 3]
+    kernels = {k[0].split(" ")[0] for k in pallas_kernels(traced.jaxpr)} if fused else set()
+  assert got[False] == {"batch_max_reductions": 4, "absmax_kernels": 0}
+  assert got[True] == {"batch_max_reductions": 0, "absmax_kernels": 0}
+  assert any("amax" in k for k in kernels), kernels  # the fused step's kernels wrote the amaxes
+
+
+def test_variant_names_split_into_precision_scaling_and_fusion():
+  assert ds.split_variant("int8_delayed_fused") == ("int8", "delayed", True)
+  assert ds.split_variant("fp8_dynamic") == ("fp8", "dynamic", False)
+  assert ds.split_variant("bf16") == ("bf16", "", False)
+  assert set(ds.ESTIMATE_S) == set(ds.VARIANTS)
