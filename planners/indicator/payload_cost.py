@@ -15,11 +15,11 @@ simulated by ``jax.vmap`` over the sync's mesh axis (its collectives run over th
 with the values ``shard_map`` gives them). Of ``N`` batches, window ``k`` gives device ``i`` the
 gradient of batch ``(k + i) mod N`` weighted ``1/n`` (equal shares: the trainer hands the sync
 ``b_i / B · g_i``) and the sync the key ``fold_in(key, k)``; ``n ≤ N``, so no two devices of a
-window hold one batch. The parameters are measured one top-level module at a time (``module_groups``:
-every sync rounds, and Global-QSGD scales, each leaf on its own, so the figures add over modules;
-module ``c`` draws its dithers from ``fold_in(window key, c)``): a window holds ``n`` copies of one
-module's gradient, not of the model's, and modules of one shape (a transformer's blocks) share one
-compiled program. Over the ``N`` windows, with ``δ = g_sync − g_fp32`` (``g_fp32``: the
+window hold one batch. The parameters are measured a few top-level modules at a time
+(``module_groups``, up to ``CHUNK_BYTES``: every sync rounds, and Global-QSGD scales, each leaf on its
+own, so the figures add over leaves; chunk ``c`` draws its dithers from ``fold_in(window key, c)``): a
+window holds ``n`` copies of a chunk's gradient, not of the model's, and chunks of one shape (a
+transformer's blocks) share one compiled program. Over the ``N`` windows, with ``δ = g_sync − g_fp32`` (``g_fp32``: the
 fp32 sync's sum of the same values), it records
 
 * ``error2``: ``E‖δ‖²``, the gradient-error variance against fp32 (``gradient2``: ``‖ḡ‖²``);
@@ -99,13 +99,28 @@ def synced(sync: str, weighted: Sequence[jax.Array], key) -> list[jax.Array]:
   return [x[0] for x in jax.vmap(on_device, axis_name=AXIS)(list(weighted))]
 
 
-def module_groups(params) -> list[list[int]]:
-  """The positions in ``jax.tree.leaves(params)`` of each top-level module's leaves (its first path
-  key), modules in the order of their first leaf."""
-  groups: dict[str, list[int]] = {}
-  for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
-    groups.setdefault(str(path[0]) if path else "", []).append(i)
-  return list(groups.values())
+CHUNK_BYTES = 256 * 2**20
+"""The fp32 gradient bytes of one batch that ``measure_payload`` measures at once, at most (a module
+larger than this alone)."""
+
+
+def module_groups(params, max_bytes: int = CHUNK_BYTES) -> list[list[int]]:
+  """The positions in ``jax.tree.leaves(params)`` measured together: consecutive top-level modules
+  (a leaf's first path key) packed while their fp32 bytes sum to at most ``max_bytes``, each module
+  whole."""
+  modules: dict[str, list[tuple[int, int]]] = {}
+  for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+    modules.setdefault(str(path[0]) if path else "", []).append((i, 4 * math.prod(jnp.shape(leaf))))
+  groups: list[list[int]] = []
+  size = 0
+  for leaves in modules.values():
+    nbytes = sum(b for _, b in leaves)
+    if not groups or size + nbytes > max_bytes:
+      groups.append([])
+      size = 0
+    groups[-1] += [i for i, _ in leaves]
+    size += nbytes
+  return groups
 
 
 @functools.lru_cache(maxsize=64)
@@ -153,7 +168,7 @@ def measure_payload(
   """The indicator table's ``payload`` section: ``error2`` and ``omega`` (module docstring) of each
   of ``PAYLOAD_SYNCS`` at each of ``devices`` device counts (each at most ``len(batches)``), from
   the gradients of ``batches`` at ``variables`` (all held at once: ``len(batches)`` × the
-  parameters' fp32 bytes, and a window's ``n`` × one module's: ``module_groups``)::
+  parameters' fp32 bytes, and a window's ``n`` × a chunk's: ``module_groups``)::
 
     {"syncs": {"bf16": {"4": {"error2": …, "omega": …}, …}, …}, "devices": [2, 4],
      "gradient2": ‖ḡ‖², "batches": N, "optimizer": "adam", "lr": 1e-3, "eps": 1e-8}
@@ -227,6 +242,7 @@ def check_payload(section: Any, source: str) -> None:
 __all__ = [
   "ADAM_EPS",
   "ADAM_LR",
+  "CHUNK_BYTES",
   "DEFAULT_DEVICES",
   "PAYLOAD_SYNCS",
   "batch_gradients",

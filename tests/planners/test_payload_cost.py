@@ -131,7 +131,7 @@ def test_sync_auto_takes_the_payload_of_least_measured_cost_within_the_slack():
 
 
 def test_the_figures_add_over_modules_so_a_model_is_measured_one_module_at_a_time(gradients):
-  """``measure_payload`` measures one top-level module at a time (``module_groups``): every sync
+  """``measure_payload`` measures a few top-level modules at a time (``module_groups``): every sync
   rounds each leaf on its own, so the nearest-rounding payloads' errors of two halves of the
   leaves add up to the whole's, window by window (a sync coupling leaves would not)."""
   stacked, weights = gradients
@@ -143,5 +143,11 @@ def test_the_figures_add_over_modules_so_a_model_is_measured_one_module_at_a_tim
     for g in ([0], [1, 2])
   ]
   np.testing.assert_allclose(halves[0] + halves[1], whole, rtol=1e-5)  # fp32 summation order
-  params = {"block0": {"kernel": 0, "bias": 1}, "block1": {"kernel": 2}, "head": {"bias": 3}}
-  assert module_groups(params) == [[0, 1], [2], [3]]
+  params = {
+    "block0": {"b": np.zeros(3), "k": np.zeros(5)},
+    "block1": {"k": np.zeros(6)},
+    "head": {"b": np.zeros(1)},
+  }
+  assert module_groups(params) == [[0, 1, 2, 3]]  # 60 bytes: one chunk
+  assert module_groups(params, max_bytes=32) == [[0, 1], [2, 3]]  # modules whole, packed up to 32 bytes
+  assert module_groups(params, max_bytes=24) == [[0, 1], [2], [3]]  # a module over the bound alone
