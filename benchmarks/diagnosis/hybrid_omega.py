@@ -48,10 +48,12 @@ from benchmarks.hybrid import OMEGA_DIR, POOLS, omega_path
 PROBE_BATCH = {"gpt_774m": 4}
 """Per-device batches the probe runs at where the study's does not fit one H200 (GPT-774M at 8:
 about 55 GB of probed output errors beside the fp32 step's own ~45 GB of activations)."""
-EXPECTED_S = {"resnet50": 150, "bert_s128": 120, "bert_s512": 120, "gpt_350m": 200, "gpt_774m": 290}
-"""Expected seconds per model on one H200 (compiles dominate: the probe's program, the gradient's,
-the payload windows'); an estimate from the programs' sizes against a measured 2-block GPT, for
-``--budget-s`` only."""
+EXPECTED_S = {"resnet50": 240, "bert_s128": 270, "bert_s512": 270, "gpt_350m": 500, "gpt_774m": 720}
+"""Expected seconds per model on one H200, for ``--budget-s`` only: an estimate, not a measurement. The
+probe's compile dominates; its program has 16.8 k (ResNet-50), 19.5 k (BERT), 38.2 k (GPT-350M) and
+57.0 k (GPT-774M) StableHLO ops against 4.2 k for a 2-block d2048 GPT whose indicator took ~50 s on
+an H200, taken as linear in the ops (an upper estimate where the compile's GEMM autotuning, shared
+by repeated shapes, dominates), plus the gradient's and the payload windows' compiles."""
 TINY_EXPECTED_S = 30
 
 
