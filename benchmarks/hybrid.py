@@ -136,7 +136,7 @@ def omega_note(model: str, indicator: dict, label: str, path: str) -> str:
   ``omega_path``)."""
   if label == "synthetic":
     return (
-      f"{model}: Ω synthetic (a seeded draw: no measured table at {path}); payload accuracy "
+      f"{model}: Ω synthetic (a seeded draw: no measured table at {os.path.relpath(path)}); payload accuracy "
       f"cost {NOT_MEASURED}"
     )
   meta = indicator["metadata"]

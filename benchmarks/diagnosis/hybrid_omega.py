@@ -25,9 +25,10 @@ device holds one batch's gradient).
   python -m benchmarks.diagnosis.hybrid_omega --models bert_s128 --budget-s 500 --out-dir $OUT
   python -m benchmarks.diagnosis.hybrid_omega --tiny --models bert_s128 # the CPU size, seconds
 
-``--budget-s S`` starts a model only when the seconds spent so far plus its expected seconds
-(``EXPECTED_S``, an estimate; measured seconds replace it in the printout) fit in ``S``; the others
-are skipped, and said so. ``--tiny`` measures the models' CPU sizes (``zoo.get(model, tiny=True)``)
+``--budget-s S`` starts a model only when the seconds spent so far plus its expected seconds fit in
+``S`` (``EXPECTED_S``, an estimate, scaled by the measured over the expected seconds of the models
+already measured in the run); the others are skipped, and said so. A model that fails (out of
+memory, a compile error) is reported and writes no table, the others still run; the exit status is then 1. ``--tiny`` measures the models' CPU sizes (``zoo.get(model, tiny=True)``)
 into ``omega_<model>.tiny.json``, which ``python -m benchmarks.hybrid --tiny`` plans with.
 """
 
@@ -153,28 +154,41 @@ def main(argv=None) -> int:
   from qsync_jax.errors import QsyncError
   from qsync_jax.jsonio import write_text_atomic
 
-  start, done = time.perf_counter(), []
+  start, done, took = time.perf_counter(), [], {}
   say = lambda msg: print(f"[{time.perf_counter() - start:6.1f} s] {msg}", flush=True)  # noqa: E731
+  estimate = lambda m: TINY_EXPECTED_S if args.tiny else EXPECTED_S[m]  # noqa: E731
+  failed = {}
   for model in models:
-    expected = TINY_EXPECTED_S if args.tiny else EXPECTED_S[model]
+    scale = sum(took.values()) / sum(estimate(m) for m in took) if took else 1.0
+    expected = round(estimate(model) * scale)
     spent = time.perf_counter() - start
     if args.budget_s is not None and spent + expected > args.budget_s:
       say(f"{model}: skipped (expected {expected} s after {spent:.0f} s: over --budget-s {args.budget_s:g})")
       continue
-    table = measure(model, args.tiny, batches, args.train_steps, args.seed, devices, say)
+    try:
+      table = measure(model, args.tiny, batches, args.train_steps, args.seed, devices, say)
+    except Exception as e:  # noqa: BLE001 - a model that does not fit or compile: the others still run
+      failed[model] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+      say(f"{model}: failed, no table written ({failed[model]})")
+      gc.collect()
+      continue
     path = omega_path(model, args.tiny, args.out_dir)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_text_atomic(path, json.dumps(table, indent=1) + "\n", "Ω table", QsyncError)
-    took = time.perf_counter() - start - spent
+    took[model] = time.perf_counter() - start - spent
     done.append(model)
-    say(f"{model}: wrote {path} in {took:.1f} s ({table['metadata']['seconds']})")
+    say(
+      f"{model}: wrote {path} in {took[model]:.1f} s (expected {expected} s; {table['metadata']['seconds']})"
+    )
     del table
     gc.collect()
-  skipped = [m for m in models if m not in done]
+  skipped = [m for m in models if m not in done and m not in failed]
   print(
-    f"measured {len(done)} of {len(models)} models" + (f"; skipped {', '.join(skipped)}" if skipped else "")
+    f"measured {len(done)} of {len(models)} models"
+    + (f"; skipped {', '.join(skipped)}" if skipped else "")
+    + (f"; failed {', '.join(failed)}" if failed else "")
   )
-  return 0
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":

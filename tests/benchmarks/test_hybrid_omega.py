@@ -42,6 +42,19 @@ def test_the_pools_device_counts_are_every_subset_of_their_groups():
   assert hybrid_omega.pool_device_counts({"p": (("A100", 1), ("T4", 7))}) == [1, 7, 8]
 
 
+def test_the_budget_and_the_batches_are_checked_before_any_model_runs(tmp_path, capsys):
+  with pytest.raises(SystemExit, match="--batches 4: the payload at 8 devices needs as many batches"):
+    hybrid_omega.main(["--tiny", "--batches", "4", "--out-dir", str(tmp_path)])
+  assert (
+    hybrid_omega.main(
+      ["--tiny", "--models", "bert_s128,gpt_350m", "--budget-s", "1", "--out-dir", str(tmp_path)]
+    )
+    == 0
+  )
+  assert "bert_s128: skipped (expected 30 s after 0 s: over --budget-s 1)" in capsys.readouterr().out
+  assert not list(tmp_path.iterdir())
+
+
 def test_the_table_is_an_indicator_table_with_its_payloads_and_how_it_was_measured(measured):
   _, table = measured
   meta = table["metadata"]
