@@ -17,24 +17,34 @@ samples/s, accuracy cost, mode, sync and micro-steps, its ratio to the best base
 of ``planners.allocator.bound.BASELINES``: equal batches, dynamic batching and the training group alone, at the
 training precision, accumulating and at 8-bit auto policies, at every sync), the pool's bound,
 and what limits the chosen plan (``planners.allocator.summary``). Every figure is **modeled**
-(catalog roofline + replay), not measured. The sensitivities Ω are synthetic (a seeded exponential draw per op, int8 : fp8 :
-16-bit = 1 : 1/2 : 1/50): the accuracy costs compare plans of one model, not models.
+(catalog roofline + replay), not measured. The sensitivities Ω are measured where
+``benchmarks.diagnosis.hybrid_omega`` has written the model's table (``omega_path``: the ``gradient``
+indicator's Ω of every op and the accuracy cost of every gradient payload at the pools' device
+counts, measured on one GPU); each candidate is then charged its payload's cost on Ω's scale
+(``planners.allocator.search.with_payload_cost``), as ``qsync plan`` charges it, and rows and
+printout say ``omega: "measured <device>"``. A model without a table is planned with a synthetic
+draw (``synthetic_omega``: a seeded exponential per op, int8 : fp8 : 16-bit = 1 : 1/2 : 1/50;
+``omega: "synthetic"``) whose costs compare plans of one model, not models, and its payloads'
+accuracy cost is not measured (the widest payload within the slack wins).
 
   python -m benchmarks.hybrid                    # every 2-group pool × topology × model, minutes on a CPU
   python -m benchmarks.hybrid --pools A100+L4+T4 # the 3-group pool (slower: two inference groups)
   python -m benchmarks.hybrid --models bert_s128 --pools A100+T4 --topologies 100G
+  python -m benchmarks.hybrid --tiny --models bert_s128 --pools A100+T4 --topologies 25G  # CPU sizes, seconds;
+                                                 # appends no rows unless --results is given
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
 import numpy as np
 
 from benchmarks.common.op_profile import base_profile, fitted_memory, traced_record
-from benchmarks.common.result_rows import append_rows, result_row, results_path
+from benchmarks.common.result_rows import append_rows, result_row, results_path, script_dir
 from benchmarks.common.zoo import HYBRID_MODELS
 from planners.allocator.bound import best_baseline, pool_bound
 from planners.allocator.greedy import make_problem
@@ -42,6 +52,7 @@ from planners.allocator.joint import joint_plan, plan_of
 from planners.allocator.payloads import NOT_MEASURED, payload_accuracy
 from planners.allocator.search import precision_counts
 from planners.allocator.summary import summarize
+from planners.indicator import load as load_indicator
 from planners.planning import train_precision
 from planners.predictor.modeled import modeled_profile
 from planners.predictor.replay import predict
@@ -50,6 +61,8 @@ from qsync_jax.cluster import ClusterSpec, DeviceGroup
 from qsync_jax.devices import device
 
 RESULTS = results_path("hybrid")
+OMEGA_DIR = script_dir("hybrid")
+"""Where ``benchmarks.diagnosis.hybrid_omega`` writes the models' measured Ω tables (``omega_path``)."""
 
 POOLS = {
   "V100+T4": (("V100", 4), ("T4", 4)),
@@ -67,9 +80,10 @@ POOLS = {
 TWO_GROUP_POOLS = tuple(name for name, groups in POOLS.items() if len(groups) == 2)
 SYNCS = ("fp32", "bf16", "global_qsgd")
 """The gradient syncs every pool is planned at (``qsync plan --sync auto`` without fp16, whose
-payload is bf16's size): the least accuracy cost within the slack of the fastest. The payloads'
-accuracy cost is not measured here (Ω is synthetic: there are no indicator batches to measure
-them on, ``planners.indicator.payload_cost``), so among plans within the slack the widest payload wins."""
+payload is bf16's size), chosen by ``qsync plan``'s rule (``planners.allocator.joint.joint_plan``):
+the least accuracy cost within the slack of the fastest, each candidate charged its payload's cost
+as the model's measured table gives it at the devices that run (``omega_path``); without a table, or at a device
+count it did not measure, nothing is charged and among plans within the slack the widest payload wins."""
 SLOW_LINK_GBPS = 25.0
 """A topology at most this fast between hosts is a slow-link pool (``payload_check``)."""
 
@@ -84,12 +98,54 @@ cost only the collectives' latency; it separates what communication costs every 
 from what the plan's precisions and batches leave of the headroom to the bound."""
 
 
-def traced(name: str) -> dict:
-  """The model's ops at its per-device batch, as ``benchmarks.diagnosis.roofline`` records them,
-  and its memory by its shapes with the rest of the step fitted on XLA:GPU
-  (``benchmarks.common.op_profile.traced_record``, ``fitted_memory``)."""
-  record = traced_record(name)
+def traced(name: str, tiny: bool = False) -> dict:
+  """The model's ops at its per-device batch (``tiny``: its CPU size), as
+  ``benchmarks.diagnosis.roofline`` records them, and its memory by its shapes with the rest of the
+  step fitted on XLA:GPU (``benchmarks.common.op_profile.traced_record``, ``fitted_memory``)."""
+  record = traced_record(name, tiny)
   return {**record, "memory": fitted_memory(name, record["memory"], record["batch_per_device"])}
+
+
+def omega_path(model: str, tiny: bool = False, directory: str = OMEGA_DIR) -> str:
+  """``<directory>/omega_<model>.json`` (``tiny``: ``omega_<model>.tiny.json``): the model's measured
+  Ω table (``benchmarks.diagnosis.hybrid_omega``)."""
+  return os.path.join(directory, f"omega_{model}{'.tiny' if tiny else ''}.json")
+
+
+def sensitivities(model: str, op_names, tiny: bool = False, directory: str = OMEGA_DIR) -> tuple[dict, str]:
+  """``(indicator, how it was obtained)`` for planning ``model`` (its ops ``op_names``): its measured
+  table where ``omega_path`` holds one (``planners.indicator.load``; ``"measured <device>"``), else
+  ``synthetic_omega`` (``"synthetic"``, no payload section). A table that lacks one of the ops is a
+  ``SystemExit`` naming the file and the fix (it was measured on another model or size)."""
+  path = omega_path(model, tiny, directory)
+  if not os.path.exists(path):
+    return synthetic_omega(op_names), "synthetic"
+  table = load_indicator(path)
+  missing = [op for op in op_names if op not in table["omega"]]
+  if missing:
+    raise SystemExit(
+      f"{path}: no Ω for op(s) {missing[:3]}{'…' if len(missing) > 3 else ''} of {model!r}. Fix: measure it "
+      f"again (python -m benchmarks.diagnosis.hybrid_omega --models {model}{' --tiny' if tiny else ''}), or "
+      "remove the file to plan with the synthetic draw."
+    )
+  return table, f"measured {table['metadata'].get('device', '?')}"
+
+
+def omega_note(model: str, indicator: dict, label: str, path: str) -> str:
+  """One line on how ``model``'s Ω and its payloads' accuracy costs were obtained (``path``: its
+  ``omega_path``)."""
+  if label == "synthetic":
+    return (
+      f"{model}: Ω synthetic (a seeded draw: no measured table at {os.path.relpath(path)}); payload accuracy "
+      f"cost {NOT_MEASURED}"
+    )
+  meta = indicator["metadata"]
+  return (
+    f"{model}: Ω {label} (gradient indicator on {meta.get('batches')} batches of {meta.get('batch')}, "
+    f"judged at a batch of {meta.get('loss_batch_size')}, {meta.get('train_steps')} fp32 steps, seed "
+    f"{meta.get('seed')}, jax {meta.get('jax_version')}); payload accuracy cost "
+    f"{payload_accuracy(indicator.get('payload'))}"
+  )
 
 
 def synthetic_omega(op_names, seed: int = 0) -> dict:
@@ -116,13 +172,15 @@ def pool_cluster(pool: str, topology: str, batch_per_device: int) -> ClusterSpec
   return ClusterSpec(tuple(groups), name=f"{pool}@{topology}")
 
 
-def plan_pool(model: dict, pool: str, topology: str, granularity: int, slack: float):
-  """``(problem, profiles, chosen, candidates, planning seconds, search)`` of ``pool`` at ``topology``."""
+def plan_pool(model: dict, pool: str, topology: str, granularity: int, slack: float, indicator=None):
+  """``(problem, profiles, chosen, candidates, planning seconds, search)`` of ``pool`` at ``topology``,
+  its ops' and payloads' accuracy costs from ``indicator`` (default: ``synthetic_omega``)."""
   base = base_profile(model)
   cluster = pool_cluster(pool, topology, model["batch_per_device"])
   profiles = {g.device_type: modeled_profile(base, g.device_type) for g in cluster.groups}
   preset = train_precision(cluster, ("train",), None)
-  problem = make_problem(cluster, profiles, synthetic_omega(base.op_names), ["train"], preset)
+  indicator = synthetic_omega(base.op_names) if indicator is None else indicator
+  problem = make_problem(cluster, profiles, indicator, ["train"], preset)
   t0 = time.perf_counter()
   chosen, cands, search = joint_plan(problem, granularity, slack, syncs=SYNCS)
   return problem, profiles, chosen, cands, time.perf_counter() - t0, search
@@ -138,15 +196,25 @@ def speeds(bound) -> list[float]:
 def chosen_label(chosen) -> str:
   """``"name (batches[, micro-steps][, mode][, sync])"``: the candidate, its per-device batches
   (training group first), its micro-steps where it accumulates, its mode where it is not the flat
-  all-reduce with the replicated update, and its gradient sync where it is not fp32."""
+  all-reduce with the replicated update, and its gradient sync where it is not fp32 (with its
+  payload's measured accuracy cost, where measured)."""
   name = chosen.name.replace("training groups only", "training only")
   parts = ["/".join(map(str, chosen.batches))]
   if chosen.micro_steps and max(chosen.micro_steps) > 1:
     parts.append("micro-steps " + "/".join(map(str, chosen.micro_steps)))
   mode = {("flat", "sharded"): "sharded update", ("two_level", "replicated"): "two-level"}.get(chosen.mode)
   parts += [mode] if mode else []
-  parts += [f"{chosen.sync} sync"] if chosen.sync != "fp32" else []
+  if chosen.sync != "fp32":
+    cost = f": payload Ω {chosen.payload_cost:.2g}" if chosen.payload_cost is not None else ""
+    parts.append(f"{chosen.sync} sync{cost}")
   return f"{name} ({', '.join(parts)})"
+
+
+def accuracy_cell(chosen, omega: str) -> str:
+  """The chosen plan's accuracy cost and its payload's part of it (``"not measured"`` where the
+  table has no figure for its sync and devices), ``"(synthetic)"`` after a synthetic draw's."""
+  payload = f"{chosen.payload_cost:.2g}" if chosen.payload_cost is not None else "not measured"
+  return f"{chosen.cost:.2g} (payload {payload})" + (" (synthetic)" if omega == "synthetic" else "")
 
 
 def payload_check(plans, slack: float) -> str:
@@ -219,20 +287,29 @@ def main(argv=None) -> int:
   ap.add_argument("--topologies", default=",".join(TOPOLOGIES), help=f"comma-separated of {list(TOPOLOGIES)}")
   ap.add_argument("--granularity", type=int, default=1)
   ap.add_argument("--slack", type=float, default=0.02)
+  ap.add_argument(
+    "--tiny", action="store_true", help="the models' CPU sizes and their omega_<model>.tiny.json"
+  )
+  ap.add_argument("--omega-dir", default=OMEGA_DIR, help="where the measured Ω tables are (omega_path)")
+  ap.add_argument("--results", default=None, help=f"rows to append to (default {RESULTS}; none with --tiny)")
   args = ap.parse_args(argv)
+  results = args.results if args.results is not None else (None if args.tiny else RESULTS)
   pools, topologies = args.pools.split(","), args.topologies.split(",")
   for given, known, flag in ((pools, POOLS, "--pools"), (topologies, TOPOLOGIES, "--topologies")):
     unknown = [x for x in given if x not in known]
     if unknown:
       raise SystemExit(f"{flag}: unknown {unknown}. Fix: use some of {list(known)}, comma-separated.")
   host = jax.devices()[0].device_kind
-  rows, summary, cases, slow = [], [], {}, []
+  rows, summary, cases, slow, notes = [], [], {}, [], []
   for name in args.models.split(","):
-    model = traced(name)
+    model = traced(name, args.tiny)
+    op_names = [op["name"] for op in model["ops"]]
+    indicator, omega = sensitivities(name, op_names, args.tiny, args.omega_dir)
+    notes.append(omega_note(name, indicator, omega, omega_path(name, args.tiny, args.omega_dir)))
     for pool in pools:
       for topology in topologies:
         problem, profiles, chosen, cands, seconds, search = plan_pool(
-          model, pool, topology, args.granularity, args.slack
+          model, pool, topology, args.granularity, args.slack, indicator
         )
         pred = predict(problem.cluster, profiles, plan_of(problem, chosen))
         result = summarize(chosen, cands, search, pred)
@@ -262,6 +339,7 @@ def main(argv=None) -> int:
             chosen_label(chosen),
             " | ".join(mixes),
             f"{chosen.samples_per_s:.1f}",
+            accuracy_cell(chosen, omega),
             f"{chosen_label(base)} {base.samples_per_s:.1f}" if base else "-",
             f"{result.gain:.2f}×" if base else "-",
             f"{bound.samples_per_s:.1f}",
@@ -271,7 +349,7 @@ def main(argv=None) -> int:
             f"{seconds:.1f}",
           ]
         )
-        common = {"topology": topology, "slack": args.slack, "granularity": args.granularity}
+        common = {"topology": topology, "slack": args.slack, "granularity": args.granularity, "omega": omega}
         for c in cands:
           rows.append(
             result_row(
@@ -353,7 +431,8 @@ def main(argv=None) -> int:
     "(bound − best); "
     "limited by: the straggling group; its all-reduce time not overlapped with its compute / its optimizer "
     "update (ms); infer/train speed: an inference device's per-device speed over a training device's at "
-    "their fastest precisions, compute alone:"
+    "their fastest precisions, compute alone; accuracy cost: Ω of the plan's ops and its payload's part of it "
+    "(measured or synthetic: the lines under the tables say which, per model):"
   )
   headers = [
     "pool",
@@ -362,6 +441,7 @@ def main(argv=None) -> int:
     "chosen (batches, micro-steps, mode, sync)",
     "infer precisions",
     "samples/s",
+    "accuracy cost (payload)",
     "best baseline",
     "gain",
     "bound",
@@ -372,13 +452,14 @@ def main(argv=None) -> int:
   ]
   print(table(headers, summary))
   print("\nper pool × model (modeled; docs/planning.md):\n" + markdown_table(cases))
-  print(
-    f"payload accuracy cost: {NOT_MEASURED.split(':')[0]} in any row (Ω is synthetic: no indicator batches)"
-  )
+  print("\nsensitivities and payload accuracy costs:\n" + "\n".join(f"  {note}" for note in notes))
   if slow:
     print(payload_check(slow, args.slack))
-  append_rows(RESULTS, rows)
-  print(f"appended {len(rows)} rows to {RESULTS}")
+  if results is None:
+    print(f"{len(rows)} rows not appended (--tiny: pass --results FILE to keep them)")
+    return 0
+  append_rows(results, rows)
+  print(f"appended {len(rows)} rows to {results}")
   return 0
 
 

@@ -40,10 +40,10 @@ def model_ops(task, data) -> tuple[list[OpShape], int]:
   return ops, timing.tree_bytes(variables["params"])
 
 
-def traced_record(name: str) -> dict:
-  """The zoo's model ``name`` at its real size and per-device batch as a cost-free record
-  (``base_profile`` reads it): its ops and its memory by its shapes (``traced_memory``)."""
-  task, data, batch = build(name, tiny=False)
+def traced_record(name: str, tiny: bool = False) -> dict:
+  """The zoo's model ``name`` at its real size and per-device batch (``tiny``: its CPU size) as a
+  cost-free record (``base_profile`` reads it): its ops and its memory by its shapes (``traced_memory``)."""
+  task, data, batch = build(name, tiny=tiny)
   ops, param_bytes = model_ops(task, data)
   return {
     "model": name,

@@ -15,7 +15,11 @@ simulated by ``jax.vmap`` over the sync's mesh axis (its collectives run over th
 with the values ``shard_map`` gives them). Of ``N`` batches, window ``k`` gives device ``i`` the
 gradient of batch ``(k + i) mod N`` weighted ``1/n`` (equal shares: the trainer hands the sync
 ``b_i / B · g_i``) and the sync the key ``fold_in(key, k)``; ``n ≤ N``, so no two devices of a
-window hold one batch. Over the ``N`` windows, with ``δ = g_sync − g_fp32`` (``g_fp32``: the
+window hold one batch. The parameters are measured a few top-level modules at a time
+(``module_groups``, up to ``CHUNK_BYTES``: every sync rounds, and Global-QSGD scales, each leaf on its
+own, so the figures add over leaves; chunk ``c`` draws its dithers from ``fold_in(window key, c)``): a
+window holds ``n`` copies of a chunk's gradient, not of the model's, and chunks of one shape (a
+transformer's blocks) share one compiled program. Over the ``N`` windows, with ``δ = g_sync − g_fp32`` (``g_fp32``: the
 fp32 sync's sum of the same values), it records
 
 * ``error2``: ``E‖δ‖²``, the gradient-error variance against fp32 (``gradient2``: ``‖ḡ‖²``);
@@ -42,6 +46,7 @@ where the indicator did not measure it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -94,19 +99,34 @@ def synced(sync: str, weighted: Sequence[jax.Array], key) -> list[jax.Array]:
   return [x[0] for x in jax.vmap(on_device, axis_name=AXIS)(list(weighted))]
 
 
-def window_errors(
-  stacked: Sequence[jax.Array],
-  weights: Sequence[jax.Array],
-  n: int,
-  key,
-  syncs: Sequence[str] = PAYLOAD_SYNCS,
-) -> jax.Array:
-  """``[N, len(syncs), 2]``: for each of the ``N`` windows of ``n`` devices over ``stacked`` (each
-  leaf ``[N, ...]``: the batches' gradients) and each of ``syncs``, ``(‖δ‖², Σ_j weights_j δ_j²)``,
-  ``δ`` the sync's combined gradient less the fp32 sync's (module docstring)."""
-  count = stacked[0].shape[0]
-  if not 1 <= n <= count:
-    raise QsyncError(f"payload measurement at {n} devices needs 1 ≤ n ≤ {count} (the batches).")
+CHUNK_BYTES = 256 * 2**20
+"""The fp32 gradient bytes of one batch that ``measure_payload`` measures at once, at most (a module
+larger than this alone)."""
+
+
+def module_groups(params, max_bytes: int = CHUNK_BYTES) -> list[list[int]]:
+  """The positions in ``jax.tree.leaves(params)`` measured together: consecutive top-level modules
+  (a leaf's first path key) packed while their fp32 bytes sum to at most ``max_bytes``, each module
+  whole."""
+  modules: dict[str, list[tuple[int, int]]] = {}
+  for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+    modules.setdefault(str(path[0]) if path else "", []).append((i, 4 * math.prod(jnp.shape(leaf))))
+  groups: list[list[int]] = []
+  size = 0
+  for leaves in modules.values():
+    nbytes = sum(b for _, b in leaves)
+    if not groups or size + nbytes > max_bytes:
+      groups.append([])
+      size = 0
+    groups[-1] += [i for i, _ in leaves]
+    size += nbytes
+  return groups
+
+
+@functools.lru_cache(maxsize=64)
+def _windows_program(n: int, count: int, syncs: tuple[str, ...]):
+  """The jitted ``window_errors`` of ``n`` devices over ``count`` batches: one per arguments, so
+  leaves of the same shapes (modules of one shape) reuse its compiled program."""
 
   def window(stacked, weights, k, window_key):
     rows = (k + jnp.arange(n)) % count
@@ -122,8 +142,24 @@ def window_errors(
   def windows(stacked, weights, keys):
     return jax.lax.map(lambda a: window(stacked, weights, *a), (jnp.arange(count), keys))
 
+  return jax.jit(windows)
+
+
+def window_errors(
+  stacked: Sequence[jax.Array],
+  weights: Sequence[jax.Array],
+  n: int,
+  key,
+  syncs: Sequence[str] = PAYLOAD_SYNCS,
+) -> jax.Array:
+  """``[N, len(syncs), 2]``: for each of the ``N`` windows of ``n`` devices over ``stacked`` (each
+  leaf ``[N, ...]``: the batches' gradients) and each of ``syncs``, ``(‖δ‖², Σ_j weights_j δ_j²)``,
+  ``δ`` the sync's combined gradient less the fp32 sync's (module docstring)."""
+  count = stacked[0].shape[0]
+  if not 1 <= n <= count:
+    raise QsyncError(f"payload measurement at {n} devices needs 1 ≤ n ≤ {count} (the batches).")
   keys = jax.vmap(lambda k: jax.random.fold_in(key, k))(jnp.arange(count))
-  return jax.jit(windows)(list(stacked), list(weights), keys)
+  return _windows_program(n, count, tuple(syncs))(list(stacked), list(weights), keys)
 
 
 def measure_payload(
@@ -132,13 +168,15 @@ def measure_payload(
   """The indicator table's ``payload`` section: ``error2`` and ``omega`` (module docstring) of each
   of ``PAYLOAD_SYNCS`` at each of ``devices`` device counts (each at most ``len(batches)``), from
   the gradients of ``batches`` at ``variables`` (all held at once: ``len(batches)`` × the
-  parameters' fp32 bytes, and a window's ``n`` × them)::
+  parameters' fp32 bytes, and a window's ``n`` × a chunk's: ``module_groups``)::
 
     {"syncs": {"bf16": {"4": {"error2": …, "omega": …}, …}, …}, "devices": [2, 4],
      "gradient2": ‖ḡ‖², "batches": N, "optimizer": "adam", "lr": 1e-3, "eps": 1e-8}
   """
   grads = batch_gradients(task, variables, batches, seed)
   stacked = [jnp.stack(leaf) for leaf in zip(*grads)]
+  del grads  # the stacked copies alone from here
+  groups = module_groups(variables["params"])
   means = [x.mean(0) for x in stacked]
   weights = [
     jnp.square(ADAM_LR * m / (jnp.sqrt(jnp.mean(jnp.square(x), 0)) + ADAM_EPS))
@@ -147,7 +185,12 @@ def measure_payload(
   key = jax.random.key(seed)
   syncs: dict[str, dict[str, dict[str, float]]] = {s: {} for s in PAYLOAD_SYNCS}
   for n in sorted(set(devices)):
-    mean = jax.device_get(window_errors(stacked, weights, n, jax.random.fold_in(key, n)).mean(0))
+    key_n = jax.random.fold_in(key, n)
+    mean = 0.0
+    for c, group in enumerate(groups):
+      leaves, leaf_weights = [stacked[i] for i in group], [weights[i] for i in group]
+      mean = mean + window_errors(leaves, leaf_weights, n, jax.random.fold_in(key_n, c)).mean(0)
+    mean = jax.device_get(mean)
     for s, (error2, omega) in zip(PAYLOAD_SYNCS, mean):
       syncs[s][str(n)] = {"error2": float(error2), "omega": float(omega)}
   return {
@@ -199,11 +242,13 @@ def check_payload(section: Any, source: str) -> None:
 __all__ = [
   "ADAM_EPS",
   "ADAM_LR",
+  "CHUNK_BYTES",
   "DEFAULT_DEVICES",
   "PAYLOAD_SYNCS",
   "batch_gradients",
   "check_payload",
   "measure_payload",
+  "module_groups",
   "payload_omega",
   "synced",
   "window_errors",

@@ -43,7 +43,7 @@ def test_a_fitted_entry_gives_the_profile_its_other_bytes_and_the_memory_model_c
     tmp_path / "gpu.json", {"m": {"batch_per_device": 2, "other_bytes": 700, "other_bytes_16bit": 300}}
   )
   monkeypatch.setattr(op_profile, "GPU_MEMORY_FILE", path)
-  monkeypatch.setattr(hybrid, "traced_record", lambda name: _record())
+  monkeypatch.setattr(hybrid, "traced_record", lambda name, tiny=False: _record())
   profile = op_profile.base_profile(hybrid.traced("m"))
   assert capsys.readouterr().out == ""
   assert profile.memory == {**SHAPES, "other_bytes": 700, "other_bytes_16bit": 300}

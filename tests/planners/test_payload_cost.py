@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from planners.indicator.payload_cost import PAYLOAD_SYNCS, payload_omega, synced, window_errors
+from planners.indicator.payload_cost import PAYLOAD_SYNCS, module_groups, payload_omega, synced, window_errors
 from qsync_jax.ops.vma import shard_map
 from qsync_jax.sync import make_grad_sync
 from qsync_jax.sync.common import AXIS
@@ -128,3 +128,26 @@ def test_sync_auto_takes_the_payload_of_least_measured_cost_within_the_slack():
   # a device count the indicator did not measure: not measured, nothing charged
   assert payload_omega(_payload({"bf16": 1e-9}), "bf16", 8) is None
   assert payload_omega(_payload({"bf16": 1e-9}), "bf16", 4) == 1e-9
+
+
+def test_the_figures_add_over_modules_so_a_model_is_measured_one_module_at_a_time(gradients):
+  """``measure_payload`` measures a few top-level modules at a time (``module_groups``): every sync
+  rounds each leaf on its own, so the nearest-rounding payloads' errors of two halves of the
+  leaves add up to the whole's, window by window (a sync coupling leaves would not)."""
+  stacked, weights = gradients
+  whole = np.asarray(window_errors(stacked, weights, 2, jax.random.key(3), ("bf16", "fp16")))
+  halves = [
+    np.asarray(
+      window_errors([stacked[i] for i in g], [weights[i] for i in g], 2, jax.random.key(5), ("bf16", "fp16"))
+    )
+    for g in ([0], [1, 2])
+  ]
+  np.testing.assert_allclose(halves[0] + halves[1], whole, rtol=1e-5)  # fp32 summation order
+  params = {
+    "block0": {"b": np.zeros(3), "k": np.zeros(5)},
+    "block1": {"k": np.zeros(6)},
+    "head": {"b": np.zeros(1)},
+  }
+  assert module_groups(params) == [[0, 1, 2, 3]]  # 60 bytes: one chunk
+  assert module_groups(params, max_bytes=32) == [[0, 1], [2, 3]]  # modules whole, packed up to 32 bytes
+  assert module_groups(params, max_bytes=24) == [[0, 1], [2], [3]]  # a module over the bound alone
