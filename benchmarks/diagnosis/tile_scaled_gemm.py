@@ -407,33 +407,42 @@ def _activation_codes(x, fmt: str) -> dict:
 
 def kernel_cases(precision: str, ops: dict, config: TileConfig, interpret: bool, sweep: bool) -> list[tuple]:
   """``(case, config name, jitted fn, arg sets, reference variant)`` of the kernels here at
-  ``config`` (``tile_quantize+tile_scaled`` not in a sweep)."""
-  fmt, sets = ops["fmt"], ops["sets"]
+  ``config``, ``on_load`` first (``tile_quantize+tile_scaled`` not in a sweep)."""
+  fmt, sets, qw, sw = ops["fmt"], ops["sets"], ops["qw"], ops["sw_cols"]
   kw = {"config": config, "out_dtype": jnp.bfloat16, "interpret": interpret}
   qw_t, sw_t = ops["tensor_w"]
+
+  def from_bf16(x, qw, sw):
+    return block_scaled_matmul(
+      *quantize_tiles(x, fmt, interpret=interpret), qw, sw, variant="tile_scaled", **kw
+    )
+
   cases = [
     (
+      "on_load",
+      "on_load",
+      jax.jit(lambda x, qw, sw: block_scaled_matmul(x, None, qw, sw, variant="on_load", **kw)),
+      [(s["x"], qw, sw) for s in sets],
+    ),
+    (
+      "tile_scaled",
+      "tile_scaled",
+      jax.jit(functools.partial(block_scaled_matmul, variant="tile_scaled", **kw)),
+      [(*s["tiles"], qw, sw) for s in sets],
+    ),
+    ("tile_quantize+tile_scaled", "on_load", jax.jit(from_bf16), [(s["x"], qw, sw) for s in sets]),
+    (
+      "per_tensor",
       "per_tensor",
       jax.jit(functools.partial(block_scaled_matmul, variant="per_tensor", **kw)),
       [(*s["tensor"], qw_t, sw_t) for s in sets],
     ),
-    (
-      "tile_scaled",
-      jax.jit(functools.partial(block_scaled_matmul, variant="tile_scaled", **kw)),
-      [(*s["tiles"], ops["qw"], ops["sw_cols"]) for s in sets],
-    ),
   ]
-  if not sweep:
-    both = jax.jit(
-      lambda x, qw, sw: block_scaled_matmul(
-        *quantize_tiles(x, fmt, interpret=interpret), qw, sw, variant="tile_scaled", **kw
-      )
-    )
-    cases.append(("tile_quantize+tile_scaled", both, [(s["x"], ops["qw"], ops["sw_cols"]) for s in sets]))
-  on_load = jax.jit(lambda x, qw, sw: block_scaled_matmul(x, None, qw, sw, variant="on_load", **kw))
-  cases.append(("on_load", on_load, [(s["x"], ops["qw"], ops["sw_cols"]) for s in sets]))
-  reference = {"tile_quantize+tile_scaled": "on_load"}
-  return [(f"{precision}/{c}", config.name, f, a, reference.get(c, c)) for c, f, a in cases]
+  return [
+    (f"{precision}/{c}", config.name, f, a, ref)
+    for c, ref, f, a in cases
+    if not (sweep and c.startswith("tile_quantize"))
+  ]
 
 
 def other_cases(precision: str, ops: dict, interpret: bool) -> list[tuple]:
