@@ -119,6 +119,8 @@ CONFIGS = (
 )
 """The first is every case's; the others are swept while the budget lasts."""
 SMOKE_CONFIGS = (TileConfig(64, 128, 4, 3), TileConfig(32, 64, 4, 3))
+FIRST_CONFIG_ONLY = ("tile_quantize+tile_scaled", "tile_scaled_convert")
+"""Cases timed at the first config only (the sweep times the three variants)."""
 QUANTIZE_BLOCK_M = 64
 """Rows of one program of ``quantize_tiles`` (one 64×128 tile each)."""
 
@@ -229,7 +231,25 @@ def _grouped(pid, n_m: int, n_n: int, group_m: int):
   return first_m + (pid % width) % size, (pid % width) // size
 
 
-def _gemm_kernel(*refs, variant, fmt, n_k):
+_MAGIC = 12582912.0
+_MAGIC_BITS = 0x4B400000
+"""1.5·2²³ and its float32 bits: for an int32 ``p`` with ``|p| < 2²²``, ``bits(p + _MAGIC_BITS)`` is the
+float32 ``_MAGIC + p``, so ``float32(p) = bitcast(p + _MAGIC_BITS) − _MAGIC`` exactly."""
+INT_TO_FLOAT = ("bits", "convert")
+"""How the int8 kernels turn a K block's int32 product into float32 for the promotion: ``bits`` (an
+integer and a float add, exact as a block's ``|p| ≤ 128·127² < 2²²``) or ``convert`` (the hardware
+conversion, which a GPU runs at a quarter of the float32 rate)."""
+
+
+def _to_float32(p: jax.Array, int_to_float: str) -> jax.Array:
+  if p.dtype == jnp.float32:
+    return p
+  if int_to_float == "bits":
+    return lax.bitcast_convert_type(p + _MAGIC_BITS, jnp.float32) - _MAGIC
+  return p.astype(jnp.float32)
+
+
+def _gemm_kernel(*refs, variant, fmt, n_k, int_to_float):
   if variant == "on_load":
     x_ref, w_ref, sw_ref, o_ref = refs
     sx_ref = None
@@ -257,7 +277,7 @@ def _gemm_kernel(*refs, variant, fmt, n_k):
       p, sx = block_product(i)
       if sx is None:
         sx = sx_ref[i, :]
-      return acc + p.astype(jnp.float32) * (sx[:, None] * sw_ref[i, :][None, :])
+      return acc + _to_float32(p, int_to_float) * (sx[:, None] * sw_ref[i, :][None, :])
 
     out = lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32))
   o_ref[...] = out.astype(o_ref.dtype)
@@ -271,7 +291,7 @@ def _check_blocks(kernel: str, sizes: dict) -> None:
       )
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "config", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("variant", "config", "out_dtype", "int_to_float", "interpret"))
 def block_scaled_matmul(
   x: jax.Array,
   sx: jax.Array | None,
@@ -281,9 +301,11 @@ def block_scaled_matmul(
   variant: str,
   config: TileConfig = CONFIGS[0],
   out_dtype=jnp.bfloat16,
+  int_to_float: str = "bits",
   interpret: bool = False,
 ) -> jax.Array:
-  """``[M, N]`` ``out_dtype``: ``block_scaled_matmul_reference`` (see the module doc) in one kernel.
+  """``[M, N]`` ``out_dtype``: ``block_scaled_matmul_reference`` (see the module doc) in one kernel;
+  ``int_to_float``: how int8's block products become float32 (``INT_TO_FLOAT``; the same values).
 
   Args:
     x: ``on_load``: bf16 ``[M, K]`` (``sx`` None); else its codes ``[M, K]``.
@@ -293,6 +315,8 @@ def block_scaled_matmul(
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} is not one of {VARIANTS}.")
+  if int_to_float not in INT_TO_FLOAT:
+    raise ValueError(f"int_to_float={int_to_float!r} is not one of {INT_TO_FLOAT}.")
   m, k = x.shape
   n = qw.shape[0]
   if qw.shape[1] != k:
@@ -319,7 +343,7 @@ def block_scaled_matmul(
   else:
     in_specs, args = [x_spec, sx_spec, w_spec, sw_spec], [x, sx, qw, sw]
   return pl.pallas_call(
-    functools.partial(_gemm_kernel, variant=variant, fmt=fmt, n_k=k // TILE),
+    functools.partial(_gemm_kernel, variant=variant, fmt=fmt, n_k=k // TILE, int_to_float=int_to_float),
     out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
     grid=(n_m * n_n,),
     in_specs=in_specs,
@@ -407,7 +431,8 @@ def _activation_codes(x, fmt: str) -> dict:
 
 def kernel_cases(precision: str, ops: dict, config: TileConfig, interpret: bool, sweep: bool) -> list[tuple]:
   """``(case, config name, jitted fn, arg sets, reference variant)`` of the kernels here at
-  ``config``, ``on_load`` first (``tile_quantize+tile_scaled`` not in a sweep)."""
+  ``config``, ``on_load`` first (``FIRST_CONFIG_ONLY`` not in a sweep; ``tile_scaled_convert``:
+  int8's block products converted to float32 by the hardware instruction)."""
   fmt, sets, qw, sw = ops["fmt"], ops["sets"], ops["qw"], ops["sw_cols"]
   kw = {"config": config, "out_dtype": jnp.bfloat16, "interpret": interpret}
   qw_t, sw_t = ops["tensor_w"]
@@ -432,6 +457,12 @@ def kernel_cases(precision: str, ops: dict, config: TileConfig, interpret: bool,
     ),
     ("tile_quantize+tile_scaled", "on_load", jax.jit(from_bf16), [(s["x"], qw, sw) for s in sets]),
     (
+      "tile_scaled_convert",
+      "tile_scaled",
+      jax.jit(functools.partial(block_scaled_matmul, variant="tile_scaled", int_to_float="convert", **kw)),
+      [(*s["tiles"], qw, sw) for s in sets],
+    ),
+    (
       "per_tensor",
       "per_tensor",
       jax.jit(functools.partial(block_scaled_matmul, variant="per_tensor", **kw)),
@@ -441,7 +472,7 @@ def kernel_cases(precision: str, ops: dict, config: TileConfig, interpret: bool,
   return [
     (f"{precision}/{c}", config.name, f, a, ref)
     for c, ref, f, a in cases
-    if not (sweep and c.startswith("tile_quantize"))
+    if not (sweep and c in FIRST_CONFIG_ONLY) and not (fmt != "int8" and c == "tile_scaled_convert")
   ]
 
 

@@ -52,6 +52,11 @@ def results(fmt: str) -> dict:
       run(qx_t, sx_t, qw_t, sw_t, variant="per_tensor"),
       ref(qx_t, sx_t, qw_t, sw_t, variant="per_tensor"),
     ),
+    "tile_scaled_convert": run(
+      qx, sx, qw, tsg.expand_block_scales(sw), variant="tile_scaled", int_to_float="convert"
+    )
+    if fmt == "int8"
+    else None,
     "codes": (qx, sx, qw, sw),
     "exact": x.astype(jnp.float32) @ w.astype(jnp.float32),
   }
@@ -83,6 +88,13 @@ def test_each_variant_matches_its_jnp_reference(fmt, variant):
   ulps = 4 * (K // tsg.TILE) if fmt == "int8" else 4 * K
   atol = ulps * np.finfo(np.float32).eps * float(jnp.max(jnp.abs(want)))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=atol)
+
+
+def test_int8_block_products_become_the_same_floats_by_bits_as_by_the_conversion():
+  got = results("int8")
+  np.testing.assert_array_equal(np.asarray(got["tile_scaled_convert"]), np.asarray(got["tile_scaled"][0]))
+  p = jnp.array([0, 1, -1, 2_064_512, -2_064_512, 4_194_303, -4_194_303], jnp.int32)  # up to |p| < 2**22
+  np.testing.assert_array_equal(np.asarray(tsg._to_float32(p, "bits")), np.asarray(p, np.float32))
 
 
 def dropped_promotion(qx, sx, qw, sw):
@@ -119,14 +131,14 @@ def test_every_kernel_lowers_to_triton_for_a_gpu():
     codes = tsg.QFORMATS[fmt][0]
     lowered = [tsg.quantize_tiles.trace(shape((M, K), jnp.bfloat16), fmt).lower(lowering_platforms=("cuda",))]
     for config in tsg.CONFIGS:
-      for variant in tsg.VARIANTS:
+      for variant, convert in [(v, "bits") for v in tsg.VARIANTS] + [("tile_scaled", "convert")]:
         x = shape((M, K), jnp.bfloat16 if variant == "on_load" else codes)
         per_tensor = variant == "per_tensor"
         sx = None if variant == "on_load" else shape((M,) if per_tensor else (K // tsg.TILE, M), jnp.float32)
         sw = shape((N,) if per_tensor else (K // tsg.TILE, N), jnp.float32)
         lowered.append(
           tsg.block_scaled_matmul.trace(
-            x, sx, shape((N, K), codes), sw, variant=variant, config=config
+            x, sx, shape((N, K), codes), sw, variant=variant, config=config, int_to_float=convert
           ).lower(lowering_platforms=("cuda",))
         )
     for low in lowered:
