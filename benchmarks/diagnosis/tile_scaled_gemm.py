@@ -41,14 +41,17 @@ per-channel absmax passes, ``quantize_both`` of X and W, the GEMM ``impl='auto'`
 ``library_gemm`` (that GEMM alone on per-channel codes), ``weight_blocks`` (W's block
 quantization, jnp under XLA: in no other case), ``tile_quantize`` (X's one-pass tile quantizer
 alone), and per block config (``CONFIGS``; the first for every case, the others as a sweep
-while ``--budget-s`` lasts): ``per_tensor``, ``tile_scaled``, ``tile_quantize+tile_scaled``
-(the two launches from bf16 X) and ``on_load``. Each case's first output is checked on its first
+while ``--budget-s`` lasts): ``on_load``, ``tile_scaled``, ``tile_quantize+tile_scaled`` (the two
+launches from bf16 X; first config only), ``tile_scaled_convert`` (int8, first config only: the
+block products converted to float32 by the hardware instruction instead of ``INT_TO_FLOAT``'s
+``bits``) and ``per_tensor``. Each case's first output is checked on its first
 ``CHECK_ROWS`` rows against the float product (``rel_err_float``) and, for the kernels here,
 against its jnp reference on the device (``rel_err_reference``). Rows: ``ms`` (median),
 ``ratio`` = bf16 ms / case ms (above 1: faster than bf16), ``tflops``; appended to
 ``--out-jsonl`` (default ``benchmarks/results/tile_scaled_gemm.jsonl``) and, where ``$OUT`` is
-set, to ``$OUT/tile_scaled_gemm.jsonl``; a table prints last. ``--cpu-smoke``: tiny shapes, the
-kernels in interpret mode on the CPU.
+set, to ``$OUT/tile_scaled_gemm.jsonl``; a table prints last. ``--budget-s`` (default 240 s on a
+GPU) skips the cases that would start later. ``--cpu-smoke``: tiny shapes,
+the kernels in interpret mode on the CPU, rows only to ``--out-jsonl`` / ``$OUT`` where given.
 """
 
 from __future__ import annotations
