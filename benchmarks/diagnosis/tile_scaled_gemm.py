@@ -24,6 +24,8 @@ in steps of ``TILE`` = 128; ``fmt`` is ``int8`` or ``e4m3`` (the ``fp8`` precisi
     for each K block i (128 columns):                    # on_load and tile_scaled
       p = qx[:, i] · qw[:, i]ᵀ                           # int32 (int8) / float32 (e4m3) MMA
       acc += float32(p) * (sx[i][:, None] * sw[i, n // 128][None, :])   # the fp32 promotion
+    tile_rows:    qx, sx given; W per column (sw [N], the library's per-channel W): the promotion
+                  is acc += float32(p) * sx[i][:, None]; acc * sw[None, :] once after the loop
     per_tensor:   acc = Σ_i qx[:, i] · qw[:, i]ᵀ; acc * sx[:, None] * sw[None, :] once after the loop
                   (sx [M], sw [N]: per-tensor scales broadcast, or the library's per-channel ones)
     y = acc.astype(out_dtype)
@@ -80,7 +82,7 @@ from qsync_jax import OpPolicy, quantized_dot_general
 
 TILE = 128
 """Length of an activation scale tile along K, side of a weight scale block, the K step."""
-VARIANTS = ("on_load", "tile_scaled", "per_tensor")
+VARIANTS = ("on_load", "tile_scaled", "tile_rows", "per_tensor")
 FORMATS = {"int8": "int8", "fp8": "e4m3"}
 """The storage format of X and W at each precision (the library's forward formats)."""
 SHAPES = {  # (M, K, N): the GPT at d 2048, 8192 tokens
@@ -115,12 +117,14 @@ class TileConfig:
 
 
 CONFIGS = (
+  TileConfig(128, 128, 8, 3),
+  TileConfig(64, 256, 8, 3),
   TileConfig(128, 256, 8, 3),
-  TileConfig(128, 128, 4, 4),
-  TileConfig(64, 256, 4, 4),
   TileConfig(64, 128, 4, 3),
 )
-"""The first is every case's; the others are swept while the budget lasts."""
+"""The first is every case's; the others are swept while the budget lasts. The promotion variants
+hold two float32 tiles (the block product and the running sum): the first two configs keep both in
+registers with 8 warps; 128×256 (the library's Triton default, ``per_tensor``'s natural tile) does not."""
 SMOKE_CONFIGS = (TileConfig(64, 128, 4, 3), TileConfig(32, 64, 4, 3))
 FIRST_CONFIG_ONLY = ("tile_quantize+tile_scaled", "tile_scaled_convert")
 """Cases timed at the first config only (the sweep times the three variants)."""
@@ -172,7 +176,8 @@ def quantize_per_tensor(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
 def block_scaled_matmul_reference(qx, sx, qw, sw, *, variant: str, out_dtype=jnp.float32, x=None):
   """The jnp definition of ``block_scaled_matmul`` (see the module doc): ``on_load`` takes bf16
   ``x`` (``qx``, ``sx`` unused) and quantizes it by ``quantize_tiles_reference``; ``sw`` is
-  ``[K/128, N/128]`` for ``on_load`` / ``tile_scaled`` and ``[N]`` (``sx`` ``[M]``) for ``per_tensor``."""
+  ``[K/128, N/128]`` for ``on_load`` / ``tile_scaled`` and ``[N]`` for ``tile_rows`` and ``per_tensor``
+  (whose ``sx`` is ``[M]``)."""
   if variant == "on_load":
     qx, sx = quantize_tiles_reference(x, _fmt_of(qw))
   acc_dtype = jnp.int32 if qw.dtype == jnp.int8 else jnp.float32
@@ -180,12 +185,16 @@ def block_scaled_matmul_reference(qx, sx, qw, sw, *, variant: str, out_dtype=jnp
   if variant == "per_tensor":
     acc = lax.dot_general(qx, qw, DIMS_NT, preferred_element_type=acc_dtype).astype(jnp.float32)
     return (acc * sx[:, None] * sw[None, :]).astype(out_dtype)
-  sw_cols = expand_block_scales(sw)
   acc = jnp.zeros((m, qw.shape[0]), jnp.float32)
   for i in range(k // TILE):
     ks = slice(i * TILE, (i + 1) * TILE)
     p = lax.dot_general(qx[:, ks], qw[:, ks], DIMS_NT, preferred_element_type=acc_dtype)
-    acc = acc + p.astype(jnp.float32) * (sx[i][:, None] * sw_cols[i][None, :])
+    if variant == "tile_rows":
+      acc = acc + p.astype(jnp.float32) * sx[i][:, None]
+    else:
+      acc = acc + p.astype(jnp.float32) * (sx[i][:, None] * expand_block_scales(sw)[i][None, :])
+  if variant == "tile_rows":
+    acc = acc * sw[None, :]
   return acc.astype(out_dtype)
 
 
@@ -280,9 +289,13 @@ def _gemm_kernel(*refs, variant, fmt, n_k, int_to_float):
       p, sx = block_product(i)
       if sx is None:
         sx = sx_ref[i, :]
+      if variant == "tile_rows":
+        return acc + _to_float32(p, int_to_float) * sx[:, None]
       return acc + _to_float32(p, int_to_float) * (sx[:, None] * sw_ref[i, :][None, :])
 
     out = lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32))
+    if variant == "tile_rows":
+      out = out * sw_ref[...][None, :]
   o_ref[...] = out.astype(o_ref.dtype)
 
 
@@ -312,9 +325,10 @@ def block_scaled_matmul(
 
   Args:
     x: ``on_load``: bf16 ``[M, K]`` (``sx`` None); else its codes ``[M, K]``.
-    sx: ``tile_scaled``: ``[K/128, M]`` tile scales; ``per_tensor``: ``[M]``.
+    sx: ``tile_scaled`` / ``tile_rows``: ``[K/128, M]`` tile scales; ``per_tensor``: ``[M]``.
     qw: codes ``[N, K]``, the format of ``x``'s (int8 or e4m3).
-    sw: ``on_load`` / ``tile_scaled``: ``[K/128, N]`` (``expand_block_scales``); ``per_tensor``: ``[N]``.
+    sw: ``on_load`` / ``tile_scaled``: ``[K/128, N]`` (``expand_block_scales``); ``tile_rows`` /
+      ``per_tensor``: ``[N]``.
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} is not one of {VARIANTS}.")
@@ -337,9 +351,11 @@ def block_scaled_matmul(
   w_spec = pl.BlockSpec((bn, k), lambda p: (mn(p)[1], 0))
   if variant == "per_tensor":
     sx_spec = pl.BlockSpec((bm,), lambda p: (mn(p)[0],))
-    sw_spec = pl.BlockSpec((bn,), lambda p: (mn(p)[1],))
   else:
     sx_spec = pl.BlockSpec((k // TILE, bm), lambda p: (0, mn(p)[0]))
+  if variant in ("per_tensor", "tile_rows"):
+    sw_spec = pl.BlockSpec((bn,), lambda p: (mn(p)[1],))
+  else:
     sw_spec = pl.BlockSpec((k // TILE, bn), lambda p: (0, mn(p)[1]))
   if variant == "on_load":
     in_specs, args = [x_spec, w_spec, sw_spec], [x, qw, sw]
@@ -419,8 +435,14 @@ def _weight_codes(w, fmt: str) -> dict:
     "sw": sw,
     "sw_cols": expand_block_scales(sw),
     "channel_w": quantize_reference(w.T, fmt, (1,)),
+    "column_w": _vector_scale(quantize_reference(w.T, fmt, (1,))),
     "tensor_w": quantize_per_tensor(w.T, fmt),
   }
+
+
+def _vector_scale(quantized):
+  """``(codes, scale [rows, 1])`` as ``(codes, scale [rows])``."""
+  return quantized[0], quantized[1][:, 0]
 
 
 @functools.partial(jax.jit, static_argnames="fmt")
@@ -464,6 +486,12 @@ def kernel_cases(precision: str, ops: dict, config: TileConfig, interpret: bool,
       "tile_scaled",
       jax.jit(functools.partial(block_scaled_matmul, variant="tile_scaled", int_to_float="convert", **kw)),
       [(*s["tiles"], qw, sw) for s in sets],
+    ),
+    (
+      "tile_rows",
+      "tile_rows",
+      jax.jit(functools.partial(block_scaled_matmul, variant="tile_rows", **kw)),
+      [(*s["tiles"], *ops["column_w"]) for s in sets],
     ),
     (
       "per_tensor",
@@ -535,6 +563,9 @@ def check(out, args, case: str, variant, ops: dict, references: dict) -> dict:
         qx, sx = first["tensor"]
         qw, sw = ops["tensor_w"]
         args_ref = (qx[:CHECK_ROWS], sx[:CHECK_ROWS], qw, sw)
+      elif variant == "tile_rows":
+        qx, sx = first["tiles"]
+        args_ref = (qx[:CHECK_ROWS], sx[:, :CHECK_ROWS], *ops["column_w"])
       else:
         qx, sx = first["tiles"]
         args_ref = (qx[:CHECK_ROWS], sx[:, :CHECK_ROWS], ops["qw"], ops["sw"])
