@@ -46,7 +46,7 @@ alone), and per block config (``CONFIGS``; the first for every case, the others 
 while ``--budget-s`` lasts): ``on_load``, ``tile_scaled``, ``tile_quantize+tile_scaled`` (the two
 launches from bf16 X; first config only), ``tile_scaled_convert`` (int8, first config only: the
 block products converted to float32 by the hardware instruction instead of ``INT_TO_FLOAT``'s
-``bits``) and ``per_tensor``. Each case's first output is checked on its first
+``bits``), ``tile_rows`` and ``per_tensor``. Each case's first output is checked on its first
 ``CHECK_ROWS`` rows against the float product (``rel_err_float``) and, for the kernels here,
 against its jnp reference on the device (``rel_err_reference``). Rows: ``ms`` (median),
 ``ratio`` = bf16 ms / case ms (above 1: faster than bf16), ``tflops``; appended to
