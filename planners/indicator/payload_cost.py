@@ -15,9 +15,9 @@ simulated by ``jax.vmap`` over the sync's mesh axis (its collectives run over th
 with the values ``shard_map`` gives them). Of ``N`` batches, window ``k`` gives device ``i`` the
 gradient of batch ``(k + i) mod N`` weighted ``1/n`` (equal shares: the trainer hands the sync
 ``b_i / B · g_i``) and the sync the key ``fold_in(key, k)``; ``n ≤ N``, so no two devices of a
-window hold one batch. The parameters are measured a few top-level modules at a time
-(``module_groups``, up to ``CHUNK_BYTES``: every sync rounds, and Global-QSGD scales, each leaf on its
-own, so the figures add over leaves; chunk ``c`` draws its dithers from ``fold_in(window key, c)``): a
+window hold one batch. The parameters are measured one top-level module at a time
+(``module_groups``, at most ``MAX_LEAVES`` leaves each: every sync rounds, and Global-QSGD scales,
+each leaf on its own, so the figures add over leaves; chunk ``c`` draws its dithers from ``fold_in(window key, c)``): a
 window holds ``n`` copies of a chunk's gradient, not of the model's, and chunks of one shape (a
 transformer's blocks) share one compiled program. Over the ``N`` windows, with ``δ = g_sync − g_fp32`` (``g_fp32``: the
 fp32 sync's sum of the same values), it records
@@ -99,28 +99,29 @@ def synced(sync: str, weighted: Sequence[jax.Array], key) -> list[jax.Array]:
   return [x[0] for x in jax.vmap(on_device, axis_name=AXIS)(list(weighted))]
 
 
-CHUNK_BYTES = 256 * 2**20
-"""The fp32 gradient bytes of one batch that ``measure_payload`` measures at once, at most (a module
-larger than this alone)."""
+MAX_LEAVES = 16
+"""The most parameter leaves ``measure_payload`` measures in one program (``module_groups``): a
+window's program rounds every leaf of its group for each sync, and XLA:GPU's compile of one
+program holding a whole model's leaves (144 of BERT-base's, Global-QSGD's random bits for each) ran
+for minutes."""
 
 
-def module_groups(params, max_bytes: int = CHUNK_BYTES) -> list[list[int]]:
-  """The positions in ``jax.tree.leaves(params)`` measured together: consecutive top-level modules
-  (a leaf's first path key) packed while their fp32 bytes sum to at most ``max_bytes``, each module
-  whole."""
-  modules: dict[str, list[tuple[int, int]]] = {}
-  for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
-    modules.setdefault(str(path[0]) if path else "", []).append((i, 4 * math.prod(jnp.shape(leaf))))
-  groups: list[list[int]] = []
-  size = 0
-  for leaves in modules.values():
-    nbytes = sum(b for _, b in leaves)
-    if not groups or size + nbytes > max_bytes:
-      groups.append([])
-      size = 0
-    groups[-1] += [i for i, _ in leaves]
-    size += nbytes
-  return groups
+def module_groups(params, max_leaves: int = MAX_LEAVES) -> list[list[int]]:
+  """The positions in ``jax.tree.leaves(params)`` measured together: each top-level module (a leaf's
+  first path key) on its own; a module of more than ``max_leaves`` leaves split by its next path
+  key, and so on. Modules of one shape (a transformer's blocks) give groups of one shape, which
+  share one compiled program."""
+  leaves = [(i, path) for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])]
+
+  def split(members, depth):
+    if (depth and len(members) <= max_leaves) or all(len(path) <= depth for _, path in members):
+      return [[i for i, _ in members]]
+    by_key: dict[str, list] = {}
+    for i, path in members:
+      by_key.setdefault(str(path[depth]) if len(path) > depth else "", []).append((i, path))
+    return [group for sub in by_key.values() for group in split(sub, depth + 1)]
+
+  return split(leaves, 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -242,7 +243,7 @@ def check_payload(section: Any, source: str) -> None:
 __all__ = [
   "ADAM_EPS",
   "ADAM_LR",
-  "CHUNK_BYTES",
+  "MAX_LEAVES",
   "DEFAULT_DEVICES",
   "PAYLOAD_SYNCS",
   "batch_gradients",

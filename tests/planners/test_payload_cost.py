@@ -131,7 +131,7 @@ def test_sync_auto_takes_the_payload_of_least_measured_cost_within_the_slack():
 
 
 def test_the_figures_add_over_modules_so_a_model_is_measured_one_module_at_a_time(gradients):
-  """``measure_payload`` measures a few top-level modules at a time (``module_groups``): every sync
+  """``measure_payload`` measures one top-level module at a time (``module_groups``): every sync
   rounds each leaf on its own, so the nearest-rounding payloads' errors of two halves of the
   leaves add up to the whole's, window by window (a sync coupling leaves would not)."""
   stacked, weights = gradients
@@ -148,6 +148,9 @@ def test_the_figures_add_over_modules_so_a_model_is_measured_one_module_at_a_tim
     "block1": {"k": np.zeros(6)},
     "head": {"b": np.zeros(1)},
   }
-  assert module_groups(params) == [[0, 1, 2, 3]]  # 60 bytes: one chunk
-  assert module_groups(params, max_bytes=32) == [[0, 1], [2, 3]]  # modules whole, packed up to 32 bytes
-  assert module_groups(params, max_bytes=24) == [[0, 1], [2], [3]]  # a module over the bound alone
+  assert module_groups(params) == [[0, 1], [2], [3]]  # one top-level module a group
+  nested = {"model": params, "ln": {"s": np.zeros(2)}}  # leaves: ln/s, model/block0/b, …/k, block1/k, head/b
+  assert module_groups(nested) == [[0], [1, 2, 3, 4]]
+  # a module of more leaves than the bound split by its next key, recursively
+  assert module_groups(nested, max_leaves=2) == [[0], [1, 2], [3], [4]]
+  assert module_groups({"w": np.zeros(2), "b": np.zeros(2)}, max_leaves=1) == [[0], [1]]
