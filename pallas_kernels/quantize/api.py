@@ -246,19 +246,27 @@ def _other_perm(ndim: int, contract: tuple[int, ...]) -> tuple[int, ...]:
   return _moved_perm(ndim, rest)
 
 
-def _pallas_both(x, fmt, reduce_axes, rounding, key, contract, config, interpret):
-  """The kernel path of ``quantize_both``: an XLA absmax, then one pass writing both copies;
-  ``NotImplementedError`` for what it does not take."""
-  ndim, shape = x.ndim, x.shape
-  n = len(contract)
+def both_layout_view(x, contract: tuple[int, ...], what: str) -> tuple[int, int, str]:
+  """``(rows, cols, contract_side)`` of the 2-D view a both-layout kernel takes of ``x``: the
+  contracted axes ``contract`` a suffix (``"cols"``) or a prefix (``"rows"``) of a float tensor's axes;
+  ``NotImplementedError`` naming ``what`` for anything else."""
+  ndim, n = x.ndim, len(contract)
   if not jnp.issubdtype(x.dtype, jnp.floating) or not 0 < n < ndim:
-    raise NotImplementedError("quantize_both kernel takes a float tensor with free and contracted axes")
+    raise NotImplementedError(f"{what} kernel takes a float tensor with free and contracted axes")
   if contract == tuple(range(ndim - n, ndim)):
     k, contract_side = ndim - n, "cols"
   elif contract == tuple(range(n)):
     k, contract_side = n, "rows"
   else:
     raise NotImplementedError(f"contract_axes={contract} is neither a prefix nor a suffix")
+  return math.prod(x.shape[:k]), math.prod(x.shape[k:]), contract_side
+
+
+def _pallas_both(x, fmt, reduce_axes, rounding, key, contract, config, interpret):
+  """The kernel path of ``quantize_both``: an XLA absmax, then one pass writing both copies;
+  ``NotImplementedError`` for what it does not take."""
+  ndim, shape = x.ndim, x.shape
+  rows, cols, contract_side = both_layout_view(x, contract, "quantize_both")
   red = tuple(sorted(reduce_axes))
   if red == tuple(sorted(contract)):
     scale_axis = "rows" if contract_side == "cols" else "cols"  # per channel: along the free side
@@ -266,7 +274,6 @@ def _pallas_both(x, fmt, reduce_axes, rounding, key, contract, config, interpret
     scale_axis = "cols"  # per tensor, broadcast
   else:
     raise NotImplementedError(f"reduce_axes={reduce_axes}: neither per channel nor per tensor")
-  rows, cols = math.prod(shape[:k]), math.prod(shape[k:])
   with jax.named_scope("quantize_absmax"):
     scale = absmax_scale(x, fmt, red)
   vector = jnp.broadcast_to(scale.reshape(-1), (rows if scale_axis == "rows" else cols,))

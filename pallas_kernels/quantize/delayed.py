@@ -46,16 +46,7 @@ def _use_kernels(impl: str) -> bool:
 def _pallas_both_at(x, fmt, scale, rounding, key, contract, config, interpret):
   """The kernel path of ``quantize_both_at``; ``NotImplementedError`` for what it does not take."""
   ndim, shape = x.ndim, x.shape
-  n = len(contract)
-  if not jnp.issubdtype(x.dtype, jnp.floating) or not 0 < n < ndim:
-    raise NotImplementedError("quantize_both_at kernel takes a float tensor with free and contracted axes")
-  if contract == tuple(range(ndim - n, ndim)):
-    k, contract_side = ndim - n, "cols"
-  elif contract == tuple(range(n)):
-    k, contract_side = n, "rows"
-  else:
-    raise NotImplementedError(f"contract_axes={contract} is neither a prefix nor a suffix")
-  rows, cols = math.prod(shape[:k]), math.prod(shape[k:])
+  rows, cols, contract_side = api.both_layout_view(x, contract, "quantize_both_at")
   same, transposed, amax = _kernel.quantize_tiled(
     x.reshape(rows, cols),
     fmt,
