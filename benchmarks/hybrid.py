@@ -53,6 +53,7 @@ from planners.allocator.payloads import NOT_MEASURED, payload_accuracy
 from planners.allocator.search import precision_counts
 from planners.allocator.summary import summarize
 from planners.indicator import load as load_indicator
+from planners.indicator import unreached_note
 from planners.planning import train_precision
 from planners.predictor.modeled import modeled_profile
 from planners.predictor.replay import predict
@@ -145,6 +146,7 @@ def omega_note(model: str, indicator: dict, label: str, path: str) -> str:
     f"judged at a batch of {meta.get('loss_batch_size')}, {meta.get('train_steps')} fp32 steps, seed "
     f"{meta.get('seed')}, jax {meta.get('jax_version')}); payload accuracy cost "
     f"{payload_accuracy(indicator.get('payload'))}"
+    + (f"; {note}" if (note := unreached_note(indicator, meta.get("train_steps", 0))) else "")
   )
 
 

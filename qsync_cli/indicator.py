@@ -135,7 +135,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  from planners.indicator import compute, initial_variables, save
+  from planners.indicator import compute, initial_variables, save, unreached_note
   from qsync_jax.train.task import load_task
 
   check_arguments(args)
@@ -165,5 +165,8 @@ def run(args: argparse.Namespace) -> int:
     table["payload"] = measure_payload(task, variables, batches, devices, seed=args.seed)
   save(table, args.out)
   print(format_table(table))
+  note = unreached_note(table, args.train_steps)
+  if note:
+    print(f"qsync indicator: warning: {note}")
   print(f"wrote {args.out} ({len(table['ops'])} ops)")
   return 0

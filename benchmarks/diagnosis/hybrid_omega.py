@@ -77,7 +77,7 @@ def measure(model: str, tiny: bool, batches: int, train_steps: int, seed: int, d
   measurement's ``metadata``."""
   import jax
 
-  from planners.indicator import compute, initial_variables
+  from planners.indicator import compute, initial_variables, unreached_note
   from planners.indicator.payload_cost import measure_payload
 
   task, study_batch = zoo.get(model, tiny)
@@ -93,6 +93,8 @@ def measure(model: str, tiny: bool, batches: int, train_steps: int, seed: int, d
   table = compute(task, variables, data, ["gradient"], seed=seed, loss_batch_size=study_batch)["gradient"]
   seconds["omega"] = time.perf_counter() - t0
   say(f"{model}: Ω of {len(table['ops'])} ops in {seconds['omega']:.1f} s; payloads at {devices} devices")
+  if note := unreached_note(table, train_steps):
+    say(f"{model}: warning: {note}")
   t0 = time.perf_counter()
   table["payload"] = measure_payload(task, variables, data, devices, seed=seed)
   seconds["payload"] = time.perf_counter() - t0

@@ -15,6 +15,8 @@ from planners.indicator.api import (
   load,
   make_table,
   save,
+  unreached_note,
+  unreached_ops,
 )
 from planners.indicator.gradient import ESTIMATORS
 from planners.indicator.gvar import GvarConfig
@@ -36,4 +38,6 @@ __all__ = [
   "make_table",
   "save",
   "trace_calls",
+  "unreached_note",
+  "unreached_ops",
 ]

@@ -156,6 +156,39 @@ def make_table(
   }
 
 
+def unreached_ops(table: Mapping[str, Any]) -> list[str]:
+  """The ops of ``table`` whose Ω is exactly 0 at every precision but fp32: at the probed parameters
+  their output does not reach the loss (a residual branch whose last norm starts at scale 0, say),
+  so the table says nothing of them. Equivalent to::
+
+    [op for op in table["ops"] if all(v == 0 for p, v in table["omega"][op].items() if p != "fp32")]
+  """
+  return [
+    op
+    for op in table["ops"]
+    if all(v == 0 for p, v in table["omega"][op].items() if p != "fp32") and len(table["omega"][op]) > 1
+  ]
+
+
+def unreached_note(table: Mapping[str, Any], train_steps: int) -> str | None:
+  """One line on ``unreached_ops`` (None where there are none), with the fix where the table was
+  probed at the initial parameters (``train_steps`` 0)."""
+  ops = unreached_ops(table)
+  if not ops:
+    return None
+  fix = (
+    " Fix: probe after training, e.g. --train-steps 40 (at initialisation a zero-initialised norm scale "
+    "cuts a residual branch off the loss)."
+    if train_steps == 0
+    else ""
+  )
+  return (
+    f"{len(ops)} of {len(table['ops'])} ops score Ω = 0 at every precision ({', '.join(ops[:3])}"
+    f"{', …' if len(ops) > 3 else ''}): their output does not reach the loss at the probed parameters, so "
+    f"the table cannot rank them.{fix}"
+  )
+
+
 def save(table: dict, path: str | os.PathLike) -> None:
   """Writes ``table`` to ``path`` atomically (``write_text_atomic``)."""
   write_text_atomic(path, json.dumps(table, indent=1) + "\n", "indicator table", QsyncError)

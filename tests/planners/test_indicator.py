@@ -219,3 +219,25 @@ def test_the_gradient_stats_alone_are_the_same_numbers_without_weight_probes_or_
       assert set(stats) == {f"{s}:{p}" for s in GRADIENT_STATS for p in ("int8", "fp8")}
       # the same operations; XLA may fuse the smaller program differently: float32 rounding apart
       assert stats == pytest.approx({k: full[op][k] for k in stats}, rel=1e-6) and "gw2" in full[op]
+
+
+def test_ops_whose_output_does_not_reach_the_loss_are_named_with_the_fix():
+  """An op scoring Ω = 0 at every precision (its output cut off the loss at the probed parameters,
+  as a residual branch behind a zero-initialised norm scale is at initialisation) is listed by
+  ``unreached_ops``; the note says to probe after training only where the table was probed at 0 steps."""
+  from planners.indicator import unreached_note, unreached_ops
+
+  table = {
+    "ops": ["a", "b", "c"],
+    "omega": {
+      "a": {"fp32": 0.0, "int8": 0.0, "fp16": 0.0},
+      "b": {"fp32": 0.0, "int8": 1e-9, "fp16": 0.0},
+      "c": {"fp32": 0.0},  # nothing probed: not called unreached
+    },
+  }
+  assert unreached_ops(table) == ["a"]
+  note = unreached_note(table, train_steps=0)
+  assert note.startswith("1 of 3 ops score Ω = 0 at every precision (a)") and "--train-steps 40" in note
+  assert "--train-steps" not in unreached_note(table, train_steps=40)
+  table["omega"]["a"]["int8"] = 1e-12
+  assert unreached_ops(table) == [] and unreached_note(table, 0) is None
