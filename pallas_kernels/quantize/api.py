@@ -57,6 +57,14 @@ def kernels_run_here() -> bool:
   return "pallas" in entry.tested or compiles("pallas quantize", arch, _probe)
 
 
+def use_kernels(impl: str) -> bool:
+  """Whether a call with ``impl`` runs the Pallas kernels: ``"pallas"``, or ``"auto"`` (after a
+  ``use_impl`` block's choice) where ``kernels_run_here``."""
+  if impl == "auto" and _override.current:
+    impl = _override.current
+  return impl == "pallas" or (impl == "auto" and kernels_run_here())
+
+
 def _probe():
   """Lowers and compiles, on a tiny bf16 case, the per-row kernel and the kernel that writes an
   operand in both GEMM layouts (``quantize_both``)."""
@@ -228,10 +236,7 @@ def quantize(
     interpret: run the Pallas kernels in interpret mode (CPU tests).
   """
   reduce_axes, contract_axes = _validate(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, impl)
-  if impl == "auto" and _override.current:
-    impl = _override.current
-  use_kernel = impl == "pallas" or (impl == "auto" and kernels_run_here())
-  if use_kernel:
+  if use_kernels(impl):
     try:
       return _pallas(x, fmt, reduce_axes, rounding, key, in_scale, contract_axes, config, interpret)
     except NotImplementedError:
@@ -326,9 +331,7 @@ def quantize_both(
   """
   contract = tuple(contract_axes)
   reduce_axes, contract = _validate(x, fmt, reduce_axes, rounding, key, None, contract, impl)
-  if impl == "auto" and _override.current:
-    impl = _override.current
-  if impl == "pallas" or (impl == "auto" and kernels_run_here()):
+  if use_kernels(impl):
     try:
       return _pallas_both(x, fmt, reduce_axes, rounding, key, contract, config, interpret)
     except NotImplementedError:
@@ -417,9 +420,7 @@ def quantize_pair(
   head, tail = tuple(range(split)), tuple(range(split, x.ndim))
   for in_scale, axes in ((in_scales[0], tail), (in_scales[1], head)):
     _validate(x, fmt, axes, rounding, key, in_scale, axes, impl)
-  if impl == "auto" and _override.current:
-    impl = _override.current
-  if impl == "pallas" or (impl == "auto" and kernels_run_here()):
+  if use_kernels(impl):
     try:
       return _pallas_pair(x, fmt, split, rounding, key, in_scales, config, interpret)
     except NotImplementedError:

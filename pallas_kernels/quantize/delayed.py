@@ -37,12 +37,6 @@ def _tensor_scale(scale, name: str) -> jax.Array:
   return jnp.asarray(scale, jnp.float32).reshape(())
 
 
-def _use_kernels(impl: str) -> bool:
-  if impl == "auto" and api._override.current:
-    impl = api._override.current
-  return impl == "pallas" or (impl == "auto" and api.kernels_run_here())
-
-
 def _pallas_both_at(x, fmt, scale, rounding, key, contract, config, interpret):
   """The kernel path of ``quantize_both_at``; ``NotImplementedError`` for what it does not take."""
   ndim, shape = x.ndim, x.shape
@@ -88,7 +82,7 @@ def quantize_both_at(
   _, contract = api._validate(x, fmt, tuple(range(x.ndim)), rounding, key, None, contract, impl)
   s = _tensor_scale(scale, "scale")
   out = None
-  if _use_kernels(impl):
+  if api.use_kernels(impl):
     try:
       out = _pallas_both_at(x, fmt, s, rounding, key, contract, config, interpret)
     except NotImplementedError:
@@ -161,7 +155,7 @@ def quantize_pair_at(
     api._validate(x, fmt, axes, rounding, key, in_scale, axes, impl)
   s = tuple(_tensor_scale(v, f"scales[{i}]") for i, v in enumerate(scales))
   out = None
-  if _use_kernels(impl):
+  if api.use_kernels(impl):
     try:
       out = _pallas_pair_at(x, fmt, split, s, rounding, key, in_scales, config, interpret)
     except NotImplementedError:

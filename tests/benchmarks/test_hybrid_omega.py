@@ -17,7 +17,7 @@ PLANNED = ["--tiny", "--pools", "A100+T4", "--topologies", "25G"]
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
   """bert_s128's tiny table, its payloads measured at 4 devices on 4 batches (the A100+T4 pool's
-  training group alone runs 4 devices; 8 are left unmeasured)."""
+  training group alone runs 4 devices; 8 are not measured)."""
   out = tmp_path_factory.mktemp("omega")
   argv = ["--tiny", "--models", "bert_s128", "--devices", "4", "--batches", "4", "--out-dir", str(out)]
   assert hybrid_omega.main(argv) == 0
