@@ -27,8 +27,10 @@ device holds one batch's gradient).
 
 ``--budget-s S`` starts a model only when the seconds spent so far plus its expected seconds fit in
 ``S`` (``EXPECTED_S``, an estimate, scaled by the measured over the expected seconds of the models
-already measured in the run); the others are skipped, and said so. A model that fails (out of
-memory, a compile error) is reported and writes no table, the others still run; the exit status is then 1. ``--tiny`` measures the models' CPU sizes (``zoo.get(model, tiny=True)``)
+already measured in the run); the others are skipped, and said so. The table is written once Ω is
+measured and again after each device count's payload (``payload_order``: whole pools' counts first), so a
+run cut short keeps what it measured. A model that fails (out of memory, a compile error) is reported,
+the others still run; the exit status is then 1. ``--tiny`` measures the models' CPU sizes (``zoo.get(model, tiny=True)``)
 into ``omega_<model>.tiny.json``, which ``python -m benchmarks.hybrid --tiny`` plans with.
 """
 
@@ -72,9 +74,22 @@ def pool_device_counts(pools=POOLS) -> list[int]:
   return sorted(counts)
 
 
-def measure(model: str, tiny: bool, batches: int, train_steps: int, seed: int, devices, say=print) -> dict:
+def payload_order(devices, pools=POOLS) -> list[int]:
+  """``devices`` in the order their payloads are measured: first the counts of whole pools, then of
+  one group of a pool (a training group alone), then the rest ascending — so that a run cut short
+  has the counts most plans run at."""
+  whole = {sum(n for _, n in groups) for groups in pools.values()}
+  one = {n for groups in pools.values() for _, n in groups}
+  return sorted(dict.fromkeys(devices), key=lambda n: (n not in whole, n not in one, n))
+
+
+def measure(
+  model: str, tiny: bool, batches: int, train_steps: int, seed: int, devices, say=print, save=None
+) -> dict:
   """The indicator table of ``model`` (module docstring) with its ``payload`` section and the
-  measurement's ``metadata``."""
+  measurement's ``metadata``. ``save``, where given, receives the table once Ω is measured (no
+  ``payload`` yet) and after each device count's payload (``payload_order``), so that a run cut
+  short keeps what it measured."""
   import jax
 
   from planners.indicator import compute, initial_variables, unreached_note
@@ -95,22 +110,30 @@ def measure(model: str, tiny: bool, batches: int, train_steps: int, seed: int, d
   say(f"{model}: Ω of {len(table['ops'])} ops in {seconds['omega']:.1f} s; payloads at {devices} devices")
   if note := unreached_note(table, train_steps):
     say(f"{model}: warning: {note}")
-  t0 = time.perf_counter()
-  table["payload"] = measure_payload(task, variables, data, devices, seed=seed)
-  seconds["payload"] = time.perf_counter() - t0
   device = jax.devices()[0]
-  table["metadata"].update(
-    model=model,
-    tiny=tiny,
-    batch=batch,
-    loss_batch_size=study_batch,
-    train_steps=train_steps,
-    seed=seed,
-    device=device.device_kind,
-    backend=jax.default_backend(),
-    seconds={k: round(v, 1) for k, v in seconds.items()},
-  )
-  return table
+
+  def with_metadata(payload=None):
+    if payload is not None:
+      table["payload"] = payload
+      seconds["payload"] = time.perf_counter() - t0
+    table["metadata"].update(
+      model=model,
+      tiny=tiny,
+      batch=batch,
+      loss_batch_size=study_batch,
+      train_steps=train_steps,
+      seed=seed,
+      device=device.device_kind,
+      backend=jax.default_backend(),
+      seconds={k: round(v, 1) for k, v in seconds.items()},
+    )
+    return table
+
+  if save is not None:
+    save(with_metadata())
+  t0 = time.perf_counter()
+  on_count = None if save is None else (lambda section: save(with_metadata(section)))
+  return with_metadata(measure_payload(task, variables, data, payload_order(devices), seed, on_count))
 
 
 def main(argv=None) -> int:
@@ -170,16 +193,21 @@ def main(argv=None) -> int:
     if args.budget_s is not None and spent + expected > args.budget_s:
       say(f"{model}: skipped (expected {expected} s after {spent:.0f} s: over --budget-s {args.budget_s:g})")
       continue
-    try:
-      table = measure(model, args.tiny, batches, args.train_steps, args.seed, devices, say)
-    except Exception as e:  # noqa: BLE001 - a model that does not fit or compile: the others still run
-      failed[model] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-      say(f"{model}: failed, no table written ({failed[model]})")
-      gc.collect()
-      continue
     path = omega_path(model, args.tiny, args.out_dir)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    write_text_atomic(path, json.dumps(table, indent=1) + "\n", "Ω table", QsyncError)
+
+    def save(table, path=path, model=model):
+      write_text_atomic(path, json.dumps(table, indent=1) + "\n", "Ω table", QsyncError)
+      measured = (table.get("payload") or {}).get("devices", [])
+      say(f"{model}: wrote {path} (Ω; payloads at {measured or 'no'} devices)")
+
+    try:
+      table = measure(model, args.tiny, batches, args.train_steps, args.seed, devices, say, save)
+    except Exception as e:  # noqa: BLE001 - a model that does not fit or compile: the others still run
+      failed[model] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+      say(f"{model}: failed ({failed[model]}); its table keeps what was measured before, if anything")
+      gc.collect()
+      continue
     took[model] = time.perf_counter() - start - spent
     done.append(model)
     say(

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -164,7 +164,12 @@ def window_errors(
 
 
 def measure_payload(
-  task, variables, batches: Sequence[Any], devices: Sequence[int] = DEFAULT_DEVICES, seed: int = 0
+  task,
+  variables,
+  batches: Sequence[Any],
+  devices: Sequence[int] = DEFAULT_DEVICES,
+  seed: int = 0,
+  on_count: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
   """The indicator table's ``payload`` section: ``error2`` and ``omega`` (module docstring) of each
   of ``PAYLOAD_SYNCS`` at each of ``devices`` device counts (each at most ``len(batches)``), from
@@ -173,6 +178,10 @@ def measure_payload(
 
     {"syncs": {"bf16": {"4": {"error2": …, "omega": …}, …}, …}, "devices": [2, 4],
      "gradient2": ‖ḡ‖², "batches": N, "optimizer": "adam", "lr": 1e-3, "eps": 1e-8}
+
+  The counts are measured in the order ``devices`` gives them; ``on_count``, where given, receives
+  the section of the counts measured so far after each (a caller that writes it keeps them if the
+  run is cut short). A count's figures do not depend on the others'.
   """
   grads = batch_gradients(task, variables, batches, seed)
   stacked = [jnp.stack(leaf) for leaf in zip(*grads)]
@@ -185,7 +194,21 @@ def measure_payload(
   ]
   key = jax.random.key(seed)
   syncs: dict[str, dict[str, dict[str, float]]] = {s: {} for s in PAYLOAD_SYNCS}
-  for n in sorted(set(devices)):
+  measured: list[int] = []
+  gradient2 = float(sum(jnp.sum(jnp.square(m)) for m in means))
+
+  def section() -> dict[str, Any]:
+    return {
+      "syncs": {s: {str(n): by_n[str(n)] for n in sorted(measured)} for s, by_n in syncs.items()},
+      "devices": sorted(measured),
+      "gradient2": gradient2,
+      "batches": len(batches),
+      "optimizer": "adam",
+      "lr": ADAM_LR,
+      "eps": ADAM_EPS,
+    }
+
+  for n in dict.fromkeys(devices):
     key_n = jax.random.fold_in(key, n)
     mean = 0.0
     for c, group in enumerate(groups):
@@ -194,15 +217,10 @@ def measure_payload(
     mean = jax.device_get(mean)
     for s, (error2, omega) in zip(PAYLOAD_SYNCS, mean):
       syncs[s][str(n)] = {"error2": float(error2), "omega": float(omega)}
-  return {
-    "syncs": syncs,
-    "devices": sorted(set(devices)),
-    "gradient2": float(sum(jnp.sum(jnp.square(m)) for m in means)),
-    "batches": len(batches),
-    "optimizer": "adam",
-    "lr": ADAM_LR,
-    "eps": ADAM_EPS,
-  }
+    measured.append(n)
+    if on_count is not None:
+      on_count(section())
+  return section()
 
 
 def payload_omega(section: Mapping[str, Any] | None, sync: str, n: int) -> float | None:

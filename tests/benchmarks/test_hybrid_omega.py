@@ -112,3 +112,27 @@ def test_a_table_of_another_model_is_refused_with_the_fix(measured, tmp_path):
   assert (
     hybrid.sensitivities("bert_s128", table["ops"], False, str(out))[1] == "synthetic"
   )  # no real-size table
+
+
+def test_payloads_are_measured_whole_pools_first_and_saved_after_each_count(measured):
+  """``payload_order`` takes whole pools' counts first, then one group's, then the rest; ``measure``
+  saves the table once Ω is in and after every count, and a count's figures do not depend on the
+  counts measured before it (the fixture measured 4 alone, on the same batches and seed)."""
+  assert hybrid_omega.payload_order([1, 2, 4, 6, 7, 8]) == [8, 1, 2, 4, 7, 6]
+  assert hybrid_omega.payload_order([6, 2]) == [2, 6]
+  saved = []
+  table = hybrid_omega.measure(
+    "bert_s128",
+    True,
+    4,
+    0,
+    0,
+    [4, 2],
+    say=lambda msg: None,
+    save=lambda t: saved.append(json.loads(json.dumps(t))),
+  )
+  assert [(t.get("payload") or {}).get("devices") for t in saved] == [None, [2], [2, 4]]
+  assert saved[-1]["payload"] == table["payload"] and "payload" in saved[-1]["metadata"]["seconds"]
+  _, alone = measured
+  assert table["payload"]["syncs"]["bf16"]["4"] == alone["payload"]["syncs"]["bf16"]["4"]
+  assert table["omega"] == alone["omega"]
