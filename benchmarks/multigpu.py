@@ -18,8 +18,12 @@ Cases (all against the fp32 all-reduce / bf16 policy measured in the same run):
   order the backward produces them, ``qsync_jax.sync.order``), tree order
   (``sync_leaf_order="tree"``) and our own 30 MiB buckets (``bucket_bytes``), timed round-robin
   so that drift falls on all three alike;
-* sync: fp32, bf16 and Global-QSGD all-reduce on all devices: step time, bytes per step in
-  the compiled HLO's collectives, and the collectives' dtypes (Global-QSGD must stay s8);
+* sync: fp32, bf16, fp16 and Global-QSGD all-reduce on all devices (``--syncs``): step time,
+  bytes per step in the compiled HLO's collectives, the collectives' dtypes (Global-QSGD must stay
+  s8), and the step's time over fp32's measured beside the sync's passes as the replay prices them
+  (``planners.predictor.payload.pass_ms``: modeled; on one device the measured difference is the
+  passes alone, on more it also holds the collectives and the overlap a sync after the backward
+  gives up);
 * SelSync: step time and bytes of a local (never-sync) step and of a sync step (its warm-up
   and flagged steps: a parameter average after the update, which cannot overlap the
   backward pass); QSDP: step time and bytes (int8 all-gathers);
@@ -82,6 +86,7 @@ from benchmarks.common.multigpu_modes import (
 from benchmarks.common.result_rows import ROOT, append_rows, result_row, results_path
 from benchmarks.common.train_steps import build_program, pipelined_step_s, stepper, time_steps
 from benchmarks.common.zoo import gpt
+from planners.predictor.payload import pass_ms
 from planners.predictor.replay import predict
 from planners.profile import Profile
 from planners.profiler import hlo
@@ -158,6 +163,7 @@ def trainer_case(task, n, batch, policy, sync_name, steps, dump=None):
   steps are dispatched back to back (``pipelined_s``, ``pipelined_step_s``)."""
   ts, state, batches = build_case(task, n, batch, policy, sync_name)
   coll = collective_summary(ts.step, state, batches[0], dump=dump)
+  coll["param_elements"] = sum(x.size for x in jax.tree.leaves(state.params))
   med, iqr, state = time_steps(ts.step, state, batches, steps)
   coll["pipelined_s"], state = pipelined_step_s(ts.step, state, batches, steps)
   coll["kernel"] = first_gpu_kernels(ts.step, state, batches[0])
@@ -201,6 +207,12 @@ SELSYNC_CASES = {
   "selsync_sync": {"warmup": 10**9},  # synchronizes every step (as during its warm-up)
 }
 """SelSync timed at both ends: a training run's step time is a mix set by its sync fraction."""
+
+
+BUILDER_SYNCS = (*SELSYNC_CASES, "qsdp")
+SYNCS = ("fp32", "bf16", "fp16", "global_qsgd", *BUILDER_SYNCS)
+"""The sync case's syncs (``--syncs``): the trainer's gradient syncs, then the strategies that
+build their own step (``builder_case``)."""
 
 
 def builder_case(task, n, batch, name, steps):
@@ -443,6 +455,13 @@ def main(argv=None) -> int:
     default=["fp32", "bf16", "mixed"],
     help="policies of the scaling cases (fp32 is the predictor's fit plan, never evaluated)",
   )
+  parser.add_argument(
+    "--syncs",
+    nargs="+",
+    choices=SYNCS,
+    default=list(SYNCS),
+    help="the sync case's gradient syncs (fp32, the baseline, always runs)",
+  )
   parser.add_argument("--dump-dir", help="write each scaling and sync case's compiled HLO here")
   parser.add_argument(
     "--order-rounds",
@@ -582,22 +601,44 @@ def main(argv=None) -> int:
   # 2. gradient sync strategies on all devices
   sync_cases = "sync" in args.cases
   if sync_cases:
-    print(f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  dtypes")
+    print(
+      f"\n{'sync':<12} {'step ms (IQR)':>16} {'ratio':>6} {'ring B/step':>12} {'ratio':>6}  "
+      f"{'+ms over fp32 meas/passes modeled':>34}  dtypes"
+    )
   base_t = base_b = None
-  for sync in ("fp32", "bf16", "global_qsgd") if sync_cases else ():
+  device_type = device_type_of(jax.devices()[0])
+  for sync in dict.fromkeys(("fp32", *args.syncs)) if sync_cases else ():
+    if sync in BUILDER_SYNCS:
+      continue
     dump = os.path.join(args.dump_dir, f"{sync}.hlo.txt") if args.dump_dir else None
     med, iqr, coll = trainer_case(task, total, args.batch, policies()["bf16"], sync, args.steps, dump)
     base_t, base_b = base_t or med, base_b or coll["wire_bytes"]
     dtypes = ",".join(sorted(coll["by_dtype"]))
+    # what the replay charges the sync beyond fp32's on one device: its passes (on n > 1 also its
+    # collectives and the overlap it gives up, not in this column)
+    passes = sum(pass_ms(sync, device_type, coll["param_elements"], total))
     print(
       f"{sync:<12} {med * 1e3:>9.2f} ({iqr * 1e3:>4.2f}) {med / base_t:>6.3f} {coll['wire_bytes']:>12.0f} "
-      f"{coll['wire_bytes'] / max(base_b, 1):>6.3f}  {dtypes} ({coll['source']})"
+      f"{coll['wire_bytes'] / max(base_b, 1):>6.3f}  {(med - base_t) * 1e3:>+16.2f} / {passes:<15.2f}  "
+      f"{dtypes} ({coll['source']})"
     )
     emit(row(f"sync/{sync}", "step_time_ms_median", med * 1e3, base_t * 1e3, device, iqr_ms=iqr * 1e3))
     emit(row(f"sync/{sync}", "ring_bytes_per_step", coll["wire_bytes"], base_b, device, dtypes=dtypes))
+    emit(
+      row(
+        f"sync/{sync}",
+        "ms_over_fp32_measured",
+        (med - base_t) * 1e3,
+        0.0,
+        device,
+        modeled_passes_ms=passes,
+        param_elements=coll["param_elements"],
+        devices=total,
+      )
+    )
 
   # 3. SelSync and QSDP
-  for name in (*SELSYNC_CASES, "qsdp") if sync_cases else ():
+  for name in (n for n in args.syncs if n in BUILDER_SYNCS) if sync_cases else ():
     try:
       med, iqr, coll, note = builder_case(task, total, args.batch, name, args.steps)
     except Exception as e:  # noqa: BLE001 - report and go on: the other cases still count

@@ -255,3 +255,28 @@ def test_modes_case_refuses_a_mode_the_devices_cannot_run_before_measuring(monke
   err = capsys.readouterr().err
   assert "--modes flat/sharded: 1 device(s) run only flat/replicated, flat/replicated/micro2" in err
   assert "Fix: leave those modes out" in err
+
+
+def test_sync_case_puts_each_syncs_measured_step_over_fp32_beside_its_priced_passes(tmp_path, capsys):
+  """``--cases sync --syncs bf16``: fp32 (the baseline) and bf16 alone run; bf16's row holds its step
+  over fp32's, measured, and the passes the replay prices for it (``payload.pass_ms``) on the
+  devices that ran, over the trainer's parameter elements."""
+  from planners.predictor.payload import pass_ms
+  from qsync_jax.devices import device_type_of
+
+  results = tmp_path / "multigpu.jsonl"
+  tiny = ["--d-model", "16", "--heads", "2", "--layers", "1", "--seq", "16", "--batch", "2", "--steps", "2"]
+  assert multigpu.main(["--cases", "sync", "--syncs", "bf16", *tiny, "--results", str(results)]) == 0
+  rows = [json.loads(line) for line in results.read_text().splitlines()]
+  assert sorted({r["case"] for r in rows}) == ["sync/bf16", "sync/fp32"]  # no SelSync / QSDP asked for
+  over = {r["case"]: r for r in rows if r["metric"] == "ms_over_fp32_measured"}
+  n = jax.device_count()
+  bf16 = over["sync/bf16"]
+  assert bf16["devices"] == n and bf16["param_elements"] > 0
+  assert bf16["modeled_passes_ms"] == pytest.approx(
+    sum(pass_ms("bf16", device_type_of(jax.devices()[0]), bf16["param_elements"], n))
+  )
+  assert bf16["modeled_passes_ms"] > 0 and over["sync/fp32"]["modeled_passes_ms"] == 0
+  steps = {r["case"]: r["value"] for r in rows if r["metric"] == "step_time_ms_median"}
+  assert bf16["value"] == pytest.approx(steps["sync/bf16"] - steps["sync/fp32"])
+  assert "+ms over fp32 meas/passes modeled" in capsys.readouterr().out

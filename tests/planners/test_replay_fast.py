@@ -3,10 +3,12 @@
 
 import dataclasses
 import functools
+import os
 
 import numpy as np
 import pytest
 
+from benchmarks.common.result_rows import ROOT
 from benchmarks.common.zoo import bert_profile
 from planners.predictor.graph import Comm, GroupLink, buckets, build_graph, longest_path, op_costs
 from planners.predictor.modeled import modeled_profile
@@ -146,18 +148,19 @@ def test_fast_step_equals_graph_for_each_priced_sync(sync):
 
 
 def test_a_sync_of_its_own_runs_on_the_whole_gradient_after_the_backward():
-  """One group of 4 T4s, 1e6 gradient elements, bf16: the backward, the cast passes (6 bytes an
-  element before, 8 after, at the T4's 320 GB/s · 0.9), a reduce-scatter's and an all-gather's
-  2-byte payload, the optimizer; no overlap."""
+  """One group of 4 T4s, 1e6 gradient elements, bf16: the backward, the cast passes (the measured
+  bytes, split 6 : 8 before / after as counted, at the T4's 320 GB/s · 0.9), a reduce-scatter's and
+  an all-gather's 2-byte payload, the optimizer; no overlap."""
   from planners.predictor.collectives import reduce_scatter_ms
-  from planners.predictor.payload import pass_ms, wire_bytes
+  from planners.predictor.payload import MEASURED_PASS_BYTES, pass_ms, wire_bytes
 
   prof = fake_profile([(1.0, 1.0, 1.0)], rhs_elems=10**6, device_type="T4", optimizer_ms=2.0)
   elements = prof.memory["param_bytes"] / 4
   group = GroupCost("g", prof, {}, prof.batch_per_device)
   comm = Comm(n_devices=4, link_gbps=8.0, latency_us=0.0, sync="bf16")
   before, after = pass_ms("bf16", "T4", elements, 4)
-  assert before == pytest.approx(6 * elements / (320e9 * 0.9) * 1e3 + 2 * 5e-3)
+  counted = 6 * MEASURED_PASS_BYTES["bf16"] / 14
+  assert before == pytest.approx(counted * elements / (320e9 * 0.9) * 1e3 + 2 * 5e-3)
   assert wire_bytes("bf16", 4) == 2 and wire_bytes("global_qsgd", 4) == 1 and wire_bytes("fp32", 4) == 4
   backward = graph_step_ms([group], Comm(n_devices=1, link_gbps=8.0)) - 2.0  # one device: no collective
   collective = 2 * reduce_scatter_ms(2 * elements, 4, 8.0, 0.0)
@@ -176,3 +179,22 @@ def test_a_sync_of_its_own_is_refused_where_the_trainer_cannot_run_it():
     Comm(n_devices=4, link_gbps=8.0, optimizer_update="sharded", sync="bf16")
   with pytest.raises(PlanError, match="selsync.*Fix:"):
     Comm(n_devices=4, link_gbps=8.0, sync="selsync")
+
+
+def test_the_priced_passes_are_the_committed_measurement():
+  """``MEASURED_PASS_BYTES`` reproduces, through ``pass_ms``, each sync's step over fp32's in the
+  committed one-device H200 rows it was derived from (``benchmarks.multigpu --cases sync``)."""
+  import json
+
+  from planners.predictor.payload import MEASURED_PASS_BYTES, pass_ms
+
+  rows = [
+    json.loads(line)
+    for line in open(os.path.join(ROOT, "benchmarks", "results", "multigpu.jsonl"))
+    if '"ms_over_fp32_measured"' in line
+  ]
+  found = {r["case"].split("/")[1]: r for r in rows if r["device"] == "NVIDIA H200 x1" and r["devices"] == 1}
+  assert set(MEASURED_PASS_BYTES) <= set(found)
+  for sync, r in found.items():
+    modeled = sum(pass_ms(sync, "H200", r["param_elements"], 1))
+    assert modeled == pytest.approx(r["value"], rel=0.01, abs=1e-9), sync
