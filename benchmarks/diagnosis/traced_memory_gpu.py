@@ -73,10 +73,10 @@ def gpu_sharding(arch: str):
   return NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
 
 
-def compiled_peak(task, data, preset: str, sharding) -> tuple[int | None, list[str]]:
+def compiled_peak(task, data, preset: str, sharding, as_gpu: bool = True) -> tuple[int | None, list[str]]:
   """``(XLA's peak bytes, the program's custom calls and custom fusion kinds)`` of the training step
-  of ``task`` on a batch shaped as ``data`` under the uniform ``preset``, traced as on a GPU and
-  compiled for the device of ``sharding``."""
+  of ``task`` on a batch shaped as ``data`` under the uniform ``preset``, traced as on a GPU (``as_gpu``;
+  else as on this backend) and compiled for the device of ``sharding``."""
   import jax
 
   from planners.profiler import timing
@@ -92,7 +92,8 @@ def compiled_peak(task, data, preset: str, sharding) -> tuple[int | None, list[s
   opt_state = jax.eval_shape(optimizer.init, variables["params"])
   key = jax.eval_shape(lambda: jax.random.key(0))
   step = timing.single_device_step(task, PrecisionPolicy.uniform(preset), optimizer)
-  with unittest.mock.patch.object(jax, "default_backend", lambda: "gpu"):
+  backend = "gpu" if as_gpu else jax.default_backend()
+  with unittest.mock.patch.object(jax, "default_backend", lambda: backend):
     lowered = step.trace(on_device(variables), on_device(opt_state), batch, on_device(key)).lower()
   compiled = lowered.compile(compiler_options=NO_REMATERIALIZATION)
   return timing.xla_peak_bytes(compiled), program_kernels(compiled.as_text())
