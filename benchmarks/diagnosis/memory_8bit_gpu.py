@@ -10,7 +10,7 @@ uniform fp32, bf16 and then each of ``--presets`` (8-bit) policies for the first
 rematerialization (``traced_memory_gpu.NO_REMATERIALIZATION``), reads each program's peak
 (``timing.xla_peak_bytes``: XLA's buffer assignment), fits the two corrections to the fp32 and bf16
 peaks on the profile modeled for the device's type, and prints the 8-bit steps' modeled memory
-beside their compiled peaks. Each row is appended to ``benchmarks/results/memory_8bit.jsonl`` as soon
+beside their compiled peaks. Each row is appended to ``benchmarks/results/memory_8bit_gpu.jsonl`` as soon
 as its step is compiled (measured: the compiled peak; modeled: the memory model's figure).
 
   python -m benchmarks.diagnosis.memory_8bit_gpu [--models gpt_350m bert_s128] [--presets int8 fp8]
@@ -35,7 +35,7 @@ from planners.profile import GroupCost
 from planners.profiler.fit import SIXTEEN_BIT_PRESET, fit_memory
 from qsync_jax.precision import PRESETS
 
-RESULTS = results_path("memory_8bit")
+RESULTS = results_path("memory_8bit_gpu")
 
 
 def modeled_bytes(profile, preset: str) -> int:
@@ -83,7 +83,7 @@ def check(name: str, presets, tiny: bool, say, emit) -> int:
     modeled = modeled_bytes(profile, preset)
     emit(
       result_row(
-        "memory_8bit",
+        "memory_8bit_gpu",
         f"{name}{'.tiny' if tiny else ''}/{preset}",
         "compiled_peak_bytes",
         compiled,
