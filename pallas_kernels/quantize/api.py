@@ -293,13 +293,19 @@ def _pallas_both(x, fmt, reduce_axes, rounding, key, contract, config, interpret
     config=config,
     interpret=interpret,
   )
+  q_last, q_first = both_layout_split(same, transposed, shape, contract, contract_side)
   last, first = _moved_perm(ndim, contract), _other_perm(ndim, contract)
+  return (q_last, jnp.transpose(scale, last)), (q_first, jnp.transpose(scale, first))
+
+
+def both_layout_split(same, transposed, shape, contract, contract_side):
+  """The two copies ``quantize_tiled(..., layout="both")`` writes of ``both_layout_view``'s 2-D view
+  of an ``x`` of ``shape``, in ``x``'s axes: ``(q with the contraction last, q with it first)``,
+  i.e. ``jnp.transpose(q, _moved_perm(...))`` and ``jnp.transpose(q, _other_perm(...))``."""
+  last, first = _moved_perm(len(shape), contract), _other_perm(len(shape), contract)
   # the 2-D view's own layout is x's: contraction last when the contraction is its column side
   q_last, q_first = (same, transposed) if contract_side == "cols" else (transposed, same)
-  return (
-    (q_last.reshape(tuple(shape[a] for a in last)), jnp.transpose(scale, last)),
-    (q_first.reshape(tuple(shape[a] for a in first)), jnp.transpose(scale, first)),
-  )
+  return q_last.reshape(tuple(shape[a] for a in last)), q_first.reshape(tuple(shape[a] for a in first))
 
 
 def quantize_both(

@@ -39,7 +39,6 @@ def _tensor_scale(scale, name: str) -> jax.Array:
 
 def _pallas_both_at(x, fmt, scale, rounding, key, contract, config, interpret):
   """The kernel path of ``quantize_both_at``; ``NotImplementedError`` for what it does not take."""
-  ndim, shape = x.ndim, x.shape
   rows, cols, contract_side = api.both_layout_view(x, contract, "quantize_both_at")
   same, transposed, amax = _kernel.quantize_tiled(
     x.reshape(rows, cols),
@@ -51,9 +50,7 @@ def _pallas_both_at(x, fmt, scale, rounding, key, contract, config, interpret):
     config=config,
     interpret=interpret,
   )
-  q_last, q_first = (same, transposed) if contract_side == "cols" else (transposed, same)
-  last, first = api._moved_perm(ndim, contract), api._other_perm(ndim, contract)
-  return q_last.reshape(tuple(shape[a] for a in last)), q_first.reshape(tuple(shape[a] for a in first)), amax
+  return (*api.both_layout_split(same, transposed, x.shape, contract, contract_side), amax)
 
 
 def quantize_both_at(

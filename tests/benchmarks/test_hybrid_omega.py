@@ -16,8 +16,8 @@ PLANNED = ["--tiny", "--pools", "A100+T4", "--topologies", "25G"]
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-  """bert_s128's tiny table, its payloads measured at 4 devices on 4 batches (the A100+T4 pool's
-  training group alone runs 4 devices; 8 are not measured)."""
+  """bert_s128's tiny table, its payloads measured on 4 batches at 4 devices alone (the A100+T4 pool's
+  training group alone; the pool's whole 8 has no figure)."""
   out = tmp_path_factory.mktemp("omega")
   argv = ["--tiny", "--models", "bert_s128", "--devices", "4", "--batches", "4", "--out-dir", str(out)]
   assert hybrid_omega.main(argv) == 0
