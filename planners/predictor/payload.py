@@ -18,8 +18,8 @@ over the links and runs passes over device memory before and after it, as the tr
   scaled back (reads ``w``, writes 4): ``w`` bytes an element on the wire, ``12 + 2w`` bytes of
   passes.
 
-Those are the bytes the passes must move. The trainer's step moves more: on one H200 each sync's
-step measured longer than the fp32 step by 2.2–3.2 times what those bytes take
+Those are the bytes the passes must move. The trainer's step takes longer than they do: on one H200
+each sync's step measured longer than the fp32 step by 2.2–3.2 times what those bytes take
 (``MEASURED_PASS_BYTES``). The replay charges the measured figure: the passes of an element cost
 ``MEASURED_PASS_BYTES[sync]`` bytes at the device's catalog bandwidth (``planners.catalog.memory_ms``),
 split before / after the collective as the counted bytes are, plus one launch a pass. The
